@@ -1,0 +1,26 @@
+"""atlas: ahead-of-time compiled LLM inference kernels with a thin Python runtime.
+
+Importing atlas stays light (no numpy) so build tools can import atlas.targets and
+atlas.kernel_params; `LLM` is loaded on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .llm import LLM
+
+__all__ = ["LLM", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from .llm import LLM
+
+        return LLM
+    if name == "__version__":
+        from ._version import version
+
+        return version
+    raise AttributeError(f"module 'atlas' has no attribute {name!r}")

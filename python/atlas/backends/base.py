@@ -1,0 +1,149 @@
+"""The op interface that model code is written against.
+
+Every backend (numpy reference, CUDA) implements these ops with the same semantics; the numpy
+backend computes them in float32 and is the oracle that GPU kernels are tested against.
+
+Letters used in shapes:
+  T tokens in this step, H hidden size, V vocab, D head dim, Hq / Hkv query / key-value heads,
+  S cache capacity (tokens), C conv channels, K conv kernel width,
+  Hk / Hv linear-attention key / value heads, Dk / Dv their head dims,
+  E experts, I expert width, k experts per token, N / Kin output / input features of a linear.
+
+All tensors are contiguous and row-major. Ops never modify their inputs, except the state
+arguments documented as updated in place (caches, conv and recurrent states).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+Tensor = Any  # backend-native tensor: has .shape and .reshape(*shape) (a view, no copy)
+StorageDType = Literal["f32", "bf16", "i32"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Host-side sampling settings; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+
+    # --- memory -------------------------------------------------------------------------------
+    def upload(self, array: np.ndarray, dtype: StorageDType) -> Tensor:
+        """Copy a host array to the backend. `dtype` is the storage hint: the numpy backend keeps
+        float data in float32 whatever the hint; the CUDA backend stores bf16 matrices."""
+
+    def zeros(self, shape: tuple[int, ...], dtype: StorageDType) -> Tensor:
+        """A new zero-filled tensor (caches and states)."""
+
+    def to_numpy(self, t: Tensor) -> np.ndarray:
+        """Float data as float32, integer data as int32."""
+
+    # --- dense ops ----------------------------------------------------------------------------
+    def embedding(self, table: Tensor, ids: Tensor) -> Tensor:
+        """table [V, H], ids [T] i32 -> [T, H]."""
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """x [..., D], weight [D] -> x * rsqrt(mean(x^2) + eps) * weight, over the last dim."""
+
+    def add_rms_norm(
+        self, x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:
+        """x, residual [T, H] -> (rms_norm(x + residual), x + residual)."""
+
+    def add(self, x: Tensor, y: Tensor) -> Tensor:
+        """Elementwise x + y, same shapes."""
+
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        """x [T, Kin], weight [N, Kin] -> x @ weight.T  [T, N]."""
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """gate_up [T, 2I] (gate first) -> silu(gate) * up  [T, I]."""
+
+    def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor:
+        """x, gate [T, N] -> x * sigmoid(gate)."""
+
+    # --- full attention -----------------------------------------------------------------------
+    def head_norm_rope(
+        self,
+        x: Tensor,
+        weight: Tensor,
+        positions: Tensor,
+        rotary_dim: int,
+        rope_theta: float,
+        eps: float,
+    ) -> Tensor:
+        """x [T, heads, D] -> per-head RMSNorm (weight [D]), then rotary embedding on the first
+        `rotary_dim` dims (rotate-half / NeoX layout, inv_freq = theta^(-2i/rotary_dim)) at
+        positions [T] i32; the remaining dims pass through."""
+
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        positions: Tensor,
+        scale: float,
+    ) -> Tensor:
+        """q [T, Hq, D]; k, v [T, Hkv, D]; caches [S, Hkv, D] updated in place at rows
+        positions[0] .. positions[0]+T-1 (positions [T] i32 are consecutive). Causal GQA softmax
+        attention of each query over cache rows 0 .. its own position. -> [T, Hq, D]."""
+
+    # --- linear attention (Gated DeltaNet) ----------------------------------------------------
+    def causal_conv1d(self, x: Tensor, weight: Tensor, conv_state: Tensor) -> Tensor:
+        """x [T, C], weight [C, K], conv_state [C, K-1] (the previous K-1 inputs, oldest first),
+        updated in place. -> silu(depthwise causal conv) [T, C]."""
+
+    def gated_delta_rule(
+        self,
+        mixed_qkv: Tensor,
+        a: Tensor,
+        b: Tensor,
+        A_log: Tensor,
+        dt_bias: Tensor,
+        state: Tensor,
+        num_k_heads: int,
+    ) -> Tensor:
+        """mixed_qkv [T, 2*Hk*Dk + Hv*Dv] (q, k, v concatenated, after the conv), a, b [T, Hv],
+        A_log, dt_bias [Hv], state [Hv, Dk, Dv] f32 updated in place.
+        q, k are L2-normalised per head (eps 1e-6), each key head serves Hv/Hk consecutive value
+        heads, q is scaled by Dk^-0.5, g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b);
+        per token: S = S*exp(g); S += k (x) (beta * (v - S^T k)); o = S^T q.  -> o [T, Hv, Dv].
+        Backends may compute prefill chunked; results must equal the recurrent form."""
+
+    def gated_rms_norm(self, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """x, z [T, Hv, Dv], weight [Dv] -> rms_norm(x) * weight * silu(z) per head."""
+
+    # --- mixture of experts -------------------------------------------------------------------
+    def router(self, x: Tensor, weight: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+        """x [T, H], weight [E, H] -> softmax(x @ weight.T) top-k: (ids [T, k] i32 in descending
+        probability order, weights [T, k] f32, divided by their sum when `renormalize`)."""
+
+    def moe_experts(
+        self, x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor
+    ) -> Tensor:
+        """x [T, H], ids / weights [T, k], gate_up [E, 2I, H], down [E, H, I] ->
+        sum_j weights[t, j] * down[e] @ silu_mul(gate_up[e] @ x[t]) with e = ids[t, j]  [T, H]."""
+
+    def add_sigmoid_scaled(self, x: Tensor, y: Tensor, gate_logit: Tensor) -> Tensor:
+        """x, y [T, H], gate_logit [T, 1] -> x + sigmoid(gate_logit) * y (shared expert)."""
+
+    # --- sampling -----------------------------------------------------------------------------
+    def argmax(self, logits: Tensor) -> Tensor:
+        """logits [T, V] -> [T] i32 (lowest index on ties). Stays on the device."""
+
+    def sample(self, logits: Tensor, params: SamplingParams, uniform: float) -> Tensor:
+        """logits [1, V] -> [1] i32. Temperature, then top-k, then top-p (smallest set whose
+        probability reaches top_p), then inverse-CDF sampling with `uniform` in [0, 1) drawn by
+        the caller's seeded RNG, so every backend draws the same token from the same logits."""

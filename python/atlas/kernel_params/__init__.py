@@ -1,0 +1,13 @@
+"""The kernel ABI: one ctypes params struct per kernel, passed by value.
+
+The build renders `atlas_params.cuh` from ALL_PARAMS, and the CUDA backend packs the same
+structs, so the C and Python layouts cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from . import dense, linear_moe
+
+ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (*dense.ALL_PARAMS, *linear_moe.ALL_PARAMS)
