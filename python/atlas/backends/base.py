@@ -16,6 +16,7 @@ arguments documented as updated in place (caches, conv and recurrent states).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -144,6 +145,16 @@ class Backend(Protocol):
         """logits [T, V] -> [T] i32 (lowest index on ties). Stays on the device."""
 
     def sample(self, logits: Tensor, params: SamplingParams, uniform: float) -> Tensor:
-        """logits [1, V] -> [1] i32. Temperature, then top-k, then top-p (smallest set whose
-        probability reaches top_p), then inverse-CDF sampling with `uniform` in [0, 1) drawn by
-        the caller's seeded RNG, so every backend draws the same token from the same logits."""
+        """logits [1, V] -> [1] i32, without sorting, so a GPU computes the same token:
+        p = softmax(logits / temperature); keep the tokens whose p is >= the top_k-th largest p
+        (ties with it kept; top_k 0 keeps all); of those, keep the tokens whose p is >= t where t is
+        the largest threshold such that the kept mass sum(p >= t) reaches top_p * kept mass
+        (ties kept); then with c the cumulative sum of the kept p in index order, return the first
+        index with c > uniform * c[-1]. `uniform` in [0, 1) comes from the caller's seeded RNG."""
+
+    # --- execution ----------------------------------------------------------------------------
+    def make_decode_step(self, step: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+        """Wrap the engine's decode step `step(ids [1] i32, positions [1] i32) -> out`. The
+        numpy backend returns `step` itself; the CUDA backend captures it once as a CUDA graph
+        and replays it (inputs copied into the captured buffers, outputs returned from them), so
+        `step` must allocate only through the backend and read positions from the tensor."""
