@@ -1,0 +1,45 @@
+"""Backend factory: --device auto|cpu|cuda -> a Backend and a line saying which and why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from ..errors import AtlasError
+
+if TYPE_CHECKING:
+    from ..config import ModelSpec
+    from .base import Backend
+
+Device = Literal["auto", "cpu", "cuda"]
+DEVICES: tuple[Device, ...] = ("auto", "cpu", "cuda")
+
+
+def create_backend(device: str, model_dir: Path, spec: ModelSpec) -> tuple[Backend, str]:
+    """(backend, reason). cpu: the numpy reference backend. cuda: the compiled kernels, or an
+    AtlasError saying why they cannot run. auto: cuda when it can run, else cpu with the reason."""
+    if device not in DEVICES:
+        raise AtlasError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
+    if device == "cpu":
+        return open_numpy_backend(), "cpu (numpy float32 reference backend, as requested)"
+    try:
+        backend = open_cuda_backend(Path(model_dir), spec)
+    except AtlasError as err:
+        if device == "cuda":
+            raise
+        return open_numpy_backend(), f"cpu (numpy float32 reference backend; cuda unavailable: {err})"
+    return backend, f"cuda ({'as requested' if device == 'cuda' else 'auto: GPU kernels available'})"
+
+
+def open_numpy_backend() -> Backend:
+    from .numpy_backend import NumpyBackend
+
+    return NumpyBackend()
+
+
+def open_cuda_backend(model_dir: Path, spec: ModelSpec) -> Backend:
+    try:
+        from .cuda import open_backend
+    except ImportError as err:
+        raise AtlasError(f"the CUDA backend cannot be imported ({err}); use --device cpu") from None
+    return open_backend(model_dir, spec)

@@ -1,0 +1,97 @@
+"""--model -> checkpoint directory: the embedded demo, a directory, a registry name or a Hugging
+Face repo id already in the local HF cache. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from .errors import AtlasError
+
+DEMO_NAME = "atlas-demo"
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def demo_dir() -> Path:
+    """The embedded atlas-demo checkpoint shipped inside the package."""
+    path = Path(__file__).resolve().parent / "demo"
+    if not (path / "config.json").is_file():
+        raise AtlasError(f"the embedded demo model is missing from {path}; reinstall atlas")
+    return path
+
+
+def hf_hub_cache() -> Path:
+    """HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub (huggingface_hub's order)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+def download_hint(repo_id: str) -> str:
+    return f"fetch it with: hf download {repo_id}"
+
+
+def find_in_hf_cache(repo_id: str) -> Path:
+    """The snapshot directory of repo_id: the one refs/main names, else the newest."""
+    cache = hf_hub_cache()
+    repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo_dir / "snapshots"
+    candidates = [p for p in snapshots.iterdir() if p.is_dir()] if snapshots.is_dir() else []
+    if not candidates:
+        raise AtlasError(
+            f"model {repo_id} is not in the Hugging Face cache ({cache}); {download_hint(repo_id)}"
+        )
+    snapshot = snapshot_of_ref(repo_dir, "main") or max(candidates, key=lambda p: p.stat().st_mtime)
+    if not (snapshot / "config.json").is_file():
+        raise AtlasError(
+            f"the cached snapshot {snapshot} of {repo_id} has no config.json (an incomplete "
+            f"download); {download_hint(repo_id)}"
+        )
+    return snapshot
+
+
+def snapshot_of_ref(repo_dir: Path, ref: str) -> Path | None:
+    ref_file = repo_dir / "refs" / ref
+    if not ref_file.is_file():
+        return None
+    revision = ref_file.read_text(encoding="utf-8").strip()
+    snapshot = repo_dir / "snapshots" / revision
+    return snapshot if revision and snapshot.is_dir() else None
+
+
+def registry_repo(name: str) -> tuple[str | None, list[str]]:
+    """(hf_repo of the registry model called `name` or None, all registry model names).
+    An hf_repo of "" means the embedded demo."""
+    from .targets import load_registry
+
+    models = load_registry().models
+    match = next((m for key, m in models.items() if key.lower() == name.lower()), None)
+    return (None if match is None else match.hf_repo), sorted(models)
+
+
+def resolve_model(arg: str | None) -> Path:
+    """Map a --model value to a checkpoint directory holding config.json."""
+    if arg is None or arg == "" or arg.lower() == DEMO_NAME:
+        return demo_dir()
+    path = Path(arg).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise AtlasError(f"{path} has no config.json; point --model at a checkpoint directory")
+        return path.resolve()
+    if path.exists():
+        raise AtlasError(f"--model {arg}: is a file; pass the checkpoint directory that holds it")
+    if REPO_ID.match(arg) and not arg.startswith((".", "~")):
+        return find_in_hf_cache(arg)
+    repo, names = registry_repo(arg)
+    if repo is not None:
+        return find_in_hf_cache(repo) if repo else demo_dir()
+    raise AtlasError(
+        f"--model {arg}: no such directory, and not a Hugging Face repo id (Org/Name) or a "
+        f"registry name ({', '.join(names)})"
+    )
