@@ -1,0 +1,238 @@
+"""The float32 numpy reference backend: every op of backends/base.py, vectorised over tokens/heads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..sampling import choose_token
+from .base import SamplingParams, StorageDType, Tensor
+
+CHUNK_SIZE = 64
+L2_EPS = 1e-6
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(np.float32(0.0), x)
+
+
+def _rms(x: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(eps))
+
+
+def _l2norm(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True) + np.float32(L2_EPS))
+
+
+def rope_cos_sin(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """positions [T] -> cos, sin [T, rotary_dim] (rotate-half layout: frequencies repeated twice)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))  # [R/2]
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, R/2]
+    angles = np.concatenate([angles, angles], axis=-1)  # [T, R]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def _rotate_half(x: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def _attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, scale: float) -> np.ndarray:
+    """q [T, Hq, D], keys/values [L, Hkv, D] (cache rows 0..L-1) -> causal GQA attention [T, Hq, D]."""
+    tokens, q_heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(tokens, kv_heads, q_heads // kv_heads, dim).transpose(1, 2, 0, 3)  # [Hkv, g, T, D]
+    scores = grouped @ keys.transpose(1, 2, 0)[:, None] * np.float32(scale)  # [Hkv, g, T, L]
+    hidden = np.arange(keys.shape[0])[None, :] > positions[:, None]  # [T, L]
+    scores = np.where(hidden, -np.inf, scores)
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = probs @ values.transpose(1, 0, 2)[:, None]  # [Hkv, g, T, D]
+    return out.transpose(2, 0, 1, 3).reshape(tokens, q_heads, dim)
+
+
+def _split_qkv(mixed_qkv: np.ndarray, num_k_heads: int, state_shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """mixed [T, 2*Hk*Dk + Hv*Dv] -> q, k [Hv, T, Dk] (l2-normed, q scaled, repeated per value head), v [Hv, T, Dv]."""
+    value_heads, k_dim, v_dim = state_shape
+    tokens = mixed_qkv.shape[0]
+    key_width = num_k_heads * k_dim
+    q = mixed_qkv[:, :key_width].reshape(tokens, num_k_heads, k_dim)
+    k = mixed_qkv[:, key_width : 2 * key_width].reshape(tokens, num_k_heads, k_dim)
+    v = mixed_qkv[:, 2 * key_width :].reshape(tokens, value_heads, v_dim)
+    repeat = value_heads // num_k_heads
+    q = np.repeat(_l2norm(q), repeat, axis=1) * np.float32(k_dim**-0.5)  # [T, Hv, Dk]
+    k = np.repeat(_l2norm(k), repeat, axis=1)  # [T, Hv, Dk]
+    return q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+
+
+def delta_rule_recurrent(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray) -> np.ndarray:
+    """q, k [Hv, T, Dk], v [Hv, T, Dv], g, beta [Hv, T], state [Hv, Dk, Dv] (updated) -> o [Hv, T, Dv]."""
+    out = np.empty_like(v)
+    for t in range(q.shape[1]):
+        state *= np.exp(g[:, t])[:, None, None]
+        predicted = np.einsum("hk,hkv->hv", k[:, t], state)  # [Hv, Dv]
+        delta = (v[:, t] - predicted) * beta[:, t, None]  # [Hv, Dv]
+        state += k[:, t, :, None] * delta[:, None, :]
+        out[:, t] = np.einsum("hk,hkv->hv", q[:, t], state)
+    return out
+
+
+def _chunked_views(x: np.ndarray, padded: int) -> np.ndarray:
+    """[Hv, T, ...] -> zero-padded to `padded` tokens, then [Hv, n, CHUNK, ...]."""
+    pad = [(0, 0), (0, padded - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+    x = np.pad(x, pad)
+    return x.reshape(x.shape[0], padded // CHUNK_SIZE, CHUNK_SIZE, *x.shape[2:])
+
+
+def _unit_lower_solve(system: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """Solve (I + strict_lower(system)) X = rhs, batched over leading dims."""
+    lower = np.tril(system, -1) + np.eye(system.shape[-1], dtype=system.dtype)
+    return np.linalg.solve(lower, rhs).astype(np.float32)
+
+
+def delta_rule_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray) -> np.ndarray:
+    """Same contract as delta_rule_recurrent, computed per chunk of 64 tokens with the UT transform."""
+    tokens = q.shape[1]
+    padded = -(-tokens // CHUNK_SIZE) * CHUNK_SIZE
+    q, k, v = (_chunked_views(x, padded) for x in (q, k, v))  # [Hv, n, C, D*]
+    g, beta = (_chunked_views(x, padded) for x in (g, beta))  # [Hv, n, C]
+    cum = np.cumsum(g, axis=-1)  # [Hv, n, C]
+    future = np.triu(np.ones((CHUNK_SIZE, CHUNK_SIZE), dtype=bool), 1)
+    pair_decay = np.exp(np.where(future, -np.inf, cum[..., :, None] - cum[..., None, :]))  # [Hv, n, C, C]
+    k_beta = k * beta[..., None]
+    ut_system = (k_beta @ k.swapaxes(-1, -2)) * pair_decay
+    intra = (q @ k.swapaxes(-1, -2)) * pair_decay  # [Hv, n, C, C]
+    new_values = _unit_lower_solve(ut_system, v * beta[..., None])  # [Hv, n, C, Dv]
+    k_cumdecay = _unit_lower_solve(ut_system, k_beta * np.exp(cum)[..., None])  # [Hv, n, C, Dk]
+    q_decayed = q * np.exp(cum)[..., None]
+    k_to_end = k * np.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = np.exp(cum[..., -1])  # [Hv, n]
+    out = np.empty_like(new_values)
+    for i in range(q.shape[1]):
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ state  # [Hv, C, Dv]
+        out[:, i] = q_decayed[:, i] @ state + intra[:, i] @ v_new
+        state *= chunk_decay[:, i, None, None]
+        state += k_to_end[:, i].swapaxes(-1, -2) @ v_new
+    return out.reshape(out.shape[0], padded, -1)[:, :tokens]
+
+
+class NumpyBackend:
+    """Reference backend: numpy arrays in float32 (int32 for ids), computed on the host."""
+
+    name = "numpy"
+
+    # --- memory -------------------------------------------------------------------------------
+    def upload(self, array: np.ndarray, dtype: StorageDType) -> Tensor:
+        target = np.int32 if dtype == "i32" else np.float32
+        return np.array(array, dtype=target, order="C", copy=True)
+
+    def zeros(self, shape: tuple[int, ...], dtype: StorageDType) -> Tensor:
+        return np.zeros(shape, dtype=np.int32 if dtype == "i32" else np.float32)
+
+    def to_numpy(self, t: Tensor) -> np.ndarray:
+        array = np.asarray(t)
+        return array.astype(np.int32 if np.issubdtype(array.dtype, np.integer) else np.float32)
+
+    # --- dense ops ----------------------------------------------------------------------------
+    def embedding(self, table: Tensor, ids: Tensor) -> Tensor:
+        return table[ids]
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return _rms(x, eps) * weight
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        total = x + residual
+        return _rms(total, eps) * weight, total
+
+    def add(self, x: Tensor, y: Tensor) -> Tensor:
+        return x + y
+
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        return x @ weight.T
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        half = gate_up.shape[-1] // 2
+        return _silu(gate_up[..., :half]) * gate_up[..., half:]
+
+    def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor:
+        return x * _sigmoid(gate)
+
+    # --- full attention -----------------------------------------------------------------------
+    def head_norm_rope(self, x: Tensor, weight: Tensor, positions: Tensor, rotary_dim: int, rope_theta: float, eps: float) -> Tensor:
+        normed = _rms(x, eps) * weight  # [T, heads, D]
+        cos, sin = rope_cos_sin(positions, rotary_dim, rope_theta)  # [T, R]
+        rot = normed[..., :rotary_dim]
+        rotated = rot * cos[:, None, :] + _rotate_half(rot) * sin[:, None, :]
+        return np.concatenate([rotated, normed[..., rotary_dim:]], axis=-1)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, scale: float) -> Tensor:
+        start = int(positions[0])
+        end = start + q.shape[0]
+        k_cache[start:end] = k
+        v_cache[start:end] = v
+        return _attend(q, k_cache[:end], v_cache[:end], positions, scale)
+
+    # --- linear attention (Gated DeltaNet) ----------------------------------------------------
+    def causal_conv1d(self, x: Tensor, weight: Tensor, conv_state: Tensor) -> Tensor:
+        tokens = x.shape[0]
+        width = weight.shape[1]
+        window = np.concatenate([conv_state.T, x], axis=0)  # [K-1+T, C]
+        out = np.zeros_like(x)
+        for tap in range(width):
+            out += window[tap : tap + tokens] * weight[:, tap]
+        conv_state[...] = window[tokens:].T
+        return _silu(out)
+
+    def gated_delta_rule(self, mixed_qkv: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, state: Tensor, num_k_heads: int) -> Tensor:
+        q, k, v = _split_qkv(mixed_qkv, num_k_heads, state.shape)  # [Hv, T, D*]
+        g = (-np.exp(A_log) * _softplus(a + dt_bias)).T  # [Hv, T]
+        beta = _sigmoid(b).T  # [Hv, T]
+        rule = delta_rule_recurrent if q.shape[1] == 1 else delta_rule_chunked
+        out = rule(q, k, v, g.astype(np.float32), beta.astype(np.float32), state)  # [Hv, T, Dv]
+        return np.ascontiguousarray(out.transpose(1, 0, 2))
+
+    def gated_rms_norm(self, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return _rms(x, eps) * weight * _silu(z)
+
+    # --- mixture of experts -------------------------------------------------------------------
+    def router(self, x: Tensor, weight: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+        logits = x @ weight.T  # [T, E]
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # [T, k]
+        weights = np.take_along_axis(probs, ids, axis=-1)
+        if renormalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return ids.astype(np.int32), weights.astype(np.float32)
+
+    def moe_experts(self, x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+        out = np.zeros_like(x)  # [T, H]
+        for expert in np.unique(ids):
+            tokens, slots = np.nonzero(ids == expert)
+            hidden = self.silu_mul(x[tokens] @ gate_up[expert].T)  # [n, I]
+            expert_out = hidden @ down[expert].T  # [n, H]
+            out[tokens] += expert_out * weights[tokens, slots, None]  # a token picks an expert once
+        return out
+
+    def add_sigmoid_scaled(self, x: Tensor, y: Tensor, gate_logit: Tensor) -> Tensor:
+        return x + _sigmoid(gate_logit) * y
+
+    # --- sampling -----------------------------------------------------------------------------
+    def argmax(self, logits: Tensor) -> Tensor:
+        return np.argmax(logits, axis=-1).astype(np.int32)
+
+    def sample(self, logits: Tensor, params: SamplingParams, uniform: float) -> Tensor:
+        return np.array([choose_token(logits[0], params, uniform)], dtype=np.int32)
+
+    # --- execution ----------------------------------------------------------------------------
+    def make_decode_step(self, step: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+        return step

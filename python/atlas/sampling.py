@@ -1,0 +1,55 @@
+"""Host-side sampling helpers shared by backends: the reference token choice and parameter checks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .backends.base import SamplingParams
+from .errors import AtlasError
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """Reject settings no backend can honour, with one line naming the setting and the fix."""
+    if not np.isfinite(params.temperature) or params.temperature < 0:
+        raise AtlasError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
+    if params.top_k < 0:
+        raise AtlasError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise AtlasError(f"top_p must be in (0, 1] (1 = off), got {params.top_p}")
+
+
+def softmax_probs(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """logits [V] -> softmax(logits / temperature) [V] float32."""
+    scaled = logits.astype(np.float32) / np.float32(temperature)  # [V]
+    exp = np.exp(scaled - scaled.max())  # [V]
+    return exp / exp.sum()
+
+
+def top_k_mask(probs: np.ndarray, top_k: int) -> np.ndarray:
+    """Keep tokens whose p is >= the top_k-th largest p (ties kept); 0 keeps all."""
+    if top_k <= 0 or top_k >= probs.shape[0]:
+        return np.ones(probs.shape, dtype=bool)
+    kth = np.partition(probs, probs.shape[0] - top_k)[probs.shape[0] - top_k]
+    return probs >= kth
+
+
+def top_p_mask(probs: np.ndarray, keep: np.ndarray, top_p: float) -> np.ndarray:
+    """Of the kept tokens, keep those with p >= t, t the largest threshold whose mass sum(p >= t)
+    reaches top_p * the kept mass (ties kept)."""
+    if top_p >= 1.0:
+        return keep
+    kept = np.where(keep, probs, 0.0).astype(np.float64)  # [V]
+    descending = np.sort(kept)[::-1]  # [V]
+    mass = np.cumsum(descending)  # [V]
+    first = int(np.searchsorted(mass, top_p * mass[-1], side="left"))
+    threshold = descending[min(first, descending.shape[0] - 1)]
+    return keep & (kept >= threshold)
+
+
+def choose_token(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
+    """The reference token choice of `Backend.sample` for one row of logits [V]."""
+    probs = softmax_probs(logits, params.temperature)  # [V]
+    keep = top_p_mask(probs, top_k_mask(probs, params.top_k), params.top_p)
+    cumulative = np.cumsum(np.where(keep, probs, 0.0).astype(np.float64))  # [V]
+    index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
+    return min(index, logits.shape[0] - 1)

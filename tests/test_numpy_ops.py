@@ -1,0 +1,250 @@
+"""Every op of the numpy reference backend against torch / transformers' own implementation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atlas.backends.base import SamplingParams
+from atlas.backends.numpy_backend import NumpyBackend
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+
+be = NumpyBackend()
+
+
+def randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def t(x: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def close(ours: np.ndarray, ref: torch.Tensor | np.ndarray, tol: float = 1e-5) -> None:
+    ref = ref.detach().numpy() if isinstance(ref, torch.Tensor) else ref
+    assert ours.shape == ref.shape
+    assert ours.dtype == np.float32
+    np.testing.assert_allclose(ours, ref, rtol=tol, atol=tol)
+
+
+def test_upload_zeros_to_numpy(rng: np.random.Generator) -> None:
+    x = rng.standard_normal((3, 4))
+    up = be.upload(x, "bf16")
+    assert up.dtype == np.float32 and up.flags.c_contiguous
+    x[0, 0] = 99.0
+    assert up[0, 0] != 99.0
+    ids = be.upload(np.array([1, 2], dtype=np.int64), "i32")
+    assert ids.dtype == np.int32
+    assert be.zeros((2, 3), "f32").sum() == 0 and be.zeros((2,), "i32").dtype == np.int32
+    assert be.to_numpy(ids).dtype == np.int32
+
+
+def test_embedding_linear_elementwise(rng: np.random.Generator) -> None:
+    table = randn(rng, 50, 16)
+    ids = rng.integers(0, 50, 7).astype(np.int32)
+    close(be.embedding(table, ids), F.embedding(t(ids).long(), t(table)))
+    x, w = randn(rng, 7, 16), randn(rng, 24, 16)
+    close(be.linear(x, w), F.linear(t(x), t(w)), 1e-4)
+    gu = randn(rng, 7, 24)
+    close(be.silu_mul(gu), F.silu(t(gu[:, :12])) * t(gu[:, 12:]))
+    y, gate = randn(rng, 7, 16), randn(rng, 7, 16)
+    close(be.sigmoid_mul(y, gate), t(y) * torch.sigmoid(t(gate)))
+    close(be.add(x, y), t(x) + t(y))
+    logit = randn(rng, 7, 1)
+    close(be.add_sigmoid_scaled(x, y, logit), t(x) + torch.sigmoid(t(logit)) * t(y))
+
+
+def test_rms_norms_match_transformers(rng: np.random.Generator) -> None:
+    x, res, w = randn(rng, 5, 32), randn(rng, 5, 32), randn(rng, 32, scale=0.3)
+    norm = hf.Qwen3_5MoeRMSNorm(32, eps=1e-6)
+    norm.weight.data = t(w)
+    close(be.rms_norm(x, 1.0 + w, 1e-6), norm(t(x)))
+    normed, total = be.add_rms_norm(x, res, 1.0 + w, 1e-6)
+    close(total, t(x) + t(res))
+    close(normed, norm(t(x) + t(res)))
+    gated = hf.Qwen3_5MoeRMSNormGated(16, eps=1e-6)
+    gated.weight.data = t(w[:16])
+    xs, zs = randn(rng, 5, 3, 16), randn(rng, 5, 3, 16)
+    ref = gated(t(xs).reshape(-1, 16), t(zs).reshape(-1, 16)).reshape(5, 3, 16)
+    close(be.gated_rms_norm(xs, zs, w[:16], 1e-6), ref)
+
+
+@pytest.mark.parametrize("head_dim,factor", [(64, 0.25), (32, 0.5), (16, 1.0)])
+def test_head_norm_rope_matches_transformers(rng: np.random.Generator, head_dim: int, factor: float) -> None:
+    config = hf.Qwen3_5MoeTextConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor},
+    )
+    rotary = hf.Qwen3_5MoeTextRotaryEmbedding(config)
+    norm = hf.Qwen3_5MoeRMSNorm(head_dim, eps=1e-6)
+    w = randn(rng, head_dim, scale=0.3)
+    norm.weight.data = t(w)
+    x = randn(rng, 9, 4, head_dim)
+    positions = np.sort(rng.choice(500, 9, replace=False)).astype(np.int32)
+    cos, sin = rotary(t(x), t(positions).long()[None])
+    normed = norm(t(x)).transpose(0, 1)[None]  # [1, heads, T, D]
+    ref, _ = hf.apply_rotary_pos_emb(normed, normed, cos, sin)
+    ours = be.head_norm_rope(x, 1.0 + w, positions, int(head_dim * factor), 10000.0, 1e-6)
+    close(ours, ref[0].transpose(0, 1), 1e-4)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_attention_prefill_and_decode_match_sdpa(rng: np.random.Generator, q_heads: int, kv_heads: int) -> None:
+    tokens, dim, capacity = 13, 32, 20
+    q, k, v = randn(rng, tokens, q_heads, dim), randn(rng, tokens, kv_heads, dim), randn(rng, tokens, kv_heads, dim)
+    scale = dim**-0.5
+    ref = F.scaled_dot_product_attention(
+        t(q).transpose(0, 1), t(k).transpose(0, 1), t(v).transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+    ).transpose(0, 1)
+    k_cache, v_cache = be.zeros((capacity, kv_heads, dim), "bf16"), be.zeros((capacity, kv_heads, dim), "bf16")
+    split = 9
+    prefill = be.attention(q[:split], k[:split], v[:split], k_cache, v_cache, np.arange(split, dtype=np.int32), scale)
+    close(prefill, ref[:split], 1e-5)
+    for pos in range(split, tokens):
+        step = be.attention(q[pos : pos + 1], k[pos : pos + 1], v[pos : pos + 1], k_cache, v_cache, np.array([pos], np.int32), scale)
+        close(step, ref[pos : pos + 1], 1e-5)
+    close(k_cache[:tokens], k)
+    assert not v_cache[tokens:].any()
+
+
+def test_causal_conv1d_matches_transformers_fn_and_update(rng: np.random.Generator) -> None:
+    channels, width, tokens = 24, 4, 11
+    x, w = randn(rng, tokens + 3, channels), randn(rng, channels, width)
+    ref = hf.causal_conv1d_fn(t(x).T[None], t(w), None, activation="silu")[0].T  # [T, C]
+    state = be.zeros((channels, width - 1), "f32")
+    close(be.causal_conv1d(x[:tokens], w, state), ref[:tokens])
+    close(state, x[tokens - width + 1 : tokens].T)
+    hf_state = t(state.copy())[None]
+    for i in range(tokens, tokens + 3):
+        ours = be.causal_conv1d(x[i : i + 1], w, state)
+        step = hf.causal_conv1d_update(t(x[i : i + 1]).T[None].contiguous(), hf_state, t(w), None, "silu")[0].T
+        close(ours, step)
+        close(ours, ref[i : i + 1])
+    close(state, hf_state[0])
+
+
+def delta_inputs(rng: np.random.Generator, tokens: int, hk: int, hv: int, dk: int, dv: int) -> dict[str, np.ndarray]:
+    return {
+        "mixed_qkv": randn(rng, tokens, 2 * hk * dk + hv * dv),
+        "a": randn(rng, tokens, hv),
+        "b": randn(rng, tokens, hv),
+        "A_log": np.log(rng.uniform(0.01, 16, hv)).astype(np.float32),
+        "dt_bias": randn(rng, hv, scale=0.5),
+    }
+
+
+def hf_delta(inputs: dict[str, np.ndarray], hk: int, dk: int, state: np.ndarray, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    mixed = t(inputs["mixed_qkv"])
+    tokens, hv = inputs["a"].shape
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, mixed.shape[1] - 2 * hk * dk], dim=-1)
+    g = -t(inputs["A_log"]).exp() * F.softplus(t(inputs["a"]) + t(inputs["dt_bias"]))
+    fn = hf.torch_chunk_gated_delta_rule if chunked else hf.torch_recurrent_gated_delta_rule
+    out, final = fn(
+        q.reshape(1, tokens, hk, dk), k.reshape(1, tokens, hk, dk), v.reshape(1, tokens, hv, -1),
+        g=g[None], beta=torch.sigmoid(t(inputs["b"]))[None], initial_state=t(state.copy())[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    return out[0], final[0]
+
+
+@pytest.mark.parametrize("tokens,hk,hv", [(1, 2, 2), (1, 2, 4), (70, 2, 4), (150, 1, 3), (64, 2, 2)])
+def test_gated_delta_rule_matches_transformers(rng: np.random.Generator, tokens: int, hk: int, hv: int) -> None:
+    dk, dv = 16, 8
+    inputs = delta_inputs(rng, tokens, hk, hv, dk, dv)
+    initial = randn(rng, hv, dk, dv, scale=0.5)
+    state = initial.copy()
+    ours = be.gated_delta_rule(**inputs, state=state, num_k_heads=hk)
+    for chunked in (False, True):
+        ref, final = hf_delta(inputs, hk, dk, initial, chunked)
+        close(ours, ref, 2e-4)
+        close(state, final, 2e-4)
+
+
+def test_chunked_prefill_equals_token_by_token(rng: np.random.Generator) -> None:
+    tokens, hk, hv, dk, dv = 130, 2, 4, 16, 16
+    inputs = delta_inputs(rng, tokens, hk, hv, dk, dv)
+    chunked_state = be.zeros((hv, dk, dv), "f32")
+    chunked = be.gated_delta_rule(**inputs, state=chunked_state, num_k_heads=hk)
+    step_state = be.zeros((hv, dk, dv), "f32")
+    steps = [
+        be.gated_delta_rule(
+            inputs["mixed_qkv"][i : i + 1], inputs["a"][i : i + 1], inputs["b"][i : i + 1],
+            inputs["A_log"], inputs["dt_bias"], step_state, hk,
+        )
+        for i in range(tokens)
+    ]
+    close(chunked, np.concatenate(steps), 2e-4)
+    close(chunked_state, step_state, 2e-4)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_matches_transformers(rng: np.random.Generator, renormalize: bool) -> None:
+    experts, top_k, hidden = 16, 4, 32
+    x, w = randn(rng, 9, hidden), randn(rng, experts, hidden)
+    ids, weights = be.router(x, w, top_k, renormalize)
+    assert ids.dtype == np.int32 and ids.shape == (9, top_k)
+    probs = torch.softmax(F.linear(t(x), t(w)), dim=-1)
+    ref_weights, ref_ids = torch.topk(probs, top_k, dim=-1)
+    np.testing.assert_array_equal(ids, ref_ids.numpy())
+    if renormalize:
+        config = hf.Qwen3_5MoeTextConfig(hidden_size=hidden, num_experts=experts, num_experts_per_tok=top_k)
+        router = hf.Qwen3_5MoeTopKRouter(config)
+        router.weight.data = t(w)
+        _, ref_weights, _ = router(t(x))
+    close(weights, ref_weights)
+
+
+def test_moe_experts_match_transformers(rng: np.random.Generator) -> None:
+    experts, top_k, hidden, inter, tokens = 8, 3, 32, 16, 10
+    config = hf.Qwen3_5MoeTextConfig(hidden_size=hidden, num_experts=experts, moe_intermediate_size=inter)
+    module = hf.Qwen3_5MoeExperts(config)
+    gate_up, down = randn(rng, experts, 2 * inter, hidden, scale=0.2), randn(rng, experts, hidden, inter, scale=0.2)
+    module.gate_up_proj.data, module.down_proj.data = t(gate_up), t(down)
+    x = randn(rng, tokens, hidden)
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weights = rng.uniform(0, 1, (tokens, top_k)).astype(np.float32)
+    ref = module(t(x), t(ids).long(), t(weights))
+    close(be.moe_experts(x, ids, weights, gate_up, down), ref, 1e-4)
+
+
+def test_argmax_lowest_index_on_ties(rng: np.random.Generator) -> None:
+    logits = randn(rng, 4, 30)
+    logits[2, [5, 17]] = logits.max() + 1.0
+    out = be.argmax(logits)
+    assert out.dtype == np.int32
+    np.testing.assert_array_equal(out, torch.argmax(t(logits), dim=-1).numpy())
+    assert out[2] == 5
+
+
+def sort_based_choice(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
+    """An independent sort-based reading of the sample contract."""
+    probs = torch.softmax(t(logits).double() / params.temperature, dim=-1).numpy()
+    order = np.argsort(-probs, kind="stable")
+    keep = np.zeros(probs.shape, dtype=bool)
+    k = params.top_k if params.top_k > 0 else probs.shape[0]
+    keep[probs >= probs[order[k - 1]]] = True
+    kept_sorted = np.sort(probs[keep])[::-1]
+    mass = np.cumsum(kept_sorted)
+    for value, reached in zip(kept_sorted, mass):
+        if reached >= params.top_p * mass[-1] * (1 - 1e-9):
+            keep &= probs >= value
+            break
+    cumulative = np.cumsum(np.where(keep, probs, 0.0))
+    return int(np.argmax(cumulative > uniform * cumulative[-1]))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7, 0, 1.0), SamplingParams(1.0, 5, 1.0), SamplingParams(1.3, 0, 0.6), SamplingParams(0.9, 8, 0.8)])
+def test_sample_matches_sort_based_reading(rng: np.random.Generator, params: SamplingParams) -> None:
+    logits = randn(rng, 1, 200, scale=2.0)
+    for uniform in rng.uniform(0, 1, 200):
+        token = be.sample(logits, params, float(uniform))
+        assert token.dtype == np.int32 and token.shape == (1,)
+        assert token[0] == sort_based_choice(logits[0], params, float(uniform))
+
+
+def test_sample_top_k_one_is_argmax(rng: np.random.Generator) -> None:
+    logits = randn(rng, 1, 100)
+    for uniform in rng.uniform(0, 1, 20):
+        assert be.sample(logits, SamplingParams(1.0, 1, 1.0), float(uniform))[0] == np.argmax(logits[0])
