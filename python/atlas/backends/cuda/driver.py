@@ -1,0 +1,92 @@
+"""The few CUDA driver calls atlas needs, behind one small interface with two bindings.
+
+`CudaBindingsDriver` uses cuda-python's driver API (`cuda.bindings.driver`, the default);
+`PycudaDriver` uses pycuda when `ATLAS_CUDA_BINDING=pycuda`. Handles (modules, functions,
+streams, events, graphs) are opaque objects; device pointers are plain ints. Every call's
+result is checked; a failure raises `CudaError` naming the call and the driver's message.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from atlas.errors import AtlasError
+
+Handle = Any
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed (a bug or a broken device, not a user error)."""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    cc: tuple[int, int]
+    sm_count: int
+    max_smem_optin: int
+    total_bytes: int
+    driver_version: int
+
+
+class Driver(Protocol):
+    """What the runtime calls; each method checks its CUresult."""
+
+    binding: str
+    graphs: bool  # False when the binding cannot capture CUDA graphs
+
+    def device_info(self) -> DeviceInfo: ...
+    def mem_get_info(self) -> tuple[int, int]: ...  # (free, total) bytes
+    def module_load(self, image: bytes) -> Handle: ...
+    def get_function(self, module: Handle, name: str) -> Handle: ...
+    def set_max_dynamic_smem(self, function: Handle, nbytes: int) -> None: ...
+    def mem_alloc(self, nbytes: int) -> int: ...
+    def mem_free(self, ptr: int) -> None: ...
+    def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Handle) -> None: ...
+    def memcpy_dtoh(self, dst_host: int, src: int, nbytes: int, stream: Handle) -> None: ...
+    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Handle) -> None: ...
+    def memset_d8(self, dst: int, value: int, nbytes: int, stream: Handle) -> None: ...
+    def launch(self, launch: "LaunchArgs") -> None: ...
+    def stream_create(self) -> Handle: ...
+    def stream_synchronize(self, stream: Handle) -> None: ...
+    def event_create(self) -> Handle: ...
+    def event_record(self, event: Handle, stream: Handle) -> None: ...
+    def event_synchronize(self, event: Handle) -> None: ...
+    def event_elapsed_ms(self, start: Handle, end: Handle) -> float: ...
+    def begin_capture(self, stream: Handle) -> None: ...
+    def end_capture(self, stream: Handle) -> Handle: ...  # -> instantiated executable graph
+    def graph_launch(self, graph_exec: Handle, stream: Handle) -> None: ...
+    def graph_destroy(self, graph_exec: Handle) -> None: ...
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    function: Handle
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    stream: Handle
+    params_addr: int  # address of the packed params struct (the kernel's single argument)
+    params_size: int
+    kernel: str  # entry name, for error messages
+
+
+def open_driver(ordinal: int = 0) -> Driver:
+    """The driver binding named by ATLAS_CUDA_BINDING (cuda-bindings by default), initialised
+    with the primary context of device `ordinal` current. Raises AtlasError when no binding,
+    no driver or no GPU is present."""
+    binding = os.environ.get("ATLAS_CUDA_BINDING", "cuda-bindings").strip().lower()
+    if binding in ("", "cuda-bindings", "cuda-python", "cuda_bindings"):
+        from .driver_cuda_bindings import CudaBindingsDriver
+
+        return CudaBindingsDriver(ordinal)
+    if binding == "pycuda":
+        from .driver_pycuda import PycudaDriver
+
+        return PycudaDriver(ordinal)
+    raise AtlasError(
+        f"ATLAS_CUDA_BINDING={binding!r} is not a CUDA binding atlas knows; "
+        "use 'cuda-bindings' (default) or 'pycuda'"
+    )

@@ -1,0 +1,179 @@
+"""CudaRuntime: the API the op wrappers (ops_dense, ops_linear_moe) are written against.
+
+One device, one stream, one loaded kernel module. Step tensors come from a bump arena
+(`empty`), persistent ones from a pool (`zeros`, `upload_bytes`); kernels are launched by entry
+name with their params struct passed by value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from .driver import CudaError, DeviceInfo, Driver, Handle, LaunchArgs
+from .memory import PersistentPool, StepArena
+from .tensor import ITEM_SIZE, DeviceTensor, StorageDType
+
+DEFAULT_SMEM_LIMIT = 48 * 1024
+MAX_GRID_YZ = 65535
+MAX_GRID_X = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class KernelImage:
+    """A loadable module: cubin for the device's own arch, else PTX for the driver's JIT."""
+
+    label: str  # e.g. "h200/qwen3.6-35b-a3b/bf16 (cubin sm_90a)"
+    data: bytes
+    kind: str  # "cubin" or "ptx"
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    arena_bytes: int = 256 << 20
+    check_launches: bool = False  # synchronise after each launch (outside capture) to name a faulting kernel
+
+
+class CudaRuntime:
+    def __init__(self, driver: Driver, image: KernelImage, options: RuntimeOptions) -> None:
+        self.driver = driver
+        self.options = options
+        self.info: DeviceInfo = driver.device_info()
+        self.sm_count = self.info.sm_count
+        self.cc = self.info.cc
+        self.max_smem_optin = self.info.max_smem_optin
+        self.image = image
+        data = image.data if image.kind == "cubin" or image.data.endswith(b"\0") else image.data + b"\0"
+        self.module: Handle = driver.module_load(data)
+        self.stream: Handle = driver.stream_create()
+        self.arena = StepArena(driver, options.arena_bytes)
+        self.pool = PersistentPool(driver)
+        self.capturing = False
+        self._functions: dict[str, Handle] = {}
+        self._smem_set: dict[str, int] = {}
+
+    # --- memory -------------------------------------------------------------------------------
+    def empty(self, shape: tuple[int, ...], dtype: StorageDType) -> DeviceTensor:
+        """Step scratch (arena): valid until the next `reset_step`."""
+        shape = tuple(int(d) for d in shape)
+        tensor = DeviceTensor(0, shape, dtype)
+        return DeviceTensor(self.arena.alloc(tensor.nbytes), shape, dtype)
+
+    def persistent(self, shape: tuple[int, ...], dtype: StorageDType) -> DeviceTensor:
+        """Uninitialised memory that lives as long as the returned tensor (or its views)."""
+        self._refuse_in_capture("a persistent allocation")
+        shape = tuple(int(d) for d in shape)
+        nbytes = DeviceTensor(0, shape, dtype).nbytes
+        allocation = self.pool.alloc(nbytes)
+        return DeviceTensor(allocation.ptr, shape, dtype, allocation)
+
+    def zeros(self, shape: tuple[int, ...], dtype: StorageDType) -> DeviceTensor:
+        tensor = self.persistent(shape, dtype)
+        self.memset_zero(tensor)
+        return tensor
+
+    def memset_zero(self, t: DeviceTensor) -> None:
+        if t.nbytes:
+            self.driver.memset_d8(t.ptr, 0, t.nbytes, self.stream)
+
+    def fill_nan(self, t: DeviceTensor) -> None:
+        """Poison a float tensor with NaN bytes (0xFF..: a NaN in f32 and bf16); tests use it."""
+        if t.nbytes:
+            self.driver.memset_d8(t.ptr, 0xFF, t.nbytes, self.stream)
+
+    def copy(self, dst: DeviceTensor, src: DeviceTensor) -> None:
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"copy of {src.shape} {src.dtype} into {dst.shape} {dst.dtype}")
+        if dst.nbytes:
+            self.driver.memcpy_dtod(dst.ptr, src.ptr, dst.nbytes, self.stream)
+
+    def write(self, dst: DeviceTensor, host: np.ndarray) -> None:
+        """Copy host bytes (already in dst's storage format) into dst, synchronously."""
+        self._refuse_in_capture("a host-to-device copy")
+        data = np.ascontiguousarray(host)
+        if data.nbytes != dst.nbytes:
+            raise ValueError(f"write of {data.nbytes} bytes into {dst.shape} {dst.dtype}")
+        if data.nbytes:
+            self.driver.memcpy_htod(dst.ptr, data.ctypes.data, data.nbytes, self.stream)
+            self.driver.stream_synchronize(self.stream)
+
+    def read(self, src: DeviceTensor) -> np.ndarray:
+        """The raw storage of src as a host array (bf16 as uint16), after the stream drains."""
+        self._refuse_in_capture("a device-to-host copy")
+        host_dtype = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32}[src.dtype]
+        out = np.empty(src.shape, dtype=host_dtype)
+        if out.nbytes:
+            self.driver.memcpy_dtoh(out.ctypes.data, src.ptr, out.nbytes, self.stream)
+        self.synchronize()
+        return out
+
+    def reset_step(self) -> None:
+        """Begin a step: recycle the arena (outside capture only; a no-op while capturing)."""
+        if not self.capturing:
+            self.arena.reset()
+            self.pool.trim()
+
+    def synchronize(self) -> None:
+        self.driver.stream_synchronize(self.stream)
+
+    # --- kernels ------------------------------------------------------------------------------
+    def function(self, kernel: str) -> Handle:
+        function = self._functions.get(kernel)
+        if function is None:
+            try:
+                function = self.driver.get_function(self.module, kernel)
+            except CudaError as err:
+                raise CudaError(f"kernel {kernel} is not in {self.image.label}: {err}") from None
+            self._functions[kernel] = function
+        return function
+
+    def launch(
+        self,
+        kernel: str,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        params: ctypes.Structure,
+        smem: int = 0,
+    ) -> None:
+        _check_dims(kernel, grid, block)
+        function = self.function(kernel)
+        if smem > DEFAULT_SMEM_LIMIT and self._smem_set.get(kernel, 0) < smem:
+            if smem > self.max_smem_optin:
+                raise CudaError(f"{kernel} asks {smem} B of shared memory; the device allows {self.max_smem_optin}")
+            self.driver.set_max_dynamic_smem(function, smem)
+            self._smem_set[kernel] = smem
+        args = LaunchArgs(function, grid, block, smem, self.stream, ctypes.addressof(params),
+                          ctypes.sizeof(params), kernel)
+        self.driver.launch(args)
+        if self.options.check_launches and not self.capturing:
+            try:
+                self.driver.stream_synchronize(self.stream)
+            except CudaError as err:
+                raise CudaError(f"{kernel} grid={grid} block={block} failed while running: {err}") from None
+
+    def _refuse_in_capture(self, what: str) -> None:
+        if self.capturing:
+            raise CudaError(
+                f"{what} inside a captured decode step: allocate and upload before the step, "
+                "use backend ops and rt.empty inside it"
+            )
+
+
+def _check_dims(kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int]) -> None:
+    if len(grid) != 3 or len(block) != 3:
+        raise ValueError(f"{kernel}: grid and block must be 3-tuples, got {grid} {block}")
+    gx, gy, gz = (int(g) for g in grid)
+    if not (1 <= gx <= MAX_GRID_X and 1 <= gy <= MAX_GRID_YZ and 1 <= gz <= MAX_GRID_YZ):
+        raise ValueError(f"{kernel}: grid {grid} out of range (each >= 1; y, z <= {MAX_GRID_YZ})")
+    threads = int(block[0]) * int(block[1]) * int(block[2])
+    if not 1 <= threads <= 1024:
+        raise ValueError(f"{kernel}: block {block} has {threads} threads (1..1024)")
+
+
+def storage_bytes(shape: tuple[int, ...], dtype: StorageDType) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * ITEM_SIZE[dtype]
