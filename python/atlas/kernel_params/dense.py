@@ -1,7 +1,191 @@
-"""Params structs of the dense kernels (embedding, norms, linear, rotary, attention, sampling)."""
+"""Params structs of the dense kernels (embedding, norms, linear, rotary, attention, sampling).
+
+Pointer fields are device addresses (c_void_p -> void*); the kernel documents the element type.
+Anything that changes per decode token (ids, positions) is read by the kernels from device memory,
+so a captured CUDA graph stays valid; the scalar fields here are fixed for a given step shape.
+"""
 
 from __future__ import annotations
 
 import ctypes
 
-ALL_PARAMS: tuple[type[ctypes.Structure], ...] = ()
+c_ptr = ctypes.c_void_p
+c_i32 = ctypes.c_int32
+c_f32 = ctypes.c_float
+
+
+class EmbeddingParams(ctypes.Structure):
+    """atlas_embedding_{bf16,f32}: out[t, :] = table[ids[t], :] (zeros for an id outside [0, vocab))."""
+
+    _fields_ = [
+        ("table", c_ptr),  # [vocab, hidden] bf16 or f32
+        ("ids", c_ptr),  # [tokens] i32
+        ("out", c_ptr),  # [tokens, hidden] f32
+        ("tokens", c_i32),
+        ("hidden", c_i32),
+        ("vocab", c_i32),
+    ]
+
+
+class RmsNormParams(ctypes.Structure):
+    """atlas_rms_norm / atlas_add_rms_norm: one block per row of `dim` f32 values."""
+
+    _fields_ = [
+        ("x", c_ptr),  # [rows, dim] f32
+        ("residual", c_ptr),  # [rows, dim] f32 (add_rms_norm only)
+        ("weight", c_ptr),  # [dim] f32
+        ("out", c_ptr),  # [rows, dim] f32: rms_norm(x (+ residual)) * weight
+        ("sum_out", c_ptr),  # [rows, dim] f32: x + residual (add_rms_norm only)
+        ("rows", c_i32),
+        ("dim", c_i32),
+        ("eps", c_f32),
+    ]
+
+
+class AddParams(ctypes.Structure):
+    """atlas_add: out = x + y over n f32 elements."""
+
+    _fields_ = [("x", c_ptr), ("y", c_ptr), ("out", c_ptr), ("n", c_i32)]
+
+
+class SiluMulParams(ctypes.Structure):
+    """atlas_silu_mul: gate_up [rows, 2*width] (gate first) -> out [rows, width] f32."""
+
+    _fields_ = [("gate_up", c_ptr), ("out", c_ptr), ("rows", c_i32), ("width", c_i32)]
+
+
+class SigmoidMulParams(ctypes.Structure):
+    """atlas_sigmoid_mul: out = x * sigmoid(gate) over n f32 elements."""
+
+    _fields_ = [("x", c_ptr), ("gate", c_ptr), ("out", c_ptr), ("n", c_i32)]
+
+
+class LinearParams(ctypes.Structure):
+    """atlas_gemv_t{1..8} (tokens <= 8) and atlas_gemm_bf16 (tokens > 8): out = x @ weight.T."""
+
+    _fields_ = [
+        ("x", c_ptr),  # [tokens, k] f32, rows 16-byte aligned (k % 8 == 0)
+        ("weight", c_ptr),  # [n, k] bf16
+        ("out", c_ptr),  # [tokens, n] f32
+        ("tokens", c_i32),
+        ("n", c_i32),
+        ("k", c_i32),
+    ]
+
+
+class HeadNormRopeParams(ctypes.Structure):
+    """atlas_head_norm_rope: one warp per (token, head); dynamic smem = warps * head_dim * 4."""
+
+    _fields_ = [
+        ("x", c_ptr),  # [tokens, heads, head_dim] f32
+        ("weight", c_ptr),  # [head_dim] f32
+        ("positions", c_ptr),  # [tokens] i32
+        ("out", c_ptr),  # [tokens, heads, head_dim] f32
+        ("tokens", c_i32),
+        ("heads", c_i32),
+        ("head_dim", c_i32),
+        ("rotary_dim", c_i32),
+        ("rope_theta", c_f32),
+        ("eps", c_f32),
+    ]
+
+
+class KvCacheWriteParams(ctypes.Structure):
+    """atlas_kv_cache_write: cache[positions[t], h, :] = bf16(k[t, h, :]) for k and v."""
+
+    _fields_ = [
+        ("k", c_ptr),  # [tokens, kv_heads, head_dim] f32
+        ("v", c_ptr),  # [tokens, kv_heads, head_dim] f32
+        ("k_cache", c_ptr),  # [capacity, kv_heads, head_dim] bf16
+        ("v_cache", c_ptr),  # [capacity, kv_heads, head_dim] bf16
+        ("positions", c_ptr),  # [tokens] i32
+        ("tokens", c_i32),
+        ("kv_heads", c_i32),
+        ("head_dim", c_i32),
+        ("capacity", c_i32),
+    ]
+
+
+class AttentionParams(ctypes.Structure):
+    """atlas_attention: grid (num_splits, kv_heads, row tiles); each block attends its rows
+    (token, q head of this kv head) over cache keys [split * span, (split + 1) * span), causal by
+    positions. With ml == NULL (one split) it writes the normalised output [tokens, q_heads, D];
+    otherwise per split the normalised partial o [splits, tokens, q_heads, D] and (max, sum)
+    in ml [splits, tokens, q_heads, 2] for atlas_attention_combine."""
+
+    _fields_ = [
+        ("q", c_ptr),  # [tokens, q_heads, head_dim] f32
+        ("k_cache", c_ptr),  # [capacity, kv_heads, head_dim] bf16
+        ("v_cache", c_ptr),  # [capacity, kv_heads, head_dim] bf16
+        ("positions", c_ptr),  # [tokens] i32, consecutive
+        ("out", c_ptr),  # f32, see above
+        ("ml", c_ptr),  # f32 or NULL
+        ("tokens", c_i32),
+        ("q_heads", c_i32),
+        ("kv_heads", c_i32),
+        ("head_dim", c_i32),  # must equal the compiled atlas::model::head_dim
+        ("capacity", c_i32),
+        ("span", c_i32),  # keys per split, a multiple of 32
+        ("scale", c_f32),
+    ]
+
+
+class AttentionCombineParams(ctypes.Structure):
+    """atlas_attention_combine: one block per (token, q head) merges the live splits."""
+
+    _fields_ = [
+        ("partial", c_ptr),  # [splits, tokens, q_heads, head_dim] f32
+        ("ml", c_ptr),  # [splits, tokens, q_heads, 2] f32
+        ("positions", c_ptr),  # [tokens] i32
+        ("out", c_ptr),  # [tokens, q_heads, head_dim] f32
+        ("tokens", c_i32),
+        ("q_heads", c_i32),
+        ("head_dim", c_i32),
+        ("span", c_i32),
+        ("num_splits", c_i32),
+    ]
+
+
+class ArgmaxParams(ctypes.Structure):
+    """atlas_argmax_partial (grid (chunks, rows)) then atlas_argmax_final (grid (rows,))."""
+
+    _fields_ = [
+        ("logits", c_ptr),  # [rows, vocab] f32
+        ("partial_value", c_ptr),  # [rows, chunks] f32
+        ("partial_index", c_ptr),  # [rows, chunks] i32
+        ("out", c_ptr),  # [rows] i32
+        ("rows", c_i32),
+        ("vocab", c_i32),
+        ("chunk", c_i32),  # logits per partial block
+        ("chunks", c_i32),
+    ]
+
+
+class SampleParams(ctypes.Structure):
+    """atlas_sample: one block draws one token from logits [1, vocab] (base.py's sort-free rule)."""
+
+    _fields_ = [
+        ("logits", c_ptr),  # [vocab] f32
+        ("out", c_ptr),  # [1] i32
+        ("vocab", c_i32),
+        ("top_k", c_i32),  # 0 = off
+        ("temperature", c_f32),  # > 0
+        ("top_p", c_f32),  # (0, 1]
+        ("uniform", c_f32),  # [0, 1)
+    ]
+
+
+ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (
+    EmbeddingParams,
+    RmsNormParams,
+    AddParams,
+    SiluMulParams,
+    SigmoidMulParams,
+    LinearParams,
+    HeadNormRopeParams,
+    KvCacheWriteParams,
+    AttentionParams,
+    AttentionCombineParams,
+    ArgmaxParams,
+    SampleParams,
+)
