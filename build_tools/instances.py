@@ -1,0 +1,101 @@
+"""Render kernels/templates/<quant>/<name>.cu.j2 into kernels/<hw>/<model>/<quant>/<name>.cu.
+
+    python -m build_tools.instances           # write every instance, remove stale generated ones
+    python -m build_tools.instances --check   # exit 1 listing out-of-date files, write nothing
+
+One instance per hardware (aliases excluded) x model in targets.toml. Template context: `hw`,
+`model`, `quant` (registry dicts with `name`; model constants at top level and under `constants`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from atlas.targets import Registry, load_registry
+
+from . import REPO
+from .render import environment, write_if_changed
+
+MARKER = "// generated from kernels/templates/"
+
+
+@dataclass(frozen=True)
+class Instance:
+    path: Path
+    text: str
+
+
+def _header(template: str) -> str:
+    return f"{MARKER}{template} by build_tools/instances.py; do not edit\n"
+
+
+def expected_instances(registry: Registry, kernels_dir: Path) -> list[Instance]:
+    templates = kernels_dir / "templates"
+    if not templates.is_dir():
+        return []
+    env = environment(templates)
+    out = []
+    for source in sorted(templates.glob("*/*.cu.j2")):
+        quant = source.parent.name
+        if quant not in registry.quants:
+            raise SystemExit(f"{source}: directory '{quant}' is not a quant in targets.toml ({', '.join(registry.quants)})")
+        rel = source.relative_to(templates).as_posix()
+        template = env.get_template(rel)
+        for hw in registry.hardware.values():
+            for model in registry.models.values():
+                ctx = {"hw": hw.to_dict(), "model": model.to_dict(), "quant": registry.quants[quant].to_dict()}
+                path = kernels_dir / hw.name / model.name / quant / source.name.removesuffix(".j2")
+                out.append(Instance(path, _header(rel) + template.render(**ctx)))
+    return out
+
+
+def generated_files(kernels_dir: Path) -> list[Path]:
+    """Existing .cu files carrying the generated marker (hand-written ones are never touched)."""
+    found = []
+    for path in sorted(kernels_dir.glob("*/*/*/*.cu")):
+        with path.open(encoding="utf-8", errors="replace") as f:
+            if f.readline().startswith(MARKER):
+                found.append(path)
+    return found
+
+
+def out_of_date(registry: Registry, kernels_dir: Path) -> tuple[list[Instance], list[Path]]:
+    """(instances to (re)write, stale generated files to remove)."""
+    expected = expected_instances(registry, kernels_dir)
+    wanted = {inst.path for inst in expected}
+    changed = [i for i in expected if not i.path.is_file() or i.path.read_text(encoding="utf-8") != i.text]
+    stale = [p for p in generated_files(kernels_dir) if p not in wanted]
+    return changed, stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="list out-of-date files and exit 1 if any")
+    parser.add_argument("--kernels", type=Path, default=REPO / "kernels")
+    args = parser.parse_args(argv)
+    changed, stale = out_of_date(load_registry(), args.kernels)
+    if args.check:
+        for inst in changed:
+            print(f"out of date: {inst.path}")
+        for path in stale:
+            print(f"stale: {path}")
+        if changed or stale:
+            print("run `python -m build_tools.instances` and commit the result", file=sys.stderr)
+        return 1 if changed or stale else 0
+    for inst in changed:
+        write_if_changed(inst.path, inst.text)
+        print(f"wrote {inst.path}")
+    for path in stale:
+        path.unlink()
+        print(f"removed {path}")
+        for parent in (path.parent, path.parent.parent, path.parent.parent.parent):
+            if parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
