@@ -159,7 +159,7 @@ class CudaBindingsDriver:
         return float(ms)
 
     def begin_capture(self, stream: Handle) -> None:
-        mode = self._d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        mode = self._d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
         self._call("cuStreamBeginCapture", stream, mode)
 
     def end_capture(self, stream: Handle) -> Handle:

@@ -134,7 +134,7 @@ class PycudaDriver:
         return float(_call("Event.time_since", end.time_since, start))
 
     def begin_capture(self, stream: Handle) -> None:
-        mode = self._cuda.capture_mode.THREAD_LOCAL
+        mode = self._cuda.capture_mode.RELAXED
         _call("Stream.begin_capture", stream.begin_capture, mode)
 
     def end_capture(self, stream: Handle) -> Handle:

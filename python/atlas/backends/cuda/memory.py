@@ -54,6 +54,14 @@ class StepArena:
         self._blocks.append(_Block(self.driver.mem_alloc(block_size), block_size))
         self._offset = 0
 
+    def mark(self) -> tuple[int, int, int]:
+        return (len(self._blocks), self._offset, self._used_before_last)
+
+    def rewind(self, mark: tuple[int, int, int]) -> None:
+        """Forget allocations made after `mark` (same blocks only: after growth, keep going)."""
+        if mark[0] == len(self._blocks):
+            self._offset, self._used_before_last = mark[1], mark[2]
+
     def reset(self) -> None:
         """Start a new step. Tensors from the previous step become invalid."""
         if len(self._blocks) > 1:

@@ -1,0 +1,150 @@
+"""CudaBackend: every op of backends/base.py on the GPU, through the kernel engineers' op
+wrappers (ops_dense, ops_linear_moe: `op(rt, ...)` with base.py's arguments)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ..base import SamplingParams, StorageDType
+from .graph import GraphedDecodeStep
+from .runtime import CudaRuntime
+from .tensor import DeviceTensor
+from .upload import Uploader, WeightProgress, from_storage
+
+DENSE_OPS = ("embedding", "rms_norm", "add_rms_norm", "add", "linear", "silu_mul", "sigmoid_mul",
+             "head_norm_rope", "attention", "argmax", "sample")
+LINEAR_MOE_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm", "router", "moe_experts",
+                  "add_sigmoid_scaled")
+
+
+def _load_op_modules() -> tuple[ModuleType, ModuleType]:
+    from . import ops_dense, ops_linear_moe
+
+    return ops_dense, ops_linear_moe
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, rt: CudaRuntime, use_graphs: bool | None = None) -> None:
+        self.rt = rt
+        self.uploader = Uploader(rt)
+        dense, linear_moe = _load_op_modules()
+        self._ops: dict[str, Callable[..., Any]] = {
+            **{op: getattr(dense, op) for op in DENSE_OPS},
+            **{op: getattr(linear_moe, op) for op in LINEAR_MOE_OPS},
+        }
+        if use_graphs is None:
+            use_graphs = os.environ.get("ATLAS_CUDA_GRAPHS", "1") != "0"
+        self.use_graphs = use_graphs and rt.driver.graphs
+        self._ids_carry: DeviceTensor | None = None
+
+    def describe(self) -> str:
+        info = self.rt.info
+        graphs = "CUDA graphs" if self.use_graphs else "no CUDA graphs"
+        return (f"{info.name} (cc {info.cc[0]}.{info.cc[1]}, {info.sm_count} SMs), "
+                f"{self.rt.image.label}, {self.rt.driver.binding}, {graphs}")
+
+    def expect_weights(self, total_bytes: int) -> None:
+        """Show a progress bar over the next `total_bytes` of uploads."""
+        self.uploader.progress = WeightProgress(total_bytes)
+
+    # --- memory -------------------------------------------------------------------------------
+    def upload(self, array: np.ndarray, dtype: StorageDType) -> DeviceTensor:
+        return self.uploader.upload(array, dtype)
+
+    def zeros(self, shape: tuple[int, ...], dtype: StorageDType) -> DeviceTensor:
+        return self.rt.zeros(tuple(shape), dtype)
+
+    def to_numpy(self, t: DeviceTensor) -> np.ndarray:
+        return from_storage(self.rt.read(t), t.dtype)
+
+    def begin_step(self, ids: DeviceTensor) -> DeviceTensor:
+        """Recycle the step arena. ids that live in the arena (the previous step's argmax) are
+        first moved to a persistent buffer so the new step cannot overwrite them."""
+        self.uploader.progress.close()
+        if self.rt.capturing or ids.owner is not None:
+            self.rt.reset_step()
+            return ids
+        carry = self._ids_carry
+        if carry is None or carry.shape != ids.shape:
+            carry = self._ids_carry = self.rt.persistent(ids.shape, "i32")
+        self.rt.copy(carry, ids)
+        self.rt.reset_step()
+        return carry
+
+    # --- dense ops ----------------------------------------------------------------------------
+    def embedding(self, table: DeviceTensor, ids: DeviceTensor) -> DeviceTensor:
+        """The first op of every forward pass, so it starts the step (arena reset)."""
+        ids = self.begin_step(ids)
+        return self._ops["embedding"](self.rt, table, ids)
+
+    def rms_norm(self, x: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
+        return self._ops["rms_norm"](self.rt, x, weight, eps)
+
+    def add_rms_norm(self, x: DeviceTensor, residual: DeviceTensor, weight: DeviceTensor,
+                     eps: float) -> tuple[DeviceTensor, DeviceTensor]:
+        return self._ops["add_rms_norm"](self.rt, x, residual, weight, eps)
+
+    def add(self, x: DeviceTensor, y: DeviceTensor) -> DeviceTensor:
+        return self._ops["add"](self.rt, x, y)
+
+    def linear(self, x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
+        return self._ops["linear"](self.rt, x, weight)
+
+    def silu_mul(self, gate_up: DeviceTensor) -> DeviceTensor:
+        return self._ops["silu_mul"](self.rt, gate_up)
+
+    def sigmoid_mul(self, x: DeviceTensor, gate: DeviceTensor) -> DeviceTensor:
+        return self._ops["sigmoid_mul"](self.rt, x, gate)
+
+    # --- full attention -----------------------------------------------------------------------
+    def head_norm_rope(self, x: DeviceTensor, weight: DeviceTensor, positions: DeviceTensor,
+                       rotary_dim: int, rope_theta: float, eps: float) -> DeviceTensor:
+        return self._ops["head_norm_rope"](self.rt, x, weight, positions, rotary_dim, rope_theta, eps)
+
+    def attention(self, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, k_cache: DeviceTensor,
+                  v_cache: DeviceTensor, positions: DeviceTensor, scale: float) -> DeviceTensor:
+        return self._ops["attention"](self.rt, q, k, v, k_cache, v_cache, positions, scale)
+
+    # --- linear attention ---------------------------------------------------------------------
+    def causal_conv1d(self, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor) -> DeviceTensor:
+        return self._ops["causal_conv1d"](self.rt, x, weight, conv_state)
+
+    def gated_delta_rule(self, mixed_qkv: DeviceTensor, a: DeviceTensor, b: DeviceTensor,
+                         A_log: DeviceTensor, dt_bias: DeviceTensor, state: DeviceTensor,
+                         num_k_heads: int) -> DeviceTensor:
+        return self._ops["gated_delta_rule"](self.rt, mixed_qkv, a, b, A_log, dt_bias, state, num_k_heads)
+
+    def gated_rms_norm(self, x: DeviceTensor, z: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
+        return self._ops["gated_rms_norm"](self.rt, x, z, weight, eps)
+
+    # --- mixture of experts -------------------------------------------------------------------
+    def router(self, x: DeviceTensor, weight: DeviceTensor, top_k: int,
+               renormalize: bool) -> tuple[DeviceTensor, DeviceTensor]:
+        return self._ops["router"](self.rt, x, weight, top_k, renormalize)
+
+    def moe_experts(self, x: DeviceTensor, ids: DeviceTensor, weights: DeviceTensor,
+                    gate_up: DeviceTensor, down: DeviceTensor) -> DeviceTensor:
+        return self._ops["moe_experts"](self.rt, x, ids, weights, gate_up, down)
+
+    def add_sigmoid_scaled(self, x: DeviceTensor, y: DeviceTensor, gate_logit: DeviceTensor) -> DeviceTensor:
+        return self._ops["add_sigmoid_scaled"](self.rt, x, y, gate_logit)
+
+    # --- sampling -----------------------------------------------------------------------------
+    def argmax(self, logits: DeviceTensor) -> DeviceTensor:
+        return self._ops["argmax"](self.rt, logits)
+
+    def sample(self, logits: DeviceTensor, params: SamplingParams, uniform: float) -> DeviceTensor:
+        return self._ops["sample"](self.rt, logits, params, uniform)
+
+    # --- execution ----------------------------------------------------------------------------
+    def make_decode_step(self, step: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        if not self.use_graphs:
+            return step
+        return GraphedDecodeStep(self.rt, step)

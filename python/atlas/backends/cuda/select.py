@@ -1,0 +1,140 @@
+"""Which compiled tuple runs this checkpoint on this GPU, and whether its weights fit.
+
+compute capability -> hardware (targets.toml), config.json -> model, checkpoint -> quant; the
+installed wheel must hold that (hw, model, quant) tuple. Every refusal is one AtlasError line
+that says what to do instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ...errors import AtlasError
+from .kernel_images import TupleKey, installed_tuples, load_image
+
+if TYPE_CHECKING:
+    from ...config import ModelSpec
+    from ...targets import Registry
+    from .backend import CudaBackend
+
+GIB = 1 << 30
+RESERVE_BYTES = 1 << 30  # step arena, caches and states of a typical context, CUDA's own use
+
+
+@dataclass(frozen=True)
+class Selection:
+    key: TupleKey
+    kind: str  # "cubin" or "ptx"
+
+
+def select_tuple(
+    cc: tuple[int, int], model: str | None, quant: str, installed: list[TupleKey], registry: Registry
+) -> Selection:
+    """The installed tuple for this GPU, model and quant (native cubin first, then PTX JIT)."""
+    from ...targets import hardware_candidates
+
+    if model is None:
+        known = ", ".join(registry.models)
+        raise AtlasError(
+            f"this checkpoint is none of the models atlas has GPU kernels for ({known}); "
+            "use --device cpu"
+        )
+    candidates = hardware_candidates(cc, registry)
+    if not candidates:
+        raise AtlasError(
+            f"no atlas hardware target serves this GPU (compute capability {cc[0]}.{cc[1]}; "
+            f"targets: {', '.join(registry.hardware)}); use --device cpu"
+        )
+    have = set(installed)
+    for hw in candidates:
+        key = TupleKey(hw.name, model, quant)
+        if key in have:
+            native = hw.has_cubin and f"{cc[0]}.{cc[1]}" in hw.serves
+            return Selection(key, "cubin" if native else "ptx")
+    best = candidates[0].name
+    held = ", ".join(str(k) for k in installed) or "no GPU kernels (a CPU-only +cpu wheel)"
+    raise AtlasError(
+        f"the installed atlas wheel holds {held}, not {best}/{model}/{quant} for this GPU "
+        f"(compute capability {cc[0]}.{cc[1]}); build it with "
+        f"`ATLAS_TARGET_HW={best} ATLAS_TARGET_MODEL={model} ATLAS_TARGET_QUANT={quant} pip wheel .` "
+        "and install that wheel, or use --device cpu"
+    )
+
+
+def device_weight_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
+    """Bytes the weights take on the device: matrices bf16, vectors f32 (vision/MTP skipped)."""
+    total = 0
+    for name, shape in shapes.items():
+        if name.startswith(("model.visual.", "visual.", "mtp.")):
+            continue
+        total += math.prod(shape) * (2 if len(shape) >= 2 else 4)
+    return total
+
+
+def check_fits(weight_bytes: int, free_bytes: int, total_bytes: int, reserve: int = RESERVE_BYTES) -> None:
+    if weight_bytes + reserve > free_bytes:
+        raise AtlasError(
+            f"the weights need {weight_bytes / GIB:.1f} GiB (+{reserve / GIB:.1f} GiB working memory) "
+            f"but the GPU has {free_bytes / GIB:.1f} GiB free of {total_bytes / GIB:.1f} GiB; "
+            "free GPU memory, use a smaller quantization, or use --device cpu"
+        )
+
+
+def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    from ...safetensors import Checkpoint
+
+    checkpoint = Checkpoint.open(model_dir)
+    try:
+        return {name: tuple(checkpoint.shape(name)) for name in checkpoint.names()}
+    finally:
+        checkpoint.close()
+
+
+def read_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise AtlasError(f"{path}: cannot read ({err})") from None
+
+
+def open_backend(model_dir: Path, spec: ModelSpec | None = None) -> CudaBackend:
+    """The CUDA backend for this checkpoint, or an AtlasError saying why it cannot run."""
+    from ...targets import load_registry, recognise_model, recognise_quant
+    from .backend import CudaBackend
+    from .driver import open_driver
+    from .runtime import CudaRuntime, RuntimeOptions
+
+    registry = load_registry()
+    model = recognise_model(read_config(model_dir), registry)
+    quant = recognise_quant(model_dir, registry)
+    driver = open_driver(int(os.environ.get("ATLAS_CUDA_DEVICE", "0")))
+    info = driver.device_info()
+    selection = select_tuple(info.cc, model, quant, installed_tuples(), registry)
+    weight_bytes = device_weight_bytes(checkpoint_shapes(Path(model_dir)))
+    free, total = driver.mem_get_info()
+    check_fits(weight_bytes, free, total)
+    image = load_image(selection.key, selection.kind)
+    rt = CudaRuntime(driver, image, RuntimeOptions(check_launches=os.environ.get("ATLAS_CUDA_CHECK") == "1"))
+    backend = CudaBackend(rt)
+    backend.expect_weights(weight_bytes)
+    return backend
+
+
+def open_backend_for_model(model: str, quant: str = "bf16") -> CudaBackend:
+    """The CUDA backend for a registry model by name, without a checkpoint (tests, benchmarks)."""
+    from ...targets import load_registry
+    from .backend import CudaBackend
+    from .driver import open_driver
+    from .runtime import CudaRuntime, RuntimeOptions
+
+    registry = load_registry()
+    driver = open_driver(int(os.environ.get("ATLAS_CUDA_DEVICE", "0")))
+    selection = select_tuple(driver.device_info().cc, model, quant, installed_tuples(), registry)
+    options = RuntimeOptions(check_launches=os.environ.get("ATLAS_CUDA_CHECK") == "1")
+    return CudaBackend(CudaRuntime(driver, load_image(selection.key, selection.kind), options))
