@@ -7,18 +7,17 @@ import os
 import re
 from pathlib import Path
 
+from .demo import DEMO_DIR, DEMO_NAME
 from .errors import AtlasError
 
-DEMO_NAME = "atlas-demo"
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def demo_dir() -> Path:
     """The embedded atlas-demo checkpoint shipped inside the package."""
-    path = Path(__file__).resolve().parent / "demo"
-    if not (path / "config.json").is_file():
-        raise AtlasError(f"the embedded demo model is missing from {path}; reinstall atlas")
-    return path
+    if not (DEMO_DIR / "config.json").is_file():
+        raise AtlasError(f"the embedded demo model is missing from {DEMO_DIR}; reinstall atlas")
+    return DEMO_DIR
 
 
 def hf_hub_cache() -> Path:

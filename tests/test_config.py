@@ -1,0 +1,206 @@
+"""load_spec: config.json (flat or nested) -> ModelSpec, checked against transformers' own parsing,
+and the one-line errors for bad configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atlas.config import load_spec
+from atlas.errors import AtlasError
+
+
+def random_text_config(rng: np.random.Generator) -> dict[str, Any]:
+    kv_heads = int(rng.choice([1, 2, 4]))
+    key_heads = int(rng.choice([1, 2]))
+    experts = int(rng.integers(2, 9))
+    layers = int(rng.integers(1, 9))
+    head_dim = int(rng.choice([16, 32, 64]))
+    config: dict[str, Any] = {
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": int(rng.integers(64, 4096)),
+        "hidden_size": int(rng.choice([32, 64, 128])),
+        "num_hidden_layers": layers,
+        "num_attention_heads": kv_heads * int(rng.integers(1, 4)),
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "linear_num_key_heads": key_heads,
+        "linear_num_value_heads": key_heads * int(rng.integers(1, 4)),
+        "linear_key_head_dim": int(rng.choice([16, 32])),
+        "linear_value_head_dim": int(rng.choice([16, 32])),
+        "num_experts": experts,
+        "num_experts_per_tok": int(rng.integers(1, experts + 1)),
+        "moe_intermediate_size": int(rng.choice([16, 32])),
+        "shared_expert_intermediate_size": int(rng.choice([16, 48])),
+        "rms_norm_eps": float(rng.choice([1e-6, 1e-5])),
+        "eos_token_id": [int(rng.integers(0, 50)), int(rng.integers(50, 64))],
+    }
+    if rng.random() < 0.5:
+        config["layer_types"] = [
+            str(rng.choice(["linear_attention", "full_attention"])) for _ in range(layers)
+        ]
+    else:
+        config["full_attention_interval"] = int(rng.integers(1, 5))
+    theta = float(rng.choice([10000.0, 1e6, 1e7]))
+    factor = float(rng.choice([0.25, 0.5, 1.0]))
+    if rng.random() < 0.5:
+        config["rope_parameters"] = {
+            "rope_type": "default", "rope_theta": theta, "partial_rotary_factor": factor,
+            "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+        }  # fmt: skip
+    else:  # legacy top-level keys
+        config["rope_theta"] = theta
+        config["partial_rotary_factor"] = factor
+    return config
+
+
+def write_config(model_dir: Path, config: dict[str, Any], generation: dict[str, Any] | None = None) -> Path:
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    if generation is not None:
+        (model_dir / "generation_config.json").write_text(json.dumps(generation), encoding="utf-8")
+    return model_dir
+
+
+def nest(text: dict[str, Any], tie: bool) -> dict[str, Any]:
+    return {"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": tie}
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("nested", [False, True])
+def test_spec_matches_transformers(tmp_path: Path, rng: np.random.Generator, nested: bool) -> None:
+    from transformers import AutoConfig
+
+    for i in range(6):
+        text = random_text_config(rng)
+        tie = bool(rng.random() < 0.5)
+        if nested:
+            raw = nest(text, tie)
+        else:
+            raw = {**text, "tie_word_embeddings": tie}
+        model_dir = write_config(tmp_path / f"m{i}", raw)
+        spec = load_spec(model_dir)
+        top = AutoConfig.from_pretrained(model_dir)
+        hf = top.text_config if nested else top
+        rope = hf.rope_parameters
+        assert spec.nested == nested
+        assert spec.layer_types == tuple(hf.layer_types)
+        assert spec.rotary_dim == int(hf.head_dim * rope["partial_rotary_factor"])
+        assert spec.rope_theta == rope["rope_theta"]
+        assert spec.tie_word_embeddings == top.tie_word_embeddings
+        assert spec.eos_token_ids == tuple(hf.eos_token_id)
+        for name in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+            "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "rms_norm_eps", "attention_bias", "hidden_act",
+            "max_position_embeddings",
+        ):  # fmt: skip
+            assert getattr(spec, name) == getattr(hf, name), name
+
+
+def test_defaults_are_transformers_defaults(tmp_path: Path) -> None:
+    from transformers import Qwen3_5MoeTextConfig
+
+    spec = load_spec(write_config(tmp_path, {"model_type": "qwen3_5_moe_text"}))
+    hf = Qwen3_5MoeTextConfig()
+    assert spec.layer_types == tuple(hf.layer_types)
+    assert spec.rotary_dim == int(hf.head_dim * hf.rope_parameters["partial_rotary_factor"])
+    assert spec.rope_theta == hf.rope_parameters["rope_theta"]
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts", "head_dim",
+                 "linear_num_value_heads", "moe_intermediate_size", "tie_word_embeddings"):
+        assert getattr(spec, name) == getattr(hf, name), name
+
+
+def test_generation_config_eos_wins(tmp_path: Path, rng: np.random.Generator) -> None:
+    text = random_text_config(rng)
+    eos = sorted({int(x) for x in rng.integers(0, 64, size=3)})
+    spec = load_spec(write_config(tmp_path, text, {"eos_token_id": eos}))
+    assert spec.eos_token_ids == tuple(eos)
+    single = load_spec(write_config(tmp_path / "b", text, {"eos_token_id": eos[0]}))
+    assert single.eos_token_ids == (eos[0],)
+    fallback = load_spec(write_config(tmp_path / "c", text, {"do_sample": False}))
+    assert fallback.eos_token_ids == tuple(text["eos_token_id"])
+
+
+def test_dtype_from_either_key(tmp_path: Path, rng: np.random.Generator) -> None:
+    text = random_text_config(rng)
+    assert load_spec(write_config(tmp_path / "a", {**text, "dtype": "float32"})).torch_dtype == "float32"
+    nested = {**nest(text, False), "torch_dtype": "bfloat16"}
+    assert load_spec(write_config(tmp_path / "b", nested)).torch_dtype == "bfloat16"
+
+
+def expect_error(model_dir: Path, *needles: str) -> None:
+    with pytest.raises(AtlasError) as caught:
+        load_spec(model_dir)
+    message = str(caught.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, message
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("hidden_size", "2048", "must be an integer"),
+        ("hidden_size", 64.5, "must be an integer"),
+        ("num_experts", True, "must be an integer"),
+        ("num_hidden_layers", 0, "at least 1"),
+        ("rms_norm_eps", "tiny", "must be a number"),
+        ("tie_word_embeddings", 1, "true or false"),
+        ("layer_types", ["linear_attention", "sliding"], "must be a list"),
+        ("eos_token_id", "eos", "integer or a list"),
+        ("hidden_act", "gelu", "silu"),
+    ],
+)
+def test_wrong_typed_field(tmp_path: Path, rng: np.random.Generator, field: str, value: Any, needle: str) -> None:
+    text = random_text_config(rng)
+    text[field] = value
+    config_path = str(tmp_path / "config.json")
+    expect_error(write_config(tmp_path, text), f"'{field}'", needle, config_path)
+
+
+def test_nested_error_names_the_nested_field(tmp_path: Path, rng: np.random.Generator) -> None:
+    text = random_text_config(rng)
+    text["num_attention_heads"] = "many"
+    expect_error(write_config(tmp_path, nest(text, False)), "'text_config.num_attention_heads'")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", None])
+def test_unsupported_model_type(tmp_path: Path, rng: np.random.Generator, model_type: str | None) -> None:
+    text = random_text_config(rng)
+    text["model_type"] = model_type
+    expect_error(write_config(tmp_path, text), "'model_type'", "qwen3_5_moe")
+
+
+def test_nested_without_text_config(tmp_path: Path) -> None:
+    expect_error(write_config(tmp_path, {"model_type": "qwen3_5_moe"}), "'text_config'", "missing")
+
+
+def test_inconsistent_shapes(tmp_path: Path, rng: np.random.Generator) -> None:
+    text = random_text_config(rng)
+    bad_layers = {**text, "layer_types": ["full_attention"] * (text["num_hidden_layers"] + 1)}
+    expect_error(write_config(tmp_path / "a", bad_layers), "'layer_types'", "num_hidden_layers")
+    bad_gqa = {**text, "num_attention_heads": 3, "num_key_value_heads": 2}
+    expect_error(write_config(tmp_path / "b", bad_gqa), "'num_key_value_heads'")
+    bad_topk = {**text, "num_experts": 2, "num_experts_per_tok": 3}
+    expect_error(write_config(tmp_path / "c", bad_topk), "'num_experts_per_tok'")
+    bad_rope = {**text, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
+    expect_error(write_config(tmp_path / "d", bad_rope), "'rope_parameters.rope_type'", "yarn")
+    odd_rotary = {**text, "head_dim": 16, "rope_parameters": {"partial_rotary_factor": 0.1}}
+    expect_error(write_config(tmp_path / "e", odd_rotary), "partial_rotary_factor")
+
+
+def test_missing_or_broken_files(tmp_path: Path, rng: np.random.Generator) -> None:
+    expect_error(tmp_path, "config.json", "not found")
+    (tmp_path / "config.json").write_text("{not json", encoding="utf-8")
+    expect_error(tmp_path, "not valid JSON")
+    (tmp_path / "config.json").write_text("[1, 2]", encoding="utf-8")
+    expect_error(tmp_path, "JSON object")
+    write_config(tmp_path, random_text_config(rng), {"eos_token_id": [1.5]})
+    expect_error(tmp_path, "generation_config.json", "'eos_token_id'")
