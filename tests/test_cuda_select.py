@@ -1,0 +1,357 @@
+"""CPU-testable parts of the CUDA backend: tuple selection, error lines, the memory check, and the
+runtime (arena, launches, uploads, graph replay) over an emulated driver that keeps device memory
+in host RAM. No GPU needed."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atlas.backends.cuda.driver import CudaError, DeviceInfo, LaunchArgs
+from atlas.backends.cuda.graph import GraphedDecodeStep
+from atlas.backends.cuda.kernel_images import TupleKey
+from atlas.backends.cuda.runtime import CudaRuntime, KernelImage, RuntimeOptions
+from atlas.backends.cuda.select import check_fits, device_weight_bytes, select_tuple
+from atlas.backends.cuda.tensor import DeviceTensor
+from atlas.backends.cuda.upload import Uploader, from_storage, to_storage
+from atlas.errors import AtlasError
+from atlas.targets import load_registry
+
+QWEN = "qwen3.6-35b-a3b"
+
+
+# --- selection ------------------------------------------------------------------------------------
+def test_h200_cubin_chosen_on_cc90() -> None:
+    installed = [TupleKey("h200", QWEN, "bf16"), TupleKey("sm80", QWEN, "bf16")]
+    selection = select_tuple((9, 0), QWEN, "bf16", installed, load_registry())
+    assert selection.key == TupleKey("h200", QWEN, "bf16")
+    assert selection.kind == "cubin"
+
+
+def test_portable_ptx_chosen_when_native_tuple_missing() -> None:
+    installed = [TupleKey("sm80", QWEN, "bf16")]
+    assert select_tuple((9, 0), QWEN, "bf16", installed, load_registry()).kind == "ptx"
+    assert select_tuple((8, 9), QWEN, "bf16", installed, load_registry()).key.hw == "sm80"
+
+
+def test_missing_tuple_names_wheel_contents_and_build_command() -> None:
+    installed = [TupleKey("gb10", "atlas-demo", "bf16")]
+    with pytest.raises(AtlasError) as err:
+        select_tuple((9, 0), QWEN, "bf16", installed, load_registry())
+    line = str(err.value)
+    assert "\n" not in line
+    assert "gb10/atlas-demo/bf16" in line
+    assert f"ATLAS_TARGET_HW=h200 ATLAS_TARGET_MODEL={QWEN} ATLAS_TARGET_QUANT=bf16 pip wheel ." in line
+
+
+def test_cpu_wheel_is_said_plainly() -> None:
+    with pytest.raises(AtlasError, match=r"CPU-only \+cpu wheel"):
+        select_tuple((12, 1), QWEN, "bf16", [], load_registry())
+
+
+def test_unknown_model_and_old_gpu_are_refused() -> None:
+    installed = [TupleKey("sm80", QWEN, "bf16")]
+    with pytest.raises(AtlasError, match="none of the models"):
+        select_tuple((9, 0), None, "bf16", installed, load_registry())
+    with pytest.raises(AtlasError, match="compute capability 7.5"):
+        select_tuple((7, 5), QWEN, "bf16", installed, load_registry())
+
+
+def test_memory_check_names_sizes(rng: np.random.Generator) -> None:
+    gib = 1 << 30
+    weights = int(rng.integers(60, 80)) * gib
+    check_fits(weights, weights + 2 * gib, 141 * gib)
+    with pytest.raises(AtlasError) as err:
+        check_fits(weights, weights - gib, 141 * gib)
+    assert f"{weights / gib:.1f} GiB" in str(err.value) and "141.0 GiB" in str(err.value)
+
+
+def test_device_weight_bytes_counts_bf16_matrices_f32_vectors_and_skips_vision() -> None:
+    shapes = {"model.layers.0.mlp.gate.weight": (256, 2048), "model.norm.weight": (2048,),
+              "model.visual.blocks.0.w": (1024, 1024), "mtp.fc.weight": (2048, 4096)}
+    assert device_weight_bytes(shapes) == 256 * 2048 * 2 + 2048 * 4
+
+
+def test_auto_device_falls_back_to_cpu_without_a_gpu(tmp_path: Path) -> None:
+    from atlas.backends import create_backend
+    from atlas.backends.cuda.driver import open_driver
+
+    try:
+        open_driver(0)
+    except AtlasError:
+        pass
+    else:
+        pytest.skip("a GPU is present: the fallback is not reachable here")
+    demo = Path(__file__).resolve().parent.parent / "python" / "atlas" / "demo"
+    if not (demo / "config.json").is_file():
+        pytest.skip("the embedded demo checkpoint is not in the tree yet")
+    from atlas.config import load_spec
+
+    backend, reason = create_backend("auto", demo, load_spec(demo))
+    assert backend.name != "cuda" and reason.startswith("cpu") and "cuda unavailable" in reason
+    with pytest.raises(AtlasError):
+        create_backend("cuda", demo, load_spec(demo))
+
+
+# --- an emulated driver: device memory is host RAM -----------------------------------------------
+@dataclass
+class FakeDriver:
+    binding: str = "fake"
+    graphs: bool = True
+    heap: Any = None
+    next_ptr: int = 0
+    allocs: dict[int, int] = field(default_factory=dict)
+    launches: list[tuple[str, tuple[int, int, int], bytes, int]] = field(default_factory=list)
+    smem_raised: dict[str, int] = field(default_factory=dict)
+    capturing: bool = False
+    recorded: list[Any] = field(default_factory=list)
+    graph_launches: int = 0
+
+    def __post_init__(self) -> None:
+        self.heap = ctypes.create_string_buffer(64 << 20)
+        self.next_ptr = (ctypes.addressof(self.heap) + 255) // 256 * 256
+
+    def device_info(self) -> DeviceInfo:
+        return DeviceInfo("Fake H200", (9, 0), 132, 227 * 1024, 141 << 30, 13000)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return 100 << 30, 141 << 30
+
+    def module_load(self, image: bytes) -> Any:
+        return ("module", image)
+
+    def get_function(self, module: Any, name: str) -> Any:
+        if not name.startswith("atlas_"):
+            raise CudaError(f"cuModuleGetFunction failed: CUDA_ERROR_NOT_FOUND")
+        return name
+
+    def set_max_dynamic_smem(self, function: Any, nbytes: int) -> None:
+        self.smem_raised[function] = nbytes
+
+    def mem_alloc(self, nbytes: int) -> int:
+        ptr = self.next_ptr
+        self.next_ptr += (nbytes + 255) // 256 * 256
+        assert self.next_ptr <= ctypes.addressof(self.heap) + len(self.heap) - 256, "fake heap exhausted"
+        self.allocs[ptr] = nbytes
+        return ptr
+
+    def mem_free(self, ptr: int) -> None:
+        assert not self.capturing, "cuMemFree during capture"
+        del self.allocs[ptr]
+
+    def _op(self, op: Any) -> None:
+        if self.capturing:
+            self.recorded.append(op)
+        else:
+            op()
+
+    def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any) -> None:
+        assert not self.capturing
+        ctypes.memmove(dst, src_host, nbytes)
+
+    def memcpy_dtoh(self, dst_host: int, src: int, nbytes: int, stream: Any) -> None:
+        assert not self.capturing
+        ctypes.memmove(dst_host, src, nbytes)
+
+    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self._op(lambda: ctypes.memmove(dst, src, nbytes))
+
+    def memset_d8(self, dst: int, value: int, nbytes: int, stream: Any) -> None:
+        self._op(lambda: ctypes.memset(dst, value, nbytes))
+
+    def launch(self, launch: LaunchArgs) -> None:
+        params = ctypes.string_at(launch.params_addr, launch.params_size)
+        self._op(lambda: self.launches.append((launch.kernel, launch.grid, params, launch.smem)))
+
+    def stream_create(self) -> Any:
+        return "stream"
+
+    def stream_synchronize(self, stream: Any) -> None:
+        assert not self.capturing
+
+    def event_create(self) -> Any:
+        return object()
+
+    def event_record(self, event: Any, stream: Any) -> None:
+        pass
+
+    def event_synchronize(self, event: Any) -> None:
+        pass
+
+    def event_elapsed_ms(self, start: Any, end: Any) -> float:
+        return 1.0
+
+    def begin_capture(self, stream: Any) -> None:
+        self.capturing, self.recorded = True, []
+
+    def end_capture(self, stream: Any) -> Any:
+        self.capturing = False
+        return list(self.recorded)
+
+    def graph_launch(self, graph_exec: Any, stream: Any) -> None:
+        self.graph_launches += 1
+        for op in graph_exec:
+            op()
+
+    def graph_destroy(self, graph_exec: Any) -> None:
+        pass
+
+
+def make_runtime(arena_bytes: int = 1 << 20) -> tuple[CudaRuntime, FakeDriver]:
+    driver = FakeDriver()
+    image = KernelImage("fake/model/bf16 (cubin)", b"\x7fELF", "cubin")
+    return CudaRuntime(driver, image, RuntimeOptions(arena_bytes=arena_bytes)), driver
+
+
+class AddParams(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("n", ctypes.c_int32),
+                ("scale", ctypes.c_float)]
+
+
+# --- runtime --------------------------------------------------------------------------------------
+def test_arena_is_deterministic_and_grows_then_folds(rng: np.random.Generator) -> None:
+    rt, driver = make_runtime(arena_bytes=1 << 20)
+    sizes = [tuple(int(d) for d in rng.integers(1, 100, size=2)) for _ in range(20)]
+    first = [rt.empty(s, "f32").ptr for s in sizes]
+    assert all(p % 256 == 0 for p in first)
+    rt.reset_step()
+    assert [rt.empty(s, "f32").ptr for s in sizes] == first
+    generation = rt.arena.generation
+    big = rt.empty((1 << 19,), "f32")  # 2 MiB: more than the arena holds
+    assert big.ptr not in first
+    rt.reset_step()
+    assert rt.arena.generation == generation + 1
+    assert len(driver.allocs) >= 1
+
+
+def test_launch_passes_the_struct_bytes_and_raises_smem_limit(rng: np.random.Generator) -> None:
+    rt, driver = make_runtime()
+    x = rt.empty((64,), "f32")
+    out = rt.empty((64,), "f32")
+    scale = float(rng.standard_normal())
+    params = AddParams(x.ptr, out.ptr, 64, scale)
+    rt.launch("atlas_add", (1, 1, 1), (64, 1, 1), params, smem=100 * 1024)
+    kernel, grid, raw, smem = driver.launches[-1]
+    assert kernel == "atlas_add" and raw == bytes(params) and smem == 100 * 1024
+    assert driver.smem_raised["atlas_add"] == 100 * 1024
+    with pytest.raises(CudaError, match="allows"):
+        rt.launch("atlas_add", (1, 1, 1), (64, 1, 1), params, smem=300 * 1024)
+    with pytest.raises(ValueError, match="threads"):
+        rt.launch("atlas_add", (1, 1, 1), (2048, 1, 1), params)
+    with pytest.raises(ValueError, match="grid"):
+        rt.launch("atlas_add", (0, 1, 1), (32, 1, 1), params)
+    with pytest.raises(CudaError, match="not in fake/model/bf16"):
+        rt.launch("missing", (1, 1, 1), (32, 1, 1), params)
+
+
+def test_upload_round_trips_and_rounds_bf16_like_torch(rng: np.random.Generator) -> None:
+    import torch
+
+    rt, _ = make_runtime()
+    uploader = Uploader(rt)
+    matrix = rng.standard_normal((37, 64)).astype(np.float32) * 3
+    device = uploader.upload(matrix, "bf16")
+    back = from_storage(rt.read(device), "bf16")
+    expected = torch.from_numpy(matrix).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(back, expected)
+    ids = rng.integers(0, 1000, size=17).astype(np.int64)
+    np.testing.assert_array_equal(rt.read(uploader.upload(ids, "i32")), ids.astype(np.int32))
+    vec = rng.standard_normal(33).astype(np.float32)
+    np.testing.assert_array_equal(rt.read(uploader.upload(vec, "f32")), vec)
+
+
+def test_broadcast_upload_is_replicated_on_device(rng: np.random.Generator) -> None:
+    rt, _ = make_runtime()
+    tile = rng.standard_normal((3, 16, 8)).astype(np.float32)
+    experts = int(rng.integers(5, 13))
+    stacked = np.broadcast_to(tile[None], (experts, 3, 16, 8))
+    device = Uploader(rt).upload(stacked, "bf16")
+    assert device.shape == (experts, 3, 16, 8)
+    back = from_storage(rt.read(device), "bf16")
+    np.testing.assert_array_equal(back, np.broadcast_to(from_storage(to_storage(tile, "bf16"), "bf16"), back.shape))
+
+
+def test_persistent_memory_is_reused_after_release() -> None:
+    rt, driver = make_runtime()
+    a = rt.persistent((16,), "i32")
+    ptr = a.ptr
+    del a
+    import gc
+
+    gc.collect()
+    assert rt.persistent((16,), "i32").ptr == ptr
+
+
+def _fake_step(rt: CudaRuntime) -> Any:
+    """A stand-in decode step: out = ids (a device copy), plus one recorded kernel launch."""
+
+    def step(ids: DeviceTensor, positions: DeviceTensor) -> DeviceTensor:
+        rt.reset_step()
+        out = rt.empty(ids.shape, "i32")
+        rt.memset_zero(out)
+        rt.copy(out, ids)
+        rt.launch("atlas_step", (1, 1, 1), (32, 1, 1), AddParams(ids.ptr, out.ptr, 1, 0.0))
+        return out
+
+    return step
+
+
+def test_decode_graph_captures_once_and_feeds_inputs(rng: np.random.Generator) -> None:
+    rt, driver = make_runtime()
+    graphed = GraphedDecodeStep(rt, _fake_step(rt))
+    tokens = rng.integers(0, 50000, size=5)
+    previous: DeviceTensor | None = None
+    for position, token in enumerate(tokens):
+        ids = previous if previous is not None and position % 2 else rt.persistent((1,), "i32")
+        if ids is not previous:
+            rt.write(ids, np.array([token], dtype=np.int32))
+        expected = int(rt.read(ids)[0])
+        positions = np.array([position], dtype=np.int32)
+        out = graphed(ids, positions)
+        assert int(rt.read(out)[0]) == expected
+        assert int(rt.read(graphed._graph.positions)[0]) == position
+        previous = out
+    assert graphed.captures == 1
+    assert driver.graph_launches == len(tokens)
+    assert len(driver.launches) == len(tokens)
+
+
+def test_decode_graph_recaptures_after_arena_moves() -> None:
+    rt, _ = make_runtime(arena_bytes=1 << 20)
+    graphed = GraphedDecodeStep(rt, _fake_step(rt))
+    ids = rt.persistent((1,), "i32")
+    rt.write(ids, np.array([7], dtype=np.int32))
+    graphed(ids, np.array([0], dtype=np.int32))
+    rt.empty((1 << 19,), "f32")  # a big prefill grows the arena
+    rt.reset_step()
+    out = graphed(ids, np.array([1], dtype=np.int32))
+    assert graphed.captures == 2 and int(rt.read(out)[0]) == 7
+
+
+def test_capture_refuses_host_copies_and_ends_cleanly() -> None:
+    rt, driver = make_runtime()
+
+    def bad_step(ids: DeviceTensor, positions: DeviceTensor) -> DeviceTensor:
+        return rt.persistent((4,), "f32")
+
+    graphed = GraphedDecodeStep(rt, bad_step)
+    ids = rt.persistent((1,), "i32")
+    rt.write(ids, np.array([1], dtype=np.int32))
+    with pytest.raises(CudaError, match="inside a captured decode step"):
+        graphed(ids, np.array([0], dtype=np.int32))
+    assert not rt.capturing and not driver.capturing
+
+
+def test_tensor_views() -> None:
+    t = DeviceTensor(4096, (6, 4, 8), "bf16")
+    assert t.reshape(-1, 8).shape == (24, 8) and t.reshape((48, 4)).nbytes == t.nbytes
+    assert t.rows(2, 5).ptr == 4096 + 2 * 4 * 8 * 2 and t.rows(2, 5).shape == (3, 4, 8)
+    with pytest.raises(ValueError):
+        t.reshape(5, -1)
+    assert math.prod(t.shape) == t.numel
