@@ -1,0 +1,117 @@
+"""resolve_model: directories, the local Hugging Face cache layout, registry names, the demo."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import atlas.resolve as resolve
+from atlas.errors import AtlasError
+from atlas.resolve import resolve_model
+
+
+def random_name(rng: np.random.Generator) -> str:
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return "".join(rng.choice(list(letters), size=8))
+
+
+def make_snapshot(cache: Path, repo_id: str, revision: str, with_config: bool = True) -> Path:
+    snapshot = cache / ("models--" + repo_id.replace("/", "--")) / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    if with_config:
+        (snapshot / "config.json").write_text("{}", encoding="utf-8")
+    return snapshot
+
+
+def set_ref(cache: Path, repo_id: str, revision: str) -> None:
+    refs = cache / ("models--" + repo_id.replace("/", "--")) / "refs"
+    refs.mkdir(parents=True, exist_ok=True)
+    (refs / "main").write_text(revision, encoding="utf-8")
+
+
+def error_of(arg: str | None) -> str:
+    with pytest.raises(AtlasError) as caught:
+        resolve_model(arg)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def test_directory(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}", encoding="utf-8")
+    assert resolve_model(str(tmp_path)) == tmp_path.resolve()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no config.json" in error_of(str(empty))
+    assert "is a file" in error_of(str(tmp_path / "config.json"))
+
+
+def test_repo_id_follows_refs_main(hub: Path, rng: np.random.Generator) -> None:
+    repo = f"{random_name(rng)}/{random_name(rng)}-7B"
+    pinned = make_snapshot(hub, repo, "a" * 40)
+    newer = make_snapshot(hub, repo, "b" * 40)
+    os.utime(newer, (time.time() + 100, time.time() + 100))
+    set_ref(hub, repo, "a" * 40)
+    assert resolve_model(repo) == pinned
+
+
+def test_repo_id_without_ref_takes_newest(hub: Path, rng: np.random.Generator) -> None:
+    repo = f"Org/{random_name(rng)}"
+    make_snapshot(hub, repo, "1" * 40)
+    newest = make_snapshot(hub, repo, "2" * 40)
+    os.utime(newest, (time.time() + 100, time.time() + 100))
+    assert resolve_model(repo) == newest
+
+
+def test_hf_home_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    repo = f"Org/{random_name(rng)}"
+    snapshot = make_snapshot(tmp_path / "hf" / "hub", repo, "c" * 40)
+    assert resolve_model(repo) == snapshot
+
+
+def test_missing_repo_says_how_to_download(hub: Path, rng: np.random.Generator) -> None:
+    repo = f"Org/{random_name(rng)}"
+    message = error_of(repo)
+    assert f"hf download {repo}" in message and str(hub) in message
+
+
+def test_incomplete_snapshot(hub: Path, rng: np.random.Generator) -> None:
+    repo = f"Org/{random_name(rng)}"
+    make_snapshot(hub, repo, "d" * 40, with_config=False)
+    assert f"hf download {repo}" in error_of(repo)
+
+
+def test_registry_name(hub: Path) -> None:
+    assert "hf download Qwen/Qwen3.6-35B-A3B" in error_of("qwen3.6-35b-a3b")
+    snapshot = make_snapshot(hub, "Qwen/Qwen3.6-35B-A3B", "e" * 40)
+    set_ref(hub, "Qwen/Qwen3.6-35B-A3B", "e" * 40)
+    assert resolve_model("qwen3.6-35b-a3b") == snapshot
+    assert resolve_model("Qwen3.6-35B-A3B") == snapshot
+
+
+def test_unknown_name_lists_registry(hub: Path, rng: np.random.Generator) -> None:
+    message = error_of(random_name(rng))
+    assert "qwen3.6-35b-a3b" in message and "no such directory" in message
+
+
+def test_default_is_the_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resolve, "DEMO_DIR", tmp_path)
+    assert "reinstall atlas" in error_of(None)
+    (tmp_path / "config.json").write_text("{}", encoding="utf-8")
+    assert resolve_model(None) == tmp_path
+    assert resolve_model("atlas-demo") == tmp_path
