@@ -44,7 +44,7 @@ def train_tokenizer(model_dir: Path, vocab_size: int = 320, chat_template: str |
     config: dict[str, object] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|im_end|>",
-        "pad_token": {"content": "<|endoftext|>", "special": True},
+        "pad_token": {"__type": "AddedToken", "content": "<|endoftext|>", "special": True},
     }
     if chat_template is not None:
         config["chat_template"] = chat_template

@@ -1,0 +1,193 @@
+"""Tokenizer: `tokenizers` with tokenizer.json, incremental detokenisation for streaming, and the
+chat template (tokenizer_config.json or chat_template.jinja) rendered with sandboxed jinja2."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from .errors import AtlasError
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class Tokenizer:
+    backend: Any  # tokenizers.Tokenizer
+    source: Path  # the model directory
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)  # "eos_token" -> "<|im_end|>"
+
+    @classmethod
+    def open(cls, model_dir: Path) -> Tokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise AtlasError(f"{path} not found; the model directory needs its tokenizer.json")
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises plain Exception subclasses on bad files
+            raise AtlasError(f"{path} cannot be loaded ({first_line(err)}); re-download it") from None
+        config = read_tokenizer_config(model_dir / "tokenizer_config.json")
+        return cls(
+            backend=backend,
+            source=model_dir,
+            chat_template=read_chat_template(model_dir, config),
+            special_tokens=read_special_tokens(model_dir / "tokenizer_config.json", config),
+        )
+
+    # --- ids and text -------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, key: str) -> int | None:
+        """The id of a special token named in tokenizer_config.json ("eos_token"...), if any."""
+        token = self.special_tokens.get(key)
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_id("eos_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.token_id("bos_token")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens)
+
+    # --- chat ---------------------------------------------------------------------------------
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        if self.chat_template is None:
+            raise AtlasError(
+                f"{self.source} has no chat template (tokenizer_config.json 'chat_template' or "
+                "chat_template.jinja); run without --chat"
+            )
+        context = {**self.special_tokens, **extra}
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt, **context
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The rendered template already holds its special tokens, so none are added."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+class StreamDecoder:
+    """Turns generated ids into text pieces, holding back bytes of an unfinished UTF-8
+    character. Decodes a short window (prefix .. end) each step, so the cost stays flat."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the window that gives context to the next piece
+        self.read_offset = 0  # ids before this have been emitted
+
+    def _decode(self, start: int, stop: int | None = None) -> str:
+        return self.tokenizer.decode(self.ids[start:stop], self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text it completes ("" while a character is unfinished)."""
+        self.ids.append(token_id)
+        emitted = self._decode(self.prefix_offset, self.read_offset)
+        current = self._decode(self.prefix_offset)
+        if len(current) <= len(emitted) or current.endswith(REPLACEMENT_CHAR):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return current[len(emitted) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back (possibly with replacement characters)."""
+        emitted = self._decode(self.prefix_offset, self.read_offset)
+        current = self._decode(self.prefix_offset)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return current[len(emitted) :]
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def read_tokenizer_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise AtlasError(f"{path} is not valid JSON ({err}); re-download or fix it") from None
+    if not isinstance(data, dict):
+        raise AtlasError(f"{path} must hold a JSON object; re-download or fix it")
+    return data
+
+
+def read_special_tokens(path: Path, config: dict[str, Any]) -> dict[str, str]:
+    """bos/eos/pad/unk token strings; tokenizer_config stores each as a string or {"content"}."""
+    tokens: dict[str, str] = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise AtlasError(f"{path}: field '{key}' must be a string, got {value!r}; fix the file")
+        tokens[key] = value
+    return tokens
+
+
+def read_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja wins over tokenizer_config.json, as in transformers 5."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise AtlasError(
+            f"{model_dir / 'tokenizer_config.json'}: field 'chat_template' must be a string; fix it"
+        )
+    return template
+
+
+def render_chat_template(template: str, messages: list[dict[str, Any]], **context: Any) -> str:
+    """Render as transformers does: sandboxed, trim_blocks/lstrip_blocks, tojson without HTML
+    escaping, raise_exception and strftime_now available."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kw)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template).render(messages=messages, **context)
+    except jinja2.exceptions.TemplateError as err:
+        raise AtlasError(f"the chat template failed: {first_line(err)}") from None

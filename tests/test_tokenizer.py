@@ -1,0 +1,122 @@
+"""Tokenizer: round trips, streaming detokenisation of split UTF-8 characters, and chat templates
+rendered exactly as transformers renders them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atlas.errors import AtlasError
+from atlas.tokenizer import Tokenizer
+from runtime_checkpoint import CHATML_TEMPLATE, train_tokenizer
+
+ALPHABET = list("abcdefghij KLMNOP.,!?\n") + list("äöüßé你好世界こんにちは🙂🚀Ωλ")
+
+
+def random_text(rng: np.random.Generator, length: int) -> str:
+    return "".join(rng.choice(ALPHABET, size=length))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tok")
+    train_tokenizer(path)
+    return path
+
+
+def test_round_trip(model_dir: Path, rng: np.random.Generator) -> None:
+    tokenizer = Tokenizer.open(model_dir)
+    for _ in range(20):
+        text = random_text(rng, int(rng.integers(1, 60)))
+        ids = tokenizer.encode(text)
+        assert all(0 <= i < tokenizer.vocab_size for i in ids)
+        assert tokenizer.decode(ids) == text
+
+
+def test_stream_decoder_matches_full_decode(model_dir: Path, rng: np.random.Generator) -> None:
+    tokenizer = Tokenizer.open(model_dir)
+    for _ in range(20):
+        text = random_text(rng, int(rng.integers(1, 80)))
+        ids = tokenizer.encode(text)
+        decoder = tokenizer.stream_decoder()
+        pieces = [decoder.push(i) for i in ids]
+        assert "".join(pieces) + decoder.flush() == text
+        assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_stream_decoder_holds_back_partial_characters(model_dir: Path) -> None:
+    tokenizer = Tokenizer.open(model_dir)
+    emoji_bytes = [tokenizer.backend.token_to_id(t) for t in tokenizer.backend.encode("🙂").tokens]
+    byte_level = tokenizer.backend.encode("\U0001fab8").ids  # a character absent from training
+    assert len(byte_level) > 1, "expected a rare character to split into byte tokens"
+    decoder = tokenizer.stream_decoder()
+    assert [decoder.push(i) for i in byte_level[:-1]] == [""] * (len(byte_level) - 1)
+    assert decoder.push(byte_level[-1]) == "\U0001fab8"
+    assert "".join(decoder.push(i) for i in emoji_bytes) == "🙂"
+    truncated = tokenizer.stream_decoder()
+    truncated.push(byte_level[0])
+    assert truncated.flush() == "\ufffd"  # what is left at the end still comes out
+
+
+def test_special_tokens_from_config(model_dir: Path) -> None:
+    tokenizer = Tokenizer.open(model_dir)
+    assert tokenizer.eos_token_id == tokenizer.backend.token_to_id("<|im_end|>")
+    assert tokenizer.special_tokens["pad_token"] == "<|endoftext|>"  # {"content": ...} form
+    assert tokenizer.bos_token_id is None
+
+
+@pytest.mark.oracle
+def test_chat_template_matches_transformers(model_dir: Path, rng: np.random.Generator) -> None:
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = Tokenizer.open(model_dir)
+    for turns in (1, 3):
+        roles = ["user", "assistant"] * 2
+        messages = [{"role": roles[i], "content": random_text(rng, 12)} for i in range(turns)]
+        for add in (True, False):
+            want = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+            assert tokenizer.apply_chat_template(messages, add_generation_prompt=add) == want
+        encoded = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        assert tokenizer.encode_chat(messages) == list(encoded["input_ids"])
+
+
+def test_chat_template_jinja_file_wins(tmp_path: Path, rng: np.random.Generator) -> None:
+    train_tokenizer(tmp_path)
+    marker = random_text(rng, 6)
+    (tmp_path / "chat_template.jinja").write_text(
+        marker + "{% for m in messages %}[{{ m.role }}]{{ m.content | tojson }}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>{% endif %}",
+        encoding="utf-8",
+    )
+    tokenizer = Tokenizer.open(tmp_path)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "é"}])
+    assert text == marker + '[user]"é"<|im_start|>'
+    assert tokenizer.encode_chat([{"role": "user", "content": "é"}])[-1] == tokenizer.backend.token_to_id("<|im_start|>")
+
+
+def test_chat_template_errors(tmp_path: Path) -> None:
+    train_tokenizer(tmp_path, chat_template=None)
+    with pytest.raises(AtlasError, match="no chat template"):
+        Tokenizer.open(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if messages[0].role != 'system' %}{{ raise_exception('System message must be first') }}{% endif %}",
+        encoding="utf-8",
+    )
+    with pytest.raises(AtlasError, match="System message must be first"):
+        Tokenizer.open(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_missing_or_broken_files(tmp_path: Path) -> None:
+    with pytest.raises(AtlasError, match="tokenizer.json not found"):
+        Tokenizer.open(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{broken", encoding="utf-8")
+    with pytest.raises(AtlasError, match="cannot be loaded"):
+        Tokenizer.open(tmp_path)
+    train_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": 5}), encoding="utf-8")
+    with pytest.raises(AtlasError, match="'eos_token' must be a string"):
+        Tokenizer.open(tmp_path)
