@@ -1,0 +1,154 @@
+"""The generation engine: one model, its state, prefill in one pass, then one token per step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .backends.base import Backend, SamplingParams, Tensor
+from .config import ModelSpec
+from .errors import AtlasError
+from .layers.step import Dump, Step
+from .models import load_model
+from .safetensors import Checkpoint
+from .sampling import check_sampling
+
+
+@dataclass
+class GenerationStats:
+    token_ids: list[int] = field(default_factory=list)  # new tokens, the eos that stopped it included
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int | None
+    eos_ids: set[int]
+    on_token: Callable[[int], None] | None = None
+
+
+class Engine:
+    def __init__(self, spec: ModelSpec, checkpoint: Checkpoint, backend: Backend, max_seq_len: int = 4096):
+        if max_seq_len < 1:
+            raise AtlasError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        self.spec = spec
+        self.backend = backend
+        self.max_seq_len = max_seq_len
+        self.model = load_model(spec, checkpoint, backend)
+        self.dump: Dump | None = None  # set to receive every named intermediate (not during graphs)
+        self.reset()
+
+    def reset(self) -> None:
+        """Fresh caches and states; the decode step is rebuilt on first use for the new buffers."""
+        self.states: list[Any] = self.model.new_state(self.backend, self.max_seq_len)
+        self._decode: Callable[[Tensor, Tensor], Tensor] | None = None
+
+    # --- steps --------------------------------------------------------------------------------
+    def forward(self, ids: Tensor, positions: Tensor) -> Tensor:
+        """ids, positions [T] i32 -> final-normed hidden [T, H]; updates the state in place."""
+        step = Step(self.backend, positions, self.dump)
+        return self.model.forward(step, ids, self.states)
+
+    def _last_logits(self, ids: Tensor, positions: Tensor) -> Tensor:
+        """Logits of the last token only [1, V] (the row is gathered with the embedding op)."""
+        hidden = self.forward(ids, positions)  # [T, H]
+        last = self.backend.upload(np.array([ids.shape[0] - 1], dtype=np.int32), "i32")
+        return self.model.logits(Step(self.backend, positions, self.dump), self.backend.embedding(hidden, last))
+
+    def _decode_step(self, ids: Tensor, positions: Tensor) -> Tensor:
+        step = Step(self.backend, positions, None)
+        return self.model.logits(step, self.forward(ids, positions))  # [1, V]
+
+    def _ids(self, values: list[int], start: int) -> tuple[Tensor, Tensor]:
+        ids = self.backend.upload(np.asarray(values, dtype=np.int32), "i32")
+        positions = self.backend.upload(np.arange(start, start + len(values), dtype=np.int32), "i32")
+        return ids, positions
+
+    def prefill(self, prompt_ids: list[int]) -> Tensor:
+        """Run the whole prompt from a fresh state -> logits of its last token [1, V]."""
+        self.check_ids(prompt_ids, 0)
+        self.reset()
+        return self._last_logits(*self._ids(prompt_ids, 0))
+
+    def decode(self, token: int, position: int) -> Tensor:
+        """One token at `position` -> its logits [1, V]."""
+        self.check_ids([token], position)
+        if self._decode is None:
+            self._decode = self.backend.make_decode_step(self._decode_step)
+        return self._decode(*self._ids([token], position))
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """Teacher-forced logits of every position [T, V] from a fresh state."""
+        self.check_ids(ids, 0)
+        self.reset()
+        token_ids, positions = self._ids(ids, 0)
+        step = Step(self.backend, positions, self.dump)
+        return self.backend.to_numpy(self.model.logits(step, self.forward(token_ids, positions)))
+
+    def check_ids(self, ids: list[int], start: int) -> None:
+        if not ids:
+            raise AtlasError("the prompt is empty; give at least one token")
+        if start + len(ids) > self.max_seq_len:
+            raise AtlasError(
+                f"{start + len(ids)} tokens exceed max_seq_len {self.max_seq_len}; "
+                "shorten the prompt or max_tokens, or raise max_seq_len"
+            )
+        bad = [i for i in ids if not 0 <= i < self.spec.vocab_size]
+        if bad:
+            raise AtlasError(f"token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
+
+    # --- generation ---------------------------------------------------------------------------
+    def pick(self, logits: Tensor, sampling: SamplingParams, rng: np.random.Generator) -> int:
+        if sampling.temperature == 0:
+            token = self.backend.argmax(logits)
+        else:
+            token = self.backend.sample(logits, sampling, float(rng.random()))
+        return int(self.backend.to_numpy(token)[0])
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        seed: int | None,
+        eos_ids: set[int],
+        on_token: Callable[[int], None] | None = None,
+    ) -> GenerationStats:
+        request = GenerationRequest(list(prompt_ids), max_tokens, sampling, seed, set(eos_ids), on_token)
+        return self.run(request)
+
+    def run(self, request: GenerationRequest) -> GenerationStats:
+        check_sampling(request.sampling)
+        if request.max_tokens < 0:
+            raise AtlasError(f"max_tokens must be >= 0, got {request.max_tokens}")
+        self.check_ids(request.prompt_ids, max(request.max_tokens - 1, 0))  # the last token is not fed
+        stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
+        if request.max_tokens == 0:
+            return stats
+        rng = np.random.default_rng(request.seed)
+        started = time.perf_counter()
+        token = self.pick(self.prefill(request.prompt_ids), request.sampling, rng)
+        stats.prefill_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        position = len(request.prompt_ids)
+        while self._accept(token, stats, request) and len(stats.token_ids) < request.max_tokens:
+            token = self.pick(self.decode(token, position), request.sampling, rng)
+            position += 1
+        stats.decode_seconds = time.perf_counter() - started
+        return stats
+
+    def _accept(self, token: int, stats: GenerationStats, request: GenerationRequest) -> bool:
+        """Record a token; False when it ends the generation."""
+        stats.token_ids.append(token)
+        if request.on_token is not None:
+            request.on_token(token)
+        return token not in request.eos_ids

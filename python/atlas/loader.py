@@ -1,0 +1,87 @@
+"""Checkpoint names -> backend tensors: shape checks up front, float32 host arrays, progress bar.
+
+A model family (models/) lists the tensors it needs with their expected shapes; `WeightReader`
+checks every one before any data is read, so a checkpoint that does not match its config fails at
+once with one line naming the tensor, the expected and found shapes and the file.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+
+import numpy as np
+
+from .backends.base import Backend, Tensor
+from .errors import AtlasError
+from .safetensors import Checkpoint
+
+TEXT_PREFIXES = ("model.language_model.", "model.")  # multimodal (nested) first, then text-only
+READABLE_DTYPES = frozenset({"F32", "BF16", "F16", "F64"})
+Shape = tuple[int, ...]
+
+
+def find_text_prefix(checkpoint: Checkpoint, probe: str) -> str:
+    """The prefix under which this checkpoint stores its text model, found by `probe`."""
+    for prefix in TEXT_PREFIXES:
+        if prefix + probe in checkpoint:
+            return prefix
+    tried = " or ".join(repr(p + probe) for p in TEXT_PREFIXES)
+    raise AtlasError(
+        f"{checkpoint.source} holds neither {tried}; it is not a checkpoint of the model type "
+        "its config.json names"
+    )
+
+
+def check_tensor(checkpoint: Checkpoint, name: str, expected: Shape) -> None:
+    if name not in checkpoint:
+        raise AtlasError(
+            f"tensor {name!r} (expected shape {list(expected)}) is missing from {checkpoint.source}; "
+            "the checkpoint is incomplete or does not match its config.json"
+        )
+    info = checkpoint.info(name)
+    if tuple(info.shape) != tuple(expected):
+        raise AtlasError(
+            f"tensor {name!r} in {info.path} has shape {list(info.shape)}, expected {list(expected)} "
+            "from config.json; the checkpoint does not match its config"
+        )
+    if info.dtype not in READABLE_DTYPES:
+        raise AtlasError(
+            f"tensor {name!r} in {info.path} is {info.dtype}; this loader reads "
+            f"{', '.join(sorted(READABLE_DTYPES))} checkpoints (quantized ones need their own target)"
+        )
+
+
+class WeightReader:
+    """Reads the planned tensors as float32 and uploads them to a backend."""
+
+    def __init__(self, checkpoint: Checkpoint, backend: Backend, plan: Mapping[str, Shape]):
+        for name, shape in plan.items():
+            check_tensor(checkpoint, name, shape)
+        self.checkpoint = checkpoint
+        self.backend = backend
+        self._plan = dict(plan)
+        self._bar = self._progress(sum(checkpoint.info(n).nbytes for n in plan))
+
+    def _progress(self, total: int):  # noqa: ANN202 - tqdm's type
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, file=sys.stderr, leave=False)
+
+    def array(self, name: str) -> np.ndarray:
+        """The planned tensor as a float32 host array (bf16 converted exactly)."""
+        if name not in self._plan:
+            raise KeyError(f"{name} was not planned; add it to the family's plan")
+        data = np.asarray(self.checkpoint.get(name), dtype=np.float32)
+        self._bar.update(self.checkpoint.info(name).nbytes)
+        return data
+
+    def upload(self, array: np.ndarray) -> Tensor:
+        """Matrices are stored as bf16 on backends that can, vectors stay f32."""
+        return self.backend.upload(np.ascontiguousarray(array), "bf16" if array.ndim >= 2 else "f32")
+
+    def tensor(self, name: str) -> Tensor:
+        return self.upload(self.array(name))
+
+    def close(self) -> None:
+        self._bar.close()

@@ -1,0 +1,215 @@
+"""Qwen3.5 / 3.6 MoE (transformers `qwen3_5_moe`, `qwen3_5_moe_text`): checkpoint names -> layers.
+
+Text weights live under `model.language_model.` (multimodal checkpoints) or `model.`; the vision
+tower (`model.visual.*`) and the MTP head (`mtp.*`) are not read. Experts come fused
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) or per expert
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`) and are stacked as gate_up / down either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backends.base import Backend
+from ..config import ModelSpec
+from ..errors import AtlasError
+from ..layers.attention import Attention, AttentionDims, AttentionWeights
+from ..layers.decoder import CausalLM, DecoderLayer
+from ..layers.embedding import Embedding, LMHead
+from ..layers.linear_attention import DeltaNetDims, DeltaNetWeights, GatedDeltaNet
+from ..layers.mlp import Mlp
+from ..layers.moe import SparseMoe
+from ..layers.norm import RMSNorm
+from ..layers.rotary import Rotary
+from ..loader import Shape, WeightReader, find_text_prefix
+from ..safetensors import Checkpoint
+
+
+@dataclass(frozen=True)
+class Layout:
+    prefix: str  # "model.language_model." or "model."
+    fused_experts: bool
+    spec: ModelSpec
+
+    def layer(self, i: int) -> str:
+        return f"{self.prefix}layers.{i}."
+
+
+def detect_layout(spec: ModelSpec, checkpoint: Checkpoint) -> Layout:
+    prefix = find_text_prefix(checkpoint, "embed_tokens.weight")
+    fused = f"{prefix}layers.0.mlp.experts.gate_up_proj" in checkpoint
+    return Layout(prefix, fused, spec)
+
+
+def attention_plan(s: ModelSpec, p: str) -> dict[str, Shape]:
+    q_width, kv_width = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+    return {
+        f"{p}self_attn.q_proj.weight": (2 * q_width, s.hidden_size),
+        f"{p}self_attn.k_proj.weight": (kv_width, s.hidden_size),
+        f"{p}self_attn.v_proj.weight": (kv_width, s.hidden_size),
+        f"{p}self_attn.o_proj.weight": (s.hidden_size, q_width),
+        f"{p}self_attn.q_norm.weight": (s.head_dim,),
+        f"{p}self_attn.k_norm.weight": (s.head_dim,),
+    }
+
+
+def delta_net_dims(s: ModelSpec) -> DeltaNetDims:
+    return DeltaNetDims(
+        s.linear_num_key_heads, s.linear_num_value_heads, s.linear_key_head_dim,
+        s.linear_value_head_dim, s.linear_conv_kernel_dim,
+    )  # fmt: skip
+
+
+def delta_net_plan(s: ModelSpec, p: str) -> dict[str, Shape]:
+    d = delta_net_dims(s)
+    value_width, heads = d.num_v_heads * d.v_head_dim, d.num_v_heads
+    return {
+        f"{p}linear_attn.in_proj_qkv.weight": (d.conv_channels, s.hidden_size),
+        f"{p}linear_attn.in_proj_z.weight": (value_width, s.hidden_size),
+        f"{p}linear_attn.in_proj_b.weight": (heads, s.hidden_size),
+        f"{p}linear_attn.in_proj_a.weight": (heads, s.hidden_size),
+        f"{p}linear_attn.conv1d.weight": (d.conv_channels, 1, d.conv_kernel),
+        f"{p}linear_attn.A_log": (heads,),
+        f"{p}linear_attn.dt_bias": (heads,),
+        f"{p}linear_attn.norm.weight": (d.v_head_dim,),
+        f"{p}linear_attn.out_proj.weight": (s.hidden_size, value_width),
+    }
+
+
+def moe_plan(s: ModelSpec, p: str, fused: bool) -> dict[str, Shape]:
+    h, inter, shared = s.hidden_size, s.moe_intermediate_size, s.shared_expert_intermediate_size
+    plan = {
+        f"{p}mlp.gate.weight": (s.num_experts, h),
+        f"{p}mlp.shared_expert.gate_proj.weight": (shared, h),
+        f"{p}mlp.shared_expert.up_proj.weight": (shared, h),
+        f"{p}mlp.shared_expert.down_proj.weight": (h, shared),
+        f"{p}mlp.shared_expert_gate.weight": (1, h),
+    }
+    if fused:
+        plan[f"{p}mlp.experts.gate_up_proj"] = (s.num_experts, 2 * inter, h)
+        plan[f"{p}mlp.experts.down_proj"] = (s.num_experts, h, inter)
+        return plan
+    for e in range(s.num_experts):
+        plan[f"{p}mlp.experts.{e}.gate_proj.weight"] = (inter, h)
+        plan[f"{p}mlp.experts.{e}.up_proj.weight"] = (inter, h)
+        plan[f"{p}mlp.experts.{e}.down_proj.weight"] = (h, inter)
+    return plan
+
+
+def model_plan(layout: Layout) -> dict[str, Shape]:
+    """Every tensor the text model reads, with the shape config.json implies."""
+    s, top = layout.spec, layout.prefix
+    plan: dict[str, Shape] = {f"{top}embed_tokens.weight": (s.vocab_size, s.hidden_size)}
+    for i, kind in enumerate(s.layer_types):
+        p = layout.layer(i)
+        plan[f"{p}input_layernorm.weight"] = (s.hidden_size,)
+        plan[f"{p}post_attention_layernorm.weight"] = (s.hidden_size,)
+        plan.update(attention_plan(s, p) if kind == "full_attention" else delta_net_plan(s, p))
+        plan.update(moe_plan(s, p, layout.fused_experts))
+    plan[f"{top}norm.weight"] = (s.hidden_size,)
+    if not s.tie_word_embeddings:
+        plan["lm_head.weight"] = (s.vocab_size, s.hidden_size)
+    return plan
+
+
+def centred_norm(reader: WeightReader, name: str, eps: float) -> RMSNorm:
+    """Zero-centred Qwen3.5 RMSNorm: the checkpoint holds w, the op multiplies by 1 + w."""
+    return RMSNorm(reader.upload(1.0 + reader.array(name)), eps)
+
+
+def build_attention(reader: WeightReader, s: ModelSpec, p: str) -> Attention:
+    dims = AttentionDims(s.num_attention_heads, s.num_key_value_heads, s.head_dim)
+    q_proj = reader.array(f"{p}self_attn.q_proj.weight").reshape(dims.num_heads, 2, dims.head_dim, -1)
+    width = dims.num_heads * dims.head_dim
+    weights = AttentionWeights(
+        q=reader.upload(q_proj[:, 0].reshape(width, -1)),  # per head: query rows, then gate rows
+        gate=reader.upload(q_proj[:, 1].reshape(width, -1)),
+        k=reader.tensor(f"{p}self_attn.k_proj.weight"),
+        v=reader.tensor(f"{p}self_attn.v_proj.weight"),
+        o=reader.tensor(f"{p}self_attn.o_proj.weight"),
+        q_norm=centred_norm(reader, f"{p}self_attn.q_norm.weight", s.rms_norm_eps),
+        k_norm=centred_norm(reader, f"{p}self_attn.k_norm.weight", s.rms_norm_eps),
+    )
+    return Attention(weights, dims, Rotary(s.rotary_dim, s.rope_theta))
+
+
+def build_delta_net(reader: WeightReader, s: ModelSpec, p: str) -> GatedDeltaNet:
+    dims = delta_net_dims(s)
+    la = f"{p}linear_attn."
+    weights = DeltaNetWeights(
+        qkv=reader.tensor(f"{la}in_proj_qkv.weight"),
+        z=reader.tensor(f"{la}in_proj_z.weight"),
+        b=reader.tensor(f"{la}in_proj_b.weight"),
+        a=reader.tensor(f"{la}in_proj_a.weight"),
+        conv=reader.upload(reader.array(f"{la}conv1d.weight")[:, 0, :]),  # [C, K]
+        A_log=reader.tensor(f"{la}A_log"),
+        dt_bias=reader.tensor(f"{la}dt_bias"),
+        norm=RMSNorm(reader.tensor(f"{la}norm.weight"), s.rms_norm_eps),
+        out=reader.tensor(f"{la}out_proj.weight"),
+    )
+    return GatedDeltaNet(weights, dims)
+
+
+def stacked_experts(reader: WeightReader, s: ModelSpec, p: str, fused: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(gate_up [E, 2I, H] gate rows first, down [E, H, I]) from either checkpoint layout."""
+    if fused:
+        return reader.array(f"{p}mlp.experts.gate_up_proj"), reader.array(f"{p}mlp.experts.down_proj")
+    experts = range(s.num_experts)
+    gate_up = np.stack([
+        np.concatenate([reader.array(f"{p}mlp.experts.{e}.gate_proj.weight"),
+                        reader.array(f"{p}mlp.experts.{e}.up_proj.weight")])
+        for e in experts
+    ])  # fmt: skip
+    down = np.stack([reader.array(f"{p}mlp.experts.{e}.down_proj.weight") for e in experts])
+    return gate_up, down
+
+
+def build_moe(reader: WeightReader, s: ModelSpec, p: str, fused: bool) -> SparseMoe:
+    gate_up, down = stacked_experts(reader, s, p, fused)
+    shared_gate_up = np.concatenate([
+        reader.array(f"{p}mlp.shared_expert.gate_proj.weight"),
+        reader.array(f"{p}mlp.shared_expert.up_proj.weight"),
+    ])  # fmt: skip
+    shared = Mlp(reader.upload(shared_gate_up), reader.tensor(f"{p}mlp.shared_expert.down_proj.weight"))
+    return SparseMoe(
+        router=reader.tensor(f"{p}mlp.gate.weight"),
+        gate_up=reader.upload(gate_up),
+        down=reader.upload(down),
+        shared=shared,
+        shared_gate=reader.tensor(f"{p}mlp.shared_expert_gate.weight"),
+        top_k=s.num_experts_per_tok,
+        renormalize=s.norm_topk_prob,
+    )
+
+
+def build_layer(reader: WeightReader, layout: Layout, i: int) -> DecoderLayer:
+    s, p = layout.spec, layout.layer(i)
+    full = s.layer_types[i] == "full_attention"
+    mixer = build_attention(reader, s, p) if full else build_delta_net(reader, s, p)
+    return DecoderLayer(
+        input_norm=centred_norm(reader, f"{p}input_layernorm.weight", s.rms_norm_eps),
+        mixer=mixer,
+        post_norm=centred_norm(reader, f"{p}post_attention_layernorm.weight", s.rms_norm_eps),
+        ffn=build_moe(reader, s, p, layout.fused_experts),
+    )
+
+
+def check_supported(spec: ModelSpec) -> None:
+    if spec.attention_bias:
+        raise AtlasError("config.json sets attention_bias=true; atlas runs Qwen3.5 MoE without attention biases")
+
+
+def load_qwen3_5_moe(spec: ModelSpec, checkpoint: Checkpoint, backend: Backend) -> CausalLM:
+    check_supported(spec)
+    layout = detect_layout(spec, checkpoint)
+    reader = WeightReader(checkpoint, backend, model_plan(layout))
+    try:
+        embed = Embedding(reader.tensor(f"{layout.prefix}embed_tokens.weight"))
+        layers = tuple(build_layer(reader, layout, i) for i in range(spec.num_hidden_layers))
+        final_norm = centred_norm(reader, f"{layout.prefix}norm.weight", spec.rms_norm_eps)
+        head = LMHead(embed.table if spec.tie_word_embeddings else reader.tensor("lm_head.weight"))
+    finally:
+        reader.close()
+    return CausalLM(embed, layers, final_norm, head)
