@@ -80,9 +80,23 @@ class CudaBackend:
 
     # --- dense ops ----------------------------------------------------------------------------
     def embedding(self, table: DeviceTensor, ids: DeviceTensor) -> DeviceTensor:
-        """The first op of every forward pass, so it starts the step (arena reset)."""
-        ids = self.begin_step(ids)
+        """A lookup in the weight table starts a forward pass, so it begins the step (arena
+        reset). The engine also gathers rows of an f32 step tensor with this op (the last
+        prompt token's hidden state): that is a device row copy, outside any captured graph."""
+        if table.dtype == "f32":
+            return self._gather_rows(table, ids)
+        if table.owner is not None:
+            ids = self.begin_step(ids)
         return self._ops["embedding"](self.rt, table, ids)
+
+    def _gather_rows(self, table: DeviceTensor, ids: DeviceTensor) -> DeviceTensor:
+        rows = self.rt.read(ids).reshape(-1)
+        out = self.rt.empty((rows.shape[0], *table.shape[1:]), table.dtype)
+        for i, row in enumerate(rows.tolist()):
+            if not 0 <= row < table.shape[0]:
+                raise IndexError(f"row {row} outside a table of {table.shape[0]} rows")
+            self.rt.copy(out.rows(i, i + 1), table.rows(row, row + 1))
+        return out
 
     def rms_norm(self, x: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
         return self._ops["rms_norm"](self.rt, x, weight, eps)
