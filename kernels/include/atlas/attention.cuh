@@ -1,0 +1,250 @@
+// Causal GQA attention over a bf16 KV cache, one kernel for decode and prefill:
+//   kv_cache_write: cache[positions[t]] = bf16(k[t]), bf16(v[t]) (run first, same stream).
+//   attention_block<D, R, W>: grid (splits, kv_heads, row tiles). A block owns W*R query rows
+//     (row = token * G + g, q head = kv_head * G + g, G = q_heads / kv_heads) and the cache keys
+//     [split * span, min((split + 1) * span, last position of its rows + 1)). Each 32-key tile of
+//     K and V is staged in shared memory (16-byte loads) and shared by all rows. A warp owns R
+//     rows, a lane owns D/32 consecutive dims of q and of the output accumulator. Scores: per key
+//     each lane computes a partial dot product; a butterfly "transpose reduction" (31 shuffles for
+//     32 keys) leaves lane j holding the full score of key j. Online softmax in f32, masked by
+//     each row's own position (read from device memory: graph-capture safe).
+//   Decode (few tokens): many splits (flash-decoding) + attention_combine. Prefill: one split
+//     (span = capacity) writes the normalised output directly (ml == nullptr).
+#pragma once
+
+#include "atlas/common.cuh"
+
+namespace atlas {
+
+constexpr int kAttnKeys = 32;  // keys per shared-memory tile == warp size (lane j <-> key j)
+
+__device__ void kv_cache_write(const KvCacheWriteParams& p) {
+  const int64_t row_elems = static_cast<int64_t>(p.kv_heads) * p.head_dim;
+  const int64_t n = p.tokens * row_elems;
+  const int32_t* positions = static_cast<const int32_t*>(p.positions);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / row_elems;
+    const int pos = positions[t];
+    if (pos < 0 || pos >= p.capacity) continue;
+    const int64_t dst = pos * row_elems + (i - t * row_elems);
+    static_cast<uint16_t*>(p.k_cache)[dst] = f32_to_bf16(static_cast<const float*>(p.k)[i]);
+    static_cast<uint16_t*>(p.v_cache)[dst] = f32_to_bf16(static_cast<const float*>(p.v)[i]);
+  }
+}
+
+// One butterfly stage: lanes with bit `Width` set keep the upper half of their values, the others
+// the lower half, and each adds its partner's copy of the half it keeps.
+template <int Width>
+__device__ __forceinline__ void transpose_reduce_stage(float (&part)[kAttnKeys], int lane) {
+  const bool upper = (lane & Width) != 0;
+#pragma unroll
+  for (int v = 0; v < Width; ++v) {
+    const float send = upper ? part[v] : part[v + Width];
+    const float keep = upper ? part[v + Width] : part[v];
+    part[v] = keep + __shfl_xor_sync(kFullMask, send, Width);
+  }
+}
+
+// 32 per-key partial sums per lane -> lane j returns the warp-wide total of key j (31 shuffles).
+__device__ __forceinline__ float transpose_reduce(float (&part)[kAttnKeys]) {
+  const int lane = threadIdx.x % kWarpSize;
+  transpose_reduce_stage<16>(part, lane);
+  transpose_reduce_stage<8>(part, lane);
+  transpose_reduce_stage<4>(part, lane);
+  transpose_reduce_stage<2>(part, lane);
+  transpose_reduce_stage<1>(part, lane);
+  return part[0];
+}
+
+template <int D>
+struct AttnTile {
+  uint16_t k[kAttnKeys][D];
+  uint16_t v[kAttnKeys][D];
+};
+
+template <int D>
+__device__ __forceinline__ void attn_load_tile(const AttentionParams& p, int hk, int key0, int key_end,
+                                               AttnTile<D>& tile) {
+  constexpr int kChunks = kAttnKeys * D / 8;  // 16-byte chunks per matrix
+  const uint16_t* k_cache = static_cast<const uint16_t*>(p.k_cache);
+  const uint16_t* v_cache = static_cast<const uint16_t*>(p.v_cache);
+  for (int c = threadIdx.x; c < kChunks; c += blockDim.x) {
+    const int j = c / (D / 8);
+    const int d = (c % (D / 8)) * 8;
+    const int key = key0 + j;
+    uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
+    if (key < key_end) {
+      const int64_t src = (static_cast<int64_t>(key) * p.kv_heads + hk) * D + d;
+      kv = *reinterpret_cast<const uint4*>(k_cache + src);
+      vv = *reinterpret_cast<const uint4*>(v_cache + src);
+    }
+    *reinterpret_cast<uint4*>(&tile.k[j][d]) = kv;
+    *reinterpret_cast<uint4*>(&tile.v[j][d]) = vv;
+  }
+}
+
+template <int D, int R>
+struct AttnRows {
+  static constexpr int kPerLane = D / kWarpSize;
+  float q[R][kPerLane];
+  float acc[R][kPerLane];
+  float m[R];
+  float l[R];
+  int pos[R];  // -1 for rows past the end (fully masked)
+  int token[R];
+  int head[R];
+};
+
+// Online-softmax update of the warp's R rows with one staged tile of keys key0 .. key0+31.
+template <int D, int R>
+__device__ __forceinline__ void attn_tile_update(const AttnTile<D>& tile, int key0, int key_end, AttnRows<D, R>& rows) {
+  constexpr int kPerLane = D / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  float part[R][kAttnKeys];  // each smem K row is read once and used by all R rows
+#pragma unroll
+  for (int j = 0; j < kAttnKeys; ++j) {
+    float kf[kPerLane];
+    load_bf16<kPerLane>(&tile.k[j][lane * kPerLane], kf);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) dot = fmaf(rows.q[i][e], kf[e], dot);
+      part[i][j] = dot;
+    }
+  }
+  float prob[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const float dot = transpose_reduce(part[i]);
+    const int key = key0 + lane;
+    const float score = key < key_end && key <= rows.pos[i] ? dot : -INFINITY;
+    const float m_new = fmaxf(rows.m[i], warp_max(score));
+    const bool empty = m_new == -INFINITY;  // no visible key yet: keep the state as is
+    prob[i] = empty ? 0.0f : expf(score - m_new);
+    const float alpha = empty ? 1.0f : expf(rows.m[i] - m_new);
+    rows.l[i] = rows.l[i] * alpha + warp_sum(prob[i]);
+    rows.m[i] = m_new;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) rows.acc[i][e] *= alpha;
+  }
+#pragma unroll 4
+  for (int j = 0; j < kAttnKeys; ++j) {
+    float vf[kPerLane];
+    load_bf16<kPerLane>(&tile.v[j][lane * kPerLane], vf);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const float pj = __shfl_sync(kFullMask, prob[i], j);
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) rows.acc[i][e] = fmaf(pj, vf[e], rows.acc[i][e]);
+    }
+  }
+}
+
+template <int D, int R>
+__device__ __forceinline__ void attn_init_rows(const AttentionParams& p, int first_row, AttnRows<D, R>& rows) {
+  constexpr int kPerLane = D / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int group = p.q_heads / p.kv_heads;
+  const int32_t* positions = static_cast<const int32_t*>(p.positions);
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int row = first_row + i;
+    const bool valid = row < p.tokens * group;
+    rows.token[i] = valid ? row / group : 0;
+    rows.head[i] = blockIdx.y * group + (valid ? row % group : 0);
+    rows.pos[i] = valid ? positions[rows.token[i]] : -1;
+    rows.m[i] = -INFINITY;
+    rows.l[i] = 0.0f;
+    float qf[kPerLane];
+    if (valid) {
+      load_f32<kPerLane>(static_cast<const float*>(p.q) + (static_cast<int64_t>(rows.token[i]) * p.q_heads + rows.head[i]) * D + lane * kPerLane, qf);
+    }
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      rows.q[i][e] = valid ? qf[e] * p.scale : 0.0f;
+      rows.acc[i][e] = 0.0f;
+    }
+  }
+}
+
+template <int D, int R>
+__device__ __forceinline__ void attn_store_rows(const AttentionParams& p, const AttnRows<D, R>& rows) {
+  constexpr int kPerLane = D / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t split_offset = p.ml == nullptr ? 0 : static_cast<int64_t>(blockIdx.x) * p.tokens * p.q_heads;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    if (rows.pos[i] < 0) continue;
+    const int64_t out_row = split_offset + static_cast<int64_t>(rows.token[i]) * p.q_heads + rows.head[i];
+    const float inv = rows.l[i] > 0.0f ? 1.0f / rows.l[i] : 0.0f;
+    float* out = static_cast<float*>(p.out) + out_row * D + lane * kPerLane;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) out[e] = rows.acc[i][e] * inv;
+    if (p.ml != nullptr && lane == 0) {
+      static_cast<float*>(p.ml)[out_row * 2] = rows.m[i];
+      static_cast<float*>(p.ml)[out_row * 2 + 1] = rows.l[i];
+    }
+  }
+}
+
+// Global live length: the last token's position + 1, clamped to the cache.
+__device__ __forceinline__ int attn_live_length(const int32_t* positions, int tokens, int capacity) {
+  return min(positions[tokens - 1] + 1, capacity);
+}
+
+template <int D, int R, int W>
+__device__ void attention_block(const AttentionParams& p) {
+  static_assert(D == 64 || D == 128 || D == 256, "attention: head_dim must be 64, 128 or 256");
+  __shared__ __align__(16) AttnTile<D> tile;
+  if (p.head_dim != D || p.tokens <= 0) return;
+  const int32_t* positions = static_cast<const int32_t*>(p.positions);
+  const int live = attn_live_length(positions, p.tokens, p.capacity);
+  const int key_begin = blockIdx.x * p.span;
+  if (key_begin >= live) return;  // the combine kernel reads only splits below `live`
+
+  const int warp = threadIdx.x / kWarpSize;
+  const int block_row0 = blockIdx.z * (W * R);
+  if (block_row0 >= p.tokens * (p.q_heads / p.kv_heads)) return;
+  const int group = p.q_heads / p.kv_heads;
+  const int last_token = min((block_row0 + W * R - 1) / group, p.tokens - 1);
+  const int key_end = min(min(key_begin + p.span, positions[last_token] + 1), live);
+
+  AttnRows<D, R> rows;
+  attn_init_rows<D, R>(p, block_row0 + warp * R, rows);
+  for (int key0 = key_begin; key0 < key_end; key0 += kAttnKeys) {
+    __syncthreads();  // the previous tile is no longer read
+    attn_load_tile<D>(p, blockIdx.y, key0, key_end, tile);
+    __syncthreads();
+    attn_tile_update<D, R>(tile, key0, key_end, rows);
+  }
+  attn_store_rows<D, R>(p, rows);
+}
+
+// One block per (token, q head), one thread per dim: merge the live splits' (m, l, o).
+__device__ void attention_combine(const AttentionCombineParams& p) {
+  const int row = blockIdx.x;  // token * q_heads + head
+  const int d = threadIdx.x;
+  if (row >= p.tokens * p.q_heads || d >= p.head_dim) return;
+  const int32_t* positions = static_cast<const int32_t*>(p.positions);
+  const int live = positions[p.tokens - 1] + 1;
+  const int splits = min(ceil_div(max(live, 1), p.span), p.num_splits);
+  const int64_t stride = static_cast<int64_t>(p.tokens) * p.q_heads;
+  const float* ml = static_cast<const float*>(p.ml);
+  const float* partial = static_cast<const float*>(p.partial);
+  float m_max = -INFINITY;
+  for (int s = 0; s < splits; ++s) m_max = fmaxf(m_max, ml[(s * stride + row) * 2]);
+  float numerator = 0.0f, denominator = 0.0f;
+  if (m_max != -INFINITY) {
+    for (int s = 0; s < splits; ++s) {
+      const float m = ml[(s * stride + row) * 2];
+      const float weight = m == -INFINITY ? 0.0f : expf(m - m_max) * ml[(s * stride + row) * 2 + 1];
+      numerator = fmaf(weight, partial[(s * stride + row) * p.head_dim + d], numerator);
+      denominator += weight;
+    }
+  }
+  static_cast<float*>(p.out)[static_cast<int64_t>(row) * p.head_dim + d] = denominator > 0.0f ? numerator / denominator : 0.0f;
+}
+
+}  // namespace atlas

@@ -1,0 +1,104 @@
+// Decode linear (tokens <= 8): out[t, n] = sum_k x[t, k] * W[n, k], W bf16 [N, K] row-major.
+// Memory-bound on W: each warp owns kRowsPerWarp output rows and streams them with 16-byte loads
+// (two per row in flight per lane, so 8 x 16 B outstanding per lane); x is staged in shared
+// memory as f32 in column chunks and reused by every row of the block; warp-shuffle reduction.
+// Requires K % 8 == 0 and 16-byte aligned W rows (checked by the op wrapper).
+#pragma once
+
+#include "atlas/common.cuh"
+
+namespace atlas {
+
+constexpr int kGemvThreads = 256;
+constexpr int kGemvRowsPerWarp = 4;
+constexpr int kGemvRowsPerBlock = kGemvThreads / kWarpSize * kGemvRowsPerWarp;
+constexpr int kGemvSmemFloats = 8192;  // 32 KiB of staged x per block, whatever T
+
+template <int T>
+__host__ __device__ constexpr int gemv_chunk_cols() {
+  return kGemvSmemFloats / T / 256 * 256;  // a multiple of 256 = 32 lanes x 8 columns
+}
+
+// Accumulates x[t, chunk] . W[row, chunk] for this lane's 8-column groups g (lane, lane + 32, ...).
+template <int T>
+__device__ __forceinline__ void gemv_chunk(const float* xs, const uint16_t* (&rows)[kGemvRowsPerWarp],
+                                           int groups, float (&acc)[T][kGemvRowsPerWarp]) {
+  constexpr int kCols = gemv_chunk_cols<T>();
+  const int lane = threadIdx.x % kWarpSize;
+  for (int g0 = lane; g0 < groups; g0 += 2 * kWarpSize) {
+    float w[2][kGemvRowsPerWarp][8];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int g = g0 + u * kWarpSize;
+#pragma unroll
+      for (int r = 0; r < kGemvRowsPerWarp; ++r) {
+        if (g < groups && rows[r] != nullptr) {
+          load_bf16<8>(rows[r] + g * 8, w[u][r]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) w[u][r][e] = 0.0f;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int g = g0 + u * kWarpSize;
+      if (g >= groups) break;
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        float xv[8];
+        load_f32<8>(xs + t * kCols + g * 8, xv);
+#pragma unroll
+        for (int r = 0; r < kGemvRowsPerWarp; ++r)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[t][r] = fmaf(xv[e], w[u][r][e], acc[t][r]);
+      }
+    }
+  }
+}
+
+template <int T>
+__device__ void gemv(const LinearParams& p) {
+  constexpr int kCols = gemv_chunk_cols<T>();
+  __shared__ __align__(16) float xs[T * kCols];  // [T, kCols]
+  if (p.tokens != T) return;  // the wrapper picks the instance with T == tokens
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int row0 = blockIdx.x * kGemvRowsPerBlock + warp * kGemvRowsPerWarp;
+  const float* x = static_cast<const float*>(p.x);
+  const uint16_t* weight = static_cast<const uint16_t*>(p.weight);
+
+  float acc[T][kGemvRowsPerWarp];
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+#pragma unroll
+    for (int r = 0; r < kGemvRowsPerWarp; ++r) acc[t][r] = 0.0f;
+
+  for (int c0 = 0; c0 < p.k; c0 += kCols) {
+    const int cols = min(kCols, p.k - c0);  // a multiple of 8
+    for (int i = threadIdx.x; i < T * cols / 4; i += blockDim.x) {
+      const int t = i / (cols / 4);
+      const int c4 = i - t * (cols / 4);
+      reinterpret_cast<float4*>(xs + t * kCols)[c4] =
+          reinterpret_cast<const float4*>(x + static_cast<int64_t>(t) * p.k + c0)[c4];
+    }
+    __syncthreads();
+    const uint16_t* rows[kGemvRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kGemvRowsPerWarp; ++r)
+      rows[r] = row0 + r < p.n ? weight + static_cast<int64_t>(row0 + r) * p.k + c0 : nullptr;
+    gemv_chunk<T>(xs, rows, cols / 8, acc);
+    __syncthreads();
+  }
+
+  float* out = static_cast<float*>(p.out);
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+#pragma unroll
+    for (int r = 0; r < kGemvRowsPerWarp; ++r) {
+      const float total = warp_sum(acc[t][r]);
+      if (lane == 0 && row0 + r < p.n) out[static_cast<int64_t>(t) * p.n + row0 + r] = total;
+    }
+}
+
+}  // namespace atlas
