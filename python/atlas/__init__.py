@@ -20,7 +20,9 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "__version__":
-        from ._version import version
-
+        try:
+            from ._version import version
+        except ImportError:  # source tree never built: _version.py is written by the build
+            return "0.1.0+src"
         return version
     raise AttributeError(f"module 'atlas' has no attribute {name!r}")
