@@ -166,6 +166,7 @@ class SampleParams(ctypes.Structure):
 
     _fields_ = [
         ("logits", c_ptr),  # [vocab] f32
+        ("probs", c_ptr),  # [vocab] f32 scratch: softmax(logits / temperature)
         ("out", c_ptr),  # [1] i32
         ("vocab", c_i32),
         ("top_k", c_i32),  # 0 = off

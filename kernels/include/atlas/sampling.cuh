@@ -1,0 +1,203 @@
+// Token choice on the device.
+//   argmax: pass 1 (grid chunks x rows) reduces each chunk of a row to (value, index); pass 2
+//     (grid rows) reduces the partials. Ties and the reduction order: the larger value wins, on
+//     equal values the lower index, so the result is the lowest index of the maximum.
+//   sample: one block of kSampleThreads, base.py's sort-free rule. p = softmax(logits / T) is
+//     written once to a scratch row; the top_k-th largest p and the top_p threshold are found by
+//     bisection over the bit patterns of non-negative floats (their order is the integer order),
+//     counting / summing over the row per step; masses are summed in double like the reference.
+//     The final draw is a block-wide prefix sum in index order.
+#pragma once
+
+#include <climits>
+
+#include "atlas/common.cuh"
+
+namespace atlas {
+
+constexpr int kArgmaxThreads = 256;
+constexpr int kSampleThreads = 1024;
+
+struct ArgBest {
+  float value;
+  int index;
+};
+
+__device__ __forceinline__ ArgBest better(ArgBest a, ArgBest b) {
+  if (b.value > a.value || (b.value == a.value && b.index < a.index)) return b;
+  return a;
+}
+
+__device__ __forceinline__ ArgBest warp_best(ArgBest best) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const ArgBest other{__shfl_xor_sync(kFullMask, best.value, offset), __shfl_xor_sync(kFullMask, best.index, offset)};
+    best = better(best, other);
+  }
+  return best;
+}
+
+// Block-wide best; valid in every thread. blockDim.x % 32 == 0.
+__device__ __forceinline__ ArgBest block_best(ArgBest best) {
+  __shared__ float values[kWarpSize];
+  __shared__ int indices[kWarpSize];
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  best = warp_best(best);
+  if (lane == 0) {
+    values[warp] = best.value;
+    indices[warp] = best.index;
+  }
+  __syncthreads();
+  ArgBest total{-INFINITY, INT_MAX};
+  if (lane < static_cast<int>(blockDim.x / kWarpSize)) total = ArgBest{values[lane], indices[lane]};
+  total = warp_best(total);
+  __syncthreads();
+  return total;
+}
+
+__device__ void argmax_partial(const ArgmaxParams& p) {
+  const int chunk = blockIdx.x;
+  const int row = blockIdx.y;
+  if (row >= p.rows || chunk >= p.chunks) return;
+  const float* logits = static_cast<const float*>(p.logits) + static_cast<int64_t>(row) * p.vocab;
+  const int begin = chunk * p.chunk;
+  const int end = min(begin + p.chunk, p.vocab);
+  ArgBest best{-INFINITY, INT_MAX};
+  for (int i = begin + threadIdx.x; i < end; i += blockDim.x) best = better(best, ArgBest{logits[i], i});
+  best = block_best(best);
+  if (threadIdx.x == 0) {
+    static_cast<float*>(p.partial_value)[row * p.chunks + chunk] = best.value;
+    static_cast<int32_t*>(p.partial_index)[row * p.chunks + chunk] = best.index;
+  }
+}
+
+__device__ void argmax_final(const ArgmaxParams& p) {
+  const int row = blockIdx.x;
+  if (row >= p.rows) return;
+  const float* values = static_cast<const float*>(p.partial_value) + row * p.chunks;
+  const int32_t* indices = static_cast<const int32_t*>(p.partial_index) + row * p.chunks;
+  ArgBest best{-INFINITY, INT_MAX};
+  for (int c = threadIdx.x; c < p.chunks; c += blockDim.x) best = better(best, ArgBest{values[c], indices[c]});
+  best = block_best(best);
+  // All-NaN rows leave INT_MAX: answer 0 rather than an index outside the vocabulary.
+  if (threadIdx.x == 0) static_cast<int32_t*>(p.out)[row] = best.index < p.vocab ? best.index : 0;
+}
+
+// ---- sample ----------------------------------------------------------------------------------
+
+__device__ __forceinline__ double block_sum_f64(double value) {
+  __shared__ double scratch[kWarpSize];
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) value += __shfl_xor_sync(kFullMask, value, offset);
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  double total = lane < static_cast<int>(blockDim.x / kWarpSize) ? scratch[lane] : 0.0;
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) total += __shfl_xor_sync(kFullMask, total, offset);
+  __syncthreads();
+  return total;
+}
+
+// probs[i] = exp(logits[i] / T - max) / sum, the reference's float32 order of operations.
+__device__ void sample_softmax(const SampleParams& p, float* scratch) {
+  const float* logits = static_cast<const float*>(p.logits);
+  float* probs = static_cast<float*>(p.probs);
+  float zmax = -INFINITY;
+  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) zmax = fmaxf(zmax, logits[i] / p.temperature);
+  zmax = block_max(zmax, scratch);
+  float partial = 0.0f;
+  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
+    const float e = expf(logits[i] / p.temperature - zmax);
+    probs[i] = e;
+    partial += e;
+  }
+  const float total = block_sum(partial, scratch);
+  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) probs[i] /= total;  // same thread wrote it
+  __syncthreads();
+}
+
+// Number of p >= threshold (top_k) or, with kMass, their summed mass among p >= floor.
+template <bool kMass>
+__device__ double sample_tally(const SampleParams& p, float threshold, float floor) {
+  const float* probs = static_cast<const float*>(p.probs);
+  double partial = 0.0;
+  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
+    const float v = probs[i];
+    if (v >= threshold && v >= floor) partial += kMass ? static_cast<double>(v) : 1.0;
+  }
+  return block_sum_f64(partial);
+}
+
+// Largest non-negative float t with tally(t) >= goal (tally is non-increasing in t).
+template <bool kMass>
+__device__ float sample_bisect(const SampleParams& p, double goal, float floor) {
+  uint32_t lo = 0u;                            // tally(0) is everything kept: >= goal
+  uint32_t hi = __float_as_uint(1.0f) + 1u;    // no p exceeds 1
+  while (hi - lo > 1u) {
+    const uint32_t mid = lo + (hi - lo) / 2u;
+    if (sample_tally<kMass>(p, __uint_as_float(mid), floor) >= goal) lo = mid; else hi = mid;
+  }
+  return __uint_as_float(lo);
+}
+
+// First index whose inclusive prefix sum of kept p exceeds target (the last kept index if the
+// rounding of the sums leaves none).
+__device__ int sample_draw(const SampleParams& p, float floor, double target) {
+  __shared__ double warp_totals[kWarpSize];
+  __shared__ int found;
+  const float* probs = static_cast<const float*>(p.probs);
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  if (threadIdx.x == 0) found = INT_MAX;
+  double running = 0.0;
+  int last_kept = 0;
+  for (int base = 0; base < p.vocab; base += blockDim.x) {
+    const int i = base + threadIdx.x;
+    const float v = i < p.vocab ? probs[i] : 0.0f;
+    const double mass = v >= floor ? static_cast<double>(v) : 0.0;
+    if (mass > 0.0) last_kept = i;
+    double inclusive = mass;
+#pragma unroll
+    for (int offset = 1; offset < kWarpSize; offset *= 2) {
+      const double up = __shfl_up_sync(kFullMask, inclusive, offset);
+      if (lane >= offset) inclusive += up;
+    }
+    if (lane == kWarpSize - 1) warp_totals[warp] = inclusive;
+    __syncthreads();
+    double before = running;
+    for (int w = 0; w < warp; ++w) before += warp_totals[w];
+    if (mass > 0.0 && before + inclusive > target) atomicMin(&found, i);
+    double chunk_total = 0.0;
+    for (int w = 0; w < static_cast<int>(blockDim.x / kWarpSize); ++w) chunk_total += warp_totals[w];
+    running += chunk_total;
+    __syncthreads();
+    if (found != INT_MAX) break;  // uniform: read after the barrier
+  }
+  if (found != INT_MAX) return found;
+  __shared__ int last;
+  if (threadIdx.x == 0) last = 0;
+  __syncthreads();
+  atomicMax(&last, last_kept);
+  __syncthreads();
+  return last;
+}
+
+__device__ void sample(const SampleParams& p) {
+  __shared__ float scratch[kWarpSize];
+  if (p.vocab <= 0 || !(p.temperature > 0.0f)) return;
+  sample_softmax(p, scratch);
+  float floor = 0.0f;
+  if (p.top_k > 0 && p.top_k < p.vocab) floor = sample_bisect<false>(p, static_cast<double>(p.top_k), 0.0f);
+  if (p.top_p < 1.0f) {
+    const double kept = sample_tally<true>(p, 0.0f, floor);
+    floor = fmaxf(floor, sample_bisect<true>(p, static_cast<double>(p.top_p) * kept, floor));
+  }
+  const double total = sample_tally<true>(p, 0.0f, floor);
+  const int token = sample_draw(p, floor, static_cast<double>(p.uniform) * total);
+  if (threadIdx.x == 0) static_cast<int32_t*>(p.out)[0] = min(token, p.vocab - 1);
+}
+
+}  // namespace atlas

@@ -1,0 +1,290 @@
+"""Op wrappers of the dense kernels: `op(rt, ...)` with the arguments and semantics of
+backends/base.py. Each checks shapes and dtypes, computes its grid from shapes only (never from
+device data, so a captured decode step replays correctly), fills the kernel's params struct and
+launches. Launch geometry constants mirror the kernel headers named beside them."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from atlas.kernel_params import dense as kp
+
+from ..base import SamplingParams
+
+if TYPE_CHECKING:
+    from .runtime import CudaRuntime
+    from .tensor import DeviceTensor
+
+WARP = 32
+ELEMENTWISE_THREADS = 256  # elementwise.cu.j2 launch bounds
+ELEMENTWISE_MAX_BLOCKS = 1 << 16  # grid-stride loops cover the rest
+EMBEDDING_THREADS = 256  # embedding.cu.j2
+NORM_THREADS = 256  # norm.cuh: one block per row (launch bound 1024)
+GEMV_MAX_TOKENS = 8  # linear.cu.j2 instantiates atlas_gemv_t1 .. t8
+GEMV_THREADS = 256  # gemv.cuh kGemvThreads
+GEMV_ROWS_PER_BLOCK = 32  # gemv.cuh kGemvRowsPerBlock
+GEMM_THREADS = 128  # gemm.cuh kGemmThreads
+GEMM_BM = 64
+GEMM_BN = 128
+ROPE_THREADS = 128  # rope.cuh kRopeThreads
+ATTN_KEYS = 32  # attention.cuh kAttnKeys
+ATTN_DECODE_MAX_TOKENS = 4  # up to here: split-K flash-decoding + combine
+ATTN_DECODE_THREADS = 128  # attention.cu.j2: 4 warps x 1 row
+ATTN_DECODE_ROWS = 4
+ATTN_PREFILL_THREADS = 256  # 8 warps x 2 rows
+ATTN_PREFILL_ROWS = 16
+ATTN_MAX_SPLITS = 256
+ATTN_HEAD_DIMS = (64, 128, 256)
+ARGMAX_THREADS = 256  # sampling.cuh kArgmaxThreads
+ARGMAX_CHUNK = 2048
+SAMPLE_THREADS = 1024  # sampling.cuh kSampleThreads
+INT32_MAX = 2**31 - 1
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _expect_dtype(op: str, name: str, t: DeviceTensor, *allowed: str) -> None:
+    _expect(t.dtype in allowed, f"{op}: {name} dtype {t.dtype}, expected {' or '.join(allowed)}")
+
+
+def _expect_int32(op: str, count: int) -> None:
+    _expect(count <= INT32_MAX, f"{op}: {count} elements exceed the kernels' int32 indexing")
+
+
+def _elementwise_grid(n: int) -> tuple[int, int, int]:
+    return (max(1, min(_ceil_div(n, ELEMENTWISE_THREADS), ELEMENTWISE_MAX_BLOCKS)), 1, 1)
+
+
+def embedding(rt: CudaRuntime, table: DeviceTensor, ids: DeviceTensor) -> DeviceTensor:
+    vocab, hidden = table.shape
+    _expect_dtype("embedding", "table", table, "bf16", "f32")
+    _expect_dtype("embedding", "ids", ids, "i32")
+    tokens = ids.numel
+    out = rt.empty((tokens, hidden), "f32")
+    if tokens == 0:
+        return out
+    params = kp.EmbeddingParams(table=table.ptr, ids=ids.ptr, out=out.ptr, tokens=tokens, hidden=hidden, vocab=vocab)
+    rt.launch(f"atlas_embedding_{table.dtype}", (tokens, 1, 1), (EMBEDDING_THREADS, 1, 1), params)
+    return out
+
+
+def _rms_norm_launch(rt: CudaRuntime, kernel: str, params: kp.RmsNormParams) -> None:
+    if params.rows:
+        rt.launch(kernel, (params.rows, 1, 1), (NORM_THREADS, 1, 1), params)
+
+
+def rms_norm(rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
+    dim = x.shape[-1]
+    _expect(weight.numel == dim, f"rms_norm: weight {weight.shape} vs x {x.shape}")
+    _expect_dtype("rms_norm", "x", x, "f32")
+    _expect_dtype("rms_norm", "weight", weight, "f32")
+    out = rt.empty(x.shape, "f32")
+    params = kp.RmsNormParams(x=x.ptr, residual=None, weight=weight.ptr, out=out.ptr, sum_out=None,
+                              rows=x.numel // dim, dim=dim, eps=eps)
+    _rms_norm_launch(rt, "atlas_rms_norm", params)
+    return out
+
+
+def add_rms_norm(
+    rt: CudaRuntime, x: DeviceTensor, residual: DeviceTensor, weight: DeviceTensor, eps: float
+) -> tuple[DeviceTensor, DeviceTensor]:
+    dim = x.shape[-1]
+    _expect(residual.shape == x.shape, f"add_rms_norm: residual {residual.shape} vs x {x.shape}")
+    _expect(weight.numel == dim, f"add_rms_norm: weight {weight.shape} vs x {x.shape}")
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        _expect_dtype("add_rms_norm", name, t, "f32")
+    out = rt.empty(x.shape, "f32")
+    total = rt.empty(x.shape, "f32")
+    params = kp.RmsNormParams(x=x.ptr, residual=residual.ptr, weight=weight.ptr, out=out.ptr, sum_out=total.ptr,
+                              rows=x.numel // dim, dim=dim, eps=eps)
+    _rms_norm_launch(rt, "atlas_add_rms_norm", params)
+    return out, total
+
+
+def add(rt: CudaRuntime, x: DeviceTensor, y: DeviceTensor) -> DeviceTensor:
+    _expect(x.shape == y.shape, f"add: shapes {x.shape} and {y.shape}")
+    _expect_dtype("add", "x", x, "f32")
+    _expect_dtype("add", "y", y, "f32")
+    _expect_int32("add", x.numel)
+    out = rt.empty(x.shape, "f32")
+    if x.numel:
+        params = kp.AddParams(x=x.ptr, y=y.ptr, out=out.ptr, n=x.numel)
+        rt.launch("atlas_add", _elementwise_grid(x.numel), (ELEMENTWISE_THREADS, 1, 1), params)
+    return out
+
+
+def silu_mul(rt: CudaRuntime, gate_up: DeviceTensor) -> DeviceTensor:
+    _expect(gate_up.shape[-1] % 2 == 0, f"silu_mul: last dim of {gate_up.shape} is odd")
+    _expect_dtype("silu_mul", "gate_up", gate_up, "f32")
+    _expect_int32("silu_mul", gate_up.numel)
+    width = gate_up.shape[-1] // 2
+    out = rt.empty((*gate_up.shape[:-1], width), "f32")
+    if out.numel:
+        params = kp.SiluMulParams(gate_up=gate_up.ptr, out=out.ptr, rows=out.numel // width, width=width)
+        rt.launch("atlas_silu_mul", _elementwise_grid(out.numel), (ELEMENTWISE_THREADS, 1, 1), params)
+    return out
+
+
+def sigmoid_mul(rt: CudaRuntime, x: DeviceTensor, gate: DeviceTensor) -> DeviceTensor:
+    _expect(x.shape == gate.shape, f"sigmoid_mul: shapes {x.shape} and {gate.shape}")
+    _expect_dtype("sigmoid_mul", "x", x, "f32")
+    _expect_dtype("sigmoid_mul", "gate", gate, "f32")
+    _expect_int32("sigmoid_mul", x.numel)
+    out = rt.empty(x.shape, "f32")
+    if x.numel:
+        params = kp.SigmoidMulParams(x=x.ptr, gate=gate.ptr, out=out.ptr, n=x.numel)
+        rt.launch("atlas_sigmoid_mul", _elementwise_grid(x.numel), (ELEMENTWISE_THREADS, 1, 1), params)
+    return out
+
+
+def linear(rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
+    n, k = weight.shape
+    _expect(x.shape[-1] == k, f"linear: x {x.shape} vs weight {weight.shape}")
+    _expect(k % 8 == 0, f"linear: in features {k} not a multiple of 8 (16-byte bf16 loads)")
+    _expect_dtype("linear", "x", x, "f32")
+    _expect_dtype("linear", "weight", weight, "bf16")
+    tokens = x.numel // k
+    _expect_int32("linear", tokens * max(n, k))
+    out = rt.empty((*x.shape[:-1], n), "f32")
+    if tokens == 0 or n == 0:
+        return out
+    params = kp.LinearParams(x=x.ptr, weight=weight.ptr, out=out.ptr, tokens=tokens, n=n, k=k)
+    if tokens <= GEMV_MAX_TOKENS:
+        rt.launch(f"atlas_gemv_t{tokens}", (_ceil_div(n, GEMV_ROWS_PER_BLOCK), 1, 1), (GEMV_THREADS, 1, 1), params)
+    else:
+        grid = (_ceil_div(n, GEMM_BN), _ceil_div(tokens, GEMM_BM), 1)
+        rt.launch("atlas_gemm_bf16", grid, (GEMM_THREADS, 1, 1), params)
+    return out
+
+
+def head_norm_rope(
+    rt: CudaRuntime,
+    x: DeviceTensor,
+    weight: DeviceTensor,
+    positions: DeviceTensor,
+    rotary_dim: int,
+    rope_theta: float,
+    eps: float,
+) -> DeviceTensor:
+    tokens, heads, dim = x.shape
+    _expect(weight.numel == dim, f"head_norm_rope: weight {weight.shape} vs x {x.shape}")
+    _expect(positions.numel == tokens, f"head_norm_rope: positions {positions.shape} vs x {x.shape}")
+    _expect(0 <= rotary_dim <= dim and rotary_dim % 2 == 0, f"head_norm_rope: rotary_dim {rotary_dim} for head dim {dim}")
+    _expect_dtype("head_norm_rope", "x", x, "f32")
+    _expect_dtype("head_norm_rope", "weight", weight, "f32")
+    _expect_dtype("head_norm_rope", "positions", positions, "i32")
+    out = rt.empty(x.shape, "f32")
+    if x.numel == 0:
+        return out
+    params = kp.HeadNormRopeParams(x=x.ptr, weight=weight.ptr, positions=positions.ptr, out=out.ptr, tokens=tokens,
+                                   heads=heads, head_dim=dim, rotary_dim=rotary_dim, rope_theta=rope_theta, eps=eps)
+    warps = ROPE_THREADS // WARP
+    rt.launch("atlas_head_norm_rope", (_ceil_div(tokens * heads, warps), 1, 1), (ROPE_THREADS, 1, 1), params,
+              smem=warps * dim * 4)
+    return out
+
+
+def _check_attention(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, k_cache: DeviceTensor,
+                     v_cache: DeviceTensor, positions: DeviceTensor) -> None:
+    tokens, q_heads, dim = q.shape
+    capacity, kv_heads, cache_dim = k_cache.shape
+    _expect(k.shape == (tokens, kv_heads, dim) and v.shape == k.shape, f"attention: k {k.shape} / v {v.shape} vs q {q.shape}, cache {k_cache.shape}")
+    _expect(v_cache.shape == k_cache.shape and cache_dim == dim, f"attention: caches {k_cache.shape} / {v_cache.shape} vs q {q.shape}")
+    _expect(q_heads % kv_heads == 0, f"attention: {q_heads} q heads not a multiple of {kv_heads} kv heads")
+    _expect(dim in ATTN_HEAD_DIMS, f"attention: head dim {dim}, kernels exist for {ATTN_HEAD_DIMS}")
+    _expect(positions.numel == tokens, f"attention: positions {positions.shape} vs q {q.shape}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _expect_dtype("attention", name, t, "f32")
+    _expect_dtype("attention", "k_cache", k_cache, "bf16")
+    _expect_dtype("attention", "v_cache", v_cache, "bf16")
+    _expect_dtype("attention", "positions", positions, "i32")
+    _expect_int32("attention", k_cache.numel)
+
+
+def attention(
+    rt: CudaRuntime,
+    q: DeviceTensor,
+    k: DeviceTensor,
+    v: DeviceTensor,
+    k_cache: DeviceTensor,
+    v_cache: DeviceTensor,
+    positions: DeviceTensor,
+    scale: float,
+) -> DeviceTensor:
+    """Writes this step's k, v into the caches, then attends (the kernel compiled for the tuple's
+    head_dim; it leaves the output untouched for any other head dim)."""
+    _check_attention(q, k, v, k_cache, v_cache, positions)
+    tokens, q_heads, dim = q.shape
+    capacity, kv_heads, _ = k_cache.shape
+    out = rt.empty(q.shape, "f32")
+    if tokens == 0:
+        return out
+    write = kp.KvCacheWriteParams(k=k.ptr, v=v.ptr, k_cache=k_cache.ptr, v_cache=v_cache.ptr, positions=positions.ptr,
+                                  tokens=tokens, kv_heads=kv_heads, head_dim=dim, capacity=capacity)
+    rt.launch("atlas_kv_cache_write", _elementwise_grid(k.numel), (ELEMENTWISE_THREADS, 1, 1), write)
+    rows = tokens * (q_heads // kv_heads)
+    common = dict(q=q.ptr, k_cache=k_cache.ptr, v_cache=v_cache.ptr, positions=positions.ptr, tokens=tokens,
+                  q_heads=q_heads, kv_heads=kv_heads, head_dim=dim, capacity=capacity, scale=scale)
+    if tokens > ATTN_DECODE_MAX_TOKENS:
+        params = kp.AttentionParams(out=out.ptr, ml=None, span=capacity, **common)
+        grid = (1, kv_heads, _ceil_div(rows, ATTN_PREFILL_ROWS))
+        rt.launch("atlas_attention_prefill", grid, (ATTN_PREFILL_THREADS, 1, 1), params)
+        return out
+    span = ATTN_KEYS * _ceil_div(capacity, ATTN_KEYS * ATTN_MAX_SPLITS)
+    splits = _ceil_div(capacity, span)
+    partial = rt.empty((splits, tokens, q_heads, dim), "f32")
+    ml = rt.empty((splits, tokens, q_heads, 2), "f32")
+    params = kp.AttentionParams(out=partial.ptr, ml=ml.ptr, span=span, **common)
+    grid = (splits, kv_heads, _ceil_div(rows, ATTN_DECODE_ROWS))
+    rt.launch("atlas_attention_decode", grid, (ATTN_DECODE_THREADS, 1, 1), params)
+    combine = kp.AttentionCombineParams(partial=partial.ptr, ml=ml.ptr, positions=positions.ptr, out=out.ptr,
+                                        tokens=tokens, q_heads=q_heads, head_dim=dim, span=span, num_splits=splits)
+    rt.launch("atlas_attention_combine", (tokens * q_heads, 1, 1), (dim, 1, 1), combine)
+    return out
+
+
+def argmax(rt: CudaRuntime, logits: DeviceTensor) -> DeviceTensor:
+    vocab = logits.shape[-1]
+    rows = logits.numel // vocab if vocab else 0
+    _expect_dtype("argmax", "logits", logits, "f32")
+    _expect(vocab > 0, f"argmax: empty vocabulary in logits {logits.shape}")
+    _expect_int32("argmax", logits.numel)
+    out = rt.empty((rows,), "i32")
+    if rows == 0:
+        return out
+    chunks = _ceil_div(vocab, ARGMAX_CHUNK)
+    values = rt.empty((rows, chunks), "f32")
+    indices = rt.empty((rows, chunks), "i32")
+    params = kp.ArgmaxParams(logits=logits.ptr, partial_value=values.ptr, partial_index=indices.ptr, out=out.ptr,
+                             rows=rows, vocab=vocab, chunk=ARGMAX_CHUNK, chunks=chunks)
+    rt.launch("atlas_argmax_partial", (chunks, rows, 1), (ARGMAX_THREADS, 1, 1), params)
+    rt.launch("atlas_argmax_final", (rows, 1, 1), (ARGMAX_THREADS, 1, 1), params)
+    return out
+
+
+def sample(rt: CudaRuntime, logits: DeviceTensor, params: SamplingParams, uniform: float) -> DeviceTensor:
+    """Temperature 0 is greedy (argmax). The settings and `uniform` are launch parameters, so a
+    sampled step is launched per token, not replayed from a captured graph."""
+    from atlas.sampling import check_sampling
+
+    check_sampling(params)
+    vocab = logits.shape[-1]
+    _expect(logits.numel == vocab, f"sample: logits {logits.shape}, expected one row [1, V]")
+    _expect_dtype("sample", "logits", logits, "f32")
+    _expect(math.isfinite(uniform) and 0.0 <= uniform < 1.0, f"sample: uniform {uniform} outside [0, 1)")
+    if params.temperature == 0.0:
+        return argmax(rt, logits.reshape(1, vocab))
+    out = rt.empty((1,), "i32")
+    probs = rt.empty((vocab,), "f32")
+    launch = kp.SampleParams(logits=logits.ptr, probs=probs.ptr, out=out.ptr, vocab=vocab, top_k=params.top_k,
+                             temperature=params.temperature, top_p=params.top_p, uniform=uniform)
+    rt.launch("atlas_sample", (1, 1, 1), (SAMPLE_THREADS, 1, 1), launch)
+    return out
