@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from _checkpoints import randomise
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are terse.<|im_end|>\n{% endif %}"
@@ -72,9 +74,7 @@ def make_tiny_checkpoint(model_dir: Path, seed: int, dtype: str = "float32") -> 
     )  # fmt: skip
     torch.manual_seed(seed)
     model = Qwen3_5MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.2)  # larger than init so the greedy path is not flat
+    randomise(model, seed)  # every parameter drawn afresh, scaled so greedy avoids near-ties
     model.to(getattr(torch, dtype)).save_pretrained(model_dir)
     return model_dir
 

@@ -1,0 +1,231 @@
+"""The Python API: `LLM(model, device).generate(prompt, ...)` and `.stream(...)`."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .errors import AtlasError
+
+if TYPE_CHECKING:
+    from .backends.base import SamplingParams
+    from .config import ModelSpec
+    from .tokenizer import Tokenizer
+
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]  # the new tokens (eos included when generation stopped on it)
+    text: str  # the new tokens decoded, special tokens skipped
+    prompt_tokens: int
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None
+    chat: bool = False  # wrap a text prompt as one user message in the chat template
+
+
+class EngineLike(Protocol):
+    """What LLM needs of atlas.engine.Engine."""
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        seed: int | None,
+        eos_ids: set[int],
+        on_token: Callable[[int], None] | None,
+    ) -> Any: ...  # atlas.engine.GenerationStats
+
+
+@dataclass
+class LoadedModel:
+    model_dir: Path
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    engine: EngineLike
+    device: str  # which backend runs and why, e.g. "cpu (numpy ...; cuda unavailable: ...)"
+
+
+def load_model(model: str | None, device: str) -> LoadedModel:
+    """Resolve, read config and tokenizer, open the weights and build the engine."""
+    from .backends import create_backend
+    from .config import load_spec
+    from .resolve import resolve_model
+    from .safetensors import Checkpoint
+    from .tokenizer import Tokenizer
+
+    model_dir = resolve_model(model)
+    spec = load_spec(model_dir)
+    tokenizer = Tokenizer.open(model_dir)
+    checkpoint = Checkpoint.open(model_dir)
+    backend, reason = create_backend(device, model_dir, spec)
+    from .engine import Engine
+
+    return LoadedModel(model_dir, spec, tokenizer, Engine(spec, checkpoint, backend), reason)
+
+
+class LLM:
+    """A loaded model. `model`: None (the embedded demo), a directory, an HF repo id in the local
+    cache or a registry name; `device`: "auto", "cpu" or "cuda"."""
+
+    def __init__(self, model: str | None = None, device: str = "auto") -> None:
+        self.parts = load_model(model, device)
+
+    @classmethod
+    def from_loaded(cls, parts: LoadedModel) -> LLM:
+        llm = cls.__new__(cls)
+        llm.parts = parts
+        return llm
+
+    @property
+    def device(self) -> str:
+        return self.parts.device
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.parts.tokenizer
+
+    @property
+    def model_dir(self) -> Path:
+        return self.parts.model_dir
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        *,
+        on_text: Callable[[str], None] | None = None,
+        **options: Any,
+    ) -> GenerationResult:
+        """Generate from a text prompt or prompt token ids. Options are GenerateOptions fields
+        (max_tokens, temperature, top_k, top_p, seed, chat); `on_text` receives text pieces as
+        they complete."""
+        opts = make_options(options)
+        prompt_ids = self.encode_prompt(prompt, opts.chat)
+        check_length(self.parts.spec, len(prompt_ids), opts.max_tokens)
+        decoder = self.parts.tokenizer.stream_decoder()
+
+        def emit(token: int) -> None:
+            if on_text and (piece := decoder.push(token)):
+                on_text(piece)
+
+        stats = self.parts.engine.generate(
+            prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, self.eos_ids(),
+            emit if on_text else None,
+        )
+        if on_text and (rest := decoder.flush()):
+            on_text(rest)
+        token_ids = [int(t) for t in stats.token_ids]
+        return GenerationResult(
+            token_ids=token_ids,
+            text=self.parts.tokenizer.decode(token_ids),
+            prompt_tokens=int(stats.prompt_tokens),
+            prefill_tok_s=rate(int(stats.prompt_tokens), stats.prefill_seconds),
+            decode_tok_s=rate(max(len(token_ids) - 1, 0), stats.decode_seconds),
+        )
+
+    def stream(self, prompt: str | list[int], **options: Any) -> Iterator[str]:
+        """Yield text pieces as they are generated (the engine runs on a worker thread)."""
+        pieces: queue.Queue[str | BaseException | None] = queue.Queue()
+        stop = threading.Event()
+
+        def on_text(piece: str) -> None:
+            if stop.is_set():
+                raise StreamClosed
+            pieces.put(piece)
+
+        def work() -> None:
+            try:
+                self.generate(prompt, on_text=on_text, **options)
+                pieces.put(None)
+            except StreamClosed:
+                pass
+            except BaseException as err:  # handed to the consumer, raised there
+                pieces.put(err)
+
+        worker = threading.Thread(target=work, name="atlas-generate", daemon=True)
+        worker.start()
+        try:
+            while (item := pieces.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            worker.join()
+
+    def encode_prompt(self, prompt: str | list[int], chat: bool) -> list[int]:
+        tokenizer = self.parts.tokenizer
+        if isinstance(prompt, str):
+            if chat:
+                ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            else:
+                ids = tokenizer.encode(prompt)
+        elif chat:
+            raise AtlasError("chat=True needs a text prompt, not token ids")
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise AtlasError("the prompt is empty; give at least one token of text")
+        vocab = self.parts.spec.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise AtlasError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def eos_ids(self) -> set[int]:
+        """The config's eos ids (generation_config.json first); else the tokenizer's eos."""
+        ids = set(self.parts.spec.eos_token_ids)
+        if not ids and self.parts.tokenizer.eos_token_id is not None:
+            ids.add(self.parts.tokenizer.eos_token_id)
+        return ids
+
+
+class StreamClosed(Exception):
+    """Raised inside the engine's callback to stop generation when the consumer stops reading."""
+
+
+def make_options(options: dict[str, Any]) -> GenerateOptions:
+    unknown = sorted(set(options) - set(GenerateOptions.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"generate() got unknown options {unknown}")
+    opts = GenerateOptions(**options)
+    if isinstance(opts.max_tokens, bool) or not isinstance(opts.max_tokens, int) or opts.max_tokens < 1:
+        raise AtlasError(f"max_tokens must be a positive integer, got {opts.max_tokens!r}")
+    from .sampling import check_sampling
+
+    check_sampling(sampling_params(opts))
+    return opts
+
+
+def sampling_params(opts: GenerateOptions) -> SamplingParams:
+    from .backends.base import SamplingParams
+
+    return SamplingParams(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p))
+
+
+def check_length(spec: ModelSpec, prompt_tokens: int, max_tokens: int) -> None:
+    total = prompt_tokens + max_tokens
+    if total > spec.max_position_embeddings:
+        raise AtlasError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+            f"model's max_position_embeddings ({spec.max_position_embeddings}); lower max_tokens"
+        )
+
+
+def rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0

@@ -1,0 +1,110 @@
+"""`python -m atlas.run`: generate from the command line, streaming text as it comes.
+
+Bad flags and bad models print one line on stderr and exit with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import click
+
+from .errors import AtlasError
+
+USAGE_EXIT = 2
+INTERRUPT_EXIT = 130
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    model: str | None
+    prompt: str | None
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    chat: bool
+    device: str
+
+
+def default_prompt(model: str | None) -> str:
+    """The demo's opening words; any other model needs --prompt."""
+    from .demo import DEMO_NAME, DEMO_PROMPT
+
+    if model is None or model.lower() == DEMO_NAME:
+        return DEMO_PROMPT
+    raise AtlasError(f"--prompt is required with --model {model} (only the demo has a default prompt)")
+
+
+def run(args: RunArgs) -> None:
+    from .llm import LLM
+
+    prompt = args.prompt if args.prompt is not None else default_prompt(args.model)
+    llm = LLM(args.model, device=args.device)
+    click.echo(f"atlas: model {llm.model_dir}, device {llm.device}", err=True)
+    result = llm.generate(
+        prompt,
+        on_text=write_stdout,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        chat=args.chat,
+    )
+    write_stdout("\n")
+    click.echo(
+        f"atlas: prompt {result.prompt_tokens} tokens, prefill {result.prefill_tok_s:.1f} tok/s, "
+        f"decode {result.decode_tok_s:.1f} tok/s ({len(result.token_ids)} tokens), "
+        f"device {llm.device.split(' ')[0]}",
+        err=True,
+    )
+
+
+def write_stdout(text: str) -> None:
+    """Generated text goes out unaltered (click.echo would strip escape sequences off a pipe)."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", default=None, help="Directory, HF repo id in the local cache, or registry name (default: the embedded atlas-demo).")
+@click.option("--prompt", default=None, help="Prompt text (default for the demo: its first words).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="Most new tokens.")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 is off.")
+@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True, help="1 is off.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible output).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+def command(**kwargs: object) -> None:
+    """Run a model: stream generated text to stdout, then a stats line to stderr."""
+    run(RunArgs(**kwargs))  # type: ignore[arg-type]
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    try:
+        command.main(args=argv, prog_name="python -m atlas.run", standalone_mode=False)
+    except click.exceptions.Exit as done:  # --help
+        return done.exit_code
+    except click.ClickException as err:
+        click.echo(f"atlas.run: error: {one_line(err.format_message())} (see --help)", err=True)
+        return USAGE_EXIT
+    except AtlasError as err:
+        click.echo(f"atlas.run: error: {one_line(str(err))}", err=True)
+        return USAGE_EXIT
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo("\natlas.run: interrupted", err=True)
+        return INTERRUPT_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

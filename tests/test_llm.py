@@ -1,0 +1,149 @@
+"""The Python API (LLM) on the real engine: greedy output equals transformers' on a random tiny
+checkpoint, streaming, seeds, argument errors, and the backend factory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import atlas.backends as backends
+from atlas import LLM
+from atlas.backends import create_backend
+from atlas.config import load_spec
+from atlas.errors import AtlasError
+from runtime_checkpoint import make_tiny_checkpoint, transformers_greedy
+
+PROMPT_WORDS = ["Beautiful", "is", "better", "than", "ugly", "café", "你好", "🙂", "Flat", "dense."]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"tiny checkpoint seed: {seed}")
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir: Path) -> LLM:
+    return LLM(str(tiny_dir), device="cpu")
+
+
+def random_prompt(rng: np.random.Generator) -> str:
+    return " ".join(rng.choice(PROMPT_WORDS, size=int(rng.integers(2, 8))))
+
+
+@pytest.mark.oracle
+def test_greedy_matches_transformers(tiny: LLM, tiny_dir: Path, rng: np.random.Generator) -> None:
+    prompt = random_prompt(rng)
+    result = tiny.generate(prompt, max_tokens=16)
+    prompt_ids = tiny.tokenizer.encode(prompt)
+    assert result.prompt_tokens == len(prompt_ids)
+    assert result.token_ids == transformers_greedy(tiny_dir, prompt_ids, 16)
+    assert result.text == tiny.tokenizer.decode(result.token_ids)
+    assert result.prefill_tok_s > 0 and result.decode_tok_s >= 0
+
+
+@pytest.mark.oracle
+def test_chat_prompt_matches_transformers(tiny: LLM, tiny_dir: Path, rng: np.random.Generator) -> None:
+    prompt = random_prompt(rng)
+    result = tiny.generate(prompt, max_tokens=8, chat=True)
+    chat_ids = tiny.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    assert result.prompt_tokens == len(chat_ids)
+    assert result.token_ids == transformers_greedy(tiny_dir, chat_ids, 8)
+
+
+def test_token_id_prompt_equals_text_prompt(tiny: LLM, rng: np.random.Generator) -> None:
+    prompt = random_prompt(rng)
+    by_text = tiny.generate(prompt, max_tokens=6)
+    by_ids = tiny.generate(tiny.tokenizer.encode(prompt), max_tokens=6)
+    assert by_ids.token_ids == by_text.token_ids
+
+
+def test_seed_makes_sampling_reproducible(tiny: LLM, rng: np.random.Generator) -> None:
+    prompt = random_prompt(rng)
+    seed = int(rng.integers(0, 2**31))
+    options = {"max_tokens": 12, "temperature": 1.3, "top_k": 50, "top_p": 0.95, "seed": seed}
+    first = tiny.generate(prompt, **options)
+    assert tiny.generate(prompt, **options).token_ids == first.token_ids
+    draws = {tuple(tiny.generate(prompt, **{**options, "seed": seed + i}).token_ids) for i in range(1, 5)}
+    assert len(draws | {tuple(first.token_ids)}) > 1  # different seeds do sample differently
+
+
+def test_stream_yields_the_generated_text() -> None:
+    from atlas.demo import DEMO_PROMPT
+
+    demo = LLM(device="cpu")
+    pieces = list(demo.stream(DEMO_PROMPT, max_tokens=40))
+    assert len(pieces) > 1
+    assert "".join(pieces) == demo.generate(DEMO_PROMPT, max_tokens=40).text
+
+
+def test_stream_can_stop_early(tiny: LLM, rng: np.random.Generator) -> None:
+    stream = tiny.stream(random_prompt(rng), max_tokens=200, temperature=1.0, seed=1)
+    for _ in stream:
+        break
+    stream.close()  # the worker stops at its next token; close() must not hang
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_tokens": 10**6}, "max_position_embeddings"),
+    ],
+)
+def test_bad_options(tiny: LLM, options: dict[str, float], needle: str) -> None:
+    with pytest.raises(AtlasError, match=needle):
+        tiny.generate("Beautiful", **options)
+
+
+def test_bad_prompts(tiny: LLM) -> None:
+    vocab = tiny.parts.spec.vocab_size
+    with pytest.raises(AtlasError, match="outside the vocabulary"):
+        tiny.generate([1, vocab], max_tokens=2)
+    with pytest.raises(AtlasError, match="empty"):
+        tiny.generate("", max_tokens=2)
+    with pytest.raises(AtlasError, match="text prompt"):
+        tiny.generate([1, 2], chat=True)
+    with pytest.raises(TypeError, match="unknown options"):
+        tiny.generate("x", max_new_tokens=3)
+
+
+def test_backend_factory(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from atlas.backends.numpy_backend import NumpyBackend
+
+    spec = load_spec(tiny_dir)
+    backend, reason = create_backend("cpu", tiny_dir, spec)
+    assert isinstance(backend, NumpyBackend) and reason.startswith("cpu")
+    with pytest.raises(AtlasError, match="tpu"):
+        create_backend("tpu", tiny_dir, spec)
+
+    def no_gpu(model_dir: Path, spec: object) -> None:
+        raise AtlasError("no NVIDIA driver found")
+
+    monkeypatch.setattr(backends, "open_cuda_backend", no_gpu)
+    backend, reason = create_backend("auto", tiny_dir, spec)
+    assert isinstance(backend, NumpyBackend)
+    assert reason.startswith("cpu") and "no NVIDIA driver found" in reason
+    with pytest.raises(AtlasError, match="no NVIDIA driver found"):
+        create_backend("cuda", tiny_dir, spec)
+
+
+@pytest.mark.gpu
+def test_auto_picks_cuda_and_agrees_with_cpu() -> None:
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("no NVIDIA GPU (nvidia-smi not found)")
+    from atlas.demo import DEMO_PROMPT
+
+    gpu = LLM(device="auto")
+    assert gpu.device.startswith("cuda"), gpu.device
+    cpu = LLM(device="cpu")
+    want = cpu.generate(DEMO_PROMPT, max_tokens=64).token_ids
+    assert gpu.generate(DEMO_PROMPT, max_tokens=64).token_ids == want
