@@ -26,7 +26,7 @@ from pathlib import Path
 from atlas.errors import AtlasError
 from atlas.targets import Hardware, Registry, load_registry
 
-from . import REPO
+from . import REPO, kernels_dir
 from .headers import TupleNames, write_headers
 from .nvcc import Nvcc, find_nvcc
 from .render import write_if_changed
@@ -36,7 +36,6 @@ from .selection import ENV_HW, ENV_MODEL, ENV_QUANT, Selection, Target, select
 MODULE = "kernels"  # one module per tuple
 COMMON_FLAGS = ("-std=c++17", "-O3", "-lineinfo")
 PTXAS_FLAGS = ("-Xptxas", "-v,-warn-spills")
-KERNELS = REPO / "kernels"
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ def make_job(nvcc: Nvcc, hw: Hardware, target: Target, sources: list[Path], out:
     tuple_dir = out / target.rel
     source = tuple_dir / "tuple.cu"
     write_if_changed(source, unity_source(sources))
-    includes = ("-I", _rel(tuple_dir / "include"), "-I", _rel(KERNELS / "include"), "-I", ".")
+    includes = ("-I", _rel(tuple_dir / "include"), "-I", _rel(kernels_dir() / "include"), "-I", ".")
     stem = MODULE
     ptx_cmd = (str(nvcc.path), "-ptx", *COMMON_FLAGS, *hw.gencode, *hw.extra_flags, *includes,
                _rel(source), "-o", str(tuple_dir / f"{stem}.ptx"))
@@ -102,13 +101,13 @@ def cache_key(job: Job, compiler_id: str) -> str:
     for source in (job.source, *job.sources):
         digest.update(_rel(source).encode() + b"\0" + source.read_bytes() + b"\0")
     _hash_tree(digest, job.out_dir / "include")
-    _hash_tree(digest, KERNELS / "include")
+    _hash_tree(digest, kernels_dir() / "include")
     return digest.hexdigest()
 
 
 def file_line(stderr: str) -> str:
     """nvcc's `path(12): error` -> `path:12: error` (clickable in editors and CI logs)."""
-    return re.sub(r"^(.+?)\((\d+)\): ", r"\1:\2: ", stderr, flags=re.M)
+    return re.sub(r"^(?:\./)?(.+?)\((\d+)\): ", r"\1:\2: ", stderr, flags=re.M)
 
 
 def _run(cmd: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
@@ -169,7 +168,7 @@ def plan(registry: Registry, selection: Selection, nvcc: Nvcc, out: Path) -> lis
     for target in selection.targets:
         tuple_dir = out / target.rel
         write_headers(registry, TupleNames(target.hw, target.model, target.quant), tuple_dir / "include")
-        sources = sorted((KERNELS / target.rel).glob("*.cu"))
+        sources = sorted((kernels_dir() / target.rel).glob("*.cu"))
         jobs.append(make_job(nvcc, registry.hardware[target.hw], target, sources, out))
     return jobs
 

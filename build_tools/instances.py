@@ -16,7 +16,7 @@ from pathlib import Path
 
 from atlas.targets import Registry, load_registry
 
-from . import REPO
+from . import kernels_dir
 from .render import environment, write_if_changed
 
 MARKER = "// generated from kernels/templates/"
@@ -74,9 +74,9 @@ def out_of_date(registry: Registry, kernels_dir: Path) -> tuple[list[Instance], 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="list out-of-date files and exit 1 if any")
-    parser.add_argument("--kernels", type=Path, default=REPO / "kernels")
+    parser.add_argument("--kernels", type=Path, default=None, help="default: kernels/ (or $ATLAS_KERNELS_DIR)")
     args = parser.parse_args(argv)
-    changed, stale = out_of_date(load_registry(), args.kernels)
+    changed, stale = out_of_date(load_registry(), args.kernels or kernels_dir())
     if args.check:
         for inst in changed:
             print(f"out of date: {inst.path}")

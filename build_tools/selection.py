@@ -17,7 +17,7 @@ from pathlib import Path
 from atlas.errors import AtlasError
 from atlas.targets import Registry, hardware_for_compute_capability
 
-from . import REPO
+from . import kernels_dir
 
 VERSION = "0.1.0"
 ENV_HW, ENV_MODEL, ENV_QUANT = "ATLAS_TARGET_HW", "ATLAS_TARGET_MODEL", "ATLAS_TARGET_QUANT"
@@ -44,12 +44,13 @@ class Selection:
         return not self.targets
 
 
-def existing_targets(registry: Registry, kernels_dir: Path = REPO / "kernels") -> list[Target]:
+def existing_targets(registry: Registry, root: Path | None = None) -> list[Target]:
+    root = root or kernels_dir()
     found = []
     for hw in registry.hardware:
         for model in registry.models:
             for quant in registry.quants:
-                if any((kernels_dir / hw / model / quant).glob("*.cu")):
+                if any((root / hw / model / quant).glob("*.cu")):
                     found.append(Target(hw, model, quant))
     return sorted(found)
 
@@ -96,7 +97,7 @@ def _detected_hardware(registry: Registry, detect: Callable[[], list[str]]) -> t
     return names, notes
 
 
-def select(registry: Registry, env: Mapping[str, str], kernels_dir: Path = REPO / "kernels",
+def select(registry: Registry, env: Mapping[str, str], root: Path | None = None,
            detect: Callable[[], list[str]] = visible_compute_capabilities) -> Selection:
     """Validate the three variables (before any compile) and pick the existing tuples."""
     raw_hw = parse_names(ENV_HW, env.get(ENV_HW), registry.hardware_names())
@@ -109,7 +110,7 @@ def select(registry: Registry, env: Mapping[str, str], kernels_dir: Path = REPO 
             return Selection((), tuple(notes))
     else:
         hws = None if raw_hw is None else [registry.resolve_hardware(n).name for n in raw_hw]  # type: ignore[union-attr]
-    existing = existing_targets(registry, kernels_dir)
+    existing = existing_targets(registry, root)
     chosen = tuple(t for t in existing if (hws is None or t.hw in hws)
                    and (models is None or t.model in models) and (quants is None or t.quant in quants))
     if not chosen:
