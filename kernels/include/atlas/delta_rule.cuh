@@ -6,7 +6,8 @@
 // so a block owns kColsPerBlock columns of one head's state [Dk, Dv] and keeps them in registers
 // for the whole call: each column is split over kKeyParts lanes (rows i = part + kKeyParts * r),
 // whose partial dot products meet through two shuffles. Tokens are walked sequentially (decode is
-// T = 1; prefill walks T on chip: the first version, the chunked WY form is not written yet).
+// T = 1; prefill walks T on chip: the first version, the chunked WY form is not written yet),
+// with the next token's inputs loaded while the current one is computed.
 #pragma once
 
 #include "atlas/common.cuh"
@@ -30,99 +31,102 @@ __device__ __forceinline__ float column_sum(float value) {
   return value;
 }
 
-struct TokenScalars {
-  float q_scale;  // rsqrt(|q|^2 + eps) * Dk^-0.5
-  float k_scale;  // rsqrt(|k|^2 + eps)
-  float decay;    // exp(g)
-  float beta;
+// One token's inputs as this thread needs them: q, k element threadIdx.x of the key head
+// (threads < Dk), v of the thread's column, a and b of the head.
+struct TokenInputs {
+  float q = 0.0f;
+  float k = 0.0f;
+  float v = 0.0f;
+  float a = 0.0f;
+  float b = 0.0f;
 };
 
-// Stages raw q, k of key head `hk` for token t in smem and computes the token's scalars.
-// Starts and ends with a barrier; every thread of the block must call it.
 template <int Hk, int Hv, int Dk, int Dv>
-__device__ void prepare_token(const GatedDeltaRuleParams& p, int t, int h, float* q_s, float* k_s,
-                              TokenScalars& scalars) {
+__device__ __forceinline__ void load_inputs(const GatedDeltaRuleParams& p, int t, int h, int col, TokenInputs& in) {
   constexpr int kRowWidth = 2 * Hk * Dk + Hv * Dv;
   const int hk = h / (Hv / Hk);
   const float* row = static_cast<const float*>(p.mixed_qkv) + static_cast<int64_t>(t) * kRowWidth;
-  __syncthreads();  // the previous token is done with q_s, k_s and the scalars
-  for (int i = threadIdx.x; i < Dk; i += kThreads) {
-    q_s[i] = row[hk * Dk + i];
-    k_s[i] = row[Hk * Dk + hk * Dk + i];
+  if (threadIdx.x < Dk) {
+    in.q = row[hk * Dk + threadIdx.x];
+    in.k = row[Hk * Dk + hk * Dk + threadIdx.x];
   }
-  __syncthreads();
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
-  if (warp < 2) {
-    const float* src = warp == 0 ? q_s : k_s;
-    float squares = 0.0f;
-    for (int i = lane; i < Dk; i += kWarpSize) squares = fmaf(src[i], src[i], squares);
-    squares = warp_sum(squares);
-    const float inv_norm = rsqrtf(squares + kL2Eps);
-    if (lane == 0) {
-      if (warp == 0) scalars.q_scale = inv_norm * rsqrtf(static_cast<float>(Dk));
-      else scalars.k_scale = inv_norm;
-    }
-  } else if (warp == 2 && lane == 0) {
-    const int64_t at = static_cast<int64_t>(t) * Hv + h;
-    const float a = static_cast<const float*>(p.a)[at];
-    const float b = static_cast<const float*>(p.b)[at];
-    const float A_log = static_cast<const float*>(p.A_log)[h];
-    const float dt_bias = static_cast<const float*>(p.dt_bias)[h];
-    scalars.decay = expf(-expf(A_log) * softplus(a + dt_bias));
-    scalars.beta = sigmoid(b);
-  }
-  __syncthreads();
+  in.v = row[2 * Hk * Dk + h * Dv + col];
+  in.a = static_cast<const float*>(p.a)[static_cast<int64_t>(t) * Hv + h];
+  in.b = static_cast<const float*>(p.b)[static_cast<int64_t>(t) * Hv + h];
+}
+
+// rsqrt(sum(x^2) + eps) of a Dk vector in smem, computed by every warp for itself.
+template <int Dk>
+__device__ __forceinline__ float inv_l2_norm(const float* x_s, int lane) {
+  float squares = 0.0f;
+#pragma unroll
+  for (int i = lane; i < Dk; i += kWarpSize) squares = fmaf(x_s[i], x_s[i], squares);
+  return rsqrtf(warp_sum(squares) + kL2Eps);
 }
 
 template <int Hk, int Hv, int Dk, int Dv>
 __device__ void gated_delta_rule(const GatedDeltaRuleParams& p) {
   static_assert(Hv % Hk == 0, "gated_delta_rule: Hv must be a multiple of Hk");
-  static_assert(Dk % kKeyParts == 0, "gated_delta_rule: Dk must be a multiple of kKeyParts");
+  static_assert(Dk % kKeyParts == 0 && Dk <= kThreads, "gated_delta_rule: Dk must be a multiple of 4 and <= kThreads");
   static_assert(Dv % kColsPerBlock == 0, "gated_delta_rule: Dv must be a multiple of kColsPerBlock");
   constexpr int kRows = Dk / kKeyParts;
-  constexpr int kRowWidth = 2 * Hk * Dk + Hv * Dv;
   if (p.num_k_heads != Hk || p.num_v_heads != Hv || p.k_head_dim != Dk || p.v_head_dim != Dv ||
       blockDim.x != kThreads)
     return;
   const int h = blockIdx.x;
   if (h >= Hv || blockIdx.y >= Dv / kColsPerBlock) return;
 
-  __shared__ float q_s[Dk];
-  __shared__ float k_s[Dk];
-  __shared__ TokenScalars scalars;
+  // Double-buffered by token parity: one barrier per token (the buffer written at token t was
+  // last read at token t - 2, before every thread passed token t - 1's barrier).
+  __shared__ float q_s[2][Dk];
+  __shared__ float k_s[2][Dk];
   const int lane = threadIdx.x % kWarpSize;
   const int part = lane / kColsPerWarp;
   const int col = blockIdx.y * kColsPerBlock + (threadIdx.x / kWarpSize) * kColsPerWarp + lane % kColsPerWarp;
+  const float neg_A = -expf(static_cast<const float*>(p.A_log)[h]);
+  const float dt_bias = static_cast<const float*>(p.dt_bias)[h];
 
   float* state = static_cast<float*>(p.state) + static_cast<int64_t>(h) * Dk * Dv + col;
   float s[kRows];  // s[r] = S[part + kKeyParts * r][col]
 #pragma unroll
   for (int r = 0; r < kRows; ++r) s[r] = state[(part + kKeyParts * r) * Dv];
 
-  const float* mixed = static_cast<const float*>(p.mixed_qkv);
   float* out = static_cast<float*>(p.out);
+  TokenInputs current;
+  if (p.num_tokens > 0) load_inputs<Hk, Hv, Dk, Dv>(p, 0, h, col, current);
   for (int t = 0; t < p.num_tokens; ++t) {
-    prepare_token<Hk, Hv, Dk, Dv>(p, t, h, q_s, k_s, scalars);
-    const float v = mixed[static_cast<int64_t>(t) * kRowWidth + 2 * Hk * Dk + h * Dv + col];
-    const float decay = scalars.decay;
-    const float k_scale = scalars.k_scale;
+    const int buf = t & 1;
+    if (threadIdx.x < Dk) {
+      q_s[buf][threadIdx.x] = current.q;
+      k_s[buf][threadIdx.x] = current.k;
+    }
+    TokenInputs next;
+    if (t + 1 < p.num_tokens) load_inputs<Hk, Hv, Dk, Dv>(p, t + 1, h, col, next);
+    __syncthreads();
+    const float* q = q_s[buf];
+    const float* k = k_s[buf];
+    const float q_scale = inv_l2_norm<Dk>(q, lane) * rsqrtf(static_cast<float>(Dk));
+    const float k_scale = inv_l2_norm<Dk>(k, lane);
+    const float decay = expf(neg_A * softplus(current.a + dt_bias));
+    const float beta = sigmoid(current.b);
+
     float predicted = 0.0f;  // (S^T k)[col] with the decayed state
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       s[r] *= decay;
-      predicted = fmaf(s[r], k_s[part + kKeyParts * r], predicted);
+      predicted = fmaf(s[r], k[part + kKeyParts * r], predicted);
     }
     predicted = column_sum(predicted) * k_scale;
-    const float delta = scalars.beta * (v - predicted) * k_scale;  // k_scale folded into k
+    const float delta = beta * (current.v - predicted) * k_scale;  // k_scale folded into k
     float o = 0.0f;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      s[r] = fmaf(k_s[part + kKeyParts * r], delta, s[r]);
-      o = fmaf(s[r], q_s[part + kKeyParts * r], o);
+      s[r] = fmaf(k[part + kKeyParts * r], delta, s[r]);
+      o = fmaf(s[r], q[part + kKeyParts * r], o);
     }
-    o = column_sum(o) * scalars.q_scale;
+    o = column_sum(o) * q_scale;
     if (part == 0) out[(static_cast<int64_t>(t) * Hv + h) * Dv + col] = o;
+    current = next;
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) state[(part + kKeyParts * r) * Dv] = s[r];

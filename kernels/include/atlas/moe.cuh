@@ -1,9 +1,10 @@
 // Mixture-of-experts kernels.
 //
-// Decode (few tokens): two GEMV launches over the (token, slot) pairs. moe_gate_up_gemv: one warp
-// per intermediate row i of one slot, act[s, i] = silu(gate[e][i] . x) * (up[e][i] . x).
-// moe_down_gemv: one warp per output feature n of one token, summing the k slots in slot order
-// inside the warp (weight * row dot), so the sum is deterministic without atomics.
+// Decode (few tokens): two GEMV launches over the (token, slot) pairs, dims compile-time so each
+// warp issues all its weight loads at once. moe_gate_up_gemv: one warp per intermediate row i of
+// one slot, act[s, i] = silu(gate[e][i] . x) * (up[e][i] . x). moe_down_gemv: one warp per output
+// feature n of one token, loading the k experts' rows together and summing the slots in slot
+// order inside the warp (weight * row dot): deterministic without atomics.
 //
 // Prefill: moe_route builds per-expert slot lists on the device (counts, offsets, perm), then the
 // grouped GEMM runs all experts in one launch, grid (N tiles, M tiles sized for T, E): a block
@@ -37,61 +38,66 @@ constexpr int kGateUpCols = kBN / 2;  // act columns per gate_up block
 
 __device__ __forceinline__ bool valid_expert(int e, int num_experts) { return e >= 0 && e < num_experts; }
 
-// Dynamic smem bytes of the decode kernels.
-__host__ __device__ constexpr int gate_up_gemv_smem(int hidden) { return hidden * 4; }
-__host__ __device__ constexpr int down_gemv_smem(int top_k, int inter) { return top_k * inter * 4; }
-
+template <int H, int I>
 __device__ void moe_gate_up_gemv(const MoeGateUpGemvParams& p) {
-  if (blockDim.x != kGemvThreads || p.hidden % 8 != 0 || p.top_k <= 0) return;
+  if (blockDim.x != kGemvThreads || p.hidden != H || p.inter != I || p.top_k <= 0) return;
   const int slot = blockIdx.y;
   if (slot >= p.num_slots) return;
-  extern __shared__ __align__(16) float gate_up_x_s[];
-  const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(slot / p.top_k) * p.hidden;
-  for (int i = threadIdx.x; i < p.hidden; i += kGemvThreads) gate_up_x_s[i] = x[i];
+  __shared__ __align__(16) float x_s[H];
+  const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(slot / p.top_k) * H;
+  for (int i = threadIdx.x; i < H; i += kGemvThreads) x_s[i] = x[i];
   __syncthreads();
 
   const int lane = threadIdx.x % kWarpSize;
   const int row = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
-  if (row >= p.inter) return;
+  if (row >= I) return;
   const int e = static_cast<const int32_t*>(p.ids)[slot];
-  float* act = static_cast<float*>(p.act) + static_cast<int64_t>(slot) * p.inter;
-  if (!valid_expert(e, p.num_experts)) {
-    if (lane == 0) act[row] = 0.0f;
-    return;
+  const bool valid = valid_expert(e, p.num_experts);
+  RowChunks<H> gate;
+  RowChunks<H> up;
+  if (valid) {
+    const uint16_t* gate_row = static_cast<const uint16_t*>(p.gate_up) + (static_cast<int64_t>(e) * 2 * I + row) * H;
+    load_row<H>(gate_row, lane, gate);
+    load_row<H>(gate_row + static_cast<int64_t>(I) * H, lane, up);
+  } else {
+    zero_row<H>(gate);
+    zero_row<H>(up);
   }
-  const uint16_t* gate =
-      static_cast<const uint16_t*>(p.gate_up) + (static_cast<int64_t>(e) * 2 * p.inter + row) * p.hidden;
-  const uint16_t* up = gate + static_cast<int64_t>(p.inter) * p.hidden;
-  const float g = warp_sum(row_dot_partial(gate, gate_up_x_s, p.hidden, lane));
-  const float u = warp_sum(row_dot_partial(up, gate_up_x_s, p.hidden, lane));
-  if (lane == 0) act[row] = silu(g) * u;
+  const float g = warp_sum(dot_row<H>(gate, x_s, lane));
+  const float u = warp_sum(dot_row<H>(up, x_s, lane));
+  if (lane == 0) static_cast<float*>(p.act)[static_cast<int64_t>(slot) * I + row] = valid ? silu(g) * u : 0.0f;
 }
 
+template <int H, int I, int kTopK>
 __device__ void moe_down_gemv(const MoeDownGemvParams& p) {
-  if (blockDim.x != kGemvThreads || p.inter % 8 != 0) return;
+  if (blockDim.x != kGemvThreads || p.hidden != H || p.inter != I || p.top_k != kTopK) return;
   const int t = blockIdx.y;
   if (t >= p.num_tokens) return;
-  extern __shared__ __align__(16) float down_act_s[];
-  const int slot_width = p.top_k * p.inter;
-  const float* act = static_cast<const float*>(p.act) + static_cast<int64_t>(t) * slot_width;
-  for (int i = threadIdx.x; i < slot_width; i += kGemvThreads) down_act_s[i] = act[i];
+  __shared__ __align__(16) float act_s[kTopK * I];
+  const float* act = static_cast<const float*>(p.act) + static_cast<int64_t>(t) * kTopK * I;
+  for (int i = threadIdx.x; i < kTopK * I; i += kGemvThreads) act_s[i] = act[i];
   __syncthreads();
 
   const int lane = threadIdx.x % kWarpSize;
   const int n = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
-  if (n >= p.hidden) return;
-  const int32_t* ids = static_cast<const int32_t*>(p.ids) + static_cast<int64_t>(t) * p.top_k;
-  const float* weights = static_cast<const float*>(p.weights) + static_cast<int64_t>(t) * p.top_k;
-  float acc = 0.0f;
-  for (int j = 0; j < p.top_k; ++j) {
+  if (n >= H) return;
+  const int32_t* ids = static_cast<const int32_t*>(p.ids) + static_cast<int64_t>(t) * kTopK;
+  const float* weights = static_cast<const float*>(p.weights) + static_cast<int64_t>(t) * kTopK;
+  RowChunks<I> rows[kTopK];
+  float slot_weight[kTopK];
+#pragma unroll
+  for (int j = 0; j < kTopK; ++j) {
     const int e = ids[j];
-    if (!valid_expert(e, p.num_experts)) continue;
-    const uint16_t* row =
-        static_cast<const uint16_t*>(p.down) + (static_cast<int64_t>(e) * p.hidden + n) * p.inter;
-    acc = fmaf(weights[j], row_dot_partial(row, down_act_s + j * p.inter, p.inter, lane), acc);
+    const bool valid = valid_expert(e, p.num_experts);
+    slot_weight[j] = valid ? weights[j] : 0.0f;
+    if (valid) load_row<I>(static_cast<const uint16_t*>(p.down) + (static_cast<int64_t>(e) * H + n) * I, lane, rows[j]);
+    else zero_row<I>(rows[j]);
   }
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kTopK; ++j) acc = fmaf(slot_weight[j], dot_row<I>(rows[j], act_s + j * I, lane), acc);
   acc = warp_sum(acc);
-  if (lane == 0) static_cast<float*>(p.out)[static_cast<int64_t>(t) * p.hidden + n] = acc;
+  if (lane == 0) static_cast<float*>(p.out)[static_cast<int64_t>(t) * H + n] = acc;
 }
 
 // One block. Dynamic smem: 2 * num_experts ints. Slots with an invalid id are left out of every

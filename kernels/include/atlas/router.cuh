@@ -1,6 +1,8 @@
-// MoE router: per token, logits = x @ W^T (W [E, H] bf16), softmax in f32, top-k (descending,
-// ties -> lower expert index), optionally renormalised. One block per token: x staged in smem,
-// one warp per expert row (16-byte weight loads), then warp 0 does softmax and k argmax rounds.
+// MoE router in two launches. router_logits: grid (T, E / kWarps), one warp per (token, expert),
+// logits = x @ W^T (W [E, H] bf16, x staged in smem, the whole weight row loaded at once).
+// router_top_k: one warp per token: softmax in f32, top-k by k argmax rounds (descending,
+// ties -> lower expert index), optionally renormalised. Two launches so that decode (T = 1)
+// spreads the 1 MB weight read over E / kWarps blocks instead of one.
 #pragma once
 
 #include "atlas/common.cuh"
@@ -9,28 +11,35 @@
 namespace atlas::router {
 
 constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * kWarpSize;
+constexpr int kLogitsThreads = kWarps * kWarpSize;
+constexpr int kTopKThreads = kWarpSize;
 
-// Dynamic smem: hidden + num_experts floats.
-__host__ __device__ constexpr int smem_bytes(int hidden, int num_experts) {
-  return (hidden + num_experts) * static_cast<int>(sizeof(float));
+template <int H, int E>
+__device__ bool shape_matches(const RouterParams& p) {
+  return p.hidden == H && p.num_experts == E && p.top_k > 0 && p.top_k <= E;
 }
 
-// Warp 0: probs_s holds logits on entry, probabilities (selected ones overwritten) on exit.
-__device__ void softmax_top_k(const RouterParams& p, float* probs_s, int t, int lane) {
-  const int E = p.num_experts;
-  float peak = -INFINITY;
-  for (int e = lane; e < E; e += kWarpSize) peak = fmaxf(peak, probs_s[e]);
-  peak = warp_max(peak);
-  float total = 0.0f;
-  for (int e = lane; e < E; e += kWarpSize) {
-    probs_s[e] = expf(probs_s[e] - peak);
-    total += probs_s[e];
-  }
-  const float inv_total = 1.0f / warp_sum(total);
-  for (int e = lane; e < E; e += kWarpSize) probs_s[e] *= inv_total;
-  __syncwarp();
+template <int H, int E>
+__device__ void router_logits(const RouterParams& p) {
+  if (!shape_matches<H, E>(p) || blockDim.x != kLogitsThreads) return;
+  const int t = blockIdx.x;
+  if (t >= p.num_tokens) return;
+  __shared__ __align__(16) float x_s[H];
+  const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(t) * H;
+  for (int i = threadIdx.x; i < H; i += kLogitsThreads) x_s[i] = x[i];
+  __syncthreads();
+  const int lane = threadIdx.x % kWarpSize;
+  const int e = blockIdx.y * kWarps + threadIdx.x / kWarpSize;
+  if (e >= E) return;
+  RowChunks<H> row;
+  load_row<H>(static_cast<const uint16_t*>(p.weight) + static_cast<int64_t>(e) * H, lane, row);
+  const float logit = warp_sum(dot_row<H>(row, x_s, lane));
+  if (lane == 0) static_cast<float*>(p.logits)[static_cast<int64_t>(t) * E + e] = logit;
+}
 
+// probs_s holds the softmax on entry; selected entries are overwritten.
+template <int E>
+__device__ void top_k_rounds(const RouterParams& p, float* probs_s, int t, int lane) {
   int32_t* ids = static_cast<int32_t*>(p.ids) + static_cast<int64_t>(t) * p.top_k;
   float* weights = static_cast<float*>(p.weights) + static_cast<int64_t>(t) * p.top_k;
   float picked_sum = 0.0f;
@@ -47,9 +56,9 @@ __device__ void softmax_top_k(const RouterParams& p, float* probs_s, int t, int 
       const int other_e = __shfl_xor_sync(kFullMask, best_e, offset);
       if (other > best || (other == best && other_e < best_e)) { best = other; best_e = other_e; }
     }
-    picked_sum += best_e < E ? best : 0.0f;
+    const bool found = best_e < E;  // false only when the logits are NaN
+    picked_sum += found ? best : 0.0f;
     if (lane == 0) {
-      const bool found = best_e < E;  // false only when the logits are NaN
       ids[j] = found ? best_e : -1;
       weights[j] = found ? best : 0.0f;
       if (found) probs_s[best_e] = -2.0f;  // below every probability and the -1 start value
@@ -62,25 +71,29 @@ __device__ void softmax_top_k(const RouterParams& p, float* probs_s, int t, int 
   }
 }
 
-__device__ void router(const RouterParams& p) {
-  if (blockDim.x != kThreads || p.top_k > p.num_experts || p.hidden % 8 != 0) return;
+template <int H, int E>
+__device__ void router_top_k(const RouterParams& p) {
+  if (!shape_matches<H, E>(p) || blockDim.x != kTopKThreads) return;
   const int t = blockIdx.x;
   if (t >= p.num_tokens) return;
-  extern __shared__ float router_smem[];
-  float* x_s = router_smem;
-  float* probs_s = router_smem + p.hidden;
-  const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(t) * p.hidden;
-  for (int i = threadIdx.x; i < p.hidden; i += kThreads) x_s[i] = x[i];
-  __syncthreads();
-
-  const int lane = threadIdx.x % kWarpSize;
-  const uint16_t* weight = static_cast<const uint16_t*>(p.weight);
-  for (int e = threadIdx.x / kWarpSize; e < p.num_experts; e += kWarps) {
-    const float logit = warp_sum(row_dot_partial(weight + static_cast<int64_t>(e) * p.hidden, x_s, p.hidden, lane));
-    if (lane == 0) probs_s[e] = logit;
+  __shared__ float probs_s[E];
+  const int lane = threadIdx.x;
+  const float* logits = static_cast<const float*>(p.logits) + static_cast<int64_t>(t) * E;
+  float peak = -INFINITY;
+  for (int e = lane; e < E; e += kWarpSize) {
+    probs_s[e] = logits[e];
+    peak = fmaxf(peak, probs_s[e]);
   }
-  __syncthreads();
-  if (threadIdx.x < kWarpSize) softmax_top_k(p, probs_s, t, lane);
+  peak = warp_max(peak);
+  float total = 0.0f;
+  for (int e = lane; e < E; e += kWarpSize) {
+    probs_s[e] = expf(probs_s[e] - peak);
+    total += probs_s[e];
+  }
+  const float inv_total = 1.0f / warp_sum(total);
+  for (int e = lane; e < E; e += kWarpSize) probs_s[e] *= inv_total;
+  __syncwarp();
+  top_k_rounds<E>(p, probs_s, t, lane);
 }
 
 }  // namespace atlas::router

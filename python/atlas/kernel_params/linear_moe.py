@@ -63,11 +63,13 @@ class GatedRmsNormParams(ctypes.Structure):
 
 
 class RouterParams(ctypes.Structure):
-    """atlas_router: x [T, H] f32, weight [E, H] bf16 -> ids [T, k] i32, weights [T, k] f32."""
+    """atlas_router_logits: x [T, H] f32, weight [E, H] bf16 -> logits [T, E] f32;
+    atlas_router_top_k: logits -> ids [T, k] i32, weights [T, k] f32."""
 
     _fields_ = [
         ("x", c_void_p),
         ("weight", c_void_p),
+        ("logits", c_void_p),
         ("ids", c_void_p),
         ("weights", c_void_p),
         ("num_tokens", c_int32),

@@ -3,11 +3,13 @@
 #include "atlas/moe.cuh"
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kGemvThreads) atlas_moe_gate_up_gemv(const MoeGateUpGemvParams p) {
-  atlas::moe::moe_gate_up_gemv(p);
+  namespace m = atlas::model;
+  atlas::moe::moe_gate_up_gemv<m::hidden_size, m::moe_intermediate_size>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kGemvThreads) atlas_moe_down_gemv(const MoeDownGemvParams p) {
-  atlas::moe::moe_down_gemv(p);
+  namespace m = atlas::model;
+  atlas::moe::moe_down_gemv<m::hidden_size, m::moe_intermediate_size, m::num_experts_per_tok>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kRouteThreads) atlas_moe_route(const MoeRouteParams p) {

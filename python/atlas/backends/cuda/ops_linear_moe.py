@@ -23,7 +23,7 @@ DELTA_COLS_PER_BLOCK = 32
 # gated_norm.cuh
 GATED_NORM_WARPS = 8
 # router.cuh
-ROUTER_THREADS = 256
+ROUTER_WARPS = 8
 # moe.cuh
 GEMV_WARPS = 8
 ROUTE_THREADS = 1024
@@ -136,14 +136,16 @@ def router(
     _expect(hidden % 8 == 0, f"router: hidden {hidden} not a multiple of 8 (16-byte weight loads)")
     _expect_dtype("router x", x, "f32")
     _expect_dtype("router weight", weight, "bf16")
+    logits = rt.empty((tokens, experts), "f32")  # [T, E]
     ids = rt.empty((tokens, top_k), "i32")
     weights = rt.empty((tokens, top_k), "f32")
     params = kp.RouterParams(
-        x=x.ptr, weight=weight.ptr, ids=ids.ptr, weights=weights.ptr, num_tokens=tokens, hidden=hidden,
-        num_experts=experts, top_k=top_k, renormalize=int(renormalize),
+        x=x.ptr, weight=weight.ptr, logits=logits.ptr, ids=ids.ptr, weights=weights.ptr, num_tokens=tokens,
+        hidden=hidden, num_experts=experts, top_k=top_k, renormalize=int(renormalize),
     )
-    smem = (hidden + experts) * 4
-    rt.launch("atlas_router", (tokens, 1, 1), (ROUTER_THREADS, 1, 1), params, smem)
+    grid = (tokens, _ceil_div(experts, ROUTER_WARPS), 1)
+    rt.launch("atlas_router_logits", grid, (ROUTER_WARPS * 32, 1, 1), params)
+    rt.launch("atlas_router_top_k", (tokens, 1, 1), (32, 1, 1), params)
     return ids, weights
 
 
@@ -178,12 +180,12 @@ def _moe_gemv(rt: CudaRuntime, c: _MoeCall) -> None:
         x=c.x.ptr, ids=c.ids.ptr, gate_up=c.gate_up.ptr, act=act.ptr, num_slots=slots, top_k=top_k,
         hidden=hidden, inter=inter, num_experts=experts,
     )
-    rt.launch("atlas_moe_gate_up_gemv", (_ceil_div(inter, GEMV_WARPS), slots, 1), block, gate_up_params, hidden * 4)
+    rt.launch("atlas_moe_gate_up_gemv", (_ceil_div(inter, GEMV_WARPS), slots, 1), block, gate_up_params)
     down_params = kp.MoeDownGemvParams(
         act=act.ptr, ids=c.ids.ptr, weights=c.weights.ptr, down=c.down.ptr, out=c.out.ptr, num_tokens=tokens,
         top_k=top_k, hidden=hidden, inter=inter, num_experts=experts,
     )
-    rt.launch("atlas_moe_down_gemv", (_ceil_div(hidden, GEMV_WARPS), tokens, 1), block, down_params, top_k * inter * 4)
+    rt.launch("atlas_moe_down_gemv", (_ceil_div(hidden, GEMV_WARPS), tokens, 1), block, down_params)
 
 
 def _moe_grouped(rt: CudaRuntime, c: _MoeCall) -> None:
