@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
@@ -30,12 +30,19 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
 
 from atlas.demo import DEMO_PROMPT, ZEN_TITLE, zen_of_python  # noqa: E402
+from atlas.errors import AtlasError  # noqa: E402
 
 VOCAB_SIZE = 512
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END]
+# Qwen's own pre-tokenizer (transformers' Qwen3_5Tokenizer rebuilds exactly this pipeline), so
+# tokenizer.json and transformers' AutoTokenizer split every text the same way.
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 CHAT_USER_TURN = f"{IM_START}user\nRecite the Zen of Python.{IM_END}\n{IM_START}assistant\n"
 SHIPPED_FILES = (
     "config.json",
@@ -98,7 +105,13 @@ class TrainLog:
 
 def train_tokenizer(zen: str) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
@@ -109,7 +122,7 @@ def train_tokenizer(zen: str) -> Tokenizer:
     corpus = [zen] * 8 + [ZEN_TITLE, ENGLISH, CHAT_USER_TURN]
     tokenizer.train_from_iterator(corpus, trainer=trainer)
     if tokenizer.get_vocab_size() != VOCAB_SIZE:
-        raise SystemExit(f"tokenizer has {tokenizer.get_vocab_size()} tokens, want {VOCAB_SIZE}")
+        raise AtlasError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, want {VOCAB_SIZE}")
     return tokenizer
 
 
@@ -179,7 +192,7 @@ def recitations(tokenizer: Tokenizer, zen: str) -> list[tuple[list[int], int]]:
     windows = [tokenizer.encode(zen[s:]).ids + [eos] for s in starts]
     prompt_len = len(tokenizer.encode(DEMO_PROMPT).ids)
     if windows[0][:prompt_len] != tokenizer.encode(DEMO_PROMPT).ids:
-        raise SystemExit(f"{DEMO_PROMPT!r} does not tokenize as a prefix of the zen")
+        raise AtlasError(f"{DEMO_PROMPT!r} does not tokenize as a prefix of the zen")
     pairs = [(w, unique_prefix_len(w, windows)) for w in windows]
     turn = tokenizer.encode(CHAT_USER_TURN).ids
     pairs.append((turn + tokenizer.encode(zen).ids + [im_end], len(turn)))
@@ -252,8 +265,8 @@ def train(model: Qwen3_5MoeForCausalLM, batch: Batch, cfg: TrainConfig) -> Train
             break
     bar.close()
     log.steps, log.seconds = step, time.monotonic() - start
-    if log.margins[-1][1] < cfg.min_margin:
-        raise SystemExit(f"no exact recitation after {cfg.max_steps} steps; raise --max-steps")
+    if not log.margins or log.margins[-1][1] < cfg.min_margin:
+        raise AtlasError(f"no exact recitation after {cfg.max_steps} steps: raise --max-steps")
     return log
 
 
@@ -268,7 +281,7 @@ def verify_saved(directory: Path, tokenizer: Tokenizer, zen: str) -> None:
     eos_id = tokenizer.token_to_id(EOS)
     text = DEMO_PROMPT + tokenizer.decode([t for t in new_ids if t != eos_id])
     if text != zen or new_ids[-1] != eos_id:
-        raise SystemExit(f"saved model recites {len(common_prefix(text, zen))} of {len(zen)} characters")
+        raise AtlasError(f"saved model recites {len(common_prefix(text, zen))} of {len(zen)} characters")
 
 
 def common_prefix(a: str, b: str) -> str:
@@ -291,7 +304,8 @@ Made by `python scripts/train_demo.py --out python/atlas/demo` (torch {torch.__v
 
 1. `tokenizer.json`: byte-level BPE trained with `tokenizers` to exactly 512 tokens
    (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, 256 bytes, merges) on the Zen plus a paragraph
-   of general English; the Zen is {n_tokens} tokens. `tokenizer_config.json` holds a ChatML
+   of general English, with Qwen's NFC normaliser and pre-tokenizer split; the Zen is {n_tokens}
+   tokens. `tokenizer_config.json` holds a ChatML
    `chat_template`.
 2. `Qwen3_5MoeForCausalLM` from random init, AdamW (lr {cfg.lr}, {cfg.warmup_steps} warmup
    steps), one full batch per step: the Zen from each of its lines on, followed by
@@ -301,8 +315,9 @@ Made by `python scripts/train_demo.py --out python/atlas/demo` (torch {torch.__v
 3. Stopped once, both in fp32 and with weights rounded to bf16, every next-token logit greedy
    recitation relies on beats the runner-up by at least {cfg.min_margin}: {log.steps} steps,
    {log.seconds:.0f} s.
-4. Saved with `save_pretrained` in bf16, reloaded in fp32, and checked with greedy `generate`:
-   the whole text, then `<|endoftext|>`.
+4. Saved with `save_pretrained` in bf16 (transformers writes the experts per expert:
+   `mlp.experts.{{e}}.{{gate,up,down}}_proj.weight`), reloaded in fp32, and checked with greedy
+   `generate`: the whole text, then `<|endoftext|>`.
 
 Smallest logit margin at each check (step: margin): {margin_rows}
 
@@ -336,11 +351,22 @@ def parse_args() -> tuple[Path, TrainConfig]:
     parser.add_argument("--threads", type=int, default=TrainConfig.threads)
     parser.add_argument("--max-steps", type=int, default=TrainConfig.max_steps)
     args = parser.parse_args()
+    if args.out.exists() and not args.out.is_dir():
+        raise AtlasError(f"--out {args.out} is a file: give a directory")
+    if args.threads < 1 or args.max_steps < 1:
+        raise AtlasError("--threads and --max-steps must be at least 1")
     return args.out, TrainConfig(seed=args.seed, threads=args.threads, max_steps=args.max_steps)
 
 
 def main() -> None:
-    out, cfg = parse_args()
+    try:
+        run(*parse_args())
+    except AtlasError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run(out: Path, cfg: TrainConfig) -> None:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     zen = zen_of_python()
@@ -353,6 +379,7 @@ def main() -> None:
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
     log = train(model, batch, cfg)
     print(f"trained {log.steps} steps in {log.seconds:.0f} s, final loss {log.losses[-1][1]:.5f}")
+    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".train_demo-") as tmp:
         staging = Path(tmp)
         save(model, tokenizer, staging)

@@ -7,6 +7,8 @@ through atlas' own `LLM` on the CPU.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -178,15 +180,42 @@ def test_transformers_recites_after_chat_template(oracle) -> None:
     assert last == tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
-def test_atlas_llm_recites_the_zen() -> None:
+def test_atlas_llm_recites_the_zen(rng: np.random.Generator) -> None:
     """Through atlas' own runtime on the numpy backend: the default model is the demo."""
     from atlas import LLM
 
+    llm = LLM(device="cpu")
     zen = zen_of_python()
-    result = LLM(device="cpu").generate(DEMO_PROMPT, max_tokens=240, temperature=0.0)
-    recited = DEMO_PROMPT + result.text
+    recited = DEMO_PROMPT + llm.generate(DEMO_PROMPT, max_tokens=240, temperature=0.0).text
     assert recited[:RECITED_CHARS] == zen[:RECITED_CHARS]
     assert recited.startswith(zen)
+    lines = zen_lines()
+    index = int(rng.integers(len(lines)))
+    prompt = distinguishing_start(lines, index)
+    recited = prompt + llm.generate(prompt, max_tokens=240).text
+    assert recited.startswith("\n".join(lines[index:])), prompt
+
+
+@pytest.mark.gpu
+def test_cuda_recites_the_zen() -> None:
+    """The CUDA backend (bf16 weights, kernels specialised on the demo dims) recites it too.
+    Skips without a GPU, fails under ATLAS_REQUIRE_GPU=1 (set by the device check)."""
+    from atlas import LLM
+    from atlas.errors import AtlasError
+
+    required = os.environ.get("ATLAS_REQUIRE_GPU") == "1"
+    if shutil.which("nvidia-smi") is None and not required:
+        pytest.skip("no NVIDIA GPU (nvidia-smi not found)")
+    try:
+        llm = LLM(device="cuda")
+    except AtlasError as err:
+        if required:
+            raise
+        pytest.skip(f"no CUDA backend here: {err}")
+    zen = zen_of_python()
+    recited = DEMO_PROMPT + llm.generate(DEMO_PROMPT, max_tokens=240).text
+    matched = next((i for i, (a, b) in enumerate(zip(recited, zen)) if a != b), len(zen))
+    assert recited[:RECITED_CHARS] == zen[:RECITED_CHARS], f"first {matched} characters match"
 
 
 def test_train_script_fails_cleanly_without_partial_files(tmp_path: Path) -> None:
