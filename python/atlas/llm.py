@@ -114,9 +114,7 @@ class LLM:
         """Generate from a text prompt or prompt token ids. Options are GenerateOptions fields
         (max_tokens, temperature, top_k, top_p, seed, chat); `on_text` receives text pieces as
         they complete."""
-        opts = make_options(options)
-        prompt_ids = self.encode_prompt(prompt, opts.chat)
-        check_length(self.parts.spec, len(prompt_ids), opts.max_tokens)
+        prompt_ids, opts = self.prepare(prompt, options)
         decoder = self.parts.tokenizer.stream_decoder()
 
         def emit(token: int) -> None:
@@ -168,24 +166,17 @@ class LLM:
             stop.set()
             worker.join()
 
-    def encode_prompt(self, prompt: str | list[int], chat: bool) -> list[int]:
-        tokenizer = self.parts.tokenizer
-        if isinstance(prompt, str):
-            if chat:
-                ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
-            else:
-                ids = tokenizer.encode(prompt)
-        elif chat:
-            raise AtlasError("chat=True needs a text prompt, not token ids")
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise AtlasError("the prompt is empty; give at least one token of text")
+    def prepare(self, prompt: str | list[int], options: dict[str, Any]) -> tuple[list[int], GenerateOptions]:
+        """Check the options and encode the prompt: every input error surfaces here, before any
+        token is generated."""
+        opts = make_options(options)
+        prompt_ids = encode_prompt(self.parts.tokenizer, prompt, opts.chat)
         vocab = self.parts.spec.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise AtlasError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        return ids
+        check_length(self.parts.spec, len(prompt_ids), opts.max_tokens)
+        return prompt_ids, opts
 
     def eos_ids(self) -> set[int]:
         """The config's eos ids (generation_config.json first); else the tokenizer's eos."""
@@ -197,6 +188,22 @@ class LLM:
 
 class StreamClosed(Exception):
     """Raised inside the engine's callback to stop generation when the consumer stops reading."""
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int], chat: bool) -> list[int]:
+    """Text (optionally as one user chat message) or token ids -> prompt ids."""
+    if isinstance(prompt, str):
+        if chat:
+            ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        else:
+            ids = tokenizer.encode(prompt)
+    elif chat:
+        raise AtlasError("chat=True needs a text prompt, not token ids")
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise AtlasError("the prompt is empty; give at least one token of text")
+    return ids
 
 
 def make_options(options: dict[str, Any]) -> GenerateOptions:

@@ -39,21 +39,23 @@ def default_prompt(model: str | None) -> str:
 
 
 def run(args: RunArgs) -> None:
-    from .llm import LLM
+    from .config import load_spec
+    from .llm import LLM, encode_prompt
+    from .resolve import resolve_model
+    from .tokenizer import Tokenizer
 
     prompt = args.prompt if args.prompt is not None else default_prompt(args.model)
-    llm = LLM(args.model, device=args.device)
+    model_dir = resolve_model(args.model)
+    load_spec(model_dir)  # config and prompt problems surface before the weights load
+    encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
+    llm = LLM(str(model_dir), device=args.device)
+    options = {
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
+        "top_p": args.top_p, "seed": args.seed, "chat": args.chat,
+    }  # fmt: skip
+    prompt_ids, _ = llm.prepare(prompt, options)
     click.echo(f"atlas: model {llm.model_dir}, device {llm.device}", err=True)
-    result = llm.generate(
-        prompt,
-        on_text=write_stdout,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        chat=args.chat,
-    )
+    result = llm.generate(prompt_ids, on_text=write_stdout, **{**options, "chat": False})
     write_stdout("\n")
     click.echo(
         f"atlas: prompt {result.prompt_tokens} tokens, prefill {result.prefill_tok_s:.1f} tok/s, "

@@ -1,0 +1,128 @@
+"""python -m atlas.run: end to end on a random tiny checkpoint (real engine, transformers as the
+oracle), and exit code 2 with one stderr line for every bad flag or bad model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atlas.run import main
+from runtime_checkpoint import make_tiny_checkpoint, train_tokenizer, transformers_greedy
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "python"), "PYTHONIOENCODING": "utf-8"}
+    return subprocess.run(
+        [sys.executable, "-m", "atlas.run", *args],
+        capture_output=True, text=True, encoding="utf-8", env=env, timeout=300,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"tiny checkpoint seed: {seed}")
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed)
+
+
+@pytest.mark.oracle
+def test_streams_transformers_greedy_text(tiny_dir: Path, rng: np.random.Generator) -> None:
+    from atlas.tokenizer import Tokenizer
+
+    prompt = " ".join(rng.choice(["Simple", "is", "better", "than", "complex", "naïve", "世界"], size=4))
+    done = run_cli("--model", str(tiny_dir), "--prompt", prompt, "--max-tokens", "12", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    tokenizer = Tokenizer.open(tiny_dir)
+    prompt_ids = tokenizer.encode(prompt)
+    expected = tokenizer.decode(transformers_greedy(tiny_dir, prompt_ids, 12))
+    assert done.stdout == expected + "\n"
+    stats = done.stderr.strip().splitlines()[-1]
+    assert f"prompt {len(prompt_ids)} tokens" in stats
+    assert "prefill" in stats and "decode" in stats and "tok/s" in stats and "device cpu" in stats
+    assert "Traceback" not in done.stderr
+
+
+def test_sampling_flags_and_seed(tiny_dir: Path, rng: np.random.Generator) -> None:
+    seed = str(int(rng.integers(0, 2**31)))
+    args = ["--model", str(tiny_dir), "--prompt", "Flat is", "--max-tokens", "8", "--device", "cpu",
+            "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--seed", seed]  # fmt: skip
+    first, second = run_cli(*args), run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+
+
+def test_chat_flag_uses_the_template(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from atlas.llm import LLM
+
+    assert main(["--model", str(tiny_dir), "--prompt", "hi", "--max-tokens", "5", "--chat", "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    expected = LLM(str(tiny_dir), device="cpu").generate("hi", max_tokens=5, chat=True)
+    assert out.out == expected.text + "\n"
+    assert f"prompt {expected.prompt_tokens} tokens" in out.err
+
+
+def one_error_line(code: int, err: str) -> str:
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("atlas.run: error:")
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--top-k", "-3"], "--top-k"),
+        (["--seed", "abc"], "--seed"),
+        (["--device", "tpu"], "--device"),
+        (["--no-such-flag"], "--no-such-flag"),
+        (["--prompt"], "--prompt"),
+    ],
+)
+def test_bad_flags(flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(flags)
+    assert needle in one_error_line(code, capsys.readouterr().err)
+
+
+def test_bad_models(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert "hf download Nobody/Nothing" in one_error_line(main(["--model", "Nobody/Nothing", "--prompt", "x"]), capsys.readouterr().err)
+    assert "--prompt is required" in one_error_line(main(["--model", str(tiny_dir)]), capsys.readouterr().err)
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    config = json.loads((tiny_dir / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "num_experts": "eight"}))
+    line = one_error_line(main(["--model", str(broken), "--prompt", "x"]), capsys.readouterr().err)
+    assert "'num_experts'" in line and "config.json" in line
+
+    no_template = tmp_path / "no_template"
+    no_template.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (no_template / name).write_bytes((tiny_dir / name).read_bytes())
+    train_tokenizer(no_template, chat_template=None)
+    line = one_error_line(main(["--model", str(no_template), "--prompt", "x", "--chat", "--device", "cpu"]), capsys.readouterr().err)
+    assert "no chat template" in line
+
+
+def test_truncated_weights_exit_2_without_traceback(tmp_path: Path, tiny_dir: Path) -> None:
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_dir / name).read_bytes())
+    weights = (tiny_dir / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    done = run_cli("--model", str(tmp_path), "--prompt", "x", "--device", "cpu")
+    line = one_error_line(done.returncode, done.stderr)
+    assert "past the end" in line and "model.safetensors" in line
+    assert done.stdout == ""
