@@ -1,0 +1,221 @@
+"""CPU-side checks of the dense kernels' ABI and launch geometry (no GPU needed).
+
+The op wrappers of backends/cuda/ops_dense.py run against a recording runtime at random
+shapes of both registry models. Every launch must name a kernel entry of the compiled PTX whose
+single by-value parameter has the size of the params struct it is given, use a block no larger
+than the entry's launch bound, and cover the output with its grid. The PTX comes from the
+installed extension's manifest when it holds a tuple, else from nvcc here (skipped without it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atlas.backends.base import SamplingParams
+from atlas.backends.cuda import ops_dense
+from atlas.backends.cuda.tensor import DeviceTensor
+
+REPO = Path(__file__).resolve().parent.parent
+DENSE_FILES = ("embedding", "norm", "elementwise", "linear", "rope", "attention", "sampling")
+MODELS = ("atlas-demo", "qwen3.6-35b-a3b")
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(\s*\.param\s+\.align\s+(\d+)\s+\.b8\s+\w+\[(\d+)\]\s*\)\s*\.maxntid\s+(\d+)")
+
+
+@dataclass(frozen=True)
+class PtxEntry:
+    align: int
+    param_bytes: int
+    max_threads: int
+
+
+@dataclass
+class Launch:
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    params: ctypes.Structure
+    smem: int
+
+
+@dataclass
+class RecordingRuntime:
+    """The slice of CudaRuntime the op wrappers use; memory is fake addresses, 256-aligned."""
+
+    sm_count: int = 132
+    launches: list[Launch] = field(default_factory=list)
+    _next: int = 1 << 20
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
+        tensor = DeviceTensor(self._next, tuple(int(d) for d in shape), dtype)  # type: ignore[arg-type]
+        self._next += -(-max(tensor.nbytes, 1) // 256) * 256
+        return tensor
+
+    def launch(self, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int],
+               params: ctypes.Structure, smem: int = 0) -> None:
+        self.launches.append(Launch(kernel, grid, block, params, smem))
+
+
+def _compile_ptx(model: str, tmp: Path) -> str:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here and no installed kernel tuple: cannot read the dense PTX")
+    include = tmp / "include"
+    subprocess.run(["python", "-m", "build_tools.headers", "--hw", "sm80", "--model", model, "--quant", "bf16",
+                    "--out", str(include)], cwd=REPO, check=True, capture_output=True)
+    source = tmp / "dense.cu"
+    source.write_text("".join(f'#include "kernels/sm80/{model}/bf16/{n}.cu"\n' for n in DENSE_FILES))
+    out = tmp / "dense.ptx"
+    subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{include}", "-Ikernels/include", "-I.", "-arch=compute_80",
+                    "-ptx", "-o", str(out), str(source)], cwd=REPO, check=True, capture_output=True)
+    return out.read_text()
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def ptx_entries(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, PtxEntry]]:
+    model = request.param
+    ptx = _compile_ptx(model, tmp_path_factory.mktemp(model.replace(".", "_")))
+    found = {m[1]: PtxEntry(int(m[2]), int(m[3]), int(m[4])) for m in _ENTRY.finditer(ptx)}
+    assert found, "no dense entries parsed from the PTX"
+    return model, found
+
+
+def _dims(model: str) -> dict[str, int]:
+    from atlas.targets import load_registry
+
+    return dict(load_registry().models[model].constants)
+
+
+def _tensor(rt: RecordingRuntime, dtype: str, *shape: int) -> DeviceTensor:
+    return rt.empty(shape, dtype)
+
+
+def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Generator) -> dict[str, Any]:
+    """Calls each dense op once at random shapes; returns the shapes used for coverage checks."""
+    h, v = dims["hidden_size"], dims["vocab_size"]
+    hq, hkv, d = dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"]
+    tokens = int(rng.integers(1, 9))
+    prefill = int(rng.integers(9, 700))
+    capacity = int(rng.integers(prefill, 40_000))
+    n = int(rng.integers(1, 5000))  # output features: any count
+    f = lambda *s: _tensor(rt, "f32", *s)  # noqa: E731
+    for table_dtype in ("bf16", "f32"):
+        ops_dense.embedding(rt, _tensor(rt, table_dtype, v, h), _tensor(rt, "i32", tokens))
+    ops_dense.rms_norm(rt, f(tokens, h), f(h), 1e-6)
+    ops_dense.add_rms_norm(rt, f(prefill, h), f(prefill, h), f(h), 1e-6)
+    ops_dense.add(rt, f(prefill, h), f(prefill, h))
+    ops_dense.silu_mul(rt, f(tokens, 2 * dims["moe_intermediate_size"]))
+    ops_dense.sigmoid_mul(rt, f(tokens, hq * d), f(tokens, hq * d))
+    for t in (*range(1, 9), prefill):
+        ops_dense.linear(rt, f(t, h), _tensor(rt, "bf16", n, h))
+    ops_dense.linear(rt, f(1, h), _tensor(rt, "bf16", v, h))
+    ops_dense.head_norm_rope(rt, f(prefill, hq, d), f(d), _tensor(rt, "i32", prefill), dims["rotary_dim"], 1e7, 1e-6)
+    for t in (tokens % 4 + 1, prefill):
+        caches = [_tensor(rt, "bf16", capacity, hkv, d) for _ in range(2)]
+        ops_dense.attention(rt, f(t, hq, d), f(t, hkv, d), f(t, hkv, d), *caches, _tensor(rt, "i32", t), d**-0.5)
+    ops_dense.argmax(rt, f(tokens, v))
+    ops_dense.sample(rt, f(1, v), SamplingParams(0.8, 20, 0.9), float(rng.random()))
+    return {"tokens": tokens, "prefill": prefill, "capacity": capacity, "n": n}
+
+
+def test_every_launch_matches_its_ptx_entry(ptx_entries: tuple[str, dict[str, PtxEntry]], rng: np.random.Generator) -> None:
+    model, entries = ptx_entries
+    rt = RecordingRuntime()
+    _run_every_op(rt, _dims(model), rng)
+    for launch in rt.launches:
+        assert launch.kernel in entries, f"{launch.kernel} is launched but not in the {model} PTX"
+        entry = entries[launch.kernel]
+        assert entry.param_bytes == ctypes.sizeof(launch.params), (
+            f"{launch.kernel}: PTX param {entry.param_bytes} B, {type(launch.params).__name__} {ctypes.sizeof(launch.params)} B")
+        assert entry.align == ctypes.alignment(type(launch.params)), f"{launch.kernel}: alignment"
+        threads = math.prod(launch.block)
+        assert 0 < threads <= entry.max_threads and threads % 32 == 0, f"{launch.kernel}: block {launch.block}"
+        assert all(0 < g for g in launch.grid) and max(launch.grid[1:]) <= 65535, f"{launch.kernel}: grid {launch.grid}"
+        assert launch.smem <= 48 * 1024, f"{launch.kernel}: {launch.smem} B dynamic smem needs an opt-in"
+    launched = {launch.kernel for launch in rt.launches}
+    assert launched == set(entries), f"entries never launched: {set(entries) - launched}"
+
+
+def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
+    for model in MODELS:
+        dims = _dims(model)
+        rt = RecordingRuntime()
+        shapes = _run_every_op(rt, dims, rng)
+        for launch in rt.launches:
+            p = launch.params
+            if launch.kernel.startswith("atlas_gemv_t"):
+                assert int(launch.kernel.removeprefix("atlas_gemv_t")) == p.tokens
+                assert launch.grid[0] * ops_dense.GEMV_ROWS_PER_BLOCK >= p.n
+            elif launch.kernel == "atlas_gemm_bf16":
+                assert p.tokens > ops_dense.GEMV_MAX_TOKENS
+                assert launch.grid[0] * ops_dense.GEMM_BN >= p.n and launch.grid[1] * ops_dense.GEMM_BM >= p.tokens
+            elif launch.kernel in ("atlas_attention_decode", "atlas_attention_prefill"):
+                group = p.q_heads // p.kv_heads
+                rows = ops_dense.ATTN_DECODE_ROWS if launch.kernel.endswith("decode") else ops_dense.ATTN_PREFILL_ROWS
+                assert launch.grid[0] * p.span >= shapes["capacity"] and p.span % ops_dense.ATTN_KEYS == 0 or launch.grid[0] == 1
+                assert launch.grid[0] <= ops_dense.ATTN_MAX_SPLITS and launch.grid[1] == p.kv_heads
+                assert launch.grid[2] * rows >= p.tokens * group
+                assert (p.ml is None) == launch.kernel.endswith("prefill")
+            elif launch.kernel == "atlas_head_norm_rope":
+                warps = launch.block[0] // 32
+                assert launch.grid[0] * warps >= p.tokens * p.heads and launch.smem == warps * p.head_dim * 4
+            elif launch.kernel in ("atlas_rms_norm", "atlas_add_rms_norm"):
+                assert launch.grid[0] == p.rows
+            elif launch.kernel == "atlas_argmax_partial":
+                assert launch.grid[0] * p.chunk >= p.vocab and launch.grid[1] == p.rows
+
+
+def test_bad_inputs_are_refused(rng: np.random.Generator) -> None:
+    rt = RecordingRuntime()
+    h = int(rng.integers(1, 64)) * 8
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ops_dense.linear(rt, rt.empty((1, h + 4), "f32"), rt.empty((16, h + 4), "bf16"))
+    with pytest.raises(ValueError, match="dtype"):
+        ops_dense.linear(rt, rt.empty((1, h), "f32"), rt.empty((16, h), "f32"))
+    with pytest.raises(ValueError, match="head dim"):
+        caches = [rt.empty((64, 2, 96), "bf16") for _ in range(2)]
+        ops_dense.attention(rt, rt.empty((1, 4, 96), "f32"), rt.empty((1, 2, 96), "f32"),
+                            rt.empty((1, 2, 96), "f32"), *caches, rt.empty((1,), "i32"), 0.1)
+    assert rt.launches == []
+
+
+def _header_constant(header: str, name: str) -> int:
+    text = (REPO / "kernels/include/atlas" / header).read_text()
+    match = re.search(rf"constexpr int {name} = (\d+);", text)
+    assert match, f"{name} not found in {header}"
+    return int(match[1])
+
+
+def test_wrapper_geometry_mirrors_the_headers() -> None:
+    warps_per_gemv_block = _header_constant("gemv.cuh", "kGemvThreads") // 32
+    mirrored = [
+        (ops_dense.GEMV_THREADS, _header_constant("gemv.cuh", "kGemvThreads")),
+        (ops_dense.GEMV_ROWS_PER_BLOCK, warps_per_gemv_block * _header_constant("gemv.cuh", "kGemvRowsPerWarp")),
+        (ops_dense.GEMM_THREADS, _header_constant("gemm.cuh", "kGemmThreads")),
+        (ops_dense.GEMM_BM, _header_constant("gemm.cuh", "kGemmBM")),
+        (ops_dense.GEMM_BN, _header_constant("gemm.cuh", "kGemmBN")),
+        (ops_dense.ROPE_THREADS, _header_constant("rope.cuh", "kRopeThreads")),
+        (ops_dense.ATTN_KEYS, _header_constant("attention.cuh", "kAttnKeys")),
+        (ops_dense.ARGMAX_THREADS, _header_constant("sampling.cuh", "kArgmaxThreads")),
+        (ops_dense.SAMPLE_THREADS, _header_constant("sampling.cuh", "kSampleThreads")),
+    ]
+    for wrapper, header in mirrored:
+        assert wrapper == header
+    template = (REPO / "kernels/templates/bf16/attention.cu.j2").read_text()
+    shapes = dict(re.findall(r"atlas_attention_(decode|prefill)\(const AttentionParams p\) \{\s*"
+                             r"atlas::attention_block<atlas::model::head_dim, (\d+, \d+)>", template))
+    rows_decode, warps_decode = map(int, shapes["decode"].split(", "))
+    rows_prefill, warps_prefill = map(int, shapes["prefill"].split(", "))
+    assert ops_dense.ATTN_DECODE_ROWS == rows_decode * warps_decode
+    assert ops_dense.ATTN_DECODE_THREADS == 32 * warps_decode
+    assert ops_dense.ATTN_PREFILL_ROWS == rows_prefill * warps_prefill
+    assert ops_dense.ATTN_PREFILL_THREADS == 32 * warps_prefill
