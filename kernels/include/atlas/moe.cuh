@@ -43,17 +43,11 @@ __device__ void moe_gate_up_gemv(const MoeGateUpGemvParams& p) {
   if (blockDim.x != kGemvThreads || p.hidden != H || p.inter != I || p.top_k <= 0) return;
   const int slot = blockIdx.y;
   if (slot >= p.num_slots) return;
-  __shared__ __align__(16) float x_s[H];
-  const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(slot / p.top_k) * H;
-  for (int i = threadIdx.x; i < H; i += kGemvThreads) x_s[i] = x[i];
-  __syncthreads();
-
   const int lane = threadIdx.x % kWarpSize;
   const int row = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
-  if (row >= I) return;
   const int e = static_cast<const int32_t*>(p.ids)[slot];
-  const bool valid = valid_expert(e, p.num_experts);
-  RowChunks<H> gate;
+  const bool valid = row < I && valid_expert(e, p.num_experts);
+  RowChunks<H> gate;  // weight loads issued before x is staged, to overlap the two
   RowChunks<H> up;
   if (valid) {
     const uint16_t* gate_row = static_cast<const uint16_t*>(p.gate_up) + (static_cast<int64_t>(e) * 2 * I + row) * H;
@@ -63,6 +57,11 @@ __device__ void moe_gate_up_gemv(const MoeGateUpGemvParams& p) {
     zero_row<H>(gate);
     zero_row<H>(up);
   }
+  __shared__ __align__(16) float x_s[H];
+  const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(slot / p.top_k) * H;
+  for (int i = threadIdx.x; i < H; i += kGemvThreads) x_s[i] = x[i];
+  __syncthreads();
+  if (row >= I) return;
   const float g = warp_sum(dot_row<H>(gate, x_s, lane));
   const float u = warp_sum(dot_row<H>(up, x_s, lane));
   if (lane == 0) static_cast<float*>(p.act)[static_cast<int64_t>(slot) * I + row] = valid ? silu(g) * u : 0.0f;
@@ -73,26 +72,25 @@ __device__ void moe_down_gemv(const MoeDownGemvParams& p) {
   if (blockDim.x != kGemvThreads || p.hidden != H || p.inter != I || p.top_k != kTopK) return;
   const int t = blockIdx.y;
   if (t >= p.num_tokens) return;
-  __shared__ __align__(16) float act_s[kTopK * I];
-  const float* act = static_cast<const float*>(p.act) + static_cast<int64_t>(t) * kTopK * I;
-  for (int i = threadIdx.x; i < kTopK * I; i += kGemvThreads) act_s[i] = act[i];
-  __syncthreads();
-
   const int lane = threadIdx.x % kWarpSize;
   const int n = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
-  if (n >= H) return;
   const int32_t* ids = static_cast<const int32_t*>(p.ids) + static_cast<int64_t>(t) * kTopK;
   const float* weights = static_cast<const float*>(p.weights) + static_cast<int64_t>(t) * kTopK;
-  RowChunks<I> rows[kTopK];
+  RowChunks<I> rows[kTopK];  // weight loads issued before act is staged, to overlap the two
   float slot_weight[kTopK];
 #pragma unroll
   for (int j = 0; j < kTopK; ++j) {
     const int e = ids[j];
-    const bool valid = valid_expert(e, p.num_experts);
+    const bool valid = n < H && valid_expert(e, p.num_experts);
     slot_weight[j] = valid ? weights[j] : 0.0f;
     if (valid) load_row<I>(static_cast<const uint16_t*>(p.down) + (static_cast<int64_t>(e) * H + n) * I, lane, rows[j]);
     else zero_row<I>(rows[j]);
   }
+  __shared__ __align__(16) float act_s[kTopK * I];
+  const float* act = static_cast<const float*>(p.act) + static_cast<int64_t>(t) * kTopK * I;
+  for (int i = threadIdx.x; i < kTopK * I; i += kGemvThreads) act_s[i] = act[i];
+  __syncthreads();
+  if (n >= H) return;
   float acc = 0.0f;
 #pragma unroll
   for (int j = 0; j < kTopK; ++j) acc = fmaf(slot_weight[j], dot_row<I>(rows[j], act_s + j * I, lane), acc);

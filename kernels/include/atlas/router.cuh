@@ -24,15 +24,16 @@ __device__ void router_logits(const RouterParams& p) {
   if (!shape_matches<H, E>(p) || blockDim.x != kLogitsThreads) return;
   const int t = blockIdx.x;
   if (t >= p.num_tokens) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int e = blockIdx.y * kWarps + threadIdx.x / kWarpSize;
+  RowChunks<H> row;  // weight loads issued before x is staged, to overlap the two
+  if (e < E) load_row<H>(static_cast<const uint16_t*>(p.weight) + static_cast<int64_t>(e) * H, lane, row);
+  else zero_row<H>(row);
   __shared__ __align__(16) float x_s[H];
   const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(t) * H;
   for (int i = threadIdx.x; i < H; i += kLogitsThreads) x_s[i] = x[i];
   __syncthreads();
-  const int lane = threadIdx.x % kWarpSize;
-  const int e = blockIdx.y * kWarps + threadIdx.x / kWarpSize;
   if (e >= E) return;
-  RowChunks<H> row;
-  load_row<H>(static_cast<const uint16_t*>(p.weight) + static_cast<int64_t>(e) * H, lane, row);
   const float logit = warp_sum(dot_row<H>(row, x_s, lane));
   if (lane == 0) static_cast<float*>(p.logits)[static_cast<int64_t>(t) * E + e] = logit;
 }
