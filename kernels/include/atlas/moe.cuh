@@ -13,7 +13,8 @@
 // expert-major act rows) and converted f32 -> bf16 while staged; mma.sync m16n8k16 bf16 with f32
 // accumulators. The gate_up pass fuses silu_mul (each warp holds matching gate and up columns);
 // the down pass writes per-slot rows y[s] scaled by the routing weight (y zero-initialised by the
-// caller), and moe_combine sums each token's k slot rows in slot order: deterministic.
+// caller), and moe_combine sums each token's k slot rows in slot order: deterministic. The next K
+// step's global loads are held in registers while the current step runs (register double buffer).
 #pragma once
 
 #include "atlas/common.cuh"
@@ -145,21 +146,6 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float (&d)[4], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// A tile [kBM, kBK] from f32 rows a_row_s[r] (-1: zero row), converted to bf16.
-__device__ __forceinline__ void stage_a(const MoeGroupedGemmParams& p, TileRow* a_s, const int* a_row_s, int k0) {
-  constexpr int kChunksPerRow = kBK / 4;
-  const float* a = static_cast<const float*>(p.a);
-  for (int idx = threadIdx.x; idx < kBM * kChunksPerRow; idx += kGemmThreads) {
-    const int r = idx / kChunksPerRow;
-    const int c = (idx % kChunksPerRow) * 4;
-    const int src = a_row_s[r];
-    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (src >= 0 && k0 + c + 4 <= p.k_in)
-      v = *reinterpret_cast<const float4*>(a + static_cast<int64_t>(src) * p.k_in + k0 + c);
-    *reinterpret_cast<uint2*>(&a_s[r][c]) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
-  }
-}
-
 // Output column and weight row (within the expert) of B smem row r. gate_up: each warp's 32 rows
 // are 16 gate rows then the 16 up rows of the same act columns.
 template <bool kGateUp>
@@ -168,21 +154,62 @@ __device__ __forceinline__ int b_tile_column(int n0, int r) {
   return n0 + r;
 }
 
+// One K step of A and B held in registers between the global load and the smem store, so the next
+// step's loads are in flight while the current one runs on the tensor cores.
+constexpr int kAChunksPerRow = kBK / 4;  // float4 per A row
+constexpr int kBChunksPerRow = kBK / 8;  // 8 bf16 per B row
+constexpr int kAChunks = kBM * kAChunksPerRow / kGemmThreads;
+constexpr int kBChunks = kBN * kBChunksPerRow / kGemmThreads;
+static_assert(kAChunks * kGemmThreads == kBM * kAChunksPerRow, "A tile must split evenly over the threads");
+static_assert(kBChunks * kGemmThreads == kBN * kBChunksPerRow, "B tile must split evenly over the threads");
+
+struct StageRegs {
+  float4 a[kAChunks];
+  uint4 b[kBChunks];
+};
+
+// A rows a_row_s[r] (-1: zero row) of f32; B rows of the expert's bf16 weight. Zero past K / N.
 template <bool kGateUp>
-__device__ __forceinline__ void stage_b(const MoeGroupedGemmParams& p, TileRow* b_s, int e, int n0, int k0) {
-  constexpr int kChunksPerRow = kBK / 8;
+__device__ __forceinline__ void load_stage(const MoeGroupedGemmParams& p, const int* a_row_s, int e, int n0, int k0,
+                                           StageRegs& regs) {
+  const float* a = static_cast<const float*>(p.a);
+#pragma unroll
+  for (int i = 0; i < kAChunks; ++i) {
+    const int idx = threadIdx.x + i * kGemmThreads;
+    const int r = idx / kAChunksPerRow;
+    const int k = k0 + (idx % kAChunksPerRow) * 4;
+    const int src = a_row_s[r];
+    regs.a[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (src >= 0 && k + 4 <= p.k_in) regs.a[i] = *reinterpret_cast<const float4*>(a + static_cast<int64_t>(src) * p.k_in + k);
+  }
   const uint16_t* w = static_cast<const uint16_t*>(p.weight);
   const int64_t rows_per_expert = kGateUp ? 2 * static_cast<int64_t>(p.n_out) : p.n_out;
-  for (int idx = threadIdx.x; idx < kBN * kChunksPerRow; idx += kGemmThreads) {
-    const int r = idx / kChunksPerRow;
-    const int c = (idx % kChunksPerRow) * 8;
+#pragma unroll
+  for (int i = 0; i < kBChunks; ++i) {
+    const int idx = threadIdx.x + i * kGemmThreads;
+    const int r = idx / kBChunksPerRow;
+    const int k = k0 + (idx % kBChunksPerRow) * 8;
     const int col = b_tile_column<kGateUp>(n0, r);
     const bool up_half = kGateUp && (r % kWarpTile) >= kWarpTile / 2;
-    const int64_t w_row = col + (up_half ? p.n_out : 0);
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (col < p.n_out && k0 + c + 8 <= p.k_in)
-      v = *reinterpret_cast<const uint4*>(w + (static_cast<int64_t>(e) * rows_per_expert + w_row) * p.k_in + k0 + c);
-    *reinterpret_cast<uint4*>(&b_s[r][c]) = v;
+    const int64_t w_row = static_cast<int64_t>(e) * rows_per_expert + col + (up_half ? p.n_out : 0);
+    regs.b[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (col < p.n_out && k + 8 <= p.k_in) regs.b[i] = __ldg(reinterpret_cast<const uint4*>(w + w_row * p.k_in + k));
+  }
+}
+
+// A converted f32 -> bf16 here.
+__device__ __forceinline__ void store_stage(const StageRegs& regs, TileRow* a_s, TileRow* b_s) {
+#pragma unroll
+  for (int i = 0; i < kAChunks; ++i) {
+    const int idx = threadIdx.x + i * kGemmThreads;
+    const float4 v = regs.a[i];
+    *reinterpret_cast<uint2*>(&a_s[idx / kAChunksPerRow][(idx % kAChunksPerRow) * 4]) =
+        make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+  }
+#pragma unroll
+  for (int i = 0; i < kBChunks; ++i) {
+    const int idx = threadIdx.x + i * kGemmThreads;
+    *reinterpret_cast<uint4*>(&b_s[idx / kBChunksPerRow][(idx % kBChunksPerRow) * 8]) = regs.b[i];
   }
 }
 
@@ -287,10 +314,12 @@ __device__ void moe_grouped_gemm(const MoeGroupedGemmParams& p) {
     }
     __syncthreads();
     float acc[2][4][4] = {};
+    StageRegs regs;
+    load_stage<kGateUp>(p, rows.a_row, e, n0, 0, regs);
     for (int k0 = 0; k0 < p.k_in; k0 += kBK) {
-      stage_a(p, a_s, rows.a_row, k0);
-      stage_b<kGateUp>(p, b_s, e, n0, k0);
+      store_stage(regs, a_s, b_s);
       __syncthreads();
+      if (k0 + kBK < p.k_in) load_stage<kGateUp>(p, rows.a_row, e, n0, k0 + kBK, regs);
       mma_tile(a_s, b_s, acc);
       __syncthreads();
     }
