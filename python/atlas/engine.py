@@ -62,7 +62,8 @@ class Engine:
         """Logits of the last token only [1, V] (the row is gathered with the embedding op)."""
         hidden = self.forward(ids, positions)  # [T, H]
         last = self.backend.upload(np.array([ids.shape[0] - 1], dtype=np.int32), "i32")
-        return self.model.logits(Step(self.backend, positions, self.dump), self.backend.embedding(hidden, last))
+        last_hidden = self.backend.embedding(hidden, last)  # [1, H]
+        return self.model.logits(Step(self.backend, positions, self.dump), last_hidden)
 
     def _decode_step(self, ids: Tensor, positions: Tensor) -> Tensor:
         step = Step(self.backend, positions, None)

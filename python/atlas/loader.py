@@ -66,7 +66,9 @@ class WeightReader:
     def _progress(self, total: int):  # noqa: ANN202 - tqdm's type
         from tqdm import tqdm
 
-        return tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, file=sys.stderr, leave=False)
+        return tqdm(
+            total=total, desc="loading weights", unit="B", unit_scale=True, file=sys.stderr, leave=False
+        )
 
     def array(self, name: str) -> np.ndarray:
         """The planned tensor as a float32 host array (bf16 converted exactly)."""

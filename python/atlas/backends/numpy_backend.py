@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..sampling import choose_token
 from .base import SamplingParams, StorageDType, Tensor
+
+DecodeStep = Callable[[Tensor, Tensor], Tensor]
 
 CHUNK_SIZE = 64
 L2_EPS = 1e-6
@@ -46,7 +49,9 @@ def _rotate_half(x: np.ndarray) -> np.ndarray:
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def _attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, scale: float) -> np.ndarray:
+def _attend(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, scale: float
+) -> np.ndarray:
     """q [T, Hq, D], keys/values [L, Hkv, D] (cache rows 0..L-1) -> causal GQA attention [T, Hq, D]."""
     tokens, q_heads, dim = q.shape
     kv_heads = keys.shape[1]
@@ -61,7 +66,8 @@ def _attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.n
 
 
 def _split_qkv(mixed_qkv: np.ndarray, num_k_heads: int, state_shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    """mixed [T, 2*Hk*Dk + Hv*Dv] -> q, k [Hv, T, Dk] (l2-normed, q scaled, repeated per value head), v [Hv, T, Dv]."""
+    """mixed [T, 2*Hk*Dk + Hv*Dv] -> q, k [Hv, T, Dk] (l2-normed, q scaled, repeated per value
+    head), v [Hv, T, Dv]."""
     value_heads, k_dim, v_dim = state_shape
     tokens = mixed_qkv.shape[0]
     key_width = num_k_heads * k_dim
@@ -74,8 +80,18 @@ def _split_qkv(mixed_qkv: np.ndarray, num_k_heads: int, state_shape: tuple[int, 
     return q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2)
 
 
-def delta_rule_recurrent(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray) -> np.ndarray:
-    """q, k [Hv, T, Dk], v [Hv, T, Dv], g, beta [Hv, T], state [Hv, Dk, Dv] (updated) -> o [Hv, T, Dv]."""
+@dataclass(frozen=True)
+class DeltaInputs:
+    q: np.ndarray  # [Hv, T, Dk], l2-normed and scaled
+    k: np.ndarray  # [Hv, T, Dk], l2-normed
+    v: np.ndarray  # [Hv, T, Dv]
+    g: np.ndarray  # [Hv, T], log decay
+    beta: np.ndarray  # [Hv, T]
+
+
+def delta_rule_recurrent(x: DeltaInputs, state: np.ndarray) -> np.ndarray:
+    """One token at a time; state [Hv, Dk, Dv] is updated in place. -> o [Hv, T, Dv]."""
+    q, k, v, g, beta = x.q, x.k, x.v, x.g, x.beta
     out = np.empty_like(v)
     for t in range(q.shape[1]):
         state *= np.exp(g[:, t])[:, None, None]
@@ -99,12 +115,12 @@ def _unit_lower_solve(system: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     return np.linalg.solve(lower, rhs).astype(np.float32)
 
 
-def delta_rule_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray) -> np.ndarray:
+def delta_rule_chunked(x: DeltaInputs, state: np.ndarray) -> np.ndarray:
     """Same contract as delta_rule_recurrent, computed per chunk of 64 tokens with the UT transform."""
-    tokens = q.shape[1]
+    tokens = x.q.shape[1]
     padded = -(-tokens // CHUNK_SIZE) * CHUNK_SIZE
-    q, k, v = (_chunked_views(x, padded) for x in (q, k, v))  # [Hv, n, C, D*]
-    g, beta = (_chunked_views(x, padded) for x in (g, beta))  # [Hv, n, C]
+    q, k, v = (_chunked_views(t, padded) for t in (x.q, x.k, x.v))  # [Hv, n, C, D*]
+    g, beta = (_chunked_views(t, padded) for t in (x.g, x.beta))  # [Hv, n, C]
     cum = np.cumsum(g, axis=-1)  # [Hv, n, C]
     future = np.triu(np.ones((CHUNK_SIZE, CHUNK_SIZE), dtype=bool), 1)
     pair_decay = np.exp(np.where(future, -np.inf, cum[..., :, None] - cum[..., None, :]))  # [Hv, n, C, C]
@@ -167,14 +183,18 @@ class NumpyBackend:
         return x * _sigmoid(gate)
 
     # --- full attention -----------------------------------------------------------------------
-    def head_norm_rope(self, x: Tensor, weight: Tensor, positions: Tensor, rotary_dim: int, rope_theta: float, eps: float) -> Tensor:
+    def head_norm_rope(
+        self, x: Tensor, weight: Tensor, positions: Tensor, rotary_dim: int, rope_theta: float, eps: float
+    ) -> Tensor:
         normed = _rms(x, eps) * weight  # [T, heads, D]
         cos, sin = rope_cos_sin(positions, rotary_dim, rope_theta)  # [T, R]
         rot = normed[..., :rotary_dim]
         rotated = rot * cos[:, None, :] + _rotate_half(rot) * sin[:, None, :]
         return np.concatenate([rotated, normed[..., rotary_dim:]], axis=-1)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, scale: float) -> Tensor:
+    def attention(
+        self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, scale: float
+    ) -> Tensor:
         start = int(positions[0])
         end = start + q.shape[0]
         k_cache[start:end] = k
@@ -192,12 +212,15 @@ class NumpyBackend:
         conv_state[...] = window[tokens:].T
         return _silu(out)
 
-    def gated_delta_rule(self, mixed_qkv: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, state: Tensor, num_k_heads: int) -> Tensor:
+    def gated_delta_rule(
+        self, mixed_qkv: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, state: Tensor,
+        num_k_heads: int,
+    ) -> Tensor:
         q, k, v = _split_qkv(mixed_qkv, num_k_heads, state.shape)  # [Hv, T, D*]
         g = (-np.exp(A_log) * _softplus(a + dt_bias)).T  # [Hv, T]
         beta = _sigmoid(b).T  # [Hv, T]
         rule = delta_rule_recurrent if q.shape[1] == 1 else delta_rule_chunked
-        out = rule(q, k, v, g.astype(np.float32), beta.astype(np.float32), state)  # [Hv, T, Dv]
+        out = rule(DeltaInputs(q, k, v, g.astype(np.float32), beta.astype(np.float32)), state)  # [Hv, T, Dv]
         return np.ascontiguousarray(out.transpose(1, 0, 2))
 
     def gated_rms_norm(self, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -234,5 +257,5 @@ class NumpyBackend:
         return np.array([choose_token(logits[0], params, uniform)], dtype=np.int32)
 
     # --- execution ----------------------------------------------------------------------------
-    def make_decode_step(self, step: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+    def make_decode_step(self, step: DecodeStep) -> DecodeStep:
         return step

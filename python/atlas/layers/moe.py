@@ -24,7 +24,8 @@ class SparseMoe:
         ids, weights = be.router(x, self.router, self.top_k, self.renormalize)  # [T, k] each
         step.emit(f"{name}.router_ids", ids)
         step.emit(f"{name}.router_weights", weights)
-        routed = step.emit(f"{name}.routed", be.moe_experts(x, ids, weights, self.gate_up, self.down))  # [T, H]
+        routed = be.moe_experts(x, ids, weights, self.gate_up, self.down)  # [T, H]
+        step.emit(f"{name}.routed", routed)
         shared = step.emit(f"{name}.shared", self.shared(step, x, f"{name}.shared"))  # [T, H]
         gate_logit = be.linear(x, self.shared_gate)  # [T, 1]
         return be.add_sigmoid_scaled(routed, shared, gate_logit)  # [T, H]

@@ -198,7 +198,9 @@ def build_layer(reader: WeightReader, layout: Layout, i: int) -> DecoderLayer:
 
 def check_supported(spec: ModelSpec) -> None:
     if spec.attention_bias:
-        raise AtlasError("config.json sets attention_bias=true; atlas runs Qwen3.5 MoE without attention biases")
+        raise AtlasError(
+            "config.json sets attention_bias=true; atlas runs Qwen3.5 MoE without attention biases"
+        )
 
 
 def load_qwen3_5_moe(spec: ModelSpec, checkpoint: Checkpoint, backend: Backend) -> CausalLM:
