@@ -56,6 +56,7 @@ def test_values_match_safetensors_library(tmp_path: Path, rng: np.random.Generat
         "flag": rng.random(random_shape(rng)) < 0.5,
         "empty": np.zeros((0, 3), dtype=np.float32),
     }
+    tensors = {name: np.asarray(value) for name, value in tensors.items()}  # 0-d draws are scalars
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "np"})
     checkpoint = Checkpoint.open(tmp_path)
     assert checkpoint.names() == sorted(tensors)
