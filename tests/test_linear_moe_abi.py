@@ -1,0 +1,185 @@
+"""CPU-side checks of the DeltaNet / MoE kernels' ABI and launch geometry (no GPU needed).
+
+The op wrappers of backends/cuda/ops_linear_moe.py run against a recording runtime at random
+shapes of both registry models. Every launch must name an entry of the compiled PTX whose single
+by-value parameter has the size of the params struct given, launch exactly the block the entry
+was written for (its launch bound: the kernels refuse any other block size), and cover its
+output with the grid; every entry must be launched by some op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atlas.backends.cuda import ops_linear_moe as ops
+from atlas.backends.cuda.tensor import DeviceTensor
+
+REPO = Path(__file__).resolve().parent.parent
+FILES = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm", "router", "moe_experts", "add_sigmoid_scaled")
+MODELS = ("atlas-demo", "qwen3.6-35b-a3b")
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(\s*\.param\s+\.align\s+(\d+)\s+\.b8\s+\w+\[(\d+)\]\s*\)\s*\.maxntid\s+(\d+)")
+
+
+@dataclass
+class Launch:
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    params: ctypes.Structure
+    smem: int
+
+
+@dataclass
+class RecordingRuntime:
+    """The slice of CudaRuntime the op wrappers use; memory is fake addresses, 256-aligned."""
+
+    launches: list[Launch] = field(default_factory=list)
+    zeroed: list[int] = field(default_factory=list)
+    _next: int = 1 << 20
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
+        tensor = DeviceTensor(self._next, tuple(int(d) for d in shape), dtype)  # type: ignore[arg-type]
+        self._next += -(-max(tensor.nbytes, 1) // 256) * 256
+        return tensor
+
+    def memset_zero(self, t: DeviceTensor) -> None:
+        self.zeroed.append(t.ptr)
+
+    def launch(self, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int],
+               params: ctypes.Structure, smem: int = 0) -> None:
+        self.launches.append(Launch(kernel, grid, block, params, smem))
+
+
+def _dims(model: str) -> dict[str, int]:
+    from atlas.targets import load_registry
+
+    return dict(load_registry().models[model].constants)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def ptx_entries(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, tuple[int, int, int]]]:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here: cannot compile the DeltaNet/MoE PTX")
+    model = request.param
+    tmp = tmp_path_factory.mktemp(model.replace(".", "_"))
+    subprocess.run(["python", "-m", "build_tools.headers", "--hw", "sm80", "--model", model, "--quant", "bf16",
+                    "--out", str(tmp)], cwd=REPO, check=True, capture_output=True)
+    source = tmp / "linear_moe.cu"
+    source.write_text("".join(f'#include "kernels/sm80/{model}/bf16/{n}.cu"\n' for n in FILES))
+    out = tmp / "linear_moe.ptx"
+    subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{tmp}", "-Ikernels/include", "-I.", "-arch=compute_80",
+                    "-ptx", "-o", str(out), str(source)], cwd=REPO, check=True, capture_output=True)
+    found = {m[1]: (int(m[2]), int(m[3]), int(m[4])) for m in _ENTRY.finditer(out.read_text())}
+    assert found, "no entries parsed from the PTX"
+    return model, found
+
+
+def _run_every_op(rt: RecordingRuntime, d: dict[str, int], rng: np.random.Generator) -> None:
+    f = lambda *s: rt.empty(s, "f32")  # noqa: E731
+    hk, hv = d["linear_num_key_heads"], d["linear_num_value_heads"]
+    dk, dv, width = d["linear_key_head_dim"], d["linear_value_head_dim"], d["linear_conv_kernel_dim"]
+    h, e, k, inter = d["hidden_size"], d["num_experts"], d["num_experts_per_tok"], d["moe_intermediate_size"]
+    channels = 2 * hk * dk + hv * dv
+    for tokens in (1, int(rng.integers(2, ops.MOE_GEMV_MAX_TOKENS + 1)), int(rng.integers(ops.MOE_GEMV_MAX_TOKENS + 1, 700))):
+        for conv_dtype in ("f32", "bf16"):
+            ops.causal_conv1d(rt, f(tokens, channels), rt.empty((channels, width), conv_dtype), f(channels, width - 1))
+        ops.gated_delta_rule(rt, f(tokens, channels), f(tokens, hv), f(tokens, hv), f(hv), f(hv), f(hv, dk, dv), hk)
+        ops.gated_rms_norm(rt, f(tokens, hv, dv), f(tokens, hv, dv), f(dv), 1e-6)
+        ids, weights = ops.router(rt, f(tokens, h), rt.empty((e, h), "bf16"), k, True)
+        ops.moe_experts(rt, f(tokens, h), ids, weights, rt.empty((e, 2 * inter, h), "bf16"), rt.empty((e, h, inter), "bf16"))
+        ops.add_sigmoid_scaled(rt, f(tokens, h), f(tokens, h), f(tokens, 1))
+
+
+def test_every_launch_matches_its_ptx_entry(ptx_entries: tuple[str, dict[str, tuple[int, int, int]]],
+                                            rng: np.random.Generator) -> None:
+    model, entries = ptx_entries
+    rt = RecordingRuntime()
+    _run_every_op(rt, _dims(model), rng)
+    for launch in rt.launches:
+        assert launch.kernel in entries, f"{launch.kernel} is launched but not in the {model} PTX"
+        align, param_bytes, max_threads = entries[launch.kernel]
+        assert param_bytes == ctypes.sizeof(launch.params), f"{launch.kernel}: PTX param {param_bytes} B"
+        assert align == ctypes.alignment(type(launch.params)), f"{launch.kernel}: alignment"
+        assert math.prod(launch.block) == max_threads, f"{launch.kernel}: block {launch.block} != bound {max_threads}"
+        assert all(0 < g for g in launch.grid) and max(launch.grid[1:]) <= 65535, f"{launch.kernel}: grid {launch.grid}"
+        assert launch.smem <= 48 * 1024, f"{launch.kernel}: {launch.smem} B dynamic smem"
+    assert {launch.kernel for launch in rt.launches} == set(entries), "some entries are never launched"
+
+
+def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
+    for model in MODELS:
+        d = _dims(model)
+        rt = RecordingRuntime()
+        _run_every_op(rt, d, rng)
+        for launch in rt.launches:
+            p, (gx, gy, gz) = launch.params, launch.grid
+            if launch.kernel == "atlas_causal_conv1d":
+                assert gx * ops.CONV_THREADS >= p.channels and gy * ops.CONV_TOKENS_PER_BLOCK >= p.num_tokens
+            elif launch.kernel == "atlas_gated_delta_rule":
+                assert (gx, gy * ops.DELTA_COLS_PER_BLOCK) == (p.num_v_heads, p.v_head_dim)
+            elif launch.kernel == "atlas_gated_rms_norm":
+                assert gx * ops.GATED_NORM_WARPS >= p.rows and p.dim == d["linear_value_head_dim"]
+            elif launch.kernel == "atlas_router_logits":
+                assert gx == p.num_tokens and gy * ops.ROUTER_WARPS >= p.num_experts
+            elif launch.kernel == "atlas_moe_gate_up_gemv":
+                assert gx * ops.GEMV_WARPS >= p.inter and gy == p.num_slots
+            elif launch.kernel == "atlas_moe_down_gemv":
+                assert gx * ops.GEMV_WARPS >= p.hidden and gy == p.num_tokens <= ops.MOE_GEMV_MAX_TOKENS
+            elif launch.kernel.startswith("atlas_moe_grouped_gemm"):
+                cols = ops.GEMM_BN // 2 if launch.kernel.endswith("gate_up") else ops.GEMM_BN
+                tokens = p.num_slots // p.top_k
+                assert gx * cols >= p.n_out and gy * ops.GEMM_BM >= tokens and gz == p.num_experts
+            elif launch.kernel in ("atlas_moe_combine", "atlas_add_sigmoid_scaled"):
+                assert gx * ops.ELEMENTWISE_THREADS * 4 >= p.num_tokens * p.hidden
+        grouped = [launch for launch in rt.launches if launch.kernel == "atlas_moe_grouped_gemm_down"]
+        assert grouped and all(launch.params.out in rt.zeroed for launch in grouped), "grouped MoE output not zeroed"
+
+
+def test_bad_inputs_are_refused() -> None:
+    rt = RecordingRuntime()
+    f = lambda *s: rt.empty(s, "f32")  # noqa: E731
+    with pytest.raises(ValueError, match="conv_state"):
+        ops.causal_conv1d(rt, f(3, 64), f(64, 4), f(64, 4))
+    with pytest.raises(ValueError, match="dtype"):
+        ops.router(rt, f(2, 64), f(8, 64), 2, True)
+    with pytest.raises(ValueError, match="top_k"):
+        ops.router(rt, f(2, 64), rt.empty((8, 64), "bf16"), 9, True)
+    with pytest.raises(ValueError, match="mixed_qkv"):
+        ops.gated_delta_rule(rt, f(1, 100), f(1, 4), f(1, 4), f(4), f(4), f(4, 64, 64), 2)
+    assert rt.launches == []
+
+
+def _header_constant(header: str, name: str) -> int:
+    text = (REPO / "kernels/include/atlas" / header).read_text()
+    match = re.search(rf"constexpr int {name} = (\d+);", text)
+    assert match, f"{name} not found in {header}"
+    return int(match[1])
+
+
+def test_wrapper_geometry_mirrors_the_headers() -> None:
+    mirrored = [
+        (ops.CONV_THREADS, _header_constant("conv1d.cuh", "kThreads")),
+        (ops.CONV_TOKENS_PER_BLOCK, _header_constant("conv1d.cuh", "kTokensPerBlock")),
+        (ops.DELTA_THREADS, 32 * _header_constant("delta_rule.cuh", "kWarps")),
+        (ops.DELTA_COLS_PER_BLOCK, _header_constant("delta_rule.cuh", "kWarps") * _header_constant("delta_rule.cuh", "kColsPerWarp")),
+        (ops.GATED_NORM_WARPS, _header_constant("gated_norm.cuh", "kWarps")),
+        (ops.ROUTER_WARPS, _header_constant("router.cuh", "kWarps")),
+        (ops.GEMV_WARPS, _header_constant("moe.cuh", "kGemvWarps")),
+        (ops.ROUTE_THREADS, _header_constant("moe.cuh", "kRouteThreads")),
+        (ops.GEMM_THREADS, _header_constant("moe.cuh", "kGemmThreads")),
+        (ops.GEMM_BM, _header_constant("moe.cuh", "kBM")),
+        (ops.GEMM_BN, _header_constant("moe.cuh", "kBN")),
+        (ops.ELEMENTWISE_THREADS, _header_constant("moe.cuh", "kElementwiseThreads")),
+    ]
+    for wrapper, header in mirrored:
+        assert wrapper == header
