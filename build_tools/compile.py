@@ -98,7 +98,8 @@ def cache_key(job: Job, compiler_id: str) -> str:
     out_rel = _rel(Path(out_root))
     for cmd in (job.ptx_cmd, job.cubin_cmd):  # output locations are not part of the content
         digest.update("\0".join(a.replace(out_root, "<out>").replace(out_rel, "<out>") for a in cmd[1:]).encode())
-    for source in (job.source, *job.sources):
+    digest.update(job.source.read_bytes() + b"\0")  # tuple.cu: its location is in <out>
+    for source in job.sources:
         digest.update(_rel(source).encode() + b"\0" + source.read_bytes() + b"\0")
     _hash_tree(digest, job.out_dir / "include")
     _hash_tree(digest, kernels_dir() / "include")
