@@ -22,6 +22,11 @@
 
 namespace atlas::moe {
 
+using gemv_row::RowChunks;
+using gemv_row::dot_row;
+using gemv_row::load_row;
+using gemv_row::zero_row;
+
 constexpr int kGemvWarps = 8;
 constexpr int kGemvThreads = kGemvWarps * kWarpSize;
 constexpr int kRouteThreads = 1024;

@@ -10,6 +10,11 @@
 
 namespace atlas::router {
 
+using gemv_row::RowChunks;
+using gemv_row::dot_row;
+using gemv_row::load_row;
+using gemv_row::zero_row;
+
 constexpr int kWarps = 8;
 constexpr int kLogitsThreads = kWarps * kWarpSize;
 constexpr int kTopKThreads = kWarpSize;

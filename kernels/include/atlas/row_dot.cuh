@@ -7,7 +7,7 @@
 
 #include "atlas/common.cuh"
 
-namespace atlas {
+namespace atlas::gemv_row {
 
 template <int N>
 struct RowChunks {
@@ -55,4 +55,4 @@ __device__ __forceinline__ float dot_row(const RowChunks<N>& chunks, const float
   return acc;
 }
 
-}  // namespace atlas
+}  // namespace atlas::gemv_row
