@@ -117,6 +117,7 @@ def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Gen
     ops_dense.sigmoid_mul(rt, f(tokens, hq * d), f(tokens, hq * d))
     for t in (*range(1, 9), prefill):
         ops_dense.linear(rt, f(t, h), _tensor(rt, "bf16", n, h))
+        ops_dense.linear(rt, f(t, h), _tensor(rt, "bf16", 64 * rt.sm_count + n, h))
     ops_dense.linear(rt, f(1, h), _tensor(rt, "bf16", v, h))
     ops_dense.head_norm_rope(rt, f(prefill, hq, d), f(d), _tensor(rt, "i32", prefill), dims["rotary_dim"], 1e7, 1e-6)
     for t in (tokens % 4 + 1, prefill):
@@ -152,9 +153,11 @@ def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
         shapes = _run_every_op(rt, dims, rng)
         for launch in rt.launches:
             p = launch.params
-            if launch.kernel.startswith("atlas_gemv_t"):
-                assert int(launch.kernel.removeprefix("atlas_gemv_t")) == p.tokens
-                assert launch.grid[0] * ops_dense.GEMV_ROWS_PER_BLOCK >= p.n
+            if launch.kernel.startswith("atlas_gemv_"):
+                narrow = launch.kernel.startswith("atlas_gemv_narrow_t")
+                assert int(launch.kernel.rsplit("_t", 1)[1]) == p.tokens
+                rows = ops_dense.GEMV_NARROW_ROWS_PER_BLOCK if narrow else ops_dense.GEMV_WIDE_ROWS_PER_BLOCK
+                assert launch.grid[0] * rows >= p.n
             elif launch.kernel == "atlas_gemm_bf16":
                 assert p.tokens > ops_dense.GEMV_MAX_TOKENS
                 assert launch.grid[0] * ops_dense.GEMM_BN >= p.n and launch.grid[1] * ops_dense.GEMM_BM >= p.tokens
@@ -199,7 +202,8 @@ def test_wrapper_geometry_mirrors_the_headers() -> None:
     warps_per_gemv_block = _header_constant("gemv.cuh", "kGemvThreads") // 32
     mirrored = [
         (ops_dense.GEMV_THREADS, _header_constant("gemv.cuh", "kGemvThreads")),
-        (ops_dense.GEMV_ROWS_PER_BLOCK, warps_per_gemv_block * _header_constant("gemv.cuh", "kGemvRowsPerWarp")),
+        (ops_dense.GEMV_WIDE_ROWS_PER_BLOCK, warps_per_gemv_block * _header_constant("gemv.cuh", "kGemvWideRows")),
+        (ops_dense.GEMV_NARROW_ROWS_PER_BLOCK, warps_per_gemv_block * _header_constant("gemv.cuh", "kGemvNarrowRows")),
         (ops_dense.GEMM_THREADS, _header_constant("gemm.cuh", "kGemmThreads")),
         (ops_dense.GEMM_BM, _header_constant("gemm.cuh", "kGemmBM")),
         (ops_dense.GEMM_BN, _header_constant("gemm.cuh", "kGemmBN")),

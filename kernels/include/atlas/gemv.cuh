@@ -1,7 +1,9 @@
 // Decode linear (tokens <= 8): out[t, n] = sum_k x[t, k] * W[n, k], W bf16 [N, K] row-major.
-// Memory-bound on W: each warp owns kRowsPerWarp output rows and streams them with 16-byte loads
-// (two per row in flight per lane, so 8 x 16 B outstanding per lane); x is staged in shared
-// memory as f32 in column chunks and reused by every row of the block; warp-shuffle reduction.
+// Memory-bound on W: each warp owns R output rows and streams them with 16-byte loads, U column
+// groups per row in flight (R x U = 8 x 16 B outstanding per lane); x is staged in shared memory
+// as f32 in column chunks and reused by every row of the block; warp-shuffle reduction.
+// Two shapes: wide (R 4, U 2: 32 rows per block) when N gives enough blocks to fill the GPU,
+// narrow (R 1, U 8: 8 rows per block) for small N such as the k/v and o projections.
 // Requires K % 8 == 0 and 16-byte aligned W rows (checked by the op wrapper).
 #pragma once
 
@@ -10,8 +12,12 @@
 namespace atlas {
 
 constexpr int kGemvThreads = 256;
-constexpr int kGemvRowsPerWarp = 4;
-constexpr int kGemvRowsPerBlock = kGemvThreads / kWarpSize * kGemvRowsPerWarp;
+constexpr int kGemvWarps = kGemvThreads / kWarpSize;
+constexpr int kGemvWideRows = 4;    // rows per warp, wide shape
+constexpr int kGemvWideUnroll = 2;
+constexpr int kGemvNarrowRows = 1;  // rows per warp, narrow shape
+// Narrow shape: 8 loads in flight for T <= 4; 4 above, which keeps T = 8 free of spills.
+__host__ __device__ constexpr int gemv_narrow_unroll(int tokens) { return tokens <= 4 ? 8 : 4; }
 constexpr int kGemvSmemFloats = 8192;  // 32 KiB of staged x per block, whatever T
 
 template <int T>
@@ -20,18 +26,18 @@ __host__ __device__ constexpr int gemv_chunk_cols() {
 }
 
 // Accumulates x[t, chunk] . W[row, chunk] for this lane's 8-column groups g (lane, lane + 32, ...).
-template <int T>
-__device__ __forceinline__ void gemv_chunk(const float* xs, const uint16_t* (&rows)[kGemvRowsPerWarp],
-                                           int groups, float (&acc)[T][kGemvRowsPerWarp]) {
+template <int T, int R, int U>
+__device__ __forceinline__ void gemv_chunk(const float* xs, const uint16_t* (&rows)[R], int groups,
+                                           float (&acc)[T][R]) {
   constexpr int kCols = gemv_chunk_cols<T>();
   const int lane = threadIdx.x % kWarpSize;
-  for (int g0 = lane; g0 < groups; g0 += 2 * kWarpSize) {
-    float w[2][kGemvRowsPerWarp][8];
+  for (int g0 = lane; g0 < groups; g0 += U * kWarpSize) {
+    float w[U][R][8];
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int g = g0 + u * kWarpSize;
 #pragma unroll
-      for (int r = 0; r < kGemvRowsPerWarp; ++r) {
+      for (int r = 0; r < R; ++r) {
         if (g < groups && rows[r] != nullptr) {
           load_bf16<8>(rows[r] + g * 8, w[u][r]);
         } else {
@@ -41,7 +47,7 @@ __device__ __forceinline__ void gemv_chunk(const float* xs, const uint16_t* (&ro
       }
     }
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int g = g0 + u * kWarpSize;
       if (g >= groups) break;
 #pragma unroll
@@ -49,7 +55,7 @@ __device__ __forceinline__ void gemv_chunk(const float* xs, const uint16_t* (&ro
         float xv[8];
         load_f32<8>(xs + t * kCols + g * 8, xv);
 #pragma unroll
-        for (int r = 0; r < kGemvRowsPerWarp; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[t][r] = fmaf(xv[e], w[u][r][e], acc[t][r]);
       }
@@ -57,22 +63,22 @@ __device__ __forceinline__ void gemv_chunk(const float* xs, const uint16_t* (&ro
   }
 }
 
-template <int T>
+template <int T, int R, int U>
 __device__ void gemv(const LinearParams& p) {
   constexpr int kCols = gemv_chunk_cols<T>();
   __shared__ __align__(16) float xs[T * kCols];  // [T, kCols]
   if (p.tokens != T) return;  // the wrapper picks the instance with T == tokens
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  const int row0 = blockIdx.x * kGemvRowsPerBlock + warp * kGemvRowsPerWarp;
+  const int row0 = (blockIdx.x * kGemvWarps + warp) * R;
   const float* x = static_cast<const float*>(p.x);
   const uint16_t* weight = static_cast<const uint16_t*>(p.weight);
 
-  float acc[T][kGemvRowsPerWarp];
+  float acc[T][R];
 #pragma unroll
   for (int t = 0; t < T; ++t)
 #pragma unroll
-    for (int r = 0; r < kGemvRowsPerWarp; ++r) acc[t][r] = 0.0f;
+    for (int r = 0; r < R; ++r) acc[t][r] = 0.0f;
 
   for (int c0 = 0; c0 < p.k; c0 += kCols) {
     const int cols = min(kCols, p.k - c0);  // a multiple of 8
@@ -83,11 +89,11 @@ __device__ void gemv(const LinearParams& p) {
           reinterpret_cast<const float4*>(x + static_cast<int64_t>(t) * p.k + c0)[c4];
     }
     __syncthreads();
-    const uint16_t* rows[kGemvRowsPerWarp];
+    const uint16_t* rows[R];
 #pragma unroll
-    for (int r = 0; r < kGemvRowsPerWarp; ++r)
+    for (int r = 0; r < R; ++r)
       rows[r] = row0 + r < p.n ? weight + static_cast<int64_t>(row0 + r) * p.k + c0 : nullptr;
-    gemv_chunk<T>(xs, rows, cols / 8, acc);
+    gemv_chunk<T, R, U>(xs, rows, cols / 8, acc);
     __syncthreads();
   }
 
@@ -95,7 +101,7 @@ __device__ void gemv(const LinearParams& p) {
 #pragma unroll
   for (int t = 0; t < T; ++t)
 #pragma unroll
-    for (int r = 0; r < kGemvRowsPerWarp; ++r) {
+    for (int r = 0; r < R; ++r) {
       const float total = warp_sum(acc[t][r]);
       if (lane == 0 && row0 + r < p.n) out[static_cast<int64_t>(t) * p.n + row0 + r] = total;
     }

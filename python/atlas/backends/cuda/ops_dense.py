@@ -23,7 +23,9 @@ EMBEDDING_THREADS = 256  # embedding.cu.j2
 NORM_THREADS = 256  # norm.cuh: one block per row (launch bound 1024)
 GEMV_MAX_TOKENS = 8  # linear.cu.j2 instantiates atlas_gemv_t1 .. t8
 GEMV_THREADS = 256  # gemv.cuh kGemvThreads
-GEMV_ROWS_PER_BLOCK = 32  # gemv.cuh kGemvRowsPerBlock
+GEMV_WIDE_ROWS_PER_BLOCK = 32  # gemv.cuh: 8 warps x kGemvWideRows
+GEMV_NARROW_ROWS_PER_BLOCK = 8  # 8 warps x kGemvNarrowRows
+GEMV_WIDE_MIN_WAVES = 2  # wide blocks only when they fill every SM at least this many times
 GEMM_THREADS = 128  # gemm.cuh kGemmThreads
 GEMM_BM = 64
 GEMM_BN = 128
@@ -158,7 +160,12 @@ def linear(rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor) -> DeviceTens
         return out
     params = kp.LinearParams(x=x.ptr, weight=weight.ptr, out=out.ptr, tokens=tokens, n=n, k=k)
     if tokens <= GEMV_MAX_TOKENS:
-        rt.launch(f"atlas_gemv_t{tokens}", (_ceil_div(n, GEMV_ROWS_PER_BLOCK), 1, 1), (GEMV_THREADS, 1, 1), params)
+        wide_blocks = _ceil_div(n, GEMV_WIDE_ROWS_PER_BLOCK)
+        if wide_blocks >= GEMV_WIDE_MIN_WAVES * rt.sm_count:
+            rt.launch(f"atlas_gemv_t{tokens}", (wide_blocks, 1, 1), (GEMV_THREADS, 1, 1), params)
+        else:
+            grid = (_ceil_div(n, GEMV_NARROW_ROWS_PER_BLOCK), 1, 1)
+            rt.launch(f"atlas_gemv_narrow_t{tokens}", grid, (GEMV_THREADS, 1, 1), params)
     else:
         grid = (_ceil_div(n, GEMM_BN), _ceil_div(tokens, GEMM_BM), 1)
         rt.launch("atlas_gemm_bf16", grid, (GEMM_THREADS, 1, 1), params)
