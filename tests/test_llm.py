@@ -82,11 +82,28 @@ def test_stream_yields_the_generated_text() -> None:
     assert "".join(pieces) == demo.generate(DEMO_PROMPT, max_tokens=40).text
 
 
-def test_stream_can_stop_early(tiny: LLM, rng: np.random.Generator) -> None:
-    stream = tiny.stream(random_prompt(rng), max_tokens=200, temperature=1.0, seed=1)
-    for _ in stream:
-        break
-    stream.close()  # the worker stops at its next token; close() must not hang
+def test_stream_equals_generate_when_sampling(tiny: LLM, rng: np.random.Generator) -> None:
+    prompt = random_prompt(rng)
+    options = {"max_tokens": 10, "temperature": 1.0, "top_p": 0.9, "seed": int(rng.integers(0, 2**31))}
+    assert "".join(tiny.stream(prompt, **options)) == tiny.generate(prompt, **options).text
+
+
+def test_stream_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from atlas.demo import DEMO_PROMPT
+
+    demo = LLM(device="cpu")
+    decoded: list[int] = []
+    real_decode = demo.parts.engine.decode
+
+    def counting_decode(token: int, position: int) -> object:
+        decoded.append(position)
+        return real_decode(token, position)
+
+    monkeypatch.setattr(demo.parts.engine, "decode", counting_decode)
+    stream = demo.stream(DEMO_PROMPT, max_tokens=100)
+    assert next(stream) and len(decoded) <= 2  # the first piece comes before the rest is computed
+    stream.close()
+    assert len(decoded) <= 2
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +48,12 @@ class EngineLike(Protocol):
         eos_ids: set[int],
         on_token: Callable[[int], None] | None,
     ) -> Any: ...  # atlas.engine.GenerationStats
+
+    def prefill(self, prompt_ids: list[int]) -> Any: ...  # logits of the last prompt token [1, V]
+
+    def decode(self, token: int, position: int) -> Any: ...  # logits [1, V]
+
+    def pick(self, logits: Any, sampling: SamplingParams, rng: Any) -> int: ...
 
 
 @dataclass
@@ -137,34 +141,15 @@ class LLM:
         )
 
     def stream(self, prompt: str | list[int], **options: Any) -> Iterator[str]:
-        """Yield text pieces as they are generated (the engine runs on a worker thread)."""
-        pieces: queue.Queue[str | BaseException | None] = queue.Queue()
-        stop = threading.Event()
-
-        def on_text(piece: str) -> None:
-            if stop.is_set():
-                raise StreamClosed
-            pieces.put(piece)
-
-        def work() -> None:
-            try:
-                self.generate(prompt, on_text=on_text, **options)
-                pieces.put(None)
-            except StreamClosed:
-                pass
-            except BaseException as err:  # handed to the consumer, raised there
-                pieces.put(err)
-
-        worker = threading.Thread(target=work, name="atlas-generate", daemon=True)
-        worker.start()
-        try:
-            while (item := pieces.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            worker.join()
+        """Yield text pieces as they are generated. Runs on the calling thread (a CUDA context
+        is bound to the thread that opened it); stop reading to stop generating."""
+        prompt_ids, opts = self.prepare(prompt, options)
+        decoder = self.parts.tokenizer.stream_decoder()
+        for token in iter_tokens(self.parts.engine, prompt_ids, opts, self.eos_ids()):
+            if piece := decoder.push(token):
+                yield piece
+        if rest := decoder.flush():
+            yield rest
 
     def prepare(self, prompt: str | list[int], options: dict[str, Any]) -> tuple[list[int], GenerateOptions]:
         """Check the options and encode the prompt: every input error surfaces here, before any
@@ -186,8 +171,23 @@ class LLM:
         return ids
 
 
-class StreamClosed(Exception):
-    """Raised inside the engine's callback to stop generation when the consumer stops reading."""
+def iter_tokens(
+    engine: EngineLike, prompt_ids: list[int], opts: GenerateOptions, eos_ids: set[int]
+) -> Iterator[int]:
+    """Engine.generate's loop as a generator over the engine's step API (prefill, decode, pick),
+    with the same seeded RNG draws, so stream() and generate() give the same tokens."""
+    import numpy as np
+
+    sampling = sampling_params(opts)
+    rng = np.random.default_rng(opts.seed)
+    token = engine.pick(engine.prefill(prompt_ids), sampling, rng)
+    position = len(prompt_ids)
+    for count in range(1, opts.max_tokens + 1):
+        yield token
+        if token in eos_ids or count == opts.max_tokens:
+            return
+        token = engine.pick(engine.decode(token, position), sampling, rng)
+        position += 1
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int], chat: bool) -> list[int]:
