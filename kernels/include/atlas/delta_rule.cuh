@@ -20,6 +20,11 @@ constexpr int kColsPerWarp = 8;
 constexpr int kKeyParts = kWarpSize / kColsPerWarp;  // lanes sharing one value column
 constexpr int kColsPerBlock = kWarps * kColsPerWarp;
 constexpr float kL2Eps = 1e-6f;
+constexpr int kChains = 4;  // independent FMA chains per dot product (latency, not throughput, bound)
+
+__device__ __forceinline__ float chain_sum(const float (&partial)[kChains]) {
+  return (partial[0] + partial[1]) + (partial[2] + partial[3]);
+}
 
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
@@ -67,7 +72,7 @@ __device__ __forceinline__ float inv_l2_norm(const float* x_s, int lane) {
 template <int Hk, int Hv, int Dk, int Dv>
 __device__ void gated_delta_rule(const GatedDeltaRuleParams& p) {
   static_assert(Hv % Hk == 0, "gated_delta_rule: Hv must be a multiple of Hk");
-  static_assert(Dk % kKeyParts == 0 && Dk <= kThreads, "gated_delta_rule: Dk must be a multiple of 4 and <= kThreads");
+  static_assert(Dk % (kKeyParts * kChains) == 0 && Dk <= kThreads, "gated_delta_rule: Dk must be a multiple of 16 and <= kThreads");
   static_assert(Dv % kColsPerBlock == 0, "gated_delta_rule: Dv must be a multiple of kColsPerBlock");
   constexpr int kRows = Dk / kKeyParts;
   if (p.num_k_heads != Hk || p.num_v_heads != Hv || p.k_head_dim != Dk || p.v_head_dim != Dv ||
@@ -110,22 +115,22 @@ __device__ void gated_delta_rule(const GatedDeltaRuleParams& p) {
     const float decay = expf(neg_A * softplus(current.a + dt_bias));
     const float beta = sigmoid(current.b);
 
-    float predicted = 0.0f;  // (S^T k)[col] with the decayed state
+    float predicted[kChains] = {};  // (S^T k)[col] with the decayed state, in independent chains
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       s[r] *= decay;
-      predicted = fmaf(s[r], k[part + kKeyParts * r], predicted);
+      predicted[r % kChains] = fmaf(s[r], k[part + kKeyParts * r], predicted[r % kChains]);
     }
-    predicted = column_sum(predicted) * k_scale;
-    const float delta = beta * (current.v - predicted) * k_scale;  // k_scale folded into k
-    float o = 0.0f;
+    const float kv = column_sum(chain_sum(predicted)) * k_scale;
+    const float delta = beta * (current.v - kv) * k_scale;  // k_scale folded into k
+    float o[kChains] = {};
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       s[r] = fmaf(k[part + kKeyParts * r], delta, s[r]);
-      o = fmaf(s[r], q[part + kKeyParts * r], o);
+      o[r % kChains] = fmaf(s[r], q[part + kKeyParts * r], o[r % kChains]);
     }
-    o = column_sum(o) * q_scale;
-    if (part == 0) out[(static_cast<int64_t>(t) * Hv + h) * Dv + col] = o;
+    const float out_value = column_sum(chain_sum(o)) * q_scale;
+    if (part == 0) out[(static_cast<int64_t>(t) * Hv + h) * Dv + col] = out_value;
     current = next;
   }
 #pragma unroll
