@@ -71,22 +71,24 @@ def test_rms_norms_match_transformers(rng: np.random.Generator) -> None:
     close(be.gated_rms_norm(xs, zs, w[:16], 1e-6), ref)
 
 
-@pytest.mark.parametrize("head_dim,factor", [(64, 0.25), (32, 0.5), (16, 1.0)])
-def test_head_norm_rope_matches_transformers(rng: np.random.Generator, head_dim: int, factor: float) -> None:
+@pytest.mark.parametrize("head_dim,factor,max_position", [(64, 0.25, 500), (32, 0.5, 300_000), (16, 1.0, 40_000)])
+def test_head_norm_rope_matches_transformers(
+    rng: np.random.Generator, head_dim: int, factor: float, max_position: int
+) -> None:
     config = hf.Qwen3_5MoeTextConfig(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor},
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": factor},
     )
     rotary = hf.Qwen3_5MoeTextRotaryEmbedding(config)
     norm = hf.Qwen3_5MoeRMSNorm(head_dim, eps=1e-6)
     w = randn(rng, head_dim, scale=0.3)
     norm.weight.data = t(w)
     x = randn(rng, 9, 4, head_dim)
-    positions = np.sort(rng.choice(500, 9, replace=False)).astype(np.int32)
+    positions = np.sort(rng.choice(max_position, 9, replace=False)).astype(np.int32)
     cos, sin = rotary(t(x), t(positions).long()[None])
     normed = norm(t(x)).transpose(0, 1)[None]  # [1, heads, T, D]
     ref, _ = hf.apply_rotary_pos_emb(normed, normed, cos, sin)
-    ours = be.head_norm_rope(x, 1.0 + w, positions, int(head_dim * factor), 10000.0, 1e-6)
+    ours = be.head_norm_rope(x, 1.0 + w, positions, int(head_dim * factor), 10_000_000.0, 1e-6)
     close(ours, ref[0].transpose(0, 1), 1e-4)
 
 
@@ -248,3 +250,21 @@ def test_sample_top_k_one_is_argmax(rng: np.random.Generator) -> None:
     logits = randn(rng, 1, 100)
     for uniform in rng.uniform(0, 1, 20):
         assert be.sample(logits, SamplingParams(1.0, 1, 1.0), float(uniform))[0] == np.argmax(logits[0])
+
+
+def test_ops_leave_their_inputs_unchanged(rng: np.random.Generator) -> None:
+    x, res, w = randn(rng, 6, 16), randn(rng, 6, 16), randn(rng, 16)
+    heads = randn(rng, 6, 2, 16)
+    inputs = delta_inputs(rng, 70, 1, 2, 8, 8)
+    arrays = [x, res, w, heads, *inputs.values()]
+    before = [a.copy() for a in arrays]
+    be.rms_norm(x, w, 1e-6)
+    be.add_rms_norm(x, res, w, 1e-6)
+    be.silu_mul(x)
+    be.sigmoid_mul(x, res)
+    be.head_norm_rope(heads, w, np.arange(6, dtype=np.int32), 8, 1e4, 1e-6)
+    be.gated_rms_norm(heads, heads, w, 1e-6)
+    be.gated_delta_rule(**inputs, state=be.zeros((2, 8, 8), "f32"), num_k_heads=1)
+    be.router(x, randn(rng, 4, 16), 2, True)
+    for array, copy in zip(arrays, before):
+        np.testing.assert_array_equal(array, copy)

@@ -37,11 +37,14 @@ def _l2norm(x: np.ndarray) -> np.ndarray:
 
 
 def rope_cos_sin(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """positions [T] -> cos, sin [T, rotary_dim] (rotate-half layout: frequencies repeated twice)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))  # [R/2]
-    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, R/2]
+    """positions [T] -> cos, sin [T, rotary_dim] (rotate-half layout: frequencies repeated twice).
+    Frequencies and angles are float32 products, as transformers computes them: at long contexts
+    the rounding of the angle matters more than the accuracy of cos/sin."""
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)  # [R/2]
+    inv_freq = np.float32(1.0) / np.power(np.float32(theta), exponents)  # [R/2]
+    angles = positions.astype(np.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
     angles = np.concatenate([angles, angles], axis=-1)  # [T, R]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    return np.cos(angles), np.sin(angles)
 
 
 def _rotate_half(x: np.ndarray) -> np.ndarray:
