@@ -126,3 +126,20 @@ def test_truncated_weights_exit_2_without_traceback(tmp_path: Path, tiny_dir: Pa
     line = one_error_line(done.returncode, done.stderr)
     assert "past the end" in line and "model.safetensors" in line
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize("damage", ["shape", "missing"])
+def test_checkpoint_not_matching_config(tmp_path: Path, tiny_dir: Path, damage: str, rng: np.random.Generator, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_dir / name).read_bytes())
+    tensors = load_file(str(tiny_dir / "model.safetensors"))
+    victim = str(rng.choice(sorted(n for n in tensors if ".layers." in n)))
+    if damage == "shape":
+        tensors[victim] = np.zeros((*tensors[victim].shape, 2), dtype=tensors[victim].dtype)
+    else:
+        del tensors[victim]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    line = one_error_line(main(["--model", str(tmp_path), "--prompt", "x", "--device", "cpu"]), capsys.readouterr().err)
+    assert repr(victim) in line and "model.safetensors" in line
