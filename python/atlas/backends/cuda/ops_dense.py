@@ -9,6 +9,7 @@ import math
 from typing import TYPE_CHECKING
 
 from atlas.kernel_params import dense as kp
+from atlas.sampling import check_sampling
 
 from ..base import SamplingParams
 
