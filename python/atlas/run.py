@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import click
 
+from .backends import DEVICES
 from .errors import AtlasError
 
 USAGE_EXIT = 2
@@ -71,16 +72,21 @@ def write_stdout(text: str) -> None:
     sys.stdout.flush()
 
 
+MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (default: atlas-demo)."
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", default=None, help="Directory, HF repo id in the local cache, or registry name (default: the embedded atlas-demo).")
+@click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--prompt", default=None, help="Prompt text (default for the demo: its first words).")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="Most new tokens.")
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 is off.")
-@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True, help="1 is off.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off.")
+@click.option(
+    "--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True
+)
 @click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible output).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 def command(**kwargs: object) -> None:
     """Run a model: stream generated text to stdout, then a stats line to stderr."""
     run(RunArgs(**kwargs))  # type: ignore[arg-type]
