@@ -94,16 +94,17 @@ def test_head_norm_rope_matches_transformers(
 
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
 def test_attention_prefill_and_decode_match_sdpa(rng: np.random.Generator, q_heads: int, kv_heads: int) -> None:
-    tokens, dim, capacity = 13, 32, 20
+    tokens, dim, capacity = 300, 32, 320
     q, k, v = randn(rng, tokens, q_heads, dim), randn(rng, tokens, kv_heads, dim), randn(rng, tokens, kv_heads, dim)
     scale = dim**-0.5
     ref = F.scaled_dot_product_attention(
         t(q).transpose(0, 1), t(k).transpose(0, 1), t(v).transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
     ).transpose(0, 1)
     k_cache, v_cache = be.zeros((capacity, kv_heads, dim), "bf16"), be.zeros((capacity, kv_heads, dim), "bf16")
-    split = 9
-    prefill = be.attention(q[:split], k[:split], v[:split], k_cache, v_cache, np.arange(split, dtype=np.int32), scale)
-    close(prefill, ref[:split], 1e-5)
+    split = 290
+    for lo, hi in ((0, 100), (100, split)):  # a prefill continued from a filled cache
+        chunk = be.attention(q[lo:hi], k[lo:hi], v[lo:hi], k_cache, v_cache, np.arange(lo, hi, dtype=np.int32), scale)
+        close(chunk, ref[lo:hi], 1e-5)
     for pos in range(split, tokens):
         step = be.attention(q[pos : pos + 1], k[pos : pos + 1], v[pos : pos + 1], k_cache, v_cache, np.array([pos], np.int32), scale)
         close(step, ref[pos : pos + 1], 1e-5)

@@ -13,6 +13,7 @@ from .base import SamplingParams, StorageDType, Tensor
 DecodeStep = Callable[[Tensor, Tensor], Tensor]
 
 CHUNK_SIZE = 64
+QUERY_BLOCK = 256
 L2_EPS = 1e-6
 
 
@@ -202,7 +203,12 @@ class NumpyBackend:
         end = start + q.shape[0]
         k_cache[start:end] = k
         v_cache[start:end] = v
-        return _attend(q, k_cache[:end], v_cache[:end], positions, scale)
+        outputs = []
+        for i in range(0, q.shape[0], QUERY_BLOCK):  # bounds the [Hkv, g, block, L] score tensor
+            block = positions[i : i + QUERY_BLOCK]
+            visible = int(block[-1]) + 1
+            outputs.append(_attend(q[i : i + QUERY_BLOCK], k_cache[:visible], v_cache[:visible], block, scale))
+        return np.concatenate(outputs)
 
     # --- linear attention (Gated DeltaNet) ----------------------------------------------------
     def causal_conv1d(self, x: Tensor, weight: Tensor, conv_state: Tensor) -> Tensor:
