@@ -164,8 +164,9 @@ def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
             elif launch.kernel in ("atlas_attention_decode", "atlas_attention_prefill"):
                 group = p.q_heads // p.kv_heads
                 rows = ops_dense.ATTN_DECODE_ROWS if launch.kernel.endswith("decode") else ops_dense.ATTN_PREFILL_ROWS
-                assert launch.grid[0] * p.span >= shapes["capacity"] and p.span % ops_dense.ATTN_KEYS == 0 or launch.grid[0] == 1
-                assert launch.grid[0] <= ops_dense.ATTN_MAX_SPLITS and launch.grid[1] == p.kv_heads
+                splits = min(-(-shapes["capacity"] // ops_dense.ATTN_KEYS), ops_dense.ATTN_MAX_SPLITS)
+                assert launch.grid[0] == (splits if launch.kernel.endswith("decode") else 1)
+                assert launch.grid[1] == p.kv_heads and p.capacity == shapes["capacity"]
                 assert launch.grid[2] * rows >= p.tokens * group
                 assert (p.ml is None) == launch.kernel.endswith("prefill")
             elif launch.kernel == "atlas_head_norm_rope":

@@ -2,14 +2,16 @@
 //   kv_cache_write: cache[positions[t]] = bf16(k[t]), bf16(v[t]) (run first, same stream).
 //   attention_block<D, R, W>: grid (splits, kv_heads, row tiles). A block owns W*R query rows
 //     (row = token * G + g, q head = kv_head * G + g, G = q_heads / kv_heads) and the cache keys
-//     [split * span, min((split + 1) * span, last position of its rows + 1)). Each 32-key tile of
+//     [split * span, min((split + 1) * span, last position of its rows + 1)), where
+//     span = 32 * ceil(live / (32 * splits)) follows the live length read from device memory, so
+//     a graph sized for the cache capacity still spreads a short context over all splits. Each 32-key tile of
 //     K and V is staged in shared memory (16-byte loads) and shared by all rows. A warp owns R
 //     rows, a lane owns D/32 consecutive dims of q and of the output accumulator. Scores: per key
 //     each lane computes a partial dot product; a butterfly "transpose reduction" (31 shuffles for
 //     32 keys) leaves lane j holding the full score of key j. Online softmax in f32, masked by
 //     each row's own position (read from device memory: graph-capture safe).
 //   Decode (few tokens): many splits (flash-decoding) + attention_combine. Prefill: one split
-//     (span = capacity) writes the normalised output directly (ml == nullptr).
+//     (span >= live) writes the normalised output directly (ml == nullptr).
 #pragma once
 
 #include "atlas/common.cuh"
@@ -191,7 +193,13 @@ __device__ __forceinline__ void attn_store_rows(const AttentionParams& p, const 
 
 // Global live length: the last token's position + 1, clamped to the cache.
 __device__ __forceinline__ int attn_live_length(const int32_t* positions, int tokens, int capacity) {
-  return min(positions[tokens - 1] + 1, capacity);
+  return max(min(positions[tokens - 1] + 1, capacity), 0);
+}
+
+// Keys per split: the live keys spread over `splits`, in whole 32-key tiles. The attention and
+// combine kernels both derive it from the same device data.
+__device__ __forceinline__ int attn_span(int live, int splits) {
+  return kAttnKeys * max(ceil_div(live, kAttnKeys * splits), 1);
 }
 
 template <int D, int R, int W>
@@ -201,7 +209,8 @@ __device__ void attention_block(const AttentionParams& p) {
   if (p.head_dim != D || p.tokens <= 0) return;
   const int32_t* positions = static_cast<const int32_t*>(p.positions);
   const int live = attn_live_length(positions, p.tokens, p.capacity);
-  const int key_begin = blockIdx.x * p.span;
+  const int span = attn_span(live, gridDim.x);
+  const int key_begin = blockIdx.x * span;
   if (key_begin >= live) return;  // the combine kernel reads only splits below `live`
 
   const int warp = threadIdx.x / kWarpSize;
@@ -209,7 +218,7 @@ __device__ void attention_block(const AttentionParams& p) {
   if (block_row0 >= p.tokens * (p.q_heads / p.kv_heads)) return;
   const int group = p.q_heads / p.kv_heads;
   const int last_token = min((block_row0 + W * R - 1) / group, p.tokens - 1);
-  const int key_end = min(min(key_begin + p.span, positions[last_token] + 1), live);
+  const int key_end = min(min(key_begin + span, positions[last_token] + 1), live);
 
   AttnRows<D, R> rows;
   attn_init_rows<D, R>(p, block_row0 + warp * R, rows);
@@ -228,8 +237,8 @@ __device__ void attention_combine(const AttentionCombineParams& p) {
   const int d = threadIdx.x;
   if (row >= p.tokens * p.q_heads || d >= p.head_dim) return;
   const int32_t* positions = static_cast<const int32_t*>(p.positions);
-  const int live = positions[p.tokens - 1] + 1;
-  const int splits = min(ceil_div(max(live, 1), p.span), p.num_splits);
+  const int live = attn_live_length(positions, p.tokens, p.capacity);
+  const int splits = min(ceil_div(live, attn_span(live, p.num_splits)), p.num_splits);
   const int64_t stride = static_cast<int64_t>(p.tokens) * p.q_heads;
   const float* ml = static_cast<const float*>(p.ml);
   const float* partial = static_cast<const float*>(p.partial);

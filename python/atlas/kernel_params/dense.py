@@ -109,7 +109,8 @@ class KvCacheWriteParams(ctypes.Structure):
 class AttentionParams(ctypes.Structure):
     """atlas_attention: grid (num_splits, kv_heads, row tiles); each block attends its rows
     (token, q head of this kv head) over cache keys [split * span, (split + 1) * span), causal by
-    positions. With ml == NULL (one split) it writes the normalised output [tokens, q_heads, D];
+    positions; span = 32 * ceil(live / (32 * splits)) with live = positions[tokens-1] + 1 read
+    on the device. With ml == NULL (one split) it writes the normalised output [tokens, q_heads, D];
     otherwise per split the normalised partial o [splits, tokens, q_heads, D] and (max, sum)
     in ml [splits, tokens, q_heads, 2] for atlas_attention_combine."""
 
@@ -125,7 +126,6 @@ class AttentionParams(ctypes.Structure):
         ("kv_heads", c_i32),
         ("head_dim", c_i32),  # must equal the compiled atlas::model::head_dim
         ("capacity", c_i32),
-        ("span", c_i32),  # keys per split, a multiple of 32
         ("scale", c_f32),
     ]
 
@@ -141,8 +141,8 @@ class AttentionCombineParams(ctypes.Structure):
         ("tokens", c_i32),
         ("q_heads", c_i32),
         ("head_dim", c_i32),
-        ("span", c_i32),
-        ("num_splits", c_i32),
+        ("capacity", c_i32),
+        ("num_splits", c_i32),  # the attention grid's x
     ]
 
 

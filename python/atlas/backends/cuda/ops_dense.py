@@ -242,19 +242,19 @@ def attention(
     common = dict(q=q.ptr, k_cache=k_cache.ptr, v_cache=v_cache.ptr, positions=positions.ptr, tokens=tokens,
                   q_heads=q_heads, kv_heads=kv_heads, head_dim=dim, capacity=capacity, scale=scale)
     if tokens > ATTN_DECODE_MAX_TOKENS:
-        params = kp.AttentionParams(out=out.ptr, ml=None, span=capacity, **common)
+        params = kp.AttentionParams(out=out.ptr, ml=None, **common)
         grid = (1, kv_heads, _ceil_div(rows, ATTN_PREFILL_ROWS))
         rt.launch("atlas_attention_prefill", grid, (ATTN_PREFILL_THREADS, 1, 1), params)
         return out
-    span = ATTN_KEYS * _ceil_div(capacity, ATTN_KEYS * ATTN_MAX_SPLITS)
-    splits = _ceil_div(capacity, span)
+    splits = min(_ceil_div(capacity, ATTN_KEYS), ATTN_MAX_SPLITS)  # the kernels size spans from the live length
     partial = rt.empty((splits, tokens, q_heads, dim), "f32")
     ml = rt.empty((splits, tokens, q_heads, 2), "f32")
-    params = kp.AttentionParams(out=partial.ptr, ml=ml.ptr, span=span, **common)
+    params = kp.AttentionParams(out=partial.ptr, ml=ml.ptr, **common)
     grid = (splits, kv_heads, _ceil_div(rows, ATTN_DECODE_ROWS))
     rt.launch("atlas_attention_decode", grid, (ATTN_DECODE_THREADS, 1, 1), params)
     combine = kp.AttentionCombineParams(partial=partial.ptr, ml=ml.ptr, positions=positions.ptr, out=out.ptr,
-                                        tokens=tokens, q_heads=q_heads, head_dim=dim, span=span, num_splits=splits)
+                                        tokens=tokens, q_heads=q_heads, head_dim=dim, capacity=capacity,
+                                        num_splits=splits)
     rt.launch("atlas_attention_combine", (tokens * q_heads, 1, 1), (dim, 1, 1), combine)
     return out
 
