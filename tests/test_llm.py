@@ -113,12 +113,20 @@ def test_stream_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -1}, "top_k"),
-        ({"max_tokens": 10**6}, "max_position_embeddings"),
+        ({"max_tokens": 10**6}, "positions"),
     ],
 )
 def test_bad_options(tiny: LLM, options: dict[str, float], needle: str) -> None:
     with pytest.raises(AtlasError, match=needle):
         tiny.generate("Beautiful", **options)
+
+
+def test_length_limit_is_exact(tiny: LLM) -> None:
+    capacity = min(tiny.parts.spec.max_position_embeddings, tiny.parts.engine.max_seq_len)
+    prompt = [1, 2, 3]
+    tiny.prepare(prompt, {"max_tokens": capacity - len(prompt) + 1})
+    with pytest.raises(AtlasError, match=f"holds {capacity}"):
+        tiny.prepare(prompt, {"max_tokens": capacity - len(prompt) + 2})
 
 
 def test_bad_prompts(tiny: LLM) -> None:

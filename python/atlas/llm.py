@@ -160,7 +160,7 @@ class LLM:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise AtlasError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        check_length(self.parts.spec, len(prompt_ids), opts.max_tokens)
+        check_length(self.parts.spec, self.parts.engine, len(prompt_ids), opts.max_tokens)
         return prompt_ids, opts
 
     def eos_ids(self) -> set[int]:
@@ -225,12 +225,14 @@ def sampling_params(opts: GenerateOptions) -> SamplingParams:
     return SamplingParams(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p))
 
 
-def check_length(spec: ModelSpec, prompt_tokens: int, max_tokens: int) -> None:
-    total = prompt_tokens + max_tokens
-    if total > spec.max_position_embeddings:
+def check_length(spec: ModelSpec, engine: EngineLike, prompt_tokens: int, max_tokens: int) -> None:
+    """Positions used: the prompt, then every new token but the last (it is never fed back)."""
+    positions = prompt_tokens + max_tokens - 1
+    capacity = min(spec.max_position_embeddings, getattr(engine, "max_seq_len", positions))
+    if positions > capacity:
         raise AtlasError(
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
-            f"model's max_position_embeddings ({spec.max_position_embeddings}); lower max_tokens"
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {positions} "
+            f"positions but this model holds {capacity}; shorten the prompt or lower max_tokens"
         )
 
 
