@@ -61,7 +61,8 @@ class SigmoidMulParams(ctypes.Structure):
 
 
 class LinearParams(ctypes.Structure):
-    """atlas_gemv_t{1..8} (tokens <= 8) and atlas_gemm_bf16 (tokens > 8): out = x @ weight.T."""
+    """atlas_gemv_t{1..8} / atlas_gemv_narrow_t{1..8} (tokens <= 8) and atlas_gemm_bf16
+    (tokens > 8): out = x @ weight.T."""
 
     _fields_ = [
         ("x", c_ptr),  # [tokens, k] f32, rows 16-byte aligned (k % 8 == 0)
