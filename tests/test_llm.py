@@ -4,7 +4,6 @@ checkpoint, streaming, seeds, argument errors, and the backend factory."""
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -163,12 +162,15 @@ def test_backend_factory(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.mark.gpu
 def test_auto_picks_cuda_and_agrees_with_cpu() -> None:
-    if shutil.which("nvidia-smi") is None:
-        pytest.skip("no NVIDIA GPU (nvidia-smi not found)")
+    """Skips with the reason where no CUDA backend can run (no GPU, or no kernels in this
+    install), except under ATLAS_REQUIRE_GPU=1, which the device check sets."""
     from atlas.demo import DEMO_PROMPT
 
     gpu = LLM(device="auto")
-    assert gpu.device.startswith("cuda"), gpu.device
-    cpu = LLM(device="cpu")
-    want = cpu.generate(DEMO_PROMPT, max_tokens=64).token_ids
+    if not gpu.device.startswith("cuda"):
+        if os.environ.get("ATLAS_REQUIRE_GPU") == "1":
+            pytest.fail(f"ATLAS_REQUIRE_GPU=1 but auto chose {gpu.device}")
+        pytest.skip(f"no CUDA backend here: {gpu.device}")
+    want = LLM(device="cpu").generate(DEMO_PROMPT, max_tokens=64).token_ids
     assert gpu.generate(DEMO_PROMPT, max_tokens=64).token_ids == want
+    assert "".join(gpu.stream(DEMO_PROMPT, max_tokens=64)) == gpu.tokenizer.decode(want)
