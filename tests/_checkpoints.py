@@ -30,6 +30,7 @@ class TinyModel:
     num_key_value_heads: int = 2
     head_dim: int = 32
     partial_rotary_factor: float = 0.25
+    rope_theta: float = 10000.0
     linear_num_key_heads: int = 2
     linear_num_value_heads: int = 4
     linear_key_head_dim: int = 16
@@ -46,13 +47,13 @@ class TinyModel:
 
     def text_config(self) -> dict[str, object]:
         fields = asdict(self)
-        for key in ("nested", "layout", "dtype", "max_shard_size", "full_attention_interval", "partial_rotary_factor"):
+        for key in ("nested", "layout", "dtype", "max_shard_size", "full_attention_interval", "partial_rotary_factor", "rope_theta"):
             fields.pop(key)
         layer_types = [
             "full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
             for i in range(self.num_hidden_layers)
         ]
-        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": self.partial_rotary_factor}
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta, "partial_rotary_factor": self.partial_rotary_factor}
         return {**fields, "layer_types": layer_types, "rope_parameters": rope, "max_position_embeddings": 1024}
 
 

@@ -46,6 +46,11 @@ CASES = {
         num_attention_heads=6, num_key_value_heads=3, linear_num_key_heads=2, linear_num_value_heads=2,
         num_experts=12, num_experts_per_tok=3, shared_expert_intermediate_size=16,
     ),
+    "flat-fp32-qwen3.6-proportions": TinyModel(
+        hidden_size=128, num_attention_heads=8, num_key_value_heads=1, head_dim=128, rope_theta=1e7,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        num_experts=32, num_experts_per_tok=8, full_attention_interval=4, vocab_size=256,
+    ),
 }  # fmt: skip
 
 
