@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import click
 
@@ -30,13 +31,13 @@ class RunArgs:
     device: str
 
 
-def default_prompt(model: str | None) -> str:
+def default_prompt(model_dir: Path, model_arg: str | None) -> str:
     """The demo's opening words; any other model needs --prompt."""
-    from .demo import DEMO_NAME, DEMO_PROMPT
+    from .demo import DEMO_DIR, DEMO_PROMPT
 
-    if model is None or model.lower() == DEMO_NAME:
+    if model_dir.resolve() == DEMO_DIR.resolve():
         return DEMO_PROMPT
-    raise AtlasError(f"--prompt is required with --model {model} (only the demo has a default prompt)")
+    raise AtlasError(f"--prompt is required with --model {model_arg} (only the demo has a default prompt)")
 
 
 def run(args: RunArgs) -> None:
@@ -45,8 +46,8 @@ def run(args: RunArgs) -> None:
     from .resolve import resolve_model
     from .tokenizer import Tokenizer
 
-    prompt = args.prompt if args.prompt is not None else default_prompt(args.model)
     model_dir = resolve_model(args.model)
+    prompt = args.prompt if args.prompt is not None else default_prompt(model_dir, args.model)
     load_spec(model_dir)  # config and prompt problems surface before the weights load
     encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
     llm = LLM(str(model_dir), device=args.device)
