@@ -14,6 +14,7 @@ from atlas import LLM
 from atlas.backends import create_backend
 from atlas.config import load_spec
 from atlas.errors import AtlasError
+from atlas.llm import GenerateOptions
 from runtime_checkpoint import make_tiny_checkpoint, transformers_greedy
 
 PROMPT_WORDS = ["Beautiful", "is", "better", "than", "ugly", "café", "你好", "🙂", "Flat", "dense."]
@@ -123,9 +124,9 @@ def test_bad_options(tiny: LLM, options: dict[str, float], needle: str) -> None:
 def test_length_limit_is_exact(tiny: LLM) -> None:
     capacity = min(tiny.parts.spec.max_position_embeddings, tiny.parts.engine.max_seq_len)
     prompt = [1, 2, 3]
-    tiny.prepare(prompt, {"max_tokens": capacity - len(prompt) + 1})
+    tiny.prepare(prompt, GenerateOptions(max_tokens=capacity - len(prompt) + 1))
     with pytest.raises(AtlasError, match=f"holds {capacity}"):
-        tiny.prepare(prompt, {"max_tokens": capacity - len(prompt) + 2})
+        tiny.prepare(prompt, GenerateOptions(max_tokens=capacity - len(prompt) + 2))
 
 
 def test_bad_prompts(tiny: LLM) -> None:
@@ -136,7 +137,7 @@ def test_bad_prompts(tiny: LLM) -> None:
         tiny.generate("", max_tokens=2)
     with pytest.raises(AtlasError, match="text prompt"):
         tiny.generate([1, 2], chat=True)
-    with pytest.raises(TypeError, match="unknown options"):
+    with pytest.raises(TypeError, match="max_new_tokens"):
         tiny.generate("x", max_new_tokens=3)
 
 

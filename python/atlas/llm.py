@@ -112,13 +112,23 @@ class LLM:
         self,
         prompt: str | list[int],
         *,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        chat: bool = False,
         on_text: Callable[[str], None] | None = None,
-        **options: Any,
     ) -> GenerationResult:
-        """Generate from a text prompt or prompt token ids. Options are GenerateOptions fields
-        (max_tokens, temperature, top_k, top_p, seed, chat); `on_text` receives text pieces as
-        they complete."""
-        prompt_ids, opts = self.prepare(prompt, options)
+        """Generate from a text prompt or prompt token ids; greedy when temperature is 0.
+        `on_text` receives the text pieces as they complete."""
+        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat)
+        return self.generate_with(self.prepare(prompt, opts), opts, on_text)
+
+    def generate_with(
+        self, prompt_ids: list[int], opts: GenerateOptions, on_text: Callable[[str], None] | None
+    ) -> GenerationResult:
+        """generate() for prompt ids already checked by prepare()."""
         decoder = self.parts.tokenizer.stream_decoder()
 
         def emit(token: int) -> None:
@@ -140,10 +150,21 @@ class LLM:
             decode_tok_s=rate(max(len(token_ids) - 1, 0), stats.decode_seconds),
         )
 
-    def stream(self, prompt: str | list[int], **options: Any) -> Iterator[str]:
+    def stream(
+        self,
+        prompt: str | list[int],
+        *,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        chat: bool = False,
+    ) -> Iterator[str]:
         """Yield text pieces as they are generated. Runs on the calling thread (a CUDA context
         is bound to the thread that opened it); stop reading to stop generating."""
-        prompt_ids, opts = self.prepare(prompt, options)
+        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat)
+        prompt_ids = self.prepare(prompt, opts)
         decoder = self.parts.tokenizer.stream_decoder()
         for token in iter_tokens(self.parts.engine, prompt_ids, opts, self.eos_ids()):
             if piece := decoder.push(token):
@@ -151,17 +172,17 @@ class LLM:
         if rest := decoder.flush():
             yield rest
 
-    def prepare(self, prompt: str | list[int], options: dict[str, Any]) -> tuple[list[int], GenerateOptions]:
+    def prepare(self, prompt: str | list[int], opts: GenerateOptions) -> list[int]:
         """Check the options and encode the prompt: every input error surfaces here, before any
         token is generated."""
-        opts = make_options(options)
+        check_options(opts)
         prompt_ids = encode_prompt(self.parts.tokenizer, prompt, opts.chat)
         vocab = self.parts.spec.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise AtlasError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         check_length(self.parts.spec, self.parts.engine, len(prompt_ids), opts.max_tokens)
-        return prompt_ids, opts
+        return prompt_ids
 
     def eos_ids(self) -> set[int]:
         """The config's eos ids (generation_config.json first); else the tokenizer's eos."""
@@ -206,17 +227,13 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int], chat: bool) -> 
     return ids
 
 
-def make_options(options: dict[str, Any]) -> GenerateOptions:
-    unknown = sorted(set(options) - set(GenerateOptions.__dataclass_fields__))
-    if unknown:
-        raise TypeError(f"generate() got unknown options {unknown}")
-    opts = GenerateOptions(**options)
-    if isinstance(opts.max_tokens, bool) or not isinstance(opts.max_tokens, int) or opts.max_tokens < 1:
-        raise AtlasError(f"max_tokens must be a positive integer, got {opts.max_tokens!r}")
+def check_options(opts: GenerateOptions) -> None:
+    max_tokens = opts.max_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise AtlasError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     from .sampling import check_sampling
 
     check_sampling(sampling_params(opts))
-    return opts
 
 
 def sampling_params(opts: GenerateOptions) -> SamplingParams:

@@ -42,7 +42,7 @@ def default_prompt(model_dir: Path, model_arg: str | None) -> str:
 
 def run(args: RunArgs) -> None:
     from .config import load_spec
-    from .llm import LLM, encode_prompt
+    from .llm import LLM, GenerateOptions, encode_prompt
     from .resolve import resolve_model
     from .tokenizer import Tokenizer
 
@@ -51,13 +51,12 @@ def run(args: RunArgs) -> None:
     load_spec(model_dir)  # config and prompt problems surface before the weights load
     encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
     llm = LLM(str(model_dir), device=args.device)
-    options = {
-        "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
-        "top_p": args.top_p, "seed": args.seed, "chat": args.chat,
-    }  # fmt: skip
-    prompt_ids, _ = llm.prepare(prompt, options)
+    opts = GenerateOptions(
+        args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat
+    )
+    prompt_ids = llm.prepare(prompt, opts)
     click.echo(f"atlas: model {llm.model_dir}, device {llm.device}", err=True)
-    result = llm.generate(prompt_ids, on_text=write_stdout, **{**options, "chat": False})
+    result = llm.generate_with(prompt_ids, opts, on_text=write_stdout)
     write_stdout("\n")
     click.echo(
         f"atlas: prompt {result.prompt_tokens} tokens, prefill {result.prefill_tok_s:.1f} tok/s, "
