@@ -194,3 +194,12 @@ def test_header_not_json(tmp_path: Path) -> None:
     blob = b"{this is not json"
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob)
     expect_error(tmp_path, "not valid JSON")
+
+
+def test_index_shard_outside_the_directory(tmp_path: Path, rng: np.random.Generator) -> None:
+    write_sharded(tmp_path / "model", rng, shards=1)
+    index_path = tmp_path / "model" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {name: "../stolen.safetensors" for name in index["weight_map"]}
+    index_path.write_text(json.dumps(index))
+    expect_error(tmp_path / "model", "'../stolen.safetensors'", "not a file name")

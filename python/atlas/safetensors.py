@@ -197,6 +197,11 @@ class Checkpoint:
         weight_map = read_weight_map(index)
         shards: dict[Path, ShardFile] = {}
         for file_name in sorted(set(weight_map.values())):
+            if Path(file_name).name != file_name or file_name in ("", ".", ".."):
+                raise AtlasError(
+                    f"{index} names shard {file_name!r}, which is not a file name in its directory; "
+                    f"{REFETCH_HINT}"
+                )
             path = index.parent / file_name
             if not path.is_file():
                 raise AtlasError(
