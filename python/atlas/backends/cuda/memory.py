@@ -73,6 +73,10 @@ class StepArena:
         self._offset = 0
         self._used_before_last = 0
 
+    def spans(self) -> list[tuple[int, int]]:
+        """(ptr, size) of every block, e.g. to poison all scratch memory in tests."""
+        return [(block.ptr, block.size) for block in self._blocks]
+
     def release(self) -> None:
         for block in self._blocks:
             self.driver.mem_free(block.ptr)

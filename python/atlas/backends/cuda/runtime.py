@@ -83,6 +83,15 @@ class CudaRuntime:
         if t.nbytes:
             self.driver.memset_d8(t.ptr, 0xFF, t.nbytes, self.stream)
 
+    def poison_scratch(self) -> None:
+        """Fill all arena memory with NaN bytes, so any step output a kernel fails to write
+        reads back as NaN (f32, bf16) or -1 (i32). Tests call it before each op."""
+        if not self.arena.spans():
+            self.arena.alloc(1)
+            self.arena.reset()
+        for ptr, size in self.arena.spans():
+            self.driver.memset_d8(ptr, 0xFF, size, self.stream)
+
     def copy(self, dst: DeviceTensor, src: DeviceTensor) -> None:
         if dst.nbytes != src.nbytes:
             raise ValueError(f"copy of {src.shape} {src.dtype} into {dst.shape} {dst.dtype}")

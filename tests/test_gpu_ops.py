@@ -1,0 +1,361 @@
+"""Every CUDA op against the numpy reference, at the demo and the Qwen3.6 dimensions.
+
+Bound (flash-attention style): err(gpu vs fp32 ref) <= 2 * err(bf16 ref vs fp32 ref) + floor,
+err = ||out - ref32|| / ||ref32||, where the fp32 ref runs the numpy backend on the original
+inputs and the bf16 ref on the inputs the GPU stores in bf16 (weights, caches, and activations of
+ops that feed tensor cores) rounded to bf16. All step scratch memory is poisoned with NaN before
+each op, so an unwritten output element fails. Fresh random inputs every run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atlas.backends.base import SamplingParams
+from atlas.backends.numpy_backend import NumpyBackend
+from atlas.errors import AtlasError
+
+pytestmark = pytest.mark.gpu
+
+MODELS = ("atlas-demo", "qwen3.6-35b-a3b")
+F32_FLOOR = 2e-5
+BF16_FLOOR = 2e-4
+EXPERT_POOL = 16  # distinct expert matrices, repeated over E on the device (host memory stays small)
+
+
+def open_gpu_backend(model: str) -> Any:
+    """The CUDA backend for a registry model, or skip with the reason (fail under
+    ATLAS_REQUIRE_GPU=1, which the device check sets)."""
+    try:
+        from atlas.backends.cuda.select import open_backend_for_model
+
+        return open_backend_for_model(model)
+    except (AtlasError, ImportError) as err:
+        if os.environ.get("ATLAS_REQUIRE_GPU") == "1":
+            raise
+        pytest.skip(f"no CUDA backend here: {err}")
+
+
+@dataclass
+class Env:
+    model: str
+    gpu: Any
+    dims: dict[str, int]
+    ref: NumpyBackend = field(default_factory=NumpyBackend)
+
+    def d(self, name: str) -> int:
+        return int(self.dims[name])
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.d("linear_num_key_heads") * self.d("linear_key_head_dim") + self.d(
+            "linear_num_value_heads"
+        ) * self.d("linear_value_head_dim")
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def env(request: pytest.FixtureRequest) -> Env:
+    from atlas.targets import load_registry
+
+    backend = open_gpu_backend(request.param)
+    return Env(request.param, backend, dict(load_registry().models[request.param].constants))
+
+
+@dataclass
+class In:
+    """One op argument: a tensor (storage set) or a plain value (storage None)."""
+
+    value: Any
+    storage: str | None = None  # "f32" | "bf16" | "i32"
+    state: bool = False  # updated in place by the op: compared afterwards
+    rounds: bool = False  # an f32 activation the kernel may convert to bf16
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    from atlas.backends.cuda.upload import from_storage, to_storage
+
+    return from_storage(to_storage(x, "bf16"), "bf16").reshape(x.shape)
+
+
+def _as_inputs(inputs: list[Any]) -> list[In]:
+    return [arg if isinstance(arg, In) else In(arg) for arg in inputs]
+
+
+def _host_args(inputs: list[In], rounded: bool) -> list[Any]:
+    args = []
+    for arg in _as_inputs(inputs):
+        value = arg.value
+        if isinstance(value, ExpertPool):
+            value = value.rounded() if rounded else value
+        elif isinstance(value, np.ndarray):
+            value = value.copy()
+            if rounded and (arg.storage == "bf16" or arg.rounds):
+                value = bf16_round(value)
+        args.append(value)
+    return args
+
+
+def _gpu_args(env: Env, inputs: list[Any]) -> list[Any]:
+    args = []
+    for arg in _as_inputs(inputs):
+        if isinstance(arg.value, ExpertPool):
+            args.append(arg.value.upload(env.gpu))
+        elif arg.storage is None:
+            args.append(arg.value)
+        else:
+            args.append(env.gpu.upload(arg.value, arg.storage))
+    return args
+
+
+def _outputs(result: Any) -> list[Any]:
+    return list(result) if isinstance(result, tuple) else [result]
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    out64, ref64 = out.astype(np.float64), ref.astype(np.float64)
+    return float(np.linalg.norm(out64 - ref64) / max(np.linalg.norm(ref64), 1e-30))
+
+
+def check_bound(name: str, out: np.ndarray, ref32: np.ndarray, ref16: np.ndarray, floor: float) -> None:
+    assert out.shape == ref32.shape, f"{name}: shape {out.shape} != {ref32.shape}"
+    assert np.isfinite(out).all(), f"{name}: {int((~np.isfinite(out)).sum())} non-finite (unwritten?) values"
+    err, err16 = rel_err(out, ref32), rel_err(ref16, ref32)
+    assert err <= 2 * err16 + floor, f"{name}: err {err:.3e} > 2 * {err16:.3e} + {floor:.0e}"
+
+
+def run_op(env: Env, op: str, inputs: list[Any], floor: float) -> list[np.ndarray]:
+    """Run op on the GPU and on both references; check every float output and state. Returns
+    the GPU outputs (as numpy) for op-specific checks. Plain values (eps, top_k) pass as they are."""
+    inputs = _as_inputs(inputs)
+    args32, args16 = _host_args(inputs, False), _host_args(inputs, True)
+    ref32 = _outputs(getattr(env.ref, op)(*args32))
+    ref16 = _outputs(getattr(env.ref, op)(*args16))
+    gpu_args = _gpu_args(env, inputs)
+    rt = env.gpu.rt
+    rt.reset_step()
+    rt.poison_scratch()
+    gpu_out = [env.gpu.to_numpy(t) for t in _outputs(getattr(env.gpu, op)(*gpu_args))]
+    assert len(gpu_out) == len(ref32), f"{op}: {len(gpu_out)} outputs, expected {len(ref32)}"
+    for i, (out, r32, r16) in enumerate(zip(gpu_out, ref32, ref16)):
+        if np.issubdtype(np.asarray(r32).dtype, np.floating):
+            check_bound(f"{env.model} {op} output {i}", out, np.asarray(r32), np.asarray(r16), floor)
+    for i, arg in enumerate(inputs):
+        if arg.state:
+            after = env.gpu.to_numpy(gpu_args[i])
+            check_bound(f"{env.model} {op} state arg {i}", after, args32[i], args16[i], floor)
+    return gpu_out
+
+
+class ExpertPool:
+    """E expert matrices made of `pool` distinct ones repeated (expert e = pool[e % P])."""
+
+    def __init__(self, pool: np.ndarray, experts: int) -> None:
+        self.pool, self.experts = pool, experts
+        self.shape = (experts, *pool.shape[1:])
+
+    def __getitem__(self, expert: Any) -> np.ndarray:
+        return self.pool[int(expert) % self.pool.shape[0]]
+
+    def rounded(self) -> ExpertPool:
+        return ExpertPool(bf16_round(self.pool), self.experts)
+
+    def upload(self, gpu: Any) -> Any:
+        copies = self.experts // self.pool.shape[0]
+        assert copies * self.pool.shape[0] == self.experts
+        tiled = np.broadcast_to(self.pool[None], (copies, *self.pool.shape))
+        return gpu.upload(tiled, "bf16").reshape(*self.shape)
+
+
+def normal(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+
+
+def weight(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    return normal(rng, n, k, scale=1.0 / math.sqrt(k))
+
+
+# --- dense ops ------------------------------------------------------------------------------------
+def test_embedding_is_an_exact_row_gather(env: Env, rng: np.random.Generator) -> None:
+    vocab = min(env.d("vocab_size"), 4096)
+    table = normal(rng, vocab, env.d("hidden_size"))
+    ids = rng.integers(0, vocab, size=9).astype(np.int32)
+    ids[0], ids[-1] = 0, vocab - 1
+    (out,) = run_op(env, "embedding", [In(table, "bf16"), In(ids, "i32")], 0.0)
+    np.testing.assert_array_equal(out, bf16_round(table)[ids])
+
+
+@pytest.mark.parametrize("tokens", [1, 17])
+def test_norms_and_elementwise(env: Env, rng: np.random.Generator, tokens: int) -> None:
+    h = env.d("hidden_size")
+    x, res, w = normal(rng, tokens, h, scale=3), normal(rng, tokens, h), normal(rng, h) + 1
+    run_op(env, "rms_norm", [In(x, "f32"), In(w, "f32"), 1e-6], F32_FLOOR)
+    run_op(env, "add_rms_norm", [In(x, "f32"), In(res, "f32"), In(w, "f32"), 1e-6], F32_FLOOR)
+    run_op(env, "add", [In(x, "f32"), In(res, "f32")], F32_FLOOR)
+    inter = env.d("moe_intermediate_size")
+    run_op(env, "silu_mul", [In(normal(rng, tokens, 2 * inter, scale=2), "f32")], F32_FLOOR)
+    n = env.d("num_attention_heads") * env.d("head_dim")
+    run_op(env, "sigmoid_mul", [In(normal(rng, tokens, n), "f32"), In(normal(rng, tokens, n, scale=3), "f32")],
+           F32_FLOOR)
+    run_op(env, "add_sigmoid_scaled",
+           [In(x, "f32"), In(res, "f32"), In(normal(rng, tokens, 1, scale=2), "f32")], F32_FLOOR)
+
+
+def _linear_shapes(env: Env) -> list[tuple[int, int]]:
+    h = env.d("hidden_size")
+    heads_q = env.d("num_attention_heads") * env.d("head_dim")
+    values = env.d("linear_num_value_heads") * env.d("linear_value_head_dim")
+    return [(env.conv_channels, h), (h, values), (heads_q, h), (2 * env.d("shared_expert_intermediate_size"), h),
+            (1, h), (env.d("linear_num_value_heads"), h), (h, heads_q)]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17, 100])
+def test_linear(env: Env, rng: np.random.Generator, tokens: int) -> None:
+    for n, k in _linear_shapes(env):
+        if n * tokens < 16:
+            continue  # a handful of outputs make the norm-wise error bound a coin toss
+        x = normal(rng, tokens, k)
+        run_op(env, "linear", [In(x, "f32", rounds=True), In(weight(rng, n, k), "bf16")], BF16_FLOOR)
+
+
+def test_linear_lm_head(env: Env, rng: np.random.Generator) -> None:
+    v, h = env.d("vocab_size"), env.d("hidden_size")
+    lm_head = weight(rng, v, h)
+    for tokens in (1, 9):
+        run_op(env, "linear", [In(normal(rng, tokens, h), "f32", rounds=True), In(lm_head, "bf16")], BF16_FLOOR)
+
+
+@pytest.mark.parametrize("tokens,start", [(1, 0), (1, 777), (5, 40), (17, 0)])
+def test_head_norm_rope(env: Env, rng: np.random.Generator, tokens: int, start: int) -> None:
+    heads, d = env.d("num_attention_heads"), env.d("head_dim")
+    positions = np.arange(start, start + tokens, dtype=np.int32)
+    for theta in (10_000.0, 10_000_000.0):
+        run_op(env, "head_norm_rope",
+               [In(normal(rng, tokens, heads, d, scale=2), "f32"), In(normal(rng, d) + 1, "f32"),
+                In(positions, "i32"), env.d("rotary_dim"), theta, 1e-6], F32_FLOOR * 5)
+
+
+@pytest.mark.parametrize("tokens,start", [(1, 0), (1, 700), (3, 64), (17, 0), (80, 0), (40, 300)])
+def test_attention(env: Env, rng: np.random.Generator, tokens: int, start: int) -> None:
+    hq, hkv, d = env.d("num_attention_heads"), env.d("num_key_value_heads"), env.d("head_dim")
+    capacity = 1024
+    q, k, v = normal(rng, tokens, hq, d), normal(rng, tokens, hkv, d), normal(rng, tokens, hkv, d)
+    k_cache, v_cache = normal(rng, capacity, hkv, d), normal(rng, capacity, hkv, d)
+    positions = np.arange(start, start + tokens, dtype=np.int32)
+    run_op(env, "attention",
+           [In(q, "f32", rounds=True), In(k, "f32", rounds=True), In(v, "f32", rounds=True),
+            In(k_cache, "bf16", state=True), In(v_cache, "bf16", state=True), In(positions, "i32"),
+            1.0 / math.sqrt(d)], BF16_FLOOR * 5)
+
+
+# --- linear attention -----------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens", [1, 13])
+def test_causal_conv1d(env: Env, rng: np.random.Generator, tokens: int) -> None:
+    c, width = env.conv_channels, env.d("linear_conv_kernel_dim")
+    run_op(env, "causal_conv1d",
+           [In(normal(rng, tokens, c), "f32"), In(normal(rng, c, width, scale=0.5), "bf16"),
+            In(normal(rng, c, width - 1), "f32", state=True)], BF16_FLOOR)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 80])
+def test_gated_delta_rule(env: Env, rng: np.random.Generator, tokens: int) -> None:
+    hk, hv = env.d("linear_num_key_heads"), env.d("linear_num_value_heads")
+    dk, dv = env.d("linear_key_head_dim"), env.d("linear_value_head_dim")
+    mixed = normal(rng, tokens, 2 * hk * dk + hv * dv)
+    a, b = normal(rng, tokens, hv), normal(rng, tokens, hv, scale=2)
+    a_log = np.log(rng.uniform(1, 16, size=hv)).astype(np.float32)
+    dt_bias = normal(rng, hv, scale=0.5)
+    state = normal(rng, hv, dk, dv, scale=0.1)
+    run_op(env, "gated_delta_rule",
+           [In(mixed, "f32"), In(a, "f32"), In(b, "f32"), In(a_log, "f32"), In(dt_bias, "f32"),
+            In(state, "f32", state=True), hk], 1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 17])
+def test_gated_rms_norm(env: Env, rng: np.random.Generator, tokens: int) -> None:
+    hv, dv = env.d("linear_num_value_heads"), env.d("linear_value_head_dim")
+    run_op(env, "gated_rms_norm",
+           [In(normal(rng, tokens, hv, dv, scale=2), "f32"), In(normal(rng, tokens, hv, dv, scale=2), "f32"),
+            In(normal(rng, dv) + 1, "f32"), 1e-6], F32_FLOOR)
+
+
+# --- mixture of experts ---------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens,renormalize", [(1, True), (17, True), (17, False)])
+def test_router(env: Env, rng: np.random.Generator, tokens: int, renormalize: bool) -> None:
+    e, top_k, h = env.d("num_experts"), env.d("num_experts_per_tok"), env.d("hidden_size")
+    x, w = normal(rng, tokens, h), weight(rng, e, h) * 4
+    args = [In(x, "f32", rounds=True), In(w, "bf16"), top_k, renormalize]
+    ids16, _ = env.ref.router(bf16_round(x), bf16_round(w), top_k, renormalize)
+    gpu_args = _gpu_args(env, args)
+    env.gpu.rt.reset_step()
+    env.gpu.rt.poison_scratch()
+    ids_dev, weights_dev = env.gpu.router(*gpu_args)
+    ids, weights = env.gpu.to_numpy(ids_dev), env.gpu.to_numpy(weights_dev)
+    logits16 = bf16_round(x) @ bf16_round(w).T  # [T, E]
+    probs16 = np.exp(logits16 - logits16.max(-1, keepdims=True))
+    probs16 /= probs16.sum(-1, keepdims=True)
+    assert ids.shape == (tokens, top_k) and ((ids >= 0) & (ids < e)).all()
+    chosen, expected = np.take_along_axis(probs16, ids, -1), np.take_along_axis(probs16, ids16, -1)
+    np.testing.assert_allclose(chosen, expected, rtol=2e-2, atol=1e-6)  # same experts up to near-ties
+    ref32_ids, ref32_w = env.ref.router(x, w, top_k, renormalize)
+    ids_w, _ = env.ref.router(x, bf16_round(w), top_k, renormalize)  # bf16 weights, f32 activations
+    same = (ids == ids16).all(-1) | (ids == ref32_ids).all(-1) | (ids == ids_w).all(-1)
+    assert same.mean() >= 0.9, f"top-k ids differ from both references on {(~same).sum()} tokens"
+    _, ref16_w = env.ref.router(bf16_round(x), bf16_round(w), top_k, renormalize)
+    keep = (ids == ids16).all(-1) & (ids16 == ref32_ids).all(-1)
+    check_bound(f"{env.model} router weights", weights[keep], ref32_w[keep], ref16_w[keep], BF16_FLOOR)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 17, 70])
+def test_moe_experts(env: Env, rng: np.random.Generator, tokens: int) -> None:
+    e, top_k, h = env.d("num_experts"), env.d("num_experts_per_tok"), env.d("hidden_size")
+    inter = env.d("moe_intermediate_size")
+    pool = min(e, EXPERT_POOL)
+    gate_up = ExpertPool(normal(rng, pool, 2 * inter, h, scale=1 / math.sqrt(h)), e)
+    down = ExpertPool(normal(rng, pool, h, inter, scale=1 / math.sqrt(inter)), e)
+    ids = np.stack([rng.permutation(e)[:top_k] for _ in range(tokens)]).astype(np.int32)  # [T, k]
+    hot = int(rng.integers(0, e))
+    ids[:, 0] = hot  # one expert serves every token: its M tiles must all run
+    for t in range(tokens):
+        rest = [i for i in rng.permutation(e) if i != hot][: top_k - 1]
+        ids[t, 1:] = rest
+    routing = rng.uniform(0.1, 1.0, size=(tokens, top_k)).astype(np.float32)
+    routing /= routing.sum(-1, keepdims=True)
+    run_op(env, "moe_experts",
+           [In(normal(rng, tokens, h), "f32", rounds=True), In(ids, "i32"), In(routing, "f32"),
+            In(gate_up), In(down)], BF16_FLOOR)
+
+
+# --- sampling -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_argmax_lowest_index_on_ties(env: Env, rng: np.random.Generator, tokens: int) -> None:
+    v = env.d("vocab_size")
+    logits = normal(rng, tokens, v, scale=3)
+    for t in range(tokens):
+        first, second = np.sort(rng.choice(v, size=2, replace=False))
+        logits[t, first] = logits[t, second] = logits[t].max() + 1
+    device_logits = env.gpu.upload(logits, "f32")
+    env.gpu.rt.reset_step()
+    env.gpu.rt.poison_scratch()
+    out = env.gpu.to_numpy(env.gpu.argmax(device_logits))
+    np.testing.assert_array_equal(out, env.ref.argmax(logits))
+
+
+def test_sample_matches_reference(env: Env, rng: np.random.Generator) -> None:
+    v = env.d("vocab_size")
+    settings = [SamplingParams(0.7, 0, 1.0), SamplingParams(1.0, 40, 1.0), SamplingParams(1.0, 0, 0.9),
+                SamplingParams(1.5, 50, 0.5), SamplingParams(0.8, 1, 1.0), SamplingParams(1.0, 0, 0.05)]
+    for params in settings:
+        for _ in range(3):
+            logits = normal(rng, 1, v, scale=4)
+            uniform = float(rng.random())
+            env.gpu.rt.reset_step()
+            env.gpu.rt.poison_scratch()
+            got = env.gpu.to_numpy(env.gpu.sample(env.gpu.upload(logits, "f32"), params, uniform))
+            want = env.ref.sample(logits, params, uniform)
+            assert got.shape == (1,) and int(got[0]) == int(want[0]), f"{params} u={uniform}"
