@@ -104,7 +104,8 @@ def main() -> None:
     parser.add_argument("--skip-all", action="store_true", help="skip the `*` build (slow on few cores)")
     args = parser.parse_args()
     hw, model, quant = args.tuple.split("/")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = (subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+              or os.environ.get("ATLAS_COMMIT", "unknown (not a git checkout; set ATLAS_COMMIT)"))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         results = [clean_and_noop(args.tuple, selection_env(work / "cache-one", hw, model, quant), work)]
