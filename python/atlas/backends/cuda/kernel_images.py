@@ -29,7 +29,11 @@ def load_image(key: TupleKey, kind: str) -> KernelImage:
     """The tuple's cubin (kind "cubin") or PTX (kind "ptx") bytes."""
     from ... import kernels
 
-    data = kernels.cubin(key.hw, key.model, key.quant) if kind == "cubin" else kernels.ptx(key.hw, key.model, key.quant)
+    read = kernels.cubin if kind == "cubin" else kernels.ptx
+    try:
+        data = read(key.hw, key.model, key.quant)
+    except KeyError as err:
+        raise AtlasError(f"the installed wheel lacks {key} ({err}); rebuild the wheel") from None
     if not data:
         raise AtlasError(f"the installed wheel's {key} has no {kind}; rebuild the wheel")
     return KernelImage(label=f"{key} ({kind})", data=bytes(data), kind=kind)

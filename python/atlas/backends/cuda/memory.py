@@ -49,7 +49,7 @@ class StepArena:
     def _grow(self, size: int) -> None:
         if self._blocks:
             self._used_before_last += self._offset
-        block_size = max(size, self.initial_bytes, sum(b.size for b in self._blocks))
+        block_size = max(size, self.initial_bytes, sum(b.size for b in self._blocks) // 2)
         block_size = _round_up(block_size, 1 << 20)
         self._blocks.append(_Block(self.driver.mem_alloc(block_size), block_size))
         self._offset = 0

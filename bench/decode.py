@@ -1,0 +1,287 @@
+"""Decode benchmark on the GPU: the full 40-layer Qwen3.6-35B-A3B dimensions with synthetic
+weights made on the device (no checkpoint), batch 1, against transformers bf16 with the same
+weights on the same GPU.
+
+    python bench/decode.py --out results.json [--budget-s 150] [--skip-transformers]
+
+Reports prefill tok/s (512 and 2048 prompt tokens), decode tok/s (256 tokens after a 1024-token
+prompt, greedy, the token id read back every step as a real generation does), bytes read per
+decode token, achieved GB/s and its share of the device-to-device copy bandwidth measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import synthetic  # noqa: E402
+
+PREFILL_LENGTHS = (512, 2048)
+DECODE_CONTEXT = 1024
+DECODE_TOKENS = 256
+HF_DECODE_TOKENS = 32
+COPY_BYTES = 2 << 30
+
+
+def log(message: str) -> None:
+    print(f"[decode bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def make_bench_backend(checkpoint: synthetic.SyntheticCheckpoint) -> Any:
+    """The qwen3.6 CUDA backend whose uploads of the checkpoint's lazy arrays are filled on the
+    device with their repeated tile."""
+    from atlas.backends.cuda.select import open_backend_for_model
+    from atlas.backends.cuda.tensor import DeviceTensor
+    from atlas.backends.cuda.upload import to_storage
+
+    backend = open_backend_for_model("qwen3.6-35b-a3b")
+    plain_upload = backend.upload
+
+    def upload(array: np.ndarray, dtype: str) -> DeviceTensor:
+        entry = checkpoint.lazy.pop(id(array), None)
+        if entry is None or entry[1] is not array:
+            return plain_upload(array, dtype)
+        name, _ = entry
+        out = backend.rt.persistent(tuple(array.shape), dtype)
+        pattern = to_storage(synthetic.tile(name, tuple(array.shape)), dtype)
+        fill_repeating(backend.rt, out, pattern)
+        return out
+
+    backend.upload = upload  # type: ignore[method-assign]
+    return backend
+
+
+def fill_repeating(rt: Any, out: Any, pattern: np.ndarray) -> None:
+    """out's bytes = pattern's bytes repeated (device copies doubling the filled prefix)."""
+    from atlas.backends.cuda.tensor import DeviceTensor
+
+    head = DeviceTensor(out.ptr, pattern.shape, out.dtype, out.owner)
+    rt.write(head, pattern)
+    filled, total = pattern.nbytes, out.nbytes
+    while filled < total:
+        count = min(filled, total - filled)
+        rt.driver.memcpy_dtod(out.ptr + filled, out.ptr, count, rt.stream)
+        filled += count
+    rt.synchronize()
+
+
+def decode_bytes_per_token(spec: Any, context: int) -> dict[str, int]:
+    """Bytes a decode step must read: active weights (bf16 matrices, f32 vectors), the KV cache
+    of the context, the DeltaNet states (read and written back), one embedding row."""
+    h, e, k = spec.hidden_size, spec.num_experts, spec.num_experts_per_tok
+    q = spec.num_attention_heads * spec.head_dim
+    kv = spec.num_key_value_heads * spec.head_dim
+    conv = 2 * spec.linear_num_key_heads * spec.linear_key_head_dim + spec.linear_num_value_heads * spec.linear_value_head_dim
+    values = spec.linear_num_value_heads * spec.linear_value_head_dim
+    attn = (2 * q * h + 2 * kv * h + h * q) * 2 + 2 * spec.head_dim * 4
+    delta = (conv * h + values * h + 2 * spec.linear_num_value_heads * h + h * values) * 2 + conv * 4 * 2
+    expert = 3 * spec.moe_intermediate_size * h * 2
+    shared = 3 * spec.shared_expert_intermediate_size * h * 2 + h * 2
+    moe = e * h * 2 + k * expert + shared
+    full_layers = sum(1 for t in spec.layer_types if t == "full_attention")
+    linear_layers = spec.num_hidden_layers - full_layers
+    state = spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim * 4
+    conv_state = conv * (spec.linear_conv_kernel_dim - 1) * 4
+    parts = {
+        "attention_weights": full_layers * attn,
+        "deltanet_weights": linear_layers * delta,
+        "moe_weights": spec.num_hidden_layers * (moe + 2 * h * 4),
+        "lm_head_and_embedding_row": spec.vocab_size * h * 2 + h * 2 + h * 4,
+        "kv_cache": full_layers * 2 * context * kv * 2,
+        "deltanet_states_read_and_written": linear_layers * 2 * (state + conv_state),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def copy_bandwidth(rt: Any) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (median of 5)."""
+    src, dst = rt.persistent((COPY_BYTES // 4,), "f32"), rt.persistent((COPY_BYTES // 4,), "f32")
+    rt.memset_zero(src)
+    start, end = rt.driver.event_create(), rt.driver.event_create()
+    times = []
+    for _ in range(6):
+        rt.driver.event_record(start, rt.stream)
+        rt.driver.memcpy_dtod(dst.ptr, src.ptr, COPY_BYTES, rt.stream)
+        rt.driver.event_record(end, rt.stream)
+        rt.driver.event_synchronize(end)
+        times.append(rt.driver.event_elapsed_ms(start, end) / 1e3)
+    return 2 * COPY_BYTES / float(np.median(times[1:]))
+
+
+@dataclass
+class AtlasRun:
+    prefill_tok_s: dict[str, float]
+    decode_tok_s: float
+    decode_tokens: int
+    load_s: float
+
+
+def time_decode(engine: Any, prompt: list[int], tokens: int) -> tuple[float, int]:
+    """Greedy decode tok/s after `prompt`, the graph capture (first step) left out of the time;
+    every step reads its token id back, as streaming generation does."""
+    from atlas.backends.base import SamplingParams
+
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    token = engine.pick(engine.prefill(prompt), greedy, rng)
+    position = len(prompt)
+    token = engine.pick(engine.decode(token, position), greedy, rng)
+    started = time.perf_counter()
+    for step in range(1, tokens):
+        token = engine.pick(engine.decode(token, position + step), greedy, rng)
+    return (tokens - 1) / (time.perf_counter() - started), tokens - 1
+
+
+def run_atlas(spec: Any, rng: np.random.Generator) -> tuple[AtlasRun, float, str]:
+    from atlas.backends.base import SamplingParams
+    from atlas.engine import Engine
+
+    checkpoint = synthetic.SyntheticCheckpoint(synthetic.text_plan(spec))
+    backend = make_bench_backend(checkpoint)
+    device = backend.describe()
+    log(f"atlas on {device}; loading 40 synthetic layers")
+    t0 = time.perf_counter()
+    engine = Engine(spec, checkpoint, backend, max_seq_len=max(PREFILL_LENGTHS) + DECODE_TOKENS + 8)
+    backend.rt.synchronize()
+    load_s = time.perf_counter() - t0
+    log(f"loaded in {load_s:.1f}s; copy bandwidth")
+    copy_bps = copy_bandwidth(backend.rt)
+    prompt = rng.integers(0, spec.vocab_size, size=max(PREFILL_LENGTHS)).tolist()
+    engine.generate(prompt[:64], 4, SamplingParams(), None, set())  # warm-up: module, graph capture
+    prefill = {}
+    for length in PREFILL_LENGTHS:
+        runs = []
+        for _ in range(2):
+            stats = engine.generate(prompt[:length], 1, SamplingParams(), None, set())
+            runs.append(length / stats.prefill_seconds)
+        prefill[str(length)] = float(max(runs))
+        log(f"prefill {length}: {prefill[str(length)]:.0f} tok/s")
+    decode, steps = time_decode(engine, prompt[:DECODE_CONTEXT], DECODE_TOKENS)
+    log(f"decode at {DECODE_CONTEXT} context: {decode:.1f} tok/s over {steps} steps")
+    del engine
+    backend.rt.synchronize()
+    gc.collect()
+    backend.rt.pool.trim()
+    return AtlasRun(prefill, decode, steps, load_s), copy_bps, device
+
+
+def run_transformers(config: dict[str, Any], rng: np.random.Generator, vocab: int) -> dict[str, Any]:
+    """transformers bf16 with the same synthetic weights, on the GPU."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    t0 = time.perf_counter()
+    hf_config = Qwen3_5MoeTextConfig.from_dict(config)
+    with torch.device("cuda"):
+        model = Qwen3_5MoeForCausalLM._from_config(hf_config, dtype=torch.bfloat16).eval()
+    synthetic.fill_torch_model(model)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    log(f"transformers model ready in {load_s:.1f}s")
+    prompt = torch.from_numpy(rng.integers(0, vocab, size=(1, max(PREFILL_LENGTHS)))).cuda()
+    result: dict[str, Any] = {"load_s": load_s, "prefill_tok_s": {}}
+    with torch.no_grad():
+        model(prompt[:, :64])
+        for length in PREFILL_LENGTHS:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model(prompt[:, :length])
+            torch.cuda.synchronize()
+            result["prefill_tok_s"][str(length)] = length / (time.perf_counter() - t)
+        t = time.perf_counter()
+        out = model.generate(prompt[:, :DECODE_CONTEXT], max_new_tokens=1, do_sample=False)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        out = model.generate(prompt[:, :DECODE_CONTEXT], max_new_tokens=HF_DECODE_TOKENS + 1,
+                             min_new_tokens=HF_DECODE_TOKENS + 1, do_sample=False)
+        torch.cuda.synchronize()
+        steps = out.shape[1] - DECODE_CONTEXT - 1
+        result["decode_tok_s"] = steps / max(time.perf_counter() - t - first, 1e-9)
+        result["decode_tokens"] = steps
+    log(f"transformers decode {result['decode_tok_s']:.1f} tok/s over {result['decode_tokens']} steps")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def machine() -> dict[str, Any]:
+    info = {"python": platform.python_version(), "platform": platform.platform()}
+    try:
+        info["gpu"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        info["gpu"] = "unknown"
+    return info
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget-s", type=float, default=170.0)
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    rng = np.random.default_rng(synthetic.SEED)
+    from atlas.config import load_spec
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = synthetic.write_config(Path(tmp))
+        spec = load_spec(Path(tmp))
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit(),
+                              "machine": machine(), "model": "qwen3.6-35b-a3b dims, 40 layers, synthetic weights",
+                              "batch": 1, "notes": []}
+    atlas_run, copy_bps, device = run_atlas(spec, rng)
+    bytes_per_token = decode_bytes_per_token(spec, DECODE_CONTEXT + DECODE_TOKENS // 2)
+    achieved = bytes_per_token["total"] * atlas_run.decode_tok_s
+    result.update({
+        "device": device, "load_s": atlas_run.load_s,
+        "prefill_tok_s": atlas_run.prefill_tok_s, "decode_tok_s": atlas_run.decode_tok_s,
+        "decode_tokens": atlas_run.decode_tokens, "decode_context": DECODE_CONTEXT,
+        "decode_bytes_per_token": bytes_per_token, "decode_gb_s": achieved / 1e9,
+        "copy_gb_s": copy_bps / 1e9, "roofline_pct": 100 * achieved / copy_bps,
+        "roofline_tok_s": copy_bps / bytes_per_token["total"],
+    })
+    spent = time.perf_counter() - started
+    if args.skip_transformers or spent > 0.5 * args.budget_s:
+        result["notes"].append(f"transformers comparison skipped ({'flag' if args.skip_transformers else f'{spent:.0f}s spent'})")
+    else:
+        try:
+            hf = run_transformers(config, rng, spec.vocab_size)
+            result["transformers"] = hf
+            result["speedup_vs_transformers"] = {
+                "decode": atlas_run.decode_tok_s / hf["decode_tok_s"],
+                **{f"prefill_{k}": atlas_run.prefill_tok_s[k] / v for k, v in hf["prefill_tok_s"].items()},
+            }
+        except Exception as err:  # the comparison is optional; record why it is missing
+            result["notes"].append(f"transformers comparison failed: {type(err).__name__}: {err}"[:400])
+    result["seconds"] = time.perf_counter() - started
+    args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    log(json.dumps({k: result[k] for k in ("prefill_tok_s", "decode_tok_s", "roofline_pct")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
