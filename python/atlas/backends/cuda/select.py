@@ -121,9 +121,7 @@ def open_backend(model_dir: Path, spec: ModelSpec | None = None) -> CudaBackend:
     check_fits(weight_bytes, free, total)
     image = load_image(selection.key, selection.kind)
     rt = CudaRuntime(driver, image, RuntimeOptions(check_launches=os.environ.get("ATLAS_CUDA_CHECK") == "1"))
-    backend = CudaBackend(rt)
-    backend.expect_weights(weight_bytes)
-    return backend
+    return CudaBackend(rt)  # the loader shows the weight progress bar
 
 
 def open_backend_for_model(model: str, quant: str = "bf16") -> CudaBackend:
