@@ -36,7 +36,7 @@ stage() {
   ((limit > left)) && limit=$left
   echo "=== [$name] limit ${limit}s at +$(elapsed)s: $cmd" | tee -a "$LOG"
   t0=$(date +%s)
-  timeout --kill-after=10 "$limit" bash -c "$cmd" 2>&1 | tee -a "$LOG"
+  timeout --kill-after=10 "$limit" bash -o pipefail -c "$cmd" 2>&1 | tee -a "$LOG"
   rc=$?
   secs=$(($(date +%s) - t0))
   local status=ok
