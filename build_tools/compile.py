@@ -2,7 +2,7 @@
 
     python -m build_tools.compile [--hw H] [--model M] [--quant Q] [--out build/kernels] [--jobs N]
 
---hw/--model/--quant take what ATLAS_TARGET_* take (and default to those variables). Output per
+--hw/--model/--quant take what ATLAS_TARGET_* take and default to those variables (--hw: else `*`). Output per
 tuple: <out>/<hw>/<model>/<quant>/{include/, tuple.cu, kernels.ptx, kernels.cubin};
 <out>/resources.{json,txt} and <out>/build.json. Each tuple is one module (the runtime loads one
 image per tuple): tuple.cu includes every kernels/<hw>/<model>/<quant>/*.cu, so diagnostics still
@@ -22,6 +22,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from atlas.errors import AtlasError
 from atlas.targets import Hardware, Registry, load_registry
@@ -120,28 +121,42 @@ def _outputs(job: Job) -> dict[str, Path]:
             "res": job.out_dir / f"{job.stem}.resources.json"}
 
 
+def _restore(entry: Path, outs: dict[str, Path]) -> None:
+    for kind, path in outs.items():
+        path.unlink(missing_ok=True)
+        if (entry / kind).is_file():
+            shutil.copyfile(entry / kind, path)
+
+
+def spill_error(target: Target, table: list[dict[str, Any]], log: str) -> str:
+    """The error for any spill (ptxas -v numbers, or its -warn-spills warning); "" when none."""
+    spilled = [r for r in table if r["spill_stores"] or r["spill_loads"]]
+    warnings = [line for line in log.splitlines() if "warning" in line and "spill" in line]
+    if not spilled and not warnings:
+        return ""
+    names = ", ".join(f"{r['entry']} ({r['spill_stores']} B stores, {r['spill_loads']} B loads)" for r in spilled)
+    return (f"{target.rel}: register spill in {names or 'a function'}; spills are not allowed "
+            "(lower the register pressure or __launch_bounds__)\n" + "\n".join(warnings))
+
+
 def run_job(job: Job, compiler_id: str, cache_dir: Path) -> JobResult:
+    """Restore from the cache, or run nvcc (PTX, then ptxas to cubin) and fill the cache."""
     key = cache_key(job, compiler_id)
     entry = cache_dir / key[:2] / key
     outs = _outputs(job)
     if (entry / "res").is_file():
-        for kind, path in outs.items():
-            if (entry / kind).is_file():
-                shutil.copyfile(entry / kind, path)
-        outs["cubin"].unlink(missing_ok=True) if not job.keep_cubin else None
+        _restore(entry, outs)
         return JobResult(job, True, resources=json.loads(outs["res"].read_text()))
+    log = ""
     for cmd in (job.ptx_cmd, job.cubin_cmd):
         proc = _run(cmd)
         if proc.returncode != 0:
             return JobResult(job, False, error=file_line(proc.stderr + proc.stdout))
-    log = proc.stderr + proc.stdout
+        log = proc.stderr + proc.stdout
     table = [asdict(r) for r in parse_ptxas(log)]
-    spilled = [r for r in table if r["spill_stores"] or r["spill_loads"]] or ([{"entry": "?"}] if "spilled" in log else [])
-    if spilled:
-        names = ", ".join(f"{r['entry']} ({r.get('spill_stores', '?')} B stores, {r.get('spill_loads', '?')} B loads)" for r in spilled)
-        warnings = "\n".join(l for l in log.splitlines() if "spill" in l and "warning" in l)
-        return JobResult(job, False, error=f"{job.target.rel}: register spill in {names}; spills are not allowed "
-                                           f"(lower the register pressure or __launch_bounds__)\n{warnings}")
+    error = spill_error(job.target, table, log)
+    if error:
+        return JobResult(job, False, error=error)
     if not job.keep_cubin:
         outs["cubin"].unlink(missing_ok=True)
     outs["res"].write_text(json.dumps(table, indent=1))
@@ -238,7 +253,7 @@ def compile_selection(registry: Registry, selection: Selection, out: Path, jobs:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hw", help=f"name, comma list or '*' (default: ${ENV_HW}, else visible GPUs)")
+    parser.add_argument("--hw", help=f"name, comma list or '*' (default: ${ENV_HW}, else '*')")
     parser.add_argument("--model", help=f"default: ${ENV_MODEL} or '*'")
     parser.add_argument("--quant", help=f"default: ${ENV_QUANT} or '*'")
     parser.add_argument("--out", type=Path, default=REPO / "build" / "kernels")
@@ -248,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     for var, value in ((ENV_HW, args.hw), (ENV_MODEL, args.model), (ENV_QUANT, args.quant)):
         if value is not None:
             env[var] = value
+    env.setdefault(ENV_HW, "*")  # a compile check wants every hardware, not the GPUs of this machine
     try:
         registry = load_registry()
         selection = select(registry, env)
