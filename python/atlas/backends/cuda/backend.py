@@ -14,7 +14,7 @@ from ..base import SamplingParams, StorageDType
 from .graph import GraphedDecodeStep
 from .runtime import CudaRuntime
 from .tensor import DeviceTensor
-from .upload import Uploader, WeightProgress, from_storage
+from .upload import Uploader, from_storage
 
 DENSE_OPS = ("embedding", "rms_norm", "add_rms_norm", "add", "linear", "silu_mul", "sigmoid_mul",
              "head_norm_rope", "attention", "argmax", "sample")
@@ -50,10 +50,6 @@ class CudaBackend:
         return (f"{info.name} (cc {info.cc[0]}.{info.cc[1]}, {info.sm_count} SMs), "
                 f"{self.rt.image.label}, {self.rt.driver.binding}, {graphs}")
 
-    def expect_weights(self, total_bytes: int) -> None:
-        """Show a progress bar over the next `total_bytes` of uploads."""
-        self.uploader.progress = WeightProgress(total_bytes)
-
     # --- memory -------------------------------------------------------------------------------
     def upload(self, array: np.ndarray, dtype: StorageDType) -> DeviceTensor:
         return self.uploader.upload(array, dtype)
@@ -67,7 +63,6 @@ class CudaBackend:
     def begin_step(self, ids: DeviceTensor) -> DeviceTensor:
         """Recycle the step arena. ids that live in the arena (the previous step's argmax) are
         first moved to a persistent buffer so the new step cannot overwrite them."""
-        self.uploader.progress.close()
         if self.rt.capturing or ids.owner is not None:
             self.rt.reset_step()
             return ids

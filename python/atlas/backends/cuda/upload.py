@@ -1,4 +1,4 @@
-"""Host -> device conversion of weights and inputs, with a byte progress bar for weights.
+"""Host -> device conversion of weights and inputs (the loader shows the weight progress bar).
 
 Arrays whose leading axes have stride 0 (np.broadcast_to views, e.g. the benchmark's synthetic
 expert stacks) are uploaded once and replicated on the device, so the host never materialises
@@ -8,16 +8,13 @@ them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 
 from .runtime import CudaRuntime
 from .tensor import DeviceTensor, StorageDType
-
-PROGRESS_MIN_BYTES = 1 << 20
 
 
 def to_storage(array: np.ndarray, dtype: StorageDType) -> np.ndarray:
@@ -48,37 +45,8 @@ def _broadcast_depth(array: np.ndarray) -> int:
 
 
 @dataclass
-class WeightProgress:
-    """A tqdm bar over the expected weight bytes; closes itself when done or at `close`."""
-
-    total_bytes: int
-    _bar: Any = None
-    _done: int = 0
-    _closed: bool = False
-
-    def add(self, nbytes: int) -> None:
-        if self._closed or self.total_bytes <= 0 or nbytes < PROGRESS_MIN_BYTES and self._bar is None:
-            return
-        if self._bar is None:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=self.total_bytes, unit="B", unit_scale=True, desc="upload weights",
-                             leave=False)
-        self._done += nbytes
-        self._bar.update(nbytes)
-        if self._done >= self.total_bytes:
-            self.close()
-
-    def close(self) -> None:
-        if self._bar is not None and not self._closed:
-            self._bar.close()
-        self._closed = True
-
-
-@dataclass
 class Uploader:
     rt: CudaRuntime
-    progress: WeightProgress = field(default_factory=lambda: WeightProgress(0))
 
     def upload(self, array: np.ndarray, dtype: StorageDType) -> DeviceTensor:
         array = np.asarray(array)
@@ -90,7 +58,6 @@ class Uploader:
         tile = DeviceTensor(out.ptr, host.shape, dtype, out.owner)
         self.rt.write(tile, host)
         self._replicate(out, tile.nbytes, math.prod(shape[:depth]))
-        self.progress.add(out.nbytes)
         return out
 
     def _replicate(self, out: DeviceTensor, tile_bytes: int, copies: int) -> None:
