@@ -14,7 +14,7 @@ import numpy as np
 
 from .driver import CudaError, DeviceInfo, Driver, Handle, LaunchArgs
 from .memory import PersistentPool, StepArena
-from .tensor import ITEM_SIZE, DeviceTensor, StorageDType
+from .tensor import DeviceTensor, StorageDType
 
 DEFAULT_SMEM_LIMIT = 48 * 1024
 MAX_GRID_YZ = 65535
@@ -77,11 +77,6 @@ class CudaRuntime:
     def memset_zero(self, t: DeviceTensor) -> None:
         if t.nbytes:
             self.driver.memset_d8(t.ptr, 0, t.nbytes, self.stream)
-
-    def fill_nan(self, t: DeviceTensor) -> None:
-        """Poison a float tensor with NaN bytes (0xFF..: a NaN in f32 and bf16); tests use it."""
-        if t.nbytes:
-            self.driver.memset_d8(t.ptr, 0xFF, t.nbytes, self.stream)
 
     def poison_scratch(self) -> None:
         """Fill all arena memory with NaN bytes, so any step output a kernel fails to write
@@ -180,9 +175,3 @@ def _check_dims(kernel: str, grid: tuple[int, int, int], block: tuple[int, int, 
     if not 1 <= threads <= 1024:
         raise ValueError(f"{kernel}: block {block} has {threads} threads (1..1024)")
 
-
-def storage_bytes(shape: tuple[int, ...], dtype: StorageDType) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * ITEM_SIZE[dtype]
