@@ -174,6 +174,7 @@ def run_atlas(spec: Any, rng: np.random.Generator) -> tuple[AtlasRun, float, str
     backend.rt.synchronize()
     gc.collect()
     backend.rt.pool.trim()
+    backend.rt.arena.release()  # transformers needs the memory next
     return AtlasRun(prefill, decode, steps, load_s), copy_bps, device
 
 
