@@ -60,6 +60,19 @@ def test_greedy_gpu_equals_greedy_numpy_on_the_demo(demo_gpu: Any, rng: np.rando
         assert got == want, f"prompt {prompt!r}: first difference at {_first_difference(got, want)}"
 
 
+def test_graph_replay_equals_eager_decode(demo_gpu: Any, rng: np.random.Generator) -> None:
+    backend = demo_gpu.parts.engine.backend
+    prompt = rng.integers(0, demo_gpu.parts.spec.vocab_size, size=int(rng.integers(2, 30))).tolist()
+    runs = {}
+    for graphs in (True, False):
+        backend.use_graphs = graphs
+        try:
+            runs[graphs] = demo_gpu.generate(prompt, max_tokens=64, temperature=0.0).token_ids
+        finally:
+            backend.use_graphs = True
+    assert runs[True] == runs[False], f"first difference at {_first_difference(runs[True], runs[False])}"
+
+
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
