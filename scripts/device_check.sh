@@ -18,7 +18,7 @@ LOG="$OUT/log.txt"
 PY="${PYTHON:-python3}"
 BUDGET_S="${ATLAS_CHECK_BUDGET_S:-510}"  # the whole script, well inside the 9-minute call
 WHEEL_DIR=/tmp/atlas-wheel
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1  # no network there
 START=$(date +%s)
 SUMMARY=()
 
