@@ -4,6 +4,7 @@ wrappers (ops_dense, ops_linear_moe: `op(rt, ...)` with base.py's arguments)."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -42,6 +43,9 @@ class CudaBackend:
         if use_graphs is None:
             use_graphs = os.environ.get("ATLAS_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = use_graphs and rt.driver.graphs
+        if use_graphs and not rt.driver.graphs:
+            print(f"atlas: {rt.driver.binding} cannot capture CUDA graphs; decoding without them",
+                  file=sys.stderr)
         self._ids_carry: DeviceTensor | None = None
 
     def describe(self) -> str:
