@@ -53,7 +53,8 @@ def pypi_nvcc() -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     for root in spec.submodule_search_locations:
-        for candidate in sorted(Path(root).glob("cu*/bin/nvcc"), reverse=True):
+        versions = [p for p in Path(root).glob("cu[0-9]*/bin/nvcc") if p.parts[-3][2:].isdigit()]
+        for candidate in sorted(versions, key=lambda p: int(p.parts[-3][2:]), reverse=True):
             if os.access(candidate, os.X_OK):
                 return candidate
     return None
