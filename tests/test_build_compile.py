@@ -123,3 +123,24 @@ def test_unknown_hw_fails_before_compiling(env: dict[str, str]) -> None:
     proc = _compile(env, "--hw", "h300")
     assert proc.returncode == 2 and "valid: gb10, h100, h200, sm80" in proc.stderr
     assert "Traceback" not in proc.stderr and _nvcc_calls(env) == []
+
+
+def test_nvcc_discovery_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import build_tools.nvcc as nvcc_mod
+    from atlas.errors import AtlasError
+
+    fakes = {}
+    for name in ("atlas", "cudacxx", "onpath"):
+        (tmp_path / name).mkdir()
+        fakes[name] = tmp_path / name / "nvcc"
+        fakes[name].write_text("#!/bin/sh\n")
+        fakes[name].chmod(0o755)
+    monkeypatch.setattr(nvcc_mod, "pypi_nvcc", lambda: None)
+    path = str(fakes["onpath"].parent)
+    assert nvcc_mod.find_nvcc({"ATLAS_NVCC": str(fakes["atlas"]), "CUDACXX": str(fakes["cudacxx"]), "PATH": path}).source == "ATLAS_NVCC"
+    assert nvcc_mod.find_nvcc({"CUDACXX": str(fakes["cudacxx"]), "PATH": path}).path == fakes["cudacxx"]
+    assert nvcc_mod.find_nvcc({"PATH": path}).path == fakes["onpath"]
+    with pytest.raises(AtlasError, match="ATLAS_NVCC="):
+        nvcc_mod.find_nvcc({"ATLAS_NVCC": str(tmp_path / "missing" / "nvcc"), "PATH": path})
+    with pytest.raises(AtlasError, match="nvcc not found"):
+        nvcc_mod.find_nvcc({"PATH": str(tmp_path / "atlas-none")})
