@@ -355,3 +355,141 @@ def test_tensor_views() -> None:
     with pytest.raises(ValueError):
         t.reshape(5, -1)
     assert math.prod(t.shape) == t.numel
+
+
+# --- the real cuda-bindings adapter against a fake libcuda.so.1 (host memory) --------------------
+FAKE_LIBCUDA_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdio.h>
+typedef unsigned long long dptr;
+static unsigned char last_params[4096]; static size_t launches = 0; static char last_kernel[256];
+int fake_launches(void) { return (int)launches; }
+void fake_last_params(void* out, size_t n) { memcpy(out, last_params, n); }
+const char* fake_last_kernel(void) { return last_kernel; }
+int cuInit(unsigned f) { return 0; }
+int cuDriverGetVersion(int* v) { *v = 13000; return 0; }
+int cuDeviceGetCount(int* c) { *c = 1; return 0; }
+int cuDeviceGet(int* d, int o) { *d = o; return o == 0 ? 0 : 101; }
+int cuDeviceGetName(char* n, int len, int d) { strncpy(n, "Fake H200", len); return 0; }
+int cuDeviceTotalMem_v2(size_t* b, int d) { *b = (size_t)141 << 30; return 0; }
+int cuDeviceTotalMem(size_t* b, int d) { return cuDeviceTotalMem_v2(b, d); }
+int cuDeviceGetAttribute(int* v, int a, int d) {
+  *v = a == 75 ? 9 : a == 76 ? 0 : a == 16 ? 132 : a == 97 ? 232448 : 1; return 0; }
+int cuDevicePrimaryCtxRetain(void** c, int d) { *c = (void*)0x10; return 0; }
+int cuCtxSetCurrent(void* c) { return c == (void*)0x10 ? 0 : 201; }
+int cuMemGetInfo_v2(size_t* f, size_t* t) { *f = (size_t)100 << 30; *t = (size_t)141 << 30; return 0; }
+int cuMemGetInfo(size_t* f, size_t* t) { return cuMemGetInfo_v2(f, t); }
+int cuModuleLoadData(void** m, const void* img) { *m = (void*)0x20; return ((const char*)img)[0] ? 0 : 200; }
+int cuModuleGetFunction(void** f, void* m, const char* name) {
+  if (m != (void*)0x20) return 400; if (strncmp(name, "atlas_", 6)) return 500; *f = strdup(name); return 0; }
+int cuFuncSetAttribute(void* f, int a, int v) { return a == 8 && v > 0 ? 0 : 1; }
+int cuMemAlloc_v2(dptr* p, size_t n) { *p = (dptr)malloc(n); return *p ? 0 : 2; }
+int cuMemFree_v2(dptr p) { free((void*)p); return 0; }
+int cuMemcpyHtoDAsync_v2(dptr d, const void* s, size_t n, void* st) { if (st != (void*)0x30) return 400; memcpy((void*)d, s, n); return 0; }
+int cuMemcpyDtoHAsync_v2(void* d, dptr s, size_t n, void* st) { if (st != (void*)0x30) return 400; memcpy(d, (void*)s, n); return 0; }
+int cuMemcpyDtoDAsync_v2(dptr d, dptr s, size_t n, void* st) { if (st != (void*)0x30) return 400; memmove((void*)d, (void*)s, n); return 0; }
+int cuMemsetD8Async(dptr d, unsigned char v, size_t n, void* st) { if (st != (void*)0x30) return 400; memset((void*)d, v, n); return 0; }
+int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned smem, void* st, void** params, void** extra) {
+  if (st != (void*)0x30 || !params || extra) return 1;
+  memcpy(last_params, params[0], 64); strncpy(last_kernel, (const char*)f, 255); launches++; return 0; }
+int cuStreamCreate(void** s, unsigned f) { *s = (void*)0x30; return 0; }
+int cuStreamSynchronize(void* s) { return 0; }
+int cuEventCreate(void** e, unsigned f) { *e = malloc(8); return 0; }
+int cuEventRecord(void* e, void* s) { return 0; }
+int cuEventSynchronize(void* e) { return 0; }
+int cuEventElapsedTime(float* ms, void* a, void* b) { *ms = 1.5f; return 0; }
+int cuEventElapsedTime_v2(float* ms, void* a, void* b) { *ms = 1.5f; return 0; }
+int cuStreamBeginCapture_v2(void* s, int mode) { return mode == 2 ? 0 : 1; }
+int cuStreamBeginCapture(void* s, int mode) { return cuStreamBeginCapture_v2(s, mode); }
+int cuStreamEndCapture(void* s, void** g) { *g = (void*)0x40; return 0; }
+int cuGraphInstantiateWithFlags(void** e, void* g, unsigned long long f) { *e = (void*)0x50; return g == (void*)0x40 ? 0 : 1; }
+int cuGraphLaunch(void* e, void* s) { return e == (void*)0x50 && s == (void*)0x30 ? 0 : 1; }
+int cuGraphDestroy(void* g) { return 0; }
+int cuGraphExecDestroy(void* e) { return 0; }
+int cuGetErrorString(int e, const char** s) { *s = "fake error"; return 0; }
+int cuGetErrorName(int e, const char** s) { *s = "CUDA_ERROR_FAKE"; return 0; }
+int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, unsigned long long flags, int* status) {
+  char name[256]; void* h = dlopen(NULL, RTLD_NOW); void* self = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  void* f = dlsym(self, sym);
+  if (!f) { snprintf(name, sizeof name, "%s_v2", sym); f = dlsym(self, name); }
+  if (!f && !strcmp(sym, "cuGraphInstantiate")) f = dlsym(self, "cuGraphInstantiateWithFlags");
+  *pfn = f; if (status) *status = f ? 0 : 1; (void)h;
+
+  return f ? 0 : 500; }
+int cuGetProcAddress(const char* sym, void** pfn, int ver, unsigned long long flags) { return cuGetProcAddress_v2(sym, pfn, ver, flags, 0); }
+"""
+
+ADAPTER_SCRIPT = r"""
+import ctypes, sys
+import numpy as np
+fake = ctypes.CDLL("libcuda.so.1")
+fake.fake_last_kernel.restype = ctypes.c_char_p
+from atlas.backends.cuda.driver import open_driver
+from atlas.backends.cuda.runtime import CudaRuntime, KernelImage, RuntimeOptions
+from atlas.backends.cuda.graph import GraphedDecodeStep
+from atlas.backends.cuda.upload import Uploader, from_storage
+
+drv = open_driver(0)
+print(drv.device_info(), drv.mem_get_info())
+rt = CudaRuntime(drv, KernelImage("fake (ptx)", b"// ptx", "ptx"), RuntimeOptions(arena_bytes=8 << 20, check_launches=True))
+up = Uploader(rt)
+a = np.random.default_rng(0).standard_normal((33, 64)).astype(np.float32)
+t = up.upload(a, "bf16"); back = from_storage(rt.read(t), "bf16")
+assert np.abs(back - a).max() < 0.02, "bf16 round trip"
+ids = up.upload(np.arange(7), "i32"); assert (rt.read(ids) == np.arange(7)).all()
+e = rt.empty((5,), "f32"); rt.poison_scratch(); assert np.isnan(rt.read(e)).all()
+rt.memset_zero(e); assert (rt.read(e) == 0).all()
+rt.copy(e, up.upload(np.ones(5), "f32")); assert (rt.read(e) == 1).all()
+class P(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_void_p), ("n", ctypes.c_int32), ("s", ctypes.c_float)]
+p = P(t.ptr, 42, 1.5)
+rt.launch("atlas_test", (3, 2, 1), (128, 1, 1), p, smem=64 * 1024)
+buf = ctypes.create_string_buffer(64); fake.fake_last_params(buf, 64)
+assert buf.raw[:ctypes.sizeof(p)] == bytes(p), "params bytes"
+assert fake.fake_last_kernel() == b"atlas_test"
+try:
+    rt.launch("missing", (1, 1, 1), (1, 1, 1), p); raise SystemExit("no error")
+except Exception as err:
+    print("expected:", err)
+big = np.broadcast_to(np.arange(12, dtype=np.float32).reshape(3, 4)[None], (5, 3, 4))
+bt = up.upload(big, "f32"); assert (rt.read(bt) == big).all(), "replicated"
+def step(ids_t, pos_t):
+    out = rt.empty(ids_t.shape, "i32"); rt.copy(out, ids_t)
+    rt.launch("atlas_step", (1, 1, 1), (32, 1, 1), P(ids_t.ptr, 1, 0.0)); return out
+g = GraphedDecodeStep(rt, step)
+before = fake.fake_launches()
+o = g(up.upload(np.array([5]), "i32"), np.array([0], dtype=np.int32))
+o = g(up.upload(np.array([6]), "i32"), np.array([1], dtype=np.int32))
+print("captures", g.captures, "launches during capture", fake.fake_launches() - before)
+s, e2 = drv.event_create(), drv.event_create(); drv.event_record(s, rt.stream); drv.event_record(e2, rt.stream); drv.event_synchronize(e2)
+print("elapsed", drv.event_elapsed_ms(s, e2))
+print("ALL OK")
+"""
+
+
+def test_cuda_bindings_adapter_against_a_fake_driver(tmp_path: Path) -> None:
+    """Every driver call atlas makes goes through cuda-bindings into a fake libcuda built here
+    (device memory = host memory): argument marshalling, the packed params bytes, copies, capture."""
+    import shutil
+    import subprocess
+    import sys
+
+    pytest.importorskip("cuda.bindings")
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the fake libcuda")
+    (tmp_path / "fake.c").write_text(FAKE_LIBCUDA_C)
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(tmp_path / "libcuda.so.1"),
+                    str(tmp_path / "fake.c"), "-ldl"], check=True)
+    (tmp_path / "drive.py").write_text(ADAPTER_SCRIPT)
+    import os
+
+    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path), "ATLAS_CUDA_BINDING": "cuda-bindings",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    run = subprocess.run([sys.executable, str(tmp_path / "drive.py")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
