@@ -12,9 +12,12 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
-from .driver import Driver
+from atlas.errors import AtlasError
+
+from .driver import CudaError, Driver
 
 ALIGN = 256
+GIB = 1 << 30
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -51,7 +54,17 @@ class StepArena:
             self._used_before_last += self._offset
         block_size = max(size, self.initial_bytes, sum(b.size for b in self._blocks) // 2)
         block_size = _round_up(block_size, 1 << 20)
-        self._blocks.append(_Block(self.driver.mem_alloc(block_size), block_size))
+        try:
+            ptr = self.driver.mem_alloc(block_size)
+        except CudaError as err:
+            if "OUT_OF_MEMORY" not in str(err):
+                raise
+            held = sum(b.size for b in self._blocks)
+            raise AtlasError(
+                f"the GPU ran out of memory for this step's working memory ({(held + block_size) / GIB:.1f} "
+                "GiB needed beside the weights); use a shorter prompt or free GPU memory"
+            ) from None
+        self._blocks.append(_Block(ptr, block_size))
         self._offset = 0
 
     def mark(self) -> tuple[int, int, int]:
