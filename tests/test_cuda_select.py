@@ -357,6 +357,24 @@ def test_tensor_views() -> None:
     assert math.prod(t.shape) == t.numel
 
 
+
+def test_step_out_of_device_memory_is_one_line(rng: np.random.Generator) -> None:
+    from atlas.backends.cuda.memory import StepArena
+
+    limit = int(rng.integers(4, 16)) << 20
+
+    class SmallDevice(FakeDriver):
+        def mem_alloc(self, nbytes: int) -> int:
+            if nbytes > limit:
+                raise CudaError("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)")
+            return super().mem_alloc(nbytes)
+
+    arena = StepArena(SmallDevice(), 1 << 20)
+    arena.alloc(1000)
+    with pytest.raises(AtlasError, match="ran out of memory") as err:
+        arena.alloc(limit + 1)
+    assert "\n" not in str(err.value)
+
 # --- the real cuda-bindings adapter against a fake libcuda.so.1 (host memory) --------------------
 FAKE_LIBCUDA_C = r"""
 #define _GNU_SOURCE
