@@ -64,6 +64,8 @@ stage install 60 "$PY -m pip install --no-deps --force-reinstall $WHEEL_DIR/atla
 
 stage info 30 "cd /tmp && $PY -m atlas.info --json >'$OUT/info.json' && $PY -m atlas.info | head -20"
 
+stage demo 60 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --max-tokens 80"
+
 stage tests 200 "ATLAS_TEST_INSTALLED=1 ATLAS_REQUIRE_GPU=1 ATLAS_CUDA_CHECK=1 $PY -m pytest -m gpu -q -rfE \
   --maxfail=20 -p no:cacheprovider --junitxml='$OUT/junit.xml' tests/test_gpu_ops.py tests/test_gpu_model.py"
 
