@@ -94,14 +94,14 @@ class CudaRuntime:
             self.driver.memcpy_dtod(dst.ptr, src.ptr, dst.nbytes, self.stream)
 
     def write(self, dst: DeviceTensor, host: np.ndarray) -> None:
-        """Copy host bytes (already in dst's storage format) into dst, synchronously."""
+        """Copy host bytes (already in dst's storage format) into dst, in stream order. From
+        pageable memory the driver stages the bytes before returning, so `host` may go at once."""
         self._refuse_in_capture("a host-to-device copy")
         data = np.ascontiguousarray(host)
         if data.nbytes != dst.nbytes:
             raise ValueError(f"write of {data.nbytes} bytes into {dst.shape} {dst.dtype}")
         if data.nbytes:
             self.driver.memcpy_htod(dst.ptr, data.ctypes.data, data.nbytes, self.stream)
-            self.driver.stream_synchronize(self.stream)
 
     def read(self, src: DeviceTensor) -> np.ndarray:
         """The raw storage of src as a host array (bf16 as uint16), after the stream drains."""
