@@ -26,8 +26,12 @@ elapsed() { echo $(($(date +%s) - START)); }
 
 # stage NAME LIMIT_S COMMAND: run COMMAND (a bash string) under a timeout clipped to what is left
 # of the budget; record status and seconds.
+# ATLAS_CHECK_STAGES (space-separated names) runs only those stages; unset runs them all.
 stage() {
   local name=$1 limit=$2 cmd=$3 left rc t0 secs
+  if [[ -n "${ATLAS_CHECK_STAGES:-}" && " $ATLAS_CHECK_STAGES " != *" $name "* ]]; then
+    return 0
+  fi
   left=$((BUDGET_S - $(elapsed)))
   if ((left < 15)); then
     SUMMARY+=("$(printf '%-10s %-8s %6s  %s' "$name" SKIPPED "-" "budget spent")")
@@ -66,8 +70,10 @@ stage info 30 "cd /tmp && $PY -m atlas.info --json >'$OUT/info.json' && $PY -m a
 
 stage demo 60 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --max-tokens 80"
 
-stage tests 200 "ATLAS_TEST_INSTALLED=1 ATLAS_REQUIRE_GPU=1 ATLAS_CUDA_CHECK=1 $PY -m pytest -m gpu -q -rfE \
-  --maxfail=20 -p no:cacheprovider --junitxml='$OUT/junit.xml' tests/test_gpu_ops.py tests/test_gpu_model.py"
+GPU_PYTEST="ATLAS_TEST_INSTALLED=1 ATLAS_REQUIRE_GPU=1 ATLAS_CUDA_CHECK=1 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider"
+stage ops 120 "$GPU_PYTEST --maxfail=30 --junitxml='$OUT/junit-ops.xml' tests/test_gpu_ops.py"
+
+stage model 200 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-model.xml' tests/test_gpu_model.py tests/test_demo.py tests/test_llm.py"
 
 stage bench 170 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json' --budget-s 150"
 
@@ -76,15 +82,16 @@ stage bench 170 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json
   echo "=== summary (total $(elapsed)s of ${BUDGET_S}s budget)"
   printf '%-10s %-8s %6s  %s\n' stage status time detail
   for line in "${SUMMARY[@]}"; do echo "$line"; done
-  if [[ -f "$OUT/junit.xml" ]]; then
-    $PY - "$OUT/junit.xml" <<'EOF'
+  for junit in "$OUT"/junit-*.xml; do
+    [[ -f "$junit" ]] || continue
+    $PY - "$junit" <<'EOF'
 import sys, xml.etree.ElementTree as ET
 root = ET.parse(sys.argv[1]).getroot()
 suites = [root] if root.tag == "testsuite" else list(root)
 total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-print("pytest -m gpu: {tests} tests, {failures} failed, {errors} errors, {skipped} skipped".format(**total))
+print(sys.argv[1].rsplit("/", 1)[-1] + ": {tests} tests, {failures} failed, {errors} errors, {skipped} skipped".format(**total))
 EOF
-  fi
+  done
   if [[ -f "$OUT/results.json" ]]; then
     $PY - "$OUT/results.json" <<'EOF'
 import json, sys
