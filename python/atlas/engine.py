@@ -11,6 +11,7 @@ import numpy as np
 
 from .backends.base import Backend, SamplingParams, Tensor
 from .config import ModelSpec
+from .dump import dump_from_env
 from .errors import AtlasError
 from .layers.step import Dump, Step
 from .models import load_model
@@ -43,8 +44,10 @@ class Engine:
         self.spec = spec
         self.backend = backend
         self.max_seq_len = max_seq_len
+        run_info = {"model_type": spec.model_type, "num_hidden_layers": spec.num_hidden_layers}
+        env_dump = dump_from_env(backend, run_info)  # ATLAS_DUMP: checked before the weights load
         self.model = load_model(spec, checkpoint, backend)
-        self.dump: Dump | None = None  # set to receive every named intermediate (not during graphs)
+        self.dump: Dump | None = env_dump  # set to receive every named intermediate (not during graphs)
         self.reset()
 
     def reset(self) -> None:
@@ -56,6 +59,7 @@ class Engine:
     def forward(self, ids: Tensor, positions: Tensor) -> Tensor:
         """ids, positions [T] i32 -> final-normed hidden [T, H]; updates the state in place."""
         step = Step(self.backend, positions, self.dump)
+        step.emit("positions", positions)  # tells a dump where each forward starts
         return self.model.forward(step, ids, self.states)
 
     def _last_logits(self, ids: Tensor, positions: Tensor) -> Tensor:
@@ -83,6 +87,8 @@ class Engine:
     def decode(self, token: int, position: int) -> Tensor:
         """One token at `position` -> its logits [1, V]."""
         self.check_ids([token], position)
+        if self.dump is not None:  # a dump needs every intermediate: eager, no graph replay
+            return self._last_logits(*self._ids([token], position))
         if self._decode is None:
             self._decode = self.backend.make_decode_step(self._decode_step)
         return self._decode(*self._ids([token], position))

@@ -21,6 +21,8 @@ class SparseMoe:
 
     def __call__(self, step: Step, x: Tensor, name: str) -> Tensor:
         be = step.backend
+        if step.dump is not None:  # diagnostics only: the router op keeps its logits to itself
+            step.emit(f"{name}.router_logits", be.linear(x, self.router))  # [T, E]
         ids, weights = be.router(x, self.router, self.top_k, self.renormalize)  # [T, k] each
         step.emit(f"{name}.router_ids", ids)
         step.emit(f"{name}.router_weights", weights)
