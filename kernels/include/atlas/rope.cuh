@@ -1,8 +1,11 @@
 // q/k head RMSNorm + partial rotary embedding (rotate-half / NeoX layout). One warp per
 // (token, head); the normalised head goes through a per-warp shared-memory row because the
 // rotation pairs element j with j +- rotary_dim/2, which another lane holds.
-// Angles are computed in double (pos * theta^(-2i/rotary_dim)) like the numpy reference, so long
-// positions do not lose phase to f32 rounding. Dynamic smem: warps_per_block * head_dim * 4 bytes.
+// The angle is the float32 product pos * inv_freq with inv_freq = 1 / theta^(2i/rotary_dim) rounded
+// to float32, as transformers and the numpy reference compute it: at long positions the rounding
+// of that product moves the phase by more than any cos/sin error, so a more exact angle would
+// disagree with the model as trained. cos/sin of that f32 angle are evaluated in double.
+// Dynamic smem: warps_per_block * head_dim * 4 bytes.
 #pragma once
 
 #include "atlas/common.cuh"
@@ -31,16 +34,18 @@ __device__ void head_norm_rope(const HeadNormRopeParams& p) {
   __syncwarp();
 
   const int half = p.rotary_dim / 2;
-  const double position = static_cast<double>(static_cast<const int32_t*>(p.positions)[token]);
+  const float position = static_cast<float>(static_cast<const int32_t*>(p.positions)[token]);
   for (int j = lane; j < dim; j += kWarpSize) {
     if (j >= 2 * half) {
       out[j] = normed[j];
       continue;
     }
     const int i = j < half ? j : j - half;
-    const double inv_freq = 1.0 / pow(static_cast<double>(p.rope_theta), 2.0 * i / p.rotary_dim);
+    const float exponent = __fdiv_rn(static_cast<float>(2 * i), static_cast<float>(p.rotary_dim));
+    const float power = static_cast<float>(pow(static_cast<double>(p.rope_theta), static_cast<double>(exponent)));
+    const float angle = __fmul_rn(position, __fdiv_rn(1.0f, power));
     double s, c;
-    sincos(position * inv_freq, &s, &c);
+    sincos(static_cast<double>(angle), &s, &c);
     const float cos_f = static_cast<float>(c);
     const float sin_f = static_cast<float>(s);
     out[j] = j < half ? normed[j] * cos_f - normed[j + half] * sin_f : normed[j] * cos_f + normed[j - half] * sin_f;

@@ -42,7 +42,9 @@ def rope_cos_sin(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[
     Frequencies and angles are float32 products, as transformers computes them: at long contexts
     the rounding of the angle matters more than the accuracy of cos/sin."""
     exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)  # [R/2]
-    inv_freq = np.float32(1.0) / np.power(np.float32(theta), exponents)  # [R/2]
+    # numpy's float32 power is off by an ulp for some exponents; torch's is correctly rounded
+    powers = np.power(np.float64(np.float32(theta)), exponents.astype(np.float64)).astype(np.float32)
+    inv_freq = np.float32(1.0) / powers  # [R/2]
     angles = positions.astype(np.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
     angles = np.concatenate([angles, angles], axis=-1)  # [T, R]
     return np.cos(angles), np.sin(angles)
