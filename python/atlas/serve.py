@@ -1,0 +1,115 @@
+"""`python -m atlas.serve`: an OpenAI-compatible HTTP server for one model.
+
+Routes: /v1/models, /v1/completions, /v1/chat/completions (`stream: true` as server-sent events),
+/health. Bad flags, models or addresses print one line on stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from .backends import DEVICES
+from .errors import AtlasError
+from .run import MODEL_HELP, USAGE_EXIT, one_line
+
+GRACEFUL_SHUTDOWN_S = 5
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    model: str | None
+    host: str
+    port: int
+    device: str
+    served_model_name: str | None
+    log_level: str
+
+
+def served_name(model_arg: str | None, model_dir: Path) -> str:
+    """The demo's registry name, else the --model argument as given (a repo id or a path)."""
+    from .demo import DEMO_DIR, DEMO_NAME
+
+    if model_arg is None or model_dir.resolve() == DEMO_DIR.resolve():
+        return DEMO_NAME
+    return model_arg
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind before the weights load, so a taken port fails at once and in one line."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as err:
+        raise AtlasError(f"cannot listen on {host}:{port} ({err.strerror or err}); pick another --host/--port") from None
+    return sock
+
+
+def serve(args: ServeArgs) -> None:
+    import uvicorn
+
+    from .llm import LLM
+    from .resolve import resolve_model
+    from .server.app import ServerState, create_app
+    from .server.worker import EngineWorker
+
+    model_dir = resolve_model(args.model)
+    sock = listen_socket(args.host, args.port)
+    worker = EngineWorker(lambda: LLM(str(model_dir), device=args.device))
+    try:
+        llm = worker.start()
+        name = args.served_model_name or served_name(args.model, model_dir)
+        click.echo(f"atlas.serve: model {name} ({model_dir}), device {llm.device}", err=True)
+        app = create_app(ServerState(name, worker, llm))
+        config = uvicorn.Config(
+            app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+        )
+        host, port = sock.getsockname()[:2]
+        click.echo(f"atlas.serve: listening on http://{host}:{port}/v1", err=True)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        worker.stop()
+        sock.close()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", default=None, help=MODEL_HELP)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--served-model-name", default=None, help="The model id clients send (default: atlas-demo or --model).")
+@click.option(
+    "--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+    show_default=True,
+)
+def command(**kwargs: object) -> None:
+    """Serve a model over the OpenAI HTTP API."""
+    serve(ServeArgs(**kwargs))  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    try:
+        command.main(args=argv, prog_name="python -m atlas.serve", standalone_mode=False)
+    except click.exceptions.Exit as done:
+        return done.exit_code
+    except click.ClickException as err:
+        click.echo(f"atlas.serve: error: {one_line(err.format_message())} (see --help)", err=True)
+        return USAGE_EXIT
+    except AtlasError as err:
+        click.echo(f"atlas.serve: error: {one_line(str(err))}", err=True)
+        return USAGE_EXIT
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The starlette application: routes, the generation flow, and OpenAI-style error answers."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from ..errors import AtlasError
+from ..llm import LLM, GenerateOptions
+from .errors import RequestError, error_body, request_error_body
+from .protocol import GenerationBody, parse_body
+from .responses import Reply, chunk, full_body, sse, text_delta, usage_chunk
+from .worker import EngineWorker, Event, Failed, Finished, TextPiece
+
+log = logging.getLogger("atlas.serve")
+DEFAULT_MAX_TOKENS = 256  # when a request names none (and the context has room)
+
+
+@dataclass(frozen=True)
+class ServerState:
+    model_name: str
+    worker: EngineWorker
+    llm: LLM
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events whose source is closed however the response ends, so a client that
+    goes away mid-stream cancels its generation."""
+
+    def __init__(self, content: AsyncGenerator[str, None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.events = content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()
+
+
+def create_app(state: ServerState) -> Starlette:
+    async def completions(request: Request) -> Response:
+        return await generation(request, state, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generation(request, state, chat=True)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [model_card(state)]})
+
+    async def health(request: Request) -> Response:
+        ok = state.worker.alive
+        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+    handlers = {RequestError: on_request_error, HTTPException: on_http_error, Exception: on_crash}
+    return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+
+
+def model_card(state: ServerState) -> dict[str, object]:
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "atlas"}
+
+
+async def generation(request: Request, state: ServerState, chat: bool) -> Response:
+    body = parse_body(await read_json(request), chat)
+    if body.model != state.model_name:
+        raise RequestError(
+            f"model {body.model!r} is not served here; use {state.model_name!r} (see /v1/models)",
+            "model", "model_not_found",
+        )
+    prompt_ids = encode(state.llm, body)
+    opts = generate_options(state, body, len(prompt_ids))
+    try:
+        state.llm.prepare(prompt_ids, opts)
+    except AtlasError as err:
+        raise RequestError(str(err), "messages" if chat else "prompt") from None
+    reply = Reply(chat=chat, model=state.model_name)
+    events = state.worker.events(prompt_ids, opts, body.sampling.stop)
+    if body.stream:
+        return EventStreamResponse(stream_events(reply, events, body.include_usage))
+    return JSONResponse(await collect(reply, events))
+
+
+async def read_json(request: Request) -> object:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RequestError(f"the request body is not valid JSON ({err})", code="invalid_json") from None
+
+
+def encode(llm: LLM, body: GenerationBody) -> list[int]:
+    if body.messages is not None:
+        try:
+            ids = llm.tokenizer.encode_chat(body.messages)
+        except AtlasError as err:
+            raise RequestError(str(err), "messages") from None
+    elif isinstance(body.prompt, str):
+        ids = llm.tokenizer.encode(body.prompt)
+    else:
+        ids = list(body.prompt or [])
+    if not ids:
+        raise RequestError("the prompt encodes to no tokens; give some text", "prompt")
+    return ids
+
+
+def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: int) -> GenerateOptions:
+    """Every new token but the last takes a position after the prompt's."""
+    engine = state.llm.parts.engine
+    capacity = min(state.llm.parts.spec.max_position_embeddings, getattr(engine, "max_seq_len", 1 << 30))
+    room = capacity - prompt_tokens + 1  # the most new tokens that fit
+    prompt_param = "prompt" if body.prompt is not None else "messages"
+    if room < 1:
+        raise RequestError(
+            f"the prompt has {prompt_tokens} tokens but this model's context holds {capacity}; "
+            "shorten it", prompt_param, "context_length_exceeded",
+        )
+    wanted = body.sampling.max_tokens
+    if wanted is not None and wanted > room:
+        raise RequestError(
+            f"max_tokens {wanted} does not fit: the prompt has {prompt_tokens} tokens and the "
+            f"context holds {capacity}, so at most {room} new tokens; lower max_tokens",
+            "max_tokens", "context_length_exceeded",
+        )
+    s = body.sampling
+    max_tokens = wanted if wanted is not None else min(state.default_max_tokens, room)
+    return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed)
+
+
+async def collect(reply: Reply, events: AsyncGenerator[Event, None]) -> dict[str, object]:
+    pieces: list[str] = []
+    async with aclosing(events):
+        async for event in events:
+            if isinstance(event, TextPiece):
+                pieces.append(event.text)
+            elif isinstance(event, Finished):
+                return full_body(reply, "".join(pieces), event)
+            else:
+                raise RequestError(event.message, status=500)
+    raise RequestError("the engine stopped before finishing", status=500)
+
+
+async def stream_events(reply: Reply, events: AsyncGenerator[Event, None], include_usage: bool) -> AsyncIterator[str]:
+    async with aclosing(events):
+        if reply.chat:
+            yield sse(chunk(reply, {"role": "assistant", "content": ""}))
+        async for event in events:
+            if isinstance(event, TextPiece):
+                yield sse(chunk(reply, text_delta(reply, event.text)))
+            elif isinstance(event, Finished):
+                yield sse(chunk(reply, {}, event.finish_reason))
+                if include_usage:
+                    yield sse(usage_chunk(reply, event))
+            elif isinstance(event, Failed):
+                yield sse(error_body(event.message, "server_error"))
+    yield sse("[DONE]")
+
+
+async def on_request_error(request: Request, err: Exception) -> Response:
+    assert isinstance(err, RequestError)
+    return JSONResponse(request_error_body(err), status_code=err.status)
+
+
+async def on_http_error(request: Request, err: Exception) -> Response:
+    assert isinstance(err, HTTPException)
+    kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+    message = f"{request.method} {request.url.path}: {err.detail}"
+    return JSONResponse(error_body(message, kind), status_code=err.status_code, headers=err.headers)
+
+
+async def on_crash(request: Request, err: Exception) -> Response:
+    log.error("internal error on %s %s: %r", request.method, request.url.path, err)
+    return JSONResponse(error_body(f"internal server error: {type(err).__name__}", "server_error"), 500)

@@ -1,0 +1,201 @@
+"""Request bodies of /v1/completions and /v1/chat/completions -> typed, checked parameters.
+Every mistake is a RequestError naming the parameter; unknown fields are ignored, as OpenAI's
+optional extras are, but fields whose non-default value we cannot honour are refused."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import RequestError
+
+Prompt = str | list[int]
+Message = dict[str, str]
+MAX_STOPS = 16
+
+# field -> its values that change nothing; any other value is refused (we cannot honour it)
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "functions": (None, []),
+    "logit_bias": (None, {}),
+}
+
+
+@dataclass(frozen=True)
+class SamplingFields:
+    max_tokens: int | None  # None: as many as fit, up to the server default
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GenerationBody:
+    model: str
+    prompt: Prompt | None  # /v1/completions
+    messages: list[Message] | None  # /v1/chat/completions
+    sampling: SamplingFields
+    stream: bool
+    include_usage: bool
+
+
+def parse_body(body: Any, chat: bool) -> GenerationBody:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    check_unsupported(body)
+    n = optional_int(body, "n", minimum=1)
+    if n not in (None, 1):
+        raise RequestError(f"n={n} is not supported; this server returns one choice (n=1)", "n")
+    stream = optional_bool(body, "stream") or False
+    return GenerationBody(
+        model=required_str(body, "model"),
+        prompt=None if chat else parse_prompt(body.get("prompt")),
+        messages=parse_messages(body.get("messages")) if chat else None,
+        sampling=parse_sampling(body),
+        stream=stream,
+        include_usage=stream and parse_include_usage(body.get("stream_options")),
+    )
+
+
+def parse_sampling(body: dict[str, Any]) -> SamplingFields:
+    top_k = optional_int(body, "top_k", minimum=-1)  # -1: off, as in vLLM
+    temperature = optional_number(body, "temperature", 1.0)
+    if temperature < 0:
+        raise RequestError(f"'temperature' must be >= 0 (0 = greedy), got {temperature}", "temperature")
+    top_p = optional_number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise RequestError(f"'top_p' must be in (0, 1] (1 = off), got {top_p}", "top_p")
+    return SamplingFields(
+        max_tokens=max_tokens_field(body),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0 if top_k in (None, -1) else top_k,
+        seed=optional_int(body, "seed"),
+        stop=parse_stop(body.get("stop")),
+    )
+
+
+def check_unsupported(body: dict[str, Any]) -> None:
+    for name, neutral in UNSUPPORTED.items():
+        if name in body and body[name] not in neutral:
+            raise RequestError(f"'{name}' is not supported by this server; leave it out", name)
+
+
+def max_tokens_field(body: dict[str, Any]) -> int | None:
+    """max_completion_tokens (the newer name) wins over max_tokens."""
+    newer = optional_int(body, "max_completion_tokens", minimum=1)
+    return newer if newer is not None else optional_int(body, "max_tokens", minimum=1)
+
+
+def parse_prompt(value: Any) -> Prompt:
+    """A string, a list of one string, token ids, or a list of one list of token ids."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise RequestError("'prompt' is empty; give some text", "prompt")
+        return value
+    if isinstance(value, list) and value and all(is_int(t) for t in value):
+        return [int(t) for t in value]
+    if value is None:
+        raise RequestError("'prompt' is required", "prompt")
+    raise RequestError(
+        "'prompt' must be a non-empty string or a list of token ids (batches of several prompts "
+        "are not supported)",
+        "prompt",
+    )
+
+
+def parse_messages(value: Any) -> list[Message]:
+    if value is None:
+        raise RequestError("'messages' is required", "messages")
+    if not isinstance(value, list) or not value:
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
+    return [parse_message(m, i) for i, m in enumerate(value)]
+
+
+def parse_message(value: Any, index: int) -> Message:
+    param = f"messages[{index}]"
+    if not isinstance(value, dict):
+        raise RequestError(f"{param} must be an object with 'role' and 'content'", param)
+    role = value.get("role")
+    if not isinstance(role, str) or not role:
+        raise RequestError(f"{param}.role must be a non-empty string", f"{param}.role")
+    return {"role": role, "content": message_text(value.get("content"), f"{param}.content")}
+
+
+def message_text(content: Any, param: str) -> str:
+    """A string, null, or a list of {"type": "text", "text": ...} parts (joined)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(parts) == len(content) and all(isinstance(p, str) for p in parts):
+            return "".join(parts)
+    raise RequestError(f"{param} must be a string or a list of text parts (only text is supported)", param)
+
+
+def parse_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stops) > MAX_STOPS:
+        raise RequestError(f"'stop' holds {len(stops)} strings; at most {MAX_STOPS} are allowed", "stop")
+    return tuple(stops)
+
+
+def parse_include_usage(value: Any) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, dict):
+        raise RequestError("'stream_options' must be an object", "stream_options")
+    return optional_bool(value, "include_usage", "stream_options.include_usage") or False
+
+
+# --- typed field access --------------------------------------------------------------------------
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def required_str(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"'{name}' is required and must be a non-empty string", name)
+    return value
+
+
+def optional_int(body: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not is_int(value):
+        raise RequestError(f"'{name}' must be an integer, got {value!r}", name)
+    if minimum is not None and value < minimum:
+        raise RequestError(f"'{name}' must be >= {minimum}, got {value}", name)
+    return value
+
+
+def optional_number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise RequestError(f"'{name}' must be a finite number, got {value!r}", name)
+    return float(value)
+
+
+def optional_bool(body: dict[str, Any], name: str, param: str | None = None) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"'{param or name}' must be true or false, got {value!r}", param or name)
+    return value

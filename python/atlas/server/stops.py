@@ -1,0 +1,41 @@
+"""Stop strings over streamed text: text that may begin a stop string is held back until it
+cannot, so a stop string never reaches the client, not even in part."""
+
+from __future__ import annotations
+
+
+class StopMatcher:
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        """Add generated text; return what may be sent now (after a stop: nothing more)."""
+        if self.stopped:
+            return ""
+        self.pending += piece
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            text, self.pending = self.pending[: min(hits)], ""
+            return text
+        keep = self._held_back()
+        text = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep :]
+        return text
+
+    def flush(self) -> str:
+        """The held-back tail once generation has ended without a stop string."""
+        text, self.pending = ("" if self.stopped else self.pending), ""
+        return text
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the pending text that begins some stop string."""
+        longest = 0
+        for stop in self.stops:
+            for size in range(min(len(stop) - 1, len(self.pending)), longest, -1):
+                if self.pending.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

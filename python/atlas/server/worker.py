@@ -1,0 +1,136 @@
+"""The one engine thread. The model is loaded on it and every generation runs on it (a CUDA
+context belongs to the thread that opened it); jobs queue in arrival order, each generation
+starts from a fresh state (prefill resets it), and a cancelled job stops before its next token."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from ..errors import AtlasError
+from ..llm import LLM, GenerateOptions, iter_tokens
+from .stops import StopMatcher
+
+log = logging.getLogger("atlas.serve")
+
+
+@dataclass(frozen=True)
+class TextPiece:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = TextPiece | Finished | Failed
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    opts: GenerateOptions
+    stops: tuple[str, ...]
+    emit: Callable[[Event], None]  # called on the engine thread
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class EngineWorker:
+    """Owns the LLM on a dedicated thread; `events()` runs one generation and yields its events."""
+
+    def __init__(self, load: Callable[[], LLM]) -> None:
+        self._load = load
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._loaded = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="atlas-engine", daemon=True)
+        self.llm: LLM | None = None
+
+    def start(self) -> LLM:
+        """Start the thread and wait until the model is loaded; a load error is raised here."""
+        self._thread.start()
+        self._loaded.wait()
+        if self._load_error is not None:
+            raise self._load_error
+        assert self.llm is not None
+        return self.llm
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.llm is not None
+
+    async def events(self, prompt_ids: list[int], opts: GenerateOptions, stops: tuple[str, ...]) -> AsyncIterator[Event]:
+        """Queue a generation and yield its events; closing the iterator early cancels the job."""
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[Event] = asyncio.Queue()
+
+        def emit(event: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(inbox.put_nowait, event)
+            except RuntimeError:  # the event loop has closed: nobody is listening any more
+                job.cancelled.set()
+
+        job = Job(prompt_ids, opts, stops, emit)
+        self._jobs.put(job)
+        try:
+            while True:
+                event = await inbox.get()
+                yield event
+                if not isinstance(event, TextPiece):
+                    return
+        finally:
+            job.cancelled.set()
+
+    # --- engine thread ------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.llm = self._load()
+        except BaseException as err:  # noqa: BLE001 - handed to start() on the caller's thread
+            self._load_error = err
+            return
+        finally:
+            self._loaded.set()
+        while (job := self._jobs.get()) is not None:
+            if job.cancelled.is_set():
+                continue
+            try:
+                job.emit(generate(self.llm, job))
+            except Exception as err:  # noqa: BLE001 - one failed request must not stop the server
+                log.exception("generation failed")
+                message = str(err) if isinstance(err, AtlasError) else f"{type(err).__name__}: {err}"
+                job.emit(Failed(f"generation failed: {message}"))
+
+
+def generate(llm: LLM, job: Job) -> Finished:
+    """Run one job on the calling (engine) thread, emitting text as it completes."""
+    decoder = llm.tokenizer.stream_decoder()
+    matcher = StopMatcher(job.stops)
+    eos_ids = llm.eos_ids()
+    count = 0
+    last_token = -1
+    for last_token in iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids):
+        count += 1
+        if text := matcher.push(decoder.push(last_token)):
+            job.emit(TextPiece(text))
+        if matcher.stopped or job.cancelled.is_set():
+            break
+    if not matcher.stopped and (text := matcher.push(decoder.flush()) + matcher.flush()):
+        job.emit(TextPiece(text))
+    stopped = matcher.stopped or last_token in eos_ids
+    return Finished("stop" if stopped else "length", len(job.prompt_ids), count)
