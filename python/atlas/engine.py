@@ -13,6 +13,7 @@ from .backends.base import Backend, SamplingParams, Tensor
 from .config import ModelSpec
 from .dump import dump_from_env
 from .errors import AtlasError
+from .kvcache import KVCacheOptions, apply_kv_levels
 from .layers.step import Dump, Step
 from .models import load_model
 from .safetensors import Checkpoint
@@ -38,12 +39,20 @@ class GenerationRequest:
 
 
 class Engine:
-    def __init__(self, spec: ModelSpec, checkpoint: Checkpoint, backend: Backend, max_seq_len: int = 4096):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        checkpoint: Checkpoint,
+        backend: Backend,
+        max_seq_len: int = 4096,
+        kv_cache: KVCacheOptions | None = None,
+    ):
         if max_seq_len < 1:
             raise AtlasError(f"max_seq_len must be >= 1, got {max_seq_len}")
         self.spec = spec
         self.backend = backend
         self.max_seq_len = max_seq_len
+        self.kv_plan = (kv_cache or KVCacheOptions()).plan(spec.layer_types, spec.head_dim, backend.name)  # per layer
         run_info = {"model_type": spec.model_type, "num_hidden_layers": spec.num_hidden_layers}
         env_dump = dump_from_env(backend, run_info)  # ATLAS_DUMP: checked before the weights load
         self.model = load_model(spec, checkpoint, backend)
@@ -53,6 +62,7 @@ class Engine:
     def reset(self) -> None:
         """Fresh caches and states; the decode step is rebuilt on first use for the new buffers."""
         self.states: list[Any] = self.model.new_state(self.backend, self.max_seq_len)
+        apply_kv_levels(self.states, self.kv_plan, self.backend.name)
         self._decode: Callable[[Tensor, Tensor], Tensor] | None = None
 
     # --- steps --------------------------------------------------------------------------------
@@ -93,6 +103,19 @@ class Engine:
             self._decode = self.backend.make_decode_step(self._decode_step)
         return self._decode(*self._ids([token], position))
 
+    def decode_tensor(self, ids: Tensor, position: int) -> Tensor:
+        """decode() for a token already on the backend (ids [1] i32, the previous pick_tensor):
+        the greedy chain argmax -> next embedding stays on the device."""
+        if tuple(ids.shape) != (1,):
+            raise AtlasError(f"decode_tensor takes one token id of shape (1,), got {tuple(ids.shape)}")
+        self.check_ids([0], position)  # only the length: the id came from argmax/sample over the vocab
+        positions = self.backend.upload(np.array([position], dtype=np.int32), "i32")
+        if self.dump is not None:  # a dump needs every intermediate: eager, no graph replay
+            return self._last_logits(ids, positions)
+        if self._decode is None:
+            self._decode = self.backend.make_decode_step(self._decode_step)
+        return self._decode(ids, positions)
+
     def logits(self, ids: list[int]) -> np.ndarray:
         """Teacher-forced logits of every position [T, V] from a fresh state."""
         self.check_ids(ids, 0)
@@ -115,11 +138,16 @@ class Engine:
 
     # --- generation ---------------------------------------------------------------------------
     def pick(self, logits: Tensor, sampling: SamplingParams, rng: np.random.Generator) -> int:
+        return self.pick_tensor(logits, sampling, rng)[0]
+
+    def pick_tensor(self, logits: Tensor, sampling: SamplingParams, rng: np.random.Generator) -> tuple[int, Tensor]:
+        """The chosen id read back (to stream it) and the backend tensor [1] i32 holding it (to feed
+        decode_tensor without a host round trip)."""
         if sampling.temperature == 0:
             token = self.backend.argmax(logits)
         else:
             token = self.backend.sample(logits, sampling, float(rng.random()))
-        return int(self.backend.to_numpy(token)[0])
+        return int(self.backend.to_numpy(token)[0]), token
 
     def generate(
         self,
@@ -143,12 +171,12 @@ class Engine:
             return stats
         rng = np.random.default_rng(request.seed)
         started = time.perf_counter()
-        token = self.pick(self.prefill(request.prompt_ids), request.sampling, rng)
+        token, token_t = self.pick_tensor(self.prefill(request.prompt_ids), request.sampling, rng)
         stats.prefill_seconds = time.perf_counter() - started
         started = time.perf_counter()
         position = len(request.prompt_ids)
         while self._accept(token, stats, request) and len(stats.token_ids) < request.max_tokens:
-            token = self.pick(self.decode(token, position), request.sampling, rng)
+            token, token_t = self.pick_tensor(self.decode_tensor(token_t, position), request.sampling, rng)
             position += 1
         stats.decode_seconds = time.perf_counter() - started
         return stats

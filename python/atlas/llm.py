@@ -55,6 +55,10 @@ class EngineLike(Protocol):
 
     def pick(self, logits: Any, sampling: SamplingParams, rng: Any) -> int: ...
 
+    def pick_tensor(self, logits: Any, sampling: SamplingParams, rng: Any) -> tuple[int, Any]: ...  # id, [1] i32
+
+    def decode_tensor(self, ids: Any, position: int) -> Any: ...  # logits [1, V]; ids from pick_tensor
+
 
 @dataclass
 class LoadedModel:
@@ -201,13 +205,13 @@ def iter_tokens(
 
     sampling = sampling_params(opts)
     rng = np.random.default_rng(opts.seed)
-    token = engine.pick(engine.prefill(prompt_ids), sampling, rng)
+    token, token_t = engine.pick_tensor(engine.prefill(prompt_ids), sampling, rng)
     position = len(prompt_ids)
     for count in range(1, opts.max_tokens + 1):
         yield token
         if token in eos_ids or count == opts.max_tokens:
             return
-        token = engine.pick(engine.decode(token, position), sampling, rng)
+        token, token_t = engine.pick_tensor(engine.decode_tensor(token_t, position), sampling, rng)
         position += 1
 
 

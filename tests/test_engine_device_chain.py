@@ -1,0 +1,114 @@
+"""The greedy chain stays on the backend: the id tensor a step picks is what the next decode step
+receives (no host round trip but reading the id to stream it), with the same tokens as the
+host-fed loop (Engine.decode(int)) for greedy and seeded sampling, in generate and in stream."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from _checkpoints import TinyModel, write_checkpoint
+from atlas.backends.base import SamplingParams, Tensor
+from atlas.backends.numpy_backend import NumpyBackend
+from atlas.config import load_spec
+from atlas.engine import Engine
+from atlas.errors import AtlasError
+from atlas.llm import GenerateOptions, iter_tokens
+from atlas.safetensors import Checkpoint
+
+TINY = TinyModel(vocab_size=96, num_experts=4)
+SETTINGS = [SamplingParams(), SamplingParams(temperature=0.9, top_k=20, top_p=0.95)]
+
+
+class ChainBackend(NumpyBackend):
+    """Records the id tensors it hands out and checks that every decode step is fed one of them
+    (the very object, as a device tensor would be) rather than a fresh upload."""
+
+    def __init__(self) -> None:
+        self.picked: list[Tensor] = []
+        self.fed_picked = 0
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        self.picked.append(super().argmax(logits))
+        return self.picked[-1]
+
+    def sample(self, logits: Tensor, params: SamplingParams, uniform: float) -> Tensor:
+        self.picked.append(super().sample(logits, params, uniform))
+        return self.picked[-1]
+
+    def make_decode_step(self, step: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+        def replay(ids: Tensor, positions: Tensor) -> Tensor:
+            assert self.picked and ids is self.picked[-1], "decode step fed something other than the last pick"
+            self.fed_picked += 1
+            return step(ids, positions)
+
+        return replay
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"checkpoint seed: {seed}")
+    path = tmp_path_factory.mktemp("tiny_chain")
+    write_checkpoint(path, TINY, seed)
+    return path
+
+
+def _engine(model_dir: Path, backend: NumpyBackend) -> Engine:
+    return Engine(load_spec(model_dir), Checkpoint.open(model_dir), backend, max_seq_len=64)
+
+
+def _host_fed_tokens(engine: Engine, prompt: list[int], count: int, sampling: SamplingParams, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    tokens = [engine.pick(engine.prefill(prompt), sampling, rng)]
+    for position in range(len(prompt), len(prompt) + count - 1):
+        tokens.append(engine.pick(engine.decode(tokens[-1], position), sampling, rng))
+    return tokens
+
+
+@pytest.mark.parametrize("sampling", SETTINGS)
+def test_generate_feeds_the_picked_tensor_with_host_fed_tokens(model_dir: Path, rng: np.random.Generator,
+                                                               sampling: SamplingParams) -> None:
+    prompt = rng.integers(0, TINY.vocab_size, 12).tolist()
+    seed = int(rng.integers(0, 2**31))
+    chain = ChainBackend()
+    got = _engine(model_dir, chain).generate(prompt, 16, sampling, seed, set()).token_ids
+    assert chain.fed_picked == 15  # every decode step after the prefill's pick
+    want = _host_fed_tokens(_engine(model_dir, NumpyBackend()), prompt, 16, sampling, seed)
+    assert got == want
+
+
+@pytest.mark.parametrize("sampling", SETTINGS)
+def test_stream_feeds_the_picked_tensor_with_generate_tokens(model_dir: Path, rng: np.random.Generator,
+                                                             sampling: SamplingParams) -> None:
+    prompt = rng.integers(0, TINY.vocab_size, 9).tolist()
+    seed = int(rng.integers(0, 2**31))
+    chain = ChainBackend()
+    opts = GenerateOptions(max_tokens=10, temperature=sampling.temperature, top_k=sampling.top_k,
+                           top_p=sampling.top_p, seed=seed)
+    streamed = list(iter_tokens(_engine(model_dir, chain), prompt, opts, set()))
+    assert chain.fed_picked == 9
+    assert streamed == _host_fed_tokens(_engine(model_dir, NumpyBackend()), prompt, 10, sampling, seed)
+
+
+def test_decode_tensor_logits_equal_decode(model_dir: Path, rng: np.random.Generator) -> None:
+    prompt = rng.integers(0, TINY.vocab_size, 7).tolist()
+    engine = _engine(model_dir, NumpyBackend())
+    token, token_t = engine.pick_tensor(engine.prefill(prompt), SamplingParams(), rng)
+    assert isinstance(token_t, np.ndarray) and token_t.shape == (1,) and int(token_t[0]) == token
+    from_tensor = engine.backend.to_numpy(engine.decode_tensor(token_t, len(prompt)))
+    engine.prefill(prompt)
+    np.testing.assert_array_equal(engine.backend.to_numpy(engine.decode(token, len(prompt))), from_tensor)
+
+
+def test_decode_tensor_refuses_bad_shapes_and_positions(model_dir: Path) -> None:
+    engine = _engine(model_dir, NumpyBackend())
+    engine.prefill([1, 2, 3])
+    with pytest.raises(AtlasError, match="shape"):
+        engine.decode_tensor(np.array([1, 2], dtype=np.int32), 3)
+    with pytest.raises(AtlasError, match="max_seq_len"):
+        engine.decode_tensor(np.array([1], dtype=np.int32), 64)
