@@ -1,0 +1,191 @@
+"""`python -m atlas.compare`: atlas against the Hugging Face transformers oracle, layer by layer.
+
+Both run the same prompt ids in one forward pass: transformers in float32 (on the GPU when atlas
+runs on cuda and torch sees one, else on the CPU), atlas on the chosen backend. Per layer it
+prints the norm ratio ||atlas|| / ||transformers|| and the cosine similarity of the layer outputs
+(the residual stream after the layer, all positions), and the overlap of the top-k router logits
+and of the chosen experts. The FIRST layer whose norm ratio or cosine falls outside
+[0.977, 1.021] is flagged. Exit 0: all layers pass; 1: a layer is flagged; 2: bad input.
+
+`--reference DIR` runs transformers on another checkpoint (e.g. the original of a converted copy).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from .backends import DEVICES
+from .errors import AtlasError
+from .oracle_trace import LayerTrace, atlas_trace, transformers_trace
+
+BAND = (0.977, 1.021)
+USAGE_EXIT = 2
+FLAGGED_EXIT = 1
+
+
+@dataclass(frozen=True)
+class CompareArgs:
+    model: str | None
+    reference: str | None
+    prompt: str | None
+    device: str
+    top_k: int
+    chat: bool
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    index: int
+    kind: str  # linear_attention / full_attention
+    norm_ratio: float
+    cosine: float
+    top_k_overlap: float | None  # mean over positions of |top-k atlas ∩ top-k oracle| / k
+    chosen_overlap: float | None  # the same for the experts each router chose
+
+    @property
+    def passes(self) -> bool:
+        low, high = BAND
+        return low <= self.norm_ratio <= high and low <= self.cosine <= high
+
+    def reason(self) -> str:
+        low, high = BAND
+        if not low <= self.norm_ratio <= high:
+            return f"norm ratio {self.norm_ratio:.4f} outside [{low}, {high}]"
+        return f"cosine {self.cosine:.4f} below {low}"
+
+
+def compare_layers(ours: LayerTrace, oracle: LayerTrace, kinds: tuple[str, ...], top_k: int) -> list[LayerReport]:
+    import numpy as np
+
+    reports = []
+    for i, kind in enumerate(kinds):
+        a = ours.outputs[i].astype(np.float64).reshape(-1)
+        b = oracle.outputs[i].astype(np.float64).reshape(-1)
+        norm_a, norm_b = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+        ratio = norm_a / norm_b if norm_b > 0 else float("inf")
+        cosine = float(a @ b / (norm_a * norm_b)) if norm_a > 0 and norm_b > 0 else 0.0
+        top = overlap_of_top(ours.router_logits[i], oracle.router_logits[i], top_k)
+        chosen = overlap(ours.chosen[i], oracle.chosen[i])
+        reports.append(LayerReport(i, kind, ratio, cosine, top, chosen))
+    return reports
+
+
+def overlap_of_top(ours: object, oracle: object, k: int) -> float | None:
+    """Mean fraction of the k largest router logits the two agree on (as sets, per position)."""
+    import numpy as np
+
+    if ours is None or oracle is None:
+        return None
+    k = min(k, ours.shape[-1])  # type: ignore[attr-defined]
+    return overlap(np.argsort(-ours, axis=-1)[:, :k], np.argsort(-oracle, axis=-1)[:, :k])
+
+
+def overlap(ours: object, oracle: object) -> float | None:
+    if ours is None or oracle is None:
+        return None
+    rows = [len(set(a.tolist()) & set(b.tolist())) / len(a) for a, b in zip(ours, oracle)]  # type: ignore[attr-defined]
+    return sum(rows) / len(rows)
+
+
+def format_report(reports: list[LayerReport], top_k: int) -> list[str]:
+    lines = [f"layer  type              norm_ratio    cosine  top{top_k}_overlap  chosen_overlap"]
+    for r in reports:
+        top = "-" if r.top_k_overlap is None else f"{r.top_k_overlap:.3f}"
+        chosen = "-" if r.chosen_overlap is None else f"{r.chosen_overlap:.3f}"
+        mark = "" if r.passes else "  <- outside"
+        lines.append(f"{r.index:5d}  {r.kind:16s}  {r.norm_ratio:10.6f}  {r.cosine:8.6f}  {top:>13s}  {chosen:>14s}{mark}")
+    return lines
+
+
+def first_failure(reports: list[LayerReport]) -> LayerReport | None:
+    return next((r for r in reports if not r.passes), None)
+
+
+def logits_line(ours: LayerTrace, oracle: LayerTrace) -> str:
+    import numpy as np
+
+    a, b = ours.logits.astype(np.float64), oracle.logits.astype(np.float64)
+    cosine = float((a * b).sum() / (np.linalg.norm(a) * np.linalg.norm(b)))
+    agree = int((a.argmax(-1) == b.argmax(-1)).sum())
+    return f"logits: cosine {cosine:.6f}, argmax agrees at {agree}/{a.shape[0]} positions"
+
+
+def compare(args: CompareArgs) -> int:
+    from .config import load_spec
+    from .llm import encode_prompt, load_model
+    from .resolve import resolve_model
+    from .run import default_prompt
+    from .tokenizer import Tokenizer
+
+    if args.top_k < 1:
+        raise AtlasError(f"--top-k must be >= 1, got {args.top_k}")
+    model_dir = resolve_model(args.model)
+    reference_dir = model_dir if args.reference is None else resolve_model(args.reference)
+    spec = load_spec(model_dir)
+    check_same_shape(spec, load_spec(reference_dir), reference_dir)
+    prompt = args.prompt if args.prompt is not None else default_prompt(model_dir, args.model)
+    ids = encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
+    loaded = load_model(str(model_dir), args.device)
+    ours = atlas_trace(loaded.engine, ids, spec.num_hidden_layers)
+    torch_device = "cuda" if loaded.device.startswith("cuda") else "cpu"
+    oracle, torch_device = transformers_trace(reference_dir, ids, spec.num_hidden_layers, torch_device)
+    click.echo(f"atlas.compare: {len(ids)} prompt tokens; atlas {model_dir} on {loaded.device}")
+    click.echo(f"atlas.compare: oracle transformers float32 {reference_dir} on {torch_device}")
+    reports = compare_layers(ours, oracle, spec.layer_types, args.top_k)
+    for line in format_report(reports, args.top_k):
+        click.echo(line)
+    click.echo(logits_line(ours, oracle))
+    failed = first_failure(reports)
+    if failed is None:
+        click.echo(f"PASS: every layer's norm ratio and cosine within [{BAND[0]}, {BAND[1]}]")
+        return 0
+    click.echo(f"FIRST FLAGGED LAYER: {failed.index} ({failed.kind}): {failed.reason()}")
+    return FLAGGED_EXIT
+
+
+def check_same_shape(spec: object, reference: object, reference_dir: Path) -> None:
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size", "num_experts", "layer_types"):
+        ours, theirs = getattr(spec, key), getattr(reference, key)
+        if ours != theirs:
+            raise AtlasError(
+                f"--reference {reference_dir} has {key} {theirs}, the model {ours}; "
+                "compare a checkpoint against the same architecture"
+            )
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", default=None, help="Directory, HF repo id in the local cache, or registry name (default: atlas-demo).")
+@click.option("--reference", default=None, help="Checkpoint transformers runs (default: the same as --model).")
+@click.option("--prompt", default=None, help="Prompt text (default for the demo: its first words).")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True, help="atlas backend.")
+@click.option("--top-k", type=int, default=10, show_default=True, help="Router logits compared per position.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+def command(**kwargs: object) -> int:
+    """Compare atlas with transformers (float32) layer by layer on one prompt."""
+    return compare(CompareArgs(**kwargs))  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    try:
+        code = command.main(args=argv, prog_name="python -m atlas.compare", standalone_mode=False)
+    except click.exceptions.Exit as done:  # --help
+        return done.exit_code
+    except click.ClickException as err:
+        click.echo(f"atlas.compare: error: {' '.join(err.format_message().split())} (see --help)", err=True)
+        return USAGE_EXIT
+    except AtlasError as err:
+        click.echo(f"atlas.compare: error: {' '.join(str(err).split())}", err=True)
+        return USAGE_EXIT
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo("\natlas.compare: interrupted", err=True)
+        return 130
+    return 0 if code is None else int(code)  # None: --help
+
+
+if __name__ == "__main__":
+    sys.exit(main())
