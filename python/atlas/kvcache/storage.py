@@ -1,0 +1,59 @@
+"""KV cache storage of the quantized levels for the numpy backend.
+
+`QuantizedRows` stands in for a [S, Hkv, D] cache tensor: a row write (`cache[a:b] = k`, as
+NumpyBackend.attention does) encodes the rows with the level into packed fields, and a row read
+(`cache[:L]`) returns the decoded float32 rows, so attention sees exactly what the level stores.
+Decoded rows are kept beside the packed fields (decoding is deterministic, so they always equal
+decode(packed)); `nbytes` counts the packed storage only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import AtlasError
+from ..layers.attention import KVCache
+from .level import KVLevel
+from .levels import get_level
+from .options import DEFAULT_LEVEL
+
+
+class QuantizedRows:
+    def __init__(self, level: KVLevel, shape: tuple[int, int, int]) -> None:
+        capacity, heads, dim = shape
+        self.level = level
+        self.shape = shape
+        self.fields = {
+            name: np.zeros((capacity, heads, *field_shape), dtype=dt)
+            for name, (field_shape, dt) in level.layout(dim).items()
+        }
+        self.decoded = np.zeros(shape, dtype=np.float32)  # [S, Hkv, D]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.fields.values())
+
+    def __setitem__(self, rows: slice, values: np.ndarray) -> None:
+        tokens = values.shape[0]
+        flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1, self.shape[2])  # [T*Hkv, D]
+        encoded = self.level.encode(flat)
+        for name, array in encoded.items():
+            self.fields[name][rows] = array.reshape(tokens, self.shape[1], *array.shape[1:])
+        self.decoded[rows] = self.level.decode(encoded).reshape(values.shape)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return self.decoded[rows]
+
+
+def apply_kv_levels(states: list[Any], plan: list[str | None], backend_name: str) -> None:
+    """Swap the caches of the layers whose level is not bf16 for QuantizedRows (in place)."""
+    for state, level in zip(states, plan):
+        if level is None or level == DEFAULT_LEVEL:
+            continue
+        if backend_name != "numpy":
+            raise AtlasError(f"KV cache level {level} has no {backend_name} storage; plan with KVCacheOptions.plan")
+        assert isinstance(state, KVCache), "the plan marks full-attention layers only"
+        state.k = QuantizedRows(get_level(level), tuple(state.k.shape))
+        state.v = QuantizedRows(get_level(level), tuple(state.v.shape))
