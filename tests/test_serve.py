@@ -1,0 +1,431 @@
+"""The OpenAI-compatible server on the demo model (CPU): a real uvicorn on a free loopback port,
+driven by the official openai client and by raw HTTP. Every answer is checked against the
+in-process LLM run sequentially; bad requests get 400 bodies and the server keeps answering."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai client is in the test extra: pip install '.[test]'")
+uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is an atlas dependency: pip install .")
+
+from atlas import LLM  # noqa: E402
+from atlas.demo import DEMO_NAME, zen_of_python  # noqa: E402
+from atlas.server.app import ServerState, create_app  # noqa: E402
+from atlas.server.worker import EngineWorker  # noqa: E402
+
+HOST = "127.0.0.1"
+TIMEOUT_S = 30.0
+REPO = Path(__file__).resolve().parent.parent
+
+
+class CountingEngine:
+    """The real engine, counting decode steps and optionally slowed (to catch a stream mid-way)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.decodes = 0
+        self.delay_s = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.engine, name)
+        if not name.startswith("decode"):  # decode, decode_tensor: one step each
+            return method
+
+        def step(*args: Any) -> Any:
+            self.decodes += 1
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            return method(*args)
+
+        return step
+
+
+@dataclass
+class Served:
+    port: int
+    engine: CountingEngine
+    reference: LLM  # a second model in this process: the sequential answers
+
+    def client(self) -> Any:
+        return openai.OpenAI(base_url=f"http://{HOST}:{self.port}/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
+
+
+def load_counting() -> LLM:
+    llm = LLM(None, device="cpu")
+    engine = CountingEngine(llm.parts.engine)
+    return LLM.from_loaded(dataclasses.replace(llm.parts, engine=engine))
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    worker = EngineWorker(load_counting)
+    llm = worker.start()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((HOST, 0))
+    config = uvicorn.Config(create_app(ServerState(DEMO_NAME, worker, llm)), log_level="warning", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield Served(sock.getsockname()[1], llm.parts.engine, LLM(None, device="cpu"))  # type: ignore[arg-type]
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT_S)
+        worker.stop()
+        sock.close()
+    assert not thread.is_alive(), "uvicorn did not stop"
+
+
+def random_prompt(rng: np.random.Generator) -> str:
+    """The first words of a random line of the Zen (what the demo was trained on)."""
+    lines = [line for line in zen_of_python().splitlines() if line.strip()]
+    words = lines[int(rng.integers(len(lines)))].split()
+    return " ".join(words[: int(rng.integers(1, len(words) + 1))])
+
+
+def expected(served: Served, prompt: str, max_tokens: int, chat: bool = False, **kw: Any) -> tuple[str, str, int]:
+    """(text, finish_reason, completion_tokens) of a sequential in-process run."""
+    result = served.reference.generate(prompt, max_tokens=max_tokens, chat=chat, **kw)
+    stopped = result.token_ids[-1] in served.reference.eos_ids()
+    return result.text, "stop" if stopped else "length", len(result.token_ids)
+
+
+def post(port: int, path: str, body: bytes | str) -> tuple[int, dict[str, Any]]:
+    conn = http.client.HTTPConnection(HOST, port, timeout=TIMEOUT_S)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def assert_still_serving(served: Served) -> None:
+    status, body = post(served.port, "/v1/completions", json.dumps(
+        {"model": DEMO_NAME, "prompt": "Beautiful is", "max_tokens": 3, "temperature": 0}
+    ))
+    assert status == 200, body
+    assert body["choices"][0]["text"] == expected(served, "Beautiful is", 3)[0]
+
+
+# --- happy paths with the official client ------------------------------------------------------
+def test_models_and_health(served: Served) -> None:
+    assert [m.id for m in served.client().models.list()] == [DEMO_NAME]
+    conn = http.client.HTTPConnection(HOST, served.port, timeout=TIMEOUT_S)
+    conn.request("GET", "/health")
+    response = conn.getresponse()
+    assert response.status == 200 and json.loads(response.read())["status"] == "ok"
+    conn.close()
+
+
+def test_completion(served: Served, rng: np.random.Generator) -> None:
+    prompt, max_tokens = random_prompt(rng), int(rng.integers(1, 200))
+    text, finish, count = expected(served, prompt, max_tokens)
+    answer = served.client().completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    assert answer.object == "text_completion" and answer.model == DEMO_NAME and answer.id
+    assert answer.choices[0].text == text
+    assert answer.choices[0].finish_reason == finish
+    prompt_tokens = len(served.reference.tokenizer.encode(prompt))
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, count)
+    assert answer.usage.total_tokens == prompt_tokens + count
+
+
+def test_completion_stream(served: Served, rng: np.random.Generator) -> None:
+    prompt, max_tokens = random_prompt(rng), int(rng.integers(1, 200))
+    text, finish, count = expected(served, prompt, max_tokens)
+    stream = served.client().completions.create(
+        model=DEMO_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == count and not chunks[-1].choices
+    choices = [c.choices[0] for c in chunks[:-1]]
+    assert "".join(c.text for c in choices) == text
+    assert [c.finish_reason for c in choices] == [None] * (len(choices) - 1) + [finish]
+
+
+def test_chat(served: Served, rng: np.random.Generator) -> None:
+    prompt, max_tokens = random_prompt(rng), int(rng.integers(1, 200))
+    text, finish, count = expected(served, prompt, max_tokens, chat=True)
+    answer = served.client().chat.completions.create(
+        model=DEMO_NAME, messages=[{"role": "user", "content": prompt}], max_completion_tokens=max_tokens, temperature=0
+    )
+    assert answer.object == "chat.completion"
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == text
+    assert answer.choices[0].finish_reason == finish
+    chat_ids = served.reference.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(chat_ids), count)
+
+
+def test_chat_stream(served: Served, rng: np.random.Generator) -> None:
+    prompt, max_tokens = random_prompt(rng), int(rng.integers(1, 200))
+    text, finish, _ = expected(served, prompt, max_tokens, chat=True)
+    stream = served.client().chat.completions.create(
+        model=DEMO_NAME, messages=[{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+        max_tokens=max_tokens, temperature=0, stream=True,
+    )
+    chunks = [c.choices[0] for c in stream]
+    assert chunks[0].delta.role == "assistant"
+    assert "".join(c.delta.content or "" for c in chunks) == text
+    assert chunks[-1].finish_reason == finish
+    assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_raw_stream_is_openai_sse(served: Served) -> None:
+    conn = http.client.HTTPConnection(HOST, served.port, timeout=TIMEOUT_S)
+    body = {"model": DEMO_NAME, "prompt": "Flat is", "max_tokens": 4, "temperature": 0, "stream": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body))
+    response = conn.getresponse()
+    assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
+    events = response.read().decode().split("\n\n")
+    conn.close()
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings(served: Served, rng: np.random.Generator, stream: bool) -> None:
+    prompt = random_prompt(rng)
+    full, _, _ = expected(served, prompt, 40)
+    words = full.split()
+    stop = words[int(rng.integers(1, len(words)))]  # a word the run reaches (not the first)
+    cut = full[: full.index(stop)]
+    answer = served.client().completions.create(
+        model=DEMO_NAME, prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "\x00never"], stream=stream
+    )
+    chunks = list(answer) if stream else [answer]
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling(served: Served, rng: np.random.Generator) -> None:
+    prompt, seed = random_prompt(rng), int(rng.integers(1 << 31))
+    text, _, _ = expected(served, prompt, 30, temperature=1.5, top_k=50, top_p=0.95, seed=seed)
+    for _ in range(2):
+        answer = served.client().completions.create(
+            model=DEMO_NAME, prompt=prompt, max_tokens=30, temperature=1.5, top_p=0.95, seed=seed,
+            extra_body={"top_k": 50},
+        )
+        assert answer.choices[0].text == text
+
+
+def test_token_id_prompt(served: Served, rng: np.random.Generator) -> None:
+    prompt = random_prompt(rng)
+    ids = served.reference.tokenizer.encode(prompt)
+    answer = served.client().completions.create(model=DEMO_NAME, prompt=ids, max_tokens=12, temperature=0)
+    assert answer.choices[0].text == expected(served, prompt, 12)[0]
+
+
+# --- bad requests ------------------------------------------------------------------------------
+GOOD = {"model": DEMO_NAME, "prompt": "Beautiful", "max_tokens": 4}
+BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
+    ("malformed json", '{"model": "atlas-demo", "prompt": ', None),
+    ("not an object", "[1, 2]", None),
+    ("missing prompt", {"model": DEMO_NAME}, "prompt"),
+    ("prompt wrong type", {**GOOD, "prompt": 42}, "prompt"),
+    ("empty prompt", {**GOOD, "prompt": ""}, "prompt"),
+    ("batch of prompts", {**GOOD, "prompt": ["a", "b"]}, "prompt"),
+    ("token id outside vocab", {**GOOD, "prompt": [1, 10**6]}, "prompt"),
+    ("missing model", {"prompt": "Beautiful"}, "model"),
+    ("unknown model", {**GOOD, "model": "gpt-4o"}, "model"),
+    ("max_tokens string", {**GOOD, "max_tokens": "ten"}, "max_tokens"),
+    ("max_tokens bool", {**GOOD, "max_tokens": True}, "max_tokens"),
+    ("max_tokens zero", {**GOOD, "max_tokens": 0}, "max_tokens"),
+    ("max_tokens beyond context", {**GOOD, "max_tokens": 10**6}, "max_tokens"),
+    ("temperature negative", {**GOOD, "temperature": -0.5}, "temperature"),
+    ("temperature string", {**GOOD, "temperature": "hot"}, "temperature"),
+    ("top_p zero", {**GOOD, "top_p": 0}, "top_p"),
+    ("top_k float", {**GOOD, "top_k": 1.5}, "top_k"),
+    ("seed string", {**GOOD, "seed": "x"}, "seed"),
+    ("stop wrong type", {**GOOD, "stop": 7}, "stop"),
+    ("stop empty string", {**GOOD, "stop": [""]}, "stop"),
+    ("n above one", {**GOOD, "n": 3}, "n"),
+    ("stream not bool", {**GOOD, "stream": "yes"}, "stream"),
+    ("logprobs asked", {**GOOD, "logprobs": 5}, "logprobs"),
+]
+BAD_CHAT: list[tuple[str, Any, str | None]] = [
+    ("missing messages", {"model": DEMO_NAME}, "messages"),
+    ("messages not a list", {"model": DEMO_NAME, "messages": "hi"}, "messages"),
+    ("message without role", {"model": DEMO_NAME, "messages": [{"content": "hi"}]}, "messages[0].role"),
+    ("image content", {"model": DEMO_NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    ("chat max_completion_tokens beyond context",
+     {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    *[pytest.param("/v1/completions", b, p, id=name) for name, b, p in BAD_COMPLETIONS],
+    *[pytest.param("/v1/chat/completions", b, p, id=name) for name, b, p in BAD_CHAT],
+])
+def test_bad_request(served: Served, path: str, body: Any, param: str | None) -> None:
+    status, answer = post(served.port, path, body if isinstance(body, str) else json.dumps(body))
+    assert status == 400, answer
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+    assert_still_serving(served)
+
+
+def test_client_sees_bad_requests(served: Served) -> None:
+    client = served.client()
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.completions.create(model="no-such-model", prompt="Flat", max_tokens=2)
+    assert unknown.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as several:
+        client.chat.completions.create(model=DEMO_NAME, messages=[{"role": "user", "content": "x"}], n=2)
+    assert several.value.param == "n"
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model=DEMO_NAME, input="x")
+    assert_still_serving(served)
+
+
+# --- concurrency and disconnects ---------------------------------------------------------------
+def test_eight_concurrent_clients(served: Served, rng: np.random.Generator) -> None:
+    jobs = [(random_prompt(rng), int(rng.integers(20, 120)), i % 2 == 1, i % 4 >= 2) for i in range(8)]
+    wanted = [expected(served, p, n, chat=chat)[0] for p, n, chat, _ in jobs]
+
+    def ask(job: tuple[str, int, bool, bool]) -> str:
+        prompt, max_tokens, chat, stream = job
+        client = served.client()
+        if chat:
+            answer = client.chat.completions.create(
+                model=DEMO_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                temperature=0, stream=stream,
+            )
+            if stream:
+                return "".join(c.choices[0].delta.content or "" for c in answer)
+            return answer.choices[0].message.content
+        answer = client.completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=stream)
+        return "".join(c.choices[0].text for c in answer) if stream else answer.choices[0].text
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = list(pool.map(ask, jobs, timeout=TIMEOUT_S * 2))
+    assert answers == wanted
+
+
+def test_disconnect_mid_stream_frees_the_engine(served: Served) -> None:
+    prompt = "Beautiful is better than"
+    _, _, full_run = expected(served, prompt, 1000)  # decode steps an uninterrupted run would take
+    served.engine.delay_s = 0.02
+    try:
+        client = served.client()
+        stream = client.completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=1000, temperature=0, stream=True)
+        start = served.engine.decodes
+        for _, _ in zip(range(3), stream):
+            pass
+        stream.close()
+        settled = wait_until_settled(served.engine)
+        assert settled - start >= 2, "the stream ran without decode steps: the counter is not wired"
+        assert settled - start < full_run // 4, f"{settled - start} decodes after the disconnect"
+        began = time.monotonic()
+        answer = client.completions.create(model=DEMO_NAME, prompt="Flat is", max_tokens=5, temperature=0)
+        assert time.monotonic() - began < 2.0
+        assert answer.choices[0].text == expected(served, "Flat is", 5)[0]
+    finally:
+        served.engine.delay_s = 0.0
+
+
+def wait_until_settled(engine: CountingEngine) -> int:
+    """The decode count once it stops moving for 0.3 s (bounded)."""
+    last, deadline = -1, time.monotonic() + 10
+    while time.monotonic() < deadline:
+        count = engine.decodes
+        if count == last:
+            return count
+        last = count
+        time.sleep(0.3)
+    raise AssertionError("the engine kept decoding after the client disconnected")
+
+
+# --- the command line --------------------------------------------------------------------------
+def serve_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "atlas.serve", "--device", "cpu", "--log-level", "warning", *args]
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    if env.get("ATLAS_TEST_INSTALLED") != "1":
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_cli_serves_and_stops() -> None:
+    process = subprocess.Popen(serve_command("--host", HOST, "--port", "0"), stderr=subprocess.PIPE, text=True, env=cli_env())
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()  # type: ignore[union-attr]
+    try:
+        port = listening_port(lines)
+        client = openai.OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
+        answer = client.chat.completions.create(
+            model=DEMO_NAME, messages=[{"role": "user", "content": "Flat"}], max_tokens=6, temperature=0
+        )
+        assert answer.choices[0].message.content
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert process.returncode == 0
+
+
+def listening_port(lines: queue.Queue[str]) -> int:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        if "listening on http://" in line:
+            return int(line.rsplit(":", 1)[1].split("/")[0])
+    raise AssertionError("atlas.serve did not report its address")
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--port", "70000"], "--port"),
+    (["--model", "/no/such/model/dir"], "/no/such/model/dir"),
+    (["--log-level", "loud"], "--log-level"),
+])
+def test_cli_bad_input_is_one_line(args: list[str], needle: str) -> None:
+    done = subprocess.run(serve_command(*args), capture_output=True, text=True, env=cli_env(), timeout=TIMEOUT_S)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("atlas.serve: error:") and needle in lines[0], done.stderr
+
+
+def test_cli_port_in_use() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind((HOST, 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        done = subprocess.run(serve_command("--host", HOST, "--port", port), capture_output=True, text=True,
+                              env=cli_env(), timeout=TIMEOUT_S)
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith(f"atlas.serve: error: cannot listen on {HOST}:{port}"), done.stderr
