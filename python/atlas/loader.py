@@ -14,6 +14,7 @@ import numpy as np
 
 from .backends.base import Backend, Tensor
 from .errors import AtlasError
+from .quant.stored import QuantizedTensors
 from .safetensors import Checkpoint
 
 TEXT_PREFIXES = ("model.language_model.", "model.")  # multimodal (nested) first, then text-only
@@ -33,7 +34,12 @@ def find_text_prefix(checkpoint: Checkpoint, probe: str) -> str:
     )
 
 
-def check_tensor(checkpoint: Checkpoint, name: str, expected: Shape) -> None:
+def check_tensor(
+    checkpoint: Checkpoint, name: str, expected: Shape, quantized: QuantizedTensors | None = None
+) -> None:
+    if quantized is not None and quantized.holds(name):
+        quantized.check(name, expected)
+        return
     if name not in checkpoint:
         raise AtlasError(
             f"tensor {name!r} (expected shape {list(expected)}) is missing from {checkpoint.source}; "
@@ -56,12 +62,18 @@ class WeightReader:
     """Reads the planned tensors as float32 and uploads them to a backend."""
 
     def __init__(self, checkpoint: Checkpoint, backend: Backend, plan: Mapping[str, Shape]):
+        self.quantized = QuantizedTensors.of(checkpoint)
         for name, shape in plan.items():
-            check_tensor(checkpoint, name, shape)
+            check_tensor(checkpoint, name, shape, self.quantized)
         self.checkpoint = checkpoint
         self.backend = backend
         self._plan = dict(plan)
-        self._bar = self._progress(sum(checkpoint.info(n).nbytes for n in plan))
+        self._bar = self._progress(sum(self._stored_bytes(n) for n in plan))
+
+    def _stored_bytes(self, name: str) -> int:
+        if self.quantized.holds(name):
+            return self.quantized.nbytes(name)
+        return self.checkpoint.info(name).nbytes
 
     def _progress(self, total: int):  # noqa: ANN202 - tqdm's type
         from tqdm import tqdm
@@ -74,8 +86,11 @@ class WeightReader:
         """The planned tensor as a float32 host array (bf16 converted exactly)."""
         if name not in self._plan:
             raise KeyError(f"{name} was not planned; add it to the family's plan")
-        data = np.asarray(self.checkpoint.get(name), dtype=np.float32)
-        self._bar.update(self.checkpoint.info(name).nbytes)
+        if self.quantized.holds(name):
+            data = self.quantized.weight(name).dequantize()
+        else:
+            data = np.asarray(self.checkpoint.get(name), dtype=np.float32)
+        self._bar.update(self._stored_bytes(name))
         return data
 
     def upload(self, array: np.ndarray) -> Tensor:
@@ -83,6 +98,15 @@ class WeightReader:
         return self.backend.upload(np.ascontiguousarray(array), "bf16" if array.ndim >= 2 else "f32")
 
     def tensor(self, name: str) -> Tensor:
+        """A whole planned tensor; a quantized one goes packed to a backend with
+        `upload_quantized(QuantizedWeight)`, dequantized to any other."""
+        upload_quantized = getattr(self.backend, "upload_quantized", None)
+        if upload_quantized is not None and self.quantized.holds(name):
+            if name not in self._plan:
+                raise KeyError(f"{name} was not planned; add it to the family's plan")
+            weight = self.quantized.weight(name)
+            self._bar.update(weight.nbytes)
+            return upload_quantized(weight)
         return self.upload(self.array(name))
 
     def close(self) -> None:
