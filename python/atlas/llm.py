@@ -11,6 +11,7 @@ from .errors import AtlasError
 
 if TYPE_CHECKING:
     from .backends.base import SamplingParams
+    from .kvcache.options import KVCacheOptions
     from .config import ModelSpec
     from .tokenizer import Tokenizer
 
@@ -69,8 +70,10 @@ class LoadedModel:
     device: str  # which backend runs and why, e.g. "cpu (numpy ...; cuda unavailable: ...)"
 
 
-def load_model(model: str | None, device: str) -> LoadedModel:
+def load_model(model: str | None, device: str, kv_cache: KVCacheOptions | None = None) -> LoadedModel:
     """Resolve, read config and tokenizer, open the weights and build the engine."""
+    if kv_cache is not None:
+        kv_cache.check()
     from .backends import create_backend
     from .config import load_spec
     from .resolve import resolve_model
@@ -84,15 +87,24 @@ def load_model(model: str | None, device: str) -> LoadedModel:
     backend, reason = create_backend(device, model_dir, spec)
     from .engine import Engine
 
-    return LoadedModel(model_dir, spec, tokenizer, Engine(spec, checkpoint, backend), reason)
+    return LoadedModel(model_dir, spec, tokenizer, Engine(spec, checkpoint, backend, kv_cache=kv_cache), reason)
 
 
 class LLM:
     """A loaded model. `model`: None (the embedded demo), a directory, an HF repo id in the local
-    cache or a registry name; `device`: "auto", "cpu" or "cuda"."""
+    cache or a registry name; `device`: "auto", "cpu" or "cuda"; `kv_cache_dtype` and
+    `kv_high_precision_layers`: the KV cache level of the full-attention layers (atlas.kvcache.options)."""
 
-    def __init__(self, model: str | None = None, device: str = "auto") -> None:
-        self.parts = load_model(model, device)
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "auto",
+        kv_cache_dtype: str = "bf16",
+        kv_high_precision_layers: str | int = "auto",
+    ) -> None:
+        from .kvcache.options import KVCacheOptions
+
+        self.parts = load_model(model, device, KVCacheOptions(kv_cache_dtype, kv_high_precision_layers))
 
     @classmethod
     def from_loaded(cls, parts: LoadedModel) -> LLM:

@@ -13,6 +13,7 @@ import click
 
 from .backends import DEVICES
 from .errors import AtlasError
+from .kvcache.names import DEFAULT_LEVEL, LEVEL_NAMES
 
 USAGE_EXIT = 2
 INTERRUPT_EXIT = 130
@@ -29,6 +30,8 @@ class RunArgs:
     seed: int | None
     chat: bool
     device: str
+    kv_cache_dtype: str = DEFAULT_LEVEL
+    kv_high_precision_layers: str = "auto"
 
 
 def default_prompt(model_dir: Path, model_arg: str | None) -> str:
@@ -42,6 +45,7 @@ def default_prompt(model_dir: Path, model_arg: str | None) -> str:
 
 def run(args: RunArgs) -> None:
     from .config import load_spec
+    from .kvcache.options import KVCacheOptions, describe
     from .llm import LLM, GenerateOptions, encode_prompt
     from .resolve import resolve_model
     from .tokenizer import Tokenizer
@@ -50,12 +54,16 @@ def run(args: RunArgs) -> None:
     prompt = args.prompt if args.prompt is not None else default_prompt(model_dir, args.model)
     load_spec(model_dir)  # config and prompt problems surface before the weights load
     encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
-    llm = LLM(str(model_dir), device=args.device)
+    kv_cache = KVCacheOptions(args.kv_cache_dtype, args.kv_high_precision_layers)
+    kv_cache.check()
+    llm = LLM(str(model_dir), args.device, kv_cache.dtype, kv_cache.high_precision_layers)
     opts = GenerateOptions(
         args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat
     )
     prompt_ids = llm.prepare(prompt, opts)
     click.echo(f"atlas: model {llm.model_dir}, device {llm.device}", err=True)
+    if args.kv_cache_dtype != DEFAULT_LEVEL:
+        click.echo(f"atlas: kv cache {describe(llm.parts.engine.kv_plan)}", err=True)
     result = llm.generate_with(prompt_ids, opts, on_text=write_stdout)
     write_stdout("\n")
     click.echo(
@@ -87,6 +95,14 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 @click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible output).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option(
+    "--kv-cache-dtype", type=click.Choice(LEVEL_NAMES), default=DEFAULT_LEVEL, show_default=True,
+    help="KV cache level of the full-attention layers (quantized levels: CPU backend only so far).",
+)
+@click.option(
+    "--kv-high-precision-layers", default="auto", show_default=True,
+    help="Full-attention layers kept bf16 at each end: auto (= 1: the first and the last) or N.",
+)
 def command(**kwargs: object) -> None:
     """Run a model: stream generated text to stdout, then a stats line to stderr."""
     run(RunArgs(**kwargs))  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..errors import AtlasError
 from .level import KVLevel
+from .names import LEVEL_NAMES
 from .plain import Bf16Level, Fp8Level, Nvfp4Level
 from .turbo import Turbo8Level, TurboCodebookLevel
 
@@ -15,7 +16,7 @@ LEVELS: dict[str, KVLevel] = {
     "turbo4": TurboCodebookLevel("turbo4", 4),
     "turbo3": TurboCodebookLevel("turbo3", 3),
 }
-LEVEL_NAMES = tuple(LEVELS)
+assert tuple(LEVELS) == LEVEL_NAMES, "names.py lists every level, in this order"
 
 
 def get_level(name: str) -> KVLevel:

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import AtlasError
-from .levels import LEVEL_NAMES, get_level
+from .levels import get_level
+from .names import DEFAULT_LEVEL, LEVEL_NAMES
 
 AUTO_HIGH_PRECISION = 1
-DEFAULT_LEVEL = "bf16"
 
 
 def parse_high_precision(value: str | int) -> int:

@@ -17,7 +17,7 @@ from ..errors import AtlasError
 from ..layers.attention import KVCache
 from .level import KVLevel
 from .levels import get_level
-from .options import DEFAULT_LEVEL
+from .names import DEFAULT_LEVEL
 
 
 class QuantizedRows:
