@@ -1,7 +1,8 @@
 """Qwen3.5 / 3.6 MoE (transformers `qwen3_5_moe`, `qwen3_5_moe_text`): checkpoint names -> layers.
 
 Text weights live under `model.language_model.` (multimodal checkpoints) or `model.`; the vision
-tower (`model.visual.*`) and the MTP head (`mtp.*`) are not read. Experts come fused
+tower (`model.visual.*`) is not read; the MTP head (`mtp.*`) only by qwen3_5_moe_mtp.py,
+on request (speculative decoding). Experts come fused
 (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) or per expert
 (`mlp.experts.{e}.{gate,up,down}_proj.weight`) and are stacked as gate_up / down either way.
 """
@@ -215,3 +216,4 @@ def load_qwen3_5_moe(spec: ModelSpec, checkpoint: Checkpoint, backend: Backend) 
     finally:
         reader.close()
     return CausalLM(embed, layers, final_norm, head)
+

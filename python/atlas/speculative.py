@@ -1,0 +1,275 @@
+"""MTP speculative decoding (greedy): the MTP head drafts K tokens, the main model verifies
+them in one prefill-style pass over K+1 positions, the longest matching prefix is kept plus the
+main model's own next token (the bonus), so the output equals plain greedy decoding.
+
+Rollback on rejection. The KV caches of full-attention layers (main and MTP) need none: a row is
+only read after the step that owns its position wrote it, so rows past the accepted prefix are
+simply overwritten later. The DeltaNet conv and recurrent states advance over all K+1 tokens in
+the verify pass, so they are snapshotted before it; when a draft is rejected they are restored
+and the accepted tokens (1..K) are run through the main model again. This needs only the ops
+the backends already have (the recurrent op updates its state in place over the whole step and
+exposes no per-token states) and costs one short extra forward, on rejection only.
+
+The MTP head sees the main model's final-normed hidden state (as vLLM's qwen3_5_mtp /
+qwen3_next_mtp are fed); `hidden_source="pre_norm"` feeds the residual stream before the final
+norm instead. Draft steps after the first feed the head its own mtp-normed output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from .backends.base import Backend, Tensor
+from .config import ModelSpec
+from .engine import Engine, GenerationRequest, GenerationStats
+from .errors import AtlasError
+from .layers.linear_attention import DeltaNetState
+from .layers.step import Step
+from .safetensors import Checkpoint
+from .sampling import check_sampling
+
+DEFAULT_SPEC_K = 2
+MAX_SPEC_K = 3
+HiddenSource = Literal["final_norm", "pre_norm"]
+
+
+@dataclass
+class SpecStats(GenerationStats):
+    spec_k: int = 0
+    rounds: int = 0  # verify passes
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens the main model agreed with
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class Cursor:
+    """Where decoding stands between verify passes."""
+
+    position: int  # tokens in the main model's state; `token` goes here next
+    token: int  # the last emitted token, not yet fed to the main model
+    mtp_start: int  # position of the first row of the head's pending input
+    mtp_ids: list[int]  # tokens at mtp_start+1 ..; rows past mtp_last are padding
+    mtp_hidden: Tensor  # [len(mtp_ids), H] main hidden states at mtp_start .., persistent
+    mtp_last: int  # the row whose output drafts the token after `token`
+
+
+def copy_tensor(backend: Backend, dst: Tensor, src: Tensor) -> None:
+    """dst[...] = src (same shape): the backend's `copy` op, or numpy's for numpy tensors."""
+    copy = getattr(backend, "copy", None)
+    if callable(copy):
+        copy(dst, src)
+    elif isinstance(dst, np.ndarray):
+        np.copyto(dst, np.asarray(src))
+    else:
+        raise AtlasError(
+            f"the {backend.name} backend has no copy op, which speculative decoding needs; "
+            "run with --no-spec"
+        )
+
+
+def persist(backend: Backend, t: Tensor) -> Tensor:
+    """A copy of a step tensor that outlives the step (GPU step memory is recycled)."""
+    out = backend.zeros(tuple(t.shape), "f32")
+    copy_tensor(backend, out, t)
+    return out
+
+
+@dataclass
+class DeltaNetSnapshot:
+    """Copies of every DeltaNet conv + recurrent state, taken before a verify pass."""
+
+    backend: Backend
+    saved: list[tuple[int, Tensor, Tensor]] = field(default_factory=list)  # (layer, conv, recurrent)
+
+    @classmethod
+    def for_states(cls, backend: Backend, states: list[Any]) -> DeltaNetSnapshot:
+        saved = [
+            (i, backend.zeros(tuple(s.conv.shape), "f32"), backend.zeros(tuple(s.recurrent.shape), "f32"))
+            for i, s in enumerate(states)
+            if isinstance(s, DeltaNetState)
+        ]
+        return cls(backend, saved)
+
+    def take(self, states: list[Any]) -> None:
+        for i, conv, recurrent in self.saved:
+            copy_tensor(self.backend, conv, states[i].conv)
+            copy_tensor(self.backend, recurrent, states[i].recurrent)
+
+    def restore(self, states: list[Any]) -> None:
+        for i, conv, recurrent in self.saved:
+            copy_tensor(self.backend, states[i].conv, conv)
+            copy_tensor(self.backend, states[i].recurrent, recurrent)
+
+
+def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
+    """How many drafts match the main model's greedy tokens (greedy[i] follows drafts[:i])."""
+    count = 0
+    while count < len(drafts) and drafts[count] == greedy[count]:
+        count += 1
+    return count
+
+
+class SpeculativeEngine(Engine):
+    """An Engine that decodes greedy requests with the MTP head; sampling requests decode as usual."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        checkpoint: Checkpoint,
+        backend: Backend,
+        spec_k: int = DEFAULT_SPEC_K,
+        max_seq_len: int = 4096,
+        hidden_source: HiddenSource = "final_norm",
+        kv_cache: Any = None,  # atlas.kvcache.KVCacheOptions for the main model's caches
+    ):
+        from .models.qwen3_5_moe_mtp import load_mtp_head
+
+        check_spec_k(spec_k)
+        super().__init__(spec, checkpoint, backend, max_seq_len, kv_cache=kv_cache)
+        self.spec_k = spec_k
+        self.hidden_source = hidden_source
+        self.head = load_mtp_head(spec, checkpoint, backend, self.model)
+        self.mtp_cache = self.head.new_state(backend, max_seq_len)
+        self.snapshot = DeltaNetSnapshot.for_states(backend, self.states)
+
+    # --- generation ---------------------------------------------------------------------------
+    def run(self, request: GenerationRequest) -> GenerationStats:
+        if request.sampling.temperature != 0 or request.max_tokens <= 0:
+            return super().run(request)
+        check_sampling(request.sampling)
+        self.check_ids(request.prompt_ids, request.max_tokens - 1)  # the last token is not fed
+        stats = SpecStats(prompt_tokens=len(request.prompt_ids), spec_k=self.spec_k)
+        started = time.perf_counter()
+        for token in self.speculative_tokens(request.prompt_ids, request.max_tokens, stats):
+            if not stats.token_ids:
+                stats.prefill_seconds = time.perf_counter() - started
+                started = time.perf_counter()
+            if not self._accept(token, stats, request) or len(stats.token_ids) >= request.max_tokens:
+                break
+        stats.decode_seconds = time.perf_counter() - started
+        return stats
+
+    def speculative_tokens(
+        self, prompt_ids: list[int], max_tokens: int, stats: SpecStats | None = None
+    ) -> Iterator[int]:
+        """Greedy tokens after the prompt, at most max_tokens; the caller stops at eos."""
+        stats = stats if stats is not None else SpecStats(spec_k=self.spec_k)
+        cursor = self._prefill(prompt_ids)
+        yield cursor.token
+        emitted = 1
+        while emitted < max_tokens:
+            k = min(self.spec_k, max_tokens - emitted - 1, self.max_seq_len - cursor.position - 1)
+            drafts = self._draft(cursor, k) if k > 0 else []
+            cursor, accepted = self._verify(cursor, drafts)
+            stats.rounds += 1
+            stats.drafted += len(drafts)
+            stats.accepted += accepted
+            for token in [*drafts[:accepted], cursor.token]:
+                yield token
+            emitted += accepted + 1
+
+    # --- steps --------------------------------------------------------------------------------
+    def _main_forward(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """-> (final-normed hidden [T, H], the hidden the MTP head reads [T, H])."""
+        if self.hidden_source == "final_norm":
+            out = self.forward(ids, positions)
+            return out, out
+        name = f"layer.{len(self.model.layers) - 1}.out"
+        captured: dict[str, Tensor] = {}
+        outer = self.dump
+
+        def dump(key: str, t: Tensor) -> None:
+            if key == name:
+                captured[key] = t
+            if outer is not None:
+                outer(key, t)
+
+        out = self.model.forward(Step(self.backend, positions, dump), ids, self.states)
+        return out, captured[name]
+
+    def _greedy(self, hidden: Tensor, positions: Tensor) -> list[int]:
+        logits = self.model.logits(Step(self.backend, positions, self.dump), hidden)  # [T, V]
+        return [int(t) for t in self.backend.to_numpy(self.backend.argmax(logits))]
+
+    def _row(self, t: Tensor, row: int) -> Tensor:
+        return self.backend.embedding(t, self.backend.upload(np.array([row], dtype=np.int32), "i32"))
+
+    def _prefill(self, prompt_ids: list[int]) -> Cursor:
+        self.check_ids(prompt_ids, 0)
+        self.reset()
+        ids, positions = self._ids(prompt_ids, 0)
+        out, mtp_in = self._main_forward(ids, positions)  # [n, H] each
+        mtp_hidden = persist(self.backend, mtp_in)
+        last = len(prompt_ids) - 1
+        token = self._greedy(self._row(out, last), positions)[0]
+        return Cursor(len(prompt_ids), token, 0, [*prompt_ids[1:], token], mtp_hidden, last)
+
+    def _draft(self, cursor: Cursor, k: int) -> list[int]:
+        """k draft tokens: the head over its pending rows, then k-1 single steps on its own output."""
+        ids, positions = self._ids(cursor.mtp_ids, cursor.mtp_start)
+        out = self.head.forward(Step(self.backend, positions, self.dump), ids, cursor.mtp_hidden, self.mtp_cache)
+        hidden = self._row(out, cursor.mtp_last)  # [1, H]
+        drafts: list[int] = []
+        for i in range(k):
+            step = Step(self.backend, positions, self.dump)
+            drafts.append(int(self.backend.to_numpy(self.backend.argmax(self.head.logits(step, hidden)))[0]))
+            if i + 1 < k:
+                ids, positions = self._ids([drafts[-1]], cursor.position + i)
+                hidden = persist(self.backend, hidden)
+                hidden = self.head.forward(Step(self.backend, positions, self.dump), ids, hidden, self.mtp_cache)
+        return drafts
+
+    def _verify(self, cursor: Cursor, drafts: list[int]) -> tuple[Cursor, int]:
+        """One main-model pass over [token, *drafts]; keep the agreeing prefix, roll back the rest."""
+        fed = [cursor.token, *drafts]
+        if drafts:
+            self.snapshot.take(self.states)
+        ids, positions = self._ids(fed, cursor.position)
+        out, mtp_in = self._main_forward(ids, positions)  # [K+1, H] each
+        mtp_hidden = persist(self.backend, mtp_in)
+        greedy = self._greedy(out, positions)  # [K+1]
+        accepted = accepted_prefix(drafts, greedy)
+        if accepted < len(drafts):
+            self.snapshot.restore(self.states)
+            self.forward(*self._ids(fed[: accepted + 1], cursor.position))
+        bonus = greedy[accepted]
+        pending = [*drafts[:accepted], bonus]
+        pending += [bonus] * (len(fed) - len(pending))  # padding rows: outputs unused, cache rows rewritten later
+        position = cursor.position + accepted + 1
+        return Cursor(position, bonus, cursor.position, pending, mtp_hidden, accepted), accepted
+
+
+# --- choosing and building ------------------------------------------------------------------------
+def check_spec_k(spec_k: int) -> None:
+    if isinstance(spec_k, bool) or not isinstance(spec_k, int) or not 1 <= spec_k <= MAX_SPEC_K:
+        raise AtlasError(f"spec_k must be an integer in 1..{MAX_SPEC_K}, got {spec_k!r}; pass 1, 2 or 3")
+
+
+def build_engine(
+    spec: ModelSpec, checkpoint: Checkpoint, backend: Backend, spec_k: int | None = None, kv_cache: Any = None
+) -> tuple[Engine, str]:
+    """The engine and a line saying whether it speculates. spec_k: None = on (k=2) when the
+    checkpoint has an MTP head; 0 = off, the head is not loaded; 1..3 = on with that k."""
+    from .models.qwen3_5_moe_mtp import has_mtp_head
+
+    if spec_k == 0:
+        return Engine(spec, checkpoint, backend, kv_cache=kv_cache), "off (--no-spec)"
+    if spec_k is not None:
+        check_spec_k(spec_k)
+    if not has_mtp_head(checkpoint):
+        reason = "off: the checkpoint has no MTP head (mtp.* tensors)"
+        if spec_k is not None:
+            reason += f", so --spec-k {spec_k} is ignored"
+        return Engine(spec, checkpoint, backend, kv_cache=kv_cache), reason
+    k = DEFAULT_SPEC_K if spec_k is None else spec_k
+    engine = SpeculativeEngine(spec, checkpoint, backend, k, kv_cache=kv_cache)
+    return engine, f"MTP k={k} (greedy requests)"
