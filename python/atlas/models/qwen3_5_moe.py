@@ -216,4 +216,3 @@ def load_qwen3_5_moe(spec: ModelSpec, checkpoint: Checkpoint, backend: Backend) 
     finally:
         reader.close()
     return CausalLM(embed, layers, final_norm, head)
-
