@@ -25,6 +25,9 @@ class GenerationResult:
     prompt_tokens: int
     prefill_tok_s: float
     decode_tok_s: float
+    spec_rounds: int = 0  # MTP speculation: verify passes, drafts proposed, drafts accepted
+    spec_drafted: int = 0
+    spec_accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,10 +71,15 @@ class LoadedModel:
     tokenizer: Tokenizer
     engine: EngineLike
     device: str  # which backend runs and why, e.g. "cpu (numpy ...; cuda unavailable: ...)"
+    speculation: str = "off"  # e.g. "MTP k=2 (greedy requests)" or why it is off
 
 
-def load_model(model: str | None, device: str, kv_cache: KVCacheOptions | None = None) -> LoadedModel:
-    """Resolve, read config and tokenizer, open the weights and build the engine."""
+def load_model(
+    model: str | None, device: str, kv_cache: KVCacheOptions | None = None, spec_k: int | None = None
+) -> LoadedModel:
+    """Resolve, read config and tokenizer, open the weights and build the engine. spec_k: MTP
+    speculation (atlas.speculative.build_engine): None = k=2 when the checkpoint has the head,
+    0 = off (the head is not loaded), 1..3 = that k."""
     if kv_cache is not None:
         kv_cache.check()
     from .backends import create_backend
@@ -85,15 +93,17 @@ def load_model(model: str | None, device: str, kv_cache: KVCacheOptions | None =
     tokenizer = Tokenizer.open(model_dir)
     checkpoint = Checkpoint.open(model_dir)
     backend, reason = create_backend(device, model_dir, spec)
-    from .engine import Engine
+    from .speculative import build_engine
 
-    return LoadedModel(model_dir, spec, tokenizer, Engine(spec, checkpoint, backend, kv_cache=kv_cache), reason)
+    engine, speculation = build_engine(spec, checkpoint, backend, spec_k, kv_cache=kv_cache)
+    return LoadedModel(model_dir, spec, tokenizer, engine, reason, speculation)
 
 
 class LLM:
     """A loaded model. `model`: None (the embedded demo), a directory, an HF repo id in the local
     cache or a registry name; `device`: "auto", "cpu" or "cuda"; `kv_cache_dtype` and
-    `kv_high_precision_layers`: the KV cache level of the full-attention layers (atlas.kvcache.options)."""
+    `kv_high_precision_layers`: the KV cache level of the full-attention layers (atlas.kvcache.options);
+    `spec_k`: MTP speculative decoding (None: k=2 when the checkpoint has the head, 0: off)."""
 
     def __init__(
         self,
@@ -101,10 +111,12 @@ class LLM:
         device: str = "auto",
         kv_cache_dtype: str = "bf16",
         kv_high_precision_layers: str | int = "auto",
+        spec_k: int | None = None,
     ) -> None:
         from .kvcache.options import KVCacheOptions
 
-        self.parts = load_model(model, device, KVCacheOptions(kv_cache_dtype, kv_high_precision_layers))
+        kv_cache = KVCacheOptions(kv_cache_dtype, kv_high_precision_layers)
+        self.parts = load_model(model, device, kv_cache, spec_k)
 
     @classmethod
     def from_loaded(cls, parts: LoadedModel) -> LLM:
@@ -115,6 +127,10 @@ class LLM:
     @property
     def device(self) -> str:
         return self.parts.device
+
+    @property
+    def speculation(self) -> str:
+        return self.parts.speculation
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -164,6 +180,9 @@ class LLM:
             prompt_tokens=int(stats.prompt_tokens),
             prefill_tok_s=rate(int(stats.prompt_tokens), stats.prefill_seconds),
             decode_tok_s=rate(max(len(token_ids) - 1, 0), stats.decode_seconds),
+            spec_rounds=getattr(stats, "rounds", 0),
+            spec_drafted=getattr(stats, "drafted", 0),
+            spec_accepted=getattr(stats, "accepted", 0),
         )
 
     def stream(
@@ -216,6 +235,13 @@ def iter_tokens(
     import numpy as np
 
     sampling = sampling_params(opts)
+    speculative = getattr(engine, "speculative_tokens", None)  # atlas.speculative: greedy only
+    if speculative is not None and sampling.temperature == 0:
+        for count, token in enumerate(speculative(prompt_ids, opts.max_tokens), start=1):
+            yield token
+            if token in eos_ids or count == opts.max_tokens:
+                return
+        return
     rng = np.random.default_rng(opts.seed)
     token, token_t = engine.pick_tensor(engine.prefill(prompt_ids), sampling, rng)
     position = len(prompt_ids)
