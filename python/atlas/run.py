@@ -32,6 +32,8 @@ class RunArgs:
     device: str
     kv_cache_dtype: str = DEFAULT_LEVEL
     kv_high_precision_layers: str = "auto"
+    spec_k: int | None = None  # MTP speculation: None = on (k=2) when the checkpoint has the head
+    no_spec: bool = False
 
 
 def default_prompt(model_dir: Path, model_arg: str | None) -> str:
@@ -48,6 +50,7 @@ def run(args: RunArgs) -> None:
     from .kvcache.options import KVCacheOptions, describe
     from .llm import LLM, GenerateOptions, encode_prompt
     from .resolve import resolve_model
+    from .speculative import acceptance_summary, spec_k_from_flags
     from .tokenizer import Tokenizer
 
     model_dir = resolve_model(args.model)
@@ -56,7 +59,8 @@ def run(args: RunArgs) -> None:
     encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
     kv_cache = KVCacheOptions(args.kv_cache_dtype, args.kv_high_precision_layers)
     kv_cache.check()
-    llm = LLM(str(model_dir), args.device, kv_cache.dtype, kv_cache.high_precision_layers)
+    spec_k = spec_k_from_flags(args.spec_k, args.no_spec)
+    llm = LLM(str(model_dir), args.device, kv_cache.dtype, kv_cache.high_precision_layers, spec_k)
     opts = GenerateOptions(
         args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat
     )
@@ -64,12 +68,15 @@ def run(args: RunArgs) -> None:
     click.echo(f"atlas: model {llm.model_dir}, device {llm.device}", err=True)
     if args.kv_cache_dtype != DEFAULT_LEVEL:
         click.echo(f"atlas: kv cache {describe(llm.parts.engine.kv_plan)}", err=True)
+    if args.spec_k is not None or llm.speculation.startswith("MTP"):
+        click.echo(f"atlas: speculation {llm.speculation}", err=True)
     result = llm.generate_with(prompt_ids, opts, on_text=write_stdout)
     write_stdout("\n")
+    spec = acceptance_summary(result.spec_rounds, result.spec_drafted, result.spec_accepted, len(result.token_ids))
     click.echo(
         f"atlas: prompt {result.prompt_tokens} tokens, prefill {result.prefill_tok_s:.1f} tok/s, "
         f"decode {result.decode_tok_s:.1f} tok/s ({len(result.token_ids)} tokens), "
-        f"device {llm.device.split(' ')[0]}",
+        f"device {llm.device.split(' ')[0]}" + (f", {spec}" if result.spec_rounds else ""),
         err=True,
     )
 
@@ -95,6 +102,11 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 @click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible output).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option(
+    "--spec-k", type=click.IntRange(1, 3), default=None,
+    help="MTP speculative decoding: draft this many tokens per pass (default 2 when the checkpoint has the MTP head; greedy only).",
+)  # fmt: skip
+@click.option("--no-spec", is_flag=True, help="No speculative decoding; the MTP head is not loaded.")
 @click.option(
     "--kv-cache-dtype", type=click.Choice(LEVEL_NAMES), default=DEFAULT_LEVEL, show_default=True,
     help="KV cache level of the full-attention layers (quantized levels: CPU backend only so far).",

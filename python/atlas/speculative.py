@@ -273,3 +273,17 @@ def build_engine(
     k = DEFAULT_SPEC_K if spec_k is None else spec_k
     engine = SpeculativeEngine(spec, checkpoint, backend, k, kv_cache=kv_cache)
     return engine, f"MTP k={k} (greedy requests)"
+
+
+def spec_k_from_flags(spec_k: int | None, no_spec: bool) -> int | None:
+    """--spec-k / --no-spec -> build_engine's spec_k."""
+    if no_spec and spec_k is not None:
+        raise AtlasError("--spec-k and --no-spec exclude each other; give one of them")
+    return 0 if no_spec else spec_k
+
+
+def acceptance_summary(rounds: int, drafted: int, accepted: int, new_tokens: int) -> str:
+    """The stats-line part of a speculative run, e.g. 'MTP acceptance 62% (31/50 drafts, 2.2 tokens/pass)'."""
+    per_pass = (new_tokens - 1) / rounds if rounds else 0.0  # the first token comes from the prefill
+    rate = accepted / drafted if drafted else 0.0
+    return f"MTP acceptance {rate:.0%} ({accepted}/{drafted} drafts, {per_pass:.2f} tokens/pass)"
