@@ -106,7 +106,7 @@ class CudaRuntime:
     def read(self, src: DeviceTensor) -> np.ndarray:
         """The raw storage of src as a host array (bf16 as uint16), after the stream drains."""
         self._refuse_in_capture("a device-to-host copy")
-        host_dtype = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32}[src.dtype]
+        host_dtype = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32, "u8": np.uint8}[src.dtype]
         out = np.empty(src.shape, dtype=host_dtype)
         if out.nbytes:
             self.driver.memcpy_dtoh(out.ctypes.data, src.ptr, out.nbytes, self.stream)

@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-StorageDType = Literal["f32", "bf16", "i32"]
+StorageDType = Literal["f32", "bf16", "i32", "u8"]  # u8: packed quantized weights
 
-ITEM_SIZE: dict[str, int] = {"f32": 4, "bf16": 2, "i32": 4}
+ITEM_SIZE: dict[str, int] = {"f32": 4, "bf16": 2, "i32": 4, "u8": 1}
 
 
 @dataclass(frozen=True)

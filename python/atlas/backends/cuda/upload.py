@@ -27,7 +27,11 @@ def to_storage(array: np.ndarray, dtype: StorageDType) -> np.ndarray:
         return np.ascontiguousarray(array, dtype=np.float32)
     if dtype == "i32":
         return np.ascontiguousarray(array, dtype=np.int32)
-    raise ValueError(f"unknown storage dtype {dtype!r} (f32, bf16 or i32)")
+    if dtype == "u8":  # packed quantized codes (uint8 or float8 storage), bytes as they are
+        if array.dtype.itemsize != 1:
+            raise ValueError(f"u8 storage takes 1-byte elements, got {array.dtype}")
+        return np.ascontiguousarray(array).view(np.uint8)
+    raise ValueError(f"unknown storage dtype {dtype!r} (f32, bf16, i32 or u8)")
 
 
 def from_storage(raw: np.ndarray, dtype: StorageDType) -> np.ndarray:
