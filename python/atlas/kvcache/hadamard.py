@@ -35,7 +35,9 @@ def sign_flips(dim: int) -> np.ndarray:
 
 def check_power_of_two(dim: int) -> None:
     if dim < 2 or dim & (dim - 1):
-        raise AtlasError(f"the turbo KV cache levels need a power-of-two head_dim, got {dim}; use fp8 or nvfp4")
+        raise AtlasError(
+            f"the turbo KV cache levels need a power-of-two head_dim, got {dim}; use fp8 or nvfp4"
+        )
 
 
 def wht(x: np.ndarray) -> np.ndarray:

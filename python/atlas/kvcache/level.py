@@ -29,7 +29,8 @@ class KVLevel(Protocol):
 
 def bytes_per_vector(level: KVLevel, dim: int) -> int:
     """Storage of one head vector of `dim` values, every field counted."""
-    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for shape, dt in level.layout(dim).values())
+    fields = level.layout(dim).values()
+    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for shape, dt in fields)
 
 
 def round_trip(level: KVLevel, x: np.ndarray) -> np.ndarray:

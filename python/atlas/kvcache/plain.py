@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .codes import E2M1_MAX, E4M3_MAX, decode_bf16, decode_e2m1, decode_e4m3, encode_bf16, encode_e2m1, encode_e4m3
+from .codes import (
+    E2M1_MAX, E4M3_MAX, decode_bf16, decode_e2m1, decode_e4m3, encode_bf16, encode_e2m1, encode_e4m3,
+)  # fmt: skip
 from .level import Fields, Layout, check_divisible, grouped, safe_divide
 from .packing import pack_nibbles, unpack_nibbles
 

@@ -53,7 +53,7 @@ def apply_kv_levels(states: list[Any], plan: list[str | None], backend_name: str
         if level is None or level == DEFAULT_LEVEL:
             continue
         if backend_name != "numpy":
-            raise AtlasError(f"KV cache level {level} has no {backend_name} storage; plan with KVCacheOptions.plan")
+            raise AtlasError(f"KV cache level {level} has no {backend_name} storage (KVCacheOptions.plan says so)")
         assert isinstance(state, KVCache), "the plan marks full-attention layers only"
         state.k = QuantizedRows(get_level(level), tuple(state.k.shape))
         state.v = QuantizedRows(get_level(level), tuple(state.v.shape))

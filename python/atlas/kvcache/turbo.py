@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .codebooks import CODEBOOKS
-from .codes import E4M3_MAX, decode_bf16, decode_codebook, decode_e4m3, encode_bf16, encode_codebook, encode_e4m3
+from .codes import (
+    E4M3_MAX, decode_bf16, decode_codebook, decode_e4m3, encode_bf16, encode_codebook, encode_e4m3,
+)  # fmt: skip
 from .hadamard import check_power_of_two, rotate, unrotate
 from .level import Fields, Layout, check_divisible, grouped, safe_divide
 from .packing import pack_nibbles, pack_triples, unpack_nibbles, unpack_triples
