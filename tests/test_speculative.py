@@ -5,6 +5,7 @@ the rollback under every acceptance pattern; loading, --no-spec and the CLI flag
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -138,3 +139,130 @@ def test_tiny_greedy_unchanged(tiny_mtp: Path, k: int, rng: np.random.Generator)
     stats = greedy(spec_engine(tiny_mtp, k), prompt, max_tokens)
     assert stats.token_ids == expected
     check_rounds(stats, max_tokens)
+
+
+# --- rollback under chosen acceptance patterns --------------------------------------------------------
+@pytest.mark.parametrize("p_wrong", [0.0, 0.35, 1.0])
+def test_rollback_under_every_acceptance_pattern(demo_mtp: Path, p_wrong: float, rng: np.random.Generator) -> None:
+    """Drafts taken from the true greedy continuation with chosen tokens corrupted: the output
+    stays the plain greedy one and exactly the drafts before the first corrupted one are accepted."""
+    prompt = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT)
+    vocab, max_tokens = load_spec(demo_mtp).vocab_size, 33
+    expected = greedy(plain_engine(demo_mtp), prompt, max_tokens).token_ids
+    engine = spec_engine(demo_mtp, 3)
+    want = {"drafted": 0, "accepted": 0}
+
+    def draft(cursor: Cursor, k: int) -> list[int]:
+        emitted = cursor.position - len(prompt) + 1
+        truth = expected[emitted : emitted + k]
+        wrong = (rng.random(k) < p_wrong).tolist()
+        want["drafted"] += k
+        want["accepted"] += wrong.index(True) if True in wrong else k
+        return [(t + 1) % vocab if w else t for t, w in zip(truth, wrong, strict=True)]
+
+    engine._draft = draft  # type: ignore[method-assign]
+    stats = greedy(engine, prompt, max_tokens)
+    assert stats.token_ids == expected
+    assert (stats.drafted, stats.accepted) == (want["drafted"], want["accepted"])
+    if p_wrong == 0.0:
+        assert stats.rounds == 8  # 32 tokens after the prefill's, 4 per pass
+    check_rounds(stats, max_tokens)
+
+
+def test_pre_norm_hidden_source(demo_mtp: Path) -> None:
+    prompt = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT)
+    expected = greedy(plain_engine(demo_mtp), prompt, 24).token_ids
+    assert greedy(spec_engine(demo_mtp, 2, hidden_source="pre_norm"), prompt, 24).token_ids == expected
+
+
+def test_sampling_decodes_without_speculation(demo_mtp: Path, rng: np.random.Generator) -> None:
+    prompt, seed = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT), int(rng.integers(1 << 30))
+    sampling = SamplingParams(temperature=0.9, top_k=20)
+    expected = plain_engine(demo_mtp).generate(prompt, 20, sampling, seed, NO_EOS).token_ids
+    stats = spec_engine(demo_mtp, 2).generate(prompt, 20, sampling, seed, NO_EOS)
+    assert stats.token_ids == expected and getattr(stats, "drafted", 0) == 0
+
+
+def test_stops_at_eos(demo_mtp: Path) -> None:
+    prompt = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT)
+    plain = greedy(plain_engine(demo_mtp), prompt, 30).token_ids
+    eos = {plain[9]}
+    stats = spec_engine(demo_mtp, 3).generate(prompt, 30, GREEDY, None, eos)
+    assert stats.token_ids == plain[: plain.index(plain[9]) + 1]
+
+
+# --- loading -------------------------------------------------------------------------------------------
+def test_head_weights_are_bf16_and_split_embedding_first(demo_mtp: Path) -> None:
+    from safetensors.numpy import load_file
+
+    engine = spec_engine(demo_mtp, 1)
+    fc = load_file(str(demo_mtp / "model.safetensors"))["mtp.fc.weight"]  # [H, 2H] float32
+    h = fc.shape[0]
+    for half, stored in ((engine.head.fc_embed, fc[:, :h]), (engine.head.fc_hidden, fc[:, h:])):
+        rounded = stored.astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(half, rounded)
+        assert not np.array_equal(half, stored)  # the file held values bf16 cannot
+
+
+@pytest.fixture(scope="module")
+def tiny_plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("plain")
+    write_checkpoint(path, TinyModel(vocab_size=64, num_experts=4, num_hidden_layers=2), new_seed())
+    return path
+
+
+def test_no_spec_reads_no_mtp_tensor(tiny_plain: Path, tmp_path: Path) -> None:
+    model_dir = tmp_path / "bad-head"
+    shutil.copytree(tiny_plain, model_dir)
+    add_mtp_head(model_dir, new_seed(), fused=True, bad="mtp.fc.weight")
+    spec, checkpoint = load_spec(model_dir), Checkpoint.open(model_dir)
+    with pytest.raises(AtlasError, match=r"'mtp.fc.weight'.*shape"):
+        build_engine(spec, checkpoint, NumpyBackend(), 2)
+    engine, speculation = build_engine(spec, checkpoint, NumpyBackend(), 0)
+    assert type(engine) is Engine and speculation == "off (--no-spec)"
+
+
+def test_checkpoint_without_head_runs_plain(tiny_plain: Path) -> None:
+    spec, checkpoint = load_spec(tiny_plain), Checkpoint.open(tiny_plain)
+    engine, speculation = build_engine(spec, checkpoint, NumpyBackend(), 3)
+    assert type(engine) is Engine and "no MTP head" in speculation and "--spec-k 3 is ignored" in speculation
+    engine, speculation = build_engine(spec, checkpoint, NumpyBackend(), None)
+    assert type(engine) is Engine and "no MTP head" in speculation and "ignored" not in speculation
+
+
+@pytest.mark.parametrize("bad_k", [0, 4, -1, True, 2.0])
+def test_bad_spec_k(demo_mtp: Path, bad_k: object) -> None:
+    with pytest.raises(AtlasError, match="spec_k must be an integer in 1..3"):
+        SpeculativeEngine(load_spec(demo_mtp), Checkpoint.open(demo_mtp), NumpyBackend(), bad_k)  # type: ignore[arg-type]
+
+
+# --- API and CLI ---------------------------------------------------------------------------------------
+def test_stream_speculates_and_equals_generate(demo_mtp: Path) -> None:
+    from atlas.llm import LLM
+
+    llm = LLM(str(demo_mtp), "cpu", spec_k=2)
+    assert llm.speculation.startswith("MTP k=2")
+    result = llm.generate(DEMO_PROMPT, max_tokens=25)
+    assert result.spec_drafted > 0 and result.spec_rounds > 0
+    assert "".join(llm.stream(DEMO_PROMPT, max_tokens=25)) == result.text
+    assert LLM(str(demo_mtp), "cpu", spec_k=0).generate(DEMO_PROMPT, max_tokens=25).text == result.text
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    from atlas.run import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_spec_flags(demo_mtp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ("--model", str(demo_mtp), "--prompt", DEMO_PROMPT, "--max-tokens", "20", "--device", "cpu")
+    code, spec_out, err = run_cli(capsys, *common, "--spec-k", "3")
+    assert code == 0 and "speculation MTP k=3" in err, err
+    assert re.search(r"MTP acceptance \d+% \(\d+/\d+ drafts, [\d.]+ tokens/pass\)", err.splitlines()[-1])
+    code, plain_out, err = run_cli(capsys, *common, "--no-spec")
+    assert code == 0 and plain_out == spec_out and "acceptance" not in err
+    for bad in (("--spec-k", "4"), ("--spec-k", "2", "--no-spec")):
+        code, _, err = run_cli(capsys, *common, *bad)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "--spec-k" in err
