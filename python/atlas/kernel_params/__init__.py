@@ -8,6 +8,6 @@ from __future__ import annotations
 
 import ctypes
 
-from . import dense, linear_moe
+from . import dense, linear_moe, quant
 
-ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (*dense.ALL_PARAMS, *linear_moe.ALL_PARAMS)
+ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (*dense.ALL_PARAMS, *linear_moe.ALL_PARAMS, *quant.ALL_PARAMS)

@@ -1,0 +1,128 @@
+// Decode linear over quantized weights (tokens <= 8): out[t, n] = row_scale[n] *
+// sum_k x[t, k] * W[n, k], W in fp8 block or nvfp4 (quant_common.cuh), dequantized in registers.
+// Memory-bound on W: each warp owns R rows; a lane loads chunk c (16 weights, one scale) of each
+// row for U chunk columns before any arithmetic, so R x U chunk loads are in flight per lane.
+// Per chunk: 16 raw products summed in f32, then one FMA with the chunk scale.
+// x is staged in shared memory as f32 in column blocks and reused by the warp's R rows; its
+// float4 slots are XOR-swizzled so the 8 lanes of a quarter warp (chunks 64 bytes apart) hit
+// distinct banks. Two shapes, as for bf16: wide (R 4, U 2) and narrow (R 1, U 4) for small N.
+// Requires k % 16 == 0 (op wrapper).
+#pragma once
+
+#include "atlas/quant_common.cuh"
+
+namespace atlas::quant {
+
+constexpr int kQGemvThreads = 256;
+constexpr int kQGemvWarps = kQGemvThreads / kWarpSize;
+constexpr int kQGemvWideRows = 4;
+constexpr int kQGemvWideUnroll = 2;
+constexpr int kQGemvNarrowRows = 1;
+constexpr int kQGemvNarrowUnroll = 4;
+constexpr int kQGemvSmemFloats = 8192;  // 32 KiB of staged x per block
+
+template <int T>
+__host__ __device__ constexpr int qgemv_cols() {
+  return kQGemvSmemFloats / T / 512 * 512;  // whole chunk columns of every lane: 32 x 16
+}
+
+// Physical float4 slot of logical slot f = 4c + j (chunk c, quarter j) in a staged x row.
+__device__ __forceinline__ int swizzled_slot(int f) {
+  const int c = f >> 2;
+  return (c << 2) | ((f & 3) ^ ((c >> 1) & 3));
+}
+
+template <int T>
+__device__ __forceinline__ void stage_x(const float* x, int k, int col0, int cols, float* xs) {
+  constexpr int kCols = qgemv_cols<T>();
+  for (int i = threadIdx.x; i < T * (cols / 4); i += blockDim.x) {
+    const int t = i / (cols / 4);
+    const int f = i - t * (cols / 4);
+    reinterpret_cast<float4*>(xs + t * kCols)[swizzled_slot(f)] =
+        reinterpret_cast<const float4*>(x + static_cast<int64_t>(t) * k + col0)[f];
+  }
+}
+
+// The 16 staged x values of chunk c for token row xs_row.
+__device__ __forceinline__ void load_x_chunk(const float* xs_row, int c, float (&xv)[kChunk]) {
+  const float4* row = reinterpret_cast<const float4*>(xs_row);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float4 v = row[swizzled_slot(4 * c + j)];
+    xv[4 * j] = v.x; xv[4 * j + 1] = v.y; xv[4 * j + 2] = v.z; xv[4 * j + 3] = v.w;
+  }
+}
+
+template <class Format, int T, int R, int U>
+__device__ __forceinline__ void qgemv_block(const QuantMatrix& m, int n, int row0, int chunk0, const float* xs,
+                                            int chunks, float (&acc)[T][R]) {
+  constexpr int kCols = qgemv_cols<T>();
+  const int lane = threadIdx.x % kWarpSize;
+  for (int c0 = lane; c0 < chunks; c0 += U * kWarpSize) {
+    typename Format::Chunk w[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int c = c0 + u * kWarpSize;
+        w[u][r] = c < chunks && row0 + r < n ? Format::load(m, row0 + r, chunk0 + c) : Format::zero();
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * kWarpSize;
+      if (c >= chunks) break;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float raw[kChunk];
+        Format::decode(w[u][r], raw);
+        const float s = Format::scale(w[u][r]);
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          float xv[kChunk];
+          load_x_chunk(xs + t * kCols, c, xv);
+          float partial = 0.0f;
+#pragma unroll
+          for (int e = 0; e < kChunk; ++e) partial = fmaf(raw[e], xv[e], partial);
+          acc[t][r] = fmaf(s, partial, acc[t][r]);
+        }
+      }
+    }
+  }
+}
+
+template <class Format, int T, int R, int U>
+__device__ void gemv_quant(const QuantLinearParams& p) {
+  constexpr int kCols = qgemv_cols<T>();
+  __shared__ __align__(16) float xs[T * kCols];  // [T, kCols], swizzled float4 slots
+  if (p.tokens != T || p.k % kChunk != 0) return;
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int row0 = (blockIdx.x * kQGemvWarps + warp) * R;
+  const QuantMatrix m{static_cast<const uint8_t*>(p.weight), p.scale, p.k};
+
+  float acc[T][R];
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[t][r] = 0.0f;
+
+  for (int col0 = 0; col0 < p.k; col0 += kCols) {
+    const int cols = min(kCols, p.k - col0);  // a multiple of 16
+    stage_x<T>(static_cast<const float*>(p.x), p.k, col0, cols, xs);
+    __syncthreads();
+    qgemv_block<Format, T, R, U>(m, p.n, row0, col0 / kChunk, xs, cols / kChunk, acc);
+    __syncthreads();
+  }
+
+  float* out = static_cast<float*>(p.out);
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float total = warp_sum(acc[t][r]);
+      if (lane == 0 && row0 + r < p.n)
+        out[static_cast<int64_t>(t) * p.n + row0 + r] = row_scale_at(p.row_scale, row0 + r) * total;
+    }
+}
+
+}  // namespace atlas::quant

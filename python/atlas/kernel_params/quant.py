@@ -1,0 +1,57 @@
+"""Params structs of the quantized (fp8 block, nvfp4) linear and MoE kernels.
+
+A quantized weight reaches the kernels as three device arrays (kernels/include/atlas/quant_common.cuh):
+`weight` u8 [rows, k] (fp8 e4m3) or [rows, k / 2] (nvfp4, element 2i in the low nibble);
+`scale` f32 [rows, ceil(k / 128)] (fp8 block scales repeated per row) or e4m3 u8 [rows, k / 16]
+(nvfp4 group scales); `row_scale` f32 [rows] (nvfp4 weight_scale_2 per row) or NULL (= 1).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_int32, c_void_p
+
+
+class QuantLinearParams(ctypes.Structure):
+    """atlas_qgemv_{fp8,nvfp4}[_narrow]_t{1..8} (tokens <= 8) and atlas_qgemm_{fp8,nvfp4}
+    (tokens > 8): out = x @ dequant(weight).T."""
+
+    _fields_ = [
+        ("x", c_void_p),  # [tokens, k] f32
+        ("weight", c_void_p),  # u8, see above
+        ("scale", c_void_p),
+        ("row_scale", c_void_p),  # f32 [n] or NULL
+        ("out", c_void_p),  # [tokens, n] f32
+        ("tokens", c_int32),
+        ("n", c_int32),
+        ("k", c_int32),  # a multiple of 16
+        ("pad", c_int32),
+    ]
+
+
+class MoeQuantGemmParams(ctypes.Structure):
+    """atlas_moe_qgemm_{fp8,nvfp4}_{gate_up,down}: the grouped expert GEMM of moe.cuh over
+    quantized experts, one launch over (N tiles, M tiles, E). Rows of the stacked weight:
+    gate_up [E * 2 * n_out] (per expert n_out gate rows, then n_out up rows), down [E * n_out].
+    a, out, counts, offsets, perm and route_weights as in MoeGroupedGemmParams."""
+
+    _fields_ = [
+        ("a", c_void_p),
+        ("weight", c_void_p),
+        ("scale", c_void_p),
+        ("row_scale", c_void_p),
+        ("counts", c_void_p),
+        ("offsets", c_void_p),
+        ("perm", c_void_p),
+        ("route_weights", c_void_p),
+        ("out", c_void_p),
+        ("num_slots", c_int32),
+        ("top_k", c_int32),
+        ("n_out", c_int32),
+        ("k_in", c_int32),  # a multiple of 16
+        ("num_experts", c_int32),
+        ("pad", c_int32),
+    ]
+
+
+ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (QuantLinearParams, MoeQuantGemmParams)
