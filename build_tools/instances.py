@@ -4,12 +4,16 @@
     python -m build_tools.instances --check   # exit 1 listing out-of-date files, write nothing
 
 One instance per hardware (aliases excluded) x model in targets.toml. Template context: `hw`,
-`model`, `quant` (registry dicts with `name`; model constants at top level and under `constants`).
+`model`, `quant` (registry dicts with `name`; model constants at top level and under `constants`),
+`templates` ({quant directory: its template paths}, for `{% include %}` of another quant's
+kernels). A template whose first line is `{#- atlas-hardware: h200, gb10 -#}` renders only for
+the hardware it names.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +24,7 @@ from . import kernels_dir
 from .render import environment, write_if_changed
 
 MARKER = "// generated from kernels/templates/"
+_HARDWARE_LINE = re.compile(r"\{#-?\s*atlas-hardware:\s*([^#]*?)\s*-?#\}")
 
 
 @dataclass(frozen=True)
@@ -32,21 +37,41 @@ def _header(template: str) -> str:
     return f"{MARKER}{template} by build_tools/instances.py; do not edit\n"
 
 
+def template_hardware(source: Path, registry: Registry) -> list[str]:
+    """The hardware a template renders for: its `atlas-hardware` first line, else all."""
+    with source.open(encoding="utf-8") as f:
+        match = _HARDWARE_LINE.match(f.readline().strip())
+    if match is None:
+        return list(registry.hardware)
+    names = [n.strip() for n in match[1].split(",") if n.strip()]
+    unknown = [n for n in names if n not in registry.hardware]
+    if unknown or not names:
+        raise SystemExit(f"{source}: atlas-hardware names {unknown or 'nothing'}; hardware in targets.toml: "
+                         f"{', '.join(registry.hardware)}")
+    return names
+
+
 def expected_instances(registry: Registry, kernels_dir: Path) -> list[Instance]:
     templates = kernels_dir / "templates"
     if not templates.is_dir():
         return []
     env = environment(templates)
+    sources = sorted(templates.glob("*/*.cu.j2"))
+    by_quant: dict[str, list[str]] = {}
+    for source in sources:
+        by_quant.setdefault(source.parent.name, []).append(source.relative_to(templates).as_posix())
     out = []
-    for source in sorted(templates.glob("*/*.cu.j2")):
+    for source in sources:
         quant = source.parent.name
         if quant not in registry.quants:
             raise SystemExit(f"{source}: directory '{quant}' is not a quant in targets.toml ({', '.join(registry.quants)})")
         rel = source.relative_to(templates).as_posix()
         template = env.get_template(rel)
-        for hw in registry.hardware.values():
+        for hw_name in template_hardware(source, registry):
+            hw = registry.hardware[hw_name]
             for model in registry.models.values():
-                ctx = {"hw": hw.to_dict(), "model": model.to_dict(), "quant": registry.quants[quant].to_dict()}
+                ctx = {"hw": hw.to_dict(), "model": model.to_dict(), "quant": registry.quants[quant].to_dict(),
+                       "templates": by_quant}
                 path = kernels_dir / hw.name / model.name / quant / source.name.removesuffix(".j2")
                 out.append(Instance(path, _header(rel) + template.render(**ctx)))
     return out

@@ -1,0 +1,11 @@
+// generated from kernels/templates/nvfp4/moe_nvfp4.cu.j2 by build_tools/instances.py; do not edit
+// nvfp4 experts: the grouped GEMM over all experts in one launch (routing: atlas_moe_route).
+#include "atlas/moe_quant.cuh"
+
+extern "C" __global__ void __launch_bounds__(atlas::moe::kGemmThreads) atlas_moe_qgemm_nvfp4_gate_up(const MoeQuantGemmParams p) {
+  atlas::quant::moe_quant_gemm<true, atlas::quant::Nvfp4Format>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(atlas::moe::kGemmThreads) atlas_moe_qgemm_nvfp4_down(const MoeQuantGemmParams p) {
+  atlas::quant::moe_quant_gemm<false, atlas::quant::Nvfp4Format>(p);
+}

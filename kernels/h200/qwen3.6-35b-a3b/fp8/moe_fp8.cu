@@ -1,0 +1,11 @@
+// generated from kernels/templates/fp8/moe_fp8.cu.j2 by build_tools/instances.py; do not edit
+// fp8 experts: the grouped GEMM over all experts in one launch (routing: atlas_moe_route).
+#include "atlas/moe_quant.cuh"
+
+extern "C" __global__ void __launch_bounds__(atlas::moe::kGemmThreads) atlas_moe_qgemm_fp8_gate_up(const MoeQuantGemmParams p) {
+  atlas::quant::moe_quant_gemm<true, atlas::quant::Fp8Format>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(atlas::moe::kGemmThreads) atlas_moe_qgemm_fp8_down(const MoeQuantGemmParams p) {
+  atlas::quant::moe_quant_gemm<false, atlas::quant::Fp8Format>(p);
+}
