@@ -329,26 +329,47 @@ def test_eight_concurrent_clients(served: Served, rng: np.random.Generator) -> N
     assert answers == wanted
 
 
-def test_disconnect_mid_stream_frees_the_engine(served: Served) -> None:
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_the_engine(served: Served, stream: bool) -> None:
     prompt = "Beautiful is better than"
     _, _, full_run = expected(served, prompt, 1000)  # decode steps an uninterrupted run would take
     served.engine.delay_s = 0.02
     try:
-        client = served.client()
-        stream = client.completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=1000, temperature=0, stream=True)
         start = served.engine.decodes
-        for _, _ in zip(range(3), stream):
-            pass
-        stream.close()
+        if stream:
+            leave_mid_stream(served, prompt)
+        else:
+            leave_while_waiting(served, prompt)
         settled = wait_until_settled(served.engine)
-        assert settled - start >= 2, "the stream ran without decode steps: the counter is not wired"
+        assert settled - start >= 2, "the request ran without decode steps: the counter is not wired"
         assert settled - start < full_run // 4, f"{settled - start} decodes after the disconnect"
         began = time.monotonic()
-        answer = client.completions.create(model=DEMO_NAME, prompt="Flat is", max_tokens=5, temperature=0)
+        answer = served.client().completions.create(model=DEMO_NAME, prompt="Flat is", max_tokens=5, temperature=0)
         assert time.monotonic() - began < 2.0
         assert answer.choices[0].text == expected(served, "Flat is", 5)[0]
     finally:
         served.engine.delay_s = 0.0
+
+
+def leave_mid_stream(served: Served, prompt: str) -> None:
+    stream = served.client().completions.create(
+        model=DEMO_NAME, prompt=prompt, max_tokens=1000, temperature=0, stream=True
+    )
+    for _, _ in zip(range(3), stream):
+        pass
+    stream.close()
+
+
+def leave_while_waiting(served: Served, prompt: str) -> None:
+    """A non-streaming request whose client gives up (times out) before the answer."""
+    body = {"model": DEMO_NAME, "prompt": prompt, "max_tokens": 1000, "temperature": 0}
+    conn = http.client.HTTPConnection(HOST, served.port, timeout=0.3)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body))
+        with pytest.raises(TimeoutError):
+            conn.getresponse()
+    finally:
+        conn.close()
 
 
 def wait_until_settled(engine: CountingEngine) -> int:

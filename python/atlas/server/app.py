@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import TypeVar
+
+import anyio
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -23,6 +26,7 @@ from .responses import Reply, chunk, full_body, sse, text_delta, usage_chunk
 from .worker import EngineWorker, Event, Failed, Finished, TextPiece
 
 log = logging.getLogger("atlas.serve")
+T = TypeVar("T")
 DEFAULT_MAX_TOKENS = 256  # when a request names none (and the context has room)
 
 
@@ -94,7 +98,8 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
     events = state.worker.events(prompt_ids, opts, body.sampling.stop)
     if body.stream:
         return EventStreamResponse(stream_events(reply, events, body.include_usage))
-    return JSONResponse(await collect(reply, events))
+    answer = await unless_disconnected(request, collect(reply, events))
+    return JSONResponse(answer) if answer is not None else Response(status_code=499)
 
 
 async def read_json(request: Request) -> object:
@@ -143,6 +148,28 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
     return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed)
 
 
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await work, cancelling it (and so its generation) if the client goes away first."""
+    result: T | None = None
+    error: Exception | None = None  # raised after the group, which would wrap it in a group
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        try:
+            result = await work
+        except Exception as err:  # noqa: BLE001 - re-raised below
+            error = err
+        group.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result
+
+
 async def collect(reply: Reply, events: AsyncGenerator[Event, None]) -> dict[str, object]:
     pieces: list[str] = []
     async with aclosing(events):
@@ -156,7 +183,7 @@ async def collect(reply: Reply, events: AsyncGenerator[Event, None]) -> dict[str
     raise RequestError("the engine stopped before finishing", status=500)
 
 
-async def stream_events(reply: Reply, events: AsyncGenerator[Event, None], include_usage: bool) -> AsyncIterator[str]:
+async def stream_events(reply: Reply, events: AsyncGenerator[Event, None], include_usage: bool) -> AsyncGenerator[str, None]:
     async with aclosing(events):
         if reply.chat:
             yield sse(chunk(reply, {"role": "assistant", "content": ""}))

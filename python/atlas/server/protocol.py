@@ -24,6 +24,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "functions": (None, []),
     "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
 }
 
 
