@@ -134,6 +134,16 @@ def test_bad_input_is_one_line(argv: list[str], needle: str, capsys: pytest.Capt
     assert "Traceback" not in captured.err and captured.out == ""
 
 
+def test_oracle_on_a_missing_gpu_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here")
+    code = main(["--device", "cpu", "--oracle-device", "cuda"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--oracle-device cpu" in err[0]
+
+
 def test_reference_of_another_architecture_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     other = tiny_checkpoint(tmp_path / "other", TinyModel(vocab_size=320, num_hidden_layers=2))
     capsys.readouterr()  # the checkpoint writer's progress bar

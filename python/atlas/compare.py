@@ -1,7 +1,8 @@
 """`python -m atlas.compare`: atlas against the Hugging Face transformers oracle, layer by layer.
 
-Both run the same prompt ids in one forward pass: transformers in float32 (on the GPU when atlas
-runs on cuda and torch sees one, else on the CPU), atlas on the chosen backend. Per layer it
+Both run the same prompt ids in one forward pass: atlas on the chosen backend first (then released),
+then transformers in float32 (--oracle-device; auto: the GPU when atlas ran on cuda and torch sees
+one, else the CPU). Per layer it
 prints the norm ratio ||atlas|| / ||transformers|| and the cosine similarity of the layer outputs
 (the residual stream after the layer, all positions), and the overlap of the top-k router logits
 and of the chosen experts. The FIRST layer whose norm ratio or cosine falls outside
@@ -12,6 +13,7 @@ and of the chosen experts. The FIRST layer whose norm ratio or cosine falls outs
 
 from __future__ import annotations
 
+import gc
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ import click
 
 from .backends import DEVICES
 from .errors import AtlasError
-from .oracle_trace import LayerTrace, atlas_trace, transformers_trace
+from .oracle_trace import LayerTrace, atlas_trace, oracle_device, transformers_trace
 
 BAND = (0.977, 1.021)
 USAGE_EXIT = 2
@@ -35,6 +37,7 @@ class CompareArgs:
     device: str
     top_k: int
     chat: bool
+    oracle_device: str  # auto: atlas' device when torch sees it, else cpu
 
 
 @dataclass(frozen=True)
@@ -116,24 +119,24 @@ def logits_line(ours: LayerTrace, oracle: LayerTrace) -> str:
 
 def compare(args: CompareArgs) -> int:
     from .config import load_spec
-    from .llm import encode_prompt, load_model
+    from .llm import encode_prompt
     from .resolve import resolve_model
     from .run import default_prompt
     from .tokenizer import Tokenizer
 
     if args.top_k < 1:
         raise AtlasError(f"--top-k must be >= 1, got {args.top_k}")
+    oracle_device(args.oracle_device, "")  # torch missing or no GPU for it: say so before any load
     model_dir = resolve_model(args.model)
     reference_dir = model_dir if args.reference is None else resolve_model(args.reference)
     spec = load_spec(model_dir)
     check_same_shape(spec, load_spec(reference_dir), reference_dir)
     prompt = args.prompt if args.prompt is not None else default_prompt(model_dir, args.model)
     ids = encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
-    loaded = load_model(str(model_dir), args.device)
-    ours = atlas_trace(loaded.engine, ids, spec.num_hidden_layers)
-    torch_device = "cuda" if loaded.device.startswith("cuda") else "cpu"
-    oracle, torch_device = transformers_trace(reference_dir, ids, spec.num_hidden_layers, torch_device)
-    click.echo(f"atlas.compare: {len(ids)} prompt tokens; atlas {model_dir} on {loaded.device}")
+    ours, atlas_device = run_atlas(model_dir, args.device, ids, spec.num_hidden_layers)
+    torch_device = oracle_device(args.oracle_device, atlas_device)
+    oracle = transformers_trace(reference_dir, ids, spec.num_hidden_layers, torch_device)
+    click.echo(f"atlas.compare: {len(ids)} prompt tokens; atlas {model_dir} on {atlas_device}")
     click.echo(f"atlas.compare: oracle transformers float32 {reference_dir} on {torch_device}")
     reports = compare_layers(ours, oracle, spec.layer_types, args.top_k)
     for line in format_report(reports, args.top_k):
@@ -145,6 +148,19 @@ def compare(args: CompareArgs) -> int:
         return 0
     click.echo(f"FIRST FLAGGED LAYER: {failed.index} ({failed.kind}): {failed.reason()}")
     return FLAGGED_EXIT
+
+
+def run_atlas(model_dir: Path, device: str, ids: list[int], num_layers: int) -> tuple[LayerTrace, str]:
+    """atlas' trace and the device line; the engine (and its GPU memory) is released on return,
+    before the float32 oracle loads."""
+    from .llm import load_model
+
+    loaded = load_model(str(model_dir), device)
+    trace = atlas_trace(loaded.engine, ids, num_layers)
+    device_line = loaded.device
+    del loaded
+    gc.collect()
+    return trace, device_line
 
 
 def check_same_shape(spec: object, reference: object, reference_dir: Path) -> None:
@@ -163,6 +179,10 @@ def check_same_shape(spec: object, reference: object, reference_dir: Path) -> No
 @click.option("--prompt", default=None, help="Prompt text (default for the demo: its first words).")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True, help="atlas backend.")
 @click.option("--top-k", type=int, default=10, show_default=True, help="Router logits compared per position.")
+@click.option(
+    "--oracle-device", type=click.Choice(("auto", "cpu", "cuda")), default="auto", show_default=True,
+    help="Where transformers runs; auto: atlas' device when torch sees it, else cpu.",
+)
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 def command(**kwargs: object) -> int:
     """Compare atlas with transformers (float32) layer by layer on one prompt."""

@@ -54,12 +54,19 @@ def atlas_trace(engine: Engine, ids: list[int], num_layers: int) -> LayerTrace:
     )
 
 
-def transformers_trace(model_dir: Path, ids: list[int], num_layers: int, device: str) -> tuple[LayerTrace, str]:
-    """The float32 transformers model on `device` ("cuda" falls back to "cpu" when torch sees no
-    GPU) -> (its trace, the device it ran on)."""
+def oracle_device(requested: str, atlas_device: str) -> str:
+    """--oracle-device -> a torch device. auto: cuda when atlas ran there and torch sees a GPU."""
     torch = import_torch()
-    if device == "cuda" and not torch.cuda.is_available():
-        device = "cpu"
+    if requested == "auto":
+        return "cuda" if atlas_device.startswith("cuda") and torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise AtlasError("--oracle-device cuda: torch sees no GPU; use --oracle-device cpu")
+    return requested
+
+
+def transformers_trace(model_dir: Path, ids: list[int], num_layers: int, device: str) -> LayerTrace:
+    """The float32 transformers model's trace on the torch `device`."""
+    torch = import_torch()
     model = load_oracle(model_dir, device)
     layers = decoder_layers(model, num_layers)
     outputs: dict[int, np.ndarray] = {}
@@ -75,13 +82,12 @@ def transformers_trace(model_dir: Path, ids: list[int], num_layers: int, device:
     finally:
         for hook in hooks:
             hook.remove()
-    trace = LayerTrace(
+    return LayerTrace(
         outputs=[outputs[i] for i in range(num_layers)],
         router_logits=[routers[i][0] if i in routers else None for i in range(num_layers)],
         chosen=[routers[i][1] if i in routers else None for i in range(num_layers)],
-        logits=logits.float().cpu().numpy(),
+        logits=to_numpy(logits),
     )
-    return trace, device
 
 
 def to_numpy(tensor: Any) -> np.ndarray:
