@@ -266,3 +266,56 @@ def test_cli_spec_flags(demo_mtp: Path, capsys: pytest.CaptureFixture[str]) -> N
     for bad in (("--spec-k", "4"), ("--spec-k", "2", "--no-spec")):
         code, _, err = run_cli(capsys, *common, *bad)
         assert code == 2 and len(err.strip().splitlines()) == 1 and "--spec-k" in err
+
+
+# --- the head against transformers' layers --------------------------------------------------------------
+class TorchMtp(torch.nn.Module):
+    """The Qwen3.5 MTP head from transformers' own decoder layer and norms (vLLM's qwen3_5_mtp
+    structure): fc(cat[norm_e(embed(ids)), norm_h(hidden)]) -> full-attention MoE layer -> norm."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+
+        super().__init__()
+        config = hf.Qwen3_5MoeTextConfig.from_pretrained(model_dir)
+        config.layer_types, config.num_hidden_layers = ["full_attention"], 1
+        h = config.hidden_size
+        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = hf.Qwen3_5MoeRMSNorm(h, config.rms_norm_eps)
+        self.pre_fc_norm_hidden = hf.Qwen3_5MoeRMSNorm(h, config.rms_norm_eps)
+        self.layers = torch.nn.ModuleList([hf.Qwen3_5MoeDecoderLayer(config, 0)])
+        self.norm = hf.Qwen3_5MoeRMSNorm(h, config.rms_norm_eps)
+        self.rotary = hf.Qwen3_5MoeTextRotaryEmbedding(config)
+
+    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        tokens = embedded.shape[0]
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], -1))[None]
+        position_ids = torch.arange(tokens)[None]
+        mask = torch.full((tokens, tokens), float("-inf")).triu(1)[None, None]
+        out = self.layers[0](x, self.rotary(x, position_ids), attention_mask=mask, position_ids=position_ids)
+        return self.norm(out[0] if isinstance(out, tuple) else out)[0]
+
+
+def test_head_matches_transformers_layers(tmp_path: Path, rng: np.random.Generator) -> None:
+    from safetensors.torch import load_file
+
+    from atlas.layers.step import Step
+
+    reference = write_checkpoint(tmp_path, TinyModel(vocab_size=96, layout="fused", num_hidden_layers=2), new_seed())
+    add_mtp_head(tmp_path, new_seed(), fused=True)
+    stored = load_file(tmp_path / "model.safetensors")
+    head_weights = {k.removeprefix("mtp."): v.to(torch.bfloat16).float() for k, v in stored.items() if k.startswith("mtp.")}
+    torch_head = TorchMtp(tmp_path)
+    torch_head.load_state_dict(head_weights, strict=True)  # the checkpoint names are the module's
+
+    engine = spec_engine(tmp_path, 1)
+    tokens, h = 9, reference.config.hidden_size
+    ids = rng.integers(0, 96, tokens).astype(np.int32)
+    hidden = rng.standard_normal((tokens, h)).astype(np.float32)
+    backend = engine.backend
+    step = Step(backend, np.arange(tokens, dtype=np.int32))
+    got = engine.head.logits(step, engine.head.forward(step, ids, hidden, engine.head.new_state(backend, 16)))
+    with torch.no_grad():
+        embedded = reference.model.embed_tokens(torch.from_numpy(ids).long())
+        want = reference.lm_head(torch_head(embedded, torch.from_numpy(hidden))).numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
