@@ -44,6 +44,7 @@ class CountingEngine:
         self.engine = engine
         self.decodes = 0
         self.delay_s = 0.0
+        self.fail = False  # every decode step raises (an engine fault mid-generation)
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.engine, name)
@@ -52,6 +53,8 @@ class CountingEngine:
 
         def step(*args: Any) -> Any:
             self.decodes += 1
+            if self.fail:
+                raise RuntimeError("injected engine fault")
             if self.delay_s:
                 time.sleep(self.delay_s)
             return method(*args)
@@ -302,6 +305,24 @@ def test_client_sees_bad_requests(served: Served) -> None:
     assert several.value.param == "n"
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model=DEMO_NAME, input="x")
+    assert_still_serving(served)
+
+
+def test_engine_fault_is_a_500_and_the_server_survives(served: Served) -> None:
+    body = {"model": DEMO_NAME, "prompt": "Flat is", "max_tokens": 8, "temperature": 0}
+    served.engine.fail = True
+    try:
+        status, answer = post(served.port, "/v1/completions", json.dumps(body))
+        conn = http.client.HTTPConnection(HOST, served.port, timeout=TIMEOUT_S)
+        conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}))
+        events = conn.getresponse().read().decode().split("\n\n")
+        conn.close()
+    finally:
+        served.engine.fail = False
+    assert status == 500 and answer["error"]["type"] == "server_error"
+    assert "injected engine fault" in answer["error"]["message"]
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert "injected engine fault" in json.loads(events[-3].removeprefix("data: "))["error"]["message"]
     assert_still_serving(served)
 
 

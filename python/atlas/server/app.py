@@ -88,7 +88,7 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
             f"model {body.model!r} is not served here; use {state.model_name!r} (see /v1/models)",
             "model", "model_not_found",
         )
-    prompt_ids = encode(state.llm, body)
+    prompt_ids = await anyio.to_thread.run_sync(encode, state.llm, body)  # templates take a while
     opts = generate_options(state, body, len(prompt_ids))
     try:
         state.llm.prepare(prompt_ids, opts)
