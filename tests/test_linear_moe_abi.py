@@ -26,6 +26,7 @@ from atlas.backends.cuda.tensor import DeviceTensor
 REPO = Path(__file__).resolve().parent.parent
 FILES = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm", "router", "moe_experts", "add_sigmoid_scaled")
 MODELS = ("atlas-demo", "qwen3.6-35b-a3b")
+OPT_IN_SMEM_MIN = 99 * 1024  # the smallest per-block opt-in of the targets (sm_86/89, sm_120/121)
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(\s*\.param\s+\.align\s+(\d+)\s+\.b8\s+\w+\[(\d+)\]\s*\)\s*\.maxntid\s+(\d+)")
 
 
@@ -93,7 +94,9 @@ def _run_every_op(rt: RecordingRuntime, d: dict[str, int], rng: np.random.Genera
     for tokens in (1, int(rng.integers(2, ops.MOE_GEMV_MAX_TOKENS + 1)), int(rng.integers(ops.MOE_GEMV_MAX_TOKENS + 1, 700))):
         for conv_dtype in ("f32", "bf16"):
             ops.causal_conv1d(rt, f(tokens, channels), rt.empty((channels, width), conv_dtype), f(channels, width - 1))
-        ops.gated_delta_rule(rt, f(tokens, channels), f(tokens, hv), f(tokens, hv), f(hv), f(hv), f(hv, dk, dv), hk)
+        for chunked in (False, True):
+            ops.gated_delta_rule(rt, f(tokens, channels), f(tokens, hv), f(tokens, hv), f(hv), f(hv), f(hv, dk, dv), hk,
+                                 chunked=chunked)
         ops.gated_rms_norm(rt, f(tokens, hv, dv), f(tokens, hv, dv), f(dv), 1e-6)
         ids, weights = ops.router(rt, f(tokens, h), rt.empty((e, h), "bf16"), k, True)
         ops.moe_experts(rt, f(tokens, h), ids, weights, rt.empty((e, 2 * inter, h), "bf16"), rt.empty((e, h, inter), "bf16"))
@@ -112,7 +115,7 @@ def test_every_launch_matches_its_ptx_entry(ptx_entries: tuple[str, dict[str, tu
         assert align == ctypes.alignment(type(launch.params)), f"{launch.kernel}: alignment"
         assert math.prod(launch.block) == max_threads, f"{launch.kernel}: block {launch.block} != bound {max_threads}"
         assert all(0 < g for g in launch.grid) and max(launch.grid[1:]) <= 65535, f"{launch.kernel}: grid {launch.grid}"
-        assert launch.smem <= 48 * 1024, f"{launch.kernel}: {launch.smem} B dynamic smem"
+        assert launch.smem <= OPT_IN_SMEM_MIN, f"{launch.kernel}: {launch.smem} B dynamic smem"
     assert {launch.kernel for launch in rt.launches} == set(entries), "some entries are never launched"
 
 
@@ -126,6 +129,11 @@ def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
             if launch.kernel == "atlas_causal_conv1d":
                 assert gx * ops.CONV_THREADS >= p.channels and gy * ops.CONV_TOKENS_PER_BLOCK >= p.num_tokens
             elif launch.kernel == "atlas_gated_delta_rule":
+                assert (gx, gy * ops.DELTA_COLS_PER_BLOCK) == (p.num_v_heads, p.v_head_dim)
+            elif launch.kernel == "atlas_gated_delta_chunk_prep":
+                assert (gx, gy) == (p.num_v_heads, p.num_chunks) and p.num_chunks * ops.DELTA_CHUNK >= p.num_tokens > 1
+                assert launch.smem == ops.delta_prep_smem_bytes(p.k_head_dim)
+            elif launch.kernel == "atlas_gated_delta_chunk_scan":
                 assert (gx, gy * ops.DELTA_COLS_PER_BLOCK) == (p.num_v_heads, p.v_head_dim)
             elif launch.kernel == "atlas_gated_rms_norm":
                 assert gx * ops.GATED_NORM_WARPS >= p.rows and p.dim == d["linear_value_head_dim"]
@@ -172,6 +180,8 @@ def test_wrapper_geometry_mirrors_the_headers() -> None:
         (ops.CONV_TOKENS_PER_BLOCK, _header_constant("conv1d.cuh", "kTokensPerBlock")),
         (ops.DELTA_THREADS, 32 * _header_constant("delta_rule.cuh", "kWarps")),
         (ops.DELTA_COLS_PER_BLOCK, _header_constant("delta_rule.cuh", "kWarps") * _header_constant("delta_rule.cuh", "kColsPerWarp")),
+        (ops.DELTA_CHUNK, _header_constant("delta_chunked.cuh", "kChunk")),
+        (ops.DELTA_PREP_THREADS, _header_constant("delta_chunked.cuh", "kPrepThreads")),
         (ops.GATED_NORM_WARPS, _header_constant("gated_norm.cuh", "kWarps")),
         (ops.ROUTER_WARPS, _header_constant("router.cuh", "kWarps")),
         (ops.GEMV_WARPS, _header_constant("moe.cuh", "kGemvWarps")),
@@ -183,3 +193,25 @@ def test_wrapper_geometry_mirrors_the_headers() -> None:
     ]
     for wrapper, header in mirrored:
         assert wrapper == header
+
+
+def test_delta_rule_form_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from atlas.errors import AtlasError
+
+    d = _dims("qwen3.6-35b-a3b")
+    hk, hv, dk, dv = d["linear_num_key_heads"], d["linear_num_value_heads"], d["linear_key_head_dim"], d["linear_value_head_dim"]
+
+    def kernels(tokens: int) -> list[str]:
+        rt = RecordingRuntime()
+        f = lambda *s: rt.empty(s, "f32")  # noqa: E731
+        ops.gated_delta_rule(rt, f(tokens, 2 * hk * dk + hv * dv), f(tokens, hv), f(tokens, hv), f(hv), f(hv), f(hv, dk, dv), hk)
+        return [launch.kernel for launch in rt.launches]
+
+    monkeypatch.delenv(ops.DELTA_RULE_ENV, raising=False)
+    assert kernels(100) == ["atlas_gated_delta_rule"]  # recurrent until the device confirms the chunked form
+    monkeypatch.setenv(ops.DELTA_RULE_ENV, "chunked")
+    assert kernels(100) == ["atlas_gated_delta_chunk_prep", "atlas_gated_delta_chunk_scan"]
+    assert kernels(1) == ["atlas_gated_delta_rule"]  # decode stays recurrent
+    monkeypatch.setenv(ops.DELTA_RULE_ENV, "wy")
+    with pytest.raises(AtlasError, match=ops.DELTA_RULE_ENV):
+        kernels(100)

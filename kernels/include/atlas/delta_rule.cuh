@@ -6,7 +6,7 @@
 // so a block owns kColsPerBlock columns of one head's state [Dk, Dv] and keeps them in registers
 // for the whole call: each column is split over kKeyParts lanes (rows i = part + kKeyParts * r),
 // whose partial dot products meet through two shuffles. Tokens are walked sequentially (decode is
-// T = 1; prefill walks T on chip: the first version, the chunked WY form is not written yet),
+// T = 1; prefill too by default: the chunked WY form in delta_chunked.cuh is opt-in for now),
 // with the next token's inputs loaded while the current one is computed.
 #pragma once
 

@@ -47,6 +47,34 @@ class GatedDeltaRuleParams(ctypes.Structure):
     ]
 
 
+class GatedDeltaChunkParams(ctypes.Structure):
+    """atlas_gated_delta_chunk_prep / _scan (prefill, chunks of 64 tokens): the inputs of
+    GatedDeltaRuleParams plus f32 scratch per (value head, chunk): w [C, Dk], u [C, Dv],
+    q_decayed [C, Dk], k_to_end [C, Dk], intra [C, C], chunk_decay [1]; num_chunks = ceil(T / 64)."""
+
+    _fields_ = [
+        ("mixed_qkv", c_void_p),
+        ("a", c_void_p),
+        ("b", c_void_p),
+        ("A_log", c_void_p),
+        ("dt_bias", c_void_p),
+        ("state", c_void_p),
+        ("out", c_void_p),
+        ("w", c_void_p),
+        ("u", c_void_p),
+        ("q_decayed", c_void_p),
+        ("k_to_end", c_void_p),
+        ("intra", c_void_p),
+        ("chunk_decay", c_void_p),
+        ("num_tokens", c_int32),
+        ("num_chunks", c_int32),
+        ("num_k_heads", c_int32),
+        ("num_v_heads", c_int32),
+        ("k_head_dim", c_int32),
+        ("v_head_dim", c_int32),
+    ]
+
+
 class GatedRmsNormParams(ctypes.Structure):
     """atlas_gated_rms_norm: x, z [rows, D] f32, weight [D] f32, out [rows, D]."""
 
@@ -182,6 +210,7 @@ class AddSigmoidScaledParams(ctypes.Structure):
 ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (
     CausalConv1dParams,
     GatedDeltaRuleParams,
+    GatedDeltaChunkParams,
     GatedRmsNormParams,
     RouterParams,
     MoeGateUpGemvParams,

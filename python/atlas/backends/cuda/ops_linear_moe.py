@@ -5,9 +5,11 @@ they were not written for, so a drift shows up as poisoned outputs in the GPU te
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from atlas.errors import AtlasError
 from atlas.kernel_params import linear_moe as kp
 
 if TYPE_CHECKING:
@@ -20,6 +22,12 @@ CONV_TOKENS_PER_BLOCK = 64
 # delta_rule.cuh
 DELTA_THREADS = 128
 DELTA_COLS_PER_BLOCK = 32
+# delta_chunked.cuh
+DELTA_CHUNK = 64
+DELTA_PREP_THREADS = 256
+# Prefill form of the delta rule: "recurrent" (default: walks the tokens) or "chunked" (the
+# 64-token WY form; opt-in until the device has confirmed it).
+DELTA_RULE_ENV = "ATLAS_DELTA_RULE"
 # gated_norm.cuh
 GATED_NORM_WARPS = 8
 # router.cuh
@@ -92,7 +100,10 @@ def gated_delta_rule(
     dt_bias: DeviceTensor,
     state: DeviceTensor,
     num_k_heads: int,
+    *,
+    chunked: bool | None = None,
 ) -> DeviceTensor:
+    """`chunked` None: the ATLAS_DELTA_RULE environment variable decides (prefill only)."""
     value_heads, k_dim, v_dim = state.shape
     tokens = mixed_qkv.shape[0]
     width = 2 * num_k_heads * k_dim + value_heads * v_dim
@@ -103,6 +114,14 @@ def gated_delta_rule(
         _expect_dtype(f"gated_delta_rule {name}", t, "f32")
     _expect(v_dim % DELTA_COLS_PER_BLOCK == 0, f"gated_delta_rule: Dv {v_dim} not a multiple of {DELTA_COLS_PER_BLOCK}")
     out = rt.empty((tokens, value_heads, v_dim), "f32")
+    if tokens > 1 and _delta_rule_chunked(chunked):
+        _expect(k_dim % 32 == 0, f"gated_delta_rule: Dk {k_dim} not a multiple of 32 (chunked form)")
+        _delta_chunked(rt, kp.GatedDeltaChunkParams(
+            mixed_qkv=mixed_qkv.ptr, a=a.ptr, b=b.ptr, A_log=A_log.ptr, dt_bias=dt_bias.ptr, state=state.ptr,
+            out=out.ptr, num_tokens=tokens, num_k_heads=num_k_heads, num_v_heads=value_heads,
+            k_head_dim=k_dim, v_head_dim=v_dim,
+        ))
+        return out
     params = kp.GatedDeltaRuleParams(
         mixed_qkv=mixed_qkv.ptr, a=a.ptr, b=b.ptr, A_log=A_log.ptr, dt_bias=dt_bias.ptr, state=state.ptr,
         out=out.ptr, num_tokens=tokens, num_k_heads=num_k_heads, num_v_heads=value_heads,
@@ -111,6 +130,32 @@ def gated_delta_rule(
     grid = (value_heads, v_dim // DELTA_COLS_PER_BLOCK, 1)
     rt.launch("atlas_gated_delta_rule", grid, (DELTA_THREADS, 1, 1), params)
     return out
+
+
+def _delta_rule_chunked(chunked: bool | None) -> bool:
+    if chunked is not None:
+        return chunked
+    mode = os.environ.get(DELTA_RULE_ENV, "recurrent")
+    if mode not in ("recurrent", "chunked"):
+        raise AtlasError(f"{DELTA_RULE_ENV}={mode!r} is not a delta rule form; use 'recurrent' (default) or 'chunked'")
+    return mode == "chunked"
+
+
+def delta_prep_smem_bytes(k_dim: int) -> int:
+    """delta_chunked.cuh chunk_prep_smem_bytes: k, q rows (stride Dk + 1), A (stride C + 1), cum, beta."""
+    return 4 * (2 * DELTA_CHUNK * (k_dim + 1) + DELTA_CHUNK * (DELTA_CHUNK + 1) + 2 * DELTA_CHUNK)
+
+
+def _delta_chunked(rt: CudaRuntime, p: kp.GatedDeltaChunkParams) -> None:
+    """Scratch per (value head, chunk), then prep over all chunks and the scan over them in order."""
+    heads, chunks, k_dim, v_dim = p.num_v_heads, _ceil_div(p.num_tokens, DELTA_CHUNK), p.k_head_dim, p.v_head_dim
+    scratch = lambda *tail: rt.empty((heads, chunks, *tail), "f32").ptr  # noqa: E731
+    p.num_chunks = chunks
+    p.w, p.u, p.q_decayed = scratch(DELTA_CHUNK, k_dim), scratch(DELTA_CHUNK, v_dim), scratch(DELTA_CHUNK, k_dim)
+    p.k_to_end, p.intra, p.chunk_decay = scratch(DELTA_CHUNK, k_dim), scratch(DELTA_CHUNK, DELTA_CHUNK), scratch(1)
+    rt.launch("atlas_gated_delta_chunk_prep", (heads, chunks, 1), (DELTA_PREP_THREADS, 1, 1), p,
+              delta_prep_smem_bytes(k_dim))
+    rt.launch("atlas_gated_delta_chunk_scan", (heads, v_dim // DELTA_COLS_PER_BLOCK, 1), (DELTA_THREADS, 1, 1), p)
 
 
 def gated_rms_norm(rt: CudaRuntime, x: DeviceTensor, z: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
