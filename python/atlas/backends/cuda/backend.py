@@ -64,6 +64,11 @@ class CudaBackend:
     def to_numpy(self, t: DeviceTensor) -> np.ndarray:
         return from_storage(self.rt.read(t), t.dtype)
 
+    def copy(self, dst: DeviceTensor, src: DeviceTensor) -> None:
+        """dst[...] = src, device to device in stream order (speculative decoding's state
+        snapshots and the hidden states it carries across steps)."""
+        self.rt.copy(dst, src)
+
     def begin_step(self, ids: DeviceTensor) -> DeviceTensor:
         """Recycle the step arena. ids that live in the arena (the previous step's argmax) are
         first moved to a persistent buffer so the new step cannot overwrite them."""
