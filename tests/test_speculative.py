@@ -32,7 +32,8 @@ NO_EOS: set[int] = set()
 def mtp_shapes(spec: ModelSpec, fused: bool) -> dict[str, tuple[int, ...]]:
     """The MTP tensors of a Qwen3.5 checkpoint (names as the released checkpoints store them)."""
     h, q = spec.hidden_size, spec.num_attention_heads * spec.head_dim
-    kv, e, i, si = spec.num_key_value_heads * spec.head_dim, spec.num_experts, spec.moe_intermediate_size, spec.shared_expert_intermediate_size
+    kv, e = spec.num_key_value_heads * spec.head_dim, spec.num_experts
+    i, si = spec.moe_intermediate_size, spec.shared_expert_intermediate_size
     layer = "mtp.layers.0."
     shapes = {
         "mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
@@ -233,7 +234,8 @@ def test_checkpoint_without_head_runs_plain(tiny_plain: Path) -> None:
 @pytest.mark.parametrize("bad_k", [0, 4, -1, True, 2.0])
 def test_bad_spec_k(demo_mtp: Path, bad_k: object) -> None:
     with pytest.raises(AtlasError, match="spec_k must be an integer in 1..3"):
-        SpeculativeEngine(load_spec(demo_mtp), Checkpoint.open(demo_mtp), NumpyBackend(), bad_k)  # type: ignore[arg-type]
+        spec, checkpoint = load_spec(demo_mtp), Checkpoint.open(demo_mtp)
+        SpeculativeEngine(spec, checkpoint, NumpyBackend(), bad_k)  # type: ignore[arg-type]
 
 
 # --- API and CLI ---------------------------------------------------------------------------------------
@@ -304,7 +306,9 @@ def test_head_matches_transformers_layers(tmp_path: Path, rng: np.random.Generat
     reference = write_checkpoint(tmp_path, TinyModel(vocab_size=96, layout="fused", num_hidden_layers=2), new_seed())
     add_mtp_head(tmp_path, new_seed(), fused=True)
     stored = load_file(tmp_path / "model.safetensors")
-    head_weights = {k.removeprefix("mtp."): v.to(torch.bfloat16).float() for k, v in stored.items() if k.startswith("mtp.")}
+    head_weights = {
+        k.removeprefix("mtp."): v.to(torch.bfloat16).float() for k, v in stored.items() if k.startswith("mtp.")
+    }  # rounded to bf16 as atlas keeps the head
     torch_head = TorchMtp(tmp_path)
     torch_head.load_state_dict(head_weights, strict=True)  # the checkpoint names are the module's
 

@@ -193,7 +193,9 @@ class SpeculativeEngine(Engine):
             if outer is not None:
                 outer(key, t)
 
-        out = self.model.forward(Step(self.backend, positions, dump), ids, self.states)
+        step = Step(self.backend, positions, dump)
+        step.emit("positions", positions)  # as Engine.forward: a dump sees where each forward starts
+        out = self.model.forward(step, ids, self.states)
         return out, captured[name]
 
     def _greedy(self, hidden: Tensor, positions: Tensor) -> list[int]:
@@ -216,16 +218,17 @@ class SpeculativeEngine(Engine):
     def _draft(self, cursor: Cursor, k: int) -> list[int]:
         """k draft tokens: the head over its pending rows, then k-1 single steps on its own output."""
         ids, positions = self._ids(cursor.mtp_ids, cursor.mtp_start)
-        out = self.head.forward(Step(self.backend, positions, self.dump), ids, cursor.mtp_hidden, self.mtp_cache)
+        # the head's steps stay out of ATLAS_DUMP, which records the main model's forwards
+        out = self.head.forward(Step(self.backend, positions), ids, cursor.mtp_hidden, self.mtp_cache)
         hidden = self._row(out, cursor.mtp_last)  # [1, H]
         drafts: list[int] = []
         for i in range(k):
-            step = Step(self.backend, positions, self.dump)
-            drafts.append(int(self.backend.to_numpy(self.backend.argmax(self.head.logits(step, hidden)))[0]))
+            logits = self.head.logits(Step(self.backend, positions), hidden)  # [1, V]
+            drafts.append(int(self.backend.to_numpy(self.backend.argmax(logits))[0]))
             if i + 1 < k:
                 ids, positions = self._ids([drafts[-1]], cursor.position + i)
                 hidden = persist(self.backend, hidden)
-                hidden = self.head.forward(Step(self.backend, positions, self.dump), ids, hidden, self.mtp_cache)
+                hidden = self.head.forward(Step(self.backend, positions), ids, hidden, self.mtp_cache)
         return drafts
 
     def _verify(self, cursor: Cursor, drafts: list[int]) -> tuple[Cursor, int]:
