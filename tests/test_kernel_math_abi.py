@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from atlas.backends.numpy_backend import DeltaInputs, delta_rule_recurrent, rope_cos_sin
+from atlas.backends.numpy_backend import DeltaInputs, NumpyBackend, delta_rule_recurrent, rope_cos_sin
 
 
 def rope_angles_as_kernel(positions: np.ndarray, rotary_dim: int, theta: float) -> np.ndarray:
@@ -151,4 +151,180 @@ def test_chunk_prep_never_overflows_on_fast_decay(rng: np.random.Generator) -> N
     want = delta_rule_recurrent(x, want_state).transpose(1, 0, 2)
     with np.errstate(over="raise", invalid="raise"):
         got = emulate_chunk_scan(emulate_chunk_prep(x), state, 100)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+# --- attention.cuh: split-K blocks, 32-key tiles, online softmax, combine -------------------------
+ATTN_KEYS = 32
+
+
+def _attention_block(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray,
+                     block: tuple[int, int, int, int], shape: tuple[int, int, int]) -> dict[int, tuple]:
+    """attention_block for block (split x, kv head y, row tile z) of `splits` splits with W*R rows:
+    {q head row token*Hq+head: (out, m, l)} for the rows it stores."""
+    x, y, z, splits = block
+    rows_per_block, capacity, dim = shape
+    tokens, q_heads, _ = q.shape
+    group = q_heads // keys.shape[1]
+    live = max(min(int(positions[-1]) + 1, capacity), 0)
+    span = ATTN_KEYS * max(-(-live // (ATTN_KEYS * splits)), 1)
+    key_begin, row0 = x * span, z * rows_per_block
+    if key_begin >= live or row0 >= tokens * group:
+        return {}
+    last_token = min((row0 + rows_per_block - 1) // group, tokens - 1)
+    key_end = min(key_begin + span, int(positions[last_token]) + 1, live)
+    stored = {}
+    for row in range(row0, min(row0 + rows_per_block, tokens * group)):
+        token, head = row // group, y * group + row % group
+        m, l, acc = -np.inf, 0.0, np.zeros(dim)
+        for key0 in range(key_begin, key_end, ATTN_KEYS):
+            key = np.arange(key0, key0 + ATTN_KEYS)
+            visible = (key < key_end) & (key <= positions[token])
+            dots = keys[np.minimum(key, capacity - 1), y] @ (q[token, head] / np.sqrt(dim))
+            score = np.where(visible, dots, -np.inf)
+            m_new = max(m, score.max())
+            if m_new == -np.inf:
+                continue
+            prob, alpha = np.exp(score - m_new), np.exp(m - m_new)
+            l, m = l * alpha + prob.sum(), m_new
+            acc = acc * alpha + prob @ np.where(visible[:, None], values[np.minimum(key, capacity - 1), y], 0)
+        stored[token * q_heads + head] = (acc / l if l > 0 else acc * 0, m, l)
+    return stored
+
+
+def emulate_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """ops_dense.attention's launches (decode: splits from the capacity + combine; prefill: one split)."""
+    tokens, q_heads, dim = q.shape
+    capacity, kv_heads, _ = k_cache.shape
+    decode = tokens <= 4
+    splits = min(-(-capacity // ATTN_KEYS), 256) if decode else 1
+    rows_per_block = 4 if decode else 16
+    tiles = -(-tokens * (q_heads // kv_heads) // rows_per_block)
+    partial: dict[tuple[int, int], tuple] = {}
+    for x in range(splits):
+        for y in range(kv_heads):
+            for z in range(tiles):
+                block = _attention_block(q, k_cache, v_cache, positions, (x, y, z, splits),
+                                         (rows_per_block, capacity, dim))
+                partial.update({(x, row): stored for row, stored in block.items()})
+    live = max(min(int(positions[-1]) + 1, capacity), 0)
+    span = ATTN_KEYS * max(-(-live // (ATTN_KEYS * splits)), 1)
+    live_splits = min(-(-live // span), splits)  # attention_combine reads only these
+    out = np.zeros((tokens * q_heads, dim))
+    for row in range(tokens * q_heads):
+        parts = [partial[(s, row)] for s in range(live_splits)]  # KeyError: a split left a row unwritten
+        m_max = max(m for _, m, _ in parts)
+        weights = [np.exp(m - m_max) * l if m != -np.inf else 0.0 for _, m, l in parts]
+        out[row] = sum(w * o for w, (o, _, _) in zip(weights, parts)) / sum(weights)
+    return out.reshape(tokens, q_heads, dim)
+
+
+def test_attention_split_tiling_equals_the_reference(rng: np.random.Generator) -> None:
+    q_heads, kv_heads, dim = 4, 2, 8
+    for tokens, capacity in ((1, 1024), (3, 100), (4, 4096), (5, 300), (37, 200)):
+        start = int(rng.integers(0, capacity - tokens + 1))
+        positions = np.arange(start, start + tokens, dtype=np.int32)
+        q = rng.standard_normal((tokens, q_heads, dim)).astype(np.float32)
+        k, v = (rng.standard_normal((tokens, kv_heads, dim)).astype(np.float32) for _ in range(2))
+        k_cache, v_cache = (rng.standard_normal((capacity, kv_heads, dim)).astype(np.float32) for _ in range(2))
+        want = NumpyBackend().attention(q, k, v, k_cache, v_cache, positions, dim**-0.5)  # writes the caches
+        got = emulate_attention(q, k_cache, v_cache, positions)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"T={tokens} S={capacity} start={start}")
+
+
+# --- moe.cuh: moe_route + grouped GEMM tiles (gate/up row interleave) + combine --------------------
+BM, BN = 64, 64
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1 + np.exp(-x))
+
+
+def emulate_moe_route(ids: np.ndarray, experts: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """counts [E], offsets [E+1], perm: slot ids grouped by expert, in an arbitrary (atomic) order."""
+    flat = ids.ravel()
+    valid = (flat >= 0) & (flat < experts)
+    counts = np.bincount(flat[valid], minlength=experts)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    perm = np.full(flat.size, -1)
+    for e in range(experts):
+        slots = np.nonzero(flat == e)[0]
+        perm[offsets[e]:offsets[e + 1]] = rng.permutation(slots)
+    return counts, offsets, perm
+
+
+def _b_tile_rows(n0: int, n_out: int, gate_up: bool) -> tuple[np.ndarray, np.ndarray]:
+    """b_tile_column: weight row (within the expert) of each B smem row, and whether it is in range."""
+    r = np.arange(BN)
+    if not gate_up:
+        return n0 + r, n0 + r < n_out
+    col = n0 + (r // 32) * 16 + r % 16
+    return col + np.where(r % 32 >= 16, n_out, 0), col < n_out
+
+
+@dataclass(frozen=True)
+class GroupedCall:
+    a: np.ndarray  # [rows, K]
+    weight: np.ndarray  # [E, N or 2N, K]
+    route: tuple[np.ndarray, ...]
+    top_k: int
+    gate_up: bool
+    route_weights: np.ndarray  # [T, k]
+
+
+def _store_tile(c: GroupedCall, out: np.ndarray, tile: tuple[int, int, int], slot: np.ndarray, acc: np.ndarray) -> None:
+    """store_tile: gate_up rows to the expert-major act rows (warp column half wn: gate cols, then
+    up cols); down rows to y[slot] scaled by the routing weight."""
+    e, m0, n0 = tile
+    n_out = out.shape[1]
+    offsets = c.route[1]
+    for r in np.nonzero(slot >= 0)[0]:
+        if c.gate_up:
+            for wn in range(2):
+                cols = n0 + wn * 16 + np.arange(16)
+                act = _silu(acc[r, wn * 32:wn * 32 + 16]) * acc[r, wn * 32 + 16:wn * 32 + 32]
+                out[offsets[e] + m0 + r, cols[cols < n_out]] = act[cols < n_out]
+        else:
+            cols = n0 + np.arange(BN)
+            out[slot[r], cols[cols < n_out]] = c.route_weights.ravel()[slot[r]] * acc[r, cols < n_out]
+
+
+def emulate_grouped_gemm(c: GroupedCall, out: np.ndarray) -> None:
+    counts, offsets, perm = c.route
+    n_out = out.shape[1]
+    width = BN // 2 if c.gate_up else BN
+    m_tiles = -(-(len(perm) // c.top_k) // BM)  # grid y = ceil(T / BM)
+    for n0 in range(0, n_out, width):
+        w_rows, in_range = _b_tile_rows(n0, n_out, c.gate_up)
+        for e in range(c.weight.shape[0]):
+            b_tile = np.where(in_range[:, None], c.weight[e][np.where(in_range, w_rows, 0)], 0)  # [BN, K]
+            for by in range(m_tiles):
+                for m0 in range(by * BM, counts[e], m_tiles * BM):
+                    m = np.arange(m0, m0 + BM)
+                    slot = np.where(m < counts[e], perm[offsets[e] + np.minimum(m, counts[e] - 1)], -1)
+                    a_row = np.where(slot < 0, -1, slot // c.top_k if c.gate_up else offsets[e] + m)
+                    acc = np.where(a_row[:, None] >= 0, c.a[np.maximum(a_row, 0)], 0) @ b_tile.T  # [BM, BN]
+                    _store_tile(c, out, (e, m0, n0), slot, acc)
+
+
+def test_grouped_moe_tiling_equals_the_reference(rng: np.random.Generator) -> None:
+    experts, top_k, hidden, inter = 6, 3, 48, 40  # n_out not a multiple of the tiles
+    tokens = 150  # the hot expert 2 serves every token: three M tiles
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    gate_up = (rng.standard_normal((experts, 2 * inter, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    down = (rng.standard_normal((experts, hidden, inter)) / np.sqrt(inter)).astype(np.float32)
+    others = [e for e in range(experts) if e != 2]
+    ids = np.array([[2, *rng.permutation(others)[: top_k - 1]] for _ in range(tokens)], dtype=np.int32)
+    spare = next(e for e in others if e not in ids[7])
+    ids[7, 1] = -1  # an invalid slot contributes nothing
+    weights = rng.uniform(0.1, 1, (tokens, top_k)).astype(np.float32)
+    route = emulate_moe_route(ids, experts, rng)
+    act = np.full((tokens * top_k, inter), np.nan)
+    emulate_grouped_gemm(GroupedCall(x, gate_up, route, top_k, True, weights), act)
+    y = np.zeros((tokens * top_k, hidden))  # zeroed by the wrapper
+    emulate_grouped_gemm(GroupedCall(act, down, route, top_k, False, weights), y)
+    got = y.reshape(tokens, top_k, hidden).sum(axis=1)  # moe_combine, slot order
+    ref_ids, ref_weights = ids.copy(), weights.copy()
+    ref_ids[7, 1], ref_weights[7, 1] = spare, 0.0  # the reference: an unused expert with weight 0
+    want = NumpyBackend().moe_experts(x, ref_ids, ref_weights, gate_up, down)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
