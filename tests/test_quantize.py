@@ -187,3 +187,16 @@ def test_a_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         with pytest.raises(MemoryError):
             main(["--to", "nvfp4", "--out", str(out), "--shard-mb", "1"])
     assert len(calls) > 5 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("method", ["fp8", "nvfp4"])
+def test_computed_weight_memory_matches_the_files(demo_quantized: dict[str, Path], method: str) -> None:
+    from atlas.config import load_spec
+    from atlas.quant.memory import qwen3_6_spec, weight_bytes
+
+    spec = load_spec(DEMO_DIR)
+    for directory, fmt in ((DEMO_DIR, "bf16"), (demo_quantized[method], method)):
+        checkpoint = Checkpoint.open(directory)
+        assert weight_bytes(spec, fmt) == sum(checkpoint.info(n).nbytes for n in checkpoint.names())
+    full = qwen3_6_spec()
+    assert weight_bytes(full, method) < weight_bytes(full, "bf16") / {"fp8": 1.9, "nvfp4": 3.2}[method]
