@@ -62,6 +62,10 @@ def test_unperturbed_nested_checkpoint_passes(tmp_path: Path, capsys: pytest.Cap
     assert code == 0, out
     assert_all_pass(out, tiny.num_hidden_layers)
     assert "top5_overlap" in out
+    code = main(["--model", str(model_dir), "--prompt", PROMPT, "--device", "cpu", "--layers", "3"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert_all_pass(out, 3)
 
 
 def perturb_layer(model_dir: Path, layer: int) -> str:
@@ -83,12 +87,15 @@ def test_perturbed_layer_is_flagged(tmp_path: Path, capsys: pytest.CaptureFixtur
     shutil.copytree(original, perturbed)
     layer = int(rng.integers(0, tiny.num_hidden_layers))
     perturb_layer(perturbed, layer)
-    code = main(["--model", str(perturbed), "--reference", str(original), "--prompt", PROMPT, "--device", "cpu"])
+    argv = ["--model", str(perturbed), "--reference", str(original), "--prompt", PROMPT, "--device", "cpu"]
+    if rng.random() < 0.5:  # a cut model flags the same layer
+        argv += ["--layers", str(int(rng.integers(layer + 1, tiny.num_hidden_layers + 1)))]
+    code = main(argv)
     out = capsys.readouterr().out
     assert code == 1, out
     assert re.search(rf"^FIRST FLAGGED LAYER: {layer} \(", out, re.MULTILINE), out
     rows = layer_rows(out)
-    assert len(rows) == tiny.num_hidden_layers
+    assert len(rows) == (int(argv[-1]) if "--layers" in argv else tiny.num_hidden_layers)
     for index, ratio, cosine, flagged in rows[:layer]:
         assert abs(ratio - 1) < 1e-4 and cosine > 1 - 1e-6 and not flagged
     assert rows[layer][3]
@@ -123,6 +130,8 @@ def test_band_checks_norm_ratio_and_cosine(rng: np.random.Generator) -> None:
         (["--top-k", "0"], "--top-k"),
         (["--top-k", "many"], "--top-k"),
         (["--model", "/nonexistent/model-dir"], "/nonexistent/model-dir"),
+        (["--layers", "0"], "--layers"),
+        (["--layers", "5"], "--layers"),
     ],
 )
 def test_bad_input_is_one_line(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

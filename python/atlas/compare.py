@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import gc
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from .backends import DEVICES
 from .errors import AtlasError
 from .oracle_trace import LayerTrace, atlas_trace, oracle_device, transformers_trace
+
+if TYPE_CHECKING:
+    from .config import ModelSpec
 
 BAND = (0.977, 1.021)
 USAGE_EXIT = 2
@@ -38,6 +42,7 @@ class CompareArgs:
     top_k: int
     chat: bool
     oracle_device: str  # auto: atlas' device when torch sees it, else cpu
+    layers: int | None  # compare the first N layers only (both models are cut)
 
 
 @dataclass(frozen=True)
@@ -129,11 +134,12 @@ def compare(args: CompareArgs) -> int:
     oracle_device(args.oracle_device, "")  # torch missing or no GPU for it: say so before any load
     model_dir = resolve_model(args.model)
     reference_dir = model_dir if args.reference is None else resolve_model(args.reference)
-    spec = load_spec(model_dir)
-    check_same_shape(spec, load_spec(reference_dir), reference_dir)
+    full_spec = load_spec(model_dir)
+    check_same_shape(full_spec, load_spec(reference_dir), reference_dir)
+    spec = first_layers(full_spec, args.layers)
     prompt = args.prompt if args.prompt is not None else default_prompt(model_dir, args.model)
     ids = encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
-    ours, atlas_device = run_atlas(model_dir, args.device, ids, spec.num_hidden_layers)
+    ours, atlas_device = run_atlas(model_dir, args.device, ids, spec)
     torch_device = oracle_device(args.oracle_device, atlas_device)
     oracle = transformers_trace(reference_dir, ids, spec.num_hidden_layers, torch_device)
     click.echo(f"atlas.compare: {len(ids)} prompt tokens; atlas {model_dir} on {atlas_device}")
@@ -150,20 +156,31 @@ def compare(args: CompareArgs) -> int:
     return FLAGGED_EXIT
 
 
-def run_atlas(model_dir: Path, device: str, ids: list[int], num_layers: int) -> tuple[LayerTrace, str]:
-    """atlas' trace and the device line; the engine (and its GPU memory) is released on return,
-    before the float32 oracle loads."""
-    from .llm import load_model
+def run_atlas(model_dir: Path, device: str, ids: list[int], spec: ModelSpec) -> tuple[LayerTrace, str]:
+    """atlas' trace (plain engine: no MTP head) and the device line; the engine and its GPU memory
+    are released on return, before the float32 oracle loads."""
+    from .backends import create_backend
+    from .engine import Engine
+    from .safetensors import Checkpoint
 
-    loaded = load_model(str(model_dir), device)
-    trace = atlas_trace(loaded.engine, ids, num_layers)
-    device_line = loaded.device
-    del loaded
+    backend, device_line = create_backend(device, model_dir, spec)
+    engine = Engine(spec, Checkpoint.open(model_dir), backend, max_seq_len=max(len(ids), 1))
+    trace = atlas_trace(engine, ids, spec.num_hidden_layers)
+    del engine, backend
     gc.collect()
     return trace, device_line
 
 
-def check_same_shape(spec: object, reference: object, reference_dir: Path) -> None:
+def first_layers(spec: ModelSpec, layers: int | None) -> ModelSpec:
+    """The spec cut to its first `layers` layers (--layers: a deep model's head fits in memory)."""
+    if layers is None:
+        return spec
+    if not 1 <= layers <= spec.num_hidden_layers:
+        raise AtlasError(f"--layers must be 1..{spec.num_hidden_layers} for this model, got {layers}")
+    return replace(spec, num_hidden_layers=layers, layer_types=spec.layer_types[:layers])
+
+
+def check_same_shape(spec: ModelSpec, reference: ModelSpec, reference_dir: Path) -> None:
     for key in ("num_hidden_layers", "hidden_size", "vocab_size", "num_experts", "layer_types"):
         ours, theirs = getattr(spec, key), getattr(reference, key)
         if ours != theirs:
@@ -183,6 +200,7 @@ def check_same_shape(spec: object, reference: object, reference_dir: Path) -> No
     "--oracle-device", type=click.Choice(("auto", "cpu", "cuda")), default="auto", show_default=True,
     help="Where transformers runs; auto: atlas' device when torch sees it, else cpu.",
 )
+@click.option("--layers", type=int, default=None, help="Load and compare only the first N layers (default: all).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 def command(**kwargs: object) -> int:
     """Compare atlas with transformers (float32) layer by layer on one prompt."""

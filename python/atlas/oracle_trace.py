@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,7 +69,7 @@ def oracle_device(requested: str, atlas_device: str) -> str:
 def transformers_trace(model_dir: Path, ids: list[int], num_layers: int, device: str) -> LayerTrace:
     """The float32 transformers model's trace on the torch `device`."""
     torch = import_torch()
-    model = load_oracle(model_dir, device)
+    model = load_oracle(model_dir, device, num_layers)
     layers = decoder_layers(model, num_layers)
     outputs: dict[int, np.ndarray] = {}
     routers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -119,19 +121,38 @@ def import_torch() -> Any:
     return torch
 
 
-def load_oracle(model_dir: Path, device: str) -> Any:
-    """AutoModelForCausalLM, or the image-text-to-text class for a nested (text_config) config."""
+def load_oracle(model_dir: Path, device: str, num_layers: int) -> Any:
+    """AutoModelForCausalLM, or the image-text-to-text class for a nested (text_config) config,
+    cut to its first `num_layers` layers."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     nested = "text_config" in json.loads((Path(model_dir) / "config.json").read_text())
     auto = AutoModelForImageTextToText if nested else AutoModelForCausalLM
     try:
-        model = auto.from_pretrained(model_dir, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(model_dir)
+        text = config.text_config if nested else config
+        if text.num_hidden_layers > num_layers:
+            text.num_hidden_layers = num_layers
+            text.layer_types = list(text.layer_types[:num_layers])
+        with quiet_transformers():  # the cut layers' weights are reported as unexpected
+            model = auto.from_pretrained(model_dir, config=config, dtype=torch.float32)
     except Exception as err:  # transformers raises many kinds; the user needs the first line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise AtlasError(f"transformers cannot load {model_dir} ({first}); check the checkpoint or --reference") from None
     return model.to(device).eval()
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
 
 
 def decoder_layers(model: Any, num_layers: int) -> list[Any]:
