@@ -155,6 +155,8 @@ def test_all_mode_writes_full_tensors(model_dir: Path, tmp_path: Path, monkeypat
 def test_each_engine_gets_its_own_run(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ATLAS_DUMP", "layers")
     monkeypatch.setenv("ATLAS_DUMP_DIR", str(tmp_path))
+    new_engine(model_dir)  # never runs: writes nothing
+    assert not list(tmp_path.iterdir())
     for _ in range(2):
         new_engine(model_dir).prefill([1, 2, 3])
     runs = sorted(p.name for p in tmp_path.iterdir())

@@ -3,9 +3,11 @@
 ATLAS_DUMP=layers   hidden-state norms per layer and position
 ATLAS_DUMP=experts  router logits top-10, chosen expert ids and weights, routed / shared expert norms
 ATLAS_DUMP=all      both, plus every named intermediate as a full .npy tensor
-ATLAS_DUMP_DIR      where runs go (default ./atlas-dump); each run is a fresh `run-*` directory:
+ATLAS_DUMP_DIR      where runs go (default ./atlas-dump); each engine writes a fresh `run-*` directory
+                    (made at its first forward):
 
-  index.json             run metadata and one entry per forward step (kind, positions, its file)
+  index.json             run metadata, every name seen, one entry per forward (step, file,
+                         first_position, tokens)
   step-0000.json         {"positions", "norms": {name: [T]}, "experts": {"layer.i": {...}},
                           "tensors": {name: {"file", "shape", "dtype"}}}
   step-0000/<name>.npy   (all only) the tensor as the backend computed it, as float32 / int32
@@ -61,19 +63,21 @@ def dump_from_env(backend: Backend, run_info: dict[str, Any]) -> LayerDump | Non
     if mode is None:
         return None
     root = Path(os.environ.get("ATLAS_DUMP_DIR") or DEFAULT_DUMP_DIR)
-    return LayerDump(backend, mode, new_run_dir(root), run_info)
-
-
-def new_run_dir(root: Path) -> Path:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     try:
         root.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f"run-{stamp}-", dir=root))
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
     except OSError as err:
         raise AtlasError(
             f"ATLAS_DUMP_DIR {str(root)!r} cannot hold dumps ({err.strerror or err}); "
             "point it at a writable directory"
         ) from None
+    return LayerDump(backend, mode, root, run_info)
+
+
+def new_run_dir(root: Path) -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return Path(tempfile.mkdtemp(prefix=f"run-{stamp}-", dir=root))
 
 
 @dataclass
@@ -99,13 +103,20 @@ class LayerDump:
     """The engine's dump hook (`engine.dump = LayerDump(...)`): called with every named
     intermediate; converts it to numpy at once (backends may reuse the buffer later)."""
 
-    def __init__(self, backend: Backend, mode: DumpMode, run_dir: Path, run_info: dict[str, Any]):
+    def __init__(self, backend: Backend, mode: DumpMode, root: Path, run_info: dict[str, Any]):
         self.backend = backend
         self.mode = mode
-        self.run_dir = Path(run_dir)
+        self.root = Path(root)
+        self._run_dir: Path | None = None  # made on the first write: a failed load leaves nothing
         self.run_info = {"format": FORMAT, "mode": mode, "backend": backend.name, **run_info}
         self.steps: list[StepRecord] = []
         self.names: set[str] = set()
+
+    @property
+    def run_dir(self) -> Path:
+        if self._run_dir is None:
+            self._run_dir = new_run_dir(self.root)
+        return self._run_dir
 
     def __call__(self, name: str, tensor: Tensor) -> None:
         array = self.backend.to_numpy(tensor)
