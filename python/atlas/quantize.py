@@ -78,7 +78,9 @@ def quant_configs(method: str, excluded: list[str]) -> tuple[dict[str, object], 
             "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(FP8_BLOCK),
             "activation_scheme": "dynamic", "modules_to_not_convert": excluded,
         }, None  # fmt: skip
-    settings = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": GROUP_SIZE, "exclude_modules": excluded}
+    settings = {
+        "quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": GROUP_SIZE, "exclude_modules": excluded,
+    }  # fmt: skip
     producer = {"name": "atlas.quantize", "version": __version__}
     return {"quant_method": "modelopt", **settings}, {"producer": producer, "quantization": settings}
 
@@ -127,11 +129,14 @@ def quantize(args: QuantizeArgs) -> Path:
     return out
 
 
+MODEL_HELP = "bf16 checkpoint: a directory, an HF repo id in the cache, a registry name (default: the demo)."
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", default=None, help="bf16 checkpoint: a directory, an HF repo id in the cache, a registry name (default: the demo).")
+@click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--to", "method", type=click.Choice(METHODS), required=True, help="Target format.")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Output directory (must not exist).")
-@click.option("--shard-mb", type=click.IntRange(min=1), default=4096, show_default=True, help="Largest shard size in MiB.")
+@click.option("--shard-mb", type=click.IntRange(min=1), default=4096, show_default=True, help="Largest shard (MiB).")
 def command(model: str | None, method: str, out: Path, shard_mb: int) -> None:
     """Quantize a bf16 checkpoint to block FP8 or ModelOpt NVFP4."""
     written = quantize(QuantizeArgs(model, method, out, shard_mb * 1024**2))

@@ -23,11 +23,10 @@ def split_fused(name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """Fused expert stacks -> per-expert weights (gate_up [E, 2I, H] holds the gate rows first)."""
     if name.endswith(FUSED_GATE_UP):
         base, half = name[: -len("gate_up_proj")], array.shape[1] // 2
-        return [
-            item
-            for e in range(array.shape[0])
-            for item in ((f"{base}{e}.gate_proj.weight", array[e, :half]), (f"{base}{e}.up_proj.weight", array[e, half:]))
-        ]  # fmt: skip
+        split: list[tuple[str, np.ndarray]] = []
+        for e in range(array.shape[0]):
+            split += [(f"{base}{e}.gate_proj.weight", array[e, :half]), (f"{base}{e}.up_proj.weight", array[e, half:])]
+        return split
     if name.endswith(FUSED_DOWN):
         base = name[: -len("down_proj")]
         return [(f"{base}{e}.down_proj.weight", array[e]) for e in range(array.shape[0])]

@@ -98,13 +98,16 @@ class QuantizedTensors:
         return self._check_nvfp4(name, stored, names)
 
     def _bad(self, name: str, problem: str) -> AtlasError:
-        return AtlasError(f"{name!r} in {self.checkpoint.source} {problem}; the checkpoint is corrupt or not {self.scheme.method}")
+        return AtlasError(
+            f"{name!r} in {self.checkpoint.source} {problem}; the checkpoint is corrupt or not {self.scheme.method}"
+        )
 
     def _check_fp8(self, name: str, stored: Shape, scale_name: str) -> tuple[int, int]:
         expected = block_grid(stored, self.scheme.block)
         found = self.checkpoint.shape(scale_name)
         if tuple(found) != expected:
-            raise self._bad(scale_name, f"has shape {list(found)}, expected {list(expected)} for weight {list(stored)} in {list(self.scheme.block)} blocks")
+            blocks = f"for weight {list(stored)} in {list(self.scheme.block)} blocks"
+            raise self._bad(scale_name, f"has shape {list(found)}, expected {list(expected)} {blocks}")
         if self.checkpoint.dtype(scale_name) not in SCALE_DTYPES:
             raise self._bad(scale_name, f"is {self.checkpoint.dtype(scale_name)}, expected BF16, F16 or F32")
         return stored[0], stored[1]
@@ -113,8 +116,9 @@ class QuantizedTensors:
         n, k = stored[0], stored[1] * 2
         scale, scale_2 = names["weight_scale"], names["weight_scale_2"]
         expected = (n, k // self.scheme.group_size)
-        if tuple(self.checkpoint.shape(scale)) != expected or self.checkpoint.dtype(scale) != "F8_E4M3":
-            raise self._bad(scale, f"is {self.checkpoint.dtype(scale)} {list(self.checkpoint.shape(scale))}, expected F8_E4M3 {list(expected)}")
+        found = (self.checkpoint.dtype(scale), tuple(self.checkpoint.shape(scale)))
+        if found != ("F8_E4M3", expected):
+            raise self._bad(scale, f"is {found[0]} {list(found[1])}, expected F8_E4M3 {list(expected)}")
         if self.checkpoint.dtype(scale_2) != "F32" or int(np.prod(self.checkpoint.shape(scale_2))) != 1:
             raise self._bad(scale_2, "is not one F32 value")
         return n, k
