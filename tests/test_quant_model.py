@@ -74,7 +74,7 @@ def dequantized_checkpoint(quantized_dir: Path, out: Path) -> Path:
 
 
 TINY_CASES = {
-    "flat-per_expert": TinyModel(dtype="bfloat16"),
+    "flat-per_expert-sharded": TinyModel(dtype="bfloat16", max_shard_size="200KB"),
     "nested-fused-tied-h128": TinyModel(
         nested=True, layout="fused", dtype="bfloat16", tie_word_embeddings=True, hidden_size=128,
         moe_intermediate_size=128, shared_expert_intermediate_size=144, num_experts=4,
@@ -89,6 +89,7 @@ def test_random_tiny_runs_the_dequantized_weights(tmp_path: Path, case: str, met
     print(f"checkpoint seed: {seed}")
     tiny = TINY_CASES[case]
     write_checkpoint(tmp_path / "src", tiny, seed)
+    assert (tmp_path / "src" / "model.safetensors.index.json").is_file() == bool(tiny.max_shard_size)
     quantized = quantized_copy(tmp_path / "src", tmp_path / method, method)
     plain = dequantized_checkpoint(quantized, tmp_path / "plain")
     ids = np.random.default_rng(seed).integers(0, tiny.vocab_size, 70).tolist()
