@@ -1,12 +1,12 @@
 """`python -m atlas.compare`: atlas against the Hugging Face transformers oracle, layer by layer.
 
-Both run the same prompt ids in one forward pass: atlas on the chosen backend first (then released),
-then transformers in float32 (--oracle-device; auto: the GPU when atlas ran on cuda and torch sees
-one, else the CPU). Per layer it
-prints the norm ratio ||atlas|| / ||transformers|| and the cosine similarity of the layer outputs
-(the residual stream after the layer, all positions), and the overlap of the top-k router logits
-and of the chosen experts. The FIRST layer whose norm ratio or cosine falls outside
-[0.977, 1.021] is flagged. Exit 0: all layers pass; 1: a layer is flagged; 2: bad input.
+Both run the same prompt ids in one forward pass: atlas on the chosen backend first (then
+released), then transformers in float32 (--oracle-device; auto: the GPU when atlas ran on cuda and
+torch sees one, else the CPU). Per layer it prints the norm ratio ||atlas|| / ||transformers|| and
+the cosine similarity of the layer outputs (the residual stream after the layer, all positions),
+and the overlap of the top-k router logits and of the chosen experts. The FIRST layer whose norm
+ratio or cosine falls outside [0.977, 1.021] is flagged.
+Exit 0: all layers pass; 1: a layer is flagged; 2: bad input (one line).
 
 `--reference DIR` runs transformers on another checkpoint (e.g. the original of a converted copy).
 """
@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+import numpy as np
 
 from .backends import DEVICES
 from .errors import AtlasError
 from .oracle_trace import LayerTrace, atlas_trace, oracle_device, transformers_trace
+from .run import MODEL_HELP, default_prompt
 
 if TYPE_CHECKING:
     from .config import ModelSpec
@@ -66,9 +68,9 @@ class LayerReport:
         return f"cosine {self.cosine:.4f} below {low}"
 
 
-def compare_layers(ours: LayerTrace, oracle: LayerTrace, kinds: tuple[str, ...], top_k: int) -> list[LayerReport]:
-    import numpy as np
-
+def compare_layers(
+    ours: LayerTrace, oracle: LayerTrace, kinds: tuple[str, ...], top_k: int
+) -> list[LayerReport]:
     reports = []
     for i, kind in enumerate(kinds):
         a = ours.outputs[i].astype(np.float64).reshape(-1)
@@ -82,20 +84,19 @@ def compare_layers(ours: LayerTrace, oracle: LayerTrace, kinds: tuple[str, ...],
     return reports
 
 
-def overlap_of_top(ours: object, oracle: object, k: int) -> float | None:
-    """Mean fraction of the k largest router logits the two agree on (as sets, per position)."""
-    import numpy as np
-
+def overlap_of_top(ours: np.ndarray | None, oracle: np.ndarray | None, k: int) -> float | None:
+    """Mean fraction of the k largest router logits [T, E] the two agree on (as sets, per position)."""
     if ours is None or oracle is None:
         return None
-    k = min(k, ours.shape[-1])  # type: ignore[attr-defined]
+    k = min(k, ours.shape[-1])
     return overlap(np.argsort(-ours, axis=-1)[:, :k], np.argsort(-oracle, axis=-1)[:, :k])
 
 
-def overlap(ours: object, oracle: object) -> float | None:
+def overlap(ours: np.ndarray | None, oracle: np.ndarray | None) -> float | None:
+    """Mean over positions of |ours ∩ oracle| / k for expert ids [T, k]."""
     if ours is None or oracle is None:
         return None
-    rows = [len(set(a.tolist()) & set(b.tolist())) / len(a) for a, b in zip(ours, oracle)]  # type: ignore[attr-defined]
+    rows = [len(set(a.tolist()) & set(b.tolist())) / len(a) for a, b in zip(ours, oracle)]
     return sum(rows) / len(rows)
 
 
@@ -105,7 +106,8 @@ def format_report(reports: list[LayerReport], top_k: int) -> list[str]:
         top = "-" if r.top_k_overlap is None else f"{r.top_k_overlap:.3f}"
         chosen = "-" if r.chosen_overlap is None else f"{r.chosen_overlap:.3f}"
         mark = "" if r.passes else "  <- outside"
-        lines.append(f"{r.index:5d}  {r.kind:16s}  {r.norm_ratio:10.6f}  {r.cosine:8.6f}  {top:>13s}  {chosen:>14s}{mark}")
+        numbers = f"{r.norm_ratio:10.6f}  {r.cosine:8.6f}  {top:>13s}  {chosen:>14s}"
+        lines.append(f"{r.index:5d}  {r.kind:16s}  {numbers}{mark}")
     return lines
 
 
@@ -114,8 +116,6 @@ def first_failure(reports: list[LayerReport]) -> LayerReport | None:
 
 
 def logits_line(ours: LayerTrace, oracle: LayerTrace) -> str:
-    import numpy as np
-
     a, b = ours.logits.astype(np.float64), oracle.logits.astype(np.float64)
     cosine = float((a * b).sum() / (np.linalg.norm(a) * np.linalg.norm(b)))
     agree = int((a.argmax(-1) == b.argmax(-1)).sum())
@@ -126,7 +126,6 @@ def compare(args: CompareArgs) -> int:
     from .config import load_spec
     from .llm import encode_prompt
     from .resolve import resolve_model
-    from .run import default_prompt
     from .tokenizer import Tokenizer
 
     if args.top_k < 1:
@@ -191,16 +190,18 @@ def check_same_shape(spec: ModelSpec, reference: ModelSpec, reference_dir: Path)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", default=None, help="Directory, HF repo id in the local cache, or registry name (default: atlas-demo).")
-@click.option("--reference", default=None, help="Checkpoint transformers runs (default: the same as --model).")
+@click.option("--model", default=None, help=MODEL_HELP)
+@click.option("--reference", default=None, help="Checkpoint transformers runs (default: --model).")
 @click.option("--prompt", default=None, help="Prompt text (default for the demo: its first words).")
-@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True, help="atlas backend.")
+@click.option(
+    "--device", type=click.Choice(DEVICES), default="auto", show_default=True, help="atlas' backend."
+)
 @click.option("--top-k", type=int, default=10, show_default=True, help="Router logits compared per position.")
 @click.option(
     "--oracle-device", type=click.Choice(("auto", "cpu", "cuda")), default="auto", show_default=True,
     help="Where transformers runs; auto: atlas' device when torch sees it, else cpu.",
 )
-@click.option("--layers", type=int, default=None, help="Load and compare only the first N layers (default: all).")
+@click.option("--layers", type=int, default=None, help="Compare only the first N layers (default: all).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 def command(**kwargs: object) -> int:
     """Compare atlas with transformers (float32) layer by layer on one prompt."""

@@ -92,6 +92,13 @@ class StepRecord:
     def stem(self) -> str:
         return f"step-{self.index:04d}"
 
+    def index_entry(self) -> dict[str, Any]:
+        first = self.positions[0] if self.positions else None
+        return {
+            "step": self.index, "file": f"{self.stem}.json", "first_position": first,
+            "tokens": len(self.positions),
+        }  # fmt: skip
+
     def as_json(self) -> dict[str, Any]:
         return {
             "step": self.index, "positions": self.positions, "norms": self.norms,
@@ -151,12 +158,9 @@ class LayerDump:
 
     def write_step(self, step: StepRecord) -> None:
         write_json(self.run_dir / f"{step.stem}.json", step.as_json(), indent=None)
-        steps = [
-            {"step": s.index, "file": f"{s.stem}.json", "first_position": s.positions[0] if s.positions else None,
-             "tokens": len(s.positions)}
-            for s in self.steps
-        ]
-        write_json(self.run_dir / "index.json", {**self.run_info, "steps": steps, "names": sorted(self.names)})
+        steps = [s.index_entry() for s in self.steps]
+        index = {**self.run_info, "steps": steps, "names": sorted(self.names)}
+        write_json(self.run_dir / "index.json", index)
 
 
 def row_norms(array: np.ndarray) -> list[float]:
@@ -170,7 +174,8 @@ def expert_fields(kind: str, array: np.ndarray) -> dict[str, Any]:
     if kind == "router_logits":
         top = min(ROUTER_TOP, array.shape[-1])
         ids = np.argsort(-array, axis=-1, kind="stable")[:, :top]  # [T, top]
-        return {"router_top_ids": ids.tolist(), "router_top_logits": np.take_along_axis(array, ids, -1).tolist()}
+        values = np.take_along_axis(array, ids, -1)  # [T, top]
+        return {"router_top_ids": ids.tolist(), "router_top_logits": values.tolist()}
     if kind == "router_ids":
         return {"expert_ids": array.tolist()}
     if kind == "router_weights":

@@ -117,7 +117,9 @@ def import_torch() -> Any:
         import torch
         import transformers  # noqa: F401
     except ImportError as err:
-        raise AtlasError(f"atlas.compare needs torch and transformers ({err}); pip install 'atlas[oracle]'") from None
+        raise AtlasError(
+            f"atlas.compare needs torch and transformers ({err}); pip install 'atlas[oracle]'"
+        ) from None
     return torch
 
 
@@ -139,7 +141,9 @@ def load_oracle(model_dir: Path, device: str, num_layers: int) -> Any:
             model = auto.from_pretrained(model_dir, config=config, dtype=torch.float32)
     except Exception as err:  # transformers raises many kinds; the user needs the first line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise AtlasError(f"transformers cannot load {model_dir} ({first}); check the checkpoint or --reference") from None
+        raise AtlasError(
+            f"transformers cannot load {model_dir} ({first}); check the checkpoint or --reference"
+        ) from None
     return model.to(device).eval()
 
 
@@ -164,4 +168,6 @@ def decoder_layers(model: Any, num_layers: int) -> list[Any]:
         if name.endswith("layers") and isinstance(module, torch.nn.ModuleList) and not outside_text:
             if len(module) == num_layers:
                 return list(module)
-    raise AtlasError(f"no {num_layers}-layer decoder found in the transformers model; is this a qwen3_5_moe checkpoint?")
+    raise AtlasError(
+        f"no {num_layers}-layer decoder found in the transformers model; is this a qwen3_5_moe checkpoint?"
+    )
