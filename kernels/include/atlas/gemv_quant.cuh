@@ -5,7 +5,7 @@
 // Per chunk: 16 raw products summed in f32, then one FMA with the chunk scale.
 // x is staged in shared memory as f32 in column blocks and reused by the warp's R rows; its
 // float4 slots are XOR-swizzled so the 8 lanes of a quarter warp (chunks 64 bytes apart) hit
-// distinct banks. Two shapes, as for bf16: wide (R 4, U 2) and narrow (R 1, U 4) for small N.
+// distinct banks. Two shapes, as for bf16: wide (R 4, U 2) and narrow (R 1, U 4 or 2) for small N.
 // Requires k % 16 == 0 (op wrapper).
 #pragma once
 
@@ -18,7 +18,9 @@ constexpr int kQGemvWarps = kQGemvThreads / kWarpSize;
 constexpr int kQGemvWideRows = 4;
 constexpr int kQGemvWideUnroll = 2;
 constexpr int kQGemvNarrowRows = 1;
-constexpr int kQGemvNarrowUnroll = 4;
+// Narrow shape: 4 chunk loads in flight for T <= 4; 2 above, which keeps sm_121a free of spills
+// (its ptxas caps registers to keep 3 blocks of 28-32 KiB smem resident).
+__host__ __device__ constexpr int qgemv_narrow_unroll(int tokens) { return tokens <= 4 ? 4 : 2; }
 constexpr int kQGemvSmemFloats = 8192;  // 32 KiB of staged x per block
 
 template <int T>
@@ -53,9 +55,12 @@ __device__ __forceinline__ void load_x_chunk(const float* xs_row, int c, float (
   }
 }
 
-template <class Format, int T, int R, int U>
-__device__ __forceinline__ void qgemv_block(const QuantMatrix& m, int n, int row0, int chunk0, const float* xs,
-                                            int chunks, float (&acc)[T][R]) {
+// acc[t][r] += x[t, chunk columns] . W[rows[r], chunk columns] for this lane's chunks (rows[r] < 0:
+// absent, reads nothing). kDiagonal (T == R): only acc[r][r], x row r against weight row r.
+template <class Format, int T, int R, int U, bool kDiagonal = false>
+__device__ __forceinline__ void qgemv_block(const QuantMatrix& m, const int64_t (&rows)[R], int chunk0,
+                                            const float* xs, int chunks, float (&acc)[T][R]) {
+  static_assert(!kDiagonal || T == R, "a diagonal block pairs x row r with weight row r");
   constexpr int kCols = qgemv_cols<T>();
   const int lane = threadIdx.x % kWarpSize;
   for (int c0 = lane; c0 < chunks; c0 += U * kWarpSize) {
@@ -65,7 +70,7 @@ __device__ __forceinline__ void qgemv_block(const QuantMatrix& m, int n, int row
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int c = c0 + u * kWarpSize;
-        w[u][r] = c < chunks && row0 + r < n ? Format::load(m, row0 + r, chunk0 + c) : Format::zero();
+        w[u][r] = c < chunks && rows[r] >= 0 ? Format::load(m, rows[r], chunk0 + c) : Format::zero();
       }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -78,6 +83,7 @@ __device__ __forceinline__ void qgemv_block(const QuantMatrix& m, int n, int row
         const float s = Format::scale(w[u][r]);
 #pragma unroll
         for (int t = 0; t < T; ++t) {
+          if (kDiagonal && t != r) continue;
           float xv[kChunk];
           load_x_chunk(xs + t * kCols, c, xv);
           float partial = 0.0f;
@@ -99,6 +105,9 @@ __device__ void gemv_quant(const QuantLinearParams& p) {
   const int lane = threadIdx.x % kWarpSize;
   const int row0 = (blockIdx.x * kQGemvWarps + warp) * R;
   const QuantMatrix m{static_cast<const uint8_t*>(p.weight), p.scale, p.k};
+  int64_t rows[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) rows[r] = row0 + r < p.n ? row0 + r : -1;
 
   float acc[T][R];
 #pragma unroll
@@ -110,7 +119,7 @@ __device__ void gemv_quant(const QuantLinearParams& p) {
     const int cols = min(kCols, p.k - col0);  // a multiple of 16
     stage_x<T>(static_cast<const float*>(p.x), p.k, col0, cols, xs);
     __syncthreads();
-    qgemv_block<Format, T, R, U>(m, p.n, row0, col0 / kChunk, xs, cols / kChunk, acc);
+    qgemv_block<Format, T, R, U>(m, rows, col0 / kChunk, xs, cols / kChunk, acc);
     __syncthreads();
   }
 

@@ -5,8 +5,14 @@
 // step (quant_common.cuh), one step ahead, and stores it to shared memory as bf16. The per-row
 // scales (nvfp4 weight_scale_2 of the gate, up or down tensor of each expert) multiply the
 // accumulators before the epilogue. Requires k_in % 16 == 0.
+//
+// Decode (few tokens) runs two GEMVs instead, on the gemv_quant.cuh block: moe_qgemv_gate_up, one
+// warp per act column i of one slot (gate row i and up row i of the slot's expert, x staged once
+// per block); moe_qgemv_down, one warp per output feature n of one token, loading the k experts'
+// rows together, each against its own slot's act row, summed in slot order: no atomics.
 #pragma once
 
+#include "atlas/gemv_quant.cuh"
 #include "atlas/moe.cuh"
 #include "atlas/quant_common.cuh"
 
@@ -127,6 +133,79 @@ __device__ void moe_quant_gemm(const MoeQuantGemmParams& p) {
     moe_apply_row_scale<kGateUp>(p, e, n0, acc);
     moe::store_tile<kGateUp>(out_params, rows, first, m0, n0, acc);
   }
+}
+
+constexpr int kMoeGemvUnroll = 2;
+
+template <class Format>
+__device__ void moe_qgemv_gate_up(const MoeQuantGemvParams& p) {
+  __shared__ __align__(16) float xs[qgemv_cols<1>()];
+  if (blockDim.x != kQGemvThreads || p.top_k <= 0 || p.hidden % kChunk != 0) return;
+  const int slot = blockIdx.y;
+  if (slot >= p.num_tokens * p.top_k) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int i = blockIdx.x * kQGemvWarps + threadIdx.x / kWarpSize;
+  const int e = static_cast<const int32_t*>(p.ids)[slot];
+  const bool valid = i < p.inter && moe::valid_expert(e, p.num_experts);
+  const int64_t gate_row = static_cast<int64_t>(e) * 2 * p.inter + i;
+  const int64_t rows[2] = {valid ? gate_row : -1, valid ? gate_row + p.inter : -1};
+  const QuantMatrix m{static_cast<const uint8_t*>(p.weight), p.scale, p.hidden};
+  const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(slot / p.top_k) * p.hidden;
+  float acc[1][2] = {{0.0f, 0.0f}};
+  for (int col0 = 0; col0 < p.hidden; col0 += qgemv_cols<1>()) {
+    const int cols = min(qgemv_cols<1>(), p.hidden - col0);
+    stage_x<1>(x, p.hidden, col0, cols, xs);
+    __syncthreads();
+    qgemv_block<Format, 1, 2, kMoeGemvUnroll>(m, rows, col0 / kChunk, xs, cols / kChunk, acc);
+    __syncthreads();
+  }
+  const float g = warp_sum(acc[0][0]);
+  const float u = warp_sum(acc[0][1]);
+  if (lane != 0 || i >= p.inter) return;
+  float value = 0.0f;
+  if (valid) value = silu(row_scale_at(p.row_scale, rows[0]) * g) * (row_scale_at(p.row_scale, rows[1]) * u);
+  static_cast<float*>(p.out)[static_cast<int64_t>(slot) * p.inter + i] = value;
+}
+
+template <class Format, int kTopK>
+__device__ void moe_qgemv_down(const MoeQuantGemvParams& p) {
+  constexpr int kCols = qgemv_cols<kTopK>();
+  __shared__ __align__(16) float xs[kTopK * kCols];  // the token's k act rows
+  if (blockDim.x != kQGemvThreads || p.top_k != kTopK || p.inter % kChunk != 0) return;
+  const int t = blockIdx.y;
+  if (t >= p.num_tokens) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int n = blockIdx.x * kQGemvWarps + threadIdx.x / kWarpSize;
+  const int32_t* ids = static_cast<const int32_t*>(p.ids) + static_cast<int64_t>(t) * kTopK;
+  const float* route = static_cast<const float*>(p.route_weights) + static_cast<int64_t>(t) * kTopK;
+  int64_t rows[kTopK];
+#pragma unroll
+  for (int j = 0; j < kTopK; ++j) {
+    const int e = ids[j];
+    rows[j] = n < p.hidden && moe::valid_expert(e, p.num_experts) ? static_cast<int64_t>(e) * p.hidden + n : -1;
+  }
+  const QuantMatrix m{static_cast<const uint8_t*>(p.weight), p.scale, p.inter};
+  const float* act = static_cast<const float*>(p.x) + static_cast<int64_t>(t) * kTopK * p.inter;
+  float acc[kTopK][kTopK];
+#pragma unroll
+  for (int a = 0; a < kTopK; ++a)
+#pragma unroll
+    for (int b = 0; b < kTopK; ++b) acc[a][b] = 0.0f;
+  for (int col0 = 0; col0 < p.inter; col0 += kCols) {
+    const int cols = min(kCols, p.inter - col0);
+    stage_x<kTopK>(act, p.inter, col0, cols, xs);
+    __syncthreads();
+    qgemv_block<Format, kTopK, kTopK, kMoeGemvUnroll, true>(m, rows, col0 / kChunk, xs, cols / kChunk, acc);
+    __syncthreads();
+  }
+  if (n >= p.hidden) return;
+  float total = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kTopK; ++j) {
+    const float dot = warp_sum(acc[j][j]);
+    if (rows[j] >= 0) total = fmaf(route[j] * row_scale_at(p.row_scale, rows[j]), dot, total);
+  }
+  if (lane == 0) static_cast<float*>(p.out)[static_cast<int64_t>(t) * p.hidden + n] = total;
 }
 
 }  // namespace atlas::quant

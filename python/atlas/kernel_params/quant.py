@@ -54,4 +54,26 @@ class MoeQuantGemmParams(ctypes.Structure):
     ]
 
 
-ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (QuantLinearParams, MoeQuantGemmParams)
+class MoeQuantGemvParams(ctypes.Structure):
+    """atlas_moe_qgemv_{fp8,nvfp4}_gate_up (grid (ceil(inter / 8), T * k)): act[s] =
+    silu_mul(gate_up[ids[s]] @ x[s / k]); atlas_moe_qgemv_{fp8,nvfp4}_down (grid (ceil(hidden / 8), T)):
+    out[t] = sum_j route_weights[t, j] * down[ids[t, j]] @ act[t * k + j]. Decode (T <= 8)."""
+
+    _fields_ = [
+        ("x", c_void_p),  # gate_up: x [T, hidden] f32; down: act [T * k, inter] f32
+        ("ids", c_void_p),  # [T, k] i32
+        ("route_weights", c_void_p),  # [T, k] f32 (down)
+        ("weight", c_void_p),  # stacked experts, as MoeQuantGemmParams
+        ("scale", c_void_p),
+        ("row_scale", c_void_p),
+        ("out", c_void_p),  # gate_up: act [T * k, inter]; down: [T, hidden] f32
+        ("num_tokens", c_int32),
+        ("top_k", c_int32),  # must equal the compiled num_experts_per_tok (down)
+        ("hidden", c_int32),
+        ("inter", c_int32),
+        ("num_experts", c_int32),
+        ("pad", c_int32),
+    ]
+
+
+ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (QuantLinearParams, MoeQuantGemmParams, MoeQuantGemvParams)

@@ -1,0 +1,173 @@
+"""The fp8 / nvfp4 kernels (ops_quant.py) against the numpy reference on the dequantized weights.
+
+Weights are quantized by atlas.quant, uploaded in the device layout (quant_weights.py) and the
+reference runs the numpy backend on atlas.quant's dequantization. Bound as in test_gpu_ops.py:
+err(gpu vs fp32 ref) <= 2 * err(bf16 ref vs fp32 ref) + floor, the bf16 ref rounding what the
+tensor-core paths round (activations, and fp8 weights times their block scale). Step scratch is
+poisoned with NaN first, so an unwritten output fails. Needs a wheel holding the quant tuples
+(ATLAS_TARGET_QUANT=fp8,nvfp4); skipped with the reason otherwise, failed under
+ATLAS_REQUIRE_GPU_QUANT=1.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atlas.backends.numpy_backend import NumpyBackend
+from atlas.errors import AtlasError
+from atlas.quant.fp8_block import dequantize_fp8_block, quantize_fp8_block
+from atlas.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+pytestmark = pytest.mark.gpu
+
+MODELS = ("atlas-demo", "qwen3.6-35b-a3b")
+FORMATS = ("fp8", "nvfp4")
+FLOOR = 2e-4
+MOE_EXPERTS = 16  # the kernels take E at run time: a slice of the 256 keeps host quantization quick
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    from atlas.backends.cuda.upload import from_storage, to_storage
+
+    return from_storage(to_storage(x, "bf16"), "bf16").reshape(x.shape)
+
+
+@pytest.fixture(scope="module", params=[(m, f) for m in MODELS for f in FORMATS], ids=lambda p: f"{p[0]}-{p[1]}")
+def gpu(request: pytest.FixtureRequest) -> tuple[Any, str, dict[str, int]]:
+    from atlas.targets import load_registry
+
+    model, fmt = request.param
+    try:
+        from atlas.backends.cuda.select import open_backend_for_model
+
+        backend = open_backend_for_model(model, fmt)
+    except (AtlasError, ImportError) as err:
+        if os.environ.get("ATLAS_REQUIRE_GPU_QUANT") == "1":
+            raise
+        pytest.skip(f"no CUDA backend with the {model}/{fmt} tuple here: {err}")
+    return backend, fmt, dict(load_registry().models[model].constants)
+
+
+def quantize(fmt: str, w: np.ndarray) -> tuple[Any, np.ndarray]:
+    """(HostQuantWeight, atlas.quant dequantization f32) of a dense [N, K] weight."""
+    from atlas.backends.cuda.quant_weights import from_fp8_block, from_nvfp4
+
+    if fmt == "fp8":
+        q = quantize_fp8_block(w)
+        return from_fp8_block(q.weight, q.scale_inv, q.block), dequantize_fp8_block(q.weight, q.scale_inv, q.block)
+    q4 = quantize_nvfp4(w)
+    return from_nvfp4(q4.weight, q4.weight_scale, q4.weight_scale_2), dequantize_nvfp4(q4.weight, q4.weight_scale, q4.weight_scale_2)
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    out64, ref64 = out.astype(np.float64), ref.astype(np.float64)
+    return float(np.linalg.norm(out64 - ref64) / max(np.linalg.norm(ref64), 1e-30))
+
+
+def check_bound(name: str, out: np.ndarray, ref32: np.ndarray, ref16: np.ndarray) -> None:
+    assert out.shape == ref32.shape, f"{name}: shape {out.shape} != {ref32.shape}"
+    assert np.isfinite(out).all(), f"{name}: {int((~np.isfinite(out)).sum())} non-finite (unwritten?) values"
+    err, err16 = rel_err(out, ref32), rel_err(ref16, ref32)
+    assert err <= 2 * err16 + FLOOR, f"{name}: err {err:.3e} > 2 * {err16:.3e} + {FLOOR:.0e}"
+
+
+def run(backend: Any, launch: Any) -> np.ndarray:
+    rt = backend.rt
+    rt.reset_step()
+    rt.poison_scratch()
+    return backend.to_numpy(launch(rt))
+
+
+def normal(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+
+
+def _linear_shapes(d: dict[str, int]) -> list[tuple[int, int]]:
+    h = d["hidden_size"]
+    heads_q = d["num_attention_heads"] * d["head_dim"]
+    values = d["linear_num_value_heads"] * d["linear_value_head_dim"]
+    conv = 2 * d["linear_num_key_heads"] * d["linear_key_head_dim"] + values
+    return [(conv, h), (h, values), (2 * heads_q, h), (2 * d["shared_expert_intermediate_size"], h), (h, heads_q), (40, h)]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 17, 100])
+def test_quant_linear(gpu: tuple[Any, str, dict[str, int]], rng: np.random.Generator, tokens: int) -> None:
+    from atlas.backends.cuda import ops_quant
+    from atlas.backends.cuda.quant_weights import upload
+
+    backend, fmt, dims = gpu
+    for n, k in _linear_shapes(dims):
+        host, dense = quantize(fmt, normal(rng, n, k, scale=rng.uniform(0.2, 3.0) / math.sqrt(k)))
+        device_w = upload(backend.uploader, host)
+        x = normal(rng, tokens, k)
+        device_x = backend.upload(x, "f32")
+        out = run(backend, lambda rt: ops_quant.linear(rt, device_x, device_w))
+        ref32 = x @ dense.T
+        ref16 = bf16_round(x) @ bf16_round(dense).T
+        check_bound(f"{fmt} linear {tokens}x{k} -> {n}", out, ref32, ref16)
+
+
+def _routing(rng: np.random.Generator, tokens: int, experts: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    hot = int(rng.integers(0, experts))  # one expert serves every token: all its M tiles must run
+    ids = np.empty((tokens, top_k), dtype=np.int32)  # [T, k]
+    for t in range(tokens):
+        ids[t, 0] = hot
+        ids[t, 1:] = [i for i in rng.permutation(experts) if i != hot][: top_k - 1]
+    routing = rng.uniform(0.1, 1.0, size=(tokens, top_k)).astype(np.float32)
+    return ids, routing / routing.sum(-1, keepdims=True)
+
+
+def _experts(fmt: str, rng: np.random.Generator, experts: int, rows: int, k: int) -> tuple[Any, np.ndarray]:
+    """Stacked experts [E * rows, k] quantized per expert (per tensor scales differ), and [E, rows, k] f32."""
+    from atlas.backends.cuda.quant_weights import stack_rows
+
+    parts = [quantize(fmt, normal(rng, rows, k, scale=rng.uniform(0.5, 2.0) / math.sqrt(k))) for _ in range(experts)]
+    return stack_rows([p[0] for p in parts]), np.stack([p[1] for p in parts])
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 77])
+def test_quant_moe_experts(gpu: tuple[Any, str, dict[str, int]], rng: np.random.Generator, tokens: int) -> None:
+    from atlas.backends.cuda import ops_quant
+    from atlas.backends.cuda.quant_weights import stack_rows, upload
+
+    backend, fmt, dims = gpu
+    h, inter = dims["hidden_size"], dims["moe_intermediate_size"]
+    experts = min(dims["num_experts"], MOE_EXPERTS)
+    top_k = min(dims["num_experts_per_tok"], experts)
+    gate, gate_f32 = _experts(fmt, rng, experts, inter, h)
+    up, up_f32 = _experts(fmt, rng, experts, inter, h)
+    down, down_f32 = _experts(fmt, rng, experts, h, inter)
+    per_expert = [stack_rows([gate.take_rows(slice(e * inter, (e + 1) * inter)), up.take_rows(slice(e * inter, (e + 1) * inter))])
+                  for e in range(experts)]
+    gate_up_dev = upload(backend.uploader, stack_rows(per_expert), experts)
+    down_dev = upload(backend.uploader, down, experts)
+    gate_up_f32 = np.concatenate([gate_f32, up_f32], axis=1)  # [E, 2I, H], gate rows first
+    x = normal(rng, tokens, h)
+    ids, routing = _routing(rng, tokens, experts, top_k)
+    args = [backend.upload(x, "f32"), backend.upload(ids, "i32"), backend.upload(routing, "f32")]
+    out = run(backend, lambda rt: ops_quant.moe_experts(rt, *args, gate_up_dev, down_dev))
+    ref = NumpyBackend()
+    ref32 = ref.moe_experts(x, ids, routing, gate_up_f32, down_f32)
+    ref16 = ref.moe_experts(bf16_round(x), ids, routing, bf16_round(gate_up_f32), bf16_round(down_f32))
+    check_bound(f"{fmt} moe_experts T={tokens} E={experts}", out, ref32, ref16)
+
+
+def test_quant_linear_zero_tail_rows(gpu: tuple[Any, str, dict[str, int]], rng: np.random.Generator) -> None:
+    """N not a multiple of any tile and K with a half K step (K % 32 == 16): bounds and zero fill."""
+    from atlas.backends.cuda import ops_quant
+    from atlas.backends.cuda.quant_weights import upload
+
+    backend, fmt, _ = gpu
+    n, k = 131, 16 * 41
+    host, dense = quantize(fmt, normal(rng, n, k, scale=1 / math.sqrt(k)))
+    device_w = upload(backend.uploader, host)
+    for tokens in (2, 33):
+        x = normal(rng, tokens, k)
+        device_x = backend.upload(x, "f32")
+        out = run(backend, lambda rt: ops_quant.linear(rt, device_x, device_w))
+        check_bound(f"{fmt} ragged linear T={tokens}", out, x @ dense.T, bf16_round(x) @ bf16_round(dense).T)

@@ -1,0 +1,342 @@
+"""CPU-side checks of the quantized (fp8 block, nvfp4) kernels: ABI, launch geometry, and a numpy
+emulation of their decode and addressing against atlas.quant's reference dequantization.
+
+The emulations follow kernels/include/atlas/quant_common.cuh and gemv_quant.cuh step by step
+(bit layouts, chunk and scale addressing, the x swizzle, the per-chunk accumulation order), so
+an index or bit error there shows up here without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atlas.backends.cuda import ops_quant
+from atlas.backends.cuda.quant_weights import HostQuantWeight, QuantWeight, from_fp8_block, from_nvfp4, stack_rows
+from atlas.backends.cuda.tensor import DeviceTensor
+from atlas.quant.codes import E2M1_VALUES, decode_e4m3
+from atlas.quant.fp8_block import dequantize_fp8_block, quantize_fp8_block
+from atlas.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+REPO = Path(__file__).resolve().parent.parent
+FORMATS = ("fp8", "nvfp4")
+MODELS = ("atlas-demo", "qwen3.6-35b-a3b")
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(\s*\.param\s+\.align\s+(\d+)\s+\.b8\s+\w+\[(\d+)\]\s*\)\s*\.maxntid\s+(\d+)")
+
+
+# --- decode bit tricks ----------------------------------------------------------------------------
+
+def _half2_words_to_f32(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    halves = bits.astype(np.uint32)
+    lo = (halves & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32)
+    hi = (halves >> 16).astype(np.uint16).view(np.float16).astype(np.float32)
+    return lo, hi
+
+
+def emulate_e2m1x8(words: np.ndarray) -> np.ndarray:
+    """quant_common.cuh e2m1x8_to_raw_f32: uint32 [n] -> raw f32 [n, 8] (value / 2^14)."""
+    w = words.astype(np.uint64)
+    out = np.empty((len(words), 8), dtype=np.float32)
+    for j in range(4):
+        mag_shift, sign_shift = 9 - 4 * j, 12 - 4 * j
+        mag = (w << mag_shift) if mag_shift >= 0 else (w >> -mag_shift)
+        bits = ((mag & 0x0E000E00) | ((w << sign_shift) & 0x80008000)) & 0xFFFFFFFF
+        out[:, j], out[:, j + 4] = _half2_words_to_f32(bits)
+    return out
+
+
+def emulate_e4m3x2_fallback(pairs: np.ndarray) -> np.ndarray:
+    """quant_common.cuh e4m3x2_to_half2 before sm_89: uint16 [n] -> f32 [n, 2]."""
+    p = pairs.astype(np.uint32)
+    w = (p & 0xFF) | ((p >> 8) << 16)
+    bits = ((w & 0x007F007F) << 7) | ((w & 0x00800080) << 8)
+    lo, hi = _half2_words_to_f32(bits)
+    scaled = np.stack([lo, hi], axis=1).astype(np.float16) * np.float16(256.0)  # __hmul2, exact
+    return scaled.astype(np.float32)
+
+
+def test_e2m1_bit_decode_matches_the_code_table(rng: np.random.Generator) -> None:
+    words = np.concatenate([rng.integers(0, 2**32, 4096, dtype=np.uint64),
+                            np.array([0x76543210, 0xFEDCBA98], dtype=np.uint64)]).astype(np.uint32)
+    raw = emulate_e2m1x8(words)
+    nibbles = (words[:, None].astype(np.uint64) >> (4 * np.arange(8, dtype=np.uint64))) & 0xF  # [n, 8]
+    expected = E2M1_VALUES[nibbles.astype(np.uint8)]
+    np.testing.assert_array_equal(raw * np.float32(2.0**14), expected)
+
+
+def test_e4m3_fallback_decode_is_exact_for_every_finite_code() -> None:
+    codes = np.arange(256, dtype=np.uint16)
+    finite = (codes & 0x7F) != 0x7F
+    pairs = codes | (codes[::-1] << 8)
+    got = emulate_e4m3x2_fallback(pairs)
+    np.testing.assert_array_equal(got[finite, 0], decode_e4m3(codes[finite].astype(np.uint8)))
+    hi_codes = codes[::-1].astype(np.uint8)
+    np.testing.assert_array_equal(got[finite[::-1], 1], decode_e4m3(hi_codes[finite[::-1]]))
+
+
+# --- staged-x swizzle -----------------------------------------------------------------------------
+
+def swizzled_slot(f: np.ndarray) -> np.ndarray:
+    c = f >> 2
+    return (c << 2) | ((f & 3) ^ ((c >> 1) & 3))
+
+
+def test_x_swizzle_is_a_permutation_without_bank_conflicts() -> None:
+    slots = np.arange(8192 // 4)
+    assert sorted(swizzled_slot(slots)) == list(slots)
+    for base in range(0, 64, 8):  # a quarter warp: lanes base..base+7 read chunks 64 bytes apart
+        chunks = np.arange(base, base + 8)
+        for j in range(4):
+            banks = (swizzled_slot(4 * chunks + j) % 8)  # 8 float4 slots span the 32 banks
+            assert len(set(banks.tolist())) == 8
+
+
+# --- chunk / scale addressing and the GEMV accumulation ----------------------------------------
+
+def _chunk_load(w: HostQuantWeight, row: int, c: int) -> tuple[np.ndarray, float]:
+    """Format::load + decode + scale of quant_common.cuh on flat device buffers: 16 raw, scale."""
+    q = w.q.reshape(-1)
+    if w.format == "fp8":
+        raw = decode_e4m3(q[row * w.k + 16 * c: row * w.k + 16 * c + 16])
+        blocks_per_row = -(-w.k // 128)
+        return raw, float(w.scale.reshape(-1)[row * blocks_per_row + c * 16 // 128])
+    base = row * (w.k // 2) + 8 * c
+    words = q[base: base + 8].view(np.uint32)  # the uint2 of the chunk, little endian
+    raw = emulate_e2m1x8(words).reshape(16)
+    code = w.scale.reshape(-1)[row * (w.k // 16) + c]
+    return raw, float(decode_e4m3(np.array([code], dtype=np.uint8))[0]) * 2.0**14
+
+
+def emulate_gemv(w: HostQuantWeight, x: np.ndarray) -> np.ndarray:
+    """gemv_quant: per row, f32 partial of each chunk, one FMA with its scale, row scale last."""
+    out = np.zeros((x.shape[0], w.rows), dtype=np.float32)
+    for row in range(w.rows):
+        acc = np.zeros(x.shape[0], dtype=np.float32)
+        for c in range(w.k // 16):
+            raw, scale = _chunk_load(w, row, c)
+            partial = (x[:, 16 * c: 16 * c + 16] * raw).sum(axis=1, dtype=np.float32)
+            acc = acc + np.float32(scale) * partial
+        out[:, row] = acc * (1.0 if w.row_scale is None else w.row_scale[row])
+    return out
+
+
+def _quantized(fmt: str, n: int, k: int, rng: np.random.Generator) -> tuple[HostQuantWeight, np.ndarray]:
+    """(device-layout weight, atlas.quant reference dequantization [n, k])."""
+    dense = rng.standard_normal((n, k)).astype(np.float32) * np.float32(rng.uniform(0.01, 3.0))
+    if fmt == "fp8":
+        q = quantize_fp8_block(dense)
+        return from_fp8_block(q.weight, q.scale_inv, q.block), dequantize_fp8_block(q.weight, q.scale_inv, q.block)
+    q4 = quantize_nvfp4(dense)
+    return (from_nvfp4(q4.weight, q4.weight_scale, q4.weight_scale_2),
+            dequantize_nvfp4(q4.weight, q4.weight_scale, q4.weight_scale_2))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_chunk_addressing_rebuilds_the_reference_weight(fmt: str, rng: np.random.Generator) -> None:
+    n = int(rng.integers(1, 300))  # ragged fp8 row blocks
+    k = 16 * int(rng.integers(1, 40))  # ragged fp8 column blocks
+    w, reference = _quantized(fmt, n, k, rng)
+    np.testing.assert_array_equal(w.dequantize(), reference)
+    rebuilt = np.empty((n, k), dtype=np.float32)
+    for row in range(n):
+        for c in range(k // 16):
+            raw, scale = _chunk_load(w, row, c)
+            rebuilt[row, 16 * c: 16 * c + 16] = raw * np.float32(scale)
+    row_scale = 1.0 if w.row_scale is None else w.row_scale[:, None]
+    np.testing.assert_allclose(rebuilt * row_scale, reference, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_accumulation_matches_the_dequantized_product(fmt: str, rng: np.random.Generator) -> None:
+    n, k, tokens = int(rng.integers(1, 40)), 16 * int(rng.integers(1, 24)), int(rng.integers(1, 9))
+    w, reference = _quantized(fmt, n, k, rng)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    expected = x.astype(np.float64) @ reference.astype(np.float64).T
+    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(reference).astype(np.float64).T) + 1e-6
+    assert np.all(np.abs(emulate_gemv(w, x) - expected) <= bound)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_row_slicing_and_stacking_keep_each_rows_scales(fmt: str, rng: np.random.Generator) -> None:
+    parts = [_quantized(fmt, int(rng.integers(1, 200)), 256, rng) for _ in range(3)]
+    stacked = stack_rows([p[0] for p in parts])
+    reference = np.concatenate([p[1] for p in parts])
+    np.testing.assert_array_equal(stacked.dequantize(), reference)
+    index = rng.permutation(stacked.rows)[: stacked.rows // 2]
+    np.testing.assert_array_equal(stacked.take_rows(index).dequantize(), reference[index])
+
+
+def test_bad_layouts_are_refused(rng: np.random.Generator) -> None:
+    q = quantize_fp8_block(rng.standard_normal((130, 256)).astype(np.float32))
+    with pytest.raises(ValueError, match="128-column"):
+        from_fp8_block(q.weight, q.scale_inv, (128, 64))
+    with pytest.raises(ValueError, match="scale grid"):
+        from_fp8_block(q.weight, q.scale_inv[:1], q.block)
+    q4 = quantize_nvfp4(rng.standard_normal((8, 64)).astype(np.float32))
+    with pytest.raises(ValueError, match="weight_scale"):
+        from_nvfp4(q4.weight, q4.weight_scale[:, :2], q4.weight_scale_2)
+
+
+# --- MoE tile rows ------------------------------------------------------------------------------
+
+def moe_weight_row(gate_up: bool, n_out: int, e: int, n0: int, r: int) -> tuple[int, int]:
+    """moe_quant.cuh moe_weight_row over moe.cuh b_tile_column: (weight row, output column)."""
+    col = n0 + (r // 32) * 16 + r % 16 if gate_up else n0 + r
+    up_half = gate_up and (r % 32) >= 16
+    rows_per_expert = 2 * n_out if gate_up else n_out
+    return e * rows_per_expert + col + (n_out if up_half else 0), col
+
+
+@pytest.mark.parametrize("gate_up", [True, False])
+def test_moe_tiles_read_every_weight_row_once(gate_up: bool, rng: np.random.Generator) -> None:
+    n_out, experts = 8 * int(rng.integers(1, 40)), int(rng.integers(1, 5))
+    cols_per_block = 32 if gate_up else 64
+    seen: list[int] = []
+    for e in range(experts):
+        for n0 in range(0, n_out, cols_per_block):
+            for r in range(64):
+                row, col = moe_weight_row(gate_up, n_out, e, n0, r)
+                if col < n_out:
+                    seen.append(row)
+    assert sorted(seen) == list(range(experts * n_out * (2 if gate_up else 1)))
+
+
+# --- ABI: op wrappers against the compiled PTX --------------------------------------------------
+
+@dataclass
+class Launch:
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    params: ctypes.Structure
+    smem: int
+
+
+@dataclass
+class RecordingRuntime:
+    sm_count: int = 132
+    launches: list[Launch] = field(default_factory=list)
+    _next: int = 1 << 20
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
+        tensor = DeviceTensor(self._next, tuple(int(d) for d in shape), dtype)  # type: ignore[arg-type]
+        self._next += -(-max(tensor.nbytes, 1) // 256) * 256
+        return tensor
+
+    def memset_zero(self, t: DeviceTensor) -> None:
+        pass
+
+    def launch(self, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int],
+               params: ctypes.Structure, smem: int = 0) -> None:
+        self.launches.append(Launch(kernel, grid, block, params, smem))
+
+
+@pytest.fixture(scope="module")
+def ptx_entries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, int, int]]:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here: cannot read the quantized kernels' PTX")
+    tmp = tmp_path_factory.mktemp("quant_ptx")
+    include = tmp / "include"
+    subprocess.run(["python", "-m", "build_tools.headers", "--hw", "h200", "--model", "atlas-demo", "--quant", "fp8",
+                    "--out", str(include)], cwd=REPO, check=True, capture_output=True)
+    files = [f"kernels/h200/atlas-demo/{q}/{kind}_{q}.cu" for q in FORMATS for kind in ("linear", "moe")]
+    source = tmp / "quant.cu"
+    source.write_text("".join(f'#include "{f}"\n' for f in [*files, "kernels/h200/atlas-demo/bf16/moe_experts.cu"]))
+    out = tmp / "quant.ptx"
+    subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{include}", "-Ikernels/include", "-I.", "-arch=compute_90a",
+                    "-ptx", "-o", str(out), str(source)], cwd=REPO, check=True, capture_output=True)
+    return {m[1]: (int(m[2]), int(m[3]), int(m[4])) for m in _ENTRY.finditer(out.read_text())}
+
+
+def _device_weight(rt: RecordingRuntime, fmt: str, rows: int, k: int, experts: int = 0) -> QuantWeight:
+    total = rows * max(experts, 1)
+    q = rt.empty((total, k if fmt == "fp8" else k // 2), "u8")
+    scale = rt.empty((total, -(-k // 128)), "f32") if fmt == "fp8" else rt.empty((total, k // 16), "u8")
+    row_scale = None if fmt == "fp8" else rt.empty((total,), "f32")
+    shape = (experts, rows, k) if experts else (rows, k)
+    return QuantWeight(fmt, q, scale, row_scale, shape)  # type: ignore[arg-type]
+
+
+def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Generator) -> None:
+    h, inter, experts, top_k = dims["hidden_size"], dims["moe_intermediate_size"], dims["num_experts"], dims["num_experts_per_tok"]
+    for fmt in FORMATS:
+        n = int(rng.integers(1, 5000))
+        for t in (*range(1, 9), int(rng.integers(9, 700))):
+            for rows in (n, 64 * rt.sm_count + n):
+                ops_quant.linear(rt, rt.empty((t, h), "f32"), _device_weight(rt, fmt, rows, h))
+        for t in (1, int(rng.integers(2, 9)), int(rng.integers(9, 700))):
+            ops_quant.moe_experts(rt, rt.empty((t, h), "f32"), rt.empty((t, top_k), "i32"), rt.empty((t, top_k), "f32"),
+                                  _device_weight(rt, fmt, 2 * inter, h, experts), _device_weight(rt, fmt, h, inter, experts))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_launch_matches_its_ptx_entry(model: str, ptx_entries: dict[str, tuple[int, int, int]],
+                                            rng: np.random.Generator) -> None:
+    from atlas.targets import load_registry
+
+    rt = RecordingRuntime()
+    dims = dict(load_registry().models[model].constants)
+    _run_every_op(rt, dims, rng)
+    for launch in rt.launches:
+        assert launch.kernel in ptx_entries, f"{launch.kernel} is launched but not in the PTX"
+        align, size, max_threads = ptx_entries[launch.kernel]
+        assert size == ctypes.sizeof(launch.params) and align == ctypes.alignment(type(launch.params)), launch.kernel
+        assert math.prod(launch.block) == max_threads, f"{launch.kernel}: block {launch.block} vs bound {max_threads}"
+        assert all(g > 0 for g in launch.grid) and max(launch.grid[1:]) <= 65535, f"{launch.kernel}: grid {launch.grid}"
+        p = launch.params
+        if launch.kernel.startswith("atlas_qgemv_"):
+            assert int(launch.kernel.rsplit("_t", 1)[1]) == p.tokens <= 8
+            rows = ops_quant.GEMV_NARROW_ROWS_PER_BLOCK if "_narrow_" in launch.kernel else ops_quant.GEMV_WIDE_ROWS_PER_BLOCK
+            assert launch.grid[0] * rows >= p.n
+        elif launch.kernel.startswith("atlas_qgemm_"):
+            assert p.tokens > 8 and launch.grid[0] * ops_quant.GEMM_BN >= p.n and launch.grid[1] * ops_quant.GEMM_BM >= p.tokens
+        elif launch.kernel.startswith("atlas_moe_qgemm_"):
+            cols = ops_quant.MOE_BN // 2 if launch.kernel.endswith("gate_up") else ops_quant.MOE_BN
+            assert launch.grid[0] * cols >= p.n_out and launch.grid[2] == p.num_experts
+            assert launch.grid[1] * ops_quant.MOE_BM >= p.num_slots // p.top_k
+        elif launch.kernel.startswith("atlas_moe_qgemv_"):
+            gate_up = launch.kernel.endswith("gate_up")
+            assert p.num_tokens <= ops_quant.MOE_GEMV_MAX_TOKENS and p.top_k == dims["num_experts_per_tok"]
+            assert launch.grid[0] * ops_quant.MOE_GEMV_ROWS_PER_BLOCK >= (p.inter if gate_up else p.hidden)
+            assert launch.grid[1] == (p.num_tokens * p.top_k if gate_up else p.num_tokens)
+    quant_entries = {e for e in ptx_entries if e.startswith(("atlas_qgemv_", "atlas_qgemm_", "atlas_moe_q"))}
+    assert quant_entries <= {launch.kernel for launch in rt.launches}, "quantized entries never launched"
+
+
+def test_wrapper_geometry_mirrors_the_headers() -> None:
+    def constant(header: str, name: str) -> int:
+        match = re.search(rf"constexpr int {name} = (\d+);", (REPO / "kernels/include/atlas" / header).read_text())
+        assert match, f"{name} not in {header}"
+        return int(match[1])
+
+    warps = constant("gemv_quant.cuh", "kQGemvThreads") // 32
+    assert ops_quant.GEMV_THREADS == constant("gemv_quant.cuh", "kQGemvThreads")
+    assert ops_quant.GEMV_WIDE_ROWS_PER_BLOCK == warps * constant("gemv_quant.cuh", "kQGemvWideRows")
+    assert ops_quant.GEMV_NARROW_ROWS_PER_BLOCK == warps * constant("gemv_quant.cuh", "kQGemvNarrowRows")
+    assert (ops_quant.GEMM_BM, ops_quant.GEMM_BN) == (constant("gemm.cuh", "kGemmBM"), constant("gemm.cuh", "kGemmBN"))
+    assert (ops_quant.MOE_BM, ops_quant.MOE_BN) == (constant("moe.cuh", "kBM"), constant("moe.cuh", "kBN"))
+    assert ops_quant.MOE_THREADS == constant("moe.cuh", "kGemmThreads")
+    assert ops_quant.MOE_GEMV_THREADS == ops_quant.GEMV_THREADS and ops_quant.MOE_GEMV_ROWS_PER_BLOCK == warps
+
+
+def test_bad_inputs_are_refused(rng: np.random.Generator) -> None:
+    rt = RecordingRuntime()
+    w = _device_weight(rt, "nvfp4", 32, 64)
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        ops_quant.linear(rt, rt.empty((1, 40), "f32"), _device_weight(rt, "fp8", 32, 40))
+    with pytest.raises(ValueError, match="vs weight"):
+        ops_quant.linear(rt, rt.empty((1, 48), "f32"), w)
+    with pytest.raises(ValueError, match="row scales"):
+        ops_quant.linear(rt, rt.empty((1, 64), "f32"), QuantWeight("nvfp4", w.q, w.scale, None, w.shape))
+    with pytest.raises(ValueError, match="dtype"):
+        ops_quant.linear(rt, rt.empty((1, 64), "bf16"), w)
+    assert rt.launches == []
