@@ -323,3 +323,45 @@ def test_head_matches_transformers_layers(tmp_path: Path, rng: np.random.Generat
         embedded = reference.model.embed_tokens(torch.from_numpy(ids).long())
         want = reference.lm_head(torch_head(embedded, torch.from_numpy(hidden))).numpy()
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+# --- on the GPU -------------------------------------------------------------------------------------------
+def cuda_llm(model_dir: Path, spec_k: int) -> object:
+    from atlas.llm import LLM
+
+    try:
+        return LLM(str(model_dir), "cuda", spec_k=spec_k)
+    except (AtlasError, ImportError) as err:
+        if os.environ.get("ATLAS_REQUIRE_GPU") == "1":
+            raise
+        pytest.skip(f"no CUDA backend here: {err}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_gpu_greedy_unchanged(demo_mtp: Path, k: int, rng: np.random.Generator) -> None:
+    """On the CUDA backend too: speculation (snapshots, device copies, head in bf16) leaves the
+    greedy output as plain greedy decoding on the same GPU."""
+    plain, spec = cuda_llm(demo_mtp, 0), cuda_llm(demo_mtp, k)
+    vocab = load_spec(demo_mtp).vocab_size
+    for prompt in (DEMO_PROMPT, rng.integers(0, vocab, int(rng.integers(2, 30))).tolist()):
+        want = plain.generate(prompt, max_tokens=48).token_ids  # type: ignore[attr-defined]
+        result = spec.generate(prompt, max_tokens=48)  # type: ignore[attr-defined]
+        assert result.token_ids == want and result.spec_drafted > 0
+
+
+@pytest.mark.gpu
+def test_gpu_rollback_under_chosen_acceptance(demo_mtp: Path, rng: np.random.Generator) -> None:
+    plain, spec = cuda_llm(demo_mtp, 0), cuda_llm(demo_mtp, 3)
+    prompt = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT)
+    vocab, max_tokens = load_spec(demo_mtp).vocab_size, 40
+    expected = greedy(plain.parts.engine, prompt, max_tokens).token_ids  # type: ignore[attr-defined]
+    engine = spec.parts.engine  # type: ignore[attr-defined]
+
+    def draft(cursor: Cursor, k: int) -> list[int]:
+        emitted = cursor.position - len(prompt) + 1
+        return [(t + 1) % vocab if rng.random() < 0.4 else t for t in expected[emitted : emitted + k]]
+
+    engine._draft = draft
+    stats = greedy(engine, prompt, max_tokens)
+    assert stats.token_ids == expected and 0 < stats.accepted < stats.drafted
