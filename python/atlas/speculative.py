@@ -36,6 +36,7 @@ from .sampling import check_sampling
 DEFAULT_SPEC_K = 2
 MAX_SPEC_K = 3
 HiddenSource = Literal["final_norm", "pre_norm"]
+HIDDEN_SOURCES: tuple[HiddenSource, ...] = ("final_norm", "pre_norm")
 
 
 @dataclass
@@ -134,6 +135,8 @@ class SpeculativeEngine(Engine):
         from .models.qwen3_5_moe_mtp import load_mtp_head
 
         check_spec_k(spec_k)
+        if hidden_source not in HIDDEN_SOURCES:
+            raise AtlasError(f"hidden_source must be one of {', '.join(HIDDEN_SOURCES)}, got {hidden_source!r}")
         super().__init__(spec, checkpoint, backend, max_seq_len, kv_cache=kv_cache)
         self.spec_k = spec_k
         self.hidden_source = hidden_source
