@@ -7,6 +7,7 @@ recipe or tiling shows up here before the device runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -328,3 +329,82 @@ def test_grouped_moe_tiling_equals_the_reference(rng: np.random.Generator) -> No
     ref_ids[7, 1], ref_weights[7, 1] = spare, 0.0  # the reference: an unused expert with weight 0
     want = NumpyBackend().moe_experts(x, ref_ids, ref_weights, gate_up, down)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+# --- gemm.cuh / moe.cuh: mma.sync m16n8k16 and ldmatrix fragments (PTX ISA layouts) --------------
+LANES = np.arange(32)
+GROUP, IN_GROUP = LANES // 4, LANES % 4  # groupID, threadID_in_group
+
+
+def ldmatrix_x4(tile: np.ndarray, address: Callable[[int], tuple[int, int]]) -> np.ndarray:
+    """ldmatrix.m8n8.x4.b16: lanes 8i..8i+7 give the row starts of matrix i; every lane receives
+    row lane/4, columns 2*(lane%4) + {0, 1} of each matrix. -> [4 regs, 32 lanes, 2]."""
+    regs = np.empty((4, 32, 2), tile.dtype)
+    for i in range(4):
+        for lane in LANES:
+            row, col = address(8 * i + GROUP[lane])
+            regs[i, lane] = tile[row, col + 2 * IN_GROUP[lane]:col + 2 * IN_GROUP[lane] + 2]
+    return regs
+
+
+def mma_16816(acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """acc [32, 4] += A @ B from fragments a [4, 32, 2] (A 16x16 row-major), b [2, 32, 2] (B 16x8)."""
+    a_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in LANES:
+        g, c = GROUP[lane], 2 * IN_GROUP[lane]
+        a_mat[g, c:c + 2], a_mat[g + 8, c:c + 2] = a[0, lane], a[1, lane]
+        a_mat[g, c + 8:c + 10], a_mat[g + 8, c + 8:c + 10] = a[2, lane], a[3, lane]
+        b_mat[c:c + 2, g], b_mat[c + 8:c + 10, g] = b[0, lane], b[1, lane]
+    d = a_mat @ b_mat
+    for lane in LANES:
+        g, c = GROUP[lane], 2 * IN_GROUP[lane]
+        acc[lane] += [d[g, c], d[g, c + 1], d[g + 8, c], d[g + 8, c + 1]]
+
+
+def test_gemm_fragments_compute_x_times_w_transposed(rng: np.random.Generator) -> None:
+    """gemm_compute's ldmatrix addresses and gemm_store_out's (row, col) for one 64x128x32 tile."""
+    bm, bn, bk = 64, 128, 32
+    a_s, b_s = rng.standard_normal((bm, bk + 8)), rng.standard_normal((bn, bk + 8))  # padded rows
+    out = np.full((bm, bn), np.nan)
+    for warp in range(4):
+        warp_m, warp_n = warp // 2, warp % 2
+        acc = np.zeros((2, 8, 32, 4))
+        for ks in (0, 16):
+            af = [ldmatrix_x4(a_s, lambda l, mt=mt: (warp_m * 32 + mt * 16 + l % 16, ks + (l // 16) * 8))
+                  for mt in range(2)]
+            for np_ in range(4):
+                bf = ldmatrix_x4(b_s, lambda l: (warp_n * 64 + np_ * 16 + l % 8 + (l // 16) * 8, ks + ((l // 8) % 2) * 8))
+                for mt in range(2):
+                    mma_16816(acc[mt, 2 * np_], af[mt], bf[:2])
+                    mma_16816(acc[mt, 2 * np_ + 1], af[mt], bf[2:])
+        for mt in range(2):
+            for nt in range(8):
+                for e in range(4):
+                    rows = warp_m * 32 + mt * 16 + LANES // 4 + (e // 2) * 8
+                    cols = warp_n * 64 + nt * 8 + (LANES % 4) * 2 + e % 2
+                    out[rows, cols] = acc[mt, nt, :, e]
+    np.testing.assert_allclose(out, a_s[:, :bk] @ b_s[:, :bk].T, rtol=1e-10, atol=1e-10)
+
+
+def test_grouped_moe_fragments_compute_a_times_b_transposed(rng: np.random.Generator) -> None:
+    """moe.cuh mma_tile's smem_word fragment loads and store_tile's (row, col) for a 64x64x32 tile."""
+    a_s, b_s = rng.standard_normal((64, 40)), rng.standard_normal((64, 40))
+    word = lambda tile, rows, cols: np.stack([tile[rows, cols], tile[rows, cols + 1]], -1)  # noqa: E731
+    out = np.full((64, 64), np.nan)
+    for warp in range(4):
+        row0, col0, k_lane = (warp // 2) * 32 + LANES // 4, (warp % 2) * 32 + LANES // 4, (LANES % 4) * 2
+        acc = np.zeros((2, 4, 32, 4))
+        for kk in (0, 16):
+            a = [np.stack([word(a_s, row0 + mi * 16 + dr, kk + k_lane + dc) for dr, dc in ((0, 0), (8, 0), (0, 8), (8, 8))])
+                 for mi in range(2)]
+            b = [np.stack([word(b_s, col0 + nj * 8, kk + k_lane + dc) for dc in (0, 8)]) for nj in range(4)]
+            for mi in range(2):
+                for nj in range(4):
+                    mma_16816(acc[mi, nj], a[mi], b[nj])
+        for mi in range(2):
+            for half in range(2):
+                rows = (warp // 2) * 32 + mi * 16 + half * 8 + LANES // 4
+                for nj in range(4):
+                    for q in range(2):
+                        out[rows, (warp % 2) * 32 + nj * 8 + (LANES % 4) * 2 + q] = acc[mi, nj, :, half * 2 + q]
+    np.testing.assert_allclose(out, a_s[:, :32] @ b_s[:, :32].T, rtol=1e-10, atol=1e-10)
