@@ -408,3 +408,15 @@ def test_grouped_moe_fragments_compute_a_times_b_transposed(rng: np.random.Gener
                     for q in range(2):
                         out[rows, (warp % 2) * 32 + nj * 8 + (LANES % 4) * 2 + q] = acc[mi, nj, :, half * 2 + q]
     np.testing.assert_allclose(out, a_s[:, :32] @ b_s[:, :32].T, rtol=1e-10, atol=1e-10)
+
+
+def test_attention_transpose_reduce_gives_lane_j_the_total_of_key_j(rng: np.random.Generator) -> None:
+    """transpose_reduce: 5 butterfly stages (Width 16..1) over part[lane][32 keys]."""
+    part = rng.standard_normal((32, 32))  # [lane, key] partial dot products
+    values = part.copy()
+    for width in (16, 8, 4, 2, 1):
+        upper = (LANES & width) != 0  # [32]
+        send = np.where(upper[:, None], values[:, :width], values[:, width:2 * width])
+        keep = np.where(upper[:, None], values[:, width:2 * width], values[:, :width])
+        values = keep + send[LANES ^ width]  # __shfl_xor_sync(send, width)
+    np.testing.assert_allclose(values[:, 0], part.sum(axis=0), rtol=1e-12)
