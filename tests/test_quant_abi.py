@@ -340,3 +340,21 @@ def test_bad_inputs_are_refused(rng: np.random.Generator) -> None:
     with pytest.raises(ValueError, match="dtype"):
         ops_quant.linear(rt, rt.empty((1, 64), "bf16"), w)
     assert rt.launches == []
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_loader_weights_convert_to_the_device_layout(fmt: str, rng: np.random.Generator) -> None:
+    from atlas.backends.cuda.quant_weights import from_quantized_weight
+    from atlas.quant.stored import QuantizedWeight
+
+    n, k = int(rng.integers(1, 300)), 16 * int(rng.integers(1, 30))
+    dense = rng.standard_normal((n, k)).astype(np.float32)
+    if fmt == "fp8":
+        q = quantize_fp8_block(dense)
+        parts = {"weight": q.weight, "weight_scale_inv": q.scale_inv.astype(np.float16)}
+    else:
+        q4 = quantize_nvfp4(dense)
+        parts = {"weight": q4.weight, "weight_scale": q4.weight_scale, "weight_scale_2": q4.weight_scale_2,
+                 "input_scale": q4.input_scale}
+    stored = QuantizedWeight("m.weight", fmt, (n, k), parts, (128, 128))
+    np.testing.assert_array_equal(from_quantized_weight(stored).dequantize(), stored.dequantize())

@@ -13,6 +13,8 @@ import numpy as np
 
 from ..base import SamplingParams, StorageDType
 from .graph import GraphedDecodeStep
+from .quant_weights import QuantWeight, from_quantized_weight
+from .quant_weights import upload as upload_quant
 from .runtime import CudaRuntime
 from .tensor import DeviceTensor
 from .upload import Uploader, from_storage
@@ -112,8 +114,16 @@ class CudaBackend:
     def add(self, x: DeviceTensor, y: DeviceTensor) -> DeviceTensor:
         return self._ops["add"](self.rt, x, y)
 
-    def linear(self, x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
+    def linear(self, x: DeviceTensor, weight: DeviceTensor | QuantWeight) -> DeviceTensor:
+        if isinstance(weight, QuantWeight):
+            from . import ops_quant
+
+            return ops_quant.linear(self.rt, x, weight)
         return self._ops["linear"](self.rt, x, weight)
+
+    def upload_quantized(self, weight: Any) -> QuantWeight:
+        """The loader's hook: a checkpoint's fp8 / nvfp4 matrix, uploaded packed (quant_weights.py)."""
+        return upload_quant(self.uploader, from_quantized_weight(weight))
 
     def silu_mul(self, gate_up: DeviceTensor) -> DeviceTensor:
         return self._ops["silu_mul"](self.rt, gate_up)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -133,3 +133,13 @@ def upload(uploader: Uploader, host: HostQuantWeight, experts: int = 0) -> Quant
     scale = uploader.upload(host.scale, "f32" if host.format == "fp8" else "u8")
     row_scale = None if host.row_scale is None else uploader.upload(host.row_scale, "f32")
     return QuantWeight(host.format, q, scale, row_scale, shape)
+
+
+def from_quantized_weight(weight: Any) -> HostQuantWeight:
+    """atlas.quant.stored.QuantizedWeight (the loader's `upload_quantized` argument) -> device layout."""
+    parts = weight.parts
+    if weight.method == "fp8":
+        return from_fp8_block(parts["weight"], parts["weight_scale_inv"], tuple(weight.block))
+    if weight.method == "nvfp4":
+        return from_nvfp4(parts["weight"], parts["weight_scale"], parts["weight_scale_2"])
+    raise ValueError(f"{weight.name}: no kernels for quantization {weight.method!r} (fp8, nvfp4)")
