@@ -158,7 +158,11 @@ class CudaBackend:
         return self._ops["router"](self.rt, x, weight, top_k, renormalize)
 
     def moe_experts(self, x: DeviceTensor, ids: DeviceTensor, weights: DeviceTensor,
-                    gate_up: DeviceTensor, down: DeviceTensor) -> DeviceTensor:
+                    gate_up: DeviceTensor | QuantWeight, down: DeviceTensor | QuantWeight) -> DeviceTensor:
+        if isinstance(gate_up, QuantWeight) and isinstance(down, QuantWeight):
+            from . import ops_quant
+
+            return ops_quant.moe_experts(self.rt, x, ids, weights, gate_up, down)
         return self._ops["moe_experts"](self.rt, x, ids, weights, gate_up, down)
 
     def add_sigmoid_scaled(self, x: DeviceTensor, y: DeviceTensor, gate_logit: DeviceTensor) -> DeviceTensor:
