@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from atlas.backends.base import SamplingParams
 from atlas.backends.numpy_backend import DeltaInputs, NumpyBackend, delta_rule_recurrent, rope_cos_sin
+from atlas.sampling import choose_token
 
 
 def rope_angles_as_kernel(positions: np.ndarray, rotary_dim: int, theta: float) -> np.ndarray:
@@ -420,3 +422,48 @@ def test_attention_transpose_reduce_gives_lane_j_the_total_of_key_j(rng: np.rand
         keep = np.where(upper[:, None], values[:, width:2 * width], values[:, :width])
         values = keep + send[LANES ^ width]  # __shfl_xor_sync(send, width)
     np.testing.assert_allclose(values[:, 0], part.sum(axis=0), rtol=1e-12)
+
+
+# --- sampling.cuh: sort-free sample (bisection over float bit patterns) ---------------------------
+def _tally(probs: np.ndarray, threshold: float, floor: float, mass: bool) -> float:
+    kept = probs[(probs >= threshold) & (probs >= floor)]
+    return float(kept.astype(np.float64).sum()) if mass else float(kept.size)
+
+
+def _bisect(probs: np.ndarray, goal: float, floor: float, mass: bool) -> float:
+    """sample_bisect: the largest non-negative float t with tally(t) >= goal."""
+    lo, hi = 0, int(np.float32(1.0).view(np.uint32)) + 1
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        if _tally(probs, float(np.uint32(mid).view(np.float32)), floor, mass) >= goal:
+            lo = mid
+        else:
+            hi = mid
+    return float(np.uint32(lo).view(np.float32))
+
+
+def emulate_sample(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
+    scaled = logits / np.float32(params.temperature)
+    e = np.exp(scaled - scaled.max())
+    probs = (e / e.sum()).astype(np.float32)  # sample_softmax
+    floor = 0.0
+    if 0 < params.top_k < probs.size:
+        floor = _bisect(probs, float(params.top_k), 0.0, False)
+    if params.top_p < 1.0:
+        kept = _tally(probs, 0.0, floor, True)
+        floor = max(floor, _bisect(probs, float(np.float32(params.top_p)) * kept, floor, True))
+    masses = np.where(probs >= floor, probs, 0).astype(np.float64)
+    target = float(np.float32(uniform)) * _tally(probs, 0.0, floor, True)  # SampleParams.uniform is f32
+    above = np.nonzero((masses > 0) & (np.cumsum(masses) > target))[0]  # sample_draw
+    return int(above[0]) if above.size else int(np.nonzero(masses > 0)[0][-1])
+
+
+def test_sort_free_sample_equals_the_reference_choice(rng: np.random.Generator) -> None:
+    settings = [SamplingParams(0.7, 0, 1.0), SamplingParams(1.0, 40, 1.0), SamplingParams(1.0, 0, 0.9),
+                SamplingParams(1.5, 50, 0.5), SamplingParams(0.8, 1, 1.0), SamplingParams(1.0, 0, 0.05)]
+    for params in settings:
+        for _ in range(4):
+            logits = (rng.standard_normal(3000) * 4).astype(np.float32)
+            logits[rng.integers(0, 3000, 5)] = logits.max()  # ties at the top
+            uniform = float(rng.random())
+            assert emulate_sample(logits, params, uniform) == choose_token(logits, params, uniform), params
