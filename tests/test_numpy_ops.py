@@ -152,7 +152,7 @@ def hf_delta(inputs: dict[str, np.ndarray], hk: int, dk: int, state: np.ndarray,
     return out[0], final[0]
 
 
-@pytest.mark.parametrize("tokens,hk,hv", [(1, 2, 2), (1, 2, 4), (70, 2, 4), (150, 1, 3), (64, 2, 2)])
+@pytest.mark.parametrize("tokens,hk,hv", [(1, 2, 2), (1, 2, 4), (5, 2, 4), (70, 2, 4), (150, 1, 3), (64, 2, 2)])
 def test_gated_delta_rule_matches_transformers(rng: np.random.Generator, tokens: int, hk: int, hv: int) -> None:
     dk, dv = 16, 8
     inputs = delta_inputs(rng, tokens, hk, hv, dk, dv)

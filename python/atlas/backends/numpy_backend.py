@@ -13,6 +13,7 @@ from .base import SamplingParams, StorageDType, Tensor
 DecodeStep = Callable[[Tensor, Tensor], Tensor]
 
 CHUNK_SIZE = 64
+RECURRENT_MAX_TOKENS = 8  # decode and speculative verify steps: cheaper than one padded chunk
 QUERY_BLOCK = 256
 L2_EPS = 1e-6
 
@@ -230,7 +231,7 @@ class NumpyBackend:
         q, k, v = _split_qkv(mixed_qkv, num_k_heads, state.shape)  # [Hv, T, D*]
         g = (-np.exp(A_log) * _softplus(a + dt_bias)).T  # [Hv, T]
         beta = _sigmoid(b).T  # [Hv, T]
-        rule = delta_rule_recurrent if q.shape[1] == 1 else delta_rule_chunked
+        rule = delta_rule_recurrent if q.shape[1] <= RECURRENT_MAX_TOKENS else delta_rule_chunked
         out = rule(DeltaInputs(q, k, v, g.astype(np.float32), beta.astype(np.float32)), state)  # [Hv, T, Dv]
         return np.ascontiguousarray(out.transpose(1, 0, 2))
 
