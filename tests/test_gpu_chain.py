@@ -1,0 +1,58 @@
+"""The token chain on the GPU (demo model): pick_tensor -> decode_tensor feeds the device id to the
+next step (graph replay and eager), uploading only the position per step, with the same tokens
+as the host-fed loop decode(int)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atlas.backends.base import SamplingParams
+from test_gpu_model import gpu_llm
+
+pytestmark = pytest.mark.gpu
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def demo_gpu() -> Any:
+    return gpu_llm()
+
+
+def _count_writes(rt: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    sizes: list[int] = []
+    write = rt.write
+
+    def counted(dst: Any, host: np.ndarray) -> None:
+        sizes.append(int(np.asarray(host).size))
+        write(dst, host)
+
+    monkeypatch.setattr(rt, "write", counted)
+    return sizes
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_chain_feeds_device_ids_with_host_fed_tokens(demo_gpu: Any, rng: np.random.Generator, graphs: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = demo_gpu.parts.engine
+    monkeypatch.setattr(engine.backend, "use_graphs", graphs)
+    engine.reset()  # the decode step is wrapped again for this graph setting
+    prompt = rng.integers(0, demo_gpu.parts.spec.vocab_size, size=int(rng.integers(2, 30))).tolist()
+    greedy = SamplingParams()
+
+    token = engine.pick(engine.prefill(prompt), greedy, rng)
+    host_fed = [token]
+    for position in range(len(prompt), len(prompt) + STEPS):
+        host_fed.append(engine.pick(engine.decode(host_fed[-1], position), greedy, rng))
+
+    token, token_t = engine.pick_tensor(engine.prefill(prompt), greedy, rng)
+    chained = [token]
+    writes = _count_writes(engine.backend.rt, monkeypatch)
+    for position in range(len(prompt), len(prompt) + STEPS):
+        token, token_t = engine.pick_tensor(engine.decode_tensor(token_t, position), greedy, rng)
+        chained.append(token)
+    assert chained == host_fed
+    assert writes == [1] * STEPS, f"host-to-device writes per step {writes}: only the position should go up"
