@@ -358,3 +358,47 @@ def test_loader_weights_convert_to_the_device_layout(fmt: str, rng: np.random.Ge
                  "input_scale": q4.input_scale}
     stored = QuantizedWeight("m.weight", fmt, (n, k), parts, (128, 128))
     np.testing.assert_array_equal(from_quantized_weight(stored).dequantize(), stored.dequantize())
+
+
+def _silu(v: np.ndarray) -> np.ndarray:
+    return v / (1.0 + np.exp(-v))
+
+
+def emulate_moe_decode(x: np.ndarray, ids: np.ndarray, route: np.ndarray, gate_up: HostQuantWeight,
+                       down: HostQuantWeight, experts: int) -> np.ndarray:
+    """moe_quant.cuh moe_qgemv_gate_up / moe_qgemv_down row indexing on the stacked matrices."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    inter = gate_up.rows // experts // 2
+    gu, dn = gate_up.dequantize(), down.dequantize()  # [E*2I, H], [E*H, I]
+    act = np.zeros((tokens * top_k, inter), dtype=np.float64)
+    for slot in range(tokens * top_k):
+        e = ids.reshape(-1)[slot]
+        gate_rows = e * 2 * inter + np.arange(inter)
+        act[slot] = _silu(gu[gate_rows] @ x[slot // top_k]) * (gu[gate_rows + inter] @ x[slot // top_k])
+    out = np.zeros((tokens, hidden), dtype=np.float64)
+    for t in range(tokens):
+        for j in range(top_k):
+            rows = ids[t, j] * hidden + np.arange(hidden)
+            out[t] += route[t, j] * (dn[rows] @ act[t * top_k + j])
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moe_decode_indexing_matches_the_numpy_backend(fmt: str, rng: np.random.Generator) -> None:
+    from atlas.backends.numpy_backend import NumpyBackend
+
+    experts, top_k, hidden, inter, tokens = 6, 2, 64, 32, int(rng.integers(1, 9))
+    gate = [_quantized(fmt, inter, hidden, rng) for _ in range(experts)]
+    up = [_quantized(fmt, inter, hidden, rng) for _ in range(experts)]
+    down = [_quantized(fmt, hidden, inter, rng) for _ in range(experts)]
+    gate_up_host = stack_rows([w for e in range(experts) for w in (gate[e][0], up[e][0])])
+    down_host = stack_rows([d[0] for d in down])
+    gate_up_ref = np.stack([np.concatenate([gate[e][1], up[e][1]]) for e in range(experts)])  # [E, 2I, H]
+    down_ref = np.stack([d[1] for d in down])  # [E, H, I]
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
+    route = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
+    expected = NumpyBackend().moe_experts(x, ids, route, gate_up_ref, down_ref)
+    got = emulate_moe_decode(x, ids, route, gate_up_host, down_host, experts)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
