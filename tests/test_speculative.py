@@ -162,11 +162,20 @@ def test_rollback_under_every_acceptance_pattern(demo_mtp: Path, p_wrong: float,
         return [(t + 1) % vocab if w else t for t, w in zip(truth, wrong, strict=True)]
 
     engine._draft = draft  # type: ignore[method-assign]
+    passes: list[int] = []  # tokens of every main-model forward
+    forward = engine.forward
+
+    def counting_forward(ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        passes.append(len(ids))
+        return forward(ids, positions)
+
+    engine.forward = counting_forward  # type: ignore[method-assign]
     stats = greedy(engine, prompt, max_tokens)
     assert stats.token_ids == expected
     assert (stats.drafted, stats.accepted) == (want["drafted"], want["accepted"])
     if p_wrong == 0.0:
-        assert stats.rounds == 8  # 32 tokens after the prefill's, 4 per pass
+        assert stats.rounds == 8 and len(passes) == 9  # prefill, then 4 tokens per pass and no re-run
+    assert max(passes[1:]) <= 2 * (3 + 1)  # replayed tokens are bounded by K+1
     check_rounds(stats, max_tokens)
 
 

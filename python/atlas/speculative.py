@@ -6,9 +6,11 @@ Rollback on rejection. The KV caches of full-attention layers (main and MTP) nee
 only read after the step that owns its position wrote it, so rows past the accepted prefix are
 simply overwritten later. The DeltaNet conv and recurrent states advance over all K+1 tokens in
 the verify pass, so they are snapshotted before it; when a draft is rejected they are restored
-and the accepted tokens (1..K) are run through the main model again. This needs only the ops
-the backends already have (the recurrent op updates its state in place over the whole step and
-exposes no per-token states) and costs one short extra forward, on rejection only.
+and the accepted tokens are replayed: put in front of the next verify pass (same pass, a few more
+positions), or run at once when consecutive rejections have piled up more than K+1 of them.
+This needs only the ops the backends already have (the recurrent op updates its state in place
+over the whole step and exposes no per-token states), and a rejection costs no extra pass over
+the weights, which is what a decode step on the GPU pays for.
 
 The MTP head sees the main model's final-normed hidden state (as vLLM's qwen3_5_mtp /
 qwen3_next_mtp are fed); `hidden_source="pre_norm"` feeds the residual stream before the final
@@ -55,8 +57,9 @@ class SpecStats(GenerationStats):
 class Cursor:
     """Where decoding stands between verify passes."""
 
-    position: int  # tokens in the main model's state; `token` goes here next
+    position: int  # `token` goes here next
     token: int  # the last emitted token, not yet fed to the main model
+    replay: list[int]  # accepted tokens the restored state still lacks, at position - len(replay) ..
     mtp_start: int  # position of the first row of the head's pending input
     mtp_ids: list[int]  # tokens at mtp_start+1 ..; rows past mtp_last are padding
     mtp_hidden: Tensor  # [len(mtp_ids), H] main hidden states at mtp_start .., persistent
@@ -216,7 +219,7 @@ class SpeculativeEngine(Engine):
         mtp_hidden = persist(self.backend, mtp_in)
         last = len(prompt_ids) - 1
         token = self._greedy(self._row(out, last), positions)[0]
-        return Cursor(len(prompt_ids), token, 0, [*prompt_ids[1:], token], mtp_hidden, last)
+        return Cursor(len(prompt_ids), token, [], 0, [*prompt_ids[1:], token], mtp_hidden, last)
 
     def _draft(self, cursor: Cursor, k: int) -> list[int]:
         """k draft tokens: the head over its pending rows, then k-1 single steps on its own output."""
@@ -235,23 +238,31 @@ class SpeculativeEngine(Engine):
         return drafts
 
     def _verify(self, cursor: Cursor, drafts: list[int]) -> tuple[Cursor, int]:
-        """One main-model pass over [token, *drafts]; keep the agreeing prefix, roll back the rest."""
-        fed = [cursor.token, *drafts]
-        if drafts:
+        """One main-model pass over [*replay, token, *drafts]; keep the agreeing prefix, roll back
+        the rest (the restored state then lacks the accepted tokens: the next cursor's replay)."""
+        replayed = len(cursor.replay)
+        start = cursor.position - replayed
+        fed = [*cursor.replay, cursor.token, *drafts]
+        if drafts and not cursor.replay:  # with a replay pending the state is the snapshot already
             self.snapshot.take(self.states)
-        ids, positions = self._ids(fed, cursor.position)
-        out, mtp_in = self._main_forward(ids, positions)  # [K+1, H] each
+        ids, positions = self._ids(fed, start)
+        out, mtp_in = self._main_forward(ids, positions)  # [R+K+1, H] each
         mtp_hidden = persist(self.backend, mtp_in)
-        greedy = self._greedy(out, positions)  # [K+1]
+        greedy = self._greedy(out, positions)[replayed:]  # [K+1]: the rows after token and each draft
         accepted = accepted_prefix(drafts, greedy)
+        replay: list[int] = []
         if accepted < len(drafts):
             self.snapshot.restore(self.states)
-            self.forward(*self._ids(fed[: accepted + 1], cursor.position))
+            replay = fed[: replayed + accepted + 1]
+            if len(replay) > self.spec_k + 1:  # bound the verify pass: catch up now
+                self.forward(*self._ids(replay, start))
+                replay = []
         bonus = greedy[accepted]
-        pending = [*drafts[:accepted], bonus]
+        pending = [*fed[1 : replayed + accepted + 1], bonus]
         pending += [bonus] * (len(fed) - len(pending))  # padding rows: outputs unused, cache rows rewritten later
         position = cursor.position + accepted + 1
-        return Cursor(position, bonus, cursor.position, pending, mtp_hidden, accepted), accepted
+        cursor = Cursor(position, bonus, replay, start, pending, mtp_hidden, replayed + accepted)
+        return cursor, accepted
 
 
 # --- choosing and building ------------------------------------------------------------------------
