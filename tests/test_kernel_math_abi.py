@@ -467,3 +467,35 @@ def test_sort_free_sample_equals_the_reference_choice(rng: np.random.Generator) 
             logits[rng.integers(0, 3000, 5)] = logits.max()  # ties at the top
             uniform = float(rng.random())
             assert emulate_sample(logits, params, uniform) == choose_token(logits, params, uniform), params
+
+
+# --- conv1d.cuh: token chunks per block, window from x or the state, state written by chunk 0 ------
+def emulate_causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray) -> np.ndarray:
+    tokens, channels = x.shape
+    width = weight.shape[1]
+    old = state.copy()  # chunk 0 reads the state before it writes it; other chunks never read it
+    input_at = lambda c, i: x[i, c] if i >= 0 else old[c, width - 1 + i]  # noqa: E731
+    out = np.full_like(x, np.nan)
+    for t_begin in range(0, tokens, 64):  # grid.y
+        for c in range(channels):
+            window = [input_at(c, t_begin - (width - 1) + j) for j in range(width - 1)]
+            for t in range(t_begin, min(t_begin + 64, tokens)):
+                acc = x[t, c] * weight[c, width - 1] + sum(window[j] * weight[c, j] for j in range(width - 1))
+                out[t, c] = acc / (1 + np.exp(-acc))
+                window = window[1:] + [x[t, c]]
+    for c in range(channels):  # write_new_state (blockIdx.y == 0)
+        state[c] = [input_at(c, tokens - (width - 1) + j) for j in range(width - 1)]
+    return out
+
+
+def test_conv1d_chunks_and_state_equal_the_reference(rng: np.random.Generator) -> None:
+    channels, width = 6, 4
+    for tokens in (1, 2, 64, 65, 150):
+        x = rng.standard_normal((tokens, channels)).astype(np.float32)
+        weight = rng.standard_normal((channels, width)).astype(np.float32)
+        state = rng.standard_normal((channels, width - 1)).astype(np.float32)
+        want_state, got_state = state.copy(), state.copy()
+        want = NumpyBackend().causal_conv1d(x, weight, want_state)
+        got = emulate_causal_conv1d(x, weight, got_state)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(got_state, want_state)
