@@ -402,3 +402,30 @@ def test_moe_decode_indexing_matches_the_numpy_backend(fmt: str, rng: np.random.
     expected = NumpyBackend().moe_experts(x, ids, route, gate_up_ref, down_ref)
     got = emulate_moe_decode(x, ids, route, gate_up_host, down_host, experts)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_cuda_backend_upload_quantized(rng: np.random.Generator) -> None:
+    """The loader hook packs (u8 codes, scales, row scales) and names an unsupported layout in one line."""
+    from atlas.backends.cuda.backend import CudaBackend
+    from atlas.errors import AtlasError
+    from atlas.quant.stored import QuantizedWeight
+
+    @dataclass
+    class FakeUploader:
+        arrays: list[tuple[np.ndarray, str]] = field(default_factory=list)
+
+        def upload(self, array: np.ndarray, dtype: str) -> DeviceTensor:
+            self.arrays.append((np.array(array), dtype))
+            return DeviceTensor(4096 * len(self.arrays), tuple(array.shape), dtype)  # type: ignore[arg-type]
+
+    backend = CudaBackend.__new__(CudaBackend)
+    backend.uploader = FakeUploader()  # type: ignore[assignment]
+    q4 = quantize_nvfp4(rng.standard_normal((24, 64)).astype(np.float32))
+    parts = {"weight": q4.weight, "weight_scale": q4.weight_scale, "weight_scale_2": q4.weight_scale_2}
+    w = backend.upload_quantized(QuantizedWeight("m.weight", "nvfp4", (24, 64), parts, (128, 128)))
+    assert w.shape == (24, 64) and w.format == "nvfp4" and w.row_scale is not None
+    assert [(a.shape, d) for a, d in backend.uploader.arrays] == [((24, 32), "u8"), ((24, 4), "u8"), ((24,), "f32")]
+    q8 = quantize_fp8_block(rng.standard_normal((24, 64)).astype(np.float32), (128, 64))
+    with pytest.raises(AtlasError, match="m.weight: fp8 kernels read 128-column scale blocks"):
+        backend.upload_quantized(QuantizedWeight("m.weight", "fp8", (24, 64),
+                                                 {"weight": q8.weight, "weight_scale_inv": q8.scale_inv}, (128, 64)))

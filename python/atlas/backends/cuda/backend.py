@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import AtlasError
 from ..base import SamplingParams, StorageDType
 from .graph import GraphedDecodeStep
 from .quant_weights import QuantWeight, from_quantized_weight
@@ -123,7 +124,11 @@ class CudaBackend:
 
     def upload_quantized(self, weight: Any) -> QuantWeight:
         """The loader's hook: a checkpoint's fp8 / nvfp4 matrix, uploaded packed (quant_weights.py)."""
-        return upload_quant(self.uploader, from_quantized_weight(weight))
+        try:
+            host = from_quantized_weight(weight)
+        except ValueError as err:
+            raise AtlasError(f"{weight.name}: {err}; the GPU kernels cannot run this checkpoint") from None
+        return upload_quant(self.uploader, host)
 
     def silu_mul(self, gate_up: DeviceTensor) -> DeviceTensor:
         return self._ops["silu_mul"](self.rt, gate_up)
