@@ -179,6 +179,18 @@ def test_rollback_under_every_acceptance_pattern(demo_mtp: Path, p_wrong: float,
     check_rounds(stats, max_tokens)
 
 
+def test_quantized_kv_cache(demo_mtp: Path) -> None:
+    """Rows past the accepted prefix are simply overwritten, in a quantized cache too."""
+    from atlas.kvcache import KVCacheOptions
+
+    options = KVCacheOptions("turbo4", 0)
+    prompt = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT)
+    spec, checkpoint = load_spec(demo_mtp), Checkpoint.open(demo_mtp)
+    plain = Engine(spec, checkpoint, NumpyBackend(), max_seq_len=256, kv_cache=options)
+    engine = SpeculativeEngine(spec, checkpoint, NumpyBackend(), 3, max_seq_len=256, kv_cache=options)
+    assert greedy(engine, prompt, 30).token_ids == greedy(plain, prompt, 30).token_ids
+
+
 def test_pre_norm_hidden_source(demo_mtp: Path) -> None:
     prompt = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT)
     expected = greedy(plain_engine(demo_mtp), prompt, 24).token_ids
