@@ -429,3 +429,34 @@ def test_cuda_backend_upload_quantized(rng: np.random.Generator) -> None:
     with pytest.raises(AtlasError, match="m.weight: fp8 kernels read 128-column scale blocks"):
         backend.upload_quantized(QuantizedWeight("m.weight", "fp8", (24, 64),
                                                  {"weight": q8.weight, "weight_scale_inv": q8.scale_inv}, (128, 64)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_demo_through_the_device_layout_gives_the_same_logits(fmt: str, tmp_path: Path) -> None:
+    """Every weight the loader hands to upload_quantized, converted to the kernels' layout and
+    evaluated by its numpy model (quant_weights.dequantize), runs the quantized demo exactly."""
+    from atlas.backends.cuda.quant_weights import from_quantized_weight
+    from atlas.backends.numpy_backend import NumpyBackend
+    from atlas.config import load_spec
+    from atlas.demo import DEMO_DIR, zen_of_python
+    from atlas.engine import Engine
+    from atlas.quantize import QuantizeArgs, quantize
+    from atlas.safetensors import Checkpoint
+    from atlas.tokenizer import Tokenizer
+
+    class DeviceLayoutBackend(NumpyBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.converted = 0
+
+        def upload_quantized(self, weight: Any) -> np.ndarray:
+            self.converted += 1
+            return from_quantized_weight(weight).dequantize()
+
+    model_dir = quantize(QuantizeArgs(str(DEMO_DIR), fmt, tmp_path / fmt, 1 << 30))
+    ids = Tokenizer.open(DEMO_DIR).encode(zen_of_python())[:40]
+    run = lambda backend: Engine(load_spec(model_dir), Checkpoint.open(model_dir), backend, max_seq_len=64).logits(ids)  # noqa: E731
+    backend = DeviceLayoutBackend()
+    ours = run(backend)
+    assert backend.converted > 0
+    np.testing.assert_array_equal(ours, run(NumpyBackend()))
