@@ -71,9 +71,12 @@ stage info 30 "cd /tmp && $PY -m atlas.info --json >'$OUT/info.json' && $PY -m a
 stage demo 60 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --max-tokens 80"
 
 GPU_PYTEST="ATLAS_TEST_INSTALLED=1 ATLAS_REQUIRE_GPU=1 ATLAS_CUDA_CHECK=1 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider"
-stage ops 120 "$GPU_PYTEST --maxfail=30 --junitxml='$OUT/junit-ops.xml' tests/test_gpu_ops.py"
+# Kernel-level tests first (they name the failing op), then everything else marked gpu.
+KERNEL_TESTS="tests/test_gpu_ops.py tests/test_gpu_delta_chunked.py tests/test_gpu_chain.py tests/test_gpu_quant.py"
+stage ops 150 "$GPU_PYTEST --maxfail=40 --junitxml='$OUT/junit-ops.xml' $KERNEL_TESTS"
 
-stage model 200 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-model.xml' tests/test_gpu_model.py tests/test_demo.py tests/test_llm.py"
+stage model 200 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-model.xml' tests \
+  $(for f in $KERNEL_TESTS; do printf -- '--ignore=%s ' "$f"; done)"
 
 stage bench 170 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json' --budget-s 150"
 
