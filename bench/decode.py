@@ -131,16 +131,17 @@ class AtlasRun:
 
 def time_decode(engine: Any, prompt: list[int], tokens: int) -> tuple[float, int]:
     """Greedy decode tok/s after `prompt`, the graph capture (first step) left out of the time;
-    every step reads its token id back, as streaming generation does."""
+    the argmax tensor feeds the next step on the device (the greedy chain) and every step reads
+    its token id back, as streaming generation does."""
     from atlas.backends.base import SamplingParams
 
     greedy, rng = SamplingParams(), np.random.default_rng(0)
-    token = engine.pick(engine.prefill(prompt), greedy, rng)
+    _, token = engine.pick_tensor(engine.prefill(prompt), greedy, rng)
     position = len(prompt)
-    token = engine.pick(engine.decode(token, position), greedy, rng)
+    _, token = engine.pick_tensor(engine.decode_tensor(token, position), greedy, rng)
     started = time.perf_counter()
     for step in range(1, tokens):
-        token = engine.pick(engine.decode(token, position + step), greedy, rng)
+        _, token = engine.pick_tensor(engine.decode_tensor(token, position + step), greedy, rng)
     return (tokens - 1) / (time.perf_counter() - started), tokens - 1
 
 
