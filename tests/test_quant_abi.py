@@ -445,18 +445,33 @@ def test_demo_through_the_device_layout_gives_the_same_logits(fmt: str, tmp_path
     from atlas.tokenizer import Tokenizer
 
     class DeviceLayoutBackend(NumpyBackend):
+        """The CUDA backend's two loader hooks, with the kernels' numpy model in place of the upload."""
+
         def __init__(self) -> None:
             super().__init__()
             self.converted = 0
+            self.stacks: list[tuple[int, bool, int]] = []  # (matrices, rows selected, experts)
 
         def upload_quantized(self, weight: Any) -> np.ndarray:
             self.converted += 1
             return from_quantized_weight(weight).dequantize()
+
+        def upload_quantized_rows(self, weights: list[Any], rows: np.ndarray | None, experts: int) -> np.ndarray:
+            self.stacks.append((len(weights), rows is not None, experts))
+            host = stack_rows([from_quantized_weight(w) for w in weights])
+            dense = (host if rows is None else host.take_rows(rows)).dequantize()
+            return dense.reshape(experts, -1, host.k) if experts else dense
 
     model_dir = quantize(QuantizeArgs(str(DEMO_DIR), fmt, tmp_path / fmt, 1 << 30))
     ids = Tokenizer.open(DEMO_DIR).encode(zen_of_python())[:40]
     run = lambda backend: Engine(load_spec(model_dir), Checkpoint.open(model_dir), backend, max_seq_len=64).logits(ids)  # noqa: E731
     backend = DeviceLayoutBackend()
     ours = run(backend)
+    spec = load_spec(model_dir)
+    full = spec.layer_types.count("full_attention")
     assert backend.converted > 0
+    assert backend.stacks.count((1, True, 0)) == 2 * full  # q and gate of each q_proj
+    assert backend.stacks.count((2 * spec.num_experts, False, spec.num_experts)) == spec.num_hidden_layers
+    assert backend.stacks.count((spec.num_experts, False, spec.num_experts)) == spec.num_hidden_layers
+    assert backend.stacks.count((2, False, 0)) == spec.num_hidden_layers  # shared expert gate + up
     np.testing.assert_array_equal(ours, run(NumpyBackend()))

@@ -8,7 +8,7 @@ once with one line naming the tensor, the expected and found shapes and the file
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -108,6 +108,25 @@ class WeightReader:
             self._bar.update(weight.nbytes)
             return upload_quantized(weight)
         return self.upload(self.array(name))
+
+    def can_pack(self, names: Sequence[str]) -> bool:
+        """Whether `packed` takes these names: the backend has `upload_quantized_rows` and every
+        name is a quantized matrix of this checkpoint."""
+        return hasattr(self.backend, "upload_quantized_rows") and all(self.quantized.holds(n) for n in names)
+
+    def packed(self, names: Sequence[str], row_sets: Sequence[np.ndarray | None] = (None,),
+               experts: int = 0) -> list[Tensor]:
+        """Quantized matrices stacked by rows and uploaded packed (`can_pack` first): one tensor per
+        row selection (None: every row), as `backend.upload_quantized_rows(weights, rows, experts)`;
+        experts > 0 says the stack is that many equal expert blocks."""
+        missing = [n for n in names if n not in self._plan]
+        if missing:
+            raise KeyError(f"{missing[0]} was not planned; add it to the family's plan")
+        weights = [self.quantized.weight(n) for n in names]
+        for weight in weights:
+            self._bar.update(weight.nbytes)
+        upload = self.backend.upload_quantized_rows  # type: ignore[attr-defined]
+        return [upload(weights, rows, experts) for rows in row_sets]
 
     def close(self) -> None:
         self._bar.close()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends.base import Backend
+from ..backends.base import Backend, Tensor
 from ..config import ModelSpec
 from ..errors import AtlasError
 from ..layers.attention import Attention, AttentionDims, AttentionWeights
@@ -120,13 +120,22 @@ def centred_norm(reader: WeightReader, name: str, eps: float) -> RMSNorm:
     return RMSNorm(reader.upload(1.0 + reader.array(name)), eps)
 
 
+def query_and_gate(reader: WeightReader, name: str, dims: AttentionDims) -> tuple[Tensor, Tensor]:
+    """q_proj [Hq * 2 * D, H] holds per head D query rows, then D gate rows."""
+    query_rows = (np.arange(dims.num_heads)[:, None] * 2 * dims.head_dim + np.arange(dims.head_dim)).reshape(-1)
+    if reader.can_pack([name]):
+        q, gate = reader.packed([name], (query_rows, query_rows + dims.head_dim))
+        return q, gate
+    q_proj = reader.array(name)  # [Hq * 2 * D, H]
+    return reader.upload(q_proj[query_rows]), reader.upload(q_proj[query_rows + dims.head_dim])
+
+
 def build_attention(reader: WeightReader, s: ModelSpec, p: str) -> Attention:
     dims = AttentionDims(s.num_attention_heads, s.num_key_value_heads, s.head_dim)
-    q_proj = reader.array(f"{p}self_attn.q_proj.weight").reshape(dims.num_heads, 2, dims.head_dim, -1)
-    width = dims.num_heads * dims.head_dim
+    q, gate = query_and_gate(reader, f"{p}self_attn.q_proj.weight", dims)
     weights = AttentionWeights(
-        q=reader.upload(q_proj[:, 0].reshape(width, -1)),  # per head: query rows, then gate rows
-        gate=reader.upload(q_proj[:, 1].reshape(width, -1)),
+        q=q,
+        gate=gate,
         k=reader.tensor(f"{p}self_attn.k_proj.weight"),
         v=reader.tensor(f"{p}self_attn.v_proj.weight"),
         o=reader.tensor(f"{p}self_attn.o_proj.weight"),
@@ -167,17 +176,31 @@ def stacked_experts(reader: WeightReader, s: ModelSpec, p: str, fused: bool) -> 
     return gate_up, down
 
 
+def expert_tensors(reader: WeightReader, s: ModelSpec, p: str, fused: bool) -> tuple[Tensor, Tensor]:
+    """(gate_up, down) on the backend: packed when the backend takes quantized stacks, else float."""
+    names = [f"{p}mlp.experts.{e}.{w}_proj.weight" for e in range(s.num_experts) for w in ("gate", "up", "down")]
+    if not fused and reader.can_pack(names):
+        (gate_up,) = reader.packed([n for n in names if not n.endswith("down_proj.weight")], experts=s.num_experts)
+        (down,) = reader.packed([n for n in names if n.endswith("down_proj.weight")], experts=s.num_experts)
+        return gate_up, down
+    gate_up_array, down_array = stacked_experts(reader, s, p, fused)
+    return reader.upload(gate_up_array), reader.upload(down_array)
+
+
+def shared_gate_up(reader: WeightReader, p: str) -> Tensor:
+    names = [f"{p}mlp.shared_expert.gate_proj.weight", f"{p}mlp.shared_expert.up_proj.weight"]
+    if reader.can_pack(names):
+        return reader.packed(names)[0]
+    return reader.upload(np.concatenate([reader.array(n) for n in names]))
+
+
 def build_moe(reader: WeightReader, s: ModelSpec, p: str, fused: bool) -> SparseMoe:
-    gate_up, down = stacked_experts(reader, s, p, fused)
-    shared_gate_up = np.concatenate([
-        reader.array(f"{p}mlp.shared_expert.gate_proj.weight"),
-        reader.array(f"{p}mlp.shared_expert.up_proj.weight"),
-    ])  # fmt: skip
-    shared = Mlp(reader.upload(shared_gate_up), reader.tensor(f"{p}mlp.shared_expert.down_proj.weight"))
+    gate_up, down = expert_tensors(reader, s, p, fused)
+    shared = Mlp(shared_gate_up(reader, p), reader.tensor(f"{p}mlp.shared_expert.down_proj.weight"))
     return SparseMoe(
         router=reader.tensor(f"{p}mlp.gate.weight"),
-        gate_up=reader.upload(gate_up),
-        down=reader.upload(down),
+        gate_up=gate_up,
+        down=down,
         shared=shared,
         shared_gate=reader.tensor(f"{p}mlp.shared_expert_gate.weight"),
         top_k=s.num_experts_per_tok,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -14,7 +14,7 @@ import numpy as np
 from ...errors import AtlasError
 from ..base import SamplingParams, StorageDType
 from .graph import GraphedDecodeStep
-from .quant_weights import QuantWeight, from_quantized_weight
+from .quant_weights import QuantWeight, from_quantized_weight, stack_rows
 from .quant_weights import upload as upload_quant
 from .runtime import CudaRuntime
 from .tensor import DeviceTensor
@@ -129,6 +129,15 @@ class CudaBackend:
         except ValueError as err:
             raise AtlasError(f"{weight.name}: {err}; the GPU kernels cannot run this checkpoint") from None
         return upload_quant(self.uploader, host)
+
+    def upload_quantized_rows(self, weights: Sequence[Any], rows: np.ndarray | None, experts: int) -> QuantWeight:
+        """The loader's `packed`: quantized matrices stacked by rows (gate + up, experts), then the
+        `rows` selection (q / gate of q_proj), uploaded packed; experts > 0: [E, rows / E, K]."""
+        try:
+            host = stack_rows([from_quantized_weight(w) for w in weights])
+        except ValueError as err:
+            raise AtlasError(f"{weights[0].name}: {err}; the GPU kernels cannot run this checkpoint") from None
+        return upload_quant(self.uploader, host if rows is None else host.take_rows(rows), experts)
 
     def silu_mul(self, gate_up: DeviceTensor) -> DeviceTensor:
         return self._ops["silu_mul"](self.rt, gate_up)
