@@ -171,3 +171,33 @@ def test_quant_linear_zero_tail_rows(gpu: tuple[Any, str, dict[str, int]], rng: 
         device_x = backend.upload(x, "f32")
         out = run(backend, lambda rt: ops_quant.linear(rt, device_x, device_w))
         check_bound(f"{fmt} ragged linear T={tokens}", out, x @ dense.T, bf16_round(x) @ bf16_round(dense).T)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_demo_on_the_gpu_follows_numpy(fmt: str, tmp_path: Any) -> None:
+    """The demo quantized by atlas.quantize, every quantized matrix uploaded packed: teacher-forced
+    next-token choices of the GPU agree with the numpy backend on the same checkpoint."""
+    from atlas.config import load_spec
+    from atlas.demo import DEMO_DIR, zen_of_python
+    from atlas.engine import Engine
+    from atlas.quantize import QuantizeArgs, quantize
+    from atlas.safetensors import Checkpoint
+    from atlas.tokenizer import Tokenizer
+
+    try:
+        from atlas.backends.cuda.select import open_backend_for_model
+
+        backend = open_backend_for_model("atlas-demo", fmt)
+    except (AtlasError, ImportError) as err:
+        if os.environ.get("ATLAS_REQUIRE_GPU_QUANT") == "1":
+            raise
+        pytest.skip(f"no CUDA backend with the atlas-demo/{fmt} tuple here: {err}")
+    model_dir = quantize(QuantizeArgs(str(DEMO_DIR), fmt, tmp_path / fmt, 1 << 30))
+    ids = Tokenizer.open(DEMO_DIR).encode(zen_of_python(), add_special_tokens=False)[:200]
+
+    def top1(be: Any) -> np.ndarray:
+        engine = Engine(load_spec(model_dir), Checkpoint.open(model_dir), be, max_seq_len=256)
+        return np.asarray(engine.logits(ids)).argmax(axis=-1)  # [T]
+
+    agreement = float((top1(backend) == top1(NumpyBackend())).mean())
+    assert agreement >= 0.99, f"{fmt}: GPU vs numpy top-1 agreement {agreement:.3f}"
