@@ -160,7 +160,7 @@ def test_gemv_accumulation_matches_the_dequantized_product(fmt: str, rng: np.ran
     w, reference = _quantized(fmt, n, k, rng)
     x = rng.standard_normal((tokens, k)).astype(np.float32)
     expected = x.astype(np.float64) @ reference.astype(np.float64).T
-    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(reference).astype(np.float64).T) + 1e-6
+    bound = 5e-5 * (np.abs(x).astype(np.float64) @ np.abs(reference).astype(np.float64).T) + 1e-6  # k * eps(f32)
     assert np.all(np.abs(emulate_gemv(w, x) - expected) <= bound)
 
 
@@ -401,7 +401,7 @@ def test_moe_decode_indexing_matches_the_numpy_backend(fmt: str, rng: np.random.
     route = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
     expected = NumpyBackend().moe_experts(x, ids, route, gate_up_ref, down_ref)
     got = emulate_moe_decode(x, ids, route, gate_up_host, down_host, experts)
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())  # f32 reference
 
 
 def test_cuda_backend_upload_quantized(rng: np.random.Generator) -> None:
