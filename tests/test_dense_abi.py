@@ -3,8 +3,8 @@
 The op wrappers of backends/cuda/ops_dense.py run against a recording runtime at random
 shapes of both registry models. Every launch must name a kernel entry of the compiled PTX whose
 single by-value parameter has the size of the params struct it is given, use a block no larger
-than the entry's launch bound, and cover the output with its grid. The PTX comes from the
-installed extension's manifest when it holds a tuple, else from nvcc here (skipped without it).
+than the entry's launch bound, and cover the output with its grid. The PTX comes from nvcc here
+(skipped without it).
 """
 
 from __future__ import annotations
@@ -12,10 +12,6 @@ from __future__ import annotations
 import ctypes
 import math
 import re
-import shutil
-import subprocess
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,74 +21,17 @@ from atlas.backends.base import SamplingParams
 from atlas.backends.cuda import ops_dense
 from atlas.backends.cuda.tensor import DeviceTensor
 
-REPO = Path(__file__).resolve().parent.parent
+from _abi import MODELS, REPO, PtxBuild, PtxEntry, RecordingRuntime, compile_ptx_entries, header_constant, model_dims
+
 DENSE_FILES = ("embedding", "norm", "elementwise", "linear", "rope", "attention", "sampling")
-MODELS = ("atlas-demo", "qwen3.6-35b-a3b")
-_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(\s*\.param\s+\.align\s+(\d+)\s+\.b8\s+\w+\[(\d+)\]\s*\)\s*\.maxntid\s+(\d+)")
-
-
-@dataclass(frozen=True)
-class PtxEntry:
-    align: int
-    param_bytes: int
-    max_threads: int
-
-
-@dataclass
-class Launch:
-    kernel: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    params: ctypes.Structure
-    smem: int
-
-
-@dataclass
-class RecordingRuntime:
-    """The slice of CudaRuntime the op wrappers use; memory is fake addresses, 256-aligned."""
-
-    sm_count: int = 132
-    launches: list[Launch] = field(default_factory=list)
-    _next: int = 1 << 20
-
-    def empty(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
-        tensor = DeviceTensor(self._next, tuple(int(d) for d in shape), dtype)  # type: ignore[arg-type]
-        self._next += -(-max(tensor.nbytes, 1) // 256) * 256
-        return tensor
-
-    def launch(self, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int],
-               params: ctypes.Structure, smem: int = 0) -> None:
-        self.launches.append(Launch(kernel, grid, block, params, smem))
-
-
-def _compile_ptx(model: str, tmp: Path) -> str:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc here and no installed kernel tuple: cannot read the dense PTX")
-    include = tmp / "include"
-    subprocess.run(["python", "-m", "build_tools.headers", "--hw", "sm80", "--model", model, "--quant", "bf16",
-                    "--out", str(include)], cwd=REPO, check=True, capture_output=True)
-    source = tmp / "dense.cu"
-    source.write_text("".join(f'#include "kernels/sm80/{model}/bf16/{n}.cu"\n' for n in DENSE_FILES))
-    out = tmp / "dense.ptx"
-    subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{include}", "-Ikernels/include", "-I.", "-arch=compute_80",
-                    "-ptx", "-o", str(out), str(source)], cwd=REPO, check=True, capture_output=True)
-    return out.read_text()
-
-
 @pytest.fixture(scope="module", params=MODELS)
 def ptx_entries(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, PtxEntry]]:
     model = request.param
-    ptx = _compile_ptx(model, tmp_path_factory.mktemp(model.replace(".", "_")))
-    found = {m[1]: PtxEntry(int(m[2]), int(m[3]), int(m[4])) for m in _ENTRY.finditer(ptx)}
+    sources = tuple(f"kernels/sm80/{model}/bf16/{n}.cu" for n in DENSE_FILES)
+    found = compile_ptx_entries(PtxBuild("sm80", model, "bf16", "compute_80", sources),
+                                tmp_path_factory.mktemp(model.replace(".", "_")))
     assert found, "no dense entries parsed from the PTX"
     return model, found
-
-
-def _dims(model: str) -> dict[str, int]:
-    from atlas.targets import load_registry
-
-    return dict(load_registry().models[model].constants)
 
 
 def _tensor(rt: RecordingRuntime, dtype: str, *shape: int) -> DeviceTensor:
@@ -131,7 +70,7 @@ def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Gen
 def test_every_launch_matches_its_ptx_entry(ptx_entries: tuple[str, dict[str, PtxEntry]], rng: np.random.Generator) -> None:
     model, entries = ptx_entries
     rt = RecordingRuntime()
-    _run_every_op(rt, _dims(model), rng)
+    _run_every_op(rt, model_dims(model), rng)
     for launch in rt.launches:
         assert launch.kernel in entries, f"{launch.kernel} is launched but not in the {model} PTX"
         entry = entries[launch.kernel]
@@ -148,7 +87,7 @@ def test_every_launch_matches_its_ptx_entry(ptx_entries: tuple[str, dict[str, Pt
 
 def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
     for model in MODELS:
-        dims = _dims(model)
+        dims = model_dims(model)
         rt = RecordingRuntime()
         shapes = _run_every_op(rt, dims, rng)
         for launch in rt.launches:
@@ -192,26 +131,19 @@ def test_bad_inputs_are_refused(rng: np.random.Generator) -> None:
     assert rt.launches == []
 
 
-def _header_constant(header: str, name: str) -> int:
-    text = (REPO / "kernels/include/atlas" / header).read_text()
-    match = re.search(rf"constexpr int {name} = (\d+);", text)
-    assert match, f"{name} not found in {header}"
-    return int(match[1])
-
-
 def test_wrapper_geometry_mirrors_the_headers() -> None:
-    warps_per_gemv_block = _header_constant("gemv.cuh", "kGemvThreads") // 32
+    warps_per_gemv_block = header_constant("gemv.cuh", "kGemvThreads") // 32
     mirrored = [
-        (ops_dense.GEMV_THREADS, _header_constant("gemv.cuh", "kGemvThreads")),
-        (ops_dense.GEMV_WIDE_ROWS_PER_BLOCK, warps_per_gemv_block * _header_constant("gemv.cuh", "kGemvWideRows")),
-        (ops_dense.GEMV_NARROW_ROWS_PER_BLOCK, warps_per_gemv_block * _header_constant("gemv.cuh", "kGemvNarrowRows")),
-        (ops_dense.GEMM_THREADS, _header_constant("gemm.cuh", "kGemmThreads")),
-        (ops_dense.GEMM_BM, _header_constant("gemm.cuh", "kGemmBM")),
-        (ops_dense.GEMM_BN, _header_constant("gemm.cuh", "kGemmBN")),
-        (ops_dense.ROPE_THREADS, _header_constant("rope.cuh", "kRopeThreads")),
-        (ops_dense.ATTN_KEYS, _header_constant("attention.cuh", "kAttnKeys")),
-        (ops_dense.ARGMAX_THREADS, _header_constant("sampling.cuh", "kArgmaxThreads")),
-        (ops_dense.SAMPLE_THREADS, _header_constant("sampling.cuh", "kSampleThreads")),
+        (ops_dense.GEMV_THREADS, header_constant("gemv.cuh", "kGemvThreads")),
+        (ops_dense.GEMV_WIDE_ROWS_PER_BLOCK, warps_per_gemv_block * header_constant("gemv.cuh", "kGemvWideRows")),
+        (ops_dense.GEMV_NARROW_ROWS_PER_BLOCK, warps_per_gemv_block * header_constant("gemv.cuh", "kGemvNarrowRows")),
+        (ops_dense.GEMM_THREADS, header_constant("gemm.cuh", "kGemmThreads")),
+        (ops_dense.GEMM_BM, header_constant("gemm.cuh", "kGemmBM")),
+        (ops_dense.GEMM_BN, header_constant("gemm.cuh", "kGemmBN")),
+        (ops_dense.ROPE_THREADS, header_constant("rope.cuh", "kRopeThreads")),
+        (ops_dense.ATTN_KEYS, header_constant("attention.cuh", "kAttnKeys")),
+        (ops_dense.ARGMAX_THREADS, header_constant("sampling.cuh", "kArgmaxThreads")),
+        (ops_dense.SAMPLE_THREADS, header_constant("sampling.cuh", "kSampleThreads")),
     ]
     for wrapper, header in mirrored:
         assert wrapper == header

@@ -11,76 +11,22 @@ from __future__ import annotations
 
 import ctypes
 import math
-import re
-import shutil
-import subprocess
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from atlas.backends.cuda import ops_linear_moe as ops
-from atlas.backends.cuda.tensor import DeviceTensor
 
-REPO = Path(__file__).resolve().parent.parent
+from _abi import MODELS, PtxBuild, PtxEntry, RecordingRuntime, compile_ptx_entries, header_constant, model_dims
+
 FILES = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm", "router", "moe_experts", "add_sigmoid_scaled")
-MODELS = ("atlas-demo", "qwen3.6-35b-a3b")
 OPT_IN_SMEM_MIN = 99 * 1024  # the smallest per-block opt-in of the targets (sm_86/89, sm_120/121)
-_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(\s*\.param\s+\.align\s+(\d+)\s+\.b8\s+\w+\[(\d+)\]\s*\)\s*\.maxntid\s+(\d+)")
-
-
-@dataclass
-class Launch:
-    kernel: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    params: ctypes.Structure
-    smem: int
-
-
-@dataclass
-class RecordingRuntime:
-    """The slice of CudaRuntime the op wrappers use; memory is fake addresses, 256-aligned."""
-
-    launches: list[Launch] = field(default_factory=list)
-    zeroed: list[int] = field(default_factory=list)
-    _next: int = 1 << 20
-
-    def empty(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
-        tensor = DeviceTensor(self._next, tuple(int(d) for d in shape), dtype)  # type: ignore[arg-type]
-        self._next += -(-max(tensor.nbytes, 1) // 256) * 256
-        return tensor
-
-    def memset_zero(self, t: DeviceTensor) -> None:
-        self.zeroed.append(t.ptr)
-
-    def launch(self, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int],
-               params: ctypes.Structure, smem: int = 0) -> None:
-        self.launches.append(Launch(kernel, grid, block, params, smem))
-
-
-def _dims(model: str) -> dict[str, int]:
-    from atlas.targets import load_registry
-
-    return dict(load_registry().models[model].constants)
-
-
 @pytest.fixture(scope="module", params=MODELS)
-def ptx_entries(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, tuple[int, int, int]]]:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc here: cannot compile the DeltaNet/MoE PTX")
+def ptx_entries(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, PtxEntry]]:
     model = request.param
-    tmp = tmp_path_factory.mktemp(model.replace(".", "_"))
-    subprocess.run(["python", "-m", "build_tools.headers", "--hw", "sm80", "--model", model, "--quant", "bf16",
-                    "--out", str(tmp)], cwd=REPO, check=True, capture_output=True)
-    source = tmp / "linear_moe.cu"
-    source.write_text("".join(f'#include "kernels/sm80/{model}/bf16/{n}.cu"\n' for n in FILES))
-    out = tmp / "linear_moe.ptx"
-    subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{tmp}", "-Ikernels/include", "-I.", "-arch=compute_80",
-                    "-ptx", "-o", str(out), str(source)], cwd=REPO, check=True, capture_output=True)
-    found = {m[1]: (int(m[2]), int(m[3]), int(m[4])) for m in _ENTRY.finditer(out.read_text())}
+    sources = tuple(f"kernels/sm80/{model}/bf16/{n}.cu" for n in FILES)
+    found = compile_ptx_entries(PtxBuild("sm80", model, "bf16", "compute_80", sources),
+                                tmp_path_factory.mktemp(model.replace(".", "_")))
     assert found, "no entries parsed from the PTX"
     return model, found
 
@@ -103,11 +49,11 @@ def _run_every_op(rt: RecordingRuntime, d: dict[str, int], rng: np.random.Genera
         ops.add_sigmoid_scaled(rt, f(tokens, h), f(tokens, h), f(tokens, 1))
 
 
-def test_every_launch_matches_its_ptx_entry(ptx_entries: tuple[str, dict[str, tuple[int, int, int]]],
+def test_every_launch_matches_its_ptx_entry(ptx_entries: tuple[str, dict[str, PtxEntry]],
                                             rng: np.random.Generator) -> None:
     model, entries = ptx_entries
     rt = RecordingRuntime()
-    _run_every_op(rt, _dims(model), rng)
+    _run_every_op(rt, model_dims(model), rng)
     for launch in rt.launches:
         assert launch.kernel in entries, f"{launch.kernel} is launched but not in the {model} PTX"
         align, param_bytes, max_threads = entries[launch.kernel]
@@ -121,7 +67,7 @@ def test_every_launch_matches_its_ptx_entry(ptx_entries: tuple[str, dict[str, tu
 
 def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
     for model in MODELS:
-        d = _dims(model)
+        d = model_dims(model)
         rt = RecordingRuntime()
         _run_every_op(rt, d, rng)
         for launch in rt.launches:
@@ -167,29 +113,22 @@ def test_bad_inputs_are_refused() -> None:
     assert rt.launches == []
 
 
-def _header_constant(header: str, name: str) -> int:
-    text = (REPO / "kernels/include/atlas" / header).read_text()
-    match = re.search(rf"constexpr int {name} = (\d+);", text)
-    assert match, f"{name} not found in {header}"
-    return int(match[1])
-
-
 def test_wrapper_geometry_mirrors_the_headers() -> None:
     mirrored = [
-        (ops.CONV_THREADS, _header_constant("conv1d.cuh", "kThreads")),
-        (ops.CONV_TOKENS_PER_BLOCK, _header_constant("conv1d.cuh", "kTokensPerBlock")),
-        (ops.DELTA_THREADS, 32 * _header_constant("delta_rule.cuh", "kWarps")),
-        (ops.DELTA_COLS_PER_BLOCK, _header_constant("delta_rule.cuh", "kWarps") * _header_constant("delta_rule.cuh", "kColsPerWarp")),
-        (ops.DELTA_CHUNK, _header_constant("delta_chunked.cuh", "kChunk")),
-        (ops.DELTA_PREP_THREADS, _header_constant("delta_chunked.cuh", "kPrepThreads")),
-        (ops.GATED_NORM_WARPS, _header_constant("gated_norm.cuh", "kWarps")),
-        (ops.ROUTER_WARPS, _header_constant("router.cuh", "kWarps")),
-        (ops.GEMV_WARPS, _header_constant("moe.cuh", "kGemvWarps")),
-        (ops.ROUTE_THREADS, _header_constant("moe.cuh", "kRouteThreads")),
-        (ops.GEMM_THREADS, _header_constant("moe.cuh", "kGemmThreads")),
-        (ops.GEMM_BM, _header_constant("moe.cuh", "kBM")),
-        (ops.GEMM_BN, _header_constant("moe.cuh", "kBN")),
-        (ops.ELEMENTWISE_THREADS, _header_constant("moe.cuh", "kElementwiseThreads")),
+        (ops.CONV_THREADS, header_constant("conv1d.cuh", "kThreads")),
+        (ops.CONV_TOKENS_PER_BLOCK, header_constant("conv1d.cuh", "kTokensPerBlock")),
+        (ops.DELTA_THREADS, 32 * header_constant("delta_rule.cuh", "kWarps")),
+        (ops.DELTA_COLS_PER_BLOCK, header_constant("delta_rule.cuh", "kWarps") * header_constant("delta_rule.cuh", "kColsPerWarp")),
+        (ops.DELTA_CHUNK, header_constant("delta_chunked.cuh", "kChunk")),
+        (ops.DELTA_PREP_THREADS, header_constant("delta_chunked.cuh", "kPrepThreads")),
+        (ops.GATED_NORM_WARPS, header_constant("gated_norm.cuh", "kWarps")),
+        (ops.ROUTER_WARPS, header_constant("router.cuh", "kWarps")),
+        (ops.GEMV_WARPS, header_constant("moe.cuh", "kGemvWarps")),
+        (ops.ROUTE_THREADS, header_constant("moe.cuh", "kRouteThreads")),
+        (ops.GEMM_THREADS, header_constant("moe.cuh", "kGemmThreads")),
+        (ops.GEMM_BM, header_constant("moe.cuh", "kBM")),
+        (ops.GEMM_BN, header_constant("moe.cuh", "kBN")),
+        (ops.ELEMENTWISE_THREADS, header_constant("moe.cuh", "kElementwiseThreads")),
     ]
     for wrapper, header in mirrored:
         assert wrapper == header
@@ -198,7 +137,7 @@ def test_wrapper_geometry_mirrors_the_headers() -> None:
 def test_delta_rule_form_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from atlas.errors import AtlasError
 
-    d = _dims("qwen3.6-35b-a3b")
+    d = model_dims("qwen3.6-35b-a3b")
     hk, hv, dk, dv = d["linear_num_key_heads"], d["linear_num_value_heads"], d["linear_key_head_dim"], d["linear_value_head_dim"]
 
     def kernels(tokens: int) -> list[str]:

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-import re
-import shutil
-import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,10 +22,9 @@ from atlas.quant.codes import E2M1_VALUES, decode_e4m3
 from atlas.quant.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from atlas.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
-REPO = Path(__file__).resolve().parent.parent
+from _abi import MODELS, PtxBuild, PtxEntry, RecordingRuntime, compile_ptx_entries, header_constant, model_dims
+
 FORMATS = ("fp8", "nvfp4")
-MODELS = ("atlas-demo", "qwen3.6-35b-a3b")
-_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(\s*\.param\s+\.align\s+(\d+)\s+\.b8\s+\w+\[(\d+)\]\s*\)\s*\.maxntid\s+(\d+)")
 
 
 # --- decode bit tricks ----------------------------------------------------------------------------
@@ -211,50 +206,11 @@ def test_moe_tiles_read_every_weight_row_once(gate_up: bool, rng: np.random.Gene
 
 # --- ABI: op wrappers against the compiled PTX --------------------------------------------------
 
-@dataclass
-class Launch:
-    kernel: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    params: ctypes.Structure
-    smem: int
-
-
-@dataclass
-class RecordingRuntime:
-    sm_count: int = 132
-    launches: list[Launch] = field(default_factory=list)
-    _next: int = 1 << 20
-
-    def empty(self, shape: tuple[int, ...], dtype: str) -> DeviceTensor:
-        tensor = DeviceTensor(self._next, tuple(int(d) for d in shape), dtype)  # type: ignore[arg-type]
-        self._next += -(-max(tensor.nbytes, 1) // 256) * 256
-        return tensor
-
-    def memset_zero(self, t: DeviceTensor) -> None:
-        pass
-
-    def launch(self, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int],
-               params: ctypes.Structure, smem: int = 0) -> None:
-        self.launches.append(Launch(kernel, grid, block, params, smem))
-
-
 @pytest.fixture(scope="module")
-def ptx_entries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, int, int]]:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc here: cannot read the quantized kernels' PTX")
-    tmp = tmp_path_factory.mktemp("quant_ptx")
-    include = tmp / "include"
-    subprocess.run(["python", "-m", "build_tools.headers", "--hw", "h200", "--model", "atlas-demo", "--quant", "fp8",
-                    "--out", str(include)], cwd=REPO, check=True, capture_output=True)
+def ptx_entries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PtxEntry]:
     files = [f"kernels/h200/atlas-demo/{q}/{kind}_{q}.cu" for q in FORMATS for kind in ("linear", "moe")]
-    source = tmp / "quant.cu"
-    source.write_text("".join(f'#include "{f}"\n' for f in [*files, "kernels/h200/atlas-demo/bf16/moe_experts.cu"]))
-    out = tmp / "quant.ptx"
-    subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{include}", "-Ikernels/include", "-I.", "-arch=compute_90a",
-                    "-ptx", "-o", str(out), str(source)], cwd=REPO, check=True, capture_output=True)
-    return {m[1]: (int(m[2]), int(m[3]), int(m[4])) for m in _ENTRY.finditer(out.read_text())}
+    sources = (*files, "kernels/h200/atlas-demo/bf16/moe_experts.cu")
+    return compile_ptx_entries(PtxBuild("h200", "atlas-demo", "fp8", "compute_90a", sources), tmp_path_factory.mktemp("quant_ptx"))
 
 
 def _device_weight(rt: RecordingRuntime, fmt: str, rows: int, k: int, experts: int = 0) -> QuantWeight:
@@ -279,12 +235,10 @@ def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Gen
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_every_launch_matches_its_ptx_entry(model: str, ptx_entries: dict[str, tuple[int, int, int]],
+def test_every_launch_matches_its_ptx_entry(model: str, ptx_entries: dict[str, PtxEntry],
                                             rng: np.random.Generator) -> None:
-    from atlas.targets import load_registry
-
     rt = RecordingRuntime()
-    dims = dict(load_registry().models[model].constants)
+    dims = model_dims(model)
     _run_every_op(rt, dims, rng)
     for launch in rt.launches:
         assert launch.kernel in ptx_entries, f"{launch.kernel} is launched but not in the PTX"
@@ -313,18 +267,13 @@ def test_every_launch_matches_its_ptx_entry(model: str, ptx_entries: dict[str, t
 
 
 def test_wrapper_geometry_mirrors_the_headers() -> None:
-    def constant(header: str, name: str) -> int:
-        match = re.search(rf"constexpr int {name} = (\d+);", (REPO / "kernels/include/atlas" / header).read_text())
-        assert match, f"{name} not in {header}"
-        return int(match[1])
-
-    warps = constant("gemv_quant.cuh", "kQGemvThreads") // 32
-    assert ops_quant.GEMV_THREADS == constant("gemv_quant.cuh", "kQGemvThreads")
-    assert ops_quant.GEMV_WIDE_ROWS_PER_BLOCK == warps * constant("gemv_quant.cuh", "kQGemvWideRows")
-    assert ops_quant.GEMV_NARROW_ROWS_PER_BLOCK == warps * constant("gemv_quant.cuh", "kQGemvNarrowRows")
-    assert (ops_quant.GEMM_BM, ops_quant.GEMM_BN) == (constant("gemm.cuh", "kGemmBM"), constant("gemm.cuh", "kGemmBN"))
-    assert (ops_quant.MOE_BM, ops_quant.MOE_BN) == (constant("moe.cuh", "kBM"), constant("moe.cuh", "kBN"))
-    assert ops_quant.MOE_THREADS == constant("moe.cuh", "kGemmThreads")
+    warps = header_constant("gemv_quant.cuh", "kQGemvThreads") // 32
+    assert ops_quant.GEMV_THREADS == header_constant("gemv_quant.cuh", "kQGemvThreads")
+    assert ops_quant.GEMV_WIDE_ROWS_PER_BLOCK == warps * header_constant("gemv_quant.cuh", "kQGemvWideRows")
+    assert ops_quant.GEMV_NARROW_ROWS_PER_BLOCK == warps * header_constant("gemv_quant.cuh", "kQGemvNarrowRows")
+    assert (ops_quant.GEMM_BM, ops_quant.GEMM_BN) == (header_constant("gemm.cuh", "kGemmBM"), header_constant("gemm.cuh", "kGemmBN"))
+    assert (ops_quant.MOE_BM, ops_quant.MOE_BN) == (header_constant("moe.cuh", "kBM"), header_constant("moe.cuh", "kBN"))
+    assert ops_quant.MOE_THREADS == header_constant("moe.cuh", "kGemmThreads")
     assert ops_quant.MOE_GEMV_THREADS == ops_quant.GEMV_THREADS and ops_quant.MOE_GEMV_ROWS_PER_BLOCK == warps
 
 
