@@ -39,14 +39,14 @@ def log(message: str) -> None:
     print(f"[decode bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def make_bench_backend(checkpoint: synthetic.SyntheticCheckpoint) -> Any:
-    """The qwen3.6 CUDA backend whose uploads of the checkpoint's lazy arrays are filled on the
-    device with their repeated tile."""
+def make_bench_backend(checkpoint: synthetic.SyntheticCheckpoint, quant: str = "bf16") -> Any:
+    """The qwen3.6 CUDA backend (the `quant` tuple) whose uploads of the checkpoint's lazy arrays
+    are filled on the device with their repeated tile."""
     from atlas.backends.cuda.select import open_backend_for_model
     from atlas.backends.cuda.tensor import DeviceTensor
     from atlas.backends.cuda.upload import to_storage
 
-    backend = open_backend_for_model("qwen3.6-35b-a3b")
+    backend = open_backend_for_model("qwen3.6-35b-a3b", quant)
     plain_upload = backend.upload
 
     def upload(array: np.ndarray, dtype: str) -> DeviceTensor:

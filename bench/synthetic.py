@@ -134,3 +134,137 @@ def fill_torch_model(model: Any) -> None:
                 flat.copy_(pattern.repeat(repeats)[: flat.numel()])
             else:
                 param.copy_(torch.from_numpy(host_tensor(name, shape)).to(param.dtype))
+
+
+# --- quantized weights (bench/quant.py) -------------------------------------------------------
+# Every quantized matrix of a given (format, in-features) is one seeded QUANT_TILE_ROWS-row tile
+# repeated down its rows. 128 rows is one fp8 scale block, so the repeat is itself a valid
+# block-FP8 checkpoint, and every planned matrix (and every stack or row selection the loader
+# makes of them) is a whole number of tiles: its device layout is the tile's, repeated.
+QUANT_TILE_ROWS = 128
+QUANT_FORMATS = ("fp8", "nvfp4")
+
+
+def quant_tile_float(fmt: str, k: int) -> np.ndarray:
+    """The float32 values [QUANT_TILE_ROWS, k] the tile quantizes: N(0, 1/k), as the bf16 tiles."""
+    rng = _rng(f"quant-tile/{fmt}/{k}")
+    return (rng.standard_normal((QUANT_TILE_ROWS, k), dtype=np.float32) * np.float32(1.0 / math.sqrt(k))).astype(np.float32)
+
+
+def quant_tile_parts(fmt: str, k: int) -> dict[str, np.ndarray]:
+    """The tile as a checkpoint stores it (atlas.quant's quantizers): fp8 {weight, weight_scale_inv},
+    nvfp4 {weight, weight_scale, weight_scale_2, input_scale}."""
+    from atlas.quant.fp8_block import quantize_fp8_block
+    from atlas.quant.nvfp4 import quantize_nvfp4
+
+    values = quant_tile_float(fmt, k)
+    if fmt == "fp8":
+        q = quantize_fp8_block(values)
+        return {"weight": q.weight, "weight_scale_inv": q.scale_inv}
+    if fmt == "nvfp4":
+        n = quantize_nvfp4(values)
+        return {"weight": n.weight, "weight_scale": n.weight_scale, "weight_scale_2": n.weight_scale_2,
+                "input_scale": n.input_scale}
+    raise ValueError(f"no synthetic quantized weights for {fmt!r} ({', '.join(QUANT_FORMATS)})")
+
+
+def quant_checkpoint_parts(fmt: str, shape: tuple[int, int]) -> dict[str, np.ndarray]:
+    """The checkpoint parts of a whole [rows, k] matrix (rows a multiple of QUANT_TILE_ROWS):
+    the tile's codes and per-row-block scales repeated; scalars shared."""
+    rows, k = shape
+    if rows % QUANT_TILE_ROWS:
+        raise ValueError(f"synthetic quantized matrices have a multiple of {QUANT_TILE_ROWS} rows, got {rows}")
+    repeats = rows // QUANT_TILE_ROWS
+    tile_parts = quant_tile_parts(fmt, k)
+    return {name: np.tile(part, (repeats, 1)) if part.ndim == 2 else part for name, part in tile_parts.items()}
+
+
+def quant_device_tile(fmt: str, k: int) -> Any:
+    """The tile in the kernels' device layout (quant_weights.HostQuantWeight, QUANT_TILE_ROWS rows)."""
+    from atlas.backends.cuda.quant_weights import from_fp8_block, from_nvfp4
+
+    parts = quant_tile_parts(fmt, k)
+    if fmt == "fp8":
+        return from_fp8_block(parts["weight"], parts["weight_scale_inv"])
+    return from_nvfp4(parts["weight"], parts["weight_scale"], parts["weight_scale_2"])
+
+
+def quant_stored(fmt: str, name: str, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{checkpoint name: (dtype, shape)} of the parts a quantized `<m>.weight` [N, K] is stored as."""
+    n, k = shape
+    stem = name[: -len("weight")]
+    if fmt == "fp8":
+        return {name: ("F8_E4M3", (n, k)), stem + "weight_scale_inv": ("F32", (-(-n // 128), -(-k // 128)))}
+    return {name: ("U8", (n, k // 2)), stem + "weight_scale": ("F8_E4M3", (n, k // 16)),
+            stem + "weight_scale_2": ("F32", ()), stem + "input_scale": ("F32", ())}
+
+
+@dataclass
+class SyntheticQuantCheckpoint(SyntheticCheckpoint):
+    """A quantized checkpoint of `plan` in `fmt` (the official exclusions, atlas.quant.exclusions)
+    whose config files live in `source` (a directory). Float tensors as SyntheticCheckpoint.
+    With host_parts the quantized parts are real arrays (quant_checkpoint_parts); without, they are
+    zero-stride placeholders of the right shape that bench/quant.py's device upload never reads."""
+
+    fmt: str = "fp8"
+    host_parts: bool = False
+    stored: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    part_of: dict[str, tuple[str, str]] = field(default_factory=dict)  # part name -> (weight name, suffix)
+
+    def __post_init__(self) -> None:
+        from atlas.quant.exclusions import converts
+
+        for name, shape in self.plan.items():
+            if not converts(name, shape, self.fmt):
+                continue
+            for part, entry in quant_stored(self.fmt, name, shape).items():
+                self.stored[part] = entry
+                self.part_of[part] = (name, part[len(name) - len("weight"):])
+
+    def names(self) -> list[str]:
+        return list(dict.fromkeys([*self.plan, *self.stored]))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.plan or name in self.stored
+
+    def info(self, name: str) -> _Info:
+        if name not in self.stored:
+            return super().info(name)
+        dtype, shape = self.stored[name]
+        return _Info(shape, dtype, self.source, math.prod(shape) * (4 if dtype == "F32" else 1))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.stored[name][1] if name in self.stored else self.plan[name]
+
+    def dtype(self, name: str) -> str:
+        return self.stored[name][0] if name in self.stored else "BF16"
+
+    def get_raw(self, name: str) -> np.ndarray:
+        if name not in self.stored:
+            return self.get(name)
+        dtype, shape = self.stored[name]
+        if not self.host_parts:
+            return np.broadcast_to(np.zeros((), np.float32 if dtype == "F32" else np.uint8), shape)
+        weight, suffix = self.part_of[name]
+        return quant_checkpoint_parts(self.fmt, self.plan[weight])[suffix]  # type: ignore[arg-type]
+
+
+def write_quant_config(model_dir: Path, fmt: str, num_layers: int = 40) -> dict[str, Any]:
+    """config.json (+ hf_quant_config.json for nvfp4) of the synthetic quantized checkpoint."""
+    from atlas.quant.exclusions import EXCLUDED_MODULES
+    from atlas.quantize import quant_configs
+
+    config = write_config(model_dir, num_layers)
+    quantization_config, hf_quant_config = quant_configs(fmt, list(EXCLUDED_MODULES))
+    config["quantization_config"] = quantization_config
+    (model_dir / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    if hf_quant_config is not None:
+        (model_dir / "hf_quant_config.json").write_text(json.dumps(hf_quant_config), encoding="utf-8")
+    return config
+
+
+def quant_plan(spec: Any) -> dict[str, tuple[int, ...]]:
+    """The text plan with experts stored per expert (the layout quantized checkpoints use)."""
+    from atlas.models.qwen3_5_moe import Layout, model_plan
+
+    return model_plan(Layout("model.", False, spec))

@@ -1,0 +1,189 @@
+"""bench/quant.py on the CPU: the synthetic fp8 / nvfp4 weights it writes on the device are a valid
+checkpoint of their format (atlas.quant's dequantization has the intended statistics), their device
+layout is exactly quant_weights.py's conversion of that checkpoint, the loader takes the synthetic
+quantized checkpoint and sends every quantized matrix packed, the byte counts agree with
+bench/decode.py, and the CLI's errors are one line with exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+import quant as bench_quant  # noqa: E402
+import synthetic  # noqa: E402
+
+from atlas.backends.cuda.quant_weights import from_fp8_block, from_nvfp4  # noqa: E402
+from atlas.quant.fp8_block import dequantize_fp8_block  # noqa: E402
+from atlas.quant.nvfp4 import dequantize_nvfp4  # noqa: E402
+
+FORMATS = ("fp8", "nvfp4")
+REL_RMS_BOUND = {"fp8": 0.05, "nvfp4": 0.15}  # quantization noise of N(0, 1/k) values
+
+
+def reference_dequantize(fmt: str, parts: dict[str, np.ndarray]) -> np.ndarray:
+    if fmt == "fp8":
+        return dequantize_fp8_block(parts["weight"], parts["weight_scale_inv"], (128, 128))
+    return dequantize_nvfp4(parts["weight"], parts["weight_scale"], parts["weight_scale_2"])
+
+
+def device_layout(fmt: str, parts: dict[str, np.ndarray]) -> Any:
+    if fmt == "fp8":
+        return from_fp8_block(parts["weight"], parts["weight_scale_inv"])
+    return from_nvfp4(parts["weight"], parts["weight_scale"], parts["weight_scale_2"])
+
+
+def repeat_rows(array: np.ndarray | None, rows: int) -> np.ndarray | None:
+    """What bench/quant_moe.py's device fill makes of a tile array: its bytes repeated."""
+    if array is None:
+        return None
+    return np.resize(array, (rows, *array.shape[1:]))
+
+
+@pytest.fixture(scope="module")
+def spec() -> Any:
+    from atlas.config import load_spec
+
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic.write_config(Path(tmp), 4)
+        return load_spec(Path(tmp))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_synthetic_checkpoint_dequantizes_to_intended_values(fmt: str, rng: np.random.Generator) -> None:
+    k = int(rng.choice([512, 2048, 4096]))
+    rows = 128 * int(rng.integers(1, 5))
+    parts = synthetic.quant_checkpoint_parts(fmt, (rows, k))
+    values = reference_dequantize(fmt, parts)  # [rows, k]
+    intended = np.tile(synthetic.quant_tile_float(fmt, k), (rows // 128, 1))  # [rows, k]
+    std = 1 / np.sqrt(k)
+    assert abs(values.std() / std - 1) < 0.05
+    assert abs(values.mean()) < 0.01 * std
+    rel_rms = np.sqrt(np.mean((values - intended) ** 2)) / std
+    assert 0 < rel_rms < REL_RMS_BOUND[fmt]
+    expected_shapes = {name: shape for name, (_, shape) in synthetic.quant_stored(fmt, "m.weight", (rows, k)).items()}
+    assert {f"m.{n}": p.shape for n, p in parts.items()} == expected_shapes
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_device_fill_is_the_checkpoints_device_layout(fmt: str, rng: np.random.Generator) -> None:
+    """The repeated device tile equals quant_weights' conversion of the whole synthetic matrix,
+    and its numpy evaluation equals atlas.quant's dequantization bit for bit."""
+    k = int(rng.choice([512, 2048]))
+    rows = 128 * int(rng.integers(1, 6))
+    parts = synthetic.quant_checkpoint_parts(fmt, (rows, k))
+    converted = device_layout(fmt, parts)
+    tile = synthetic.quant_device_tile(fmt, k)
+    assert tile.rows == synthetic.QUANT_TILE_ROWS and tile.format == fmt
+    np.testing.assert_array_equal(repeat_rows(tile.q, rows), converted.q)
+    np.testing.assert_array_equal(repeat_rows(tile.scale, rows), converted.scale)
+    if fmt == "nvfp4":
+        np.testing.assert_array_equal(repeat_rows(tile.row_scale, rows), converted.row_scale)
+    else:
+        assert tile.row_scale is None and converted.row_scale is None
+    np.testing.assert_array_equal(converted.dequantize(), reference_dequantize(fmt, parts))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_loader_sends_every_quantized_matrix_packed(fmt: str, spec: Any) -> None:
+    """A 4-layer synthetic quantized checkpoint through the loader: the bench's upload hooks get
+    every converted matrix (row counts multiples of the tile) and nothing else quantized."""
+    from atlas.models.qwen3_5_moe import load_qwen3_5_moe
+    from atlas.quant.exclusions import converts
+
+    class RecordingBackend:
+        name = "recording"
+
+        def __init__(self) -> None:
+            self.rows: list[tuple[int, int, int]] = []
+            self.float_names: list[tuple[tuple[int, ...], str]] = []
+
+        def upload(self, array: np.ndarray, dtype: str) -> tuple[str, tuple[int, ...]]:
+            self.float_names.append((array.shape, dtype))
+            return ("float", array.shape)
+
+        def zeros(self, shape: tuple[int, ...], dtype: str) -> tuple[str, tuple[int, ...]]:
+            return ("zeros", shape)
+
+        def upload_quantized(self, weight: Any) -> tuple[str, tuple[int, ...]]:
+            self.rows.append((weight.shape[0], weight.shape[1], 0))
+            return ("quant", weight.shape)
+
+        def upload_quantized_rows(self, weights: list[Any], rows: np.ndarray | None, experts: int) -> tuple[str, int]:
+            count = len(rows) if rows is not None else sum(w.shape[0] for w in weights)
+            self.rows.append((count, weights[0].shape[1], experts))
+            return ("quant", count)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic.write_quant_config(Path(tmp), fmt, 4)
+        from atlas.config import load_spec
+
+        quant_spec = load_spec(Path(tmp))
+        plan = synthetic.quant_plan(quant_spec)
+        checkpoint = synthetic.SyntheticQuantCheckpoint(plan, source=tmp, fmt=fmt)
+        backend = RecordingBackend()
+        load_qwen3_5_moe(quant_spec, checkpoint, backend)  # type: ignore[arg-type]
+    converted = sum(int(np.prod(s)) for n, s in plan.items() if converts(n, s, fmt))
+    assert sum(r * k for r, k, _ in backend.rows) == converted
+    assert all(r % synthetic.QUANT_TILE_ROWS == 0 for r, _, _ in backend.rows)
+    assert sum(1 for _, _, e in backend.rows if e == spec.num_experts) == 2 * quant_spec.num_hidden_layers
+
+
+def test_byte_counts_agree_with_decode_bench(spec: Any) -> None:
+    import decode
+
+    per_token = decode.decode_bytes_per_token(spec, 1024)
+    weights = per_token["total"] - per_token["kv_cache"] - per_token["deltanet_states_read_and_written"]
+    # decode.py leaves out the tiny A_log / dt_bias / linear-attention norm vectors
+    assert abs(bench_quant.weight_read_bytes(spec, "bf16") / weights - 1) < 1e-5
+    fp8, nvfp4 = (bench_quant.weight_read_bytes(spec, f) for f in FORMATS)
+    assert bench_quant.weight_read_bytes(spec, "bf16") > fp8 > nvfp4
+    h, k = spec.hidden_size, spec.moe_intermediate_size
+    one_expert_down = {"fp8": h * k + h * (k // 128) * 4, "nvfp4": h * k // 2 + h * k // 16 + h * 4}
+    for fmt in FORMATS:
+        assert bench_quant.device_bytes("model.layers.0.mlp.experts.3.down_proj.weight", (h, k), fmt) == one_expert_down[fmt]
+        assert bench_quant.device_bytes("lm_head.weight", (spec.vocab_size, h), fmt) == 2 * spec.vocab_size * h
+
+
+def run_bench(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "python"), "HOME": str(tmp_path)}
+    return subprocess.run([sys.executable, str(REPO / "bench" / "quant.py"), *args], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--out", "/nonexistent-dir/q.json"), "does not exist"),
+    (("--out", "{tmp}/q.json", "--parts", "moe,int4"), "unknown part int4"),
+    (("--out", "{tmp}/q.json", "--budget-s", "0"), "--budget-s"),
+    (("--out", "{tmp}",), "is a directory"),
+])  # fmt: skip
+def test_cli_errors_are_one_line(args: tuple[str, ...], fragment: str, tmp_path: Path) -> None:
+    done = run_bench(*(a.format(tmp=tmp_path) for a in args), tmp_path=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in done.stderr
+    assert not list(tmp_path.glob("q.json*"))
+
+
+def test_without_gpu_exits_2_with_one_line(tmp_path: Path) -> None:
+    from atlas.backends.cuda.driver import open_driver
+    from atlas.errors import AtlasError
+
+    try:
+        open_driver()
+    except (AtlasError, ImportError, OSError):
+        pass
+    else:
+        pytest.skip("a GPU is present: the bench would run")
+    done = run_bench("--out", str(tmp_path / "q.json"), "--parts", "moe", tmp_path=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("no GPU") and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "q.json").exists()
