@@ -7,6 +7,7 @@ each side writes straight into device memory, so nothing of the ~70 GB passes th
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import zlib
@@ -151,9 +152,10 @@ def quant_tile_float(fmt: str, k: int) -> np.ndarray:
     return (rng.standard_normal((QUANT_TILE_ROWS, k), dtype=np.float32) * np.float32(1.0 / math.sqrt(k))).astype(np.float32)
 
 
+@functools.lru_cache(maxsize=32)
 def quant_tile_parts(fmt: str, k: int) -> dict[str, np.ndarray]:
     """The tile as a checkpoint stores it (atlas.quant's quantizers): fp8 {weight, weight_scale_inv},
-    nvfp4 {weight, weight_scale, weight_scale_2, input_scale}."""
+    nvfp4 {weight, weight_scale, weight_scale_2, input_scale}. Cached: callers must not modify it."""
     from atlas.quant.fp8_block import quantize_fp8_block
     from atlas.quant.nvfp4 import quantize_nvfp4
 
@@ -179,6 +181,7 @@ def quant_checkpoint_parts(fmt: str, shape: tuple[int, int]) -> dict[str, np.nda
     return {name: np.tile(part, (repeats, 1)) if part.ndim == 2 else part for name, part in tile_parts.items()}
 
 
+@functools.lru_cache(maxsize=32)
 def quant_device_tile(fmt: str, k: int) -> Any:
     """The tile in the kernels' device layout (quant_weights.HostQuantWeight, QUANT_TILE_ROWS rows)."""
     from atlas.backends.cuda.quant_weights import from_fp8_block, from_nvfp4

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The one device call (issue 4): build and install the h200 wheel, run the GPU tests, the decode
-# benchmark and atlas.info. Each stage is timed, has its own timeout, and tees its output into
-# $OUT/log.txt; a failed stage does not stop the next. A summary table is printed LAST.
+# The one device call (issues 4, 5): build and install the h200 wheel (every model, every quant),
+# run the GPU tests, the decode benchmark, the quantized benchmark and atlas.info. Each stage is
+# timed, has its own timeout, and tees its output into $OUT/log.txt; a failed stage does not stop
+# the next. A summary table is printed LAST.
 #
 #   OUT=/some/dir scripts/device_check.sh            # on the device machine, from the repo root
 #   ATLAS_WHEEL=wheels/atlas-...+h200...whl ...       # use a carried wheel instead of building
 #
-# Files under $OUT (at most 8): log.txt, info.json, junit.xml, results.json, summary.txt.
+# Files under $OUT (at most 8): log.txt, info.json, junit-ops.xml, junit-model.xml, results.json
+# (bench/decode.py), qbench.json (bench/quant.py), summary.txt.
 set -u -o pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -16,7 +18,7 @@ mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 : >"$LOG"
 PY="${PYTHON:-python3}"
-BUDGET_S="${ATLAS_CHECK_BUDGET_S:-510}"  # the whole script, well inside the 9-minute call
+BUDGET_S="${ATLAS_CHECK_BUDGET_S:-540}"  # the whole script, inside the 10-minute call
 WHEEL_DIR=/tmp/atlas-wheel
 export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1  # no network there
 START=$(date +%s)
@@ -25,7 +27,8 @@ SUMMARY=()
 elapsed() { echo $(($(date +%s) - START)); }
 
 # stage NAME LIMIT_S COMMAND: run COMMAND (a bash string) under a timeout clipped to what is left
-# of the budget; record status and seconds.
+# of the budget (exported as ATLAS_STAGE_LIMIT, so a benchmark can size its own budget to it);
+# record status and seconds.
 # ATLAS_CHECK_STAGES (space-separated names) runs only those stages; unset runs them all.
 stage() {
   local name=$1 limit=$2 cmd=$3 left rc t0 secs
@@ -38,6 +41,7 @@ stage() {
     return 0
   fi
   ((limit > left)) && limit=$left
+  export ATLAS_STAGE_LIMIT=$limit
   echo "=== [$name] limit ${limit}s at +$(elapsed)s: $cmd" | tee -a "$LOG"
   t0=$(date +%s)
   timeout --kill-after=10 "$limit" bash -o pipefail -c "$cmd" 2>&1 | tee -a "$LOG"
@@ -53,32 +57,35 @@ stage() {
 
 NVCC="${ATLAS_NVCC:-$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)}"
 
-stage gpu 30 "nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,memory.used,clocks.sm,clocks.mem --format=csv; \
+stage gpu 20 "nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,memory.used,clocks.sm,clocks.mem --format=csv; \
   $PY -c 'import sys, numpy, torch, transformers; from cuda import bindings; print(sys.version.split()[0], \"numpy\", numpy.__version__, \"torch\", torch.__version__, \"transformers\", transformers.__version__, \"cuda-bindings\", bindings.__version__)'; \
   echo nvcc: $NVCC; ${NVCC:-true} --version | tail -2"
 
 if [[ -n "${ATLAS_WHEEL:-}" ]]; then
   stage wheel 20 "mkdir -p $WHEEL_DIR && rm -f $WHEEL_DIR/*.whl && cp '$ATLAS_WHEEL' $WHEEL_DIR/ && ls -l $WHEEL_DIR"
 else
-  stage wheel 150 "rm -rf $WHEEL_DIR && ATLAS_NVCC='$NVCC' CUDACXX='$NVCC' ATLAS_TARGET_HW=h200 ATLAS_TARGET_MODEL='*' \
-    ATLAS_TARGET_QUANT=bf16 $PY -m pip wheel --no-build-isolation --no-deps -w $WHEEL_DIR . && ls -l $WHEEL_DIR"
+  stage wheel 140 "rm -rf $WHEEL_DIR && ATLAS_NVCC='$NVCC' CUDACXX='$NVCC' ATLAS_TARGET_HW=h200 ATLAS_TARGET_MODEL='*' \
+    ATLAS_TARGET_QUANT='*' $PY -m pip wheel --no-build-isolation --no-deps -w $WHEEL_DIR . && ls -l $WHEEL_DIR"
 fi
 
-stage install 60 "$PY -m pip install --no-deps --force-reinstall $WHEEL_DIR/atlas-*.whl 2>&1 | tail -3"
+stage install 40 "$PY -m pip install --no-deps --force-reinstall $WHEEL_DIR/atlas-*.whl 2>&1 | tail -3"
 
-stage info 30 "cd /tmp && $PY -m atlas.info --json >'$OUT/info.json' && $PY -m atlas.info | head -20"
+stage info 20 "cd /tmp && $PY -m atlas.info --json >'$OUT/info.json' && $PY -m atlas.info | head -20"
 
-stage demo 60 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --max-tokens 80"
+stage demo 45 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --max-tokens 80"
 
 GPU_PYTEST="ATLAS_TEST_INSTALLED=1 ATLAS_REQUIRE_GPU=1 ATLAS_CUDA_CHECK=1 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider"
 # Kernel-level tests first (they name the failing op), then everything else marked gpu.
 KERNEL_TESTS="tests/test_gpu_ops.py tests/test_gpu_delta_chunked.py tests/test_gpu_chain.py tests/test_gpu_quant.py"
-stage ops 150 "$GPU_PYTEST --maxfail=40 --junitxml='$OUT/junit-ops.xml' $KERNEL_TESTS"
+stage ops 110 "$GPU_PYTEST --maxfail=40 --junitxml='$OUT/junit-ops.xml' $KERNEL_TESTS"
 
-stage model 200 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-model.xml' tests \
+stage model 110 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-model.xml' tests \
   $(for f in $KERNEL_TESTS; do printf -- '--ignore=%s ' "$f"; done)"
 
-stage bench 170 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json' --budget-s 150"
+# Benchmarks size their --budget-s to the stage's (clipped) limit so they write their JSON in time.
+stage bench 100 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
+
+stage qbench 100 "cd /tmp && $PY '$REPO/bench/quant.py' --out '$OUT/qbench.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
 
 {
   echo
@@ -103,6 +110,29 @@ for key in ("prefill_tok_s", "decode_tok_s", "decode_bytes_per_token", "decode_g
             "copy_gb_s", "roofline_pct", "transformers", "speedup_vs_transformers", "notes"):
     if key in r:
         print(f"{key}: {json.dumps(r[key])}")
+EOF
+  fi
+  if [[ -f "$OUT/qbench.json" ]]; then
+    $PY - "$OUT/qbench.json" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("qbench weight memory GB:", {f: round(b / 1e9, 2) for f, b in r.get("weight_memory_bytes", {}).items()})
+for fmt in ("fp8", "nvfp4"):
+    d = r.get(fmt)
+    if d:
+        print(f"qbench {fmt}: decode {d['decode_tok_s']:.1f} tok/s, {d['decode_gb_s']:.0f} GB/s, "
+              f"roofline {d['roofline_pct']:.1f}% (ceiling {d['roofline_tok_s']:.0f} tok/s), prefill 1024 {d['prefill_tok_s_1024']:.0f} tok/s")
+moe = r.get("moe", {})
+for fmt in ("bf16", "fp8", "nvfp4"):
+    m = moe.get(fmt)
+    if m:
+        print(f"qbench moe {fmt} ({moe['tokens']} tok x {moe['experts']} experts): "
+              + ", ".join(f"{mode} grouped {m[mode]['grouped_ms']:.3f} ms vs loop {m[mode]['loop_ms']:.3f} ms = {m[mode]['speedup']:.2f}x"
+                          for mode in ("eager", "graph")) + f", experts {m['expert_weight_bytes'] / 1e9:.3f} GB")
+if "memory_ratio_vs_bf16" in moe:
+    print("qbench moe memory vs bf16:", {f: round(v, 2) for f, v in moe["memory_ratio_vs_bf16"].items()})
+if r.get("notes"):
+    print("qbench notes:", json.dumps(r["notes"]))
 EOF
   fi
 } 2>&1 | tee "$OUT/summary.txt" | tee -a "$LOG"
