@@ -2,14 +2,17 @@
 dimensions with synthetic fp8-block / nvfp4 weights written on the device (no checkpoint).
 
     python bench/quant.py --out results.json [--budget-s 150] [--parts moe,fp8,nvfp4]
+    python bench/quant.py --out quant-memory.json --cpu-only   # the CPU numbers alone
 
 Reports, per part (the JSON is rewritten after each, so a timeout keeps what finished):
 - moe: the MoE grouped GEMM (one launch over all experts) against a per-expert GEMM loop on
   800 tokens x 256 experts, for bf16, fp8 and nvfp4, with the experts' device bytes;
 - fp8, nvfp4: decode tok/s over 256 tokens at 1K context, bytes read per token on the quantized
   byte count, achieved GB/s and its share of the device-to-device copy bandwidth (bench/decode.py);
-- always (CPU): weight memory per format (atlas.quant.memory) and decode bytes per token.
-Without a GPU it computes the CPU part, then prints one line "no GPU: ..." and exits 2.
+- always (CPU): weight memory per format (atlas.quant.memory, for the demo and qwen3.6), the
+  device-layout bytes and the decode bytes per token.
+Without a GPU it computes the CPU part, then prints one line "no GPU: ..." and exits 2 (--cpu-only:
+writes the CPU part and exits 0).
 """
 
 from __future__ import annotations
@@ -79,12 +82,23 @@ def decode_bytes(spec: Any, fmt: str, context: int) -> dict[str, int]:
             "deltanet_states_read_and_written": parts["deltanet_states_read_and_written"], "total": weights + state}
 
 
+def memory_by_model() -> dict[str, Any]:
+    """atlas.quant.memory's numbers (its table too) for the demo and Qwen3.6-35B-A3B."""
+    from atlas.config import load_spec
+    from atlas.quant.memory import FORMATS, qwen3_6_spec, table, weight_bytes
+    from atlas.resolve import resolve_model
+
+    specs = {"atlas-demo": load_spec(resolve_model(None)), "qwen3.6-35b-a3b": qwen3_6_spec()}
+    return {"table": table(specs), **{m: {f: weight_bytes(s, f) for f in FORMATS} for m, s in specs.items()}}
+
+
 def cpu_numbers(spec: Any) -> dict[str, Any]:
     from atlas.quant.memory import FORMATS, weight_bytes
 
     context = decode.DECODE_CONTEXT + decode.DECODE_TOKENS // 2
     memory = {f: weight_bytes(spec, f) for f in FORMATS}
     return {
+        "atlas_quant_memory": memory_by_model(),
         "weight_memory_bytes": memory,
         "weight_memory_ratio_vs_bf16": {f: memory["bf16"] / memory[f] for f in FORMATS},
         "device_weight_bytes": {f: sum(device_bytes(n, s, f) for n, s in synthetic.quant_plan(spec).items()) for f in FORMATS},
@@ -188,6 +202,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="result JSON (its directory must exist)")
     parser.add_argument("--budget-s", type=float, default=150.0, help="skip parts that would end past this")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--cpu-only", action="store_true", help="write the CPU numbers only (no GPU needed)")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
@@ -263,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": decode.commit(),
                               "machine": decode.machine(), "model": "qwen3.6-35b-a3b dims, 40 layers, synthetic weights",
                               "batch": 1, "notes": [], **cpu_numbers(spec)}
+    if args.cpu_only:
+        result["notes"].append("--cpu-only: no GPU part run")
+        write(args.out, result)
+        return 0
     missing = gpu_missing()
     if missing is not None:
         print(f"no GPU: {missing}", file=sys.stderr)

@@ -187,3 +187,18 @@ def test_without_gpu_exits_2_with_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.strip().startswith("no GPU") and len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "q.json").exists()
+
+
+def test_cpu_only_writes_memory_numbers(tmp_path: Path) -> None:
+    import json
+
+    done = run_bench("--out", str(tmp_path / "q.json"), "--cpu-only", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "q.json").read_text())
+    memory = result["atlas_quant_memory"]
+    for model in ("atlas-demo", "qwen3.6-35b-a3b"):
+        assert memory[model]["bf16"] > memory[model]["fp8"] > memory[model]["nvfp4"] > 0
+        assert model in memory["table"]
+    assert result["weight_memory_bytes"] == memory["qwen3.6-35b-a3b"]
+    per_token = result["decode_bytes_per_token"]
+    assert per_token["bf16"]["total"] > per_token["fp8"]["total"] > per_token["nvfp4"]["total"]
