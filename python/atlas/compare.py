@@ -23,6 +23,7 @@ import click
 import numpy as np
 
 from .backends import DEVICES
+from .cli import run_command
 from .errors import AtlasError
 from .oracle_trace import LayerTrace, atlas_trace, oracle_device, transformers_trace
 from .run import MODEL_HELP, default_prompt
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     from .config import ModelSpec
 
 BAND = (0.977, 1.021)
-USAGE_EXIT = 2
 FLAGGED_EXIT = 1
 
 
@@ -210,20 +210,7 @@ def command(**kwargs: object) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    try:
-        code = command.main(args=argv, prog_name="python -m atlas.compare", standalone_mode=False)
-    except click.exceptions.Exit as done:  # --help
-        return done.exit_code
-    except click.ClickException as err:
-        click.echo(f"atlas.compare: error: {' '.join(err.format_message().split())} (see --help)", err=True)
-        return USAGE_EXIT
-    except AtlasError as err:
-        click.echo(f"atlas.compare: error: {' '.join(str(err).split())}", err=True)
-        return USAGE_EXIT
-    except (KeyboardInterrupt, click.exceptions.Abort):
-        click.echo("\natlas.compare: interrupted", err=True)
-        return 130
-    return 0 if code is None else int(code)  # None: --help
+    return run_command(command, argv, "atlas.compare")
 
 
 if __name__ == "__main__":

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import click
 
+from .cli import run_command
 from .errors import AtlasError
 
-USAGE_EXIT = 2
-INTERRUPT_EXIT = 130
 METHODS = ("fp8", "nvfp4")
 WEIGHT_FILES = (".safetensors",)
 SKIPPED_FILES = frozenset({"config.json", "hf_quant_config.json", "model.safetensors.index.json"})
@@ -143,26 +142,9 @@ def command(model: str | None, method: str, out: Path, shard_mb: int) -> None:
     click.echo(f"atlas.quantize: wrote {written}", err=True)
 
 
-def one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    try:
-        command.main(args=argv, prog_name="python -m atlas.quantize", standalone_mode=False)
-    except click.exceptions.Exit as done:
-        return done.exit_code
-    except click.ClickException as err:
-        click.echo(f"atlas.quantize: error: {one_line(err.format_message())} (see --help)", err=True)
-        return USAGE_EXIT
-    except AtlasError as err:
-        click.echo(f"atlas.quantize: error: {one_line(str(err))}", err=True)
-        return USAGE_EXIT
-    except (KeyboardInterrupt, click.exceptions.Abort):
-        click.echo("\natlas.quantize: interrupted", err=True)
-        return INTERRUPT_EXIT
-    return 0
+    return run_command(command, argv, "atlas.quantize")
 
 
 if __name__ == "__main__":

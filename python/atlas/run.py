@@ -12,12 +12,9 @@ from pathlib import Path
 import click
 
 from .backends import DEVICES
+from .cli import run_command
 from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL, LEVEL_NAMES
-
-USAGE_EXIT = 2
-INTERRUPT_EXIT = 130
-
 
 @dataclass(frozen=True)
 class RunArgs:
@@ -120,26 +117,9 @@ def command(**kwargs: object) -> None:
     run(RunArgs(**kwargs))  # type: ignore[arg-type]
 
 
-def one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    try:
-        command.main(args=argv, prog_name="python -m atlas.run", standalone_mode=False)
-    except click.exceptions.Exit as done:  # --help
-        return done.exit_code
-    except click.ClickException as err:
-        click.echo(f"atlas.run: error: {one_line(err.format_message())} (see --help)", err=True)
-        return USAGE_EXIT
-    except AtlasError as err:
-        click.echo(f"atlas.run: error: {one_line(str(err))}", err=True)
-        return USAGE_EXIT
-    except (KeyboardInterrupt, click.exceptions.Abort):
-        click.echo("\natlas.run: interrupted", err=True)
-        return INTERRUPT_EXIT
-    return 0
+    return run_command(command, argv, "atlas.run")
 
 
 if __name__ == "__main__":

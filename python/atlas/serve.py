@@ -14,8 +14,9 @@ from pathlib import Path
 import click
 
 from .backends import DEVICES
+from .cli import run_command
 from .errors import AtlasError
-from .run import MODEL_HELP, USAGE_EXIT, one_line
+from .run import MODEL_HELP
 
 GRACEFUL_SHUTDOWN_S = 5
 
@@ -96,19 +97,7 @@ def command(**kwargs: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    try:
-        command.main(args=argv, prog_name="python -m atlas.serve", standalone_mode=False)
-    except click.exceptions.Exit as done:
-        return done.exit_code
-    except click.ClickException as err:
-        click.echo(f"atlas.serve: error: {one_line(err.format_message())} (see --help)", err=True)
-        return USAGE_EXIT
-    except AtlasError as err:
-        click.echo(f"atlas.serve: error: {one_line(str(err))}", err=True)
-        return USAGE_EXIT
-    except (KeyboardInterrupt, click.exceptions.Abort):
-        return 0
-    return 0
+    return run_command(command, argv, "atlas.serve", quiet_interrupt=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,36 @@
+"""The command-line entry points' shared ending: bad input (an AtlasError or a click usage error)
+is one line on stderr and exit code 2, never a traceback; Ctrl-C is a short message and 130."""
+
+from __future__ import annotations
+
+import click
+
+from .errors import AtlasError
+
+USAGE_EXIT = 2
+INTERRUPT_EXIT = 130
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def run_command(command: click.Command, argv: list[str] | None, prog: str, quiet_interrupt: bool = False) -> int:
+    """Runs a click command as `python -m <prog>`; returns its exit code (the command's own int,
+    else 0). quiet_interrupt: Ctrl-C is the normal way to stop (a server), exit 0 silently."""
+    try:
+        code = command.main(args=argv, prog_name=f"python -m {prog}", standalone_mode=False)
+    except click.exceptions.Exit as done:  # --help
+        return done.exit_code
+    except click.ClickException as err:
+        click.echo(f"{prog}: error: {one_line(err.format_message())} (see --help)", err=True)
+        return USAGE_EXIT
+    except AtlasError as err:
+        click.echo(f"{prog}: error: {one_line(str(err))}", err=True)
+        return USAGE_EXIT
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        if quiet_interrupt:
+            return 0
+        click.echo(f"\n{prog}: interrupted", err=True)
+        return INTERRUPT_EXIT
+    return 0 if code is None else int(code)
