@@ -212,8 +212,9 @@ def test_plan_refuses_what_it_cannot_store() -> None:
         KVCacheOptions("turbo8", 0).plan(QWEN_LAYERS, 96)
     with pytest.raises(AtlasError, match="groups of 16"):
         KVCacheOptions("nvfp4", 0).plan(QWEN_LAYERS, 40)
-    with pytest.raises(AtlasError, match="CPU \\(numpy\\) backend only"):
-        KVCacheOptions("fp8", 0).plan(QWEN_LAYERS, 256, "cuda")
+    with pytest.raises(AtlasError, match="numpy and cuda backends only"):
+        KVCacheOptions("fp8", 0).plan(QWEN_LAYERS, 256, "rocm")
+    assert KVCacheOptions("turbo3", 0).plan(QWEN_LAYERS, 256, "cuda")[3] == "turbo3"
     assert KVCacheOptions("bf16").plan(QWEN_LAYERS, 96, "cuda")[3] == "bf16"
 
 

@@ -62,7 +62,7 @@ class Engine:
     def reset(self) -> None:
         """Fresh caches and states; the decode step is rebuilt on first use for the new buffers."""
         self.states: list[Any] = self.model.new_state(self.backend, self.max_seq_len)
-        apply_kv_levels(self.states, self.kv_plan, self.backend.name)
+        apply_kv_levels(self.states, self.kv_plan, self.backend)
         self._decode: Callable[[Tensor, Tensor], Tensor] | None = None
 
     # --- steps --------------------------------------------------------------------------------

@@ -59,10 +59,24 @@ __device__ __forceinline__ float transpose_reduce(float (&part)[kAttnKeys]) {
   return part[0];
 }
 
+// A tile of 32 keys and values staged in shared memory. attention_block is generic over the tile
+// type (kv_quant.cuh adds the quantized caches): load() stages keys key0.., key()/value() give a
+// lane its D/32 dims of key j as f32, enter()/leave() map the rows into / out of the tile's basis.
 template <int D>
 struct AttnTile {
   uint16_t k[kAttnKeys][D];
   uint16_t v[kAttnKeys][D];
+  __device__ void load(const AttentionParams& p, int hk, int key0, int key_end);
+  __device__ __forceinline__ void key(int j, int lane, float (&out)[D / kWarpSize]) const {
+    load_bf16<D / kWarpSize>(&k[j][lane * (D / kWarpSize)], out);
+  }
+  __device__ __forceinline__ void value(int j, int lane, float (&out)[D / kWarpSize]) const {
+    load_bf16<D / kWarpSize>(&v[j][lane * (D / kWarpSize)], out);
+  }
+  template <class Rows>
+  __device__ __forceinline__ static void enter(Rows&) {}
+  template <class Rows>
+  __device__ __forceinline__ static void leave(Rows&) {}
 };
 
 template <int D>
@@ -86,6 +100,11 @@ __device__ __forceinline__ void attn_load_tile(const AttentionParams& p, int hk,
   }
 }
 
+template <int D>
+__device__ void AttnTile<D>::load(const AttentionParams& p, int hk, int key0, int key_end) {
+  attn_load_tile<D>(p, hk, key0, key_end, *this);
+}
+
 template <int D, int R>
 struct AttnRows {
   static constexpr int kPerLane = D / kWarpSize;
@@ -99,15 +118,15 @@ struct AttnRows {
 };
 
 // Online-softmax update of the warp's R rows with one staged tile of keys key0 .. key0+31.
-template <int D, int R>
-__device__ __forceinline__ void attn_tile_update(const AttnTile<D>& tile, int key0, int key_end, AttnRows<D, R>& rows) {
+template <int D, int R, class Tile>
+__device__ __forceinline__ void attn_tile_update(const Tile& tile, int key0, int key_end, AttnRows<D, R>& rows) {
   constexpr int kPerLane = D / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   float part[R][kAttnKeys];  // each smem K row is read once and used by all R rows
 #pragma unroll
   for (int j = 0; j < kAttnKeys; ++j) {
     float kf[kPerLane];
-    load_bf16<kPerLane>(&tile.k[j][lane * kPerLane], kf);
+    tile.key(j, lane, kf);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       float dot = 0.0f;
@@ -134,7 +153,7 @@ __device__ __forceinline__ void attn_tile_update(const AttnTile<D>& tile, int ke
 #pragma unroll 4
   for (int j = 0; j < kAttnKeys; ++j) {
     float vf[kPerLane];
-    load_bf16<kPerLane>(&tile.v[j][lane * kPerLane], vf);
+    tile.value(j, lane, vf);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       const float pj = __shfl_sync(kFullMask, prob[i], j);
@@ -202,10 +221,10 @@ __device__ __forceinline__ int attn_span(int live, int splits) {
   return kAttnKeys * max(ceil_div(live, kAttnKeys * splits), 1);
 }
 
-template <int D, int R, int W>
+template <int D, int R, int W, class Tile = AttnTile<D>>
 __device__ void attention_block(const AttentionParams& p) {
   static_assert(D == 64 || D == 128 || D == 256, "attention: head_dim must be 64, 128 or 256");
-  __shared__ __align__(16) AttnTile<D> tile;
+  __shared__ __align__(16) Tile tile;
   if (p.head_dim != D || p.tokens <= 0) return;
   const int32_t* positions = static_cast<const int32_t*>(p.positions);
   const int live = attn_live_length(positions, p.tokens, p.capacity);
@@ -222,12 +241,14 @@ __device__ void attention_block(const AttentionParams& p) {
 
   AttnRows<D, R> rows;
   attn_init_rows<D, R>(p, block_row0 + warp * R, rows);
+  Tile::enter(rows);
   for (int key0 = key_begin; key0 < key_end; key0 += kAttnKeys) {
     __syncthreads();  // the previous tile is no longer read
-    attn_load_tile<D>(p, blockIdx.y, key0, key_end, tile);
+    tile.load(p, blockIdx.y, key0, key_end);
     __syncthreads();
     attn_tile_update<D, R>(tile, key0, key_end, rows);
   }
+  Tile::leave(rows);
   attn_store_rows<D, R>(p, rows);
 }
 

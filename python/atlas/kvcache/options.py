@@ -7,7 +7,8 @@ High-precision layers are counted among the full-attention layers, from each end
   N    -> the first N and the last N full-attention layers stay bf16 (0: every layer uses the
           chosen level; 2N >= their count: all stay bf16).
 bf16 is the backend's own cache, unchanged: bf16 on CUDA, float32 in the numpy reference (the
-reference stays the fp32 oracle); the other levels store packed codes and scales (storage.py).
+reference stays the fp32 oracle); the other levels store packed codes and scales (storage.py; on
+CUDA one buffer of the same fields, backends/cuda/ops_kv.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .levels import get_level
 from .names import DEFAULT_LEVEL, LEVEL_NAMES
 
 AUTO_HIGH_PRECISION = 1
+QUANTIZED_BACKENDS = ("numpy", "cuda")  # cuda: kernels/include/atlas/kv_quant.cuh
 
 
 def parse_high_precision(value: str | int) -> int:
@@ -62,10 +64,10 @@ class KVCacheOptions:
             plan[i] = DEFAULT_LEVEL if i in kept else self.dtype
         if any(p == self.dtype != DEFAULT_LEVEL for p in plan):
             get_level(self.dtype).layout(head_dim)
-            if backend_name != "numpy":
+            if backend_name not in QUANTIZED_BACKENDS:
                 raise AtlasError(
-                    f"--kv-cache-dtype {self.dtype} runs on the CPU (numpy) backend only so far; "
-                    "use --device cpu or --kv-cache-dtype bf16"
+                    f"--kv-cache-dtype {self.dtype} runs on the {' and '.join(QUANTIZED_BACKENDS)} backends only; "
+                    "use one of them or --kv-cache-dtype bf16"
                 )
         return plan
 

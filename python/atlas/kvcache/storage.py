@@ -47,13 +47,17 @@ class QuantizedRows:
         return self.decoded[rows]
 
 
-def apply_kv_levels(states: list[Any], plan: list[str | None], backend_name: str) -> None:
-    """Swap the caches of the layers whose level is not bf16 for QuantizedRows (in place)."""
+def apply_kv_levels(states: list[Any], plan: list[str | None], backend: Any) -> None:
+    """Swap the caches of the layers whose level is not bf16 (in place): QuantizedRows on the numpy
+    backend, the backend's own `quantized_kv_cache(level, shape)` storage on the others."""
     for state, level in zip(states, plan):
         if level is None or level == DEFAULT_LEVEL:
             continue
-        if backend_name != "numpy":
-            raise AtlasError(f"KV cache level {level} has no {backend_name} storage (KVCacheOptions.plan says so)")
         assert isinstance(state, KVCache), "the plan marks full-attention layers only"
-        state.k = QuantizedRows(get_level(level), tuple(state.k.shape))
-        state.v = QuantizedRows(get_level(level), tuple(state.v.shape))
+        shape = tuple(state.k.shape)
+        if backend.name == "numpy":
+            state.k, state.v = QuantizedRows(get_level(level), shape), QuantizedRows(get_level(level), shape)
+        elif hasattr(backend, "quantized_kv_cache"):
+            state.k, state.v = backend.quantized_kv_cache(level, shape), backend.quantized_kv_cache(level, shape)
+        else:
+            raise AtlasError(f"KV cache level {level} has no {backend.name} storage; use --kv-cache-dtype bf16")

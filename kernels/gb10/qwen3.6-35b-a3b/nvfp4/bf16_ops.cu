@@ -77,6 +77,64 @@ extern "C" __global__ void __launch_bounds__(atlas::delta_rule::kThreads) atlas_
 extern "C" __global__ void __launch_bounds__(atlas::gated_norm::kThreads) atlas_gated_rms_norm(const GatedRmsNormParams p) {
   atlas::gated_norm::gated_rms_norm<atlas::model::linear_value_head_dim>(p);
 }
+// Quantized KV cache levels (atlas/kv_quant.cuh): per level a cache writer and the decode /
+// prefill attention over it (same shapes as attention.cu; atlas_attention_combine merges splits).
+#include "atlas/kv_quant.cuh"
+extern "C" __global__ void __launch_bounds__(128) atlas_kv_write_fp8(const KvCacheWriteParams p) {
+  atlas::kv_quant_write<atlas::KvLevel::fp8, atlas::model::head_dim>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(128) atlas_attention_decode_fp8(const AttentionParams p) {
+  atlas::attention_block<atlas::model::head_dim, 1, 4, atlas::KvqTile<atlas::KvLevel::fp8, atlas::model::head_dim>>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(256) atlas_attention_prefill_fp8(const AttentionParams p) {
+  atlas::attention_block<atlas::model::head_dim, 2, 8, atlas::KvqTile<atlas::KvLevel::fp8, atlas::model::head_dim>>(p);
+}
+extern "C" __global__ void __launch_bounds__(128) atlas_kv_write_nvfp4(const KvCacheWriteParams p) {
+  atlas::kv_quant_write<atlas::KvLevel::nvfp4, atlas::model::head_dim>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(128) atlas_attention_decode_nvfp4(const AttentionParams p) {
+  atlas::attention_block<atlas::model::head_dim, 1, 4, atlas::KvqTile<atlas::KvLevel::nvfp4, atlas::model::head_dim>>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(256) atlas_attention_prefill_nvfp4(const AttentionParams p) {
+  atlas::attention_block<atlas::model::head_dim, 2, 8, atlas::KvqTile<atlas::KvLevel::nvfp4, atlas::model::head_dim>>(p);
+}
+extern "C" __global__ void __launch_bounds__(128) atlas_kv_write_turbo8(const KvCacheWriteParams p) {
+  atlas::kv_quant_write<atlas::KvLevel::turbo8, atlas::model::head_dim>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(128) atlas_attention_decode_turbo8(const AttentionParams p) {
+  atlas::attention_block<atlas::model::head_dim, 1, 4, atlas::KvqTile<atlas::KvLevel::turbo8, atlas::model::head_dim>>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(256) atlas_attention_prefill_turbo8(const AttentionParams p) {
+  atlas::attention_block<atlas::model::head_dim, 2, 8, atlas::KvqTile<atlas::KvLevel::turbo8, atlas::model::head_dim>>(p);
+}
+extern "C" __global__ void __launch_bounds__(128) atlas_kv_write_turbo4(const KvCacheWriteParams p) {
+  atlas::kv_quant_write<atlas::KvLevel::turbo4, atlas::model::head_dim>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(128) atlas_attention_decode_turbo4(const AttentionParams p) {
+  atlas::attention_block<atlas::model::head_dim, 1, 4, atlas::KvqTile<atlas::KvLevel::turbo4, atlas::model::head_dim>>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(256) atlas_attention_prefill_turbo4(const AttentionParams p) {
+  atlas::attention_block<atlas::model::head_dim, 2, 8, atlas::KvqTile<atlas::KvLevel::turbo4, atlas::model::head_dim>>(p);
+}
+extern "C" __global__ void __launch_bounds__(128) atlas_kv_write_turbo3(const KvCacheWriteParams p) {
+  atlas::kv_quant_write<atlas::KvLevel::turbo3, atlas::model::head_dim>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(128) atlas_attention_decode_turbo3(const AttentionParams p) {
+  atlas::attention_block<atlas::model::head_dim, 1, 4, atlas::KvqTile<atlas::KvLevel::turbo3, atlas::model::head_dim>>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(256) atlas_attention_prefill_turbo3(const AttentionParams p) {
+  atlas::attention_block<atlas::model::head_dim, 2, 8, atlas::KvqTile<atlas::KvLevel::turbo3, atlas::model::head_dim>>(p);
+}
 // linear: GEMV for tokens 1..8 (one instance per token count, wide and narrow row shapes),
 // mma.sync GEMM above.
 #include "atlas/gemm.cuh"

@@ -13,7 +13,9 @@ import numpy as np
 
 from ...errors import AtlasError
 from ..base import SamplingParams, StorageDType
+from . import ops_kv
 from .graph import GraphedDecodeStep
+from .ops_kv import QuantizedKVCache
 from .quant_weights import QuantWeight, from_quantized_weight, stack_rows
 from .quant_weights import upload as upload_quant
 from .runtime import CudaRuntime
@@ -150,9 +152,15 @@ class CudaBackend:
                        rotary_dim: int, rope_theta: float, eps: float) -> DeviceTensor:
         return self._ops["head_norm_rope"](self.rt, x, weight, positions, rotary_dim, rope_theta, eps)
 
-    def attention(self, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, k_cache: DeviceTensor,
-                  v_cache: DeviceTensor, positions: DeviceTensor, scale: float) -> DeviceTensor:
+    def attention(self, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, k_cache: DeviceTensor | QuantizedKVCache,
+                  v_cache: DeviceTensor | QuantizedKVCache, positions: DeviceTensor, scale: float) -> DeviceTensor:
+        if isinstance(k_cache, QuantizedKVCache) and isinstance(v_cache, QuantizedKVCache):
+            return ops_kv.attention(self.rt, q, k, v, k_cache, v_cache, positions, scale)
         return self._ops["attention"](self.rt, q, k, v, k_cache, v_cache, positions, scale)
+
+    def quantized_kv_cache(self, level: str, shape: tuple[int, int, int]) -> QuantizedKVCache:
+        """A K or V cache [S, Hkv, D] at a quantized --kv-cache-dtype level (atlas.kvcache.storage)."""
+        return ops_kv.quantized_cache(self.rt, level, shape)
 
     # --- linear attention ---------------------------------------------------------------------
     def causal_conv1d(self, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor) -> DeviceTensor:

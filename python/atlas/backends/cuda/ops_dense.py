@@ -6,6 +6,7 @@ launches. Launch geometry constants mirror the kernel headers named beside them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from atlas.kernel_params import dense as kp
@@ -217,6 +218,18 @@ def _check_attention(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, k_cache:
     _expect_int32("attention", k_cache.numel)
 
 
+@dataclass(frozen=True)
+class CachedKV:
+    """The caches attention reads: device addresses of K and V, [capacity, kv_heads] head vectors,
+    and the kernel suffix of their storage level ('' for bf16, '_fp8', ... for ops_kv's levels)."""
+
+    k: int
+    v: int
+    capacity: int
+    kv_heads: int
+    suffix: str = ""
+
+
 def attention(
     rt: CudaRuntime,
     q: DeviceTensor,
@@ -230,30 +243,38 @@ def attention(
     """Writes this step's k, v into the caches, then attends (the kernel compiled for the tuple's
     head_dim; it leaves the output untouched for any other head dim)."""
     _check_attention(q, k, v, k_cache, v_cache, positions)
-    tokens, q_heads, dim = q.shape
+    tokens, _, dim = q.shape
     capacity, kv_heads, _ = k_cache.shape
-    out = rt.empty(q.shape, "f32")
     if tokens == 0:
-        return out
+        return rt.empty(q.shape, "f32")
     write = kp.KvCacheWriteParams(k=k.ptr, v=v.ptr, k_cache=k_cache.ptr, v_cache=v_cache.ptr, positions=positions.ptr,
                                   tokens=tokens, kv_heads=kv_heads, head_dim=dim, capacity=capacity)
     rt.launch("atlas_kv_cache_write", _elementwise_grid(k.numel), (ELEMENTWISE_THREADS, 1, 1), write)
-    rows = tokens * (q_heads // kv_heads)
-    common = dict(q=q.ptr, k_cache=k_cache.ptr, v_cache=v_cache.ptr, positions=positions.ptr, tokens=tokens,
-                  q_heads=q_heads, kv_heads=kv_heads, head_dim=dim, capacity=capacity, scale=scale)
+    return attend(rt, q, CachedKV(k_cache.ptr, v_cache.ptr, capacity, kv_heads), positions, scale)
+
+
+def attend(rt: CudaRuntime, q: DeviceTensor, cache: CachedKV, positions: DeviceTensor, scale: float) -> DeviceTensor:
+    """Causal attention of q [T, Hq, D] over the cached keys and values (already written)."""
+    tokens, q_heads, dim = q.shape
+    out = rt.empty(q.shape, "f32")
+    if tokens == 0:
+        return out
+    rows = tokens * (q_heads // cache.kv_heads)
+    common = dict(q=q.ptr, k_cache=cache.k, v_cache=cache.v, positions=positions.ptr, tokens=tokens,
+                  q_heads=q_heads, kv_heads=cache.kv_heads, head_dim=dim, capacity=cache.capacity, scale=scale)
     if tokens > ATTN_DECODE_MAX_TOKENS:
         params = kp.AttentionParams(out=out.ptr, ml=None, **common)
-        grid = (1, kv_heads, _ceil_div(rows, ATTN_PREFILL_ROWS))
-        rt.launch("atlas_attention_prefill", grid, (ATTN_PREFILL_THREADS, 1, 1), params)
+        grid = (1, cache.kv_heads, _ceil_div(rows, ATTN_PREFILL_ROWS))
+        rt.launch(f"atlas_attention_prefill{cache.suffix}", grid, (ATTN_PREFILL_THREADS, 1, 1), params)
         return out
-    splits = min(_ceil_div(capacity, ATTN_KEYS), ATTN_MAX_SPLITS)  # the kernels size spans from the live length
+    splits = min(_ceil_div(cache.capacity, ATTN_KEYS), ATTN_MAX_SPLITS)  # the kernels size spans from the live length
     partial = rt.empty((splits, tokens, q_heads, dim), "f32")
     ml = rt.empty((splits, tokens, q_heads, 2), "f32")
     params = kp.AttentionParams(out=partial.ptr, ml=ml.ptr, **common)
-    grid = (splits, kv_heads, _ceil_div(rows, ATTN_DECODE_ROWS))
-    rt.launch("atlas_attention_decode", grid, (ATTN_DECODE_THREADS, 1, 1), params)
+    grid = (splits, cache.kv_heads, _ceil_div(rows, ATTN_DECODE_ROWS))
+    rt.launch(f"atlas_attention_decode{cache.suffix}", grid, (ATTN_DECODE_THREADS, 1, 1), params)
     combine = kp.AttentionCombineParams(partial=partial.ptr, ml=ml.ptr, positions=positions.ptr, out=out.ptr,
-                                        tokens=tokens, q_heads=q_heads, head_dim=dim, capacity=capacity,
+                                        tokens=tokens, q_heads=q_heads, head_dim=dim, capacity=cache.capacity,
                                         num_splits=splits)
     rt.launch("atlas_attention_combine", (tokens * q_heads, 1, 1), (dim, 1, 1), combine)
     return out

@@ -1,0 +1,117 @@
+"""Quantized KV cache kernels on the GPU (kernels/include/atlas/kv_quant.cuh, ops_kv.py):
+the cache bytes the GPU writes equal the numpy encoder's bytes; attention through each level
+matches the numpy backend over the same level (prefill, then decode steps); the demo recites with
+its full-attention layer at fp8 and at turbo8."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atlas.backends.numpy_backend import NumpyBackend
+from atlas.kvcache.levels import get_level
+from atlas.kvcache.storage import QuantizedRows
+
+from test_gpu_model import gpu_llm
+from test_gpu_ops import open_gpu_backend
+
+pytestmark = pytest.mark.gpu
+
+MODELS = ("atlas-demo", "qwen3.6-35b-a3b")
+LEVELS = ("fp8", "nvfp4", "turbo8", "turbo4", "turbo3")
+ATTENTION_RTOL = 2e-4  # the same decoded values on both sides: only f32 summation order differs
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def gpu(request: pytest.FixtureRequest) -> tuple[Any, dict[str, int]]:
+    from atlas.targets import load_registry
+
+    backend = open_gpu_backend(request.param)
+    return backend, dict(load_registry().models[request.param].constants)
+
+
+def _vectors(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    x = rng.standard_normal(shape).astype(np.float32) * np.float32(rng.uniform(0.05, 20))
+    x.reshape(-1, shape[-1])[0] = 0.0  # one all-zero vector: zero scales
+    return x
+
+
+def _expected_bytes(level: str, shape: tuple[int, int, int], rows: dict[int, np.ndarray]) -> bytes:
+    """The cache buffer the numpy encoder implies: its fields [S, Hkv, ...] zero except the written
+    rows, concatenated in layout order."""
+    from atlas.backends.cuda.ops_kv import fields_from_bytes, cache_bytes
+
+    fields = fields_from_bytes(level, shape, np.zeros(cache_bytes(level, shape), dtype=np.uint8))
+    fields = {name: array.copy() for name, array in fields.items()}
+    for pos, x in rows.items():
+        for name, array in get_level(level).encode(x).items():
+            fields[name][pos] = array
+    return b"".join(np.ascontiguousarray(a).tobytes() for a in fields.values())
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_cache_bytes_equal_the_numpy_encoder(gpu: tuple[Any, dict[str, int]], level: str, rng: np.random.Generator) -> None:
+    from atlas.backends.cuda import ops_kv
+
+    backend, dims = gpu
+    hkv, d = dims["num_key_value_heads"], dims["head_dim"]
+    shape = (96, hkv, d)
+    k_cache, v_cache = (ops_kv.quantized_cache(backend.rt, level, shape) for _ in range(2))
+    k_rows: dict[int, np.ndarray] = {}
+    v_rows: dict[int, np.ndarray] = {}
+    for start, tokens in ((0, 37), (37, 1), (60, 3), (95, 1)):
+        k, v = _vectors(rng, tokens, hkv, d), _vectors(rng, tokens, hkv, d)
+        positions = np.arange(start, start + tokens, dtype=np.int32)
+        backend.rt.reset_step()
+        ops_kv.write(backend.rt, backend.upload(k, "f32"), backend.upload(v, "f32"), k_cache, v_cache,
+                     backend.upload(positions, "i32"))
+        k_rows.update({int(p): k[i] for i, p in enumerate(positions)})
+        v_rows.update({int(p): v[i] for i, p in enumerate(positions)})
+    for name, cache, rows in (("k", k_cache, k_rows), ("v", v_cache, v_rows)):
+        got = backend.to_numpy(cache.data).tobytes()
+        want = _expected_bytes(level, shape, rows)
+        if got != want:
+            fields_got = ops_kv.fields_from_bytes(level, shape, np.frombuffer(got, dtype=np.uint8))
+            fields_want = ops_kv.fields_from_bytes(level, shape, np.frombuffer(want, dtype=np.uint8))
+            bad = {f: int(np.sum(fields_got[f] != fields_want[f])) for f in fields_got}
+            pytest.fail(f"{level} {name} cache differs from the numpy encoder: mismatching elements per field {bad}")
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_attention_through_each_level_matches_numpy(gpu: tuple[Any, dict[str, int]], level: str,
+                                                    rng: np.random.Generator) -> None:
+    from atlas.backends.cuda import ops_kv
+
+    backend, dims = gpu
+    hq, hkv, d = dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"]
+    capacity = 512
+    ref = NumpyBackend()
+    ref_k, ref_v = (QuantizedRows(get_level(level), (capacity, hkv, d)) for _ in range(2))
+    k_cache, v_cache = (ops_kv.quantized_cache(backend.rt, level, (capacity, hkv, d)) for _ in range(2))
+    start = 0
+    for tokens in (70, 1, 3, 1, 40):  # prefill kernel, decode (split-K + combine), prefill again
+        q, k, v = (_vectors(rng, tokens, h, d) for h in (hq, hkv, hkv))
+        positions = np.arange(start, start + tokens, dtype=np.int32)
+        want = ref.attention(q, k, v, ref_k, ref_v, positions, 1.0 / math.sqrt(d))
+        backend.rt.reset_step()
+        out = backend.attention(backend.upload(q, "f32"), backend.upload(k, "f32"), backend.upload(v, "f32"),
+                                k_cache, v_cache, backend.upload(positions, "i32"), 1.0 / math.sqrt(d))
+        got = backend.to_numpy(out)
+        err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+        assert np.all(np.isfinite(got)) and err < ATTENTION_RTOL, f"{level} at {start}+{tokens}: relative error {err:.2e}"
+        start += tokens
+
+
+@pytest.mark.parametrize("level", ["fp8", "turbo8"])
+def test_demo_recites_with_a_quantized_cache(level: str) -> None:
+    from atlas import LLM
+    from atlas.demo import DEMO_PROMPT, zen_of_python
+
+    gpu_llm()  # skips without a GPU
+    llm = LLM(device="cuda", kv_cache_dtype=level, kv_high_precision_layers=0)
+    assert level in llm.parts.engine.kv_plan, "the demo's full-attention layer must be quantized"
+    result = llm.generate(DEMO_PROMPT, max_tokens=400, temperature=0.0)
+    assert (DEMO_PROMPT + result.text)[:300] == zen_of_python()[:300]
