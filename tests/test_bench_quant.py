@@ -202,3 +202,115 @@ def test_cpu_only_writes_memory_numbers(tmp_path: Path) -> None:
     assert result["weight_memory_bytes"] == memory["qwen3.6-35b-a3b"]
     per_token = result["decode_bytes_per_token"]
     assert per_token["bf16"]["total"] > per_token["fp8"]["total"] > per_token["nvfp4"]["total"]
+
+
+class FakeDriver:
+    """Records the stream operations the bench issues; every event pair reads 1 ms."""
+
+    graphs = True
+    binding = "fake"
+
+    def __init__(self) -> None:
+        self.ops: list[str] = []
+
+    def event_create(self) -> object:
+        return object()
+
+    def event_record(self, event: object, stream: object) -> None:
+        self.ops.append("event")
+
+    def event_synchronize(self, event: object) -> None:
+        pass
+
+    def event_elapsed_ms(self, start: object, end: object) -> float:
+        return 1.0
+
+    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: object) -> None:
+        assert nbytes > 0 and dst > src
+        self.ops.append("dtod")
+
+    def begin_capture(self, stream: object) -> None:
+        self.ops.append("begin_capture")
+
+    def end_capture(self, stream: object) -> str:
+        self.ops.append("end_capture")
+        return "graph"
+
+    def graph_launch(self, graph: object, stream: object) -> None:
+        self.ops.append("graph_launch")
+
+    def graph_destroy(self, graph: object) -> None:
+        self.ops.append("graph_destroy")
+
+
+class FakeRuntime:
+    """CudaRuntime's surface without a GPU: fresh addresses, host writes checked for size, launches
+    recorded (grid limits checked), no allocation while capturing."""
+
+    sm_count = 132
+
+    def __init__(self) -> None:
+        from itertools import count
+
+        self.driver = FakeDriver()
+        self.stream = "stream"
+        self.capturing = False
+        self._addresses = count(1 << 40, 1 << 34)
+        self.launches: list[str] = []
+
+    def _tensor(self, shape: tuple[int, ...], dtype: str, owner: object | None) -> Any:
+        from atlas.backends.cuda.tensor import DeviceTensor
+
+        return DeviceTensor(next(self._addresses), tuple(int(s) for s in shape), dtype, owner)  # type: ignore[arg-type]
+
+    def persistent(self, shape: tuple[int, ...], dtype: str) -> Any:
+        assert not self.capturing
+        return self._tensor(shape, dtype, object())
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        return self._tensor(shape, dtype, None)
+
+    def write(self, dst: Any, host: np.ndarray) -> None:
+        assert not self.capturing and np.ascontiguousarray(host).nbytes == dst.nbytes
+
+    def memset_zero(self, t: Any) -> None:
+        self.driver.ops.append("memset")
+
+    def synchronize(self) -> None:
+        pass
+
+    def reset_step(self) -> None:
+        assert not self.capturing
+
+    def launch(self, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int], params: Any,
+               smem: int = 0) -> None:
+        assert all(g >= 1 for g in grid) and grid[1] <= 65535 and grid[2] <= 65535, (kernel, grid)
+        self.launches.append(kernel)
+
+
+def test_moe_bench_launch_plan_through_the_op_wrappers(rng: np.random.Generator) -> None:
+    """bench_moe on a recording runtime: the grouped op is one route + two grouped GEMMs + one
+    combine per run, the loop three launches per expert with tokens, both eager and captured."""
+    from atlas.backends.cuda.backend import CudaBackend
+
+    import quant_moe
+
+    rt = FakeRuntime()
+    backend = CudaBackend(rt, use_graphs=False)  # type: ignore[arg-type]
+    shape = quant_moe.MoeShape(int(rng.integers(100, 400)), 64, 8, 256, 128)
+    runs = quant_moe.REPEATS + 1 + 2  # eager (warm-up + repeats), graph (warm-up + capture)
+    grouped_kernel = {"bf16": "atlas_moe_grouped_gemm_gate_up", "fp8": "atlas_moe_qgemm_fp8_gate_up",
+                      "nvfp4": "atlas_moe_qgemm_nvfp4_gate_up"}
+    sizes = {}
+    for fmt in ("bf16", "fp8", "nvfp4"):
+        rt.launches.clear()
+        result = quant_moe.bench_moe(backend, fmt, shape, rng)
+        active = result["experts_with_tokens"]
+        assert rt.launches.count("atlas_moe_route") == runs
+        assert rt.launches.count(grouped_kernel[fmt]) == runs
+        assert rt.launches.count("atlas_silu_mul") == runs * active
+        assert len(rt.launches) == runs * (4 + 3 * active)
+        assert result["graph"]["speedup"] == 1.0 and result["loop_launches"] == 3 * active
+        sizes[fmt] = result["expert_weight_bytes"]
+    assert sizes["bf16"] == 2 * 3 * shape.experts * shape.hidden * shape.inter
+    assert 1.9 < sizes["bf16"] / sizes["fp8"] < 2.0 and 3.3 < sizes["bf16"] / sizes["nvfp4"] < 3.6
