@@ -23,36 +23,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
 
 from atlas.demo import DEMO_DIR, zen_of_python  # noqa: E402
+from atlas.oracle_mtp import TorchMtpHead  # noqa: E402
 from atlas.tokenizer import Tokenizer  # noqa: E402
 
 
-class MtpHead(torch.nn.Module):
-    """fc(cat[norm_e(embed(next)), norm_h(hidden)]) -> one full-attention MoE layer -> norm."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
-
-        super().__init__()
-        config = hf.Qwen3_5MoeTextConfig.from_pretrained(model_dir)
-        config.layer_types, config.num_hidden_layers = ["full_attention"], 1
-        h = config.hidden_size
-        self.fc = torch.nn.Linear(2 * h, h, bias=False)
-        self.pre_fc_norm_embedding = hf.Qwen3_5MoeRMSNorm(h, config.rms_norm_eps)
-        self.pre_fc_norm_hidden = hf.Qwen3_5MoeRMSNorm(h, config.rms_norm_eps)
-        self.layers = torch.nn.ModuleList([hf.Qwen3_5MoeDecoderLayer(config, 0)])
-        self.norm = hf.Qwen3_5MoeRMSNorm(h, config.rms_norm_eps)
-        self.rotary = hf.Qwen3_5MoeTextRotaryEmbedding(config)
-
-    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        tokens = embedded.shape[0]
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], -1))[None]
-        position_ids = torch.arange(tokens)[None]
-        mask = torch.full((tokens, tokens), float("-inf")).triu(1)[None, None]
-        out = self.layers[0](x, self.rotary(x, position_ids), attention_mask=mask, position_ids=position_ids)
-        return self.norm(out[0] if isinstance(out, tuple) else out)[0]  # [T, H]
-
-
-def initialise(head: MtpHead, seed: int) -> None:
+def initialise(head: TorchMtpHead, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in head.named_parameters():
@@ -71,7 +46,7 @@ def train(out_dir: Path, steps: int, seed: int) -> None:
     with torch.no_grad():
         hidden = model.model(input_ids=ids[None]).last_hidden_state[0]  # [N, H], final-normed
         embedded = model.model.embed_tokens(ids[1:-1])  # [N-2, H]: tokens at i+1
-    head = MtpHead(DEMO_DIR)
+    head = TorchMtpHead(DEMO_DIR)
     initialise(head, seed)
     optimiser = torch.optim.Adam(head.parameters(), lr=3e-3)
     for step in range(steps):
@@ -86,7 +61,7 @@ def train(out_dir: Path, steps: int, seed: int) -> None:
     write(out_dir, head)
 
 
-def write(out_dir: Path, head: MtpHead) -> None:
+def write(out_dir: Path, head: TorchMtpHead) -> None:
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(DEMO_DIR, out_dir, ignore=shutil.ignore_patterns("*.py", "*.md", "__pycache__"))

@@ -292,37 +292,11 @@ def test_cli_spec_flags(demo_mtp: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 # --- the head against transformers' layers --------------------------------------------------------------
-class TorchMtp(torch.nn.Module):
-    """The Qwen3.5 MTP head from transformers' own decoder layer and norms (vLLM's qwen3_5_mtp
-    structure): fc(cat[norm_e(embed(ids)), norm_h(hidden)]) -> full-attention MoE layer -> norm."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
-
-        super().__init__()
-        config = hf.Qwen3_5MoeTextConfig.from_pretrained(model_dir)
-        config.layer_types, config.num_hidden_layers = ["full_attention"], 1
-        h = config.hidden_size
-        self.fc = torch.nn.Linear(2 * h, h, bias=False)
-        self.pre_fc_norm_embedding = hf.Qwen3_5MoeRMSNorm(h, config.rms_norm_eps)
-        self.pre_fc_norm_hidden = hf.Qwen3_5MoeRMSNorm(h, config.rms_norm_eps)
-        self.layers = torch.nn.ModuleList([hf.Qwen3_5MoeDecoderLayer(config, 0)])
-        self.norm = hf.Qwen3_5MoeRMSNorm(h, config.rms_norm_eps)
-        self.rotary = hf.Qwen3_5MoeTextRotaryEmbedding(config)
-
-    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        tokens = embedded.shape[0]
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], -1))[None]
-        position_ids = torch.arange(tokens)[None]
-        mask = torch.full((tokens, tokens), float("-inf")).triu(1)[None, None]
-        out = self.layers[0](x, self.rotary(x, position_ids), attention_mask=mask, position_ids=position_ids)
-        return self.norm(out[0] if isinstance(out, tuple) else out)[0]
-
-
 def test_head_matches_transformers_layers(tmp_path: Path, rng: np.random.Generator) -> None:
     from safetensors.torch import load_file
 
     from atlas.layers.step import Step
+    from atlas.oracle_mtp import TorchMtpHead
 
     reference = write_checkpoint(tmp_path, TinyModel(vocab_size=96, layout="fused", num_hidden_layers=2), new_seed())
     add_mtp_head(tmp_path, new_seed(), fused=True)
@@ -330,7 +304,7 @@ def test_head_matches_transformers_layers(tmp_path: Path, rng: np.random.Generat
     head_weights = {
         k.removeprefix("mtp."): v.to(torch.bfloat16).float() for k, v in stored.items() if k.startswith("mtp.")
     }  # rounded to bf16 as atlas keeps the head
-    torch_head = TorchMtp(tmp_path)
+    torch_head = TorchMtpHead(tmp_path)
     torch_head.load_state_dict(head_weights, strict=True)  # the checkpoint names are the module's
 
     engine = spec_engine(tmp_path, 1)
