@@ -55,10 +55,6 @@ class EngineLike(Protocol):
 
     def prefill(self, prompt_ids: list[int]) -> Any: ...  # logits of the last prompt token [1, V]
 
-    def decode(self, token: int, position: int) -> Any: ...  # logits [1, V]
-
-    def pick(self, logits: Any, sampling: SamplingParams, rng: Any) -> int: ...
-
     def pick_tensor(self, logits: Any, sampling: SamplingParams, rng: Any) -> tuple[int, Any]: ...  # id, [1] i32
 
     def decode_tensor(self, ids: Any, position: int) -> Any: ...  # logits [1, V]; ids from pick_tensor
