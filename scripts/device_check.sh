@@ -83,9 +83,9 @@ stage model 110 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-m
   $(for f in $KERNEL_TESTS; do printf -- '--ignore=%s ' "$f"; done)"
 
 # Benchmarks size their --budget-s to the stage's (clipped) limit so they write their JSON in time.
-stage bench 100 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
+stage bench 130 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
 
-stage qbench 100 "cd /tmp && $PY '$REPO/bench/quant.py' --out '$OUT/qbench.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
+stage qbench 90 "cd /tmp && $PY '$REPO/bench/quant.py' --out '$OUT/qbench.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
 
 {
   echo
