@@ -375,32 +375,37 @@ struct KvqTile {
       if (threadIdx.x < Layout::kBookSize) book[threadIdx.x] = kv_book<L>(threadIdx.x);
   }
 
-  // Lane's dims of vector j as stored (the rotated basis for the turbo levels).
+  // Lane's dims of vector j as stored (the rotated basis for the turbo levels). A lane's D/32
+  // dims lie in one scale group (groups of 16 or 32 values, D/32 <= 8), so one scale per lane.
   __device__ __forceinline__ void decode(const KvqSide<L, D>& side, int j, int lane, float (&out)[P]) const {
+    static_assert(P <= kKvNvfp4Group, "a lane's dims must share one scale group");
     const uint8_t* codes = side.codes[j];
     const uint8_t* aux = side.aux[j];
+    const int first = lane * P;
+    float scale;
+    if constexpr (L == KvLevel::fp8) {
+      scale = *reinterpret_cast<const float*>(aux);
+    } else if constexpr (L == KvLevel::nvfp4) {
+      scale = kv_e4m3_to_f32(aux[first / kKvNvfp4Group]) * *reinterpret_cast<const float*>(aux + D / kKvNvfp4Group);
+    } else {
+      scale = bf16_to_f32(reinterpret_cast<const uint16_t*>(aux)[first / kTurboGroup]);
+    }
 #pragma unroll
     for (int e = 0; e < P; ++e) {
-      const int i = lane * P + e;
-      if constexpr (L == KvLevel::fp8) {
-        out[e] = kv_e4m3_to_f32(codes[i]) * *reinterpret_cast<const float*>(aux);
+      const int i = first + e;
+      float value;
+      if constexpr (L == KvLevel::fp8 || L == KvLevel::turbo8) {
+        value = kv_e4m3_to_f32(codes[i]);
       } else if constexpr (L == KvLevel::nvfp4) {
-        const float effective = kv_e4m3_to_f32(aux[i / kKvNvfp4Group]) * *reinterpret_cast<const float*>(aux + D / kKvNvfp4Group);
-        out[e] = kv_e2m1_to_f32((codes[i / 2] >> (4 * (i & 1))) & 15u) * effective;
+        value = kv_e2m1_to_f32((codes[i / 2] >> (4 * (i & 1))) & 15u);
+      } else if constexpr (L == KvLevel::turbo4) {
+        value = book[(codes[i / 2] >> (4 * (i & 1))) & 15u];
       } else {
-        const float scale = bf16_to_f32(reinterpret_cast<const uint16_t*>(aux)[i / kTurboGroup]);
-        float value;
-        if constexpr (L == KvLevel::turbo8) {
-          value = kv_e4m3_to_f32(codes[i]);
-        } else if constexpr (L == KvLevel::turbo4) {
-          value = book[(codes[i / 2] >> (4 * (i & 1))) & 15u];
-        } else {
-          const uint8_t* word = codes + (i / 8) * 3;
-          const uint32_t bits = word[0] | (static_cast<uint32_t>(word[1]) << 8) | (static_cast<uint32_t>(word[2]) << 16);
-          value = book[(bits >> (3 * (i % 8))) & 7u];
-        }
-        out[e] = value * scale;
+        const uint8_t* word = codes + (i / 8) * 3;
+        const uint32_t bits = word[0] | (static_cast<uint32_t>(word[1]) << 8) | (static_cast<uint32_t>(word[2]) << 16);
+        value = book[(bits >> (3 * (i % 8))) & 7u];
       }
+      out[e] = value * scale;
     }
   }
   __device__ __forceinline__ void key(int j, int lane, float (&out)[P]) const { decode(k, j, lane, out); }
