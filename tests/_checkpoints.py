@@ -11,10 +11,12 @@ and logits are spread enough that greedy choices are not near-ties.
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+import pytest
 import torch
 
 Layout = Literal["per_expert", "fused"]
@@ -142,3 +144,12 @@ def write_checkpoint(model_dir: Path, tiny: TinyModel, seed: int) -> torch.nn.Mo
             raise ValueError("the fused rewrite handles single-file checkpoints only")
         fuse_experts(Path(model_dir))
     return model.eval()
+
+
+def random_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory, name: str, tiny: TinyModel) -> Path:
+    """A new directory holding `tiny` at a fresh random seed (printed, to reproduce a failure)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"checkpoint seed: {seed}")
+    path = tmp_path_factory.mktemp(name)
+    write_checkpoint(path, tiny, seed)
+    return path

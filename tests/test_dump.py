@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from _checkpoints import TinyModel, write_checkpoint
+from _checkpoints import TinyModel, random_checkpoint_dir
 from atlas.backends.base import SamplingParams
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.config import load_spec
@@ -28,11 +28,7 @@ HIDDEN_SUFFIXES = ("input_norm", "attn_out", "post_norm", "mlp_out", "out")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"checkpoint seed: {seed}")
-    directory = tmp_path_factory.mktemp("tiny")
-    write_checkpoint(directory, TINY, seed)
-    return directory
+    return random_checkpoint_dir(tmp_path_factory, "tiny", TINY)
 
 
 def new_engine(model_dir: Path) -> Engine:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from _checkpoints import TinyModel, write_checkpoint
+from _checkpoints import TinyModel, random_checkpoint_dir
 from atlas.backends.base import SamplingParams, Tensor
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.config import load_spec
@@ -42,11 +41,7 @@ class CountingBackend(NumpyBackend):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"checkpoint seed: {seed}")
-    path = tmp_path_factory.mktemp("tiny")
-    write_checkpoint(path, TINY, seed)
-    return path
+    return random_checkpoint_dir(tmp_path_factory, "tiny", TINY)
 
 
 @pytest.fixture

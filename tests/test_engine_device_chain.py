@@ -4,14 +4,13 @@ host-fed loop (Engine.decode(int)) for greedy and seeded sampling, in generate a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from _checkpoints import TinyModel, write_checkpoint
+from _checkpoints import TinyModel, random_checkpoint_dir
 from atlas.backends.base import SamplingParams, Tensor
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.config import load_spec
@@ -51,11 +50,7 @@ class ChainBackend(NumpyBackend):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"checkpoint seed: {seed}")
-    path = tmp_path_factory.mktemp("tiny_chain")
-    write_checkpoint(path, TINY, seed)
-    return path
+    return random_checkpoint_dir(tmp_path_factory, "tiny_chain", TINY)
 
 
 def _engine(model_dir: Path, backend: NumpyBackend) -> Engine:
