@@ -9,6 +9,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from .config import read_json_object
 from .errors import AtlasError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -127,15 +128,7 @@ def first_line(err: BaseException) -> str:
 
 
 def read_tokenizer_config(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise AtlasError(f"{path} is not valid JSON ({err}); re-download or fix it") from None
-    if not isinstance(data, dict):
-        raise AtlasError(f"{path} must hold a JSON object; re-download or fix it")
-    return data
+    return read_json_object(path) if path.is_file() else {}
 
 
 def read_special_tokens(path: Path, config: dict[str, Any]) -> dict[str, str]:

@@ -8,11 +8,11 @@ nvfp4: hf_quant_config.json {producer, quantization: {quant_algo: "NVFP4", group
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..config import read_json_object
 from ..errors import AtlasError
 from .nvfp4 import GROUP_SIZE
 
@@ -28,19 +28,9 @@ class QuantScheme:
     excluded: tuple[str, ...] = field(default=())  # modules left unquantized, as the files name them
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise AtlasError(f"{path} is not valid JSON ({err}); re-download or fix the file") from None
-    if not isinstance(data, dict):
-        raise AtlasError(f"{path} must hold a JSON object; re-download or fix the file")
-    return data
-
-
 def quantization_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
-    config = read_json(path) if path.is_file() else {}
+    config = read_json_object(path) if path.is_file() else {}
     section = config.get("quantization_config")
     if section is None and isinstance(config.get("text_config"), dict):
         section = config["text_config"].get("quantization_config")
@@ -77,7 +67,7 @@ def nvfp4_section(model_dir: Path) -> tuple[dict[str, Any], str]:
     """The quantization settings and where they were found (hf_quant_config.json first)."""
     hf_path = model_dir / "hf_quant_config.json"
     if hf_path.is_file():
-        data = read_json(hf_path)
+        data = read_json_object(hf_path)
         section = data.get("quantization", data)
         if isinstance(section, dict):
             return section, f"{hf_path} quantization"
