@@ -274,7 +274,11 @@ __device__ __forceinline__ void kv_encode_turbo(float (&y)[D / kWarpSize], int l
 #pragma unroll
   for (int e = 0; e < P; ++e) {
     const float normed = kv_safe_divide(y[e], scale);
-    s.codes[lane * P + e] = static_cast<uint8_t>(L == KvLevel::turbo8 ? kv_f32_to_e4m3(normed) : kv_codebook_index<L>(normed));
+    if constexpr (L == KvLevel::turbo8) {
+      s.codes[lane * P + e] = static_cast<uint8_t>(kv_f32_to_e4m3(normed));
+    } else {
+      s.codes[lane * P + e] = static_cast<uint8_t>(kv_codebook_index<L>(normed));
+    }
   }
 }
 
