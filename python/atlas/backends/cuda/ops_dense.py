@@ -13,6 +13,7 @@ from atlas.kernel_params import dense as kp
 from atlas.sampling import check_sampling
 
 from ..base import SamplingParams
+from .ops_common import INT32_MAX, ceil_div as _ceil_div, expect as _expect
 
 if TYPE_CHECKING:
     from .runtime import CudaRuntime
@@ -43,16 +44,6 @@ ATTN_HEAD_DIMS = (64, 128, 256)
 ARGMAX_THREADS = 256  # sampling.cuh kArgmaxThreads
 ARGMAX_CHUNK = 2048
 SAMPLE_THREADS = 1024  # sampling.cuh kSampleThreads
-INT32_MAX = 2**31 - 1
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 def _expect_dtype(op: str, name: str, t: DeviceTensor, *allowed: str) -> None:

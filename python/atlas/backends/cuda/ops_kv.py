@@ -16,6 +16,7 @@ from atlas.kernel_params import dense as kp
 from atlas.kvcache.level import bytes_per_vector
 from atlas.kvcache.levels import get_level
 
+from .ops_common import expect as _expect
 from .ops_dense import ATTN_HEAD_DIMS, CachedKV, attend
 from .tensor import DeviceTensor
 
@@ -70,11 +71,6 @@ def fields_from_bytes(level: str, shape: tuple[int, int, int], raw: np.ndarray) 
         fields[name] = flat[offset : offset + size].view(dt).reshape(capacity, heads, *field_shape)
         offset += size
     return fields
-
-
-def _expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 def _check(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, k_cache: QuantizedKVCache,

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from atlas.errors import AtlasError
 from atlas.kernel_params import linear_moe as kp
 
+from .ops_common import ceil_div as _ceil_div, expect as _expect
+
 if TYPE_CHECKING:
     from .runtime import CudaRuntime
     from .tensor import DeviceTensor
@@ -44,10 +46,6 @@ ELEMENTWISE_THREADS = 256
 MOE_GEMV_MAX_TOKENS = 8
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass(frozen=True)
 class _MoeCall:
     x: DeviceTensor  # [T, H] f32
@@ -62,11 +60,6 @@ class _MoeCall:
         """(T, H, k, E, I)."""
         tokens, hidden = self.x.shape
         return tokens, hidden, self.ids.shape[-1], self.gate_up.shape[0], self.gate_up.shape[1] // 2
-
-
-def _expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 def _expect_dtype(name: str, t: DeviceTensor, *allowed: str) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from atlas.kernel_params import linear_moe as kp_moe
 from atlas.kernel_params import quant as kp
 
+from .ops_common import INT32_MAX, ceil_div as _ceil_div, expect as _expect
 from .quant_weights import CHUNK, QuantWeight
 
 if TYPE_CHECKING:
@@ -32,16 +33,6 @@ MOE_GEMV_THREADS = 256  # moe_quant.cuh decode GEMVs: kQGemvThreads, one warp pe
 MOE_GEMV_ROWS_PER_BLOCK = 8
 MOE_GEMV_MAX_TOKENS = 8  # as ops_linear_moe: per-slot GEMVs up to here, the grouped GEMM above
 ELEMENTWISE_THREADS = 256
-INT32_MAX = 2**31 - 1
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 def _check_weight(op: str, w: QuantWeight, k: int) -> None:
