@@ -339,3 +339,22 @@ def test_rotating_q_leaves_attention_unchanged(level: str, rng: np.random.Genera
     acc = (probs @ v_rot).reshape(3, WARP, -1)
     out = emu_wht(acc).reshape(3, dim) * sign_flips(dim)  # KvqTile::leave
     np.testing.assert_allclose(out, probs @ v_ref, rtol=1e-4, atol=1e-4 * np.abs(v_ref).max())
+
+
+# --- engine storage hook --------------------------------------------------------------------------
+def test_quantized_layers_get_the_backends_storage(rng: np.random.Generator) -> None:
+    from types import SimpleNamespace
+
+    from atlas.errors import AtlasError
+    from atlas.kvcache.storage import apply_kv_levels
+    from atlas.layers.attention import KVCache
+
+    shape = (int(rng.integers(8, 64)), 2, 128)
+    made: list[tuple[str, tuple[int, int, int]]] = []
+    gpu = SimpleNamespace(name="cuda", quantized_kv_cache=lambda level, s: made.append((level, s)) or (level, s))
+    states = [KVCache(np.zeros(shape), np.zeros(shape)), object(), KVCache(np.zeros(shape), np.zeros(shape))]
+    apply_kv_levels(states, ["turbo3", None, "bf16"], gpu)
+    assert states[0].k == ("turbo3", shape) and states[0].v == ("turbo3", shape) and len(made) == 2
+    assert isinstance(states[2].k, np.ndarray), "bf16 layers keep the backend's own cache"
+    with pytest.raises(AtlasError, match="no rocm storage"):
+        apply_kv_levels([KVCache(np.zeros(shape), np.zeros(shape))], ["fp8"], SimpleNamespace(name="rocm"))
