@@ -97,11 +97,7 @@ class Engine:
     def decode(self, token: int, position: int) -> Tensor:
         """One token at `position` -> its logits [1, V]."""
         self.check_ids([token], position)
-        if self.dump is not None:  # a dump needs every intermediate: eager, no graph replay
-            return self._last_logits(*self._ids([token], position))
-        if self._decode is None:
-            self._decode = self.backend.make_decode_step(self._decode_step)
-        return self._decode(*self._ids([token], position))
+        return self._one_token_logits(*self._ids([token], position))
 
     def decode_tensor(self, ids: Tensor, position: int) -> Tensor:
         """decode() for a token already on the backend (ids [1] i32, the previous pick_tensor):
@@ -110,6 +106,11 @@ class Engine:
             raise AtlasError(f"decode_tensor takes one token id of shape (1,), got {tuple(ids.shape)}")
         self.check_ids([0], position)  # only the length: the id came from argmax/sample over the vocab
         positions = self.backend.upload(np.array([position], dtype=np.int32), "i32")
+        return self._one_token_logits(ids, positions)
+
+    def _one_token_logits(self, ids: Tensor, positions: Tensor) -> Tensor:
+        """ids, positions [1] i32 -> logits [1, V] through the backend's decode step (a CUDA graph
+        replay), built on first use after a reset."""
         if self.dump is not None:  # a dump needs every intermediate: eager, no graph replay
             return self._last_logits(ids, positions)
         if self._decode is None:
