@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..kvcache.packing import pack_nibbles, unpack_nibbles
 from .codes import E2M1_MAX, E2M1_VALUES, E4M3_MAX, decode_e4m3, encode_e2m1, encode_e4m3
 
 GROUP_SIZE = 16
@@ -21,20 +22,6 @@ class Nvfp4Weight:
     weight_scale: np.ndarray  # [N, K/16] uint8 e4m3 codes
     weight_scale_2: np.ndarray  # [] float32
     input_scale: np.ndarray  # [] float32; W4A16 does not use it (no activation calibration)
-
-
-def pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """[N, K] codes 0..15 -> [N, K/2] bytes, element 2i low."""
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
-
-
-def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
-    """[N, K/2] bytes -> [N, K] codes."""
-    packed = np.asarray(packed).view(np.uint8)
-    codes = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.uint8)  # [N, K]
-    codes[:, 0::2] = packed & 0xF
-    codes[:, 1::2] = packed >> 4
-    return codes
 
 
 def quantize_nvfp4(w: np.ndarray) -> Nvfp4Weight:
@@ -61,7 +48,7 @@ def quantize_nvfp4(w: np.ndarray) -> Nvfp4Weight:
 def dequantize_nvfp4(weight: np.ndarray, weight_scale: np.ndarray, weight_scale_2: np.ndarray) -> np.ndarray:
     """packed [N, K/2], e4m3 scales [N, K/16], fp32 scalar -> float32 [N, K]:
     (e2m1 * weight_scale), exact in float32, then one rounding by weight_scale_2."""
-    elements = E2M1_VALUES[unpack_nibbles(weight)]  # [N, K]
+    elements = E2M1_VALUES[unpack_nibbles(np.asarray(weight).view(np.uint8))]  # [N, K]
     scale = decode_e4m3(weight_scale)  # [N, K/16]
     if scale.shape[1] * GROUP_SIZE != elements.shape[1] or scale.shape[0] != elements.shape[0]:
         raise ValueError(f"weight_scale {scale.shape} does not match packed weight {np.shape(weight)}")
