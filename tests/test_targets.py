@@ -142,3 +142,8 @@ def test_recognise_quant(tmp_path: Path) -> None:
     _write(gptq / "config.json", {"quantization_config": {"quant_method": "gptq"}})
     with pytest.raises(AtlasError, match="unsupported quantization"):
         recognise_quant(gptq)
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "config.json").write_text(json.dumps([random.randint(0, 9)]))
+    with pytest.raises(AtlasError, match="must hold a JSON object"):  # not mistaken for an unquantized checkpoint
+        recognise_quant(listed)

@@ -19,6 +19,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from .config import read_json_object
 from .errors import AtlasError
 
 _HERE = Path(__file__).resolve().parent
@@ -158,7 +159,7 @@ class _Reader:
     def unknown(self, data: Mapping[str, Any], prefix: str, allowed: Iterable[str]) -> None:
         extra = sorted(set(data) - set(allowed))
         if extra:
-                raise self.fail(f"{prefix}.{extra[0]}".lstrip("."), f"one of the known keys {sorted(allowed)}")
+            raise self.fail(f"{prefix}.{extra[0]}".lstrip("."), f"one of the known keys {sorted(allowed)}")
 
 
 def _hardware(r: _Reader, name: str, data: Mapping[str, Any]) -> Hardware:
@@ -313,13 +314,7 @@ def _lookup(data: Any, dotted: str) -> Any:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise AtlasError(f"{path}: not valid JSON ({err}); re-download the checkpoint file") from None
-    return data if isinstance(data, dict) else None
+    return read_json_object(path) if path.is_file() else None
 
 
 def _quant_sources(model_dir: Path) -> dict[str, dict[str, Any] | None]:
