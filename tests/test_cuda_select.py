@@ -17,7 +17,7 @@ from atlas.backends.cuda.driver import CudaError, DeviceInfo, LaunchArgs
 from atlas.backends.cuda.graph import GraphedDecodeStep
 from atlas.backends.cuda.kernel_images import TupleKey
 from atlas.backends.cuda.runtime import CudaRuntime, KernelImage, RuntimeOptions
-from atlas.backends.cuda.select import check_fits, device_weight_bytes, select_tuple
+from atlas.backends.cuda.select import check_fits, device_ordinal, device_weight_bytes, select_tuple
 from atlas.backends.cuda.tensor import DeviceTensor
 from atlas.backends.cuda.upload import Uploader, from_storage, to_storage
 from atlas.errors import AtlasError
@@ -97,6 +97,15 @@ def test_auto_device_falls_back_to_cpu_without_a_gpu(tmp_path: Path) -> None:
     assert backend.name != "cuda" and reason.startswith("cpu") and "cuda unavailable" in reason
     with pytest.raises(AtlasError):
         create_backend("cuda", demo, load_spec(demo))
+
+
+def test_device_ordinal_is_read_or_refused_in_one_line(rng: np.random.Generator) -> None:
+    index = int(rng.integers(0, 8))
+    assert device_ordinal({"ATLAS_CUDA_DEVICE": f" {index} "}) == index
+    assert device_ordinal({}) == 0
+    for bad in ("gpu1", "-1", "", "0,1"):
+        with pytest.raises(AtlasError, match="ATLAS_CUDA_DEVICE=.*set it to 0, 1"):
+            device_ordinal({"ATLAS_CUDA_DEVICE": bad})
 
 
 # --- an emulated driver: device memory is host RAM -----------------------------------------------

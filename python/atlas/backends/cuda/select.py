@@ -7,9 +7,9 @@ that says what to do instead.
 
 from __future__ import annotations
 
-import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ...config import ModelSpec
     from ...targets import Registry
     from .backend import CudaBackend
+    from .driver import Driver
 
 GIB = 1 << 30
 RESERVE_BYTES = 1 << 30  # step arena, caches and states of a typical context, CUDA's own use
@@ -95,44 +96,44 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
         checkpoint.close()
 
 
-def read_config(model_dir: Path) -> dict:
-    path = Path(model_dir) / "config.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise AtlasError(f"{path}: cannot read ({err})") from None
+def device_ordinal(env: Mapping[str, str] = os.environ) -> int:
+    """ATLAS_CUDA_DEVICE (default 0): which GPU the backend opens."""
+    value = env.get("ATLAS_CUDA_DEVICE", "0").strip()
+    if not value.isdigit():
+        raise AtlasError(f"ATLAS_CUDA_DEVICE={value!r} is not a GPU index; set it to 0, 1, ... or unset it")
+    return int(value)
+
+
+def _open(driver: Driver, selection: Selection) -> CudaBackend:
+    from .backend import CudaBackend
+    from .runtime import CudaRuntime, RuntimeOptions
+
+    options = RuntimeOptions(check_launches=os.environ.get("ATLAS_CUDA_CHECK") == "1")
+    return CudaBackend(CudaRuntime(driver, load_image(selection.key, selection.kind), options))
 
 
 def open_backend(model_dir: Path, spec: ModelSpec | None = None) -> CudaBackend:
     """The CUDA backend for this checkpoint, or an AtlasError saying why it cannot run."""
+    from ...config import read_json_object
     from ...targets import load_registry, recognise_model, recognise_quant
-    from .backend import CudaBackend
     from .driver import open_driver
-    from .runtime import CudaRuntime, RuntimeOptions
 
     registry = load_registry()
-    model = recognise_model(read_config(model_dir), registry)
+    model = recognise_model(read_json_object(Path(model_dir) / "config.json"), registry)
     quant = recognise_quant(model_dir, registry)
-    driver = open_driver(int(os.environ.get("ATLAS_CUDA_DEVICE", "0")))
-    info = driver.device_info()
-    selection = select_tuple(info.cc, model, quant, installed_tuples(), registry)
+    driver = open_driver(device_ordinal())
+    selection = select_tuple(driver.device_info().cc, model, quant, installed_tuples(), registry)
     weight_bytes = device_weight_bytes(checkpoint_shapes(Path(model_dir)))
     free, total = driver.mem_get_info()
     check_fits(weight_bytes, free, total)
-    image = load_image(selection.key, selection.kind)
-    rt = CudaRuntime(driver, image, RuntimeOptions(check_launches=os.environ.get("ATLAS_CUDA_CHECK") == "1"))
-    return CudaBackend(rt)  # the loader shows the weight progress bar
+    return _open(driver, selection)  # the loader shows the weight progress bar
 
 
 def open_backend_for_model(model: str, quant: str = "bf16") -> CudaBackend:
     """The CUDA backend for a registry model by name, without a checkpoint (tests, benchmarks)."""
     from ...targets import load_registry
-    from .backend import CudaBackend
     from .driver import open_driver
-    from .runtime import CudaRuntime, RuntimeOptions
 
-    registry = load_registry()
-    driver = open_driver(int(os.environ.get("ATLAS_CUDA_DEVICE", "0")))
-    selection = select_tuple(driver.device_info().cc, model, quant, installed_tuples(), registry)
-    options = RuntimeOptions(check_launches=os.environ.get("ATLAS_CUDA_CHECK") == "1")
-    return CudaBackend(CudaRuntime(driver, load_image(selection.key, selection.kind), options))
+    driver = open_driver(device_ordinal())
+    selection = select_tuple(driver.device_info().cc, model, quant, installed_tuples(), load_registry())
+    return _open(driver, selection)
