@@ -283,12 +283,17 @@ def sampling_params(opts: GenerateOptions) -> SamplingParams:
 def check_length(spec: ModelSpec, engine: EngineLike, prompt_tokens: int, max_tokens: int) -> None:
     """Positions used: the prompt, then every new token but the last (it is never fed back)."""
     positions = prompt_tokens + max_tokens - 1
-    capacity = min(spec.max_position_embeddings, getattr(engine, "max_seq_len", positions))
+    capacity = context_capacity(spec, engine)
     if positions > capacity:
         raise AtlasError(
             f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {positions} "
             f"positions but this model holds {capacity}; shorten the prompt or lower max_tokens"
         )
+
+
+def context_capacity(spec: ModelSpec, engine: EngineLike) -> int:
+    """Positions one generation may use: the model's context, capped by the engine's caches."""
+    return min(spec.max_position_embeddings, getattr(engine, "max_seq_len", spec.max_position_embeddings))
 
 
 def rate(tokens: int, seconds: float) -> float:

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ..errors import AtlasError
-from ..llm import LLM, GenerateOptions
+from ..llm import DEFAULT_MAX_TOKENS, LLM, GenerateOptions, context_capacity
 from .errors import RequestError, error_body, request_error_body
 from .protocol import GenerationBody, parse_body
 from .responses import Reply, chunk, full_body, sse, text_delta, usage_chunk
@@ -27,7 +27,6 @@ from .worker import EngineWorker, Event, Failed, Finished, TextPiece
 
 log = logging.getLogger("atlas.serve")
 T = TypeVar("T")
-DEFAULT_MAX_TOKENS = 256  # when a request names none (and the context has room)
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,7 @@ class ServerState:
     model_name: str
     worker: EngineWorker
     llm: LLM
-    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # when a request names none (and the context has room)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -127,8 +126,7 @@ def encode(llm: LLM, body: GenerationBody) -> list[int]:
 
 def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: int) -> GenerateOptions:
     """Every new token but the last takes a position after the prompt's."""
-    engine = state.llm.parts.engine
-    capacity = min(state.llm.parts.spec.max_position_embeddings, getattr(engine, "max_seq_len", 1 << 30))
+    capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
     room = capacity - prompt_tokens + 1  # the most new tokens that fit
     prompt_param = "prompt" if body.prompt is not None else "messages"
     if room < 1:
