@@ -49,8 +49,6 @@ class Job:
     cubin_cmd: tuple[str, ...]
     keep_cubin: bool  # False for PTX-only hardware: ptxas still checks registers and spills
 
-    stem = MODULE
-
 
 @dataclass
 class JobResult:
@@ -78,12 +76,12 @@ def make_job(nvcc: Nvcc, hw: Hardware, target: Target, sources: list[Path], out:
     source = tuple_dir / "tuple.cu"
     write_if_changed(source, unity_source(sources))
     includes = ("-I", _rel(tuple_dir / "include"), "-I", _rel(kernels_dir() / "include"), "-I", ".")
-    stem = MODULE
+    ptx = str(tuple_dir / f"{MODULE}.ptx")
     ptx_cmd = (str(nvcc.path), "-ptx", *COMMON_FLAGS, *hw.gencode, *hw.extra_flags, *includes,
-               _rel(source), "-o", str(tuple_dir / f"{stem}.ptx"))
+               _rel(source), "-o", ptx)
     code = hw.gencode if hw.has_cubin else (f"-arch={hw.check_arch}",)
     cubin_cmd = (str(nvcc.path), "-cubin", *code, *PTXAS_FLAGS, *hw.extra_flags,
-                 str(tuple_dir / f"{stem}.ptx"), "-o", str(tuple_dir / f"{stem}.cubin"))
+                 ptx, "-o", str(tuple_dir / f"{MODULE}.cubin"))
     return Job(target, source, tuple(sources), tuple_dir, ptx_cmd, cubin_cmd, hw.has_cubin)
 
 
@@ -117,8 +115,8 @@ def _run(cmd: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
 
 
 def _outputs(job: Job) -> dict[str, Path]:
-    return {"ptx": job.out_dir / f"{job.stem}.ptx", "cubin": job.out_dir / f"{job.stem}.cubin",
-            "res": job.out_dir / f"{job.stem}.resources.json"}
+    return {"ptx": job.out_dir / f"{MODULE}.ptx", "cubin": job.out_dir / f"{MODULE}.cubin",
+            "res": job.out_dir / f"{MODULE}.resources.json"}
 
 
 def _restore(entry: Path, outs: dict[str, Path]) -> None:
@@ -193,7 +191,7 @@ def _module_record(result: JobResult) -> dict[str, object]:
     outs = _outputs(result.job)
     ptx = outs["ptx"].read_text(encoding="utf-8")
     cubin = outs["cubin"].stat().st_size if outs["cubin"].is_file() else 0
-    return {"name": result.job.stem, "sources": [_rel(s) for s in result.job.sources],
+    return {"name": MODULE, "sources": [_rel(s) for s in result.job.sources],
             "ptx": _rel(outs["ptx"]), "cubin": _rel(outs["cubin"]) if cubin else "",
             "ptx_bytes": len(ptx.encode()), "cubin_bytes": cubin,
             "entries": [e.to_dict() for e in parse_entries(ptx)], "resources": result.resources or []}
@@ -230,7 +228,8 @@ def compile_selection(registry: Registry, selection: Selection, out: Path, jobs:
     cache_dir = default_cache_dir()
     out.mkdir(parents=True, exist_ok=True)
     work = plan(registry, selection, nvcc, out)
-    compiler_id = nvcc.identity() + nvcc.version(cache_dir) if work else ""
+    nvcc_version = nvcc.version(cache_dir) if work else ""
+    compiler_id = nvcc.identity() + nvcc_version if work else ""
     print(f"atlas: nvcc {nvcc.path} ({nvcc.source}); {sum(len(j.sources) for j in work)} kernel files in {len(selection.targets)} tuples", flush=True)
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         results = list(pool.map(lambda j: run_job(j, compiler_id, cache_dir), work))
@@ -242,7 +241,7 @@ def compile_selection(registry: Registry, selection: Selection, out: Path, jobs:
                          + ", ".join(r.job.target.rel for r in failed) + "; fix the errors shown above")
     cached = sum(r.cached for r in results)
     print(f"atlas: {len(work) - cached} tuples compiled, {cached} from cache ({cache_dir})", flush=True)
-    record = build_record(registry, selection, results, nvcc.version(cache_dir) if work else "")
+    record = build_record(registry, selection, results, nvcc_version)
     table = resource_table(record)
     print(table, end="", flush=True)
     (out / "resources.txt").write_text(table, encoding="utf-8")

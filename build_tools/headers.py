@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from atlas.errors import AtlasError
 from atlas.targets import Registry, load_registry
 
 from .render import environment, write_if_changed
@@ -41,7 +42,7 @@ def _struct_context(struct: type[ctypes.Structure]) -> dict[str, object]:
     for name, ftype, *_ in struct._fields_:
         if ftype not in _CTYPES:
             allowed = ", ".join(t.__name__ for t in _CTYPES)
-            raise SystemExit(f"kernel_params: {struct.__name__}.{name} has type {ftype.__name__}; use one of {allowed}")
+            raise AtlasError(f"kernel_params: {struct.__name__}.{name} has type {ftype.__name__}; use one of {allowed}")
         fields.append({"name": name, "ctype": _CTYPES[ftype]})
     return {"name": struct.__name__, "fields": fields, "size": ctypes.sizeof(struct)}
 
