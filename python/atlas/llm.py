@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import AtlasError
+from .kvcache.names import DEFAULT_LEVEL
 
 if TYPE_CHECKING:
     from .backends.base import SamplingParams
@@ -105,7 +106,7 @@ class LLM:
         self,
         model: str | None = None,
         device: str = "auto",
-        kv_cache_dtype: str = "bf16",
+        kv_cache_dtype: str = DEFAULT_LEVEL,
         kv_high_precision_layers: str | int = "auto",
         spec_k: int | None = None,
     ) -> None:

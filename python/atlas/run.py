@@ -44,7 +44,7 @@ def default_prompt(model_dir: Path, model_arg: str | None) -> str:
 
 def run(args: RunArgs) -> None:
     from .config import load_spec
-    from .kvcache.options import KVCacheOptions, describe
+    from .kvcache.options import describe
     from .llm import LLM, GenerateOptions, encode_prompt
     from .resolve import resolve_model
     from .speculative import acceptance_summary, spec_k_from_flags
@@ -54,10 +54,8 @@ def run(args: RunArgs) -> None:
     prompt = args.prompt if args.prompt is not None else default_prompt(model_dir, args.model)
     load_spec(model_dir)  # config and prompt problems surface before the weights load
     encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
-    kv_cache = KVCacheOptions(args.kv_cache_dtype, args.kv_high_precision_layers)
-    kv_cache.check()
     spec_k = spec_k_from_flags(args.spec_k, args.no_spec)
-    llm = LLM(str(model_dir), args.device, kv_cache.dtype, kv_cache.high_precision_layers, spec_k)
+    llm = LLM(str(model_dir), args.device, args.kv_cache_dtype, args.kv_high_precision_layers, spec_k)
     opts = GenerateOptions(
         args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat
     )
