@@ -85,7 +85,7 @@ def resolve_model(arg: str | None) -> Path:
         return path.resolve()
     if path.exists():
         raise AtlasError(f"--model {arg}: is a file; pass the checkpoint directory that holds it")
-    if REPO_ID.match(arg) and not arg.startswith((".", "~")):
+    if REPO_ID.match(arg):
         return find_in_hf_cache(arg)
     repo, names = registry_repo(arg)
     if repo is not None:
