@@ -120,16 +120,6 @@ def test_sharded_index(tmp_path: Path, rng: np.random.Generator) -> None:
         assert np.array_equal(checkpoint.get(name), expected)
 
 
-def test_progress_iterator_reads_every_tensor(tmp_path: Path, rng: np.random.Generator, capsys: pytest.CaptureFixture[str]) -> None:
-    tensors = write_sharded(tmp_path, rng, shards=2)
-    checkpoint = Checkpoint.open(tmp_path)
-    seen = dict(checkpoint.iter_with_progress(checkpoint.names(), desc="weights"))
-    assert seen.keys() == tensors.keys()
-    assert all(np.array_equal(seen[n], tensors[n]) for n in tensors)
-    captured = capsys.readouterr()
-    assert captured.out == "" and "weights" in captured.err
-
-
 def test_missing_shard(tmp_path: Path, rng: np.random.Generator) -> None:
     write_sharded(tmp_path, rng, shards=3)
     (tmp_path / "model-00002-of-00003.safetensors").unlink()
@@ -194,6 +184,13 @@ def test_header_not_json(tmp_path: Path) -> None:
     blob = b"{this is not json"
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob)
     expect_error(tmp_path, "not valid JSON")
+
+
+@pytest.mark.parametrize("text,needle", [("{broken", "not valid JSON"), ('{"weight_map": [1]}', "no valid 'weight_map'")])
+def test_broken_index(tmp_path: Path, rng: np.random.Generator, text: str, needle: str) -> None:
+    write_sharded(tmp_path, rng, shards=2)
+    (tmp_path / "model.safetensors.index.json").write_text(text, encoding="utf-8")
+    expect_error(tmp_path, "model.safetensors.index.json", needle)
 
 
 def test_index_shard_outside_the_directory(tmp_path: Path, rng: np.random.Generator) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import mmap
 import struct
-import sys
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from .config import read_json_object
 from .errors import AtlasError
 
 SINGLE_FILE = "model.safetensors"
@@ -262,21 +261,6 @@ class Checkpoint:
             return raw.astype(np.float32)
         return raw
 
-    def iter_with_progress(
-        self, names: Iterable[str], desc: str = "loading weights", raw: bool = False
-    ) -> Iterator[tuple[str, np.ndarray]]:
-        """(name, array) for each name, with a tqdm bar on stderr counting bytes read."""
-        from tqdm import tqdm
-
-        wanted = list(names)
-        total = sum(self.info(name).nbytes for name in wanted)
-        with tqdm(
-            total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False
-        ) as bar:
-            for name in wanted:
-                yield name, self.get_raw(name) if raw else self.get(name)
-                bar.update(self.info(name).nbytes)
-
     def close(self) -> None:
         """Drop the memory maps; arrays already returned keep them alive until released."""
         for shard in self._shards.values():
@@ -284,11 +268,7 @@ class Checkpoint:
 
 
 def read_weight_map(index: Path) -> dict[str, str]:
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise AtlasError(f"{index} is not valid JSON; {REFETCH_HINT}") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    weight_map = read_json_object(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
