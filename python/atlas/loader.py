@@ -53,8 +53,9 @@ def check_tensor(
         )
     if info.dtype not in READABLE_DTYPES:
         raise AtlasError(
-            f"tensor {name!r} in {info.path} is {info.dtype}; this loader reads "
-            f"{', '.join(sorted(READABLE_DTYPES))} checkpoints (quantized ones need their own target)"
+            f"tensor {name!r} in {info.path} is {info.dtype}; atlas reads "
+            f"{', '.join(sorted(READABLE_DTYPES))} tensors, and quantized weights only in an fp8 or "
+            "nvfp4 checkpoint whose config declares that quantization"
         )
 
 
@@ -82,10 +83,14 @@ class WeightReader:
             total=total, desc="loading weights", unit="B", unit_scale=True, file=sys.stderr, leave=False
         )
 
+    def _check_planned(self, names: Sequence[str]) -> None:
+        missing = [n for n in names if n not in self._plan]
+        if missing:
+            raise KeyError(f"{missing[0]} was not planned; add it to the family's plan")
+
     def array(self, name: str) -> np.ndarray:
         """The planned tensor as a float32 host array (bf16 converted exactly)."""
-        if name not in self._plan:
-            raise KeyError(f"{name} was not planned; add it to the family's plan")
+        self._check_planned([name])
         if self.quantized.holds(name):
             data = self.quantized.weight(name).dequantize()
         else:
@@ -102,8 +107,7 @@ class WeightReader:
         `upload_quantized(QuantizedWeight)`, dequantized to any other."""
         upload_quantized = getattr(self.backend, "upload_quantized", None)
         if upload_quantized is not None and self.quantized.holds(name):
-            if name not in self._plan:
-                raise KeyError(f"{name} was not planned; add it to the family's plan")
+            self._check_planned([name])
             weight = self.quantized.weight(name)
             self._bar.update(weight.nbytes)
             return upload_quantized(weight)
@@ -119,9 +123,7 @@ class WeightReader:
         """Quantized matrices stacked by rows and uploaded packed (`can_pack` first): one tensor per
         row selection (None: every row), as `backend.upload_quantized_rows(weights, rows, experts)`;
         experts > 0 says the stack is that many equal expert blocks."""
-        missing = [n for n in names if n not in self._plan]
-        if missing:
-            raise KeyError(f"{missing[0]} was not planned; add it to the family's plan")
+        self._check_planned(names)
         weights = [self.quantized.weight(n) for n in names]
         for weight in weights:
             self._bar.update(weight.nbytes)
