@@ -120,3 +120,7 @@ def test_missing_or_broken_files(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": 5}), encoding="utf-8")
     with pytest.raises(AtlasError, match="'eos_token' must be a string"):
         Tokenizer.open(tmp_path)
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "chat_template.jinja").write_bytes(b"{{ messages }}\xff\xfe")
+    with pytest.raises(AtlasError, match="chat_template.jinja cannot be read"):
+        Tokenizer.open(tmp_path)

@@ -150,7 +150,10 @@ def read_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
     """chat_template.jinja wins over tokenizer_config.json, as in transformers 5."""
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise AtlasError(f"{jinja_file} cannot be read ({first_line(err)}); re-download or fix it") from None
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
