@@ -16,6 +16,7 @@ from atlas.kernel_params import dense as kp
 from atlas.kvcache.level import bytes_per_vector
 from atlas.kvcache.levels import get_level
 
+from .ops_common import ceil_div
 from .ops_common import expect as _expect
 from .ops_dense import ATTN_HEAD_DIMS, CachedKV, attend
 from .tensor import DeviceTensor
@@ -97,7 +98,7 @@ def write(rt: CudaRuntime, k: DeviceTensor, v: DeviceTensor, k_cache: QuantizedK
     params = kp.KvCacheWriteParams(k=k.ptr, v=v.ptr, k_cache=k_cache.data.ptr, v_cache=v_cache.data.ptr,
                                    positions=positions.ptr, tokens=tokens, kv_heads=kv_heads, head_dim=dim,
                                    capacity=k_cache.shape[0])
-    grid = (-(-vectors // KV_WRITE_WARPS), 1, 1)
+    grid = (ceil_div(vectors, KV_WRITE_WARPS), 1, 1)
     rt.launch(f"atlas_kv_write_{k_cache.level}", grid, (KV_WRITE_THREADS, 1, 1), params)
 
 

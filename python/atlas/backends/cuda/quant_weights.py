@@ -20,6 +20,7 @@ import numpy as np
 
 from atlas.quant.codes import E2M1_VALUES, decode_e4m3
 
+from .ops_common import ceil_div
 from .tensor import DeviceTensor
 from .upload import Uploader
 
@@ -76,7 +77,7 @@ def from_fp8_block(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, 
     _check(block[1] == FP8_BLOCK, f"fp8 kernels read 128-column scale blocks, the checkpoint has {block}")
     _check(k % CHUNK == 0, f"fp8 kernels need in-features divisible by {CHUNK}, got {k}")
     scale = np.asarray(scale_inv).astype(np.float32)
-    expected = (-(-n // block[0]), -(-k // block[1]))
+    expected = (ceil_div(n, block[0]), ceil_div(k, block[1]))
     _check(scale.shape == expected, f"fp8 scale grid {scale.shape}, expected {expected} for weight {codes.shape}")
     per_row = np.ascontiguousarray(np.repeat(scale, block[0], axis=0)[:n])  # [N, ceil(K/128)]
     return HostQuantWeight("fp8", codes, per_row, None, k)
