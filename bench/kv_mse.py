@@ -39,7 +39,7 @@ from atlas.config import load_spec  # noqa: E402
 from atlas.demo import DEMO_DIR, zen_of_python  # noqa: E402
 from atlas.engine import Engine  # noqa: E402
 from atlas.kvcache import LEVELS, bytes_per_vector, round_trip  # noqa: E402
-from atlas.layers.attention import Attention, AttentionDims, AttentionWeights, KVCache  # noqa: E402
+from atlas.layers.attention import Attention, AttentionDims, AttentionWeights  # noqa: E402
 from atlas.layers.norm import RMSNorm  # noqa: E402
 from atlas.layers.rotary import Rotary  # noqa: E402
 from atlas.layers.step import Step  # noqa: E402
