@@ -4,7 +4,7 @@ wheel size per tuple, and the cold module-load cost of PTX vs cubin where a GPU 
     python bench/build.py [--tuple h200/qwen3.6-35b-a3b/bf16] [--skip-all]
 
 Builds use this environment (--no-build-isolation; the build requirements must be installed) and
-a fresh kernel cache, so "clean" includes every nvcc run. Results: bench/results/build-<date>.{json,md}
+a fresh kernel cache, so "clean" includes every nvcc run. Results: bench/results/build-<date>.json
 with the date, commit and machine.
 """
 
@@ -103,7 +103,10 @@ def main() -> None:
     parser.add_argument("--tuple", default="h200/qwen3.6-35b-a3b/bf16")
     parser.add_argument("--skip-all", action="store_true", help="skip the `*` build (slow on few cores)")
     args = parser.parse_args()
-    hw, model, quant = args.tuple.split("/")
+    parts = args.tuple.split("/")
+    if len(parts) != 3 or not all(parts):
+        parser.error(f"--tuple {args.tuple!r}: expected HW/MODEL/QUANT, e.g. h200/qwen3.6-35b-a3b/bf16")
+    hw, model, quant = parts
     commit = (subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
               or os.environ.get("ATLAS_COMMIT", "unknown (not a git checkout; set ATLAS_COMMIT)"))
     with tempfile.TemporaryDirectory() as tmp:
