@@ -189,6 +189,24 @@ def test_a_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert len(calls) > 5 and list(tmp_path.iterdir()) == []
 
 
+def test_a_full_disk_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    import atlas.quant.writer as writer
+
+    def full_disk(path: Path, tensors: dict[str, object]) -> None:
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(writer, "write_safetensors", full_disk)
+    assert main(["--to", "fp8", "--out", str(tmp_path / "out"), "--shard-mb", "1"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("atlas.quantize: error:")]
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "--out" in errors[0], err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("method", ["fp8", "nvfp4"])
 def test_computed_weight_memory_matches_the_files(demo_quantized: dict[str, Path], method: str) -> None:
     from atlas.config import load_spec

@@ -116,16 +116,26 @@ def quantize(args: QuantizeArgs) -> Path:
     check_source(source)
     out = args.out.expanduser().absolute()
     check_out(out)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    except OSError as err:
+        raise write_error(out, err) from None
     try:
         excluded = write_weights(source, staging, args)
         write_configs(source, staging, args.method, excluded)
         staging.chmod(0o755)
         os.rename(staging, out)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise write_error(out, err) from None
         raise
     return out
+
+
+def write_error(out: Path, err: OSError) -> AtlasError:
+    """A full disk or a read-only place: one line, not a traceback."""
+    return AtlasError(f"cannot write --out {out} ({err.strerror or err}); free some space or choose another directory")
 
 
 MODEL_HELP = "bf16 checkpoint: a directory, an HF repo id in the cache, a registry name (default: the demo)."
