@@ -104,7 +104,7 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 @click.option("--no-spec", is_flag=True, help="No speculative decoding; the MTP head is not loaded.")
 @click.option(
     "--kv-cache-dtype", type=click.Choice(LEVEL_NAMES), default=DEFAULT_LEVEL, show_default=True,
-    help="KV cache level of the full-attention layers (quantized levels: CPU backend only so far).",
+    help="KV cache level of the full-attention layers (numpy and cuda backends).",
 )
 @click.option(
     "--kv-high-precision-layers", default="auto", show_default=True,
