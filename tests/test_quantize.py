@@ -218,3 +218,15 @@ def test_computed_weight_memory_matches_the_files(demo_quantized: dict[str, Path
         assert weight_bytes(spec, fmt) == sum(checkpoint.info(n).nbytes for n in checkpoint.names())
     full = qwen3_6_spec()
     assert weight_bytes(full, method) < weight_bytes(full, "bf16") / {"fp8": 1.9, "nvfp4": 3.2}[method]
+
+
+def test_memory_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from atlas.quant.memory import main as memory_main
+
+    assert memory_main(["--model", str(DEMO_DIR)]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert rows[0] == "| model | bf16 | fp8 | nvfp4 |" and len(rows) == 3 and rows[2].startswith(f"| {DEMO_DIR} |")
+    for argv, needle in [(["--model", str(tmp_path / "none")], "no such directory"), (["--bogus"], "--bogus")]:
+        assert memory_main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("atlas.quant.memory: error:") and needle in err[0], err

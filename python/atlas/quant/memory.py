@@ -9,6 +9,8 @@ import sys
 from math import prod
 from pathlib import Path
 
+import click
+
 from ..config import ModelSpec, spec_from_config
 from .exclusions import converts
 from .fp8_block import block_grid
@@ -52,24 +54,25 @@ def table(specs: dict[str, ModelSpec]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", default=None, help="A checkpoint (default: the demo and Qwen3.6-35B-A3B's dimensions).")
+def command(model: str | None) -> None:
+    """Print the weight memory of each format, computed from the config alone."""
     from ..config import load_spec
-    from ..errors import AtlasError
     from ..resolve import resolve_model
 
-    args = sys.argv[1:] if argv is None else argv
-    try:
-        if args[:1] == ["--model"] and len(args) == 2:
-            specs = {args[1]: load_spec(resolve_model(args[1]))}
-        elif not args:
-            specs = {"atlas-demo": load_spec(resolve_model(None)), "qwen3.6-35b-a3b": qwen3_6_spec()}
-        else:
-            raise AtlasError("usage: python -m atlas.quant.memory [--model M]")
-    except AtlasError as err:
-        print(f"atlas.quant.memory: error: {err}", file=sys.stderr)
-        return 2
-    print(table(specs))
-    return 0
+    if model is not None:
+        specs = {model: load_spec(resolve_model(model))}
+    else:
+        specs = {"atlas-demo": load_spec(resolve_model(None)), "qwen3.6-35b-a3b": qwen3_6_spec()}
+    click.echo(table(specs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    from ..cli import run_command
+
+    return run_command(command, argv, "atlas.quant.memory")
 
 
 if __name__ == "__main__":
