@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..backends.base import Backend
-from ..config import ModelSpec
+from ..config import NESTED_MODEL_TYPE, TEXT_MODEL_TYPE, ModelSpec
 from ..errors import AtlasError
 from ..layers.decoder import CausalLM
 from ..safetensors import Checkpoint
@@ -15,8 +15,8 @@ from .qwen3_5_moe import load_qwen3_5_moe
 LoadModel = Callable[[ModelSpec, Checkpoint, Backend], CausalLM]
 
 FAMILIES: dict[str, LoadModel] = {
-    "qwen3_5_moe": load_qwen3_5_moe,
-    "qwen3_5_moe_text": load_qwen3_5_moe,
+    NESTED_MODEL_TYPE: load_qwen3_5_moe,
+    TEXT_MODEL_TYPE: load_qwen3_5_moe,
 }
 
 
