@@ -115,3 +115,11 @@ def test_default_is_the_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     (tmp_path / "config.json").write_text("{}", encoding="utf-8")
     assert resolve_model(None) == tmp_path
     assert resolve_model("atlas-demo") == tmp_path
+
+
+def test_tilde_of_an_unknown_user(hub: Path, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    user = "nouser" + random_name(rng)
+    assert user in error_of(f"~{user}/model") and "give the full path" in error_of(f"~{user}/model")
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", f"~{user}/hf")
+    assert "HF_HOME" in error_of("Org/Name")

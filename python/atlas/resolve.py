@@ -20,15 +20,23 @@ def demo_dir() -> Path:
     return DEMO_DIR
 
 
+def expand_user(value: str, what: str) -> Path:
+    """Path(value) with a leading ~ or ~user expanded; an unknown user is one AtlasError line."""
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:
+        raise AtlasError(f"{what} {value}: its ~ names no home directory; give the full path") from None
+
+
 def hf_hub_cache() -> Path:
     """HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub (huggingface_hub's order)."""
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
+            return expand_user(os.environ[var], var)
     if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+        return expand_user(os.environ["HF_HOME"], "HF_HOME") / "hub"
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    base = expand_user(xdg, "XDG_CACHE_HOME") if xdg else expand_user("~/.cache", "the cache directory")
     return base / "huggingface" / "hub"
 
 
@@ -78,7 +86,7 @@ def resolve_model(arg: str | None) -> Path:
     """Map a --model value to a checkpoint directory holding config.json."""
     if arg is None or arg == "" or arg.lower() == DEMO_NAME:
         return demo_dir()
-    path = Path(arg).expanduser()
+    path = expand_user(arg, "--model")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise AtlasError(f"{path} has no config.json; point --model at a checkpoint directory")
