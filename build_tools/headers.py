@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from atlas.errors import AtlasError
 from atlas.targets import Registry, load_registry
 
+from . import run_tool
 from .render import environment, write_if_changed
 
 _CTYPES: dict[type, str] = {
@@ -73,17 +75,26 @@ def write_headers(registry: Registry, names: TupleNames, include_dir: Path) -> l
     return list(outputs)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hw", required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--quant", required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    return run_tool(lambda: _write(TupleNames(args.hw, args.model, args.quant), args.out))
+
+
+def _write(names: TupleNames, out: Path) -> int:
     registry = load_registry()
-    for path in write_headers(registry, TupleNames(args.hw, args.model, args.quant), args.out):
+    for kind, name, known in (("hw", names.hw, registry.hardware), ("model", names.model, registry.models),
+                              ("quant", names.quant, registry.quants)):
+        if name not in known:
+            raise AtlasError(f"--{kind} {name!r}: not in targets.toml; valid: {', '.join(known)}")
+    for path in write_headers(registry, names, out):
         print(path)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

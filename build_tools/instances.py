@@ -18,9 +18,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from atlas.errors import AtlasError
 from atlas.targets import Registry, load_registry
 
-from . import kernels_dir
+from . import kernels_dir, run_tool
 from .render import environment, write_if_changed
 
 MARKER = "// generated from kernels/templates/"
@@ -46,7 +47,7 @@ def template_hardware(source: Path, registry: Registry) -> list[str]:
     names = [n.strip() for n in match[1].split(",") if n.strip()]
     unknown = [n for n in names if n not in registry.hardware]
     if unknown or not names:
-        raise SystemExit(f"{source}: atlas-hardware names {unknown or 'nothing'}; hardware in targets.toml: "
+        raise AtlasError(f"{source}: atlas-hardware names {unknown or 'nothing'}; hardware in targets.toml: "
                          f"{', '.join(registry.hardware)}")
     return names
 
@@ -64,7 +65,7 @@ def expected_instances(registry: Registry, kernels_dir: Path) -> list[Instance]:
     for source in sources:
         quant = source.parent.name
         if quant not in registry.quants:
-            raise SystemExit(f"{source}: directory '{quant}' is not a quant in targets.toml ({', '.join(registry.quants)})")
+            raise AtlasError(f"{source}: directory '{quant}' is not a quant in targets.toml ({', '.join(registry.quants)})")
         rel = source.relative_to(templates).as_posix()
         template = env.get_template(rel)
         for hw_name in template_hardware(source, registry):
@@ -101,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="list out-of-date files and exit 1 if any")
     parser.add_argument("--kernels", type=Path, default=None, help="default: kernels/ (or $ATLAS_KERNELS_DIR)")
     args = parser.parse_args(argv)
-    changed, stale = out_of_date(load_registry(), args.kernels or kernels_dir())
-    if args.check:
+    return run_tool(lambda: _sync(args.check, args.kernels or kernels_dir()))
+
+
+def _sync(check: bool, root: Path) -> int:
+    changed, stale = out_of_date(load_registry(), root)
+    if check:
         for inst in changed:
             print(f"out of date: {inst.path}")
         for path in stale:

@@ -19,13 +19,18 @@ from pathlib import Path
 from atlas.errors import AtlasError
 from atlas.targets import load_registry
 
-from . import REPO
+from . import REPO, run_tool
 from .selection import ENV_HW, ENV_MODEL, ENV_QUANT, Target, existing_targets, select
 
 
 def matrix() -> dict[str, list[dict[str, str]]]:
     return {"include": [{"hw": t.hw, "model": t.model, "quant": t.quant}
                         for t in existing_targets(load_registry())]}
+
+
+def print_matrix() -> int:
+    print(json.dumps(matrix()))
+    return 0
 
 
 def build_wheel(target: Target, out: Path, extra: list[str]) -> None:
@@ -45,17 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "wheels")
     parser.add_argument("--pip-arg", action="append", default=[], help="extra argument for pip wheel")
     args = parser.parse_args(argv)
-    try:
-        if not args.build:
-            print(json.dumps(matrix()))
-            return 0
-        env = {ENV_HW: args.hw, ENV_MODEL: args.model, ENV_QUANT: args.quant}
-        targets = select(load_registry(), env).targets
-        for target in targets:
-            build_wheel(target, args.out.resolve(), args.pip_arg)
-    except AtlasError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if not args.build:
+        return run_tool(print_matrix)
+    env = {ENV_HW: args.hw, ENV_MODEL: args.model, ENV_QUANT: args.quant}
+    return run_tool(lambda: build_wheels(select(load_registry(), env).targets, args.out.resolve(), args.pip_arg))
+
+
+def build_wheels(targets: tuple[Target, ...], out: Path, extra: list[str]) -> int:
+    for target in targets:
+        build_wheel(target, out, extra)
     return 0
 
 

@@ -17,12 +17,13 @@ from pathlib import Path
 from atlas.errors import AtlasError
 from atlas.targets import load_registry
 
+from . import run_tool
 from .compile import COMMON_FLAGS, PTXAS_FLAGS, compile_selection
 from .embed import generate
 from .selection import select, version_for
 
 
-def stage(out: Path, version: str) -> None:
+def stage(out: Path, version: str) -> int:
     registry = load_registry()
     selection = select(registry, os.environ)
     for note in selection.notes:
@@ -39,6 +40,7 @@ def stage(out: Path, version: str) -> None:
         record = compile_selection(registry, selection, out / "kernels")
     generate(record, version, out / "embed")
     (out / "selection.json").write_text(json.dumps({"version": version, "tuples": [t.rel for t in selection.targets]}))
+    return 0
 
 
 def main() -> int:
@@ -46,12 +48,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--version", required=True)
     args = parser.parse_args()
-    try:
-        stage(args.out.resolve(), args.version)
-    except AtlasError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run_tool(lambda: stage(args.out.resolve(), args.version))
 
 
 if __name__ == "__main__":

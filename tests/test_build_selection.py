@@ -128,6 +128,17 @@ def test_instances_render_and_remove_stale(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("*/*/fp8/k.cu"))) == 6
 
 
+
+@pytest.mark.parametrize("rel, first_line", [("int4/k.cu.j2", ""), ("fp8/k.cu.j2", "{#- atlas-hardware: tpu9 -#}")])
+def test_bad_templates_are_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], rel: str, first_line: str) -> None:
+    template = tmp_path / "templates" / rel
+    template.parent.mkdir(parents=True)
+    template.write_text(f"{first_line}\nint x = {random.randint(1, 99)};\n")
+    assert instances.main(["--kernels", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {template}") and "targets.toml" in err and "\n" not in err
+    assert not list(tmp_path.glob("*/*/*/*.cu"))
+
 PTX = """
 .visible .entry atlas_a(
 \t.param .align 8 .b8 atlas_a_param_0[40]
