@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from ...errors import AtlasError
 from ..base import SamplingParams, StorageDType
-from . import ops_kv
+from . import ops_dense, ops_kv, ops_linear_moe, ops_quant
 from .graph import GraphedDecodeStep
 from .ops_kv import QuantizedKVCache
 from .quant_weights import QuantWeight, from_quantized_weight, stack_rows
@@ -22,17 +21,6 @@ from .runtime import CudaRuntime
 from .tensor import DeviceTensor
 from .upload import Uploader, from_storage
 
-DENSE_OPS = ("embedding", "rms_norm", "add_rms_norm", "add", "linear", "silu_mul", "sigmoid_mul",
-             "head_norm_rope", "attention", "argmax", "sample")
-LINEAR_MOE_OPS = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm", "router", "moe_experts",
-                  "add_sigmoid_scaled")
-
-
-def _load_op_modules() -> tuple[ModuleType, ModuleType]:
-    from . import ops_dense, ops_linear_moe
-
-    return ops_dense, ops_linear_moe
-
 
 class CudaBackend:
     name = "cuda"
@@ -40,11 +28,6 @@ class CudaBackend:
     def __init__(self, rt: CudaRuntime, use_graphs: bool | None = None) -> None:
         self.rt = rt
         self.uploader = Uploader(rt)
-        dense, linear_moe = _load_op_modules()
-        self._ops: dict[str, Callable[..., Any]] = {
-            **{op: getattr(dense, op) for op in DENSE_OPS},
-            **{op: getattr(linear_moe, op) for op in LINEAR_MOE_OPS},
-        }
         if use_graphs is None:
             use_graphs = os.environ.get("ATLAS_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = use_graphs and rt.driver.graphs
@@ -96,7 +79,7 @@ class CudaBackend:
             return self._gather_rows(table, ids)
         if table.owner is not None:
             ids = self.begin_step(ids)
-        return self._ops["embedding"](self.rt, table, ids)
+        return ops_dense.embedding(self.rt, table, ids)
 
     def _gather_rows(self, table: DeviceTensor, ids: DeviceTensor) -> DeviceTensor:
         rows = self.rt.read(ids).reshape(-1)
@@ -108,21 +91,19 @@ class CudaBackend:
         return out
 
     def rms_norm(self, x: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
-        return self._ops["rms_norm"](self.rt, x, weight, eps)
+        return ops_dense.rms_norm(self.rt, x, weight, eps)
 
     def add_rms_norm(self, x: DeviceTensor, residual: DeviceTensor, weight: DeviceTensor,
                      eps: float) -> tuple[DeviceTensor, DeviceTensor]:
-        return self._ops["add_rms_norm"](self.rt, x, residual, weight, eps)
+        return ops_dense.add_rms_norm(self.rt, x, residual, weight, eps)
 
     def add(self, x: DeviceTensor, y: DeviceTensor) -> DeviceTensor:
-        return self._ops["add"](self.rt, x, y)
+        return ops_dense.add(self.rt, x, y)
 
     def linear(self, x: DeviceTensor, weight: DeviceTensor | QuantWeight) -> DeviceTensor:
         if isinstance(weight, QuantWeight):
-            from . import ops_quant
-
             return ops_quant.linear(self.rt, x, weight)
-        return self._ops["linear"](self.rt, x, weight)
+        return ops_dense.linear(self.rt, x, weight)
 
     def upload_quantized(self, weight: Any) -> QuantWeight:
         """The loader's hook: a checkpoint's fp8 / nvfp4 matrix, uploaded packed (quant_weights.py)."""
@@ -142,21 +123,21 @@ class CudaBackend:
         return upload_quant(self.uploader, host if rows is None else host.take_rows(rows), experts)
 
     def silu_mul(self, gate_up: DeviceTensor) -> DeviceTensor:
-        return self._ops["silu_mul"](self.rt, gate_up)
+        return ops_dense.silu_mul(self.rt, gate_up)
 
     def sigmoid_mul(self, x: DeviceTensor, gate: DeviceTensor) -> DeviceTensor:
-        return self._ops["sigmoid_mul"](self.rt, x, gate)
+        return ops_dense.sigmoid_mul(self.rt, x, gate)
 
     # --- full attention -----------------------------------------------------------------------
     def head_norm_rope(self, x: DeviceTensor, weight: DeviceTensor, positions: DeviceTensor,
                        rotary_dim: int, rope_theta: float, eps: float) -> DeviceTensor:
-        return self._ops["head_norm_rope"](self.rt, x, weight, positions, rotary_dim, rope_theta, eps)
+        return ops_dense.head_norm_rope(self.rt, x, weight, positions, rotary_dim, rope_theta, eps)
 
     def attention(self, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, k_cache: DeviceTensor | QuantizedKVCache,
                   v_cache: DeviceTensor | QuantizedKVCache, positions: DeviceTensor, scale: float) -> DeviceTensor:
         if isinstance(k_cache, QuantizedKVCache) and isinstance(v_cache, QuantizedKVCache):
             return ops_kv.attention(self.rt, q, k, v, k_cache, v_cache, positions, scale)
-        return self._ops["attention"](self.rt, q, k, v, k_cache, v_cache, positions, scale)
+        return ops_dense.attention(self.rt, q, k, v, k_cache, v_cache, positions, scale)
 
     def quantized_kv_cache(self, level: str, shape: tuple[int, int, int]) -> QuantizedKVCache:
         """A K or V cache [S, Hkv, D] at a quantized --kv-cache-dtype level (atlas.kvcache.storage)."""
@@ -164,38 +145,36 @@ class CudaBackend:
 
     # --- linear attention ---------------------------------------------------------------------
     def causal_conv1d(self, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor) -> DeviceTensor:
-        return self._ops["causal_conv1d"](self.rt, x, weight, conv_state)
+        return ops_linear_moe.causal_conv1d(self.rt, x, weight, conv_state)
 
     def gated_delta_rule(self, mixed_qkv: DeviceTensor, a: DeviceTensor, b: DeviceTensor,
                          A_log: DeviceTensor, dt_bias: DeviceTensor, state: DeviceTensor,
                          num_k_heads: int) -> DeviceTensor:
-        return self._ops["gated_delta_rule"](self.rt, mixed_qkv, a, b, A_log, dt_bias, state, num_k_heads)
+        return ops_linear_moe.gated_delta_rule(self.rt, mixed_qkv, a, b, A_log, dt_bias, state, num_k_heads)
 
     def gated_rms_norm(self, x: DeviceTensor, z: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
-        return self._ops["gated_rms_norm"](self.rt, x, z, weight, eps)
+        return ops_linear_moe.gated_rms_norm(self.rt, x, z, weight, eps)
 
     # --- mixture of experts -------------------------------------------------------------------
     def router(self, x: DeviceTensor, weight: DeviceTensor, top_k: int,
                renormalize: bool) -> tuple[DeviceTensor, DeviceTensor]:
-        return self._ops["router"](self.rt, x, weight, top_k, renormalize)
+        return ops_linear_moe.router(self.rt, x, weight, top_k, renormalize)
 
     def moe_experts(self, x: DeviceTensor, ids: DeviceTensor, weights: DeviceTensor,
                     gate_up: DeviceTensor | QuantWeight, down: DeviceTensor | QuantWeight) -> DeviceTensor:
         if isinstance(gate_up, QuantWeight) and isinstance(down, QuantWeight):
-            from . import ops_quant
-
             return ops_quant.moe_experts(self.rt, x, ids, weights, gate_up, down)
-        return self._ops["moe_experts"](self.rt, x, ids, weights, gate_up, down)
+        return ops_linear_moe.moe_experts(self.rt, x, ids, weights, gate_up, down)
 
     def add_sigmoid_scaled(self, x: DeviceTensor, y: DeviceTensor, gate_logit: DeviceTensor) -> DeviceTensor:
-        return self._ops["add_sigmoid_scaled"](self.rt, x, y, gate_logit)
+        return ops_linear_moe.add_sigmoid_scaled(self.rt, x, y, gate_logit)
 
     # --- sampling -----------------------------------------------------------------------------
     def argmax(self, logits: DeviceTensor) -> DeviceTensor:
-        return self._ops["argmax"](self.rt, logits)
+        return ops_dense.argmax(self.rt, logits)
 
     def sample(self, logits: DeviceTensor, params: SamplingParams, uniform: float) -> DeviceTensor:
-        return self._ops["sample"](self.rt, logits, params, uniform)
+        return ops_dense.sample(self.rt, logits, params, uniform)
 
     # --- execution ----------------------------------------------------------------------------
     def make_decode_step(self, step: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
