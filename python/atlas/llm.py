@@ -83,6 +83,7 @@ def load_model(
     from .config import load_spec
     from .resolve import resolve_model
     from .safetensors import Checkpoint
+    from .speculative import build_engine
     from .tokenizer import Tokenizer
 
     model_dir = resolve_model(model)
@@ -90,8 +91,6 @@ def load_model(
     tokenizer = Tokenizer.open(model_dir)
     checkpoint = Checkpoint.open(model_dir)
     backend, reason = create_backend(device, model_dir, spec)
-    from .speculative import build_engine
-
     engine, speculation = build_engine(spec, checkpoint, backend, spec_k, kv_cache=kv_cache)
     return LoadedModel(model_dir, spec, tokenizer, engine, reason, speculation)
 
