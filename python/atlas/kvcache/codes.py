@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from atlas.quant.codes import (
+from ..quant.codes import (
     E2M1_MAX, E4M3_MAX, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, nearest_code,
 )  # fmt: skip
 
