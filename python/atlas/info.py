@@ -7,15 +7,9 @@ import json
 import sys
 from typing import Any
 
+import atlas
+
 from . import kernels
-
-
-def _version() -> str:
-    try:
-        from ._version import version
-    except ImportError:
-        return "0.1.0+src"
-    return version
 
 
 def collect() -> dict[str, Any]:
@@ -30,7 +24,7 @@ def collect() -> dict[str, Any]:
             "modules": [{"name": m["name"], "ptx_bytes": m["ptx_bytes"], "cubin_bytes": m["cubin_bytes"]}
                         for m in t["modules"]],
         })
-    return {"version": _version(), "extension": kernels.available(), "nvcc": man["nvcc"],
+    return {"version": atlas.__version__, "extension": kernels.available(), "nvcc": man["nvcc"],
             "flags": man["flags"], "tuples": tuples}
 
 
