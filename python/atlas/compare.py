@@ -128,8 +128,6 @@ def compare(args: CompareArgs) -> int:
     from .resolve import resolve_model
     from .tokenizer import Tokenizer
 
-    if args.top_k < 1:
-        raise AtlasError(f"--top-k must be >= 1, got {args.top_k}")
     oracle_device(args.oracle_device, "")  # torch missing or no GPU for it: say so before any load
     model_dir = resolve_model(args.model)
     reference_dir = model_dir if args.reference is None else resolve_model(args.reference)
@@ -196,7 +194,7 @@ def check_same_shape(spec: ModelSpec, reference: ModelSpec, reference_dir: Path)
 @click.option(
     "--device", type=click.Choice(DEVICES), default="auto", show_default=True, help="atlas' backend."
 )
-@click.option("--top-k", type=int, default=10, show_default=True, help="Router logits compared per position.")
+@click.option("--top-k", type=click.IntRange(min=1), default=10, show_default=True, help="Router logits compared per position.")
 @click.option(
     "--oracle-device", type=click.Choice(("auto", "cpu", "cuda")), default="auto", show_default=True,
     help="Where transformers runs; auto: atlas' device when torch sees it, else cpu.",
