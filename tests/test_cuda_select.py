@@ -457,9 +457,16 @@ fake = ctypes.CDLL("libcuda.so.1")
 fake.fake_last_kernel.restype = ctypes.c_char_p
 from atlas.backends.cuda.driver import open_driver
 from atlas.backends.cuda.runtime import CudaRuntime, KernelImage, RuntimeOptions
+from atlas.errors import AtlasError
 from atlas.backends.cuda.graph import GraphedDecodeStep
 from atlas.backends.cuda.upload import Uploader, from_storage
 
+try:
+    open_driver(1)
+except AtlasError as err:
+    assert "ATLAS_CUDA_DEVICE=1: only 1 GPU(s) visible (0..0)" in str(err), err
+else:
+    raise AssertionError("device 1 of 1 opened")
 drv = open_driver(0)
 print(drv.device_info(), drv.mem_get_info())
 rt = CudaRuntime(drv, KernelImage("fake (ptx)", b"// ptx", "ptx"), RuntimeOptions(arena_bytes=8 << 20, check_launches=True))

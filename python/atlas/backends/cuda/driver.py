@@ -73,6 +73,14 @@ class LaunchArgs:
     kernel: str  # entry name, for error messages
 
 
+def no_such_device(ordinal: int, count: int) -> AtlasError:
+    """The refusal when device `ordinal` is not among the `count` visible GPUs."""
+    if count == 0:
+        return AtlasError("no NVIDIA GPU visible (device count 0); use --device cpu")
+    return AtlasError(f"ATLAS_CUDA_DEVICE={ordinal}: only {count} GPU(s) visible (0..{count - 1}); "
+                      "set it to one of those or unset it")
+
+
 def open_driver(ordinal: int = 0) -> Driver:
     """The driver binding named by ATLAS_CUDA_BINDING (cuda-bindings by default), initialised
     with the primary context of device `ordinal` current. Raises AtlasError when no binding,

@@ -7,7 +7,7 @@ from typing import Any
 
 from atlas.errors import AtlasError
 
-from .driver import CudaError, DeviceInfo, Handle, LaunchArgs
+from .driver import CudaError, DeviceInfo, Handle, LaunchArgs, no_such_device
 
 
 def _import_driver() -> Any:
@@ -38,7 +38,7 @@ class CudaBindingsDriver:
             raise AtlasError(f"no NVIDIA driver found (libcuda): {err}") from None
         (count,) = self._call("cuDeviceGetCount")
         if count <= ordinal:
-            raise AtlasError(f"no NVIDIA GPU visible (device count {count}); use --device cpu")
+            raise no_such_device(ordinal, count)
         (self._device,) = self._call("cuDeviceGet", ordinal)
         (self._context,) = self._call("cuDevicePrimaryCtxRetain", self._device)
         self._call("cuCtxSetCurrent", self._context)

@@ -10,7 +10,7 @@ from typing import Any
 
 from atlas.errors import AtlasError
 
-from .driver import CudaError, DeviceInfo, Handle, LaunchArgs
+from .driver import CudaError, DeviceInfo, Handle, LaunchArgs, no_such_device
 
 
 def _call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -46,7 +46,7 @@ class PycudaDriver:
         except Exception as err:
             raise AtlasError(f"no usable NVIDIA GPU through pycuda: {err}") from None
         if count <= ordinal:
-            raise AtlasError(f"no NVIDIA GPU visible (device count {count}); use --device cpu")
+            raise no_such_device(ordinal, count)
         self._device = cuda.Device(ordinal)
         self._context = _call("retain_primary_context", self._device.retain_primary_context)
         _call("Context.push", self._context.push)
