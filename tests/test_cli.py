@@ -86,6 +86,7 @@ def one_error_line(code: int, err: str) -> str:
         (["--max-tokens", "0"], "--max-tokens"),
         (["--top-k", "-3"], "--top-k"),
         (["--seed", "abc"], "--seed"),
+        (["--seed", "-1", "--temperature", "0.5"], "--seed"),
         (["--device", "tpu"], "--device"),
         (["--no-such-flag"], "--no-such-flag"),
         (["--prompt"], "--prompt"),

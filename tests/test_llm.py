@@ -114,6 +114,7 @@ def test_stream_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"max_tokens": 10**6}, "positions"),
+        ({"seed": -1, "temperature": 0.7}, "seed"),
     ],
 )
 def test_bad_options(tiny: LLM, options: dict[str, float], needle: str) -> None:

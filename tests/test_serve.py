@@ -267,6 +267,7 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("top_p zero", {**GOOD, "top_p": 0}, "top_p"),
     ("top_k float", {**GOOD, "top_k": 1.5}, "top_k"),
     ("seed string", {**GOOD, "seed": "x"}, "seed"),
+    ("seed negative", {**GOOD, "seed": -3, "temperature": 0.7}, "seed"),
     ("stop wrong type", {**GOOD, "stop": 7}, "stop"),
     ("stop empty string", {**GOOD, "stop": [""]}, "stop"),
     ("n above one", {**GOOD, "n": 3}, "n"),

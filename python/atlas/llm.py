@@ -269,6 +269,9 @@ def check_options(opts: GenerateOptions) -> None:
     max_tokens = opts.max_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise AtlasError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    seed = opts.seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise AtlasError(f"seed must be a non-negative integer, got {seed!r}")
     from .sampling import check_sampling
 
     check_sampling(sampling_params(opts))

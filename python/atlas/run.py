@@ -94,7 +94,7 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 @click.option(
     "--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True
 )
-@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible output).")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed for sampling (reproducible output).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option(

@@ -81,7 +81,7 @@ def parse_sampling(body: dict[str, Any]) -> SamplingFields:
         temperature=temperature,
         top_p=top_p,
         top_k=0 if top_k in (None, -1) else top_k,
-        seed=optional_int(body, "seed"),
+        seed=optional_int(body, "seed", minimum=0),  # numpy seeds are non-negative
         stop=parse_stop(body.get("stop")),
     )
 
