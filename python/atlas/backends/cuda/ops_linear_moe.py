@@ -226,29 +226,51 @@ def _moe_gemv(rt: CudaRuntime, c: _MoeCall) -> None:
     rt.launch("atlas_moe_down_gemv", (_ceil_div(hidden, GEMV_WARPS), tokens, 1), block, down_params)
 
 
+@dataclass(frozen=True)
+class MoeRouting:
+    """The slots grouped by expert on the device (atlas_moe_route), read by the grouped GEMMs."""
+
+    counts: DeviceTensor  # [E] i32
+    offsets: DeviceTensor  # [E + 1] i32
+    perm: DeviceTensor  # [T*k] i32: slots in expert-major order
+
+    def gemm_fields(self, route_weights: DeviceTensor, top_k: int) -> dict[str, int]:
+        """The routing fields of a grouped GEMM's params (MoeGroupedGemmParams, MoeQuantGemmParams)."""
+        return dict(counts=self.counts.ptr, offsets=self.offsets.ptr, perm=self.perm.ptr, route_weights=route_weights.ptr,
+                    num_slots=self.perm.numel, top_k=top_k, num_experts=self.counts.numel)
+
+
+def moe_route(rt: CudaRuntime, ids: DeviceTensor, experts: int) -> MoeRouting:
+    """Group the [T, k] expert ids by expert (device memory only, so a captured step replays)."""
+    routing = MoeRouting(rt.empty((experts,), "i32"), rt.empty((experts + 1,), "i32"), rt.empty((ids.numel,), "i32"))
+    route = kp.MoeRouteParams(ids=ids.ptr, counts=routing.counts.ptr, offsets=routing.offsets.ptr, perm=routing.perm.ptr,
+                              num_slots=ids.numel, num_experts=experts)
+    rt.launch("atlas_moe_route", (1, 1, 1), (ROUTE_THREADS, 1, 1), route, 2 * experts * 4)
+    return routing
+
+
+def moe_combine(rt: CudaRuntime, y: DeviceTensor, out: DeviceTensor, top_k: int) -> None:
+    """out [T, H] = the sum of each token's k weighted slot rows y [T*k, H], in slot order."""
+    tokens, hidden = out.shape
+    combine = kp.MoeCombineParams(y=y.ptr, out=out.ptr, num_tokens=tokens, top_k=top_k, hidden=hidden)
+    quads = tokens * hidden // 4
+    rt.launch("atlas_moe_combine", (_ceil_div(quads, ELEMENTWISE_THREADS), 1, 1), (ELEMENTWISE_THREADS, 1, 1), combine)
+
+
 def _moe_grouped(rt: CudaRuntime, c: _MoeCall) -> None:
     tokens, hidden, top_k, experts, inter = c.dims
-    slots = tokens * top_k
-    counts = rt.empty((experts,), "i32")
-    offsets = rt.empty((experts + 1,), "i32")
-    perm = rt.empty((slots,), "i32")
-    route = kp.MoeRouteParams(ids=c.ids.ptr, counts=counts.ptr, offsets=offsets.ptr, perm=perm.ptr, num_slots=slots, num_experts=experts)
-    rt.launch("atlas_moe_route", (1, 1, 1), (ROUTE_THREADS, 1, 1), route, 2 * experts * 4)
-
-    act = rt.empty((slots, inter), "f32")  # [T*k, I], expert-major rows
-    y = rt.empty((slots, hidden), "f32")  # [T*k, H], one row per slot
+    routing = moe_route(rt, c.ids, experts)
+    act = rt.empty((tokens * top_k, inter), "f32")  # [T*k, I], expert-major rows
+    y = rt.empty((tokens * top_k, hidden), "f32")  # [T*k, H], one row per slot
     rt.memset_zero(y)  # slots with an invalid expert id stay zero
     m_tiles = _ceil_div(tokens, GEMM_BM)  # an expert has <= T rows; blocks loop over any extra tiles
-    common = dict(counts=counts.ptr, offsets=offsets.ptr, perm=perm.ptr, route_weights=c.weights.ptr, num_slots=slots, top_k=top_k, num_experts=experts)
+    common = routing.gemm_fields(c.weights, top_k)
     gate_up_params = kp.MoeGroupedGemmParams(a=c.x.ptr, weight=c.gate_up.ptr, out=act.ptr, n_out=inter, k_in=hidden, **common)
     grid = (_ceil_div(inter, GEMM_BN // 2), m_tiles, experts)
     rt.launch("atlas_moe_grouped_gemm_gate_up", grid, (GEMM_THREADS, 1, 1), gate_up_params)
     down_params = kp.MoeGroupedGemmParams(a=act.ptr, weight=c.down.ptr, out=y.ptr, n_out=hidden, k_in=inter, **common)
     rt.launch("atlas_moe_grouped_gemm_down", (_ceil_div(hidden, GEMM_BN), m_tiles, experts), (GEMM_THREADS, 1, 1), down_params)
-
-    combine = kp.MoeCombineParams(y=y.ptr, out=c.out.ptr, num_tokens=tokens, top_k=top_k, hidden=hidden)
-    quads = tokens * hidden // 4
-    rt.launch("atlas_moe_combine", (_ceil_div(quads, ELEMENTWISE_THREADS), 1, 1), (ELEMENTWISE_THREADS, 1, 1), combine)
+    moe_combine(rt, y, c.out, top_k)
 
 
 def add_sigmoid_scaled(rt: CudaRuntime, x: DeviceTensor, y: DeviceTensor, gate_logit: DeviceTensor) -> DeviceTensor:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from atlas.kernel_params import linear_moe as kp_moe
 from atlas.kernel_params import quant as kp
 
 from .ops_common import INT32_MAX, ceil_div as _ceil_div, expect as _expect
+from .ops_linear_moe import moe_combine, moe_route
 from .quant_weights import CHUNK, QuantWeight
 
 if TYPE_CHECKING:
@@ -28,11 +28,9 @@ GEMM_BN = 128
 MOE_THREADS = 128  # moe.cuh kGemmThreads
 MOE_BM = 64
 MOE_BN = 64
-MOE_ROUTE_THREADS = 1024
 MOE_GEMV_THREADS = 256  # moe_quant.cuh decode GEMVs: kQGemvThreads, one warp per output row
 MOE_GEMV_ROWS_PER_BLOCK = 8
 MOE_GEMV_MAX_TOKENS = 8  # as ops_linear_moe: per-slot GEMVs up to here, the grouped GEMM above
-ELEMENTWISE_THREADS = 256
 
 
 def _check_weight(op: str, w: QuantWeight, k: int) -> None:
@@ -128,20 +126,12 @@ def _moe_grouped(rt: CudaRuntime, io: tuple[DeviceTensor, ...], gate_up: QuantWe
     top_k = ids.shape[-1]
     experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
-    slots = tokens * top_k
-    counts = rt.empty((experts,), "i32")
-    offsets = rt.empty((experts + 1,), "i32")
-    perm = rt.empty((slots,), "i32")
-    route = kp_moe.MoeRouteParams(ids=ids.ptr, counts=counts.ptr, offsets=offsets.ptr, perm=perm.ptr,
-                                  num_slots=slots, num_experts=experts)
-    rt.launch("atlas_moe_route", (1, 1, 1), (MOE_ROUTE_THREADS, 1, 1), route, 2 * experts * 4)
-
-    act = rt.empty((slots, inter), "f32")  # [T*k, I], expert-major rows
-    y = rt.empty((slots, hidden), "f32")  # [T*k, H], one row per slot
+    routing = moe_route(rt, ids, experts)
+    act = rt.empty((tokens * top_k, inter), "f32")  # [T*k, I], expert-major rows
+    y = rt.empty((tokens * top_k, hidden), "f32")  # [T*k, H], one row per slot
     rt.memset_zero(y)  # slots with an invalid expert id stay zero
     m_tiles = _ceil_div(tokens, MOE_BM)  # an expert has <= T rows; blocks loop over any extra tiles
-    common = dict(counts=counts.ptr, offsets=offsets.ptr, perm=perm.ptr, route_weights=weights.ptr,
-                  num_slots=slots, top_k=top_k, num_experts=experts)
+    common = routing.gemm_fields(weights, top_k)
     fmt = gate_up.format
     gate_up_params = kp.MoeQuantGemmParams(a=x.ptr, weight=gate_up.q.ptr, scale=gate_up.scale.ptr,
                                            row_scale=gate_up.row_scale_ptr, out=act.ptr, n_out=inter, k_in=hidden, **common)
@@ -150,7 +140,4 @@ def _moe_grouped(rt: CudaRuntime, io: tuple[DeviceTensor, ...], gate_up: QuantWe
     down_params = kp.MoeQuantGemmParams(a=act.ptr, weight=down.q.ptr, scale=down.scale.ptr,
                                         row_scale=down.row_scale_ptr, out=y.ptr, n_out=hidden, k_in=inter, **common)
     rt.launch(f"atlas_moe_qgemm_{fmt}_down", (_ceil_div(hidden, MOE_BN), m_tiles, experts), (MOE_THREADS, 1, 1), down_params)
-
-    combine = kp_moe.MoeCombineParams(y=y.ptr, out=out.ptr, num_tokens=tokens, top_k=top_k, hidden=hidden)
-    quads = tokens * hidden // 4
-    rt.launch("atlas_moe_combine", (_ceil_div(quads, ELEMENTWISE_THREADS), 1, 1), (ELEMENTWISE_THREADS, 1, 1), combine)
+    moe_combine(rt, y, out, top_k)
