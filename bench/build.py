@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from build_tools.selection import existing_targets  # noqa: E402
 from atlas.targets import load_registry  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 
 def build(env: dict[str, str], out: Path) -> tuple[float, Path]:
@@ -107,8 +108,7 @@ def main() -> None:
     if len(parts) != 3 or not all(parts):
         parser.error(f"--tuple {args.tuple!r}: expected HW/MODEL/QUANT, e.g. h200/qwen3.6-35b-a3b/bf16")
     hw, model, quant = parts
-    commit = (subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-              or os.environ.get("ATLAS_COMMIT", "unknown (not a git checkout; set ATLAS_COMMIT)"))
+    commit = git_commit()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         results = [clean_and_noop(args.tuple, selection_env(work / "cache-one", hw, model, quant), work)]

@@ -15,7 +15,6 @@ os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"  # befo
 
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from atlas.backends.numpy_backend import NumpyBackend  # noqa: E402
 from atlas.config import load_spec  # noqa: E402
 from atlas.engine import Engine  # noqa: E402
 from atlas.safetensors import Checkpoint  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 BENCH_MODEL = TinyModel(
     vocab_size=2048, hidden_size=256, num_hidden_layers=8, full_attention_interval=4,
@@ -82,11 +82,6 @@ def machine() -> dict[str, object]:
     }
 
 
-def commit() -> str:
-    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return result.stdout.strip() or "unknown"
-
-
 @click.command()
 @click.option("--tokens", default=64, show_default=True, help="tokens to decode")
 @click.option("--prompt-tokens", default=32, show_default=True)
@@ -100,7 +95,7 @@ def main(tokens: int, prompt_tokens: int, out: Path | None) -> None:
     hf_rate, hf_tokens = transformers_decode(reference, prompt, tokens)
     result = {
         "date": now.isoformat(timespec="seconds"),
-        "commit": commit(),
+        "commit": git_commit(),
         "machine": machine(),
         "model": asdict(BENCH_MODEL),
         "prompt_tokens": prompt_tokens,

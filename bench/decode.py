@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import synthetic  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 PREFILL_LENGTHS = (512, 2048)
 DECODE_CONTEXT = 1024
@@ -231,14 +232,6 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -252,7 +245,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         config = synthetic.write_config(Path(tmp))
         spec = load_spec(Path(tmp))
-    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit(),
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
                               "machine": machine(), "model": "qwen3.6-35b-a3b dims, 40 layers, synthetic weights",
                               "batch": 1, "notes": []}
     atlas_run, copy_bps, device = run_atlas(spec, rng)

@@ -22,7 +22,6 @@ os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"  # befo
 
 import json
 import platform
-import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -45,6 +44,7 @@ from atlas.layers.rotary import Rotary  # noqa: E402
 from atlas.layers.step import Step  # noqa: E402
 from atlas.safetensors import Checkpoint  # noqa: E402
 from atlas.tokenizer import Tokenizer  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 SEED = 20261129
 
@@ -153,11 +153,6 @@ def claim(mse: dict) -> dict[str, object]:
     ratios = {f"{s}.{kv}": mse[s]["nvfp4"][kv] / mse[s]["turbo4"][kv] for s in mse for kv in ("k", "v")}
     holds = all(r >= 1.6 for r in ratios.values())
     return {"nvfp4_over_turbo4_mse": ratios, "holds_2x_within_20pct": holds}
-
-
-def git_commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return done.stdout.strip()
 
 
 @click.command()

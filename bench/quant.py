@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode  # noqa: E402
 import synthetic  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 PARTS = ("moe", "fp8", "nvfp4")
 MOE_TOKENS = 800
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         synthetic.write_config(Path(tmp))
         spec = load_spec(Path(tmp))
-    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": decode.commit(),
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
                               "machine": decode.machine(), "model": "qwen3.6-35b-a3b dims, 40 layers, synthetic weights",
                               "batch": 1, "notes": [], **cpu_numbers(spec)}
     if args.cpu_only:

@@ -16,7 +16,6 @@ os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"  # befo
 
 import json
 import platform
-import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,6 +34,7 @@ from atlas.engine import Engine  # noqa: E402
 from atlas.safetensors import Checkpoint  # noqa: E402
 from atlas.speculative import SpeculativeEngine  # noqa: E402
 from atlas.tokenizer import Tokenizer  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 RUNS = 3
 
@@ -54,11 +54,6 @@ def measure(engine: Engine, prompt: list[int], tokens: int) -> dict[str, Any]:
             tokens_per_pass=round((len(best.token_ids) - 1) / best.rounds, 3),
         )  # fmt: skip
     return result
-
-
-def git_commit() -> str:
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return run.stdout.strip() or "unknown"
 
 
 @click.command()
