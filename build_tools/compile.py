@@ -5,8 +5,9 @@
 --hw/--model/--quant take what ATLAS_TARGET_* take and default to those variables (--hw: else `*`). Output per
 tuple: <out>/<hw>/<model>/<quant>/{include/, tuple.cu, kernels.ptx, kernels.cubin};
 <out>/resources.{json,txt} and <out>/build.json. Each tuple is one module (the runtime loads one
-image per tuple): tuple.cu includes every kernels/<hw>/<model>/<quant>/*.cu, so diagnostics still
-name the real file:line. Tuples compile in parallel, one nvcc job per core; any register spill fails.
+image per tuple): tuple.cu includes every kernels/<hw>/<model>/<quant>/*.cu (a quantized tuple
+its bf16 sibling's too), so diagnostics still name the real file:line. Tuples compile in
+parallel, one nvcc job per core; any register spill fails.
 """
 
 from __future__ import annotations
@@ -182,9 +183,19 @@ def plan(registry: Registry, selection: Selection, nvcc: Nvcc, out: Path) -> lis
     for target in selection.targets:
         tuple_dir = out / target.rel
         write_headers(registry, TupleNames(target.hw, target.model, target.quant), tuple_dir / "include")
-        sources = sorted((kernels_dir() / target.rel).glob("*.cu"))
-        jobs.append(make_job(nvcc, registry.hardware[target.hw], target, sources, out))
+        jobs.append(make_job(nvcc, registry.hardware[target.hw], target, tuple_sources(target), out))
     return jobs
+
+
+def tuple_sources(target: Target) -> list[Path]:
+    """The tuple's .cu files; a quantized tuple also takes its bf16 sibling's, for the layers a
+    quantized checkpoint keeps in bf16 (embeddings, lm_head, router, norms, attention, DeltaNet),
+    so each tuple stays one complete module without a generated copy of the bf16 kernels."""
+    own = sorted((kernels_dir() / target.rel).glob("*.cu"))
+    if target.quant == "bf16":
+        return own
+    base = kernels_dir() / target.hw / target.model / "bf16"
+    return sorted(base.glob("*.cu")) + own
 
 
 def _module_record(result: JobResult) -> dict[str, object]:
