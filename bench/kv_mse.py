@@ -41,6 +41,7 @@ from atlas.kvcache import LEVELS, bytes_per_vector, round_trip  # noqa: E402
 from atlas.layers.attention import Attention, AttentionDims, AttentionWeights  # noqa: E402
 from atlas.layers.norm import RMSNorm  # noqa: E402
 from atlas.layers.rotary import Rotary  # noqa: E402
+from atlas.layers.split_linear import SplitLinear  # noqa: E402
 from atlas.layers.step import Step  # noqa: E402
 from atlas.safetensors import Checkpoint  # noqa: E402
 from atlas.tokenizer import Tokenizer  # noqa: E402
@@ -98,10 +99,9 @@ def qwen_kv(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         return RMSNorm((1.0 + 0.1 * rng.standard_normal(d.head_dim)).astype(np.float32), 1e-6)
 
     q_width, kv_width = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    weights = AttentionWeights(
-        mat(q_width, d.hidden), mat(q_width, d.hidden), mat(kv_width, d.hidden), mat(kv_width, d.hidden),
-        mat(d.hidden, q_width), norm(), norm(),
-    )  # fmt: skip
+    widths = (q_width, q_width, kv_width, kv_width)  # q, gate, k, v
+    qgkv = SplitLinear.single(np.concatenate([mat(w, d.hidden) for w in widths]), widths)
+    weights = AttentionWeights(qgkv, mat(d.hidden, q_width), norm(), norm())
     attention = Attention(weights, dims, Rotary(d.rotary_dim, d.theta))
     hidden = rng.standard_normal((d.tokens, d.hidden)).astype(np.float32)
     hidden /= np.sqrt(np.mean(hidden**2, axis=-1, keepdims=True))  # [T, H]

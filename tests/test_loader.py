@@ -21,6 +21,7 @@ from atlas.errors import AtlasError
 from atlas.layers.attention import Attention
 from atlas.layers.decoder import CausalLM
 from atlas.layers.linear_attention import GatedDeltaNet
+from atlas.layers.split_linear import SplitLinear
 from atlas.models import load_model
 from atlas.safetensors import Checkpoint
 
@@ -79,6 +80,12 @@ def one_line_error(model_dir: Path, *fragments: str) -> str:
     return message
 
 
+def assert_fused(fused: SplitLinear, parts: list[np.ndarray]) -> None:
+    """A float checkpoint's input projections are one weight: the parts stacked in order."""
+    assert len(fused.groups) == 1 and fused.widths == tuple(len(p) for p in parts)
+    np.testing.assert_array_equal(fused.groups[0].weight, np.concatenate(parts))
+
+
 def test_conventions_match_transformers_parameters(base: tuple[Path, torch.nn.Module]) -> None:
     model_dir, reference = base
     model = load(model_dir)
@@ -90,10 +97,15 @@ def test_conventions_match_transformers_parameters(base: tuple[Path, torch.nn.Mo
         if isinstance(layer.mixer, Attention):
             dims = layer.mixer.dims
             q_proj = ref.self_attn.q_proj.weight.detach().numpy().reshape(dims.num_heads, 2 * dims.head_dim, -1)
-            np.testing.assert_array_equal(layer.mixer.weights.q.reshape(q_proj[:, : dims.head_dim].shape), q_proj[:, : dims.head_dim])
-            np.testing.assert_array_equal(layer.mixer.weights.gate.reshape(q_proj[:, dims.head_dim :].shape), q_proj[:, dims.head_dim :])
+            query, gate = (q_proj[:, half].reshape(dims.num_heads * dims.head_dim, -1)
+                           for half in (slice(None, dims.head_dim), slice(dims.head_dim, None)))
+            k, v = (getattr(ref.self_attn, n).weight.detach().numpy() for n in ("k_proj", "v_proj"))
+            assert_fused(layer.mixer.weights.qgkv, [query, gate, k, v])
         else:
             assert isinstance(layer.mixer, GatedDeltaNet)
+            attn = ref.linear_attn
+            parts = [getattr(attn, f"in_proj_{n}").weight.detach().numpy() for n in ("qkv", "z", "b", "a")]
+            assert_fused(layer.mixer.weights.in_proj, parts)
             np.testing.assert_array_equal(layer.mixer.weights.norm.weight, ref.linear_attn.norm.weight.detach().numpy())
             np.testing.assert_array_equal(layer.mixer.weights.conv, ref.linear_attn.conv1d.weight.detach().numpy()[:, 0])
     np.testing.assert_array_equal(model.lm_head.weight, reference.lm_head.weight.detach().numpy())

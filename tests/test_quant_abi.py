@@ -419,8 +419,9 @@ def test_demo_through_the_device_layout_gives_the_same_logits(fmt: str, tmp_path
     spec = load_spec(model_dir)
     full = spec.layer_types.count("full_attention")
     assert backend.converted > 0
-    assert backend.stacks.count((1, True, 0)) == 2 * full  # q and gate of each q_proj
+    assert backend.stacks.count((3, True, 0)) == full  # q_proj (q and gate rows), k_proj, v_proj fused
     assert backend.stacks.count((2 * spec.num_experts, False, spec.num_experts)) == spec.num_hidden_layers
     assert backend.stacks.count((spec.num_experts, False, spec.num_experts)) == spec.num_hidden_layers
-    assert backend.stacks.count((2, False, 0)) == spec.num_hidden_layers  # shared expert gate + up
+    linear = spec.num_hidden_layers - full  # in_proj_qkv + in_proj_z fused (b and a stay bf16)
+    assert backend.stacks.count((2, False, 0)) == spec.num_hidden_layers + linear  # + shared expert gate + up
     np.testing.assert_array_equal(ours, run(NumpyBackend()))

@@ -117,7 +117,8 @@ def test_upload_quantized_hook(demo_dirs: dict[str, Path], method: str) -> None:
     ids = Tokenizer.open(DEMO_DIR).encode(zen_of_python())[:60]
     packed_logits = engine(demo_dirs[method], backend).logits(ids)
     names = {w.name for w in backend.received}
-    assert "model.layers.3.self_attn.k_proj.weight" in names and "model.layers.0.linear_attn.out_proj.weight" in names
+    assert "model.layers.3.self_attn.o_proj.weight" in names and "model.layers.0.linear_attn.out_proj.weight" in names
+    assert "model.layers.3.self_attn.k_proj.weight" not in names  # fused with q / gate / v: no row hook here
     assert all(w.method == method and w.parts["weight"].dtype.itemsize == 1 for w in backend.received)
     assert not any("mlp.gate." in n or "embed_tokens" in n for n in names)
     np.testing.assert_array_equal(packed_logits, engine(demo_dirs[method]).logits(ids))

@@ -9,17 +9,27 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from .backends.base import Backend, Tensor
 from .errors import AtlasError
+from .layers.split_linear import SplitLinear, WeightGroup
 from .quant.stored import QuantizedTensors
 from .safetensors import Checkpoint
 
 TEXT_PREFIXES = ("model.language_model.", "model.")  # multimodal (nested) first, then text-only
 READABLE_DTYPES = frozenset({"F32", "BF16", "F16", "F64"})
 Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RowPart:
+    """Rows of one planned matrix: one part of a fused projection."""
+
+    name: str
+    rows: np.ndarray | None = None  # None: every row, in order
 
 
 def find_text_prefix(checkpoint: Checkpoint, probe: str) -> str:
@@ -129,6 +139,36 @@ class WeightReader:
             self._bar.update(weight.nbytes)
         upload = self.backend.upload_quantized_rows  # type: ignore[attr-defined]
         return [upload(weights, rows, experts) for rows in row_sets]
+
+    def split_linear(self, parts: Sequence[RowPart]) -> SplitLinear:
+        """The parts (linears of one input) stacked by rows into one weight per storage: the
+        quantized matrices packed together when `can_pack` (fp8 / nvfp4 on the GPU), the others
+        together as float. Each named matrix is read once, however many parts it gives."""
+        self._check_planned([p.name for p in parts])
+        packed = tuple(i for i, p in enumerate(parts) if self.can_pack([p.name]))
+        plain = tuple(i for i in range(len(parts)) if i not in packed)
+        groups = [self._packed_group(parts, packed)] if packed else []
+        if plain:
+            groups.append(self._float_group(parts, plain))
+        return SplitLinear(tuple(groups))
+
+    def _rows_of(self, part: RowPart) -> np.ndarray:
+        return np.arange(self._plan[part.name][0]) if part.rows is None else np.asarray(part.rows)
+
+    def _packed_group(self, parts: Sequence[RowPart], indices: tuple[int, ...]) -> WeightGroup:
+        names = list(dict.fromkeys(parts[i].name for i in indices))
+        heights = [self._plan[n][0] for n in names]
+        offsets = dict(zip(names, np.cumsum([0, *heights[:-1]]).tolist()))
+        rows = [offsets[parts[i].name] + self._rows_of(parts[i]) for i in indices]
+        selection = np.concatenate(rows)
+        every_row = np.array_equal(selection, np.arange(sum(heights)))
+        (weight,) = self.packed(names, (None if every_row else selection,))
+        return WeightGroup(weight, tuple(len(r) for r in rows), indices)
+
+    def _float_group(self, parts: Sequence[RowPart], indices: tuple[int, ...]) -> WeightGroup:
+        arrays = {name: self.array(name) for name in dict.fromkeys(parts[i].name for i in indices)}
+        blocks = [arrays[parts[i].name][self._rows_of(parts[i])] for i in indices]  # [rows, K] each
+        return WeightGroup(self.upload(np.concatenate(blocks)), tuple(len(b) for b in blocks), indices)
 
     def close(self) -> None:
         self._bar.close()

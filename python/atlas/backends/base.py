@@ -16,7 +16,7 @@ arguments documented as updated in place (caches, conv and recurrent states).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -32,6 +32,12 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
+
+
+def check_split_widths(weight_shape: tuple[int, ...], widths: Sequence[int]) -> None:
+    """linear_split's contract on its arguments (ValueError: a wrong call is a bug in the caller)."""
+    if len(weight_shape) != 2 or not widths or min(widths) <= 0 or sum(widths) != weight_shape[0]:
+        raise ValueError(f"linear_split: widths {list(widths)} do not split a weight of shape {weight_shape} by rows")
 
 
 @runtime_checkable
@@ -66,6 +72,12 @@ class Backend(Protocol):
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         """x [T, Kin], weight [N, Kin] -> x @ weight.T  [T, N]."""
+
+    def linear_split(self, x: Tensor, weight: Tensor, widths: Sequence[int]) -> list[Tensor]:
+        """x [T, Kin], weight [sum(widths), Kin] (several linears of the same input stacked by rows)
+        -> [x @ part.T for each row block of `widths` rows], each [T, width], contiguous: one
+        linear split by columns. The CUDA backend runs one GEMV at T == 1 (its parts are views of
+        that output) and one GEMM per part (on row views of the weight) above."""
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """gate_up [T, 2I] (gate first) -> silu(gate) * up  [T, I]."""

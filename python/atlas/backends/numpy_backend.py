@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..sampling import choose_token
-from .base import SamplingParams, StorageDType, Tensor
+from .base import SamplingParams, StorageDType, Tensor, check_split_widths
 
 DecodeStep = Callable[[Tensor, Tensor], Tensor]
 
@@ -181,6 +181,13 @@ class NumpyBackend:
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         return x @ weight.T
+
+    def linear_split(self, x: Tensor, weight: Tensor, widths: Sequence[int]) -> list[Tensor]:
+        """One matmul per part: BLAS may round a column block of a wider product differently, and
+        the reference must not depend on how the loader grouped the parts (storage, backend hooks)."""
+        check_split_widths(weight.shape, widths)
+        bounds = np.cumsum([0, *widths])
+        return [x @ weight[a:b].T for a, b in zip(bounds, bounds[1:])]  # [T, width] each
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         half = gate_up.shape[-1] // 2

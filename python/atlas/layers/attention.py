@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..backends.base import Backend, Tensor
 from .norm import RMSNorm
 from .rotary import Rotary
+from .split_linear import SplitLinear
 from .step import Step
 
 
@@ -19,10 +20,7 @@ class AttentionDims:
 
 @dataclass(frozen=True)
 class AttentionWeights:
-    q: Tensor  # [Hq*D, H]   query half of q_proj
-    gate: Tensor  # [Hq*D, H]   output-gate half of q_proj
-    k: Tensor  # [Hkv*D, H]
-    v: Tensor  # [Hkv*D, H]
+    qgkv: SplitLinear  # parts q [Hq*D], gate [Hq*D] (the halves of q_proj), k [Hkv*D], v [Hkv*D]
     o: Tensor  # [H, Hq*D]
     q_norm: RMSNorm  # [D]
     k_norm: RMSNorm  # [D]
@@ -47,10 +45,10 @@ class Attention:
     def __call__(self, step: Step, x: Tensor, cache: KVCache, name: str) -> Tensor:
         be, w, d = step.backend, self.weights, self.dims
         tokens = x.shape[0]
-        q = be.linear(x, w.q).reshape(tokens, d.num_heads, d.head_dim)  # [T, Hq, D]
-        gate = be.linear(x, w.gate)  # [T, Hq*D]
-        k = be.linear(x, w.k).reshape(tokens, d.num_kv_heads, d.head_dim)  # [T, Hkv, D]
-        v = be.linear(x, w.v).reshape(tokens, d.num_kv_heads, d.head_dim)  # [T, Hkv, D]
+        q, gate, k, v = w.qgkv(be, x)  # [T, Hq*D] x 2, [T, Hkv*D] x 2
+        q = q.reshape(tokens, d.num_heads, d.head_dim)  # [T, Hq, D]
+        k = k.reshape(tokens, d.num_kv_heads, d.head_dim)  # [T, Hkv, D]
+        v = v.reshape(tokens, d.num_kv_heads, d.head_dim)  # [T, Hkv, D]
         q = step.emit(f"{name}.q", self._norm_rope(step, q, w.q_norm))
         k = step.emit(f"{name}.k", self._norm_rope(step, k, w.k_norm))
         step.emit(f"{name}.v", v)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..backends.base import Backend, Tensor
 from .norm import RMSNorm
+from .split_linear import SplitLinear
 from .step import Step
 
 
@@ -24,10 +25,7 @@ class DeltaNetDims:
 
 @dataclass(frozen=True)
 class DeltaNetWeights:
-    qkv: Tensor  # [C, H]  in_proj_qkv
-    z: Tensor  # [Hv*Dv, H]
-    b: Tensor  # [Hv, H]
-    a: Tensor  # [Hv, H]
+    in_proj: SplitLinear  # parts in_proj_qkv [C], in_proj_z [Hv*Dv], in_proj_b [Hv], in_proj_a [Hv]
     conv: Tensor  # [C, K]
     A_log: Tensor  # [Hv]
     dt_bias: Tensor  # [Hv]
@@ -56,10 +54,8 @@ class GatedDeltaNet:
     def __call__(self, step: Step, x: Tensor, state: DeltaNetState, name: str) -> Tensor:
         be, w, d = step.backend, self.weights, self.dims
         tokens = x.shape[0]
-        mixed = be.linear(x, w.qkv)  # [T, C]
-        z = be.linear(x, w.z).reshape(tokens, d.num_v_heads, d.v_head_dim)  # [T, Hv, Dv]
-        b = be.linear(x, w.b)  # [T, Hv]
-        a = be.linear(x, w.a)  # [T, Hv]
+        mixed, z, b, a = w.in_proj(be, x)  # [T, C], [T, Hv*Dv], [T, Hv], [T, Hv]
+        z = z.reshape(tokens, d.num_v_heads, d.v_head_dim)  # [T, Hv, Dv]
         mixed = step.emit(f"{name}.conv", be.causal_conv1d(mixed, w.conv, state.conv))  # [T, C]
         core = be.gated_delta_rule(mixed, a, b, w.A_log, w.dt_bias, state.recurrent, d.num_k_heads)
         step.emit(f"{name}.core", core)  # [T, Hv, Dv]

@@ -24,7 +24,7 @@ from ..layers.mlp import Mlp
 from ..layers.moe import SparseMoe
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary
-from ..loader import Shape, WeightReader, find_text_prefix
+from ..loader import RowPart, Shape, WeightReader, find_text_prefix
 from ..safetensors import Checkpoint
 
 
@@ -120,27 +120,23 @@ def centred_norm(reader: WeightReader, name: str, eps: float) -> RMSNorm:
     return RMSNorm(reader.upload(1.0 + reader.array(name)), eps)
 
 
-def query_and_gate(reader: WeightReader, name: str, dims: AttentionDims) -> tuple[Tensor, Tensor]:
+def query_and_gate(name: str, dims: AttentionDims) -> tuple[RowPart, RowPart]:
     """q_proj [Hq * 2 * D, H] holds per head D query rows, then D gate rows."""
     query_rows = (np.arange(dims.num_heads)[:, None] * 2 * dims.head_dim + np.arange(dims.head_dim)).reshape(-1)
-    if reader.can_pack([name]):
-        q, gate = reader.packed([name], (query_rows, query_rows + dims.head_dim))
-        return q, gate
-    q_proj = reader.array(name)  # [Hq * 2 * D, H]
-    return reader.upload(q_proj[query_rows]), reader.upload(q_proj[query_rows + dims.head_dim])
+    return RowPart(name, query_rows), RowPart(name, query_rows + dims.head_dim)
 
 
 def build_attention(reader: WeightReader, s: ModelSpec, p: str) -> Attention:
     dims = AttentionDims(s.num_attention_heads, s.num_key_value_heads, s.head_dim)
-    q, gate = query_and_gate(reader, f"{p}self_attn.q_proj.weight", dims)
+    attn = f"{p}self_attn."
+    qgkv = reader.split_linear([
+        *query_and_gate(f"{attn}q_proj.weight", dims), RowPart(f"{attn}k_proj.weight"), RowPart(f"{attn}v_proj.weight"),
+    ])  # fmt: skip
     weights = AttentionWeights(
-        q=q,
-        gate=gate,
-        k=reader.tensor(f"{p}self_attn.k_proj.weight"),
-        v=reader.tensor(f"{p}self_attn.v_proj.weight"),
-        o=reader.tensor(f"{p}self_attn.o_proj.weight"),
-        q_norm=centred_norm(reader, f"{p}self_attn.q_norm.weight", s.rms_norm_eps),
-        k_norm=centred_norm(reader, f"{p}self_attn.k_norm.weight", s.rms_norm_eps),
+        qgkv=qgkv,
+        o=reader.tensor(f"{attn}o_proj.weight"),
+        q_norm=centred_norm(reader, f"{attn}q_norm.weight", s.rms_norm_eps),
+        k_norm=centred_norm(reader, f"{attn}k_norm.weight", s.rms_norm_eps),
     )
     return Attention(weights, dims, Rotary(s.rotary_dim, s.rope_theta))
 
@@ -149,10 +145,7 @@ def build_delta_net(reader: WeightReader, s: ModelSpec, p: str) -> GatedDeltaNet
     dims = delta_net_dims(s)
     la = f"{p}linear_attn."
     weights = DeltaNetWeights(
-        qkv=reader.tensor(f"{la}in_proj_qkv.weight"),
-        z=reader.tensor(f"{la}in_proj_z.weight"),
-        b=reader.tensor(f"{la}in_proj_b.weight"),
-        a=reader.tensor(f"{la}in_proj_a.weight"),
+        in_proj=reader.split_linear([RowPart(f"{la}in_proj_{part}.weight") for part in ("qkv", "z", "b", "a")]),
         conv=reader.upload(reader.array(f"{la}conv1d.weight")[:, 0, :]),  # [C, K]
         A_log=reader.tensor(f"{la}A_log"),
         dt_bias=reader.tensor(f"{la}dt_bias"),

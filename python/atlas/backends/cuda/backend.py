@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import AtlasError
-from ..base import SamplingParams, StorageDType
+from ..base import SamplingParams, StorageDType, check_split_widths
 from . import ops_dense, ops_kv, ops_linear_moe, ops_quant
 from .graph import GraphedDecodeStep
 from .ops_kv import QuantizedKVCache
@@ -105,6 +105,18 @@ class CudaBackend:
             return ops_quant.linear(self.rt, x, weight)
         return ops_dense.linear(self.rt, x, weight)
 
+    def linear_split(self, x: DeviceTensor, weight: DeviceTensor | QuantWeight,
+                     widths: Sequence[int]) -> list[DeviceTensor]:
+        """Decode (one token): one GEMV, its [1, N] output cut into views. More tokens: a column
+        block of a [T, N] output is not contiguous, so one linear per part on a row view of the
+        weight (prefill GEMMs are compute-bound; launches are not what they cost)."""
+        check_split_widths(weight.shape, widths)
+        bounds = np.cumsum([0, *widths]).tolist()
+        if x.numel == x.shape[-1]:
+            out = self.linear(x, weight)  # [1, N]
+            return [out.elements(a, b).reshape(*x.shape[:-1], b - a) for a, b in zip(bounds, bounds[1:])]
+        return [self.linear(x, weight.rows(a, b)) for a, b in zip(bounds, bounds[1:])]
+
     def upload_quantized(self, weight: Any) -> QuantWeight:
         """The loader's hook: a checkpoint's fp8 / nvfp4 matrix, uploaded packed (quant_weights.py)."""
         try:
@@ -114,8 +126,9 @@ class CudaBackend:
         return upload_quant(self.uploader, host)
 
     def upload_quantized_rows(self, weights: Sequence[Any], rows: np.ndarray | None, experts: int) -> QuantWeight:
-        """The loader's `packed`: quantized matrices stacked by rows (gate + up, experts), then the
-        `rows` selection (q / gate of q_proj), uploaded packed; experts > 0: [E, rows / E, K]."""
+        """The loader's `packed`: quantized matrices stacked by rows (gate + up, experts, a fused
+        projection), then the `rows` selection (q / gate rows of q_proj), uploaded packed;
+        experts > 0: [E, rows / E, K]."""
         try:
             host = stack_rows([from_quantized_weight(w) for w in weights])
         except ValueError as err:

@@ -1,7 +1,8 @@
 """Quantized weights in the device layout of the fp8 / nvfp4 kernels (quant_common.cuh).
 
-Every array is indexed by weight row, so slicing rows (the q / gate split of q_proj) and stacking
-matrices (gate + up, experts) are plain row operations:
+Every array is indexed by weight row, so slicing rows (the q / gate split of q_proj, a part of a
+fused projection: `QuantWeight.rows`) and stacking matrices (gate + up, experts, a layer's input
+projections) are plain row operations:
   fp8:   q u8 [rows, k] e4m3; scale f32 [rows, ceil(k / 128)] (the checkpoint's 128x128 block
          scales repeated per row); row_scale None.
   nvfp4: q u8 [rows, k / 2] (element 2i in the low nibble); scale u8 e4m3 [rows, k / 16];
@@ -122,6 +123,16 @@ class QuantWeight:
     @property
     def row_scale_ptr(self) -> int | None:
         return None if self.row_scale is None else self.row_scale.ptr
+
+    def rows(self, start: int, stop: int) -> QuantWeight:
+        """The view of rows start..stop-1 of a (rows, k) weight. Exact at any row in both formats:
+        every array of the device layout is indexed by weight row (fp8's block scales are
+        repeated per row), and the kernels address row r at base + r * row stride."""
+        _check(len(self.shape) == 2, f"rows() of a stacked weight {self.shape}")
+        _check(0 <= start <= stop <= self.shape[0], f"rows({start}, {stop}) out of range for shape {self.shape}")
+        row_scale = None if self.row_scale is None else self.row_scale.rows(start, stop)
+        return QuantWeight(self.format, self.q.rows(start, stop), self.scale.rows(start, stop), row_scale,
+                           (stop - start, self.k))
 
 
 def upload(uploader: Uploader, host: HostQuantWeight, experts: int = 0) -> QuantWeight:

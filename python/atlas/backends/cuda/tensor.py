@@ -51,6 +51,12 @@ class DeviceTensor:
             self.ptr + start * row_bytes, (stop - start, *self.shape[1:]), self.dtype, self.owner
         )
 
+    def elements(self, start: int, stop: int) -> DeviceTensor:
+        """The 1-D view of flat elements start..stop-1 (a column range of a one-row matrix)."""
+        if not 0 <= start <= stop <= self.numel:
+            raise ValueError(f"elements({start}, {stop}) out of range for shape {self.shape}")
+        return DeviceTensor(self.ptr + start * self.itemsize, (stop - start,), self.dtype, self.owner)
+
 
 def _resolve_shape(shape: tuple[int, ...], numel: int) -> tuple[int, ...]:
     if shape.count(-1) > 1:
