@@ -239,8 +239,9 @@ def compile_selection(registry: Registry, selection: Selection, out: Path, jobs:
     cache_dir = default_cache_dir()
     out.mkdir(parents=True, exist_ok=True)
     work = plan(registry, selection, nvcc, out)
-    nvcc_version = nvcc.version(cache_dir) if work else ""
-    compiler_id = nvcc.identity() + nvcc_version if work else ""
+    identity = nvcc.identity(cache_dir) if work else ""
+    nvcc_version = nvcc.version(cache_dir, identity) if work else ""
+    compiler_id = identity + nvcc_version
     print(f"atlas: nvcc {nvcc.path} ({nvcc.source}); {sum(len(j.sources) for j in work)} kernel files in {len(selection.targets)} tuples", flush=True)
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         results = list(pool.map(lambda j: run_job(j, compiler_id, cache_dir), work))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -13,31 +12,22 @@ from pathlib import Path
 
 from atlas.errors import AtlasError
 
+from .toolchain import fingerprint, resolve_toolchain
+
 
 @dataclass(frozen=True)
 class Nvcc:
     path: Path
     source: str  # which rule found it, for the build log
 
-    def tool_files(self) -> list[Path]:
-        """nvcc and the programs it runs (cicc, ptxas): their bytes identify the compiler."""
-        bindir = self.path.resolve().parent
-        candidates = [self.path.resolve(), bindir / "ptxas", bindir.parent / "nvvm" / "bin" / "cicc"]
-        return [p for p in candidates if p.is_file()]
+    def identity(self, cache_dir: Path) -> str:
+        """Content fingerprint of the toolchain behind this path (build_tools/toolchain.py): the
+        real nvcc, cicc, ptxas, cudafe++, libdevice, the CUDA headers, the host compiler."""
+        return fingerprint(resolve_toolchain(self.path), cache_dir)
 
-    def identity(self) -> str:
-        """Content hash of the compiler binaries (path-independent, so isolated builds share a cache)."""
-        digest = hashlib.sha256()
-        for path in self.tool_files():
-            digest.update(path.name.encode())
-            with path.open("rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(chunk)
-        return digest.hexdigest()
-
-    def version(self, cache_dir: Path) -> str:
-        """`nvcc --version`'s release line, remembered per compiler identity (no rerun when cached)."""
-        memo = cache_dir / f"nvcc-version-{self.identity()[:16]}.txt"
+    def version(self, cache_dir: Path, identity: str) -> str:
+        """`nvcc --version`'s release line, remembered per toolchain identity (no rerun when cached)."""
+        memo = cache_dir / f"nvcc-version-{identity[:16]}.txt"
         if memo.is_file():
             return memo.read_text(encoding="utf-8").strip()
         out = subprocess.run([str(self.path), "--version"], capture_output=True, text=True, check=False).stdout

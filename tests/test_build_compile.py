@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +102,44 @@ def test_compile_cache_and_resource_table(env: dict[str, str]) -> None:
     header.write_text(HEADER.format(factor=3.5))
     third = _compile(env, "--hw", "h200")
     assert third.returncode == 0 and any("-ptx" in c for c in _nvcc_calls(env)), "a header change must recompile"
+
+
+def _private_toolchain(tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the real nvcc binary whose nvcc.profile puts a ptxas shim first on its PATH
+    (cicc, headers and the real ptxas stay where they are): (that nvcc, the shim)."""
+    from build_tools.toolchain import resolve_toolchain
+
+    real = resolve_toolchain(find_nvcc().path)
+    if real.tools["nvcc"].read_bytes()[:4] != b"\x7fELF" or "ptxas" not in real.tools:
+        pytest.skip(f"the nvcc behind {find_nvcc().path} is not a CUDA binary with a ptxas beside it")
+    bindir = tmp_path / "private-cuda" / "bin"
+    bindir.mkdir(parents=True)
+    shutil.copy2(real.nvcc, bindir / "nvcc")
+    top = real.nvcc.parent.parent
+    profile = (real.nvcc.parent / "nvcc.profile").read_text()
+    profile = re.sub(r"(?m)^TOP\s*=.*$", f"TOP = {top}", profile)
+    profile = re.sub(r"(?m)^PATH\s*\+=\s*", f"PATH += $(_HERE_):{real.nvcc.parent}:", profile)
+    (bindir / "nvcc.profile").write_text(profile)
+    shim = bindir / "ptxas"
+    shim.write_text(f'#!/bin/sh\n# stand-in 1\nexec "{real.tools["ptxas"]}" "$@"\n')
+    shim.chmod(0o755)
+    return bindir / "nvcc", shim
+
+
+def test_a_new_ptxas_behind_the_same_wrapper_recompiles(env: dict[str, str], tmp_path: Path) -> None:
+    nvcc, ptxas = _private_toolchain(tmp_path)
+    wrapper = Path(env["ATLAS_NVCC"])
+    wrapper.write_text(wrapper.read_text().replace(str(find_nvcc().path), str(nvcc)))
+    assert _compile(env, "--hw", "h200").returncode == 0
+    Path(env["NVCC_LOG"]).unlink()
+    hit = _compile(env, "--hw", "h200")
+    assert hit.returncode == 0 and "1 from cache" in hit.stdout and _nvcc_calls(env) == []
+    wrapper_bytes = wrapper.read_bytes()
+    ptxas.write_text(ptxas.read_text().replace("stand-in 1", "stand-in 2"))
+    miss = _compile(env, "--hw", "h200")
+    assert wrapper.read_bytes() == wrapper_bytes
+    assert miss.returncode == 0 and "1 tuples compiled, 0 from cache" in miss.stdout, miss.stdout
+    assert any("-cubin" in c for c in _nvcc_calls(env)), "a changed ptxas must recompile"
 
 
 def test_compiler_error_shows_file_and_line(env: dict[str, str]) -> None:
