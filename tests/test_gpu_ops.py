@@ -359,3 +359,28 @@ def test_sample_matches_reference(env: Env, rng: np.random.Generator) -> None:
             got = env.gpu.to_numpy(env.gpu.sample(env.gpu.upload(logits, "f32"), params, uniform))
             want = env.ref.sample(logits, params, uniform)
             assert got.shape == (1,) and int(got[0]) == int(want[0]), f"{params} u={uniform}"
+
+
+def test_sample_extremes_match_reference(env: Env, rng: np.random.Generator) -> None:
+    """Temperatures whose logits / T overflow (1e-30 on large logits), round to a float32 denormal
+    (1e-45) or to 0 (1e-60); top_p that rounds to 0; NaN and +inf logits: the reference's token,
+    never an unwritten output (the scratch is poisoned)."""
+    v = env.d("vocab_size")
+    cases: list[tuple[SamplingParams, str]] = [
+        (SamplingParams(1e-30, 0, 1.0), "large"), (SamplingParams(1e-45, 5, 1.0), "plain"),
+        (SamplingParams(1e-60, 0, 0.9), "plain"), (SamplingParams(1.0, 0, 1e-50), "plain"),
+        (SamplingParams(0.9, 20, 0.95), "nan"), (SamplingParams(1.0, 0, 1.0), "inf"),
+    ]
+    for params, kind in cases:
+        for _ in range(3):
+            logits = normal(rng, 1, v, scale=4)
+            if kind == "large":
+                logits *= 1e10
+            elif kind in ("nan", "inf"):
+                logits[0, rng.choice(v, size=7, replace=False)] = np.nan if kind == "nan" else np.inf
+            uniform = float(rng.random())
+            env.gpu.rt.reset_step()
+            env.gpu.rt.poison_scratch()
+            got = env.gpu.to_numpy(env.gpu.sample(env.gpu.upload(logits, "f32"), params, uniform))
+            want = env.ref.sample(logits, params, uniform)
+            assert got.shape == (1,) and int(got[0]) == int(want[0]), f"{params} {kind} u={uniform}"

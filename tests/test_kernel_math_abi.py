@@ -430,9 +430,9 @@ def _tally(probs: np.ndarray, threshold: float, floor: float, mass: bool) -> flo
     return float(kept.astype(np.float64).sum()) if mass else float(kept.size)
 
 
-def _bisect(probs: np.ndarray, goal: float, floor: float, mass: bool) -> float:
-    """sample_bisect: the largest non-negative float t with tally(t) >= goal."""
-    lo, hi = 0, int(np.float32(1.0).view(np.uint32)) + 1
+def _bisect(probs: np.ndarray, goal: float, floor: float, mass: bool, pmax: np.float32) -> float:
+    """sample_bisect: the largest float t in [0, pmax] with tally(t) >= goal."""
+    lo, hi = 0, int(pmax.view(np.uint32)) + 1
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
         if _tally(probs, float(np.uint32(mid).view(np.float32)), floor, mass) >= goal:
@@ -443,15 +443,22 @@ def _bisect(probs: np.ndarray, goal: float, floor: float, mass: bool) -> float:
 
 
 def emulate_sample(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
-    scaled = logits / np.float32(params.temperature)
-    e = np.exp(scaled - scaled.max())
-    probs = (e / e.sum()).astype(np.float32)  # sample_softmax
+    temperature = np.float32(params.temperature)  # SampleParams.temperature is f32
+    temperature = temperature if temperature > np.finfo(np.float32).tiny else np.finfo(np.float32).tiny
+    z = np.where(np.isnan(logits), np.float32(-np.inf), logits)  # sample_logit
+    zmax = z.max()
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.where(z == zmax, np.float32(1), np.exp((z - zmax) / temperature)).astype(np.float32)
+    total = e.sum(dtype=np.float32)
+    probs = (e / total).astype(np.float32)  # sample_softmax
+    pmax = np.float32(1) / total
     floor = 0.0
     if 0 < params.top_k < probs.size:
-        floor = _bisect(probs, float(params.top_k), 0.0, False)
-    if params.top_p < 1.0:
+        floor = _bisect(probs, float(params.top_k), 0.0, False, pmax)
+    top_p = np.float32(params.top_p)
+    if top_p < 1.0:
         kept = _tally(probs, 0.0, floor, True)
-        floor = max(floor, _bisect(probs, float(np.float32(params.top_p)) * kept, floor, True))
+        floor = max(floor, _bisect(probs, float(top_p) * kept, floor, True, pmax))
     masses = np.where(probs >= floor, probs, 0).astype(np.float64)
     target = float(np.float32(uniform)) * _tally(probs, 0.0, floor, True)  # SampleParams.uniform is f32
     above = np.nonzero((masses > 0) & (np.cumsum(masses) > target))[0]  # sample_draw
@@ -468,6 +475,29 @@ def test_sort_free_sample_equals_the_reference_choice(rng: np.random.Generator) 
             uniform = float(rng.random())
             assert emulate_sample(logits, params, uniform) == choose_token(logits, params, uniform), params
 
+
+
+def test_sort_free_sample_extremes_equal_the_reference_choice(rng: np.random.Generator) -> None:
+    """logits / T overflowing (tiny T on large logits), T rounding to a denormal or 0 in float32,
+    top_p rounding to 0, NaN and +inf logits: same token as the reference, never an index past
+    the vocabulary or a NaN draw."""
+    cases = [(SamplingParams(1e-30, 0, 1.0), "large"), (SamplingParams(1e-45, 5, 1.0), "plain"),
+             (SamplingParams(1e-60, 0, 0.9), "plain"), (SamplingParams(1.0, 0, 1e-50), "plain"),
+             (SamplingParams(1.0, 3, 1e-50), "plain"), (SamplingParams(0.9, 20, 0.95), "nan"),
+             (SamplingParams(1.0, 0, 1.0), "inf"), (SamplingParams(0.5, 4, 0.5), "dead")]
+    for params, kind in cases:
+        for _ in range(4):
+            logits = (rng.standard_normal(3000) * 4).astype(np.float32)
+            if kind == "large":
+                logits *= np.float32(1e10)
+            elif kind in ("nan", "inf"):
+                logits[rng.choice(3000, size=7, replace=False)] = np.nan if kind == "nan" else np.inf
+            elif kind == "dead":
+                logits[:] = -np.inf
+            uniform = float(rng.random())
+            token = emulate_sample(logits, params, uniform)
+            assert 0 <= token < 3000 and not np.isnan(logits[token])
+            assert token == choose_token(logits, params, uniform), (params, kind)
 
 # --- conv1d.cuh: token chunks per block, window from x or the state, state written by chunk 0 ------
 def emulate_causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray) -> np.ndarray:

@@ -253,6 +253,52 @@ def test_sample_top_k_one_is_argmax(rng: np.random.Generator) -> None:
         assert be.sample(logits, SamplingParams(1.0, 1, 1.0), float(uniform))[0] == np.argmax(logits[0])
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 1e-38, 1e-45, 1e-60])
+def test_sample_tiny_temperature_is_greedy(rng: np.random.Generator, temperature: float) -> None:
+    """logits / T overflows for T this small: the softmax must still be finite (the max gets it all)."""
+    from atlas.sampling import softmax_probs
+
+    logits = randn(rng, 1, 300, scale=5.0)
+    probs = softmax_probs(logits[0], temperature)
+    assert np.all(np.isfinite(probs)) and probs[np.argmax(logits[0])] == 1.0
+    for uniform in rng.uniform(0, 1, 20):
+        for top_k, top_p in [(0, 1.0), (7, 1.0), (0, 0.5), (3, 0.9)]:
+            token = be.sample(logits, SamplingParams(temperature, top_k, top_p), float(uniform))
+            assert token[0] == np.argmax(logits[0]), (top_k, top_p, uniform)
+
+
+def test_sample_nan_and_infinite_logits(rng: np.random.Generator) -> None:
+    """NaN logits are never drawn, +inf logits share all the mass, an all -inf row stays in range."""
+    from atlas.sampling import softmax_probs
+
+    logits = randn(rng, 1, 64)
+    nan_at = rng.choice(64, size=5, replace=False)
+    logits[0, nan_at] = np.nan
+    inf_at = np.sort(rng.choice(np.setdiff1d(np.arange(64), nan_at), size=2, replace=False))
+    for uniform in rng.uniform(0, 1, 50):
+        token = int(be.sample(logits, SamplingParams(0.8, 0, 0.95), float(uniform))[0])
+        assert token not in nan_at
+    logits[0, inf_at] = np.inf
+    probs = softmax_probs(logits[0], 1.0)
+    np.testing.assert_array_equal(probs[inf_at], [0.5, 0.5])
+    for uniform in rng.uniform(0, 1, 20):
+        assert int(be.sample(logits, SamplingParams(1.0, 0, 1.0), float(uniform))[0]) in inf_at
+    dead = np.full((1, 64), -np.inf, dtype=np.float32)
+    dead[0, nan_at] = np.nan
+    assert np.all(np.isfinite(softmax_probs(dead[0], 0.5)))
+    assert 0 <= int(be.sample(dead, SamplingParams(0.5, 4, 0.5), float(rng.random()))[0]) < 64
+
+
+def test_sample_extreme_top_p_and_temperature(rng: np.random.Generator) -> None:
+    """top_p that rounds to 0 in float32 keeps the most likely token; a temperature past float32's
+    range is uniform, never NaN."""
+    logits = randn(rng, 1, 50, scale=3.0)
+    for uniform in rng.uniform(0, 1, 20):
+        assert be.sample(logits, SamplingParams(1.0, 0, 1e-50), float(uniform))[0] == np.argmax(logits[0])
+    draws = {int(be.sample(logits, SamplingParams(1e300, 0, 1.0), float(u))[0]) for u in rng.uniform(0, 1, 400)}
+    assert len(draws) > 40
+
+
 def test_ops_leave_their_inputs_unchanged(rng: np.random.Generator) -> None:
     x, res, w = randn(rng, 6, 16), randn(rng, 6, 16), randn(rng, 16)
     heads = randn(rng, 6, 2, 16)

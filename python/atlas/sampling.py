@@ -19,9 +19,16 @@ def check_sampling(params: SamplingParams) -> None:
 
 
 def softmax_probs(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """logits [V] -> softmax(logits / temperature) [V] float32."""
-    scaled = logits.astype(np.float32) / np.float32(temperature)  # [V]
-    exp = np.exp(scaled - scaled.max())  # [V]
+    """logits [V] -> softmax(logits / temperature) [V] float32, as (z - max z) / T so a tiny T
+    cannot overflow: z is the logit with NaN read as -inf; the maximal logits (+inf included) get
+    exp(0) = 1, so the sum is >= 1 (an all -inf / NaN row is uniform). T below float32's smallest
+    normal (it would round to 0 or a denormal) is that smallest normal, as in sampling.cuh."""
+    z = np.where(np.isnan(logits), -np.inf, logits).astype(np.float32)  # [V]
+    top = z.max()
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf on the maxima (replaced by 0); T > float32 max
+        t = max(np.float32(temperature), np.finfo(np.float32).tiny)
+        scaled = np.where(z == top, np.float32(0), (z - top) / t)  # [V] <= 0
+    exp = np.exp(scaled)  # [V]
     return exp / exp.sum()
 
 
@@ -36,6 +43,7 @@ def top_k_mask(probs: np.ndarray, top_k: int) -> np.ndarray:
 def top_p_mask(probs: np.ndarray, keep: np.ndarray, top_p: float) -> np.ndarray:
     """Of the kept tokens, keep those with p >= t, t the largest threshold whose mass sum(p >= t)
     reaches top_p * the kept mass (ties kept)."""
+    top_p = float(np.float32(top_p))  # the kernel's float: 1 - 1e-9 is 1 there too
     if top_p >= 1.0:
         return keep
     kept = np.where(keep, probs, 0.0).astype(np.float64)  # [V]

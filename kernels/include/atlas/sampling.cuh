@@ -9,6 +9,7 @@
 //     The final draw is a block-wide prefix sum in index order.
 #pragma once
 
+#include <cfloat>
 #include <climits>
 
 #include "atlas/common.cuh"
@@ -101,22 +102,33 @@ __device__ __forceinline__ double block_sum_f64(double value) {
   return total;
 }
 
-// probs[i] = exp(logits[i] / T - max) / sum, the reference's float32 order of operations.
-__device__ void sample_softmax(const SampleParams& p, float* scratch) {
+// probs[i] = exp((z[i] - max z) / T) / sum, sampling.py's float32 order of operations: subtracting
+// first keeps a tiny T from overflowing. z is the logit with NaN read as -inf; the maxima (+inf
+// included) get exp(0) = 1, so sum >= 1 (an all -inf row is uniform). T below FLT_MIN (a launch
+// parameter that rounded to 0 or a denormal) is FLT_MIN. Returns the largest p, 1 / sum.
+__device__ __forceinline__ float sample_logit(const float* logits, int i) {
+  const float v = logits[i];
+  return isnan(v) ? -INFINITY : v;
+}
+
+__device__ float sample_softmax(const SampleParams& p, float* scratch) {
   const float* logits = static_cast<const float*>(p.logits);
   float* probs = static_cast<float*>(p.probs);
+  const float temperature = p.temperature > FLT_MIN ? p.temperature : FLT_MIN;
   float zmax = -INFINITY;
-  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) zmax = fmaxf(zmax, logits[i] / p.temperature);
+  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) zmax = fmaxf(zmax, sample_logit(logits, i));
   zmax = block_max(zmax, scratch);
   float partial = 0.0f;
   for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
-    const float e = expf(logits[i] / p.temperature - zmax);
+    const float z = sample_logit(logits, i);
+    const float e = z == zmax ? 1.0f : expf((z - zmax) / temperature);
     probs[i] = e;
     partial += e;
   }
   const float total = block_sum(partial, scratch);
   for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) probs[i] /= total;  // same thread wrote it
   __syncthreads();
+  return 1.0f / total;
 }
 
 // Number of p >= threshold (top_k) or, with kMass, their summed mass among p >= floor.
@@ -131,11 +143,12 @@ __device__ double sample_tally(const SampleParams& p, float threshold, float flo
   return block_sum_f64(partial);
 }
 
-// Largest non-negative float t with tally(t) >= goal (tally is non-increasing in t).
+// Largest float t in [0, pmax] with tally(t) >= goal (tally is non-increasing in t). Capped at
+// the largest p so a goal of 0 (top_p rounded to 0) keeps that p, as the reference does.
 template <bool kMass>
-__device__ float sample_bisect(const SampleParams& p, double goal, float floor) {
+__device__ float sample_bisect(const SampleParams& p, double goal, float floor, float pmax) {
   uint32_t lo = 0u;                            // tally(0) is everything kept: >= goal
-  uint32_t hi = __float_as_uint(1.0f) + 1u;    // no p exceeds 1
+  uint32_t hi = __float_as_uint(pmax) + 1u;    // no p exceeds pmax
   while (hi - lo > 1u) {
     const uint32_t mid = lo + (hi - lo) / 2u;
     if (sample_tally<kMass>(p, __uint_as_float(mid), floor) >= goal) lo = mid; else hi = mid;
@@ -187,13 +200,13 @@ __device__ int sample_draw(const SampleParams& p, float floor, double target) {
 
 __device__ void sample(const SampleParams& p) {
   __shared__ float scratch[kWarpSize];
-  if (p.vocab <= 0 || !(p.temperature > 0.0f)) return;
-  sample_softmax(p, scratch);
+  if (p.vocab <= 0) return;
+  const float pmax = sample_softmax(p, scratch);
   float floor = 0.0f;
-  if (p.top_k > 0 && p.top_k < p.vocab) floor = sample_bisect<false>(p, static_cast<double>(p.top_k), 0.0f);
+  if (p.top_k > 0 && p.top_k < p.vocab) floor = sample_bisect<false>(p, static_cast<double>(p.top_k), 0.0f, pmax);
   if (p.top_p < 1.0f) {
     const double kept = sample_tally<true>(p, 0.0f, floor);
-    floor = fmaxf(floor, sample_bisect<true>(p, static_cast<double>(p.top_p) * kept, floor));
+    floor = fmaxf(floor, sample_bisect<true>(p, static_cast<double>(p.top_p) * kept, floor, pmax));
   }
   const double total = sample_tally<true>(p, 0.0f, floor);
   const int token = sample_draw(p, floor, static_cast<double>(p.uniform) * total);
