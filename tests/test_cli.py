@@ -117,6 +117,13 @@ def test_bad_models(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixtur
     line = one_error_line(main(["--model", str(no_template), "--prompt", "x", "--chat", "--device", "cpu"]), capsys.readouterr().err)
     assert "no chat template" in line
 
+    (no_template / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content | int + [] }}{% endfor %}")
+    line = one_error_line(main(["--model", str(no_template), "--prompt", "x", "--chat", "--device", "cpu"]), capsys.readouterr().err)
+    assert "chat_template.jinja" in line and "TypeError" in line
+    (no_template / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")
+    line = one_error_line(main(["--model", str(no_template), "--prompt", "x", "--chat", "--device", "cpu"]), capsys.readouterr().err)
+    assert "chat_template.jinja" in line and "not valid jinja" in line
+
 
 def test_truncated_weights_exit_2_without_traceback(tmp_path: Path, tiny_dir: Path) -> None:
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):

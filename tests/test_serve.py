@@ -67,6 +67,7 @@ class Served:
     port: int
     engine: CountingEngine
     reference: LLM  # a second model in this process: the sequential answers
+    llm: LLM  # the served one
 
     def client(self) -> Any:
         return openai.OpenAI(base_url=f"http://{HOST}:{self.port}/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
@@ -93,7 +94,7 @@ def served() -> Iterator[Served]:
         time.sleep(0.02)
     assert server.started, "uvicorn did not start"
     try:
-        yield Served(sock.getsockname()[1], llm.parts.engine, LLM(None, device="cpu"))  # type: ignore[arg-type]
+        yield Served(sock.getsockname()[1], llm.parts.engine, LLM(None, device="cpu"), llm)  # type: ignore[arg-type]
     finally:
         server.should_exit = True
         thread.join(TIMEOUT_S)
@@ -329,6 +330,28 @@ def test_engine_fault_is_a_500_and_the_server_survives(served: Served) -> None:
     assert "injected engine fault" in json.loads(events[-3].removeprefix("data: "))["error"]["message"]
     assert_still_serving(served)
 
+
+
+@pytest.mark.parametrize(("template", "needle"), [
+    ("{% for m in messages %}{{ m.content | int + [] }}{% endfor %}", "TypeError"),
+    ("{% for m in messages %}{{ m.content }}", "not valid jinja"),
+    ("{{ messages[0].content.strip() + messages[4].content }}", "UndefinedError"),
+])
+def test_failing_chat_template_is_a_400(served: Served, tmp_path: Path, template: str, needle: str) -> None:
+    tokenizer = served.llm.tokenizer
+    saved = tokenizer.chat_template, tokenizer.chat_template_source
+    tokenizer.chat_template, tokenizer.chat_template_source = template, tmp_path / "chat_template.jinja"
+    try:
+        body = {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Flat"}], "max_tokens": 3}
+        for stream in (False, True):
+            status, answer = post(served.port, "/v1/chat/completions", json.dumps({**body, "stream": stream}))
+            assert status == 400, answer
+            error = answer["error"]
+            assert error["type"] == "invalid_request_error" and error["param"] == "messages"
+            assert "chat_template.jinja" in error["message"] and needle in error["message"], error
+    finally:
+        tokenizer.chat_template, tokenizer.chat_template_source = saved
+    assert_still_serving(served)
 
 # --- concurrency and disconnects ---------------------------------------------------------------
 def test_eight_concurrent_clients(served: Served, rng: np.random.Generator) -> None:

@@ -110,6 +110,37 @@ def test_chat_template_errors(tmp_path: Path) -> None:
         Tokenizer.open(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+
+CONCAT_TEMPLATE = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}{% endfor %}"
+BROKEN_TEMPLATES: list[tuple[str, str | None, list[dict[str, object]], str]] = [
+    # (chat_template in tokenizer_config.json, chat_template.jinja, messages, expected in the line)
+    (CONCAT_TEMPLATE, None, [{"role": "user", "content": 5}], "TypeError"),
+    (CONCAT_TEMPLATE, None, [{"role": "user"}], "UndefinedError"),
+    ("{% for m in messages %}{{ m.content }}", None, [{"role": "user", "content": "hi"}], "not valid jinja (line 1"),
+    (CHATML_TEMPLATE, "{{ messages[3].content.strip() }}", [{"role": "user", "content": "hi"}], "UndefinedError"),
+    (CHATML_TEMPLATE, "{{ messages | length / 0 }}", [{"role": "user", "content": "hi"}], "ZeroDivisionError"),
+    (CHATML_TEMPLATE, "{{ messages[0].content | int + [] }}", [{"role": "user", "content": "hi"}], "TypeError"),
+]
+
+
+@pytest.mark.parametrize(("config_template", "jinja_file", "messages", "needle"), BROKEN_TEMPLATES,
+                         ids=["int content", "no content", "syntax", "undefined", "zero division", "int plus list"])
+def test_failing_template_is_one_line_naming_its_file(
+    tmp_path: Path, config_template: str, jinja_file: str | None, messages: list[dict[str, object]], needle: str
+) -> None:
+    train_tokenizer(tmp_path, chat_template=config_template)
+    source = tmp_path / "tokenizer_config.json"
+    if jinja_file is not None:
+        source = tmp_path / "chat_template.jinja"
+        source.write_text(jinja_file, encoding="utf-8")
+    tokenizer = Tokenizer.open(tmp_path)
+    for call in (tokenizer.apply_chat_template, tokenizer.encode_chat):
+        with pytest.raises(AtlasError) as err:
+            call(messages)  # type: ignore[arg-type]
+        line = str(err.value)
+        assert "\n" not in line and str(source) in line and needle in line, line
+
+
 def test_missing_or_broken_files(tmp_path: Path) -> None:
     with pytest.raises(AtlasError, match="tokenizer.json not found"):
         Tokenizer.open(tmp_path)

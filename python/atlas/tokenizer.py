@@ -21,6 +21,7 @@ class Tokenizer:
     backend: Any  # tokenizers.Tokenizer
     source: Path  # the model directory
     chat_template: str | None = None
+    chat_template_source: Path | None = None  # the file it was read from, named in its errors
     special_tokens: dict[str, str] = field(default_factory=dict)  # "eos_token" -> "<|im_end|>"
 
     @classmethod
@@ -36,10 +37,12 @@ class Tokenizer:
         except Exception as err:  # tokenizers raises plain Exception subclasses on bad files
             raise AtlasError(f"{path} cannot be loaded ({first_line(err)}); re-download it") from None
         config = read_tokenizer_config(model_dir / "tokenizer_config.json")
+        template, template_source = read_chat_template(model_dir, config)
         return cls(
             backend=backend,
             source=model_dir,
-            chat_template=read_chat_template(model_dir, config),
+            chat_template=template,
+            chat_template_source=template_source,
             special_tokens=read_special_tokens(model_dir / "tokenizer_config.json", config),
         )
 
@@ -79,10 +82,9 @@ class Tokenizer:
                 f"{self.source} has no chat template (tokenizer_config.json 'chat_template' or "
                 "chat_template.jinja); run without --chat"
             )
-        context = {**self.special_tokens, **extra}
-        return render_chat_template(
-            self.chat_template, messages, add_generation_prompt=add_generation_prompt, **context
-        )
+        context = {**self.special_tokens, **extra, "add_generation_prompt": add_generation_prompt}
+        origin = str(self.chat_template_source or self.source)
+        return render_chat_template(self.chat_template, messages, context, origin)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """The rendered template already holds its special tokens, so none are added."""
@@ -146,33 +148,39 @@ def read_special_tokens(path: Path, config: dict[str, Any]) -> dict[str, str]:
     return tokens
 
 
-def read_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
-    """chat_template.jinja wins over tokenizer_config.json, as in transformers 5."""
+def read_chat_template(model_dir: Path, config: dict[str, Any]) -> tuple[str | None, Path | None]:
+    """(template, the file holding it); chat_template.jinja wins over tokenizer_config.json, as in
+    transformers 5."""
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():
         try:
-            return jinja_file.read_text(encoding="utf-8")
+            return jinja_file.read_text(encoding="utf-8"), jinja_file
         except (OSError, UnicodeDecodeError) as err:
             raise AtlasError(f"{jinja_file} cannot be read ({first_line(err)}); re-download or fix it") from None
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
+    config_file = model_dir / "tokenizer_config.json"
     if template is not None and not isinstance(template, str):
-        raise AtlasError(
-            f"{model_dir / 'tokenizer_config.json'}: field 'chat_template' must be a string; fix it"
-        )
-    return template
+        raise AtlasError(f"{config_file}: field 'chat_template' must be a string; fix it")
+    return template, None if template is None else config_file
 
 
-def render_chat_template(template: str, messages: list[dict[str, Any]], **context: Any) -> str:
+class TemplateRaised(Exception):
+    """raise_exception() called by the template: its own message is the explanation."""
+
+
+def render_chat_template(template: str, messages: list[dict[str, Any]], context: dict[str, Any], origin: str) -> str:
     """Render as transformers does: sandboxed, trim_blocks/lstrip_blocks, tojson without HTML
-    escaping, raise_exception and strftime_now available."""
+    escaping, raise_exception and strftime_now available. Any failure is one AtlasError naming
+    `origin` (the template's file): the template is data, whatever it raises is its problem or the
+    messages', never a traceback."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
+        raise TemplateRaised(message)
 
     def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kw)
@@ -184,6 +192,15 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], **contex
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
-        return env.from_string(template).render(messages=messages, **context)
-    except jinja2.exceptions.TemplateError as err:
-        raise AtlasError(f"the chat template failed: {first_line(err)}") from None
+        compiled = env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as err:
+        raise AtlasError(f"{origin}: the chat template is not valid jinja (line {err.lineno}: {first_line(err)}); fix it") from None
+    try:
+        return compiled.render(messages=messages, **context)
+    except TemplateRaised as err:
+        raise AtlasError(f"{origin}: the chat template refused the messages: {first_line(err)}") from None
+    except Exception as err:  # noqa: BLE001 - TypeError, UndefinedError, ...: one line, see above
+        raise AtlasError(
+            f"{origin}: the chat template failed on these messages ({type(err).__name__}: {first_line(err)}); "
+            "fix the template or the messages"
+        ) from None
