@@ -260,3 +260,17 @@ def test_loader_fuses_parts_of_the_same_storage(fmt: str, tmp_path: Path, monkey
         x = np.random.default_rng(0).standard_normal((2, model.embed.table.shape[1])).astype(np.float32)
         for got, want in zip(fused(NumpyBackend(), x), reference(NumpyBackend(), x)):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_registry_models_parts_start_16_byte_aligned() -> None:
+    """Decode views start at 4 * column offset bytes; consumers vector-load some parts (v), so every
+    registry model's fused parts must start at multiples of 4 columns."""
+    from atlas.targets import load_registry
+
+    for name, model in load_registry().models.items():
+        d = model.constants
+        q, kv = d["num_attention_heads"] * d["head_dim"], d["num_key_value_heads"] * d["head_dim"]
+        values, heads = d["linear_num_value_heads"] * d["linear_value_head_dim"], d["linear_num_value_heads"]
+        conv = 2 * d["linear_num_key_heads"] * d["linear_key_head_dim"] + values
+        for widths in ((q, q, kv, kv), (conv, values, heads, heads)):
+            assert all(int(a) % 4 == 0 for a in np.cumsum(widths)), (name, widths)

@@ -109,7 +109,9 @@ class CudaBackend:
                      widths: Sequence[int]) -> list[DeviceTensor]:
         """Decode (one token): one GEMV, its [1, N] output cut into views. More tokens: a column
         block of a [T, N] output is not contiguous, so one linear per part on a row view of the
-        weight (prefill GEMMs are compute-bound; launches are not what they cost)."""
+        weight (prefill GEMMs are compute-bound; launches are not what they cost). A view starts
+        4 * (its column offset) bytes into the 256-byte aligned output: the model's parts start at
+        multiples of 4 columns, which keeps its consumers' float4 loads (kv_quant's of v) aligned."""
         check_split_widths(weight.shape, widths)
         bounds = np.cumsum([0, *widths]).tolist()
         if x.numel == x.shape[-1]:
