@@ -182,19 +182,19 @@ def test_tensor_element_views() -> None:
 
 
 # --- the demo model's decode step -----------------------------------------------------------------
-def test_each_mixers_input_projections_are_one_decode_launch(rng: np.random.Generator) -> None:
-    """Over the emulated driver, one decode token through every layer's mixer: exactly one linear
-    launch reads the normed input (the fused projections) and one more is the output projection."""
+def mixer_input_launches(model_dir: Path, rng: np.random.Generator) -> list[tuple[str, list[str]]]:
+    """Over the emulated driver, one decode token through every layer's mixer: (layer type, the
+    linear launches that read the mixer's normed input)."""
     from atlas.config import load_spec
-    from atlas.demo import DEMO_DIR
     from atlas.layers.step import Step
     from atlas.models import load_model
     from atlas.safetensors import Checkpoint
 
     rt, driver = make_runtime(arena_bytes=8 << 20)
     be = CudaBackend(rt, use_graphs=False)
-    spec = load_spec(DEMO_DIR)
-    model = load_model(spec, Checkpoint.open(DEMO_DIR), be)
+    spec = load_spec(model_dir)
+    model = load_model(spec, Checkpoint.open(model_dir), be)
+    found = []
     for i, layer in enumerate(model.layers):
         state = layer.mixer.new_state(be, 16)
         rt.reset_step()
@@ -203,8 +203,31 @@ def test_each_mixers_input_projections_are_one_decode_launch(rng: np.random.Gene
         before = len(driver.launches)
         layer.mixer(step, x, state, f"layer.{i}.attn")
         linears = launched(driver, before, dense_params.LinearParams, "atlas_gemv")
-        assert sum(p.x == x.ptr for _, p in linears) == 1, f"layer {i} ({spec.layer_types[i]})"
-        assert len(linears) == 2, [n for n, _ in linears]
+        linears += launched(driver, before, quant_params.QuantLinearParams, "atlas_qgemv")
+        assert len(linears) == len([n for n, *_ in driver.launches[before:] if "gemv" in n])
+        found.append((spec.layer_types[i], sorted(n for n, p in linears if p.x == x.ptr)))
+    return found
+
+
+def test_each_mixers_input_projections_are_one_decode_launch(rng: np.random.Generator) -> None:
+    from atlas.demo import DEMO_DIR
+
+    for kind, names in mixer_input_launches(DEMO_DIR, rng):
+        assert len(names) == 1 and names[0].startswith("atlas_gemv"), (kind, names)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_quantized_mixers_launch_once_per_storage(fmt: str, tmp_path: Path, rng: np.random.Generator) -> None:
+    """A quantized demo on the CUDA backend (emulated driver): attention's four parts are one packed
+    GEMV; DeltaNet's in_proj_qkv + z one packed GEMV and its bf16 in_proj_b + a one bf16 GEMV."""
+    from atlas.demo import DEMO_DIR
+    from atlas.quantize import QuantizeArgs, quantize
+
+    model_dir = quantize(QuantizeArgs(str(DEMO_DIR), fmt, tmp_path / fmt, 1 << 30))
+    for kind, names in mixer_input_launches(model_dir, rng):
+        prefixes = [n.split("_t")[0].removesuffix("_narrow") for n in names]
+        expected = [f"atlas_qgemv_{fmt}"] if kind == "full_attention" else ["atlas_gemv", f"atlas_qgemv_{fmt}"]
+        assert prefixes == expected, (kind, names)
 
 
 # --- loader -------------------------------------------------------------------------------------
