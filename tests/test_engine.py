@@ -122,8 +122,17 @@ def test_dump_hook_names_every_intermediate(engine: Engine, prompt: list[int]) -
         ([1, 2], 4, SamplingParams(temperature=1.0, top_p=0.0), "top_p"),
         ([1, 2], 4, SamplingParams(temperature=1.0, top_k=-2), "top_k"),
         ([1, 2], -1, GREEDY, "max_tokens"),
+        ([1, 2], 2.5, GREEDY, "max_tokens"),
     ],
 )
 def test_bad_requests_are_one_line_errors(engine: Engine, ids: list[int], max_tokens: int, params: SamplingParams, fragment: str) -> None:
     with pytest.raises(AtlasError, match=fragment):
         engine.generate(ids, max_tokens, params, None, set())
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**40), 1.5, "7", True])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_bad_seed_is_one_line(engine: Engine, prompt: list[int], seed: object, temperature: float) -> None:
+    with pytest.raises(AtlasError, match="seed must be a non-negative integer"):
+        engine.generate(prompt, 4, SamplingParams(temperature=temperature), seed, set())  # type: ignore[arg-type]
+    assert engine.generate(prompt, 2, SamplingParams(temperature=temperature), np.int64(3), set()).token_ids

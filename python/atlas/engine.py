@@ -37,6 +37,18 @@ class GenerationRequest:
     eos_ids: set[int]
     on_token: Callable[[int], None] | None = None
 
+    def __post_init__(self) -> None:
+        """Every way into Engine.run builds one: bad values are one line here, not numpy's
+        ValueError (a negative seed) or a silent loop bound (a float max_tokens)."""
+        if not is_int(self.max_tokens) or self.max_tokens < 0:
+            raise AtlasError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
+            raise AtlasError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
 
 class Engine:
     def __init__(
@@ -164,8 +176,6 @@ class Engine:
 
     def run(self, request: GenerationRequest) -> GenerationStats:
         check_sampling(request.sampling)
-        if request.max_tokens < 0:
-            raise AtlasError(f"max_tokens must be >= 0, got {request.max_tokens}")
         self.check_ids(request.prompt_ids, max(request.max_tokens - 1, 0))  # the last token is not fed
         stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
         if request.max_tokens == 0:
