@@ -54,18 +54,15 @@ def expert_share(name: str, spec: Any) -> float:
 
 
 def device_bytes(name: str, shape: tuple[int, ...], fmt: str) -> int:
-    """Bytes of one planned tensor on the GPU: converted matrices in the kernels' layout
-    (quant_weights.py), other matrices bf16, vectors f32."""
+    """Bytes of one planned tensor on the GPU, as the runtime's memory check counts them
+    (atlas.backends.cuda.footprint): converted matrices in the kernels' layout, other matrices
+    bf16, vectors f32."""
+    from atlas.backends.cuda.footprint import float_bytes, quantized_bytes
     from atlas.quant.exclusions import converts
 
     if fmt != "bf16" and converts(name, shape, fmt):
-        rows, k = shape
-        if fmt == "fp8":
-            return rows * k + rows * -(-k // 128) * 4
-        return rows * k // 2 + rows * k // 16 + rows * 4
-    if len(shape) == 3 and shape[1] == 1:  # conv1d [C, 1, K], uploaded as a [C, K] matrix
-        shape = (shape[0], shape[2])
-    return int(np.prod(shape)) * (2 if len(shape) >= 2 else 4)
+        return quantized_bytes(fmt, *shape)
+    return float_bytes(shape)
 
 
 def weight_read_bytes(spec: Any, fmt: str) -> int:

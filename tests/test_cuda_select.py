@@ -17,7 +17,8 @@ from atlas.backends.cuda.driver import CudaError, DeviceInfo, LaunchArgs
 from atlas.backends.cuda.graph import GraphedDecodeStep
 from atlas.backends.cuda.kernel_images import TupleKey
 from atlas.backends.cuda.runtime import CudaRuntime, KernelImage, RuntimeOptions
-from atlas.backends.cuda.select import check_fits, device_ordinal, device_weight_bytes, select_tuple
+from atlas.backends.cuda.footprint import DeviceFootprint, RunShape, device_footprint, quantized_bytes
+from atlas.backends.cuda.select import HEADROOM_BYTES, check_fits, device_ordinal, select_tuple
 from atlas.backends.cuda.tensor import DeviceTensor
 from atlas.backends.cuda.upload import Uploader, from_storage, to_storage
 from atlas.errors import AtlasError
@@ -66,16 +67,29 @@ def test_unknown_model_and_old_gpu_are_refused() -> None:
 def test_memory_check_names_sizes(rng: np.random.Generator) -> None:
     gib = 1 << 30
     weights = int(rng.integers(60, 80)) * gib
-    check_fits(weights, weights + 2 * gib, 141 * gib)
+    footprint = DeviceFootprint(weights, int(rng.integers(1, 9)) << 26, 1 << 25, 256 << 20)
+    check_fits(footprint, footprint.total + HEADROOM_BYTES, 141 * gib)
     with pytest.raises(AtlasError) as err:
-        check_fits(weights, weights - gib, 141 * gib)
-    assert f"{weights / gib:.1f} GiB" in str(err.value) and "141.0 GiB" in str(err.value)
+        check_fits(footprint, footprint.total + HEADROOM_BYTES - 1, 141 * gib)
+    line = str(err.value)
+    assert "\n" not in line and f"weights {weights / gib:.2f}" in line and "141.0 GiB" in line
+    assert f"KV cache {footprint.kv_cache / gib:.2f}" in line and "step arena 0.25" in line
 
 
-def test_device_weight_bytes_counts_bf16_matrices_f32_vectors_and_skips_vision() -> None:
-    shapes = {"model.layers.0.mlp.gate.weight": (256, 2048), "model.norm.weight": (2048,),
-              "model.visual.blocks.0.w": (1024, 1024), "mtp.fc.weight": (2048, 4096)}
-    assert device_weight_bytes(shapes) == 256 * 2048 * 2 + 2048 * 4
+@pytest.mark.parametrize("method", ["fp8", "nvfp4"])
+def test_quantized_bytes_are_the_device_layout(rng: np.random.Generator, method: str) -> None:
+    """The formula against quant_weights' real conversion of fresh random checkpoint parts."""
+    from atlas.backends.cuda.quant_weights import from_fp8_block, from_nvfp4
+    from atlas.quant.fp8_block import block_grid
+
+    rows, k = int(rng.integers(1, 300)), 16 * int(rng.integers(1, 40))
+    if method == "fp8":
+        codes = rng.integers(0, 256, (rows, k), dtype=np.uint8)
+        host = from_fp8_block(codes, rng.random(block_grid((rows, k), (128, 128)), dtype=np.float32))
+    else:
+        codes = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
+        host = from_nvfp4(codes, rng.integers(0, 127, (rows, k // 16), dtype=np.uint8), np.float32(rng.random()))
+    assert quantized_bytes(method, rows, k) == host.nbytes
 
 
 def test_auto_device_falls_back_to_cpu_without_a_gpu(tmp_path: Path) -> None:
@@ -527,3 +541,82 @@ def test_cuda_bindings_adapter_against_a_fake_driver(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, str(tmp_path / "drive.py")], env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+# --- the memory estimate against what loading really allocates -------------------------------------
+TINY_FOR_GPU = dict(hidden_size=160, head_dim=64, dtype="bfloat16")  # attention kernels: head_dim 64+
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from _checkpoints import TinyModel, random_checkpoint_dir
+    from atlas.quantize import QuantizeArgs, quantize
+
+    source = random_checkpoint_dir(tmp_path_factory, "tiny-bf16", TinyModel(**TINY_FOR_GPU))  # type: ignore[arg-type]
+    out = tmp_path_factory.mktemp("tiny-quantized")
+    quantized = {m: quantize(QuantizeArgs(str(source), m, out / m, 1 << 30)) for m in ("fp8", "nvfp4")}
+    return {"bf16": source, **quantized}
+
+
+def _allocated(driver: FakeDriver) -> int:
+    return sum(driver.allocs.values())
+
+
+@pytest.mark.parametrize(("method", "kv_level"), [("bf16", "bf16"), ("fp8", "fp8"), ("nvfp4", "turbo4")])
+def test_footprint_matches_what_loading_allocates(
+    tiny_checkpoints: dict[str, Path], rng: np.random.Generator, method: str, kv_level: str
+) -> None:
+    """Weights, then weights + KV caches + DeltaNet states, as the emulated driver sees them. The
+    weight estimate rounds each planned tensor to the pool's 256 bytes, the loader each stacked
+    upload (experts, gate + up): it may exceed what is allocated by that, never fall short; the
+    caches and states are exact (a quantized level on top of the bf16 cache Engine.reset made first)."""
+    from atlas.backends.cuda.backend import CudaBackend
+    from atlas.config import load_spec
+    from atlas.engine import Engine
+    from atlas.kvcache.options import KVCacheOptions
+    from atlas.models import load_model
+    from atlas.safetensors import Checkpoint
+
+    model_dir = tiny_checkpoints[method]
+    spec, checkpoint = load_spec(model_dir), Checkpoint.open(model_dir)
+    run = RunShape(max_seq_len=int(rng.integers(8, 300)), kv_cache=KVCacheOptions(kv_level, 0))
+    estimate = device_footprint(spec, checkpoint, run)
+
+    rt, driver = make_runtime()
+    load_model(spec, checkpoint, CudaBackend(rt, use_graphs=False))
+    weights = _allocated(driver)
+    rt, driver = make_runtime()
+    Engine(spec, checkpoint, CudaBackend(rt, use_graphs=False), run.max_seq_len, kv_cache=run.kv_cache)
+    held = _allocated(driver)
+    print(f"{method}: weights {weights} B, estimated {estimate.weights} B; held {held} B, estimated "
+          f"{estimate.total - estimate.arena} B")
+    assert weights <= estimate.weights <= weights * 1.01  # over only by 256-byte rounding of stacked parts
+    assert held - weights == estimate.kv_cache + estimate.states
+
+
+def test_open_backend_refuses_before_allocating(
+    tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fit check runs on the checkpoint's headers: a GPU one byte short gets the sizes and
+    no allocation; one that is large enough gets the backend."""
+    import atlas.backends.cuda.driver as driver_mod
+    import atlas.backends.cuda.select as select_mod
+    from atlas.backends.cuda.kernel_images import TupleKey
+    from atlas.config import load_spec
+    from atlas.safetensors import Checkpoint
+
+    model_dir = tiny_checkpoints["nvfp4"]
+    needed = device_footprint(load_spec(model_dir), Checkpoint.open(model_dir)).total + HEADROOM_BYTES
+    key = TupleKey("h200", "atlas-demo", "nvfp4")
+    monkeypatch.setattr(select_mod, "select_tuple", lambda *args: select_mod.Selection(key, "cubin"))
+    monkeypatch.setattr(select_mod, "load_image", lambda *args: KernelImage("fake", b"\x7fELF", "cubin"))
+    for free, fits in ((needed - 1, False), (needed, True)):
+        driver = FakeDriver()
+        driver.mem_get_info = lambda free=free: (free, 141 << 30)  # type: ignore[method-assign]
+        monkeypatch.setattr(driver_mod, "open_driver", lambda ordinal, d=driver: d)
+        if fits:
+            assert select_mod.open_backend(model_dir).rt.driver is driver
+            continue
+        with pytest.raises(AtlasError, match=r"needs 0\.7\d GiB of GPU memory \(weights 0\.00 \+ KV cache .* but the GPU has 0\.7\d GiB free") as err:
+            select_mod.open_backend(model_dir)
+        assert "\n" not in str(err.value) and driver.allocs == {}

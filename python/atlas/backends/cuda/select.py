@@ -1,13 +1,12 @@
-"""Which compiled tuple runs this checkpoint on this GPU, and whether its weights fit.
+"""Which compiled tuple runs this checkpoint on this GPU, and whether the run fits in its memory.
 
 compute capability -> hardware (targets.toml), config.json -> model, checkpoint -> quant; the
 installed wheel must hold that (hw, model, quant) tuple. Every refusal is one AtlasError line
-that says what to do instead.
+that says what to do instead. The memory check counts what the run will hold (footprint.py).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,16 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import AtlasError
+from .footprint import DeviceFootprint, RunShape, device_footprint
 from .kernel_images import TupleKey, installed_tuples, load_image
+from .memory import GIB
 
 if TYPE_CHECKING:
     from ...config import ModelSpec
     from ...targets import Registry
     from .backend import CudaBackend
     from .driver import Driver
-
-GIB = 1 << 30
-RESERVE_BYTES = 1 << 30  # step arena, caches and states of a typical context, CUDA's own use
 
 
 @dataclass(frozen=True)
@@ -67,31 +65,27 @@ def select_tuple(
     )
 
 
-def device_weight_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
-    """Bytes the weights take on the device: matrices bf16, vectors f32 (vision/MTP skipped)."""
-    total = 0
-    for name, shape in shapes.items():
-        if name.startswith(("model.visual.", "visual.", "mtp.")):
-            continue
-        total += math.prod(shape) * (2 if len(shape) >= 2 else 4)
-    return total
+HEADROOM_BYTES = 512 << 20  # arena growth on long prompts, the kernel module, CUDA graphs, per-step buffers
 
 
-def check_fits(weight_bytes: int, free_bytes: int, total_bytes: int, reserve: int = RESERVE_BYTES) -> None:
-    if weight_bytes + reserve > free_bytes:
+def check_fits(footprint: DeviceFootprint, free_bytes: int, total_bytes: int, headroom: int = HEADROOM_BYTES) -> None:
+    """One line with the sizes when the run cannot fit, before anything is allocated."""
+    if footprint.total + headroom > free_bytes:
         raise AtlasError(
-            f"the weights need {weight_bytes / GIB:.1f} GiB (+{reserve / GIB:.1f} GiB working memory) "
-            f"but the GPU has {free_bytes / GIB:.1f} GiB free of {total_bytes / GIB:.1f} GiB; "
-            "free GPU memory, use a smaller quantization, or use --device cpu"
+            f"this run needs {(footprint.total + headroom) / GIB:.2f} GiB of GPU memory "
+            f"({footprint.describe()}, +{headroom / GIB:.2f} GiB headroom) but the GPU has "
+            f"{free_bytes / GIB:.2f} GiB free of {total_bytes / GIB:.1f} GiB; free GPU memory, use a "
+            "smaller quantization (an fp8 or nvfp4 checkpoint), or use --device cpu"
         )
 
 
-def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+def checkpoint_footprint(model_dir: Path, spec: ModelSpec | None, run: RunShape | None) -> DeviceFootprint:
+    from ...config import load_spec
     from ...safetensors import Checkpoint
 
     checkpoint = Checkpoint.open(model_dir)
     try:
-        return {name: tuple(checkpoint.shape(name)) for name in checkpoint.names()}
+        return device_footprint(spec or load_spec(model_dir), checkpoint, run)
     finally:
         checkpoint.close()
 
@@ -112,8 +106,9 @@ def _open(driver: Driver, selection: Selection) -> CudaBackend:
     return CudaBackend(CudaRuntime(driver, load_image(selection.key, selection.kind), options))
 
 
-def open_backend(model_dir: Path, spec: ModelSpec | None = None) -> CudaBackend:
-    """The CUDA backend for this checkpoint, or an AtlasError saying why it cannot run."""
+def open_backend(model_dir: Path, spec: ModelSpec | None = None, run: RunShape | None = None) -> CudaBackend:
+    """The CUDA backend for this checkpoint, or an AtlasError saying why it cannot run; `run`
+    (default: `atlas run`'s context and KV cache) sizes what is held beside the weights."""
     from ...config import read_json_object
     from ...targets import load_registry, recognise_model, recognise_quant
     from .driver import open_driver
@@ -123,9 +118,9 @@ def open_backend(model_dir: Path, spec: ModelSpec | None = None) -> CudaBackend:
     quant = recognise_quant(model_dir, registry)
     driver = open_driver(device_ordinal())
     selection = select_tuple(driver.device_info().cc, model, quant, installed_tuples(), registry)
-    weight_bytes = device_weight_bytes(checkpoint_shapes(Path(model_dir)))
+    footprint = checkpoint_footprint(Path(model_dir), spec, run)
     free, total = driver.mem_get_info()
-    check_fits(weight_bytes, free, total)
+    check_fits(footprint, free, total)
     return _open(driver, selection)  # the loader shows the weight progress bar
 
 

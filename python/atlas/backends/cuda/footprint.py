@@ -1,0 +1,135 @@
+"""Device memory a run will hold, counted from checkpoint headers before anything is allocated.
+
+Per planned tensor (models/qwen3_5_moe.model_plan; the MTP head's too when it will be loaded),
+what the CUDA backend uploads:
+  - a quantized matrix [N, K] in the kernels' layout (quant_weights.py), not the checkpoint's:
+    fp8: N*K e4m3 codes + an f32 scale per 128 columns *per row* (the 128x128 block scales are
+    repeated down the rows); nvfp4: N*K/2 packed codes + an e4m3 scale per 16 + an f32 row scale
+    (weight_scale_2 on every row; input_scale is not uploaded);
+  - any other matrix bf16 (conv1d [C, 1, K] as [C, K]), vectors (norms, A_log, dt_bias) f32;
+  - each rounded up to the persistent pool's 256-byte allocations.
+Beside the weights: the KV caches and DeltaNet states Engine.reset allocates, and the step arena's
+first block. Engine.reset makes every full-attention cache bf16 first and swaps the quantized
+levels in after, so a quantized level is counted on top of its bf16 cache: that is the peak.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ...kvcache.options import KVCacheOptions
+from ...quant.fp8_block import block_grid
+from ...quant.nvfp4 import GROUP_SIZE
+from .memory import ALIGN, GIB
+from .ops_common import ceil_div
+from .ops_kv import cache_bytes
+from .quant_weights import FP8_BLOCK
+from .runtime import RuntimeOptions
+
+if TYPE_CHECKING:
+    from ...config import ModelSpec
+    from ...safetensors import Checkpoint
+
+BF16_BYTES = 2
+F32_BYTES = 4
+ENGINE_MAX_SEQ_LEN = 4096  # Engine's default capacity (build_engine passes none)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the run holds beside its weights (the defaults are what `atlas run` builds)."""
+
+    max_seq_len: int = ENGINE_MAX_SEQ_LEN
+    kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)
+    load_mtp: bool = True  # build_engine loads the MTP head when the checkpoint has one
+    arena_bytes: int = RuntimeOptions().arena_bytes
+
+
+@dataclass(frozen=True)
+class DeviceFootprint:
+    weights: int
+    kv_cache: int
+    states: int  # DeltaNet conv + recurrent states, f32
+    arena: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.states + self.arena
+
+    def describe(self) -> str:
+        parts = (("weights", self.weights), ("KV cache", self.kv_cache), ("DeltaNet states", self.states),
+                 ("step arena", self.arena))
+        return " + ".join(f"{label} {size / GIB:.2f}" for label, size in parts) + " GiB"
+
+
+def _allocation(nbytes: int) -> int:
+    return ceil_div(max(nbytes, 1), ALIGN) * ALIGN
+
+
+def quantized_bytes(method: str, rows: int, k: int) -> int:
+    """Device bytes of a quantized [rows, k] matrix in quant_weights.py's layout."""
+    if method == "fp8":  # the scale grid of one-row, FP8_BLOCK-column blocks
+        return rows * k + F32_BYTES * math.prod(block_grid((rows, k), (1, FP8_BLOCK)))
+    if method == "nvfp4":
+        return rows * k // 2 + rows * (k // GROUP_SIZE) + F32_BYTES * rows
+    raise ValueError(f"no device layout for quantization {method!r} (fp8, nvfp4)")
+
+
+def float_bytes(shape: tuple[int, ...]) -> int:
+    """Device bytes of an unquantized tensor: matrices (and stacks) bf16, vectors f32."""
+    return math.prod(shape) * (BF16_BYTES if len(shape) >= 2 else F32_BYTES)
+
+
+def weight_bytes(spec: ModelSpec, checkpoint: Checkpoint, load_mtp: bool = True) -> int:
+    """Device bytes of every tensor the loader uploads for this checkpoint."""
+    from ...models.qwen3_5_moe import detect_layout, model_plan
+    from ...models.qwen3_5_moe_mtp import has_mtp_head, mtp_plan
+    from ...quant.stored import QuantizedTensors
+
+    plan = model_plan(detect_layout(spec, checkpoint))
+    if load_mtp and has_mtp_head(checkpoint):
+        plan.update(mtp_plan(spec, "mtp.layers.0.mlp.experts.gate_up_proj" in checkpoint))
+    quantized = QuantizedTensors.of(checkpoint)
+    total = 0
+    for name, shape in plan.items():
+        if quantized.holds(name):
+            total += _allocation(quantized_bytes(quantized.scheme.method, *quantized.shape(name)))
+        else:
+            total += _allocation(float_bytes(shape))
+    return total
+
+
+def kv_cache_bytes(spec: ModelSpec, run: RunShape, mtp_layers: int = 0) -> int:
+    """K and V of every full-attention layer (and the MTP head's), bf16, plus each quantized level."""
+    shape = (run.max_seq_len, spec.num_key_value_heads, spec.head_dim)
+    bf16_pair = 2 * _allocation(BF16_BYTES * math.prod(shape))
+    total = mtp_layers * bf16_pair
+    for level in run.kv_cache.plan(spec.layer_types, spec.head_dim, "cuda"):
+        if level is None:
+            continue
+        total += bf16_pair
+        if level != "bf16":
+            total += 2 * _allocation(cache_bytes(level, shape))
+    return total
+
+
+def state_bytes(spec: ModelSpec) -> int:
+    """Each linear-attention layer's conv state [C, K-1] and recurrent state [Hv, Dk, Dv], f32."""
+    channels = 2 * spec.linear_num_key_heads * spec.linear_key_head_dim + \
+        spec.linear_num_value_heads * spec.linear_value_head_dim
+    conv = _allocation(F32_BYTES * channels * (spec.linear_conv_kernel_dim - 1))
+    recurrent = _allocation(F32_BYTES * spec.linear_num_value_heads * spec.linear_key_head_dim
+                            * spec.linear_value_head_dim)
+    layers = sum(1 for kind in spec.layer_types if kind == "linear_attention")
+    return layers * (conv + recurrent)
+
+
+def device_footprint(spec: ModelSpec, checkpoint: Checkpoint, run: RunShape | None = None) -> DeviceFootprint:
+    from ...models.qwen3_5_moe_mtp import has_mtp_head
+
+    run = run or RunShape()
+    mtp = int(run.load_mtp and has_mtp_head(checkpoint))
+    return DeviceFootprint(weight_bytes(spec, checkpoint, run.load_mtp), kv_cache_bytes(spec, run, mtp),
+                           state_bytes(spec), run.arena_bytes)
