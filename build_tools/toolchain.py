@@ -50,7 +50,7 @@ class Toolchain:
         out = sorted(self.tools.items())
         roots = [t.resolve() for t in self.trees]
         for index, (tree, root) in enumerate(zip(self.trees, roots)):
-            if any(root != other and root.is_relative_to(other) for other in roots):
+            if root in roots[:index] or any(root != other and root.is_relative_to(other) for other in roots):
                 continue
             out.extend((f"tree{index}/{p.relative_to(tree).as_posix()}", p) for p in _tree_files(tree))
         return out
@@ -142,7 +142,8 @@ def resolve_toolchain(path: Path, env: Mapping[str, str] = os.environ) -> Toolch
     host_path = shutil.which(host, path=search)
     if host_path:
         tools["host-compiler"] = Path(host_path)
-    trees = [*include_dirs(values), Path(values["NVVMIR_LIBRARY_DIR"])]
+    # <TOP>/include too: a pip-installed toolchain may have no targets/<arch>/include to point at
+    trees = [*include_dirs(values), Path(values["TOP"]) / "include", Path(values["NVVMIR_LIBRARY_DIR"])]
     present = {label: p for label, p in tools.items() if p.is_file()}
     nvcc_env = tuple((name, env[name]) for name in NVCC_ENV if env.get(name))
     return Toolchain(nvcc, present, tuple(t for t in trees if t.is_dir()), nvcc_env)

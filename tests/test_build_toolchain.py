@@ -157,3 +157,17 @@ def test_real_toolchain_matches_what_nvcc_dryrun_runs(tmp_path: Path) -> None:
     dirs = include_dirs({"INCLUDES": said["INCLUDES"], "SYSTEM_INCLUDES": said.get("SYSTEM_INCLUDES", "")})
     assert [d.resolve() for d in dirs] == [t.resolve() for t in tc.trees[: len(dirs)]]
     assert tc.trees[-1].resolve() == Path(said["NVVMIR_LIBRARY_DIR"]).resolve()
+
+
+def test_headers_under_top_include_count_without_a_targets_dir(tmp_path: Path) -> None:
+    """A pip-installed toolchain (nvidia/cu13/) may have no targets/<arch>/include: <TOP>/include
+    is covered anyway."""
+    top = tmp_path / "cu13"
+    make_toolchain(top)
+    shutil.rmtree(top / "targets")
+    header = top / "include" / "crt" / "host_defines.h"
+    _write(header, os.urandom(64))
+    memo = tmp_path / "memo"
+    before = fingerprint(resolve_toolchain(top / "bin" / "nvcc"), memo)
+    _write(header, os.urandom(64))
+    assert fingerprint(resolve_toolchain(top / "bin" / "nvcc"), memo) != before
