@@ -4,6 +4,7 @@ in-process LLM run sequentially; bad requests get 400 bodies and the server keep
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -127,6 +128,17 @@ def post(port: int, path: str, body: bytes | str) -> tuple[int, dict[str, Any]]:
         conn.close()
 
 
+def get_json(port: int, path: str) -> dict[str, Any]:
+    conn = http.client.HTTPConnection(HOST, port, timeout=TIMEOUT_S)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        assert response.status == 200, response.status
+        return json.loads(response.read())
+    finally:
+        conn.close()
+
+
 def assert_still_serving(served: Served) -> None:
     status, body = post(served.port, "/v1/completions", json.dumps(
         {"model": DEMO_NAME, "prompt": "Beautiful is", "max_tokens": 3, "temperature": 0}
@@ -138,11 +150,9 @@ def assert_still_serving(served: Served) -> None:
 # --- happy paths with the official client ------------------------------------------------------
 def test_models_and_health(served: Served) -> None:
     assert [m.id for m in served.client().models.list()] == [DEMO_NAME]
-    conn = http.client.HTTPConnection(HOST, served.port, timeout=TIMEOUT_S)
-    conn.request("GET", "/health")
-    response = conn.getresponse()
-    assert response.status == 200 and json.loads(response.read())["status"] == "ok"
-    conn.close()
+    health = get_json(served.port, "/health")
+    assert health["status"] == "ok" and health["device"].startswith("cpu")
+    assert health["speculation"] == served.llm.speculation and health["kv_cache"].startswith("bf16 on layers")
 
 
 def test_completion(served: Served, rng: np.random.Generator) -> None:
@@ -444,17 +454,16 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def test_cli_serves_and_stops() -> None:
-    process = subprocess.Popen(serve_command("--host", HOST, "--port", "0"), stderr=subprocess.PIPE, text=True, env=cli_env())
+@contextlib.contextmanager
+def cli_server(*args: str) -> Iterator[tuple[int, list[str]]]:
+    """`python -m atlas.serve` on a free port: (port, its stderr lines so far); stopped with Ctrl-C,
+    which must exit 0."""
+    process = subprocess.Popen(serve_command("--host", HOST, "--port", "0", *args), stderr=subprocess.PIPE, text=True, env=cli_env())
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()  # type: ignore[union-attr]
+    seen: list[str] = []
     try:
-        port = listening_port(lines)
-        client = openai.OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
-        answer = client.chat.completions.create(
-            model=DEMO_NAME, messages=[{"role": "user", "content": "Flat"}], max_tokens=6, temperature=0
-        )
-        assert answer.choices[0].message.content
+        yield listening_port(lines, seen), seen
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -465,22 +474,56 @@ def test_cli_serves_and_stops() -> None:
     assert process.returncode == 0
 
 
-def listening_port(lines: queue.Queue[str]) -> int:
+def test_cli_serves_and_stops() -> None:
+    with cli_server() as (port, _):
+        client = openai.OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
+        answer = client.chat.completions.create(
+            model=DEMO_NAME, messages=[{"role": "user", "content": "Flat"}], max_tokens=6, temperature=0
+        )
+        assert answer.choices[0].message.content
+
+
+def test_cli_engine_flags_reach_the_engine(rng: np.random.Generator) -> None:
+    from atlas.config import load_spec
+    from atlas.demo import DEMO_DIR
+
+    level = str(rng.choice(["fp8", "nvfp4", "turbo8", "turbo4", "turbo3"]))
+    k = int(rng.integers(1, 4))
+    full = [i for i, kind in enumerate(load_spec(DEMO_DIR).layer_types) if kind == "full_attention"]
+    args = ("--kv-cache-dtype", level, "--kv-high-precision-layers", "0", "--spec-k", str(k))
+    with cli_server(*args) as (port, stderr):
+        health = get_json(port, "/health")
+        answer = openai.OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0) \
+            .completions.create(model=DEMO_NAME, prompt="Flat is", max_tokens=4, temperature=0)
+    assert health["kv_cache"] == f"{level} on layers {', '.join(map(str, full))}", health
+    assert f"--spec-k {k} is ignored" in health["speculation"], health  # the demo has no MTP head
+    assert any(f"kv cache {level} on layers" in line for line in stderr), stderr
+    assert answer.choices[0].text
+
+
+def listening_port(lines: queue.Queue[str], seen: list[str]) -> int:
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         try:
             line = lines.get(timeout=1)
         except queue.Empty:
             continue
+        seen.append(line)
         if "listening on http://" in line:
             return int(line.rsplit(":", 1)[1].split("/")[0])
-    raise AssertionError("atlas.serve did not report its address")
+    raise AssertionError("atlas.serve did not report its address: " + "".join(seen))
 
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["--port", "70000"], "--port"),
     (["--model", "/no/such/model/dir"], "/no/such/model/dir"),
     (["--log-level", "loud"], "--log-level"),
+    (["--spec-k", "4"], "--spec-k"),
+    (["--spec-k", "0"], "--spec-k"),
+    (["--spec-k", "2", "--no-spec"], "--no-spec"),
+    (["--kv-cache-dtype", "int3"], "--kv-cache-dtype"),
+    (["--kv-high-precision-layers", "-1"], "--kv-high-precision-layers"),
+    (["--kv-high-precision-layers", "some"], "--kv-high-precision-layers"),
 ])
 def test_cli_bad_input_is_one_line(args: list[str], needle: str) -> None:
     done = subprocess.run(serve_command(*args), capture_output=True, text=True, env=cli_env(), timeout=TIMEOUT_S)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import click
 
-from .backends import DEVICES
 from .cli import run_command
+from .engine_flags import EngineFlags, engine_options
 from .errors import AtlasError
-from .kvcache.names import DEFAULT_LEVEL, LEVEL_NAMES
+from .kvcache.names import DEFAULT_LEVEL
 
 @dataclass(frozen=True)
 class RunArgs:
@@ -26,11 +26,7 @@ class RunArgs:
     top_p: float
     seed: int | None
     chat: bool
-    device: str
-    kv_cache_dtype: str = DEFAULT_LEVEL
-    kv_high_precision_layers: str = "auto"
-    spec_k: int | None = None  # MTP speculation: None = on (k=2) when the checkpoint has the head
-    no_spec: bool = False
+    engine: EngineFlags
 
 
 def default_prompt(model_dir: Path, model_arg: str | None) -> str:
@@ -45,25 +41,25 @@ def default_prompt(model_dir: Path, model_arg: str | None) -> str:
 def run(args: RunArgs) -> None:
     from .config import load_spec
     from .kvcache.options import describe
-    from .llm import LLM, GenerateOptions, encode_prompt
+    from .llm import GenerateOptions, encode_prompt
     from .resolve import resolve_model
-    from .speculative import acceptance_summary, spec_k_from_flags
+    from .speculative import acceptance_summary
     from .tokenizer import Tokenizer
 
+    args.engine.check()
     model_dir = resolve_model(args.model)
     prompt = args.prompt if args.prompt is not None else default_prompt(model_dir, args.model)
     load_spec(model_dir)  # config and prompt problems surface before the weights load
     encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
-    spec_k = spec_k_from_flags(args.spec_k, args.no_spec)
-    llm = LLM(str(model_dir), args.device, args.kv_cache_dtype, args.kv_high_precision_layers, spec_k)
+    llm = args.engine.load(str(model_dir))
     opts = GenerateOptions(
         args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat
     )
     prompt_ids = llm.prepare(prompt, opts)
     click.echo(f"atlas: model {llm.model_dir}, device {llm.device}", err=True)
-    if args.kv_cache_dtype != DEFAULT_LEVEL:
+    if args.engine.kv_cache_dtype != DEFAULT_LEVEL:
         click.echo(f"atlas: kv cache {describe(llm.parts.engine.kv_plan)}", err=True)
-    if args.spec_k is not None or llm.speculation.startswith("MTP"):
+    if args.engine.spec_k is not None or llm.speculation.startswith("MTP"):
         click.echo(f"atlas: speculation {llm.speculation}", err=True)
     result = llm.generate_with(prompt_ids, opts, on_text=write_stdout)
     write_stdout("\n")
@@ -96,23 +92,11 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 )
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed for sampling (reproducible output).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
-@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option(
-    "--spec-k", type=click.IntRange(1, 3), default=None,
-    help="MTP speculative decoding: draft this many tokens per pass (default 2 when the checkpoint has the MTP head; greedy only).",
-)  # fmt: skip
-@click.option("--no-spec", is_flag=True, help="No speculative decoding; the MTP head is not loaded.")
-@click.option(
-    "--kv-cache-dtype", type=click.Choice(LEVEL_NAMES), default=DEFAULT_LEVEL, show_default=True,
-    help="KV cache level of the full-attention layers (numpy and cuda backends).",
-)
-@click.option(
-    "--kv-high-precision-layers", default="auto", show_default=True,
-    help="Full-attention layers kept bf16 at each end: auto (= 1: the first and the last) or N.",
-)
+@engine_options
 def command(**kwargs: object) -> None:
     """Run a model: stream generated text to stdout, then a stats line to stderr."""
-    run(RunArgs(**kwargs))  # type: ignore[arg-type]
+    engine = EngineFlags.pop_from(kwargs)
+    run(RunArgs(**kwargs, engine=engine))  # type: ignore[arg-type]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
 """`python -m atlas.serve`: an OpenAI-compatible HTTP server for one model.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions (`stream: true` as server-sent events),
-/health. Bad flags, models or addresses print one line on stderr and exit with code 2.
+/health. The engine flags (--device, --spec-k / --no-spec, --kv-cache-dtype,
+--kv-high-precision-layers) are atlas.run's (engine_flags.py). Bad flags, models or addresses
+print one line on stderr and exit with code 2.
 """
 
 from __future__ import annotations
@@ -10,15 +12,20 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from .backends import DEVICES
 from .cli import run_command
+from .engine_flags import EngineFlags, engine_options
 from .errors import AtlasError
 from .run import MODEL_HELP
 
+if TYPE_CHECKING:
+    from .llm import LLM
+
 GRACEFUL_SHUTDOWN_S = 5
+LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
 @dataclass(frozen=True)
@@ -26,9 +33,9 @@ class ServeArgs:
     model: str | None
     host: str
     port: int
-    device: str
     served_model_name: str | None
     log_level: str
+    engine: EngineFlags
 
 
 def served_name(model_arg: str | None, model_dir: Path) -> str:
@@ -40,14 +47,23 @@ def served_name(model_arg: str | None, model_dir: Path) -> str:
     return model_arg
 
 
+def engine_summary(llm: LLM) -> str:
+    from .server.app import engine_settings
+
+    settings = engine_settings(llm)
+    return f"speculation {settings['speculation']}; kv cache {settings['kv_cache']}"
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
-    """Bind before the weights load, so a taken port fails at once and in one line."""
+    """Bind and listen before the weights load, so a taken port fails at once and in one line, and
+    a client told 'listening on' is not refused before uvicorn runs."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, address = infos[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)  # connections wait in the backlog until uvicorn accepts them
     except OSError as err:
         raise AtlasError(f"cannot listen on {host}:{port} ({err.strerror or err}); pick another --host/--port") from None
     return sock
@@ -56,18 +72,19 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def serve(args: ServeArgs) -> None:
     import uvicorn
 
-    from .llm import LLM
     from .resolve import resolve_model
     from .server.app import ServerState, create_app
     from .server.worker import EngineWorker
 
+    args.engine.check()
     model_dir = resolve_model(args.model)
     sock = listen_socket(args.host, args.port)
-    worker = EngineWorker(lambda: LLM(str(model_dir), device=args.device))
+    worker = EngineWorker(lambda: args.engine.load(str(model_dir)))
     try:
         llm = worker.start()
         name = args.served_model_name or served_name(args.model, model_dir)
         click.echo(f"atlas.serve: model {name} ({model_dir}), device {llm.device}", err=True)
+        click.echo(f"atlas.serve: {engine_summary(llm)}", err=True)
         app = create_app(ServerState(name, worker, llm))
         config = uvicorn.Config(
             app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
@@ -84,15 +101,16 @@ def serve(args: ServeArgs) -> None:
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("--served-model-name", default=None, help="The model id clients send (default: atlas-demo or --model).")
 @click.option(
     "--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
     show_default=True,
 )
+@engine_options
 def command(**kwargs: object) -> None:
     """Serve a model over the OpenAI HTTP API."""
-    serve(ServeArgs(**kwargs))  # type: ignore[arg-type]
+    engine = EngineFlags.pop_from(kwargs)
+    serve(ServeArgs(**kwargs, engine=engine))  # type: ignore[arg-type]
 
 
 def main(argv: list[str] | None = None) -> int:

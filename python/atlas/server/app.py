@@ -64,7 +64,8 @@ def create_app(state: ServerState) -> Starlette:
 
     async def health(request: Request) -> Response:
         ok = state.worker.alive
-        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "engine stopped", **engine_settings(state.llm)}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -74,6 +75,14 @@ def create_app(state: ServerState) -> Starlette:
     ]
     handlers = {RequestError: on_request_error, HTTPException: on_http_error, Exception: on_crash}
     return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+
+
+def engine_settings(llm: LLM) -> dict[str, str]:
+    """What the engine flags chose: backend, MTP speculation, KV cache level per full-attention layer."""
+    from ..kvcache.options import describe
+
+    plan = getattr(llm.parts.engine, "kv_plan", None)
+    return {"device": llm.device, "speculation": llm.speculation, "kv_cache": describe(plan) if plan else "default"}
 
 
 def model_card(state: ServerState) -> dict[str, object]:

@@ -1,0 +1,89 @@
+"""The engine's command-line flags, defined once for `atlas.run` and `atlas.serve`: --device,
+--spec-k / --no-spec (MTP speculation), --kv-cache-dtype and --kv-high-precision-layers.
+
+Imports stay light (click and the level names): `--help` must not load numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from .backends import DEVICES
+from .errors import AtlasError
+from .kvcache.names import DEFAULT_LEVEL, LEVEL_NAMES
+
+if TYPE_CHECKING:
+    from .llm import LLM
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    device: str = "auto"
+    kv_cache_dtype: str = DEFAULT_LEVEL
+    kv_high_precision_layers: str = "auto"
+    spec_k: int | None = None  # MTP speculation: None = on (k=2) when the checkpoint has the head
+    no_spec: bool = False
+
+    @classmethod
+    def pop_from(cls, kwargs: dict[str, Any]) -> EngineFlags:
+        """Take this dataclass's fields out of a click command's keyword arguments."""
+        return cls(**{f.name: kwargs.pop(f.name) for f in fields(cls)})
+
+    def spec_k_value(self) -> int | None:
+        """--spec-k / --no-spec -> LLM's spec_k (None: the checkpoint decides, 0: off)."""
+        from .speculative import spec_k_from_flags
+
+        return spec_k_from_flags(self.spec_k, self.no_spec)
+
+    def check(self) -> None:
+        """Every flag problem, before a model loads or a port is bound."""
+        from .kvcache.options import KVCacheOptions
+
+        self.spec_k_value()
+        KVCacheOptions(self.kv_cache_dtype, self.kv_high_precision_layers).check()
+
+    def load(self, model_dir: str) -> LLM:
+        from .llm import LLM
+
+        spec_k = self.spec_k_value()
+        return LLM(model_dir, self.device, self.kv_cache_dtype, self.kv_high_precision_layers, spec_k)
+
+
+def high_precision_value(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """'auto' or a non-negative integer; otherwise parse_high_precision's one-line AtlasError,
+    while the command line is parsed."""
+    from .kvcache.options import parse_high_precision
+
+    parse_high_precision(value)
+    return value
+
+
+ENGINE_OPTIONS = (
+    click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
+    click.option(
+        "--spec-k", type=click.IntRange(1, 3), default=None,
+        help="MTP speculative decoding: draft this many tokens per pass (default 2 when the checkpoint has the MTP head; greedy only).",
+    ),
+    click.option("--no-spec", is_flag=True, help="No speculative decoding; the MTP head is not loaded."),
+    click.option(
+        "--kv-cache-dtype", type=click.Choice(LEVEL_NAMES), default=DEFAULT_LEVEL, show_default=True,
+        help="KV cache level of the full-attention layers (numpy and cuda backends).",
+    ),
+    click.option(
+        "--kv-high-precision-layers", default="auto", show_default=True, callback=high_precision_value,
+        help="Full-attention layers kept bf16 at each end: auto (= 1: the first and the last) or N.",
+    ),
+)  # fmt: skip
+
+
+def engine_options(command: F) -> F:
+    """Decorate a click command with ENGINE_OPTIONS (in their listed order in --help)."""
+    for option in reversed(ENGINE_OPTIONS):
+        command = option(command)
+    return command
