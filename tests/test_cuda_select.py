@@ -555,7 +555,8 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     source = random_checkpoint_dir(tmp_path_factory, "tiny-bf16", TinyModel(**TINY_FOR_GPU))  # type: ignore[arg-type]
     out = tmp_path_factory.mktemp("tiny-quantized")
     quantized = {m: quantize(QuantizeArgs(str(source), m, out / m, 1 << 30)) for m in ("fp8", "nvfp4")}
-    return {"bf16": source, **quantized}
+    shared_slot = TinyModel(**TINY_FOR_GPU, shared_expert_intermediate_size=32)  # type: ignore[arg-type]
+    return {"bf16": source, **quantized, "bf16-shared-slot": random_checkpoint_dir(tmp_path_factory, "tiny-slot", shared_slot)}
 
 
 def _allocated(driver: FakeDriver) -> int:
@@ -594,6 +595,35 @@ def test_footprint_matches_what_loading_allocates(
     assert held - weights == estimate.kv_cache + estimate.states
 
 
+def live_bytes(pool: Any) -> int:
+    """Pool bytes held by live tensors: allocated, less the blocks it keeps for reuse or has yet
+    to free (a loader's upload temporaries end there)."""
+    cached = sum(size * len(ptrs) for size, ptrs in pool._free.items())
+    return pool.allocated_bytes - cached - sum(size for _, size in pool._pending_free)
+
+
+def test_footprint_is_what_a_stacked_shared_expert_holds(
+    tiny_checkpoints: dict[str, Path], rng: np.random.Generator
+) -> None:
+    """Shared expert as large as a routed one: the loader may stack it as expert E (with upload
+    temporaries the pool keeps); the live bytes are still the estimate."""
+    from atlas.backends.cuda.backend import CudaBackend
+    from atlas.config import load_spec
+    from atlas.engine import Engine
+    from atlas.safetensors import Checkpoint
+
+    model_dir = tiny_checkpoints["bf16-shared-slot"]
+    spec, checkpoint = load_spec(model_dir), Checkpoint.open(model_dir)
+    run = RunShape(max_seq_len=int(rng.integers(8, 300)))
+    estimate = device_footprint(spec, checkpoint, run)
+    rt, driver = make_runtime()
+    engine = Engine(spec, checkpoint, CudaBackend(rt, use_graphs=False), run.max_seq_len)
+    live = live_bytes(rt.pool)
+    print(f"live {live} B, estimated {estimate.total - estimate.arena} B, driver {_allocated(driver)} B")
+    assert live <= estimate.total - estimate.arena <= live * 1.01 and _allocated(driver) >= live
+    del engine
+
+
 def test_open_backend_refuses_before_allocating(
     tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -620,3 +650,44 @@ def test_open_backend_refuses_before_allocating(
         with pytest.raises(AtlasError, match=r"needs 0\.7\d GiB of GPU memory \(weights 0\.00 \+ KV cache .* but the GPU has 0\.7\d GiB free") as err:
             select_mod.open_backend(model_dir)
         assert "\n" not in str(err.value) and driver.allocs == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["bf16", "fp8", "nvfp4"])
+def test_gpu_footprint_matches_the_device(tmp_path: Path, rng: np.random.Generator, method: str) -> None:
+    """On the GPU, through open_backend (the real fit check): the demo (quantized copies by
+    atlas.quantize) holds what the estimate says, and the driver's free memory drops by at least
+    that much."""
+    import gc
+    import os
+
+    from atlas.backends.cuda.select import open_backend
+    from atlas.config import load_spec
+    from atlas.demo import DEMO_DIR
+    from atlas.engine import Engine
+    from atlas.quantize import QuantizeArgs, quantize
+    from atlas.safetensors import Checkpoint
+
+    model_dir = DEMO_DIR if method == "bf16" else quantize(QuantizeArgs(str(DEMO_DIR), method, tmp_path / method, 1 << 30))
+    try:
+        backend = open_backend(model_dir)
+    except (AtlasError, ImportError) as err:
+        required = "ATLAS_REQUIRE_GPU" if method == "bf16" else "ATLAS_REQUIRE_GPU_QUANT"
+        if os.environ.get(required) == "1":
+            raise
+        pytest.skip(f"no CUDA backend for the demo in {method} here: {err}")
+    spec, checkpoint = load_spec(model_dir), Checkpoint.open(model_dir)
+    run = RunShape(max_seq_len=int(rng.integers(64, 2048)), load_mtp=False)  # Engine alone loads no MTP head
+    estimate = device_footprint(spec, checkpoint, run)
+    pool, driver = backend.rt.pool, backend.rt.driver
+    gc.collect()  # earlier tests' device tensors are released before the free memory is read
+    live_before, free_before = live_bytes(pool), driver.mem_get_info()[0]
+    engine = Engine(spec, checkpoint, backend, run.max_seq_len, kv_cache=run.kv_cache)
+    backend.rt.synchronize()
+    live = live_bytes(pool) - live_before
+    expected = estimate.weights + estimate.kv_cache + estimate.states
+    dropped = free_before - driver.mem_get_info()[0]
+    print(f"{method}: live {live} B, estimated {expected} B, pool {pool.allocated_bytes} B, free dropped {dropped} B")
+    assert live <= expected <= live * 1.01
+    assert dropped >= live
+    del engine

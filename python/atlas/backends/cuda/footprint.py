@@ -11,6 +11,10 @@ what the CUDA backend uploads:
 Beside the weights: the KV caches and DeltaNet states Engine.reset allocates, and the step arena's
 first block. Engine.reset makes every full-attention cache bf16 first and swaps the quantized
 levels in after, so a quantized level is counted on top of its bf16 cache: that is the peak.
+Not counted: upload temporaries the pool keeps after loading (a stack built block by block on the
+device, as the shared expert stacked as expert E is, leaves its blocks cached for reuse or freed
+at the next trim). For a bf16 Qwen3.6 that transient is one routed gate_up stack (1 GiB), more
+than select.py's headroom: the loader, not this count, should avoid it.
 """
 
 from __future__ import annotations
