@@ -130,15 +130,18 @@ def _experts(fmt: str, rng: np.random.Generator, experts: int, rows: int, k: int
     return stack_rows([p[0] for p in parts]), np.stack([p[1] for p in parts])
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 77])
-def test_quant_moe_experts(gpu: tuple[Any, str, dict[str, int]], rng: np.random.Generator, tokens: int) -> None:
+@pytest.mark.parametrize("tokens,shared", [(1, False), (5, False), (77, False), (1, True), (5, True), (77, True)])
+def test_quant_moe_experts(gpu: tuple[Any, str, dict[str, int]], rng: np.random.Generator, tokens: int,
+                           shared: bool) -> None:
+    """shared: the router's shared slot, slot k on expert E of E + 1 stacked (the k + 1 down entry)."""
     from atlas.backends.cuda import ops_quant
     from atlas.backends.cuda.quant_weights import stack_rows, upload
 
     backend, fmt, dims = gpu
     h, inter = dims["hidden_size"], dims["moe_intermediate_size"]
-    experts = min(dims["num_experts"], MOE_EXPERTS)
-    top_k = min(dims["num_experts_per_tok"], experts)
+    routed = min(dims["num_experts"], MOE_EXPERTS)
+    top_k = min(dims["num_experts_per_tok"], routed)
+    experts = routed + int(shared)
     gate, gate_f32 = _experts(fmt, rng, experts, inter, h)
     up, up_f32 = _experts(fmt, rng, experts, inter, h)
     down, down_f32 = _experts(fmt, rng, experts, h, inter)
@@ -148,7 +151,10 @@ def test_quant_moe_experts(gpu: tuple[Any, str, dict[str, int]], rng: np.random.
     down_dev = upload(backend.uploader, down, experts)
     gate_up_f32 = np.concatenate([gate_f32, up_f32], axis=1)  # [E, 2I, H], gate rows first
     x = normal(rng, tokens, h)
-    ids, routing = _routing(rng, tokens, experts, top_k)
+    ids, routing = _routing(rng, tokens, routed, top_k)
+    if shared:
+        ids = np.concatenate([ids, np.full((tokens, 1), routed, np.int32)], axis=1)  # [T, k + 1]
+        routing = np.concatenate([routing, rng.uniform(0.1, 1.0, (tokens, 1)).astype(np.float32)], axis=1)
     args = [backend.upload(x, "f32"), backend.upload(ids, "i32"), backend.upload(routing, "f32")]
     out = run(backend, lambda rt: ops_quant.moe_experts(rt, *args, gate_up_dev, down_dev))
     ref = NumpyBackend()

@@ -44,8 +44,12 @@ def _run_every_op(rt: RecordingRuntime, d: dict[str, int], rng: np.random.Genera
             ops.gated_delta_rule(rt, f(tokens, channels), f(tokens, hv), f(tokens, hv), f(hv), f(hv), f(hv, dk, dv), hk,
                                  chunked=chunked)
         ops.gated_rms_norm(rt, f(tokens, hv, dv), f(tokens, hv, dv), f(dv), 1e-6)
-        ids, weights = ops.router(rt, f(tokens, h), rt.empty((e, h), "bf16"), k, True)
-        ops.moe_experts(rt, f(tokens, h), ids, weights, rt.empty((e, 2 * inter, h), "bf16"), rt.empty((e, h, inter), "bf16"))
+        for shared in (0, 1):  # the router's shared slot: k + 1 slots over E + 1 stacked experts
+            ids, weights = ops.router(rt, f(tokens, h), rt.empty((e + shared, h), "bf16"), k, True, shared_expert=bool(shared))
+            assert ids.shape == weights.shape == (tokens, k + shared)
+            stacked = e + shared
+            ops.moe_experts(rt, f(tokens, h), ids, weights, rt.empty((stacked, 2 * inter, h), "bf16"),
+                            rt.empty((stacked, h, inter), "bf16"))
         ops.add_sigmoid_scaled(rt, f(tokens, h), f(tokens, h), f(tokens, 1))
 
 
@@ -84,11 +88,14 @@ def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
             elif launch.kernel == "atlas_gated_rms_norm":
                 assert gx * ops.GATED_NORM_WARPS >= p.rows and p.dim == d["linear_value_head_dim"]
             elif launch.kernel == "atlas_router_logits":
-                assert gx == p.num_tokens and gy * ops.ROUTER_WARPS >= p.num_experts
+                assert gx == p.num_tokens and gy * ops.ROUTER_WARPS >= p.num_experts + p.shared_expert
+                assert p.num_experts == d["num_experts"] and p.shared_expert in (0, 1)
             elif launch.kernel == "atlas_moe_gate_up_gemv":
                 assert gx * ops.GEMV_WARPS >= p.inter and gy == p.num_slots
-            elif launch.kernel == "atlas_moe_down_gemv":
+            elif launch.kernel.startswith("atlas_moe_down_gemv_k"):
                 assert gx * ops.GEMV_WARPS >= p.hidden and gy == p.num_tokens <= ops.MOE_GEMV_MAX_TOKENS
+                assert launch.kernel == f"atlas_moe_down_gemv_k{p.top_k}" and p.top_k - d["num_experts_per_tok"] in (0, 1)
+                assert p.num_experts == d["num_experts"] + p.top_k - d["num_experts_per_tok"]
             elif launch.kernel.startswith("atlas_moe_grouped_gemm"):
                 cols = ops.GEMM_BN // 2 if launch.kernel.endswith("gate_up") else ops.GEMM_BN
                 tokens = p.num_slots // p.top_k

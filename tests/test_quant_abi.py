@@ -206,11 +206,14 @@ def test_moe_tiles_read_every_weight_row_once(gate_up: bool, rng: np.random.Gene
 
 # --- ABI: op wrappers against the compiled PTX --------------------------------------------------
 
-@pytest.fixture(scope="module")
-def ptx_entries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PtxEntry]:
-    files = [f"kernels/h200/atlas-demo/{q}/{kind}_{q}.cu" for q in FORMATS for kind in ("linear", "moe")]
-    sources = (*files, "kernels/h200/atlas-demo/bf16/moe_experts.cu")
-    return compile_ptx_entries(PtxBuild("h200", "atlas-demo", "fp8", "compute_90a", sources), tmp_path_factory.mktemp("quant_ptx"))
+@pytest.fixture(scope="module", params=MODELS)
+def model_ptx(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, PtxEntry]]:
+    """The model's entries: the decode down GEMVs are compiled per slot count (k and k + 1)."""
+    model = request.param
+    files = [f"kernels/h200/{model}/{q}/{kind}_{q}.cu" for q in FORMATS for kind in ("linear", "moe")]
+    sources = (*files, f"kernels/h200/{model}/bf16/moe_experts.cu")
+    build = PtxBuild("h200", model, "fp8", "compute_90a", sources)
+    return model, compile_ptx_entries(build, tmp_path_factory.mktemp(model.replace(".", "_")))
 
 
 def _device_weight(rt: RecordingRuntime, fmt: str, rows: int, k: int, experts: int = 0) -> QuantWeight:
@@ -230,13 +233,14 @@ def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Gen
             for rows in (n, 64 * rt.sm_count + n):
                 ops_quant.linear(rt, rt.empty((t, h), "f32"), _device_weight(rt, fmt, rows, h))
         for t in (1, int(rng.integers(2, 9)), int(rng.integers(9, 700))):
-            ops_quant.moe_experts(rt, rt.empty((t, h), "f32"), rt.empty((t, top_k), "i32"), rt.empty((t, top_k), "f32"),
-                                  _device_weight(rt, fmt, 2 * inter, h, experts), _device_weight(rt, fmt, h, inter, experts))
+            for shared in (0, 1):  # the router's shared slot: k + 1 slots over E + 1 stacked experts
+                slots, stacked = top_k + shared, experts + shared
+                ops_quant.moe_experts(rt, rt.empty((t, h), "f32"), rt.empty((t, slots), "i32"), rt.empty((t, slots), "f32"),
+                                      _device_weight(rt, fmt, 2 * inter, h, stacked), _device_weight(rt, fmt, h, inter, stacked))
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_every_launch_matches_its_ptx_entry(model: str, ptx_entries: dict[str, PtxEntry],
-                                            rng: np.random.Generator) -> None:
+def test_every_launch_matches_its_ptx_entry(model_ptx: tuple[str, dict[str, PtxEntry]], rng: np.random.Generator) -> None:
+    model, ptx_entries = model_ptx
     rt = RecordingRuntime()
     dims = model_dims(model)
     _run_every_op(rt, dims, rng)
@@ -259,7 +263,8 @@ def test_every_launch_matches_its_ptx_entry(model: str, ptx_entries: dict[str, P
             assert launch.grid[1] * ops_quant.MOE_BM >= p.num_slots // p.top_k
         elif launch.kernel.startswith("atlas_moe_qgemv_"):
             gate_up = launch.kernel.endswith("gate_up")
-            assert p.num_tokens <= ops_quant.MOE_GEMV_MAX_TOKENS and p.top_k == dims["num_experts_per_tok"]
+            assert p.num_tokens <= ops_quant.MOE_GEMV_MAX_TOKENS and p.top_k - dims["num_experts_per_tok"] in (0, 1)
+            assert gate_up or launch.kernel.endswith(f"_down_k{p.top_k}")
             assert launch.grid[0] * ops_quant.MOE_GEMV_ROWS_PER_BLOCK >= (p.inter if gate_up else p.hidden)
             assert launch.grid[1] == (p.num_tokens * p.top_k if gate_up else p.num_tokens)
     quant_entries = {e for e in ptx_entries if e.startswith(("atlas_qgemv_", "atlas_qgemm_", "atlas_moe_q"))}
@@ -420,8 +425,9 @@ def test_demo_through_the_device_layout_gives_the_same_logits(fmt: str, tmp_path
     full = spec.layer_types.count("full_attention")
     assert backend.converted > 0
     assert backend.stacks.count((3, True, 0)) == full  # q_proj (q and gate rows), k_proj, v_proj fused
-    assert backend.stacks.count((2 * spec.num_experts, False, spec.num_experts)) == spec.num_hidden_layers
-    assert backend.stacks.count((spec.num_experts, False, spec.num_experts)) == spec.num_hidden_layers
+    stacked = spec.num_experts + 1  # the demo's shared expert has the routed size: stacked as expert E
+    assert backend.stacks.count((2 * stacked, False, stacked)) == spec.num_hidden_layers
+    assert backend.stacks.count((stacked, False, stacked)) == spec.num_hidden_layers
     linear = spec.num_hidden_layers - full  # in_proj_qkv + in_proj_z fused (b and a stay bf16)
-    assert backend.stacks.count((2, False, 0)) == spec.num_hidden_layers + linear  # + shared expert gate + up
+    assert backend.stacks.count((2, False, 0)) == linear
     np.testing.assert_array_equal(ours, run(NumpyBackend()))

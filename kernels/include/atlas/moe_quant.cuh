@@ -136,6 +136,11 @@ __device__ void moe_quant_gemm(const MoeQuantGemmParams& p) {
 }
 
 constexpr int kMoeGemvUnroll = 2;
+// Chunk columns in flight per lane in the down GEMV: kMoeGemvUnroll for up to 8 slots, one above
+// (9 slots x 2 columns of fp8 chunks spill on sm_90a). At the models' I = 512 a lane holds a
+// single chunk column per block of staged act anyway, so this costs no loads in flight there.
+template <int kTopK>
+__host__ __device__ constexpr int moe_down_unroll() { return kTopK <= 8 ? kMoeGemvUnroll : 1; }
 
 template <class Format>
 __device__ void moe_qgemv_gate_up(const MoeQuantGemvParams& p) {
@@ -195,7 +200,7 @@ __device__ void moe_qgemv_down(const MoeQuantGemvParams& p) {
     const int cols = min(kCols, p.inter - col0);
     stage_x<kTopK>(act, p.inter, col0, cols, xs);
     __syncthreads();
-    qgemv_block<Format, kTopK, kTopK, kMoeGemvUnroll, true>(m, rows, col0 / kChunk, xs, cols / kChunk, acc);
+    qgemv_block<Format, kTopK, kTopK, moe_down_unroll<kTopK>(), true>(m, rows, col0 / kChunk, xs, cols / kChunk, acc);
     __syncthreads();
   }
   if (n >= p.hidden) return;

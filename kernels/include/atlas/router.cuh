@@ -3,6 +3,9 @@
 // router_top_k: one warp per token: softmax in f32, top-k by k argmax rounds (descending,
 // ties -> lower expert index), optionally renormalised. Two launches so that decode (T = 1)
 // spreads the 1 MB weight read over E / kWarps blocks instead of one.
+// Shared slot (p.shared_expert = 1): the weight has E + 1 rows, row E the shared expert's gate;
+// logits are [T, E + 1], softmax and top-k cover the first E only, and slot k of ids / weights
+// [T, k + 1] is (E, sigmoid(logit E)): the shared expert runs as one more routed slot.
 #pragma once
 
 #include "atlas/common.cuh"
@@ -21,8 +24,14 @@ constexpr int kTopKThreads = kWarpSize;
 
 template <int H, int E>
 __device__ bool shape_matches(const RouterParams& p) {
-  return p.hidden == H && p.num_experts == E && p.top_k > 0 && p.top_k <= E;
+  return p.hidden == H && p.num_experts == E && p.top_k > 0 && p.top_k <= E &&
+         (p.shared_expert == 0 || p.shared_expert == 1);
 }
+
+// Logit columns (E, plus the shared expert's) and id / weight slots per token.
+template <int E>
+__device__ __forceinline__ int logit_columns(const RouterParams& p) { return E + p.shared_expert; }
+__device__ __forceinline__ int token_slots(const RouterParams& p) { return p.top_k + p.shared_expert; }
 
 template <int H, int E>
 __device__ void router_logits(const RouterParams& p) {
@@ -31,23 +40,24 @@ __device__ void router_logits(const RouterParams& p) {
   if (t >= p.num_tokens) return;
   const int lane = threadIdx.x % kWarpSize;
   const int e = blockIdx.y * kWarps + threadIdx.x / kWarpSize;
+  const int columns = logit_columns<E>(p);
   RowChunks<H> row;  // weight loads issued before x is staged, to overlap the two
-  if (e < E) load_row<H>(static_cast<const uint16_t*>(p.weight) + static_cast<int64_t>(e) * H, lane, row);
+  if (e < columns) load_row<H>(static_cast<const uint16_t*>(p.weight) + static_cast<int64_t>(e) * H, lane, row);
   else zero_row<H>(row);
   __shared__ __align__(16) float x_s[H];
   const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(t) * H;
   for (int i = threadIdx.x; i < H; i += kLogitsThreads) x_s[i] = x[i];
   __syncthreads();
-  if (e >= E) return;
+  if (e >= columns) return;
   const float logit = warp_sum(dot_row<H>(row, x_s, lane));
-  if (lane == 0) static_cast<float*>(p.logits)[static_cast<int64_t>(t) * E + e] = logit;
+  if (lane == 0) static_cast<float*>(p.logits)[static_cast<int64_t>(t) * columns + e] = logit;
 }
 
 // probs_s holds the softmax on entry; selected entries are overwritten.
 template <int E>
 __device__ void top_k_rounds(const RouterParams& p, float* probs_s, int t, int lane) {
-  int32_t* ids = static_cast<int32_t*>(p.ids) + static_cast<int64_t>(t) * p.top_k;
-  float* weights = static_cast<float*>(p.weights) + static_cast<int64_t>(t) * p.top_k;
+  int32_t* ids = static_cast<int32_t*>(p.ids) + static_cast<int64_t>(t) * token_slots(p);
+  float* weights = static_cast<float*>(p.weights) + static_cast<int64_t>(t) * token_slots(p);
   float picked_sum = 0.0f;
   for (int j = 0; j < p.top_k; ++j) {
     float best = -1.0f;
@@ -84,7 +94,7 @@ __device__ void router_top_k(const RouterParams& p) {
   if (t >= p.num_tokens) return;
   __shared__ float probs_s[E];
   const int lane = threadIdx.x;
-  const float* logits = static_cast<const float*>(p.logits) + static_cast<int64_t>(t) * E;
+  const float* logits = static_cast<const float*>(p.logits) + static_cast<int64_t>(t) * logit_columns<E>(p);
   float peak = -INFINITY;
   for (int e = lane; e < E; e += kWarpSize) {
     probs_s[e] = logits[e];
@@ -100,6 +110,11 @@ __device__ void router_top_k(const RouterParams& p) {
   for (int e = lane; e < E; e += kWarpSize) probs_s[e] *= inv_total;
   __syncwarp();
   top_k_rounds<E>(p, probs_s, t, lane);
+  if (p.shared_expert && lane == 0) {
+    const int64_t slot = static_cast<int64_t>(t) * token_slots(p) + p.top_k;
+    static_cast<int32_t*>(p.ids)[slot] = E;
+    static_cast<float*>(p.weights)[slot] = sigmoid(logits[E]);
+  }
 }
 
 }  // namespace atlas::router

@@ -139,9 +139,14 @@ class Backend(Protocol):
         """x, z [T, Hv, Dv], weight [Dv] -> rms_norm(x) * weight * silu(z) per head."""
 
     # --- mixture of experts -------------------------------------------------------------------
-    def router(self, x: Tensor, weight: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    def router(
+        self, x: Tensor, weight: Tensor, top_k: int, renormalize: bool, *, shared_expert: bool = False
+    ) -> tuple[Tensor, Tensor]:
         """x [T, H], weight [E, H] -> softmax(x @ weight.T) top-k: (ids [T, k] i32 in descending
-        probability order, weights [T, k] f32, divided by their sum when `renormalize`)."""
+        probability order, weights [T, k] f32, divided by their sum when `renormalize`).
+        `shared_expert`: weight [E + 1, H] with the shared expert's gate as row E; softmax and
+        top-k (and the renormalisation) cover the first E logits as above, and one more slot
+        (id E, weight sigmoid(logit E)) follows: ids / weights [T, k + 1]."""
 
     def moe_experts(
         self, x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor

@@ -246,15 +246,21 @@ class NumpyBackend:
         return _rms(x, eps) * weight * _silu(z)
 
     # --- mixture of experts -------------------------------------------------------------------
-    def router(self, x: Tensor, weight: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
-        logits = x @ weight.T  # [T, E]
+    def router(
+        self, x: Tensor, weight: Tensor, top_k: int, renormalize: bool, *, shared_expert: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        experts = weight.shape[0] - int(shared_expert)
+        logits = x @ weight[:experts].T  # [T, E]
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
-        ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # [T, k]
+        ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k].astype(np.int32)  # [T, k]
         weights = np.take_along_axis(probs, ids, axis=-1)
         if renormalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        return ids.astype(np.int32), weights.astype(np.float32)
+        if shared_expert:  # the product the unstacked shared gate computes: x @ gate.T, gate [1, H]
+            ids = np.concatenate([ids, np.full((x.shape[0], 1), experts, np.int32)], axis=-1)  # [T, k + 1]
+            weights = np.concatenate([weights, _sigmoid(x @ weight[experts:].T)], axis=-1)
+        return ids, weights.astype(np.float32)
 
     def moe_experts(self, x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
         out = np.zeros_like(x)  # [T, H]

@@ -91,8 +91,10 @@ class GatedRmsNormParams(ctypes.Structure):
 
 
 class RouterParams(ctypes.Structure):
-    """atlas_router_logits: x [T, H] f32, weight [E, H] bf16 -> logits [T, E] f32;
-    atlas_router_top_k: logits -> ids [T, k] i32, weights [T, k] f32."""
+    """atlas_router_logits: x [T, H] f32, weight [E + s, H] bf16 -> logits [T, E + s] f32;
+    atlas_router_top_k: logits -> ids [T, k + s] i32, weights [T, k + s] f32, where
+    s = shared_expert (0 or 1): slot k is the shared expert (id E, weight sigmoid(logit E)),
+    num_experts is the routed E."""
 
     _fields_ = [
         ("x", c_void_p),
@@ -105,7 +107,7 @@ class RouterParams(ctypes.Structure):
         ("num_experts", c_int32),
         ("top_k", c_int32),
         ("renormalize", c_int32),
-        ("pad", c_int32),
+        ("shared_expert", c_int32),
     ]
 
 
@@ -127,7 +129,8 @@ class MoeGateUpGemvParams(ctypes.Structure):
 
 
 class MoeDownGemvParams(ctypes.Structure):
-    """atlas_moe_down_gemv (decode): out[t] = sum_j weights[t, j] * down[ids[t, j]] @ act[t*k + j]."""
+    """atlas_moe_down_gemv_k{k} (decode): out[t] = sum_j weights[t, j] * down[ids[t, j]] @ act[t*k + j];
+    one entry per slot count k = top_k: num_experts_per_tok, and + 1 with the router's shared slot."""
 
     _fields_ = [
         ("act", c_void_p),

@@ -56,8 +56,9 @@ class MoeQuantGemmParams(ctypes.Structure):
 
 class MoeQuantGemvParams(ctypes.Structure):
     """atlas_moe_qgemv_{fp8,nvfp4}_gate_up (grid (ceil(inter / 8), T * k)): act[s] =
-    silu_mul(gate_up[ids[s]] @ x[s / k]); atlas_moe_qgemv_{fp8,nvfp4}_down (grid (ceil(hidden / 8), T)):
-    out[t] = sum_j route_weights[t, j] * down[ids[t, j]] @ act[t * k + j]. Decode (T <= 8)."""
+    silu_mul(gate_up[ids[s]] @ x[s / k]); atlas_moe_qgemv_{fp8,nvfp4}_down_k{k} (grid (ceil(hidden / 8), T)):
+    out[t] = sum_j route_weights[t, j] * down[ids[t, j]] @ act[t * k + j]. Decode (T <= 8); the down
+    entries exist for k = num_experts_per_tok and k + 1 (the router's shared slot)."""
 
     _fields_ = [
         ("x", c_void_p),  # gate_up: x [T, hidden] f32; down: act [T * k, inter] f32
@@ -68,7 +69,7 @@ class MoeQuantGemvParams(ctypes.Structure):
         ("row_scale", c_void_p),
         ("out", c_void_p),  # gate_up: act [T * k, inter]; down: [T, hidden] f32
         ("num_tokens", c_int32),
-        ("top_k", c_int32),  # must equal the compiled num_experts_per_tok (down)
+        ("top_k", c_int32),  # slots per token; down: the entry's k
         ("hidden", c_int32),
         ("inter", c_int32),
         ("num_experts", c_int32),

@@ -7,9 +7,14 @@ extern "C" __global__ void __launch_bounds__(atlas::moe::kGemvThreads) atlas_moe
   atlas::moe::moe_gate_up_gemv<m::hidden_size, m::moe_intermediate_size>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(atlas::moe::kGemvThreads) atlas_moe_down_gemv(const MoeDownGemvParams p) {
+extern "C" __global__ void __launch_bounds__(atlas::moe::kGemvThreads) atlas_moe_down_gemv_k2(const MoeDownGemvParams p) {
   namespace m = atlas::model;
-  atlas::moe::moe_down_gemv<m::hidden_size, m::moe_intermediate_size, m::num_experts_per_tok>(p);
+  atlas::moe::moe_down_gemv<m::hidden_size, m::moe_intermediate_size, 2>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(atlas::moe::kGemvThreads) atlas_moe_down_gemv_k3(const MoeDownGemvParams p) {
+  namespace m = atlas::model;
+  atlas::moe::moe_down_gemv<m::hidden_size, m::moe_intermediate_size, 3>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kRouteThreads) atlas_moe_route(const MoeRouteParams p) {

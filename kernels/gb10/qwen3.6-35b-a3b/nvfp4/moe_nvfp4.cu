@@ -1,6 +1,6 @@
 // generated from kernels/templates/nvfp4/moe_nvfp4.cu.j2 by build_tools/instances.py; do not edit
 // nvfp4 experts: the grouped GEMM over all experts in one launch (routing: atlas_moe_route) for
-// prefill; two GEMVs over the (token, slot) pairs for decode.
+// prefill; two GEMVs over the (token, slot) pairs for decode (down: k and k + 1 slots).
 #include "atlas/moe_quant.cuh"
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kGemmThreads) atlas_moe_qgemm_nvfp4_gate_up(const MoeQuantGemmParams p) {
@@ -15,6 +15,10 @@ extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_
   atlas::quant::moe_qgemv_gate_up<atlas::quant::Nvfp4Format>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_moe_qgemv_nvfp4_down(const MoeQuantGemvParams p) {
-  atlas::quant::moe_qgemv_down<atlas::quant::Nvfp4Format, atlas::model::num_experts_per_tok>(p);
+extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_moe_qgemv_nvfp4_down_k8(const MoeQuantGemvParams p) {
+  atlas::quant::moe_qgemv_down<atlas::quant::Nvfp4Format, 8>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_moe_qgemv_nvfp4_down_k9(const MoeQuantGemvParams p) {
+  atlas::quant::moe_qgemv_down<atlas::quant::Nvfp4Format, 9>(p);
 }

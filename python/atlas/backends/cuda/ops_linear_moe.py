@@ -165,23 +165,27 @@ def gated_rms_norm(rt: CudaRuntime, x: DeviceTensor, z: DeviceTensor, weight: De
 
 
 def router(
-    rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor, top_k: int, renormalize: bool
+    rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor, top_k: int, renormalize: bool, *, shared_expert: bool = False
 ) -> tuple[DeviceTensor, DeviceTensor]:
+    """`shared_expert`: weight [E + 1, H], row E the shared expert's gate -> one more slot per token
+    (id E, weight sigmoid(logit E)) after the k routed ones (base.py)."""
     tokens, hidden = x.shape
-    experts = weight.shape[0]
-    _expect(weight.shape == (experts, hidden), f"router: weight {weight.shape}, expected (E, {hidden})")
+    shared = int(shared_expert)
+    columns = weight.shape[0]  # E (+ 1 with the shared gate)
+    experts = columns - shared
+    _expect(weight.shape == (columns, hidden), f"router: weight {weight.shape}, expected (E, {hidden})")
     _expect(0 < top_k <= experts, f"router: top_k {top_k} outside 1..{experts}")
     _expect(hidden % 8 == 0, f"router: hidden {hidden} not a multiple of 8 (16-byte weight loads)")
     _expect_dtype("router x", x, "f32")
     _expect_dtype("router weight", weight, "bf16")
-    logits = rt.empty((tokens, experts), "f32")  # [T, E]
-    ids = rt.empty((tokens, top_k), "i32")
-    weights = rt.empty((tokens, top_k), "f32")
+    logits = rt.empty((tokens, columns), "f32")  # [T, E (+ 1)]
+    ids = rt.empty((tokens, top_k + shared), "i32")
+    weights = rt.empty((tokens, top_k + shared), "f32")
     params = kp.RouterParams(
         x=x.ptr, weight=weight.ptr, logits=logits.ptr, ids=ids.ptr, weights=weights.ptr, num_tokens=tokens,
-        hidden=hidden, num_experts=experts, top_k=top_k, renormalize=int(renormalize),
+        hidden=hidden, num_experts=experts, top_k=top_k, renormalize=int(renormalize), shared_expert=shared,
     )
-    grid = (tokens, _ceil_div(experts, ROUTER_WARPS), 1)
+    grid = (tokens, _ceil_div(columns, ROUTER_WARPS), 1)
     rt.launch("atlas_router_logits", grid, (ROUTER_WARPS * 32, 1, 1), params)
     rt.launch("atlas_router_top_k", (tokens, 1, 1), (32, 1, 1), params)
     return ids, weights
@@ -201,7 +205,7 @@ def moe_experts(
     for name, t, dtype in (("x", x, "f32"), ("ids", ids, "i32"), ("weights", weights, "f32"), ("gate_up", gate_up, "bf16"), ("down", down, "bf16")):
         _expect_dtype(f"moe_experts {name}", t, dtype)
     out = rt.empty((tokens, hidden), "f32")
-    call = _MoeCall(x, ids, weights, gate_up, down, out)
+    call = _MoeCall(x, ids, weights, gate_up, down, out)  # decode: the down GEMV entry of k = ids width
     if tokens <= MOE_GEMV_MAX_TOKENS:
         _moe_gemv(rt, call)
     else:
@@ -223,7 +227,7 @@ def _moe_gemv(rt: CudaRuntime, c: _MoeCall) -> None:
         act=act.ptr, ids=c.ids.ptr, weights=c.weights.ptr, down=c.down.ptr, out=c.out.ptr, num_tokens=tokens,
         top_k=top_k, hidden=hidden, inter=inter, num_experts=experts,
     )
-    rt.launch("atlas_moe_down_gemv", (_ceil_div(hidden, GEMV_WARPS), tokens, 1), block, down_params)
+    rt.launch(f"atlas_moe_down_gemv_k{top_k}", (_ceil_div(hidden, GEMV_WARPS), tokens, 1), block, down_params)
 
 
 @dataclass(frozen=True)

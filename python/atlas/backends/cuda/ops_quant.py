@@ -117,7 +117,7 @@ def _moe_gemv(rt: CudaRuntime, io: tuple[DeviceTensor, ...], gate_up: QuantWeigh
     down_params = kp.MoeQuantGemvParams(x=act.ptr, weight=down.q.ptr, scale=down.scale.ptr,
                                         row_scale=down.row_scale_ptr, out=out.ptr, **common)
     grid = (_ceil_div(hidden, MOE_GEMV_ROWS_PER_BLOCK), tokens, 1)
-    rt.launch(f"atlas_moe_qgemv_{down.format}_down", grid, block, down_params)
+    rt.launch(f"atlas_moe_qgemv_{down.format}_down_k{top_k}", grid, block, down_params)
 
 
 def _moe_grouped(rt: CudaRuntime, io: tuple[DeviceTensor, ...], gate_up: QuantWeight, down: QuantWeight) -> None:

@@ -1,0 +1,88 @@
+"""The shared expert as routed slot k on the GPU (issue 4): the router's shared slot and the MoE
+over k + 1 slots of E + 1 stacked experts (decode GEMVs: the k + 1 down entry; prefill: the
+grouped GEMMs over E + 1 experts), against the numpy reference with test_gpu_ops' bound."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from test_gpu_ops import (  # noqa: F401 - env is a fixture
+    BF16_FLOOR,
+    EXPERT_POOL,
+    Env,
+    ExpertPool,
+    In,
+    _gpu_args,
+    bf16_round,
+    check_bound,
+    env,
+    normal,
+    run_op,
+    weight,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+class StackedPool(ExpertPool):
+    """E pooled experts (as ExpertPool) and one more, the shared expert, as expert E."""
+
+    def __init__(self, pool: np.ndarray, experts: int, shared: np.ndarray) -> None:
+        super().__init__(pool, experts)
+        self.shared = shared
+        self.shape = (experts + 1, *pool.shape[1:])
+
+    def __getitem__(self, expert: Any) -> np.ndarray:
+        return self.shared if int(expert) == self.experts else super().__getitem__(expert)
+
+    def rounded(self) -> StackedPool:
+        return StackedPool(bf16_round(self.pool), self.experts, bf16_round(self.shared))
+
+    def upload(self, gpu: Any) -> Any:
+        routed = ExpertPool(self.pool, self.experts).upload(gpu)  # [E, ...]
+        out = gpu.rt.persistent(self.shape, "bf16")  # [E + 1, ...]
+        gpu.rt.copy(out.rows(0, self.experts), routed)
+        gpu.rt.copy(out.rows(self.experts, self.experts + 1), gpu.upload(self.shared[None], "bf16"))
+        return out
+
+
+@pytest.mark.parametrize("tokens,renormalize", [(1, True), (17, True), (9, False)])
+def test_router_shared_slot(env: Env, rng: np.random.Generator, tokens: int, renormalize: bool) -> None:
+    e, top_k, h = env.d("num_experts"), env.d("num_experts_per_tok"), env.d("hidden_size")
+    x, w = normal(rng, tokens, h), weight(rng, e + 1, h) * 4  # [T, H], [E + 1, H]: row E the shared gate
+    gpu_args = _gpu_args(env, [In(x, "f32"), In(w, "bf16"), top_k, renormalize])
+    env.gpu.rt.reset_step()
+    env.gpu.rt.poison_scratch()
+    ids_dev, weights_dev = env.gpu.router(*gpu_args, shared_expert=True)
+    ids, weights = env.gpu.to_numpy(ids_dev), env.gpu.to_numpy(weights_dev)
+    assert ids.shape == weights.shape == (tokens, top_k + 1)
+    assert (ids[:, top_k] == e).all() and ((ids[:, :top_k] >= 0) & (ids[:, :top_k] < e)).all()
+    assert np.isfinite(weights).all()
+    ref16_ids, ref16_w = env.ref.router(bf16_round(x), bf16_round(w), top_k, renormalize, shared_expert=True)
+    ref32_ids, ref32_w = env.ref.router(x, w, top_k, renormalize, shared_expert=True)
+    check_bound(f"{env.model} shared slot weight", weights[:, top_k], ref32_w[:, top_k], ref16_w[:, top_k], BF16_FLOOR)
+    same = (ids == ref16_ids).all(-1) | (ids == ref32_ids).all(-1)
+    assert same.mean() >= 0.9, f"routed ids differ from both references on {(~same).sum()} tokens"
+    keep = (ids == ref16_ids).all(-1) & (ref16_ids == ref32_ids).all(-1)
+    check_bound(f"{env.model} routed weights", weights[keep, :top_k], ref32_w[keep, :top_k], ref16_w[keep, :top_k], BF16_FLOOR)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 70])
+def test_moe_experts_with_the_shared_slot(env: Env, rng: np.random.Generator, tokens: int) -> None:
+    e, top_k, h = env.d("num_experts"), env.d("num_experts_per_tok"), env.d("hidden_size")
+    inter = env.d("moe_intermediate_size")
+    pool = min(e, EXPERT_POOL)
+    gate_up = StackedPool(normal(rng, pool, 2 * inter, h, scale=1 / math.sqrt(h)), e,
+                          normal(rng, 2 * inter, h, scale=1 / math.sqrt(h)))
+    down = StackedPool(normal(rng, pool, h, inter, scale=1 / math.sqrt(inter)), e,
+                       normal(rng, h, inter, scale=1 / math.sqrt(inter)))
+    ids = np.stack([np.append(rng.permutation(e)[:top_k], e) for _ in range(tokens)]).astype(np.int32)  # [T, k + 1]
+    routing = rng.uniform(0.1, 1.0, size=(tokens, top_k + 1)).astype(np.float32)
+    routing[:, :top_k] /= routing[:, :top_k].sum(-1, keepdims=True)
+    run_op(env, "moe_experts",
+           [In(normal(rng, tokens, h), "f32", rounds=True), In(ids, "i32"), In(routing, "f32"),
+            In(gate_up), In(down)], BF16_FLOOR)
