@@ -134,7 +134,8 @@ def test_loader_sends_every_quantized_matrix_packed(fmt: str, spec: Any) -> None
     converted = sum(int(np.prod(s)) for n, s in plan.items() if converts(n, s, fmt))
     assert sum(r * k for r, k, _ in backend.rows) == converted
     assert all(r % synthetic.QUANT_TILE_ROWS == 0 for r, _, _ in backend.rows)
-    assert sum(1 for _, _, e in backend.rows if e == spec.num_experts) == 2 * quant_spec.num_hidden_layers
+    stacked = spec.num_experts + 1  # the shared expert (the routed size, packed alike) as expert E
+    assert sum(1 for _, _, e in backend.rows if e == stacked) == 2 * quant_spec.num_hidden_layers
 
 
 def test_byte_counts_agree_with_decode_bench(spec: Any) -> None:

@@ -2,7 +2,8 @@
 
 Each case varies the architecture knobs (head counts, GQA ratio, linear key/value head ratio,
 experts / top-k, partial rotary), tied or untied embeddings, flat or nested configs, fused or
-per-expert expert layouts, fp32 or bf16 storage, single file or sharded. bf16 checkpoints are
+per-expert expert layouts, fp32 or bf16 storage, single file or sharded, a shared expert run apart or
+(same size as the routed ones) as one more routed slot. bf16 checkpoints are
 compared with transformers running the same bf16-rounded weights in float32.
 """
 
@@ -52,6 +53,11 @@ CASES = {
         hidden_size=128, num_attention_heads=8, num_key_value_heads=1, head_dim=128, rope_theta=1e7,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
         num_experts=32, num_experts_per_tok=8, full_attention_interval=4, vocab_size=256,
+    ),
+    # shared expert of the routed size: stacked as expert E and run as the router's slot k
+    "flat-fp32-per_expert-shared-slot": TinyModel(shared_expert_intermediate_size=32, num_experts=6),
+    "nested-bf16-fused-shared-slot": TinyModel(
+        nested=True, layout="fused", dtype="bfloat16", shared_expert_intermediate_size=32, num_experts_per_tok=3,
     ),
 }  # fmt: skip
 
@@ -149,3 +155,10 @@ def test_prefill_then_decode_equals_recompute(case: Case) -> None:
     assert incremental.shape == full.shape == (len(generated), case.tiny.vocab_size)
     assert relative_error(incremental, full) < RELATIVE_TOLERANCE
     assert (incremental.argmax(-1) == np.array(generated)).all()
+
+
+def test_shared_expert_path_follows_the_sizes(case: Case) -> None:
+    stacked = case.tiny.shared_expert_intermediate_size == case.tiny.moe_intermediate_size
+    for layer in case.engine.model.layers:
+        assert (layer.ffn.shared is None) == stacked
+        assert layer.ffn.gate_up.shape[0] == case.tiny.num_experts + int(stacked)

@@ -21,7 +21,7 @@ from ..layers.decoder import CausalLM, DecoderLayer
 from ..layers.embedding import Embedding, LMHead
 from ..layers.linear_attention import DeltaNetDims, DeltaNetWeights, GatedDeltaNet
 from ..layers.mlp import Mlp
-from ..layers.moe import SparseMoe
+from ..layers.moe import SharedExpert, SparseMoe
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary
 from ..loader import RowPart, Shape, WeightReader, find_text_prefix
@@ -155,6 +155,15 @@ def build_delta_net(reader: WeightReader, s: ModelSpec, p: str) -> GatedDeltaNet
     return GatedDeltaNet(weights, dims)
 
 
+def expert_names(s: ModelSpec, p: str, parts: tuple[str, ...]) -> list[str]:
+    """Per-expert checkpoint names, expert-major: parts ("gate", "up") -> gate 0, up 0, gate 1, ..."""
+    return [f"{p}mlp.experts.{e}.{w}_proj.weight" for e in range(s.num_experts) for w in parts]
+
+
+def shared_names(p: str, parts: tuple[str, ...]) -> list[str]:
+    return [f"{p}mlp.shared_expert.{w}_proj.weight" for w in parts]
+
+
 def stacked_experts(reader: WeightReader, s: ModelSpec, p: str, fused: bool) -> tuple[np.ndarray, np.ndarray]:
     """(gate_up [E, 2I, H] gate rows first, down [E, H, I]) from either checkpoint layout."""
     if fused:
@@ -169,36 +178,67 @@ def stacked_experts(reader: WeightReader, s: ModelSpec, p: str, fused: bool) -> 
     return gate_up, down
 
 
+def upload_stack(reader: WeightReader, blocks: list[np.ndarray]) -> Tensor:
+    """Matrix stacks concatenated along dim 0 on the backend: by `upload_stacked` when it has it
+    (CUDA: block by block into one allocation, so the host never copies a 2 GB expert stack),
+    else one host concatenation."""
+    upload_stacked = getattr(reader.backend, "upload_stacked", None)
+    if upload_stacked is not None:
+        return upload_stacked(blocks, "bf16")
+    return reader.upload(np.concatenate(blocks))
+
+
 def expert_tensors(reader: WeightReader, s: ModelSpec, p: str, fused: bool) -> tuple[Tensor, Tensor]:
     """(gate_up, down) on the backend: packed when the backend takes quantized stacks, else float."""
-    names = [f"{p}mlp.experts.{e}.{w}_proj.weight" for e in range(s.num_experts) for w in ("gate", "up", "down")]
-    if not fused and reader.can_pack(names):
-        (gate_up,) = reader.packed([n for n in names if not n.endswith("down_proj.weight")], experts=s.num_experts)
-        (down,) = reader.packed([n for n in names if n.endswith("down_proj.weight")], experts=s.num_experts)
+    if not fused and reader.can_pack(expert_names(s, p, ("gate", "up", "down"))):
+        (gate_up,) = reader.packed(expert_names(s, p, ("gate", "up")), experts=s.num_experts)
+        (down,) = reader.packed(expert_names(s, p, ("down",)), experts=s.num_experts)
         return gate_up, down
     gate_up_array, down_array = stacked_experts(reader, s, p, fused)
     return reader.upload(gate_up_array), reader.upload(down_array)
 
 
+def experts_with_shared(reader: WeightReader, s: ModelSpec, p: str, fused: bool) -> tuple[Tensor, Tensor] | None:
+    """(gate_up [E + 1, 2I, H], down [E + 1, H, I]) with the shared expert as expert E; None when
+    the sizes differ or only one of the two goes to the backend packed (then they run apart)."""
+    if s.shared_expert_intermediate_size != s.moe_intermediate_size:
+        return None
+    routed = [] if fused else expert_names(s, p, ("gate", "up", "down"))
+    shared = shared_names(p, ("gate", "up", "down"))
+    if routed and reader.can_pack(routed + shared):
+        experts = s.num_experts + 1
+        (gate_up,) = reader.packed(expert_names(s, p, ("gate", "up")) + shared[:2], experts=experts)
+        (down,) = reader.packed(expert_names(s, p, ("down",)) + shared[2:], experts=experts)
+        return gate_up, down
+    if (routed and reader.can_pack(routed)) or reader.can_pack(shared):
+        return None
+    gate_up, down = stacked_experts(reader, s, p, fused)  # [E, 2I, H], [E, H, I]
+    shared_gate_up = np.concatenate([reader.array(n) for n in shared[:2]])[None]  # [1, 2I, H]
+    shared_down = reader.array(shared[2])[None]  # [1, H, I]
+    return upload_stack(reader, [gate_up, shared_gate_up]), upload_stack(reader, [down, shared_down])
+
+
 def shared_gate_up(reader: WeightReader, p: str) -> Tensor:
-    names = [f"{p}mlp.shared_expert.gate_proj.weight", f"{p}mlp.shared_expert.up_proj.weight"]
+    names = shared_names(p, ("gate", "up"))
     if reader.can_pack(names):
         return reader.packed(names)[0]
     return reader.upload(np.concatenate([reader.array(n) for n in names]))
 
 
 def build_moe(reader: WeightReader, s: ModelSpec, p: str, fused: bool) -> SparseMoe:
+    """The shared expert stacked as expert E when it can be (one routed slot more), else apart."""
+    stacked = experts_with_shared(reader, s, p, fused)
+    if stacked is not None:
+        gate_rows = [reader.array(f"{p}mlp.gate.weight"), reader.array(f"{p}mlp.shared_expert_gate.weight")]
+        return SparseMoe(router=reader.upload(np.concatenate(gate_rows)), gate_up=stacked[0], down=stacked[1],
+                         shared=None, top_k=s.num_experts_per_tok, renormalize=s.norm_topk_prob)  # [E + 1, H] router
     gate_up, down = expert_tensors(reader, s, p, fused)
-    shared = Mlp(shared_gate_up(reader, p), reader.tensor(f"{p}mlp.shared_expert.down_proj.weight"))
-    return SparseMoe(
-        router=reader.tensor(f"{p}mlp.gate.weight"),
-        gate_up=gate_up,
-        down=down,
-        shared=shared,
-        shared_gate=reader.tensor(f"{p}mlp.shared_expert_gate.weight"),
-        top_k=s.num_experts_per_tok,
-        renormalize=s.norm_topk_prob,
+    shared = SharedExpert(
+        Mlp(shared_gate_up(reader, p), reader.tensor(shared_names(p, ("down",))[0])),
+        gate=reader.tensor(f"{p}mlp.shared_expert_gate.weight"),
     )
+    return SparseMoe(router=reader.tensor(f"{p}mlp.gate.weight"), gate_up=gate_up, down=down, shared=shared,
+                     top_k=s.num_experts_per_tok, renormalize=s.norm_topk_prob)
 
 
 def build_layer(reader: WeightReader, layout: Layout, i: int) -> DecoderLayer:

@@ -137,6 +137,20 @@ class CudaBackend:
             raise AtlasError(f"{weights[0].name}: {err}; the GPU kernels cannot run this checkpoint") from None
         return upload_quant(self.uploader, host if rows is None else host.take_rows(rows), experts)
 
+    def upload_stacked(self, blocks: Sequence[np.ndarray], dtype: StorageDType) -> DeviceTensor:
+        """The loader's stacks (the shared expert as expert E): blocks concatenated along dim 0,
+        each uploaded through `upload` (which the benchmarks hook to fill their synthetic weights
+        on the device) and copied into place, so no host copy of the whole stack is made."""
+        shape = (sum(int(b.shape[0]) for b in blocks), *blocks[0].shape[1:])
+        out = self.rt.persistent(shape, dtype)
+        row = 0
+        for block in blocks:
+            part = self.upload(block, dtype)
+            self.rt.copy(out.rows(row, row + part.shape[0]), part)
+            row += part.shape[0]
+            self.rt.synchronize()  # `part` may be freed and its memory reused at once
+        return out
+
     def silu_mul(self, gate_up: DeviceTensor) -> DeviceTensor:
         return ops_dense.silu_mul(self.rt, gate_up)
 
@@ -171,9 +185,9 @@ class CudaBackend:
         return ops_linear_moe.gated_rms_norm(self.rt, x, z, weight, eps)
 
     # --- mixture of experts -------------------------------------------------------------------
-    def router(self, x: DeviceTensor, weight: DeviceTensor, top_k: int,
-               renormalize: bool) -> tuple[DeviceTensor, DeviceTensor]:
-        return ops_linear_moe.router(self.rt, x, weight, top_k, renormalize)
+    def router(self, x: DeviceTensor, weight: DeviceTensor, top_k: int, renormalize: bool, *,
+               shared_expert: bool = False) -> tuple[DeviceTensor, DeviceTensor]:
+        return ops_linear_moe.router(self.rt, x, weight, top_k, renormalize, shared_expert=shared_expert)
 
     def moe_experts(self, x: DeviceTensor, ids: DeviceTensor, weights: DeviceTensor,
                     gate_up: DeviceTensor | QuantWeight, down: DeviceTensor | QuantWeight) -> DeviceTensor:
