@@ -121,11 +121,11 @@ def kv_cache_bytes(spec: ModelSpec, run: RunShape, mtp_layers: int = 0) -> int:
 
 def state_bytes(spec: ModelSpec) -> int:
     """Each linear-attention layer's conv state [C, K-1] and recurrent state [Hv, Dk, Dv], f32."""
-    channels = 2 * spec.linear_num_key_heads * spec.linear_key_head_dim + \
-        spec.linear_num_value_heads * spec.linear_value_head_dim
-    conv = _allocation(F32_BYTES * channels * (spec.linear_conv_kernel_dim - 1))
-    recurrent = _allocation(F32_BYTES * spec.linear_num_value_heads * spec.linear_key_head_dim
-                            * spec.linear_value_head_dim)
+    from ...models.qwen3_5_moe import delta_net_dims
+
+    d = delta_net_dims(spec)
+    conv = _allocation(F32_BYTES * d.conv_channels * (d.conv_kernel - 1))
+    recurrent = _allocation(F32_BYTES * d.num_v_heads * d.k_head_dim * d.v_head_dim)
     layers = sum(1 for kind in spec.layer_types if kind == "linear_attention")
     return layers * (conv + recurrent)
 
