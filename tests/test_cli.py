@@ -90,6 +90,9 @@ def one_error_line(code: int, err: str) -> str:
         (["--device", "tpu"], "--device"),
         (["--no-such-flag"], "--no-such-flag"),
         (["--prompt"], "--prompt"),
+        (["--prompt", "Flat \udcff", "--device", "cpu"], "not valid Unicode"),  # argv bytes that are not UTF-8
+        (["--spec-k", "2", "--no-spec"], "--no-spec"),
+        (["--kv-high-precision-layers", "few"], "--kv-high-precision-layers"),
     ],
 )
 def test_bad_flags(flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -115,6 +115,13 @@ def test_stream_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"top_k": -1}, "top_k"),
         ({"max_tokens": 10**6}, "positions"),
         ({"seed": -1, "temperature": 0.7}, "seed"),
+        ({"temperature": "hot"}, "temperature must be a number"),
+        ({"temperature": None}, "temperature must be a number"),
+        ({"temperature": True}, "temperature must be a number"),
+        ({"top_p": None}, "top_p must be a number"),
+        ({"top_k": 1.5, "temperature": 1.0}, "top_k must be an integer"),
+        ({"top_k": "x"}, "top_k must be an integer"),
+        ({"top_k": 2**40, "temperature": 1.0}, "top_k must be in 0..2147483647"),
     ],
 )
 def test_bad_options(tiny: LLM, options: dict[str, float], needle: str) -> None:
@@ -140,6 +147,31 @@ def test_bad_prompts(tiny: LLM) -> None:
         tiny.generate([1, 2], chat=True)
     with pytest.raises(TypeError, match="max_new_tokens"):
         tiny.generate("x", max_new_tokens=3)
+
+
+@pytest.mark.parametrize(("prompt", "needle"), [
+    (5, "text or a list of token ids, got int"),
+    (None, "text or a list of token ids, got NoneType"),
+    ({"text": "x"}, "text or a list of token ids, got dict"),
+    (b"Flat", "text or a list of token ids, got bytes"),
+    (["Flat", "is"], "token ids must be integers, got 'Flat'"),
+    ([1, 2.5], "token ids must be integers, got 2.5"),
+    ([True, 2], "token ids must be integers, got True"),
+    ("Flat \ud800 is", "not valid Unicode (surrogates not allowed U+D800 at character 5)"),
+])
+def test_prompts_of_the_wrong_type_are_one_line(tiny: LLM, prompt: object, needle: str) -> None:
+    for call in (tiny.generate, lambda p, **kw: list(tiny.stream(p, **kw))):
+        with pytest.raises(AtlasError) as err:
+            call(prompt, max_tokens=2)  # type: ignore[arg-type]
+        assert needle in str(err.value)
+
+
+def test_model_argument_types(tiny_dir: Path) -> None:
+    with pytest.raises(AtlasError, match="model must be a registry name, an HF repo id or a directory path, got 5"):
+        LLM(5, device="cpu")  # type: ignore[arg-type]
+    ids = np.array([3, 4, 5], dtype=np.int64)
+    from_path = LLM(tiny_dir, device="cpu").generate(ids, max_tokens=3)
+    assert from_path.token_ids == LLM(str(tiny_dir), device="cpu").generate(ids.tolist(), max_tokens=3).token_ids
 
 
 def test_backend_factory(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -284,6 +284,9 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("n above one", {**GOOD, "n": 3}, "n"),
     ("stream not bool", {**GOOD, "stream": "yes"}, "stream"),
     ("logprobs asked", {**GOOD, "logprobs": 5}, "logprobs"),
+    ("top_k beyond int32", {**GOOD, "top_k": 2**40, "temperature": 0.7}, "top_k"),
+    ("prompt lone surrogate", {**GOOD, "prompt": "Flat \ud800 is"}, "prompt"),
+    ("nested too deeply", "[" * 100_000 + "]" * 100_000, None),
 ]
 BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("missing messages", {"model": DEMO_NAME}, "messages"),
@@ -291,6 +294,7 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("message without role", {"model": DEMO_NAME, "messages": [{"content": "hi"}]}, "messages[0].role"),
     ("image content", {"model": DEMO_NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
+    ("chat lone surrogate", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "\udcff"}]}, "messages"),
     ("chat max_completion_tokens beyond context",
      {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_tokens"),
 ]
@@ -524,6 +528,7 @@ def listening_port(lines: queue.Queue[str], seen: list[str]) -> int:
     (["--kv-cache-dtype", "int3"], "--kv-cache-dtype"),
     (["--kv-high-precision-layers", "-1"], "--kv-high-precision-layers"),
     (["--kv-high-precision-layers", "some"], "--kv-high-precision-layers"),
+    (["--served-model-name", " "], "--served-model-name"),
 ])
 def test_cli_bad_input_is_one_line(args: list[str], needle: str) -> None:
     done = subprocess.run(serve_command(*args), capture_output=True, text=True, env=cli_env(), timeout=TIMEOUT_S)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from os import PathLike, fspath
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -72,11 +73,15 @@ class LoadedModel:
 
 
 def load_model(
-    model: str | None, device: str, kv_cache: KVCacheOptions | None = None, spec_k: int | None = None
+    model: str | PathLike[str] | None, device: str, kv_cache: KVCacheOptions | None = None, spec_k: int | None = None
 ) -> LoadedModel:
     """Resolve, read config and tokenizer, open the weights and build the engine. spec_k: MTP
     speculation (atlas.speculative.build_engine): None = k=2 when the checkpoint has the head,
     0 = off (the head is not loaded), 1..3 = that k."""
+    if isinstance(model, PathLike):
+        model = fspath(model)
+    if model is not None and not isinstance(model, str):
+        raise AtlasError(f"model must be a registry name, an HF repo id or a directory path, got {model!r}")
     if kv_cache is not None:
         kv_cache.check()
     from .backends import create_backend
@@ -103,7 +108,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | None = None,
+        model: str | PathLike[str] | None = None,
         device: str = "auto",
         kv_cache_dtype: str = DEFAULT_LEVEL,
         kv_high_precision_layers: str | int = "auto",
@@ -259,19 +264,47 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int], chat: bool) -> 
     elif chat:
         raise AtlasError("chat=True needs a text prompt, not token ids")
     else:
-        ids = [int(t) for t in prompt]
+        ids = token_ids(prompt)
     if not ids:
         raise AtlasError("the prompt is empty; give at least one token of text")
     return ids
 
 
+def token_ids(prompt: object) -> list[int]:
+    """A sequence of integer token ids (numpy integers too) -> list[int]; anything else is one line."""
+    if isinstance(prompt, (bytes, dict, set)) or not hasattr(prompt, "__iter__"):
+        raise AtlasError(f"the prompt must be text or a list of token ids, got {type(prompt).__name__}")
+    ids = list(prompt)  # type: ignore[call-overload]
+    bad = [t for t in ids if not is_integer(t)]
+    if bad:
+        raise AtlasError(f"prompt token ids must be integers, got {bad[0]!r}")
+    return [int(t) for t in ids]
+
+
+def is_integer(value: object) -> bool:
+    import numpy as np
+
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    import numpy as np
+
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 def check_options(opts: GenerateOptions) -> None:
     max_tokens = opts.max_tokens
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+    if not is_integer(max_tokens) or max_tokens < 1:
         raise AtlasError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     seed = opts.seed
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+    if seed is not None and (not is_integer(seed) or seed < 0):
         raise AtlasError(f"seed must be a non-negative integer, got {seed!r}")
+    for name, value, valid in (("temperature", opts.temperature, is_real), ("top_p", opts.top_p, is_real),
+                               ("top_k", opts.top_k, is_integer)):
+        if not valid(value):
+            kind = "an integer" if valid is is_integer else "a number"
+            raise AtlasError(f"{name} must be {kind}, got {value!r}")
     from .sampling import check_sampling
 
     check_sampling(sampling_params(opts))

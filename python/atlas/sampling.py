@@ -7,13 +7,15 @@ import numpy as np
 from .backends.base import SamplingParams
 from .errors import AtlasError
 
+MAX_TOP_K = 2**31 - 1  # SampleParams.top_k is an int32; any top_k >= the vocabulary keeps all
+
 
 def check_sampling(params: SamplingParams) -> None:
     """Reject settings no backend can honour, with one line naming the setting and the fix."""
     if not np.isfinite(params.temperature) or params.temperature < 0:
         raise AtlasError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
-    if params.top_k < 0:
-        raise AtlasError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    if not 0 <= params.top_k <= MAX_TOP_K:
+        raise AtlasError(f"top_k must be in 0..{MAX_TOP_K} (0 = off), got {params.top_k}")
     if not 0.0 < params.top_p <= 1.0:
         raise AtlasError(f"top_p must be in (0, 1] (1 = off), got {params.top_p}")
 

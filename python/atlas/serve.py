@@ -77,6 +77,8 @@ def serve(args: ServeArgs) -> None:
     from .server.worker import EngineWorker
 
     args.engine.check()
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise AtlasError("--served-model-name is empty; give a name or leave the flag out")
     model_dir = resolve_model(args.model)
     sock = listen_socket(args.host, args.port)
     worker = EngineWorker(lambda: args.engine.load(str(model_dir)))

@@ -65,7 +65,12 @@ class Tokenizer:
         return self.token_id("bos_token")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        if not isinstance(text, str):
+            raise AtlasError(f"text to encode must be a str, got {type(text).__name__}")
+        try:
+            return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        except TypeError:  # tokenizers' answer to a str that is not valid Unicode
+            raise AtlasError(f"the text is not valid Unicode ({unicode_problem(text)}); send UTF-8 text") from None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -127,6 +132,15 @@ class StreamDecoder:
 def first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def unicode_problem(text: str) -> str:
+    """Where a str fails UTF-8 (a lone surrogate, e.g. from JSON's "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"{err.reason} U+{ord(text[err.start]):04X} at character {err.start}"
+    return "rejected by the tokenizer"
 
 
 def read_tokenizer_config(path: Path) -> dict[str, Any]:

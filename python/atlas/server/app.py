@@ -116,18 +116,21 @@ async def read_json(request: Request) -> object:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise RequestError(f"the request body is not valid JSON ({err})", code="invalid_json") from None
+    except RecursionError:
+        raise RequestError("the request body nests too deeply to parse", code="invalid_json") from None
 
 
 def encode(llm: LLM, body: GenerationBody) -> list[int]:
-    if body.messages is not None:
-        try:
+    param = "messages" if body.messages is not None else "prompt"
+    try:
+        if body.messages is not None:
             ids = llm.tokenizer.encode_chat(body.messages)
-        except AtlasError as err:
-            raise RequestError(str(err), "messages") from None
-    elif isinstance(body.prompt, str):
-        ids = llm.tokenizer.encode(body.prompt)
-    else:
-        ids = list(body.prompt or [])
+        elif isinstance(body.prompt, str):
+            ids = llm.tokenizer.encode(body.prompt)
+        else:
+            ids = list(body.prompt or [])
+    except AtlasError as err:  # the chat template's failure, text that is not valid Unicode
+        raise RequestError(str(err), param) from None
     if not ids:
         raise RequestError("the prompt encodes to no tokens; give some text", "prompt")
     return ids

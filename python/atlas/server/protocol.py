@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..sampling import MAX_TOP_K
 from .errors import RequestError
 
 Prompt = str | list[int]
@@ -69,7 +70,7 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
 
 
 def parse_sampling(body: dict[str, Any]) -> SamplingFields:
-    top_k = optional_int(body, "top_k", minimum=-1)  # -1: off, as in vLLM
+    top_k = optional_int(body, "top_k", minimum=-1, maximum=MAX_TOP_K)  # -1: off, as in vLLM
     temperature = optional_number(body, "temperature", 1.0)
     if temperature < 0:
         raise RequestError(f"'temperature' must be >= 0 (0 = greedy), got {temperature}", "temperature")
@@ -177,7 +178,7 @@ def required_str(body: dict[str, Any], name: str) -> str:
     return value
 
 
-def optional_int(body: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
+def optional_int(body: dict[str, Any], name: str, minimum: int | None = None, maximum: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -185,6 +186,8 @@ def optional_int(body: dict[str, Any], name: str, minimum: int | None = None) ->
         raise RequestError(f"'{name}' must be an integer, got {value!r}", name)
     if minimum is not None and value < minimum:
         raise RequestError(f"'{name}' must be >= {minimum}, got {value}", name)
+    if maximum is not None and value > maximum:
+        raise RequestError(f"'{name}' must be <= {maximum}, got {value}", name)
     return value
 
 
