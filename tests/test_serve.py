@@ -287,6 +287,8 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("top_k beyond int32", {**GOOD, "top_k": 2**40, "temperature": 0.7}, "top_k"),
     ("prompt lone surrogate", {**GOOD, "prompt": "Flat \ud800 is"}, "prompt"),
     ("nested too deeply", "[" * 100_000 + "]" * 100_000, None),
+    ("stream_options wrong type", {**GOOD, "stream_options": 5}, "stream_options"),
+    ("include_usage wrong type", {**GOOD, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
 ]
 BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("missing messages", {"model": DEMO_NAME}, "messages"),
@@ -366,6 +368,25 @@ def test_failing_chat_template_is_a_400(served: Served, tmp_path: Path, template
     finally:
         tokenizer.chat_template, tokenizer.chat_template_source = saved
     assert_still_serving(served)
+
+
+def test_stopped_engine_answers_instead_of_hanging() -> None:
+    import asyncio
+
+    from atlas.llm import GenerateOptions
+    from atlas.server.worker import Failed
+
+    worker = EngineWorker(lambda: object())  # type: ignore[arg-type, return-value]
+    worker.start()
+    worker.stop()
+    assert not worker.alive
+
+    async def first_event() -> object:
+        events = worker.events([1, 2], GenerateOptions(max_tokens=2), ())
+        return await asyncio.wait_for(events.__anext__(), timeout=5)
+
+    event = asyncio.run(first_event())
+    assert isinstance(event, Failed) and "engine thread has stopped" in event.message
 
 # --- concurrency and disconnects ---------------------------------------------------------------
 def test_eight_concurrent_clients(served: Served, rng: np.random.Generator) -> None:

@@ -59,13 +59,14 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
     if n not in (None, 1):
         raise RequestError(f"n={n} is not supported; this server returns one choice (n=1)", "n")
     stream = optional_bool(body, "stream") or False
+    include_usage = parse_include_usage(body.get("stream_options"))  # checked even without stream
     return GenerationBody(
         model=required_str(body, "model"),
         prompt=None if chat else parse_prompt(body.get("prompt")),
         messages=parse_messages(body.get("messages")) if chat else None,
         sampling=parse_sampling(body),
         stream=stream,
-        include_usage=stream and parse_include_usage(body.get("stream_options")),
+        include_usage=stream and include_usage,
     )
 
 

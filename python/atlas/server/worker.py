@@ -86,6 +86,9 @@ class EngineWorker:
             except RuntimeError:  # the event loop has closed: nobody is listening any more
                 job.cancelled.set()
 
+        if not self._thread.is_alive():  # nobody would ever take the job: answer instead of hanging
+            yield Failed("the engine thread has stopped; restart the server")
+            return
         job = Job(prompt_ids, opts, stops, emit)
         self._jobs.put(job)
         try:
