@@ -34,6 +34,7 @@ from .nvcc import Nvcc, find_nvcc
 from .render import write_if_changed
 from .ptx import parse_entries, parse_ptxas
 from .selection import ENV_HW, ENV_MODEL, ENV_QUANT, Selection, Target, select
+from .toolchain import real_nvcc
 
 MODULE = "kernels"  # one module per tuple
 COMMON_FLAGS = ("-std=c++17", "-O3", "-lineinfo")
@@ -242,7 +243,10 @@ def compile_selection(registry: Registry, selection: Selection, out: Path, jobs:
     identity = nvcc.identity(cache_dir) if work else ""
     nvcc_version = nvcc.version(cache_dir, identity) if work else ""
     compiler_id = identity + nvcc_version
-    print(f"atlas: nvcc {nvcc.path} ({nvcc.source}); {sum(len(j.sources) for j in work)} kernel files in {len(selection.targets)} tuples", flush=True)
+    behind = real_nvcc(nvcc.path)
+    runs = f" -> {behind}" if behind != nvcc.path.resolve() else ""
+    print(f"atlas: nvcc {nvcc.path}{runs} ({nvcc.source}); {sum(len(j.sources) for j in work)} kernel files "
+          f"in {len(selection.targets)} tuples", flush=True)
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         results = list(pool.map(lambda j: run_job(j, compiler_id, cache_dir), work))
     failed = [r for r in results if r.error]

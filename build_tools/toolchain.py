@@ -5,7 +5,8 @@ the tests' logging wrapper): its bytes stay the same when a new nvidia-cuda-nvcc
 cicc is installed behind it. So the key is taken from what nvcc really runs, found without running
 it (a no-op rebuild runs no nvcc):
   - symlinks and wrapper scripts are followed to the nvcc they exec (the first absolute path to an
-    executable `nvcc` in a `#!` script);
+    executable `nvcc` in a `#!` script; a script that names none, e.g. one that finds its nvcc at
+    run time, is taken as the compiler itself, and the build log then shows no `->` target);
   - that binary's nvcc.profile is read the way nvcc reads it (TOP, CICC_PATH, NVVMIR_LIBRARY_DIR,
     PATH, INCLUDES, SYSTEM_INCLUDES) to find cicc, ptxas, cudafe++, libdevice and the CUDA header
     trees (crt/ included); the host compiler is `gcc` (or NVCC_CCBIN) on that PATH;
