@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from .backends import DEVICES
-from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL, LEVEL_NAMES
 
 if TYPE_CHECKING:
