@@ -23,6 +23,7 @@ from atlas.targets import Registry, load_registry
 
 from . import kernels_dir, run_tool
 from .render import environment, write_if_changed
+from .selection import split_names
 
 MARKER = "// generated from kernels/templates/"
 _HARDWARE_LINE = re.compile(r"\{#-?\s*atlas-hardware:\s*([^#]*?)\s*-?#\}")
@@ -44,8 +45,7 @@ def template_hardware(source: Path, registry: Registry) -> list[str]:
         match = _HARDWARE_LINE.match(f.readline().strip())
     if match is None:
         return list(registry.hardware)
-    names = [n.strip() for n in match[1].split(",") if n.strip()]
-    unknown = [n for n in names if n not in registry.hardware]
+    names, unknown = split_names(match[1], registry.hardware)
     if unknown or not names:
         raise AtlasError(f"{source}: atlas-hardware names {unknown or 'nothing'}; hardware in targets.toml: "
                          f"{', '.join(registry.hardware)}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,12 +55,18 @@ def existing_targets(registry: Registry, root: Path | None = None) -> list[Targe
     return sorted(found)
 
 
+def split_names(text: str, valid: Iterable[str]) -> tuple[list[str], list[str]]:
+    """A comma list -> (its names, those of them not in `valid`)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = set(valid)
+    return names, [n for n in names if n not in known]
+
+
 def parse_names(var: str, value: str | None, valid: list[str]) -> list[str] | None:
     """Names listed in an env var value; None means all (`*` or unset)."""
     if value is None or value.strip() in ("", "*"):
         return None
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    unknown = [n for n in names if n not in valid]
+    names, unknown = split_names(value, valid)
     if unknown or not names:
         raise AtlasError(f"{var}={value!r}: unknown name {', '.join(unknown) or value!r}; "
                          f"valid: {', '.join(valid)} or '*'")
