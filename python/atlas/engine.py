@@ -17,7 +17,7 @@ from .kvcache import KVCacheOptions, apply_kv_levels
 from .layers.step import Dump, Step
 from .models import load_model
 from .safetensors import Checkpoint
-from .sampling import check_sampling
+from .sampling import check_sampling, is_int
 
 
 @dataclass
@@ -44,10 +44,6 @@ class GenerationRequest:
             raise AtlasError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             raise AtlasError(f"seed must be a non-negative integer, got {self.seed!r}")
-
-
-def is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 class Engine:

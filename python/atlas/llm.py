@@ -274,39 +274,29 @@ def token_ids(prompt: object) -> list[int]:
     """A sequence of integer token ids (numpy integers too) -> list[int]; anything else is one line."""
     if isinstance(prompt, (bytes, dict, set)) or not hasattr(prompt, "__iter__"):
         raise AtlasError(f"the prompt must be text or a list of token ids, got {type(prompt).__name__}")
+    from .sampling import is_int
+
     ids = list(prompt)  # type: ignore[call-overload]
-    bad = [t for t in ids if not is_integer(t)]
+    bad = [t for t in ids if not is_int(t)]
     if bad:
         raise AtlasError(f"prompt token ids must be integers, got {bad[0]!r}")
     return [int(t) for t in ids]
 
 
-def is_integer(value: object) -> bool:
-    import numpy as np
-
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def is_real(value: object) -> bool:
-    import numpy as np
-
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
 def check_options(opts: GenerateOptions) -> None:
+    from .sampling import check_sampling, is_int, is_real
+
     max_tokens = opts.max_tokens
-    if not is_integer(max_tokens) or max_tokens < 1:
+    if not is_int(max_tokens) or max_tokens < 1:
         raise AtlasError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     seed = opts.seed
-    if seed is not None and (not is_integer(seed) or seed < 0):
+    if seed is not None and (not is_int(seed) or seed < 0):
         raise AtlasError(f"seed must be a non-negative integer, got {seed!r}")
-    for name, value, valid in (("temperature", opts.temperature, is_real), ("top_p", opts.top_p, is_real),
-                               ("top_k", opts.top_k, is_integer)):
-        if not valid(value):
-            kind = "an integer" if valid is is_integer else "a number"
-            raise AtlasError(f"{name} must be {kind}, got {value!r}")
-    from .sampling import check_sampling
-
+    for name, value in (("temperature", opts.temperature), ("top_p", opts.top_p)):
+        if not is_real(value):
+            raise AtlasError(f"{name} must be a number, got {value!r}")
+    if not is_int(opts.top_k):
+        raise AtlasError(f"top_k must be an integer, got {opts.top_k!r}")
     check_sampling(sampling_params(opts))
 
 

@@ -10,6 +10,16 @@ from .errors import AtlasError
 MAX_TOP_K = 2**31 - 1  # SampleParams.top_k is an int32; any top_k >= the vocabulary keeps all
 
 
+def is_int(value: object) -> bool:
+    """An integer request field (numpy integers too; bool is not one)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """A real-number request field (integers too; bool is not one)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 def check_sampling(params: SamplingParams) -> None:
     """Reject settings no backend can honour, with one line naming the setting and the fix."""
     if not np.isfinite(params.temperature) or params.temperature < 0:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampling import MAX_TOP_K
+from ..sampling import MAX_TOP_K, is_int
 from .errors import RequestError
 
 Prompt = str | list[int]
@@ -168,10 +168,6 @@ def parse_include_usage(value: Any) -> bool:
 
 
 # --- typed field access --------------------------------------------------------------------------
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def required_str(body: dict[str, Any], name: str) -> str:
     value = body.get(name)
     if not isinstance(value, str) or not value:
