@@ -570,7 +570,7 @@ def test_footprint_matches_what_loading_allocates(
     """Weights, then weights + KV caches + DeltaNet states, as the emulated driver sees them. The
     weight estimate rounds each planned tensor to the pool's 256 bytes, the loader each stacked
     upload (experts, gate + up): it may exceed what is allocated by that, never fall short; the
-    caches and states are exact (a quantized level on top of the bf16 cache Engine.reset made first)."""
+    caches and states are exact (a quantized level's caches made directly in its storage)."""
     from atlas.backends.cuda.backend import CudaBackend
     from atlas.config import load_spec
     from atlas.engine import Engine

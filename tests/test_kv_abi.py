@@ -342,19 +342,28 @@ def test_rotating_q_leaves_attention_unchanged(level: str, rng: np.random.Genera
 
 
 # --- engine storage hook --------------------------------------------------------------------------
-def test_quantized_layers_get_the_backends_storage(rng: np.random.Generator) -> None:
+def test_quantized_layers_get_the_backends_storage_and_no_bf16_cache(rng: np.random.Generator) -> None:
     from types import SimpleNamespace
 
     from atlas.errors import AtlasError
-    from atlas.kvcache.storage import apply_kv_levels
-    from atlas.layers.attention import KVCache
+    from atlas.kvcache.storage import new_states
+    from atlas.layers.attention import Attention, AttentionDims
 
-    shape = (int(rng.integers(8, 64)), 2, 128)
-    made: list[tuple[str, tuple[int, int, int]]] = []
-    gpu = SimpleNamespace(name="cuda", quantized_kv_cache=lambda level, s: made.append((level, s)) or (level, s))
-    states = [KVCache(np.zeros(shape), np.zeros(shape)), object(), KVCache(np.zeros(shape), np.zeros(shape))]
-    apply_kv_levels(states, ["turbo3", None, "bf16"], gpu)
+    capacity, dims = int(rng.integers(8, 64)), AttentionDims(4, 2, 128)
+    shape = (capacity, dims.num_kv_heads, dims.head_dim)
+    made: list[tuple[str, tuple[int, ...]]] = []
+    zeros: list[tuple[int, ...]] = []
+    gpu = SimpleNamespace(
+        name="cuda",
+        quantized_kv_cache=lambda level, s: made.append((level, s)) or (level, s),
+        zeros=lambda s, dtype: zeros.append(tuple(s)) or np.zeros(s),
+    )
+    attention = SimpleNamespace(mixer=Attention(None, dims, None))  # type: ignore[arg-type]
+    other = SimpleNamespace(mixer=SimpleNamespace(new_state=lambda backend, cap: ("delta", cap)))
+    states = new_states([attention, other, attention], gpu, capacity, ["turbo3", None, "bf16"])
     assert states[0].k == ("turbo3", shape) and states[0].v == ("turbo3", shape) and len(made) == 2
+    assert states[1] == ("delta", capacity)
     assert isinstance(states[2].k, np.ndarray), "bf16 layers keep the backend's own cache"
+    assert zeros == [shape, shape], "a quantized layer never allocates a bf16 cache first"
     with pytest.raises(AtlasError, match="no rocm storage"):
-        apply_kv_levels([KVCache(np.zeros(shape), np.zeros(shape))], ["fp8"], SimpleNamespace(name="rocm"))
+        new_states([attention], SimpleNamespace(name="rocm"), capacity, ["fp8"])

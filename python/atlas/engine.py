@@ -13,7 +13,7 @@ from .backends.base import Backend, SamplingParams, Tensor
 from .config import ModelSpec
 from .dump import dump_from_env
 from .errors import AtlasError
-from .kvcache import KVCacheOptions, apply_kv_levels
+from .kvcache import KVCacheOptions, new_states
 from .layers.step import Dump, Step
 from .models import load_model
 from .safetensors import Checkpoint
@@ -69,9 +69,9 @@ class Engine:
 
     def reset(self) -> None:
         """Fresh caches and states; the decode step is rebuilt on first use for the new buffers."""
-        self.states: list[Any] = self.model.new_state(self.backend, self.max_seq_len)
-        apply_kv_levels(self.states, self.kv_plan, self.backend)
         self._decode: Callable[[Tensor, Tensor], Tensor] | None = None
+        self.states: list[Any] = []  # the old states go back to the memory pool before new ones are made
+        self.states = new_states(self.model.layers, self.backend, self.max_seq_len, self.kv_plan)
 
     # --- steps --------------------------------------------------------------------------------
     def forward(self, ids: Tensor, positions: Tensor) -> Tensor:

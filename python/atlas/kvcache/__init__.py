@@ -12,7 +12,7 @@ _EXPORTS = {
     "KVLevel": "level", "bytes_per_vector": "level", "round_trip": "level",
     "LEVELS": "levels", "get_level": "levels", "LEVEL_NAMES": "names",
     "KVCacheOptions": "options", "describe": "options", "parse_high_precision": "options",
-    "QuantizedRows": "storage", "apply_kv_levels": "storage",
+    "QuantizedRows": "storage", "new_states": "storage",
 }  # fmt: skip
 __all__ = list(_EXPORTS)
 

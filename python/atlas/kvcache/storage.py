@@ -9,12 +9,14 @@ decode(packed)); `nbytes` counts the packed storage only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..errors import AtlasError
-from ..layers.attention import KVCache
+from ..layers.attention import Attention, KVCache
+from ..layers.decoder import DecoderLayer
 from .level import KVLevel
 from .levels import get_level
 from .names import DEFAULT_LEVEL
@@ -47,17 +49,25 @@ class QuantizedRows:
         return self.decoded[rows]
 
 
-def apply_kv_levels(states: list[Any], plan: list[str | None], backend: Any) -> None:
-    """Swap the caches of the layers whose level is not bf16 (in place): QuantizedRows on the numpy
-    backend, the backend's own `quantized_kv_cache(level, shape)` storage on the others."""
-    for state, level in zip(states, plan):
+def new_states(layers: Sequence[DecoderLayer], backend: Any, capacity: int, plan: list[str | None]) -> list[Any]:
+    """One state per layer, as each mixer's `new_state` makes it, except that a full-attention layer
+    whose level is not bf16 gets its K and V made directly in that level's storage (QuantizedRows on
+    the numpy backend, the backend's own `quantized_kv_cache(level, shape)` on the others): a bf16
+    cache made first and swapped out would cost its full size at the peak."""
+    states: list[Any] = []
+    for layer, level in zip(layers, plan, strict=True):
         if level is None or level == DEFAULT_LEVEL:
+            states.append(layer.mixer.new_state(backend, capacity))
             continue
-        assert isinstance(state, KVCache), "the plan marks full-attention layers only"
-        shape = tuple(state.k.shape)
-        if backend.name == "numpy":
-            state.k, state.v = QuantizedRows(get_level(level), shape), QuantizedRows(get_level(level), shape)
-        elif hasattr(backend, "quantized_kv_cache"):
-            state.k, state.v = backend.quantized_kv_cache(level, shape), backend.quantized_kv_cache(level, shape)
-        else:
-            raise AtlasError(f"KV cache level {level} has no {backend.name} storage; use --kv-cache-dtype bf16")
+        assert isinstance(layer.mixer, Attention), "the plan marks full-attention layers only"
+        shape = layer.mixer.cache_shape(capacity)
+        states.append(KVCache(_quantized_cache(backend, level, shape), _quantized_cache(backend, level, shape)))
+    return states
+
+
+def _quantized_cache(backend: Any, level: str, shape: tuple[int, int, int]) -> Any:
+    if backend.name == "numpy":
+        return QuantizedRows(get_level(level), shape)
+    if hasattr(backend, "quantized_kv_cache"):
+        return backend.quantized_kv_cache(level, shape)
+    raise AtlasError(f"KV cache level {level} has no {backend.name} storage; use --kv-cache-dtype bf16")

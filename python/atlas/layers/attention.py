@@ -38,8 +38,11 @@ class Attention:
     dims: AttentionDims
     rotary: Rotary
 
+    def cache_shape(self, capacity: int) -> tuple[int, int, int]:
+        return (capacity, self.dims.num_kv_heads, self.dims.head_dim)
+
     def new_state(self, backend: Backend, capacity: int) -> KVCache:
-        shape = (capacity, self.dims.num_kv_heads, self.dims.head_dim)
+        shape = self.cache_shape(capacity)
         return KVCache(backend.zeros(shape, "bf16"), backend.zeros(shape, "bf16"))
 
     def __call__(self, step: Step, x: Tensor, cache: KVCache, name: str) -> Tensor:

@@ -36,10 +36,6 @@ class CausalLM:
     final_norm: RMSNorm
     lm_head: LMHead
 
-    def new_state(self, backend: Backend, capacity: int) -> list[Any]:
-        """One state per layer: a KV cache or a DeltaNet conv + recurrent state."""
-        return [layer.mixer.new_state(backend, capacity) for layer in self.layers]
-
     def forward(self, step: Step, ids: Tensor, states: list[Any]) -> Tensor:
         """ids [T] i32 -> final-normed hidden states [T, H]; states are updated in place."""
         residual = step.emit("embed", self.embed(step, ids))  # [T, H]

@@ -9,8 +9,7 @@ what the CUDA backend uploads:
   - any other matrix bf16 (conv1d [C, 1, K] as [C, K]), vectors (norms, A_log, dt_bias) f32;
   - each rounded up to the persistent pool's 256-byte allocations.
 Beside the weights: the KV caches and DeltaNet states Engine.reset allocates, and the step arena's
-first block. Engine.reset makes every full-attention cache bf16 first and swaps the quantized
-levels in after, so a quantized level is counted on top of its bf16 cache: that is the peak.
+first block (Engine.reset makes a quantized level's caches directly in its storage).
 Not counted: upload temporaries the pool keeps after loading (a stack built block by block on the
 device, as the shared expert stacked as expert E is, leaves its blocks cached for reuse or freed
 at the next trim). For a bf16 Qwen3.6 that transient is one routed gate_up stack (1 GiB), more
@@ -106,16 +105,14 @@ def weight_bytes(spec: ModelSpec, checkpoint: Checkpoint, load_mtp: bool = True)
 
 
 def kv_cache_bytes(spec: ModelSpec, run: RunShape, mtp_layers: int = 0) -> int:
-    """K and V of every full-attention layer (and the MTP head's), bf16, plus each quantized level."""
+    """K and V of every full-attention layer at its level (the MTP head's bf16)."""
     shape = (run.max_seq_len, spec.num_key_value_heads, spec.head_dim)
     bf16_pair = 2 * _allocation(BF16_BYTES * math.prod(shape))
     total = mtp_layers * bf16_pair
     for level in run.kv_cache.plan(spec.layer_types, spec.head_dim, "cuda"):
         if level is None:
             continue
-        total += bf16_pair
-        if level != "bf16":
-            total += 2 * _allocation(cache_bytes(level, shape))
+        total += bf16_pair if level == "bf16" else 2 * _allocation(cache_bytes(level, shape))
     return total
 
 
