@@ -183,7 +183,7 @@ def test_backend_factory(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(AtlasError, match="tpu"):
         create_backend("tpu", tiny_dir, spec)
 
-    def no_gpu(model_dir: Path, spec: object) -> None:
+    def no_gpu(*args: object) -> None:
         raise AtlasError("no NVIDIA driver found")
 
     monkeypatch.setattr(backends, "open_cuda_backend", no_gpu)
@@ -192,6 +192,27 @@ def test_backend_factory(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert reason.startswith("cpu") and "no NVIDIA driver found" in reason
     with pytest.raises(AtlasError, match="no NVIDIA driver found"):
         create_backend("cuda", tiny_dir, spec)
+
+
+def test_cuda_memory_check_sees_the_run_shape(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    """The device memory check counts the KV cache at the level asked for and the MTP head only
+    when it will be loaded."""
+    import atlas.backends.cuda.select as select
+    from atlas.kvcache.options import KVCacheOptions
+
+    seen: list[object] = []
+
+    def refuse(model_dir: Path, spec: object, run: object = None) -> None:
+        seen.append(run)
+        raise AtlasError("too small")
+
+    monkeypatch.setattr(select, "open_backend", refuse)
+    level = str(rng.choice(["fp8", "nvfp4", "turbo4"]))
+    spec_k = int(rng.integers(0, 4))
+    with pytest.raises(AtlasError, match="too small"):
+        LLM(tiny_dir, device="cuda", kv_cache_dtype=level, spec_k=spec_k)
+    (run,) = seen
+    assert run.kv_cache.dtype == level and run.load_mtp == (spec_k != 0)  # type: ignore[attr-defined]
 
 
 @pytest.mark.gpu

@@ -19,6 +19,8 @@ from .models import load_model
 from .safetensors import Checkpoint
 from .sampling import check_sampling, is_int
 
+DEFAULT_MAX_SEQ_LEN = 4096  # tokens of KV cache when the caller names no capacity
+
 
 @dataclass
 class GenerationStats:
@@ -52,7 +54,7 @@ class Engine:
         spec: ModelSpec,
         checkpoint: Checkpoint,
         backend: Backend,
-        max_seq_len: int = 4096,
+        max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
         kv_cache: KVCacheOptions | None = None,
     ):
         if max_seq_len < 1:

@@ -95,7 +95,7 @@ def load_model(
     spec = load_spec(model_dir)
     tokenizer = Tokenizer.open(model_dir)
     checkpoint = Checkpoint.open(model_dir)
-    backend, reason = create_backend(device, model_dir, spec)
+    backend, reason = create_backend(device, model_dir, spec, kv_cache, load_mtp=spec_k != 0)
     engine, speculation = build_engine(spec, checkpoint, backend, spec_k, kv_cache=kv_cache)
     return LoadedModel(model_dir, spec, tokenizer, engine, reason, speculation)
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from .backends.base import Backend, Tensor
 from .config import ModelSpec
-from .engine import Engine, GenerationRequest, GenerationStats
+from .engine import DEFAULT_MAX_SEQ_LEN, Engine, GenerationRequest, GenerationStats
 from .errors import AtlasError
 from .layers.linear_attention import DeltaNetState
 from .layers.step import Step
@@ -131,7 +131,7 @@ class SpeculativeEngine(Engine):
         checkpoint: Checkpoint,
         backend: Backend,
         spec_k: int = DEFAULT_SPEC_K,
-        max_seq_len: int = 4096,
+        max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
         hidden_source: HiddenSource = "final_norm",
         kv_cache: Any = None,  # atlas.kvcache.KVCacheOptions for the main model's caches
     ):

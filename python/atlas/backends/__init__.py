@@ -9,21 +9,26 @@ from ..errors import AtlasError
 
 if TYPE_CHECKING:
     from ..config import ModelSpec
+    from ..kvcache.options import KVCacheOptions
     from .base import Backend
 
 Device = Literal["auto", "cpu", "cuda"]
 DEVICES: tuple[Device, ...] = ("auto", "cpu", "cuda")
 
 
-def create_backend(device: str, model_dir: Path, spec: ModelSpec) -> tuple[Backend, str]:
+def create_backend(
+    device: str, model_dir: Path, spec: ModelSpec, kv_cache: KVCacheOptions | None = None, load_mtp: bool = True
+) -> tuple[Backend, str]:
     """(backend, reason). cpu: the numpy reference backend. cuda: the compiled kernels, or an
-    AtlasError saying why they cannot run. auto: cuda when it can run, else cpu with the reason."""
+    AtlasError saying why they cannot run (the device memory check counts the KV cache at its
+    level and the MTP head when it will be loaded). auto: cuda when it can run, else cpu with the
+    reason."""
     if device not in DEVICES:
         raise AtlasError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
     if device == "cpu":
         return open_numpy_backend(), "cpu (numpy float32 reference backend, as requested)"
     try:
-        backend = open_cuda_backend(Path(model_dir), spec)
+        backend = open_cuda_backend(Path(model_dir), spec, kv_cache, load_mtp)
     except AtlasError as err:
         if device == "cuda":
             raise
@@ -37,9 +42,11 @@ def open_numpy_backend() -> Backend:
     return NumpyBackend()
 
 
-def open_cuda_backend(model_dir: Path, spec: ModelSpec) -> Backend:
+def open_cuda_backend(model_dir: Path, spec: ModelSpec, kv_cache: KVCacheOptions | None, load_mtp: bool) -> Backend:
     try:
         from .cuda import open_backend
+        from .cuda.footprint import RunShape
     except ImportError as err:
         raise AtlasError(f"the CUDA backend cannot be imported ({err}); use --device cpu") from None
-    return open_backend(model_dir, spec)
+    run = RunShape(load_mtp=load_mtp) if kv_cache is None else RunShape(kv_cache=kv_cache, load_mtp=load_mtp)
+    return open_backend(model_dir, spec, run)

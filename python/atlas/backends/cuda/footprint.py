@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ...engine import DEFAULT_MAX_SEQ_LEN
 from ...kvcache.options import KVCacheOptions
 from ...quant.fp8_block import block_grid
 from ...quant.nvfp4 import GROUP_SIZE
@@ -37,14 +38,13 @@ if TYPE_CHECKING:
 
 BF16_BYTES = 2
 F32_BYTES = 4
-ENGINE_MAX_SEQ_LEN = 4096  # Engine's default capacity (build_engine passes none)
 
 
 @dataclass(frozen=True)
 class RunShape:
     """What the run holds beside its weights (the defaults are what `atlas run` builds)."""
 
-    max_seq_len: int = ENGINE_MAX_SEQ_LEN
+    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)
     load_mtp: bool = True  # build_engine loads the MTP head when the checkpoint has one
     arena_bytes: int = RuntimeOptions().arena_bytes
