@@ -221,6 +221,16 @@ def test_argmax_lowest_index_on_ties(rng: np.random.Generator) -> None:
     assert out[2] == 5
 
 
+def test_argmax_reads_nan_as_minus_infinity(rng: np.random.Generator) -> None:
+    """As the device's argmax does: NaN never wins, an all-NaN row gives 0."""
+    logits = randn(rng, 3, 40)
+    logits[0, rng.integers(0, 40, size=5)] = np.nan
+    logits[1, :] = np.nan
+    logits[2, 7] = np.nan
+    out = be.argmax(logits)
+    np.testing.assert_array_equal(out, [np.nanargmax(logits[0]), 0, np.nanargmax(logits[2])])
+
+
 def sort_based_choice(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
     """An independent sort-based reading of the sample contract."""
     probs = torch.softmax(t(logits).double() / params.temperature, dim=-1).numpy()

@@ -159,7 +159,8 @@ class Backend(Protocol):
 
     # --- sampling -----------------------------------------------------------------------------
     def argmax(self, logits: Tensor) -> Tensor:
-        """logits [T, V] -> [T] i32 (lowest index on ties). Stays on the device."""
+        """logits [T, V] -> [T] i32 (lowest index on ties; NaN reads as -inf, so an all-NaN row
+        gives 0). Stays on the device."""
 
     def sample(self, logits: Tensor, params: SamplingParams, uniform: float) -> Tensor:
         """logits [1, V] -> [1] i32, without sorting, so a GPU computes the same token:

@@ -276,7 +276,8 @@ class NumpyBackend:
 
     # --- sampling -----------------------------------------------------------------------------
     def argmax(self, logits: Tensor) -> Tensor:
-        return np.argmax(logits, axis=-1).astype(np.int32)
+        finite = np.where(np.isnan(logits), -np.inf, logits)  # NaN never wins, as on the GPU
+        return np.argmax(finite, axis=-1).astype(np.int32)
 
     def sample(self, logits: Tensor, params: SamplingParams, uniform: float) -> Tensor:
         return np.array([choose_token(logits[0], params, uniform)], dtype=np.int32)
