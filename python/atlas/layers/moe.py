@@ -66,8 +66,12 @@ class SparseMoe:
         routed_ids = step.emit(f"{name}.router_ids", be.upload(ids[:, :k], "i32"))  # [T, k]
         routed_weights = step.emit(f"{name}.router_weights", be.upload(weights[:, :k], "f32"))
         step.emit(f"{name}.routed", be.moe_experts(x, routed_ids, routed_weights, self.gate_up, self.down))
-        step.emit(f"{name}.shared", self._shared_alone(be, x, ids[:, k:]))  # [T, H]
+        step.emit(f"{name}.shared", self._shared_alone(be, x, ids))  # [T, H]
 
-    def _shared_alone(self, be: Backend, x: Tensor, shared_ids: np.ndarray) -> Tensor:
-        ones = np.ones(shared_ids.shape, np.float32)  # [T, 1]
-        return be.moe_experts(x, be.upload(shared_ids, "i32"), be.upload(ones, "f32"), self.gate_up, self.down)
+    def _shared_alone(self, be: Backend, x: Tensor, ids: np.ndarray) -> Tensor:
+        """The shared slot at weight 1, the routed slots (distinct experts) at weight 0: the k + 1
+        slot call the stacked path makes, since the CUDA tuples instantiate the decode down GEMV
+        for k and k + 1 slots only (a one-slot call had no kernel)."""
+        weights = np.zeros(ids.shape, np.float32)  # [T, k + 1]
+        weights[:, -1] = 1.0
+        return be.moe_experts(x, be.upload(ids, "i32"), be.upload(weights, "f32"), self.gate_up, self.down)
