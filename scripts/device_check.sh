@@ -76,7 +76,7 @@ stage demo 45 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --ma
 
 GPU_PYTEST="ATLAS_TEST_INSTALLED=1 ATLAS_REQUIRE_GPU=1 ATLAS_REQUIRE_GPU_QUANT=1 ATLAS_CUDA_CHECK=1 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider"
 # Kernel-level tests first (they name the failing op), then everything else marked gpu.
-KERNEL_TESTS="tests/test_gpu_ops.py tests/test_gpu_split_linear.py tests/test_gpu_moe_shared.py tests/test_gpu_delta_chunked.py \
+KERNEL_TESTS="tests/test_gpu_ops.py tests/test_gpu_split_linear.py tests/test_gpu_moe_shared.py tests/test_gpu_router_fused.py tests/test_gpu_delta_chunked.py \
   tests/test_gpu_chain.py tests/test_gpu_quant.py tests/test_gpu_kv.py"
 stage ops 110 "$GPU_PYTEST --maxfail=40 --junitxml='$OUT/junit-ops.xml' $KERNEL_TESTS"
 

@@ -44,9 +44,12 @@ def _run_every_op(rt: RecordingRuntime, d: dict[str, int], rng: np.random.Genera
             ops.gated_delta_rule(rt, f(tokens, channels), f(tokens, hv), f(tokens, hv), f(hv), f(hv), f(hv, dk, dv), hk,
                                  chunked=chunked)
         ops.gated_rms_norm(rt, f(tokens, hv, dv), f(tokens, hv, dv), f(dv), 1e-6)
+        arrivals = rt.empty((ops.ROUTER_FUSED_MAX_TOKENS,), "i32")  # the fused router's counters (decode steps)
         for shared in (0, 1):  # the router's shared slot: k + 1 slots over E + 1 stacked experts
             ids, weights = ops.router(rt, f(tokens, h), rt.empty((e + shared, h), "bf16"), k, True, shared_expert=bool(shared))
             assert ids.shape == weights.shape == (tokens, k + shared)
+            ops.router(rt, f(tokens, h), rt.empty((e + shared, h), "bf16"), k, True, shared_expert=bool(shared),
+                       arrivals=arrivals)
             stacked = e + shared
             ops.moe_experts(rt, f(tokens, h), ids, weights, rt.empty((stacked, 2 * inter, h), "bf16"),
                             rt.empty((stacked, h, inter), "bf16"))
@@ -87,9 +90,11 @@ def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
                 assert (gx, gy * ops.DELTA_COLS_PER_BLOCK) == (p.num_v_heads, p.v_head_dim)
             elif launch.kernel == "atlas_gated_rms_norm":
                 assert gx * ops.GATED_NORM_WARPS >= p.rows and p.dim == d["linear_value_head_dim"]
-            elif launch.kernel == "atlas_router_logits":
-                assert gx == p.num_tokens and gy * ops.ROUTER_WARPS >= p.num_experts + p.shared_expert
+            elif launch.kernel in ("atlas_router_logits", "atlas_router_fused"):
+                assert gx == p.num_tokens and gy == -(-(p.num_experts + p.shared_expert) // ops.ROUTER_WARPS)
                 assert p.num_experts == d["num_experts"] and p.shared_expert in (0, 1)
+                fused = launch.kernel == "atlas_router_fused"  # the kernel refuses any other grid height
+                assert bool(p.arrivals) == fused and (not fused or gx <= ops.ROUTER_FUSED_MAX_TOKENS)
             elif launch.kernel == "atlas_moe_gate_up_gemv":
                 assert gx * ops.GEMV_WARPS >= p.inter and gy == p.num_slots
             elif launch.kernel.startswith("atlas_moe_down_gemv_k"):

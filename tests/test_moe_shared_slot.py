@@ -76,7 +76,7 @@ def test_stacked_experts_equal_routed_plus_gated_shared(rng: np.random.Generator
 
 # --- the kernels' index math (router.cuh) ---------------------------------------------------------
 def test_router_params_keep_their_size_with_the_shared_flag() -> None:
-    assert ctypes.sizeof(kp.RouterParams) == 5 * 8 + 6 * 4
+    assert ctypes.sizeof(kp.RouterParams) == 6 * 8 + 6 * 4  # pointers incl. the fused router's arrivals
     assert kp.RouterParams.shared_expert.offset == ctypes.sizeof(kp.RouterParams) - 4
 
 

@@ -1,8 +1,12 @@
-// MoE router in two launches. router_logits: grid (T, E / kWarps), one warp per (token, expert),
-// logits = x @ W^T (W [E, H] bf16, x staged in smem, the whole weight row loaded at once).
+// MoE router. router_logits: grid (T, ceil((E + s) / kWarps)), one warp per (token, expert),
+// logits = x @ W^T (W [E + s, H] bf16, x staged in smem, the whole weight row loaded at once).
 // router_top_k: one warp per token: softmax in f32, top-k by k argmax rounds (descending,
 // ties -> lower expert index), optionally renormalised. Two launches so that decode (T = 1)
 // spreads the 1 MB weight read over E / kWarps blocks instead of one.
+// router_fused (decode, opt-in): router_logits' grid and work, then the block of each token that
+// arrives last (a per-token counter in p.arrivals) runs router_top_k's warp on the logits the
+// others left in global memory, and sets the counter back to 0 so a captured graph replays.
+// One launch instead of two; the same logits and route_token code, so the same bits.
 // Shared slot (p.shared_expert = 1): the weight has E + 1 rows, row E the shared expert's gate;
 // logits are [T, E + 1], softmax and top-k cover the first E only, and slot k of ids / weights
 // [T, k + 1] is (E, sigmoid(logit E)): the shared expert runs as one more routed slot.
@@ -33,11 +37,10 @@ template <int E>
 __device__ __forceinline__ int logit_columns(const RouterParams& p) { return E + p.shared_expert; }
 __device__ __forceinline__ int token_slots(const RouterParams& p) { return p.top_k + p.shared_expert; }
 
+// This block's logits of token t (rows blockIdx.y * kWarps + warp). Every thread of the block
+// must call it (one barrier); true in the lanes that stored a logit.
 template <int H, int E>
-__device__ void router_logits(const RouterParams& p) {
-  if (!shape_matches<H, E>(p) || blockDim.x != kLogitsThreads) return;
-  const int t = blockIdx.x;
-  if (t >= p.num_tokens) return;
+__device__ bool store_block_logits(const RouterParams& p, int t) {
   const int lane = threadIdx.x % kWarpSize;
   const int e = blockIdx.y * kWarps + threadIdx.x / kWarpSize;
   const int columns = logit_columns<E>(p);
@@ -48,9 +51,19 @@ __device__ void router_logits(const RouterParams& p) {
   const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(t) * H;
   for (int i = threadIdx.x; i < H; i += kLogitsThreads) x_s[i] = x[i];
   __syncthreads();
-  if (e >= columns) return;
+  if (e >= columns) return false;
   const float logit = warp_sum(dot_row<H>(row, x_s, lane));
-  if (lane == 0) static_cast<float*>(p.logits)[static_cast<int64_t>(t) * columns + e] = logit;
+  if (lane != 0) return false;
+  static_cast<float*>(p.logits)[static_cast<int64_t>(t) * columns + e] = logit;
+  return true;
+}
+
+template <int H, int E>
+__device__ void router_logits(const RouterParams& p) {
+  if (!shape_matches<H, E>(p) || blockDim.x != kLogitsThreads) return;
+  const int t = blockIdx.x;
+  if (t >= p.num_tokens) return;
+  store_block_logits<H, E>(p, t);
 }
 
 // probs_s holds the softmax on entry; selected entries are overwritten.
@@ -87,17 +100,15 @@ __device__ void top_k_rounds(const RouterParams& p, float* probs_s, int t, int l
   }
 }
 
-template <int H, int E>
-__device__ void router_top_k(const RouterParams& p) {
-  if (!shape_matches<H, E>(p) || blockDim.x != kTopKThreads) return;
-  const int t = blockIdx.x;
-  if (t >= p.num_tokens) return;
+// One warp: softmax, top-k and the shared slot of token t from its logits in global memory.
+// Loads go through L2 (__ldcg): in router_fused other blocks wrote them during this launch.
+template <int E>
+__device__ void route_token(const RouterParams& p, int t, int lane) {
   __shared__ float probs_s[E];
-  const int lane = threadIdx.x;
   const float* logits = static_cast<const float*>(p.logits) + static_cast<int64_t>(t) * logit_columns<E>(p);
   float peak = -INFINITY;
   for (int e = lane; e < E; e += kWarpSize) {
-    probs_s[e] = logits[e];
+    probs_s[e] = __ldcg(logits + e);
     peak = fmaxf(peak, probs_s[e]);
   }
   peak = warp_max(peak);
@@ -113,8 +124,41 @@ __device__ void router_top_k(const RouterParams& p) {
   if (p.shared_expert && lane == 0) {
     const int64_t slot = static_cast<int64_t>(t) * token_slots(p) + p.top_k;
     static_cast<int32_t*>(p.ids)[slot] = E;
-    static_cast<float*>(p.weights)[slot] = sigmoid(logits[E]);
+    static_cast<float*>(p.weights)[slot] = sigmoid(__ldcg(logits + E));
   }
+}
+
+template <int H, int E>
+__device__ void router_top_k(const RouterParams& p) {
+  if (!shape_matches<H, E>(p) || blockDim.x != kTopKThreads) return;
+  const int t = blockIdx.x;
+  if (t >= p.num_tokens) return;
+  route_token<E>(p, t, threadIdx.x);
+}
+
+// threadFenceReduction: each storing lane fences its logit to device scope before the block
+// counts itself in, so the block that sees count gridDim.y - 1 observes every block's logits;
+// its own fence after the atomic orders its loads after that observation. The counter is back
+// at 0 before the launch ends (no other block of this token touches it after arriving).
+template <int H, int E>
+__device__ void router_fused(const RouterParams& p) {
+  const unsigned blocks = static_cast<unsigned>(ceil_div(logit_columns<E>(p), kWarps));
+  if (!shape_matches<H, E>(p) || blockDim.x != kLogitsThreads || p.arrivals == nullptr || gridDim.y != blocks) return;
+  const int t = blockIdx.x;
+  if (t >= p.num_tokens) return;
+  if (store_block_logits<H, E>(p, t)) __threadfence();
+  __shared__ bool last_s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* arrivals = static_cast<unsigned*>(p.arrivals) + t;
+    last_s = atomicAdd(arrivals, 1u) == blocks - 1;
+    if (last_s) {
+      atomicExch(arrivals, 0u);
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  if (last_s && threadIdx.x < kWarpSize) route_token<E>(p, t, threadIdx.x);
 }
 
 }  // namespace atlas::router

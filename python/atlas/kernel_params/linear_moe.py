@@ -94,7 +94,8 @@ class RouterParams(ctypes.Structure):
     """atlas_router_logits: x [T, H] f32, weight [E + s, H] bf16 -> logits [T, E + s] f32;
     atlas_router_top_k: logits -> ids [T, k + s] i32, weights [T, k + s] f32, where
     s = shared_expert (0 or 1): slot k is the shared expert (id E, weight sigmoid(logit E)),
-    num_experts is the routed E."""
+    num_experts is the routed E. atlas_router_fused: both in one launch; arrivals [>= T] u32,
+    zero on entry and on exit (one counter per token; null for the two-launch entries)."""
 
     _fields_ = [
         ("x", c_void_p),
@@ -102,6 +103,7 @@ class RouterParams(ctypes.Structure):
         ("logits", c_void_p),
         ("ids", c_void_p),
         ("weights", c_void_p),
+        ("arrivals", c_void_p),
         ("num_tokens", c_int32),
         ("hidden", c_int32),
         ("num_experts", c_int32),

@@ -25,8 +25,12 @@ from .upload import Uploader, from_storage
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, rt: CudaRuntime, use_graphs: bool | None = None) -> None:
+    def __init__(self, rt: CudaRuntime, use_graphs: bool | None = None, router: str | None = None) -> None:
+        """`router` "split" | "fused" (ops_linear_moe.router_form; None: ATLAS_ROUTER decides)."""
         self.rt = rt
+        self.router_form = ops_linear_moe.router_form(router)
+        fused = self.router_form == "fused"
+        self._router_arrivals = ops_linear_moe.router_arrivals(rt) if fused else None
         self.uploader = Uploader(rt)
         if use_graphs is None:
             use_graphs = os.environ.get("ATLAS_CUDA_GRAPHS", "1") != "0"
@@ -39,8 +43,9 @@ class CudaBackend:
     def describe(self) -> str:
         info = self.rt.info
         graphs = "CUDA graphs" if self.use_graphs else "no CUDA graphs"
+        router = ", fused router" if self._router_arrivals is not None else ""
         return (f"{info.name} (cc {info.cc[0]}.{info.cc[1]}, {info.sm_count} SMs), "
-                f"{self.rt.image.label}, {self.rt.driver.binding}, {graphs}")
+                f"{self.rt.image.label}, {self.rt.driver.binding}, {graphs}{router}")
 
     # --- memory -------------------------------------------------------------------------------
     def upload(self, array: np.ndarray, dtype: StorageDType) -> DeviceTensor:
@@ -187,7 +192,8 @@ class CudaBackend:
     # --- mixture of experts -------------------------------------------------------------------
     def router(self, x: DeviceTensor, weight: DeviceTensor, top_k: int, renormalize: bool, *,
                shared_expert: bool = False) -> tuple[DeviceTensor, DeviceTensor]:
-        return ops_linear_moe.router(self.rt, x, weight, top_k, renormalize, shared_expert=shared_expert)
+        return ops_linear_moe.router(self.rt, x, weight, top_k, renormalize, shared_expert=shared_expert,
+                                     arrivals=self._router_arrivals)
 
     def moe_experts(self, x: DeviceTensor, ids: DeviceTensor, weights: DeviceTensor,
                     gate_up: DeviceTensor | QuantWeight, down: DeviceTensor | QuantWeight) -> DeviceTensor:

@@ -44,6 +44,12 @@ ELEMENTWISE_THREADS = 256
 # Up to this many tokens the MoE runs as per-slot GEMVs (weights streamed once per slot);
 # beyond, the grouped GEMM reads each routed expert once per 64-token tile.
 MOE_GEMV_MAX_TOKENS = 8
+# Router form: "split" (default: atlas_router_logits + atlas_router_top_k) or "fused" (one
+# atlas_router_fused launch for steps of up to ROUTER_FUSED_MAX_TOKENS tokens: decode and
+# speculative verify; longer prefills keep the split form). Opt-in until the device confirms it.
+ROUTER_ENV = "ATLAS_ROUTER"
+ROUTER_FORMS = ("split", "fused")
+ROUTER_FUSED_MAX_TOKENS = MOE_GEMV_MAX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -164,11 +170,33 @@ def gated_rms_norm(rt: CudaRuntime, x: DeviceTensor, z: DeviceTensor, weight: De
     return out
 
 
+def router_form(form: str | None = None) -> str:
+    """`form`, or with None the ATLAS_ROUTER environment variable (default "split"), checked."""
+    chosen = (os.environ.get(ROUTER_ENV, "").strip() or "split") if form is None else form
+    if chosen not in ROUTER_FORMS:
+        raise AtlasError(f"{ROUTER_ENV}={chosen!r} is not a router form; use 'split' (default) or 'fused'")
+    return chosen
+
+
+def router_arrivals(rt: CudaRuntime) -> DeviceTensor:
+    """The fused router's per-token arrival counters [ROUTER_FUSED_MAX_TOKENS]: zeroed once here,
+    persistent (a captured graph holds their address), and left at zero by every launch."""
+    return rt.zeros((ROUTER_FUSED_MAX_TOKENS,), "i32")
+
+
 def router(
-    rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor, top_k: int, renormalize: bool, *, shared_expert: bool = False
+    rt: CudaRuntime,
+    x: DeviceTensor,
+    weight: DeviceTensor,
+    top_k: int,
+    renormalize: bool,
+    *,
+    shared_expert: bool = False,
+    arrivals: DeviceTensor | None = None,
 ) -> tuple[DeviceTensor, DeviceTensor]:
     """`shared_expert`: weight [E + 1, H], row E the shared expert's gate -> one more slot per token
-    (id E, weight sigmoid(logit E)) after the k routed ones (base.py)."""
+    (id E, weight sigmoid(logit E)) after the k routed ones (base.py). `arrivals` (router_arrivals):
+    steps of at most arrivals.numel tokens run as one atlas_router_fused launch."""
     tokens, hidden = x.shape
     shared = int(shared_expert)
     columns = weight.shape[0]  # E (+ 1 with the shared gate)
@@ -178,14 +206,21 @@ def router(
     _expect(hidden % 8 == 0, f"router: hidden {hidden} not a multiple of 8 (16-byte weight loads)")
     _expect_dtype("router x", x, "f32")
     _expect_dtype("router weight", weight, "bf16")
+    fused = arrivals is not None and tokens <= arrivals.numel
+    if arrivals is not None:
+        _expect_dtype("router arrivals", arrivals, "i32")
     logits = rt.empty((tokens, columns), "f32")  # [T, E (+ 1)]
     ids = rt.empty((tokens, top_k + shared), "i32")
     weights = rt.empty((tokens, top_k + shared), "f32")
     params = kp.RouterParams(
-        x=x.ptr, weight=weight.ptr, logits=logits.ptr, ids=ids.ptr, weights=weights.ptr, num_tokens=tokens,
-        hidden=hidden, num_experts=experts, top_k=top_k, renormalize=int(renormalize), shared_expert=shared,
+        x=x.ptr, weight=weight.ptr, logits=logits.ptr, ids=ids.ptr, weights=weights.ptr,
+        arrivals=arrivals.ptr if fused else None, num_tokens=tokens, hidden=hidden, num_experts=experts,
+        top_k=top_k, renormalize=int(renormalize), shared_expert=shared,
     )
     grid = (tokens, _ceil_div(columns, ROUTER_WARPS), 1)
+    if fused:
+        rt.launch("atlas_router_fused", grid, (ROUTER_WARPS * 32, 1, 1), params)
+        return ids, weights
     rt.launch("atlas_router_logits", grid, (ROUTER_WARPS * 32, 1, 1), params)
     rt.launch("atlas_router_top_k", (tokens, 1, 1), (32, 1, 1), params)
     return ids, weights
