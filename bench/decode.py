@@ -7,6 +7,8 @@ weights on the same GPU.
 Reports prefill tok/s (512 and 2048 prompt tokens), decode tok/s (256 tokens after a 1024-token
 prompt, greedy, the token id read back every step as a real generation does), bytes read per
 decode token, achieved GB/s and its share of the device-to-device copy bandwidth measured here.
+--decode-only: decode tok/s alone (no prefill timing, no transformers); the device check runs it
+again with ATLAS_DELTANET_DECODE=fused to set the fused DeltaNet decode kernel against the default.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -146,7 +149,7 @@ def time_decode(engine: Any, prompt: list[int], tokens: int) -> tuple[float, int
     return (tokens - 1) / (time.perf_counter() - started), tokens - 1
 
 
-def run_atlas(spec: Any, rng: np.random.Generator) -> tuple[AtlasRun, float, str]:
+def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -> tuple[AtlasRun, float, str]:
     from atlas.backends.base import SamplingParams
     from atlas.engine import Engine
 
@@ -163,7 +166,7 @@ def run_atlas(spec: Any, rng: np.random.Generator) -> tuple[AtlasRun, float, str
     prompt = rng.integers(0, spec.vocab_size, size=max(PREFILL_LENGTHS)).tolist()
     engine.generate(prompt[:64], 4, SamplingParams(), None, set())  # warm-up: module, graph capture
     prefill = {}
-    for length in PREFILL_LENGTHS:
+    for length in PREFILL_LENGTHS if timed_prefill else ():
         runs = []
         for _ in range(2):
             stats = engine.generate(prompt[:length], 1, SamplingParams(), None, set())
@@ -237,6 +240,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=170.0)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="decode tok/s only (no prefill timing, no transformers)")
     args = parser.parse_args()
     started = time.perf_counter()
     rng = np.random.default_rng(synthetic.SEED)
@@ -247,8 +252,9 @@ def main() -> int:
         spec = load_spec(Path(tmp))
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
                               "machine": machine(), "model": "qwen3.6-35b-a3b dims, 40 layers, synthetic weights",
-                              "batch": 1, "notes": []}
-    atlas_run, copy_bps, device = run_atlas(spec, rng)
+                              "batch": 1, "notes": [],
+                              "deltanet_decode": os.environ.get("ATLAS_DELTANET_DECODE", "separate")}
+    atlas_run, copy_bps, device = run_atlas(spec, rng, timed_prefill=not args.decode_only)
     bytes_per_token = decode_bytes_per_token(spec, DECODE_CONTEXT + DECODE_TOKENS // 2)
     achieved = bytes_per_token["total"] * atlas_run.decode_tok_s
     result.update({
@@ -260,8 +266,8 @@ def main() -> int:
         "roofline_tok_s": copy_bps / bytes_per_token["total"],
     })
     spent = time.perf_counter() - started
-    if args.skip_transformers or spent > 0.5 * args.budget_s:
-        result["notes"].append(f"transformers comparison skipped ({'flag' if args.skip_transformers else f'{spent:.0f}s spent'})")
+    if args.skip_transformers or args.decode_only or spent > 0.5 * args.budget_s:
+        result["notes"].append(f"transformers comparison skipped ({'flag' if args.skip_transformers or args.decode_only else f'{spent:.0f}s spent'})")
     else:
         try:
             hf = run_transformers(config, rng, spec.vocab_size)

@@ -76,7 +76,7 @@ stage demo 45 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --ma
 
 GPU_PYTEST="ATLAS_TEST_INSTALLED=1 ATLAS_REQUIRE_GPU=1 ATLAS_REQUIRE_GPU_QUANT=1 ATLAS_CUDA_CHECK=1 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider"
 # Kernel-level tests first (they name the failing op), then everything else marked gpu.
-KERNEL_TESTS="tests/test_gpu_ops.py tests/test_gpu_split_linear.py tests/test_gpu_moe_shared.py tests/test_gpu_router_fused.py tests/test_gpu_delta_chunked.py \
+KERNEL_TESTS="tests/test_gpu_ops.py tests/test_gpu_split_linear.py tests/test_gpu_moe_shared.py tests/test_gpu_router_fused.py tests/test_gpu_delta_chunked.py tests/test_gpu_delta_decode.py \
   tests/test_gpu_chain.py tests/test_gpu_quant.py tests/test_gpu_kv.py"
 stage ops 110 "$GPU_PYTEST --maxfail=40 --junitxml='$OUT/junit-ops.xml' $KERNEL_TESTS"
 
@@ -85,6 +85,11 @@ stage model 110 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-m
 
 # Benchmarks size their --budget-s to the stage's (clipped) limit so they write their JSON in time.
 stage bench 130 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
+
+# Decode tok/s again with the fused DeltaNet decode kernel (one launch per layer and token instead of
+# three; opt-in until measured here), to set against bench's default.
+stage deltanet 40 "rm -f /tmp/atlas-deltanet-fused.json; cd /tmp && ATLAS_DELTANET_DECODE=fused $PY '$REPO/bench/decode.py' --decode-only \
+  --out /tmp/atlas-deltanet-fused.json"
 
 stage qbench 90 "cd /tmp && $PY '$REPO/bench/quant.py' --out '$OUT/qbench.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
 
@@ -111,6 +116,14 @@ for key in ("prefill_tok_s", "decode_tok_s", "decode_bytes_per_token", "decode_g
             "copy_gb_s", "roofline_pct", "transformers", "speedup_vs_transformers", "notes"):
     if key in r:
         print(f"{key}: {json.dumps(r[key])}")
+EOF
+  fi
+  if [[ -f /tmp/atlas-deltanet-fused.json ]]; then
+    $PY - /tmp/atlas-deltanet-fused.json <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"deltanet stage ({r.get('deltanet_decode')} DeltaNet decode): {r['decode_tok_s']:.1f} tok/s, "
+      f"roofline {r['roofline_pct']:.1f}%")
 EOF
   fi
   if [[ -f "$OUT/qbench.json" ]]; then

@@ -12,9 +12,19 @@ namespace atlas::conv1d {
 constexpr int kThreads = 128;
 constexpr int kTokensPerBlock = 64;
 
-__device__ __forceinline__ float load_tap(const CausalConv1dParams& p, int64_t index) {
-  if (p.weight_bf16) return bf16_to_f32(static_cast<const uint16_t*>(p.weight)[index]);
-  return static_cast<const float*>(p.weight)[index];
+__device__ __forceinline__ float load_tap(const void* weight, int weight_bf16, int64_t index) {
+  if (weight_bf16) return bf16_to_f32(static_cast<const uint16_t*>(weight)[index]);
+  return static_cast<const float*>(weight)[index];
+}
+
+// silu(conv) of one token: `window` the K-1 inputs before it, oldest first. Shared with the fused
+// DeltaNet decode kernel (delta_decode.cuh), so both compute the same bits.
+template <int K>
+__device__ __forceinline__ float conv_silu(const float (&taps)[K], const float (&window)[K - 1], float current) {
+  float acc = current * taps[K - 1];
+#pragma unroll
+  for (int j = 0; j < K - 1; ++j) acc = fmaf(window[j], taps[j], acc);
+  return silu(acc);
 }
 
 // Input `i` of the extended sequence [old state (K-1), x (T)], i counted from x[0] (i < 0: state).
@@ -45,7 +55,7 @@ __device__ void causal_conv1d(const CausalConv1dParams& p) {
 
   float taps[K];
 #pragma unroll
-  for (int j = 0; j < K; ++j) taps[j] = load_tap(p, static_cast<int64_t>(c) * K + j);
+  for (int j = 0; j < K; ++j) taps[j] = load_tap(p.weight, p.weight_bf16, static_cast<int64_t>(c) * K + j);
   float window[K - 1];  // inputs t-(K-1) .. t-1, oldest first
 #pragma unroll
   for (int j = 0; j < K - 1; ++j) window[j] = input_at<K>(p, c, t_begin - (K - 1) + j);
@@ -55,10 +65,7 @@ __device__ void causal_conv1d(const CausalConv1dParams& p) {
   for (int t = t_begin; t < t_end; ++t) {
     const int64_t at = static_cast<int64_t>(t) * p.channels + c;
     const float current = x[at];
-    float acc = current * taps[K - 1];
-#pragma unroll
-    for (int j = 0; j < K - 1; ++j) acc = fmaf(window[j], taps[j], acc);
-    out[at] = silu(acc);
+    out[at] = conv_silu<K>(taps, window, current);
 #pragma unroll
     for (int j = 0; j < K - 2; ++j) window[j] = window[j + 1];
     window[K - 2] = current;

@@ -69,6 +69,41 @@ __device__ __forceinline__ float inv_l2_norm(const float* x_s, int lane) {
   return rsqrtf(warp_sum(squares) + kL2Eps);
 }
 
+// One token as a column's lanes see it: q, k of the key head in smem (as loaded, unnormalised),
+// the column's v, the decay exp(g), beta and the L2-norm scales (q's includes Dk^-0.5).
+struct ColumnToken {
+  const float* q;
+  const float* k;
+  float v;
+  float decay;
+  float beta;
+  float q_scale;
+  float k_scale;
+};
+
+// One token on this thread's rows of its column (s[r] = S[part + kKeyParts * r][col]): decay,
+// delta update, then o[col] = (S^T q)[col], returned in every lane of the column. Shared by the
+// recurrent kernel and the fused decode kernel (delta_decode.cuh), so both compute the same bits.
+template <int Dk>
+__device__ __forceinline__ float step_column(float (&s)[Dk / kKeyParts], const ColumnToken& t, int part) {
+  constexpr int kRows = Dk / kKeyParts;
+  float predicted[kChains] = {};  // (S^T k)[col] with the decayed state, in independent chains
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    s[r] *= t.decay;
+    predicted[r % kChains] = fmaf(s[r], t.k[part + kKeyParts * r], predicted[r % kChains]);
+  }
+  const float kv = column_sum(chain_sum(predicted)) * t.k_scale;
+  const float delta = t.beta * (t.v - kv) * t.k_scale;  // k_scale folded into k
+  float o[kChains] = {};
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    s[r] = fmaf(t.k[part + kKeyParts * r], delta, s[r]);
+    o[r % kChains] = fmaf(s[r], t.q[part + kKeyParts * r], o[r % kChains]);
+  }
+  return column_sum(chain_sum(o)) * t.q_scale;
+}
+
 template <int Hk, int Hv, int Dk, int Dv>
 __device__ void gated_delta_rule(const GatedDeltaRuleParams& p) {
   static_assert(Hv % Hk == 0, "gated_delta_rule: Hv must be a multiple of Hk");
@@ -112,24 +147,9 @@ __device__ void gated_delta_rule(const GatedDeltaRuleParams& p) {
     const float* k = k_s[buf];
     const float q_scale = inv_l2_norm<Dk>(q, lane) * rsqrtf(static_cast<float>(Dk));
     const float k_scale = inv_l2_norm<Dk>(k, lane);
-    const float decay = expf(neg_A * softplus(current.a + dt_bias));
-    const float beta = sigmoid(current.b);
-
-    float predicted[kChains] = {};  // (S^T k)[col] with the decayed state, in independent chains
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      s[r] *= decay;
-      predicted[r % kChains] = fmaf(s[r], k[part + kKeyParts * r], predicted[r % kChains]);
-    }
-    const float kv = column_sum(chain_sum(predicted)) * k_scale;
-    const float delta = beta * (current.v - kv) * k_scale;  // k_scale folded into k
-    float o[kChains] = {};
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      s[r] = fmaf(k[part + kKeyParts * r], delta, s[r]);
-      o[r % kChains] = fmaf(s[r], q[part + kKeyParts * r], o[r % kChains]);
-    }
-    const float out_value = column_sum(chain_sum(o)) * q_scale;
+    const ColumnToken token{q, k, current.v, expf(neg_A * softplus(current.a + dt_bias)), sigmoid(current.b),
+                            q_scale, k_scale};
+    const float out_value = step_column<Dk>(s, token, part);
     if (part == 0) out[(static_cast<int64_t>(t) * Hv + h) * Dv + col] = out_value;
     current = next;
   }

@@ -9,32 +9,37 @@ namespace atlas::gated_norm {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * kWarpSize;
 
+// One row of D by one warp: out = x * rsqrt(mean(x^2) + eps) * weight * silu(z). x is read
+// through L2 (__ldcg): the fused DeltaNet decode kernel normalises rows other blocks wrote in the
+// same launch (delta_decode.cuh), with this code, so both kernels compute the same bits.
 template <int D>
-__device__ void gated_rms_norm(const GatedRmsNormParams& p) {
+__device__ __forceinline__ void norm_row(const float* x, const float* z, const float* weight, float* out, float eps,
+                                         int lane) {
   static_assert(D % kWarpSize == 0, "gated_rms_norm: D must be a multiple of 32");
   constexpr int kPerLane = D / kWarpSize;
-  if (p.dim != D || blockDim.x != kThreads) return;
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
-  if (row >= p.rows) return;
-
-  const float* x = static_cast<const float*>(p.x) + row * D;
-  const float* z = static_cast<const float*>(p.z) + row * D;
-  const float* weight = static_cast<const float*>(p.weight);
-  float* out = static_cast<float*>(p.out) + row * D;
   float values[kPerLane];
   float squares = 0.0f;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
-    values[i] = x[lane + kWarpSize * i];
+    values[i] = __ldcg(x + lane + kWarpSize * i);
     squares = fmaf(values[i], values[i], squares);
   }
-  const float inv_rms = rsqrtf(warp_sum(squares) / static_cast<float>(D) + p.eps);
+  const float inv_rms = rsqrtf(warp_sum(squares) / static_cast<float>(D) + eps);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int d = lane + kWarpSize * i;
     out[d] = values[i] * inv_rms * weight[d] * silu(z[d]);
   }
+}
+
+template <int D>
+__device__ void gated_rms_norm(const GatedRmsNormParams& p) {
+  if (p.dim != D || blockDim.x != kThreads) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  if (row >= p.rows) return;
+  norm_row<D>(static_cast<const float*>(p.x) + row * D, static_cast<const float*>(p.z) + row * D,
+              static_cast<const float*>(p.weight), static_cast<float*>(p.out) + row * D, p.eps, lane);
 }
 
 }  // namespace atlas::gated_norm

@@ -34,6 +34,38 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 = off
 
 
+@dataclass(frozen=True)
+class DeltaNetInputs:
+    """One step's inputs of a Gated DeltaNet layer (parts of its fused input projection)."""
+
+    mixed: Tensor  # [T, C] q, k, v before the conv
+    z: Tensor  # [T, Hv, Dv]
+    a: Tensor  # [T, Hv]
+    b: Tensor  # [T, Hv]
+
+
+@dataclass(frozen=True)
+class DeltaNetOperands:
+    """A Gated DeltaNet layer's weights and states as `gated_delta_net` takes them."""
+
+    conv_weight: Tensor  # [C, K]
+    A_log: Tensor  # [Hv]
+    dt_bias: Tensor  # [Hv]
+    norm_weight: Tensor  # [Dv]
+    norm_eps: float
+    conv_state: Tensor  # [C, K-1] f32, updated in place
+    recurrent_state: Tensor  # [Hv, Dk, Dv] f32, updated in place
+    num_k_heads: int
+
+
+def compose_gated_delta_net(backend: Backend, x: DeltaNetInputs, layer: DeltaNetOperands) -> Tensor:
+    """`Backend.gated_delta_net` as its three ops: conv, delta rule, gated norm."""
+    mixed = backend.causal_conv1d(x.mixed, layer.conv_weight, layer.conv_state)  # [T, C]
+    core = backend.gated_delta_rule(mixed, x.a, x.b, layer.A_log, layer.dt_bias, layer.recurrent_state,
+                                    layer.num_k_heads)  # [T, Hv, Dv]
+    return backend.gated_rms_norm(core, x.z, layer.norm_weight, layer.norm_eps)  # [T, Hv, Dv]
+
+
 def check_split_widths(weight_shape: tuple[int, ...], widths: Sequence[int]) -> None:
     """linear_split's contract on its arguments (ValueError: a wrong call is a bug in the caller)."""
     if len(weight_shape) != 2 or not widths or min(widths) <= 0 or sum(widths) != weight_shape[0]:
@@ -137,6 +169,11 @@ class Backend(Protocol):
 
     def gated_rms_norm(self, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
         """x, z [T, Hv, Dv], weight [Dv] -> rms_norm(x) * weight * silu(z) per head."""
+
+    def gated_delta_net(self, x: DeltaNetInputs, layer: DeltaNetOperands) -> Tensor:
+        """The three ops above in a row (`compose_gated_delta_net`): causal_conv1d of x.mixed,
+        gated_delta_rule, gated_rms_norm with x.z -> [T, Hv, Dv]; both states updated in place.
+        A backend may fuse them (CUDA: one decode kernel for T == 1, opt-in) with the same result."""
 
     # --- mixture of experts -------------------------------------------------------------------
     def router(

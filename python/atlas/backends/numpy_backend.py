@@ -8,7 +8,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..sampling import choose_token
-from .base import SamplingParams, StorageDType, Tensor, check_split_widths
+from .base import (
+    DeltaNetInputs,
+    DeltaNetOperands,
+    SamplingParams,
+    StorageDType,
+    Tensor,
+    check_split_widths,
+    compose_gated_delta_net,
+)
 
 DecodeStep = Callable[[Tensor, Tensor], Tensor]
 
@@ -244,6 +252,9 @@ class NumpyBackend:
 
     def gated_rms_norm(self, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
         return _rms(x, eps) * weight * _silu(z)
+
+    def gated_delta_net(self, x: DeltaNetInputs, layer: DeltaNetOperands) -> Tensor:
+        return compose_gated_delta_net(self, x, layer)
 
     # --- mixture of experts -------------------------------------------------------------------
     def router(

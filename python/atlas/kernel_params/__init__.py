@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 
-from . import dense, linear_moe, quant
+from . import delta_decode, dense, linear_moe, quant
 
-ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (*dense.ALL_PARAMS, *linear_moe.ALL_PARAMS, *quant.ALL_PARAMS)
+ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (
+    *dense.ALL_PARAMS, *linear_moe.ALL_PARAMS, *delta_decode.ALL_PARAMS, *quant.ALL_PARAMS
+)

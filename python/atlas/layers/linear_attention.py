@@ -1,10 +1,14 @@
-"""Gated DeltaNet: projections, causal conv with carried state, the gated delta rule, gated norm."""
+"""Gated DeltaNet: projections, causal conv with carried state, the gated delta rule, gated norm.
+
+Without a dump the conv, delta rule and gated norm run as one backend op (`gated_delta_net`: the
+CUDA backend may fuse a decode step into one kernel); with a dump attached as the three ops, so
+their intermediates (.conv, .core) can be emitted."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..backends.base import Backend, Tensor
+from ..backends.base import Backend, DeltaNetInputs, DeltaNetOperands, Tensor
 from .norm import RMSNorm
 from .split_linear import SplitLinear
 from .step import Step
@@ -52,13 +56,26 @@ class GatedDeltaNet:
         )
 
     def __call__(self, step: Step, x: Tensor, state: DeltaNetState, name: str) -> Tensor:
-        be, w, d = step.backend, self.weights, self.dims
+        be, d = step.backend, self.dims
         tokens = x.shape[0]
-        mixed, z, b, a = w.in_proj(be, x)  # [T, C], [T, Hv*Dv], [T, Hv], [T, Hv]
-        z = z.reshape(tokens, d.num_v_heads, d.v_head_dim)  # [T, Hv, Dv]
-        mixed = step.emit(f"{name}.conv", be.causal_conv1d(mixed, w.conv, state.conv))  # [T, C]
-        core = be.gated_delta_rule(mixed, a, b, w.A_log, w.dt_bias, state.recurrent, d.num_k_heads)
-        step.emit(f"{name}.core", core)  # [T, Hv, Dv]
-        normed = be.gated_rms_norm(core, z, w.norm.weight, w.norm.eps)  # [T, Hv, Dv]
+        mixed, z, b, a = self.weights.in_proj(be, x)  # [T, C], [T, Hv*Dv], [T, Hv], [T, Hv]
+        inputs = DeltaNetInputs(mixed, z.reshape(tokens, d.num_v_heads, d.v_head_dim), a, b)
+        if step.dump is None:
+            normed = be.gated_delta_net(inputs, self.operands(state))  # [T, Hv, Dv]
+        else:
+            normed = self._dumped_core(step, inputs, state, name)
         normed = step.emit(f"{name}.gated_norm", normed.reshape(tokens, d.num_v_heads * d.v_head_dim))
-        return be.linear(normed, w.out)  # [T, H]
+        return be.linear(normed, self.weights.out)  # [T, H]
+
+    def operands(self, state: DeltaNetState) -> DeltaNetOperands:
+        w = self.weights
+        return DeltaNetOperands(w.conv, w.A_log, w.dt_bias, w.norm.weight, w.norm.eps, state.conv, state.recurrent,
+                                self.dims.num_k_heads)
+
+    def _dumped_core(self, step: Step, x: DeltaNetInputs, state: DeltaNetState, name: str) -> Tensor:
+        """`gated_delta_net` as its three ops, emitting the conv output and the delta rule's."""
+        be, op = step.backend, self.operands(state)
+        mixed = step.emit(f"{name}.conv", be.causal_conv1d(x.mixed, op.conv_weight, op.conv_state))  # [T, C]
+        core = be.gated_delta_rule(mixed, x.a, x.b, op.A_log, op.dt_bias, op.recurrent_state, op.num_k_heads)
+        step.emit(f"{name}.core", core)  # [T, Hv, Dv]
+        return be.gated_rms_norm(core, x.z, op.norm_weight, op.norm_eps)  # [T, Hv, Dv]

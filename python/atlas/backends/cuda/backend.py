@@ -11,8 +11,15 @@ from typing import Any
 import numpy as np
 
 from ...errors import AtlasError
-from ..base import SamplingParams, StorageDType, check_split_widths
-from . import ops_dense, ops_kv, ops_linear_moe, ops_quant
+from ..base import (
+    DeltaNetInputs,
+    DeltaNetOperands,
+    SamplingParams,
+    StorageDType,
+    check_split_widths,
+    compose_gated_delta_net,
+)
+from . import ops_delta_decode, ops_dense, ops_kv, ops_linear_moe, ops_quant
 from .graph import GraphedDecodeStep
 from .ops_kv import QuantizedKVCache
 from .quant_weights import QuantWeight, from_quantized_weight, stack_rows
@@ -25,12 +32,16 @@ from .upload import Uploader, from_storage
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, rt: CudaRuntime, use_graphs: bool | None = None, router: str | None = None) -> None:
+    def __init__(self, rt: CudaRuntime, use_graphs: bool | None = None, router: str | None = None,
+                 delta_net: str | None = None) -> None:
         """`router` "split" | "fused" (ops_linear_moe.router_form; None: ATLAS_ROUTER decides)."""
         self.rt = rt
         self.router_form = ops_linear_moe.router_form(router)
         fused = self.router_form == "fused"
         self._router_arrivals = ops_linear_moe.router_arrivals(rt) if fused else None
+        self.delta_net_form = ops_delta_decode.decode_form(delta_net)  # "separate" | "fused"
+        fused_delta = self.delta_net_form == "fused"
+        self._delta_arrivals = ops_delta_decode.decode_arrivals(rt) if fused_delta else None
         self.uploader = Uploader(rt)
         if use_graphs is None:
             use_graphs = os.environ.get("ATLAS_CUDA_GRAPHS", "1") != "0"
@@ -188,6 +199,13 @@ class CudaBackend:
 
     def gated_rms_norm(self, x: DeviceTensor, z: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
         return ops_linear_moe.gated_rms_norm(self.rt, x, z, weight, eps)
+
+    def gated_delta_net(self, x: DeltaNetInputs, layer: DeltaNetOperands) -> DeviceTensor:
+        """Decode (T == 1) with `delta_net` "fused" (ATLAS_DELTANET_DECODE=fused): one kernel;
+        otherwise the three kernels in a row."""
+        if self._delta_arrivals is not None and x.mixed.shape[0] == 1:
+            return ops_delta_decode.delta_net_decode(self.rt, x, layer, self._delta_arrivals)
+        return compose_gated_delta_net(self, x, layer)
 
     # --- mixture of experts -------------------------------------------------------------------
     def router(self, x: DeviceTensor, weight: DeviceTensor, top_k: int, renormalize: bool, *,
