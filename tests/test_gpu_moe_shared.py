@@ -50,6 +50,18 @@ class StackedPool(ExpertPool):
         return out
 
 
+def routed_ids_agree(ids: np.ndarray, x: np.ndarray, w: np.ndarray, top_k: int, renormalize: bool) -> np.ndarray:
+    """Per token: the router's ids [T, k + 1] equal, in slot order, those of the reference on bf16 x
+    and w, on f32 x and w, or on f32 x with bf16 w (the kernel's own arithmetic: without it a
+    near-tie among E = 256 logits fails about one draw of 9 tokens in four, test_router_ids_rule.py)."""
+    from atlas.backends.numpy_backend import NumpyBackend
+
+    ref = NumpyBackend()
+    refs = [ref.router(a, b, top_k, renormalize, shared_expert=True)[0]
+            for a, b in ((bf16_round(x), bf16_round(w)), (x, w), (x, bf16_round(w)))]
+    return np.logical_or.reduce([(ids == r).all(-1) for r in refs])
+
+
 @pytest.mark.parametrize("tokens,renormalize", [(1, True), (17, True), (9, False)])
 def test_router_shared_slot(env: Env, rng: np.random.Generator, tokens: int, renormalize: bool) -> None:
     e, top_k, h = env.d("num_experts"), env.d("num_experts_per_tok"), env.d("hidden_size")
@@ -65,8 +77,8 @@ def test_router_shared_slot(env: Env, rng: np.random.Generator, tokens: int, ren
     ref16_ids, ref16_w = env.ref.router(bf16_round(x), bf16_round(w), top_k, renormalize, shared_expert=True)
     ref32_ids, ref32_w = env.ref.router(x, w, top_k, renormalize, shared_expert=True)
     check_bound(f"{env.model} shared slot weight", weights[:, top_k], ref32_w[:, top_k], ref16_w[:, top_k], BF16_FLOOR)
-    same = (ids == ref16_ids).all(-1) | (ids == ref32_ids).all(-1)
-    assert same.mean() >= 0.9, f"routed ids differ from both references on {(~same).sum()} tokens"
+    same = routed_ids_agree(ids, x, w, top_k, renormalize)
+    assert same.mean() >= 0.9, f"routed ids differ from every reference on {(~same).sum()} tokens"
     keep = (ids == ref16_ids).all(-1) & (ref16_ids == ref32_ids).all(-1)
     check_bound(f"{env.model} routed weights", weights[keep, :top_k], ref32_w[keep, :top_k], ref16_w[keep, :top_k], BF16_FLOOR)
 
