@@ -2,11 +2,13 @@
 weights made on the device (no checkpoint), batch 1, against transformers bf16 with the same
 weights on the same GPU.
 
-    python bench/decode.py --out results.json [--budget-s 150] [--skip-transformers]
+    python bench/decode.py --out results.json [--budget-s 150] [--skip-transformers] [--prefill-only]
 
 Reports prefill tok/s (512 and 2048 prompt tokens), decode tok/s (256 tokens after a 1024-token
 prompt, greedy, the token id read back every step as a real generation does), bytes read per
 decode token, achieved GB/s and its share of the device-to-device copy bandwidth measured here.
+--prefill-only: prefill tok/s alone, once per prefill attention form (ATLAS_PREFILL_ATTENTION's
+first, then the others on the same loaded model), no decode and no transformers.
 --decode-only: decode tok/s alone (no prefill timing, no transformers); the device check runs it
 again with ATLAS_DELTANET_DECODE=fused to set the fused DeltaNet decode kernel against the default.
 """
@@ -149,6 +151,48 @@ def time_decode(engine: Any, prompt: list[int], tokens: int) -> tuple[float, int
     return (tokens - 1) / (time.perf_counter() - started), tokens - 1
 
 
+def time_prefill(engine: Any, prompt: list[int]) -> dict[str, float]:
+    """Best of two prefill tok/s per PREFILL_LENGTHS prompt length."""
+    from atlas.backends.base import SamplingParams
+
+    prefill = {}
+    for length in PREFILL_LENGTHS:
+        runs = []
+        for _ in range(2):
+            stats = engine.generate(prompt[:length], 1, SamplingParams(), None, set())
+            runs.append(length / stats.prefill_seconds)
+        prefill[str(length)] = float(max(runs))
+        log(f"prefill {length}: {prefill[str(length)]:.0f} tok/s")
+    return prefill
+
+
+def run_prefill_forms(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
+    """Prefill tok/s with each prefill attention form on one loaded model (the backend's own form,
+    from ATLAS_PREFILL_ATTENTION, first)."""
+    from atlas.backends.base import SamplingParams
+    from atlas.backends.cuda.ops_dense import PREFILL_ATTENTION_FORMS
+    from atlas.engine import Engine
+
+    checkpoint = synthetic.SyntheticCheckpoint(synthetic.text_plan(spec))
+    backend = make_bench_backend(checkpoint)
+    log(f"atlas on {backend.describe()}; loading 40 synthetic layers")
+    t0 = time.perf_counter()
+    engine = Engine(spec, checkpoint, backend, max_seq_len=max(PREFILL_LENGTHS) + 8)
+    backend.rt.synchronize()
+    result: dict[str, Any] = {"device": backend.describe(), "load_s": time.perf_counter() - t0,
+                              "prefill_attention": backend.prefill_attention, "prefill_tok_s_by_form": {}}
+    prompt = rng.integers(0, spec.vocab_size, size=max(PREFILL_LENGTHS)).tolist()
+    own = backend.prefill_attention
+    for form in (own, *(f for f in PREFILL_ATTENTION_FORMS if f != own)):
+        backend.prefill_attention = form
+        log(f"prefill attention {form}")
+        engine.generate(prompt[:64], 1, SamplingParams(), None, set())  # warm-up: the form's kernels
+        result["prefill_tok_s_by_form"][form] = time_prefill(engine, prompt)
+    backend.prefill_attention = own
+    result["prefill_tok_s"] = result["prefill_tok_s_by_form"][own]
+    return result
+
+
 def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -> tuple[AtlasRun, float, str]:
     from atlas.backends.base import SamplingParams
     from atlas.engine import Engine
@@ -165,14 +209,7 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     copy_bps = copy_bandwidth(backend.rt)
     prompt = rng.integers(0, spec.vocab_size, size=max(PREFILL_LENGTHS)).tolist()
     engine.generate(prompt[:64], 4, SamplingParams(), None, set())  # warm-up: module, graph capture
-    prefill = {}
-    for length in PREFILL_LENGTHS if timed_prefill else ():
-        runs = []
-        for _ in range(2):
-            stats = engine.generate(prompt[:length], 1, SamplingParams(), None, set())
-            runs.append(length / stats.prefill_seconds)
-        prefill[str(length)] = float(max(runs))
-        log(f"prefill {length}: {prefill[str(length)]:.0f} tok/s")
+    prefill = time_prefill(engine, prompt) if timed_prefill else {}
     decode, steps = time_decode(engine, prompt[:DECODE_CONTEXT], DECODE_TOKENS)
     log(f"decode at {DECODE_CONTEXT} context: {decode:.1f} tok/s over {steps} steps")
     del engine
@@ -242,6 +279,8 @@ def main() -> int:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--decode-only", action="store_true",
                         help="decode tok/s only (no prefill timing, no transformers)")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="prefill tok/s per prefill attention form only (no decode, no transformers)")
     args = parser.parse_args()
     started = time.perf_counter()
     rng = np.random.default_rng(synthetic.SEED)
@@ -254,6 +293,12 @@ def main() -> int:
                               "machine": machine(), "model": "qwen3.6-35b-a3b dims, 40 layers, synthetic weights",
                               "batch": 1, "notes": [],
                               "deltanet_decode": os.environ.get("ATLAS_DELTANET_DECODE", "separate")}
+    if args.prefill_only:
+        result.update(run_prefill_forms(spec, rng))
+        result["seconds"] = time.perf_counter() - started
+        args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+        log(json.dumps({k: result[k] for k in ("prefill_attention", "prefill_tok_s_by_form")}))
+        return 0
     atlas_run, copy_bps, device = run_atlas(spec, rng, timed_prefill=not args.decode_only)
     bytes_per_token = decode_bytes_per_token(spec, DECODE_CONTEXT + DECODE_TOKENS // 2)
     achieved = bytes_per_token["total"] * atlas_run.decode_tok_s

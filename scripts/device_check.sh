@@ -77,7 +77,7 @@ stage demo 45 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --ma
 GPU_PYTEST="ATLAS_TEST_INSTALLED=1 ATLAS_REQUIRE_GPU=1 ATLAS_REQUIRE_GPU_QUANT=1 ATLAS_CUDA_CHECK=1 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider"
 # Kernel-level tests first (they name the failing op), then everything else marked gpu.
 KERNEL_TESTS="tests/test_gpu_ops.py tests/test_gpu_split_linear.py tests/test_gpu_moe_shared.py tests/test_gpu_router_fused.py tests/test_gpu_delta_chunked.py tests/test_gpu_delta_decode.py \
-  tests/test_gpu_chain.py tests/test_gpu_quant.py tests/test_gpu_kv.py"
+  tests/test_gpu_chain.py tests/test_gpu_quant.py tests/test_gpu_kv.py tests/test_gpu_attention_mma.py"
 stage ops 110 "$GPU_PYTEST --maxfail=40 --junitxml='$OUT/junit-ops.xml' $KERNEL_TESTS"
 
 stage model 110 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-model.xml' tests \
@@ -90,6 +90,9 @@ stage bench 130 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json
 # three; opt-in until measured here), to set against bench's default.
 stage deltanet 40 "rm -f /tmp/atlas-deltanet-fused.json; cd /tmp && ATLAS_DELTANET_DECODE=fused $PY '$REPO/bench/decode.py' --decode-only \
   --out /tmp/atlas-deltanet-fused.json"
+
+# Prefill tok/s with the tensor-core prefill attention (and the SIMT one on the same model), 512 / 2048 tokens.
+stage prefill 40 "rm -f /tmp/atlas-prefill.json; cd /tmp && ATLAS_PREFILL_ATTENTION=mma $PY '$REPO/bench/decode.py' --prefill-only --out /tmp/atlas-prefill.json"
 
 stage qbench 90 "cd /tmp && $PY '$REPO/bench/quant.py' --out '$OUT/qbench.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
 

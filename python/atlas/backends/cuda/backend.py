@@ -36,6 +36,7 @@ class CudaBackend:
                  delta_net: str | None = None) -> None:
         """`router` "split" | "fused" (ops_linear_moe.router_form; None: ATLAS_ROUTER decides)."""
         self.rt = rt
+        self.prefill_attention = ops_dense.prefill_attention_form()  # ATLAS_PREFILL_ATTENTION: "simt" | "mma"
         self.router_form = ops_linear_moe.router_form(router)
         fused = self.router_form == "fused"
         self._router_arrivals = ops_linear_moe.router_arrivals(rt) if fused else None
@@ -182,7 +183,8 @@ class CudaBackend:
                   v_cache: DeviceTensor | QuantizedKVCache, positions: DeviceTensor, scale: float) -> DeviceTensor:
         if isinstance(k_cache, QuantizedKVCache) and isinstance(v_cache, QuantizedKVCache):
             return ops_kv.attention(self.rt, q, k, v, k_cache, v_cache, positions, scale)
-        return ops_dense.attention(self.rt, q, k, v, k_cache, v_cache, positions, scale)
+        return ops_dense.attention(self.rt, q, k, v, k_cache, v_cache, positions, scale,
+                                   prefill=self.prefill_attention)
 
     def quantized_kv_cache(self, level: str, shape: tuple[int, int, int]) -> QuantizedKVCache:
         """A K or V cache [S, Hkv, D] at a quantized --kv-cache-dtype level (atlas.kvcache.storage)."""

@@ -6,9 +6,11 @@ launches. Launch geometry constants mirror the kernel headers named beside them.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from atlas.errors import AtlasError
 from atlas.kernel_params import dense as kp
 from atlas.sampling import check_sampling
 
@@ -41,6 +43,14 @@ ATTN_PREFILL_THREADS = 256  # 8 warps x 2 rows
 ATTN_PREFILL_ROWS = 16
 ATTN_MAX_SPLITS = 256
 ATTN_HEAD_DIMS = (64, 128, 256)
+ATTN_MMA_ROWS = 64  # attention_mma.cuh kMmaAttnRows: 4 warps x 16 rows
+ATTN_MMA_THREADS = 128  # kMmaAttnThreads
+ATTN_MMA_KEYS = 32  # kMmaAttnKeys
+ATTN_MMA_PAD = 8  # kMmaAttnPad (bf16 per smem row)
+# Prefill attention for T > ATTN_DECODE_MAX_TOKENS over a bf16 cache: "simt" (default:
+# atlas_attention_prefill) or "mma" (tensor cores; opt-in until the device has confirmed it).
+PREFILL_ATTENTION_ENV = "ATLAS_PREFILL_ATTENTION"
+PREFILL_ATTENTION_FORMS = ("simt", "mma")
 ARGMAX_THREADS = 256  # sampling.cuh kArgmaxThreads
 ARGMAX_CHUNK = 2048
 SAMPLE_THREADS = 1024  # sampling.cuh kSampleThreads
@@ -221,6 +231,21 @@ class CachedKV:
     suffix: str = ""
 
 
+def prefill_attention_form(form: str | None = None) -> str:
+    """`form`, or with None the ATLAS_PREFILL_ATTENTION environment variable (default "simt"),
+    checked. The CUDA backend reads it once, when it is built."""
+    chosen = (os.environ.get(PREFILL_ATTENTION_ENV, "").strip() or "simt") if form is None else form
+    if chosen not in PREFILL_ATTENTION_FORMS:
+        raise AtlasError(f"{PREFILL_ATTENTION_ENV}={chosen!r} is not a prefill attention form; "
+                         "use 'simt' (default) or 'mma'")
+    return chosen
+
+
+def attention_mma_smem_bytes(dim: int) -> int:
+    """attention_mma.cuh MmaAttnSmem<D>: the q rows and one K and one V tile, rows padded."""
+    return 2 * (ATTN_MMA_ROWS + 2 * ATTN_MMA_KEYS) * (dim + ATTN_MMA_PAD)
+
+
 def attention(
     rt: CudaRuntime,
     q: DeviceTensor,
@@ -230,9 +255,12 @@ def attention(
     v_cache: DeviceTensor,
     positions: DeviceTensor,
     scale: float,
+    *,
+    prefill: str = "simt",
 ) -> DeviceTensor:
     """Writes this step's k, v into the caches, then attends (the kernel compiled for the tuple's
-    head_dim; it leaves the output untouched for any other head dim)."""
+    head_dim; it leaves the output untouched for any other head dim). `prefill`: the form of
+    attention for T > ATTN_DECODE_MAX_TOKENS (prefill_attention_form)."""
     _check_attention(q, k, v, k_cache, v_cache, positions)
     tokens, _, dim = q.shape
     capacity, kv_heads, _ = k_cache.shape
@@ -241,11 +269,15 @@ def attention(
     write = kp.KvCacheWriteParams(k=k.ptr, v=v.ptr, k_cache=k_cache.ptr, v_cache=v_cache.ptr, positions=positions.ptr,
                                   tokens=tokens, kv_heads=kv_heads, head_dim=dim, capacity=capacity)
     rt.launch("atlas_kv_cache_write", _elementwise_grid(k.numel), (ELEMENTWISE_THREADS, 1, 1), write)
-    return attend(rt, q, CachedKV(k_cache.ptr, v_cache.ptr, capacity, kv_heads), positions, scale)
+    return attend(rt, q, CachedKV(k_cache.ptr, v_cache.ptr, capacity, kv_heads), positions, scale, prefill=prefill)
 
 
-def attend(rt: CudaRuntime, q: DeviceTensor, cache: CachedKV, positions: DeviceTensor, scale: float) -> DeviceTensor:
-    """Causal attention of q [T, Hq, D] over the cached keys and values (already written)."""
+def attend(rt: CudaRuntime, q: DeviceTensor, cache: CachedKV, positions: DeviceTensor, scale: float, *,
+           prefill: str = "simt") -> DeviceTensor:
+    """Causal attention of q [T, Hq, D] over the cached keys and values (already written).
+    prefill "mma" takes the tensor-core kernel for T > ATTN_DECODE_MAX_TOKENS over a bf16 cache
+    (the quantized levels keep their own kernels)."""
+    _expect(prefill in PREFILL_ATTENTION_FORMS, f"attend: prefill form {prefill!r}, expected one of {PREFILL_ATTENTION_FORMS}")
     tokens, q_heads, dim = q.shape
     out = rt.empty(q.shape, "f32")
     if tokens == 0:
@@ -253,6 +285,12 @@ def attend(rt: CudaRuntime, q: DeviceTensor, cache: CachedKV, positions: DeviceT
     rows = tokens * (q_heads // cache.kv_heads)
     common = dict(q=q.ptr, k_cache=cache.k, v_cache=cache.v, positions=positions.ptr, tokens=tokens,
                   q_heads=q_heads, kv_heads=cache.kv_heads, head_dim=dim, capacity=cache.capacity, scale=scale)
+    if tokens > ATTN_DECODE_MAX_TOKENS and prefill == "mma" and cache.suffix == "":
+        params = kp.AttentionParams(out=out.ptr, ml=None, **common)
+        grid = (_ceil_div(rows, ATTN_MMA_ROWS), cache.kv_heads, 1)
+        rt.launch("atlas_attention_prefill_mma", grid, (ATTN_MMA_THREADS, 1, 1), params,
+                  smem=attention_mma_smem_bytes(dim))
+        return out
     if tokens > ATTN_DECODE_MAX_TOKENS:
         params = kp.AttentionParams(out=out.ptr, ml=None, **common)
         grid = (1, cache.kv_heads, _ceil_div(rows, ATTN_PREFILL_ROWS))
