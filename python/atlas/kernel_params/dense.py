@@ -113,7 +113,9 @@ class AttentionParams(ctypes.Structure):
     positions; span = 32 * ceil(live / (32 * splits)) with live = positions[tokens-1] + 1 read
     on the device. With ml == NULL (one split) it writes the normalised output [tokens, q_heads, D];
     otherwise per split the normalised partial o [splits, tokens, q_heads, D] and (max, sum)
-    in ml [splits, tokens, q_heads, 2] for atlas_attention_combine."""
+    in ml [splits, tokens, q_heads, 2] for atlas_attention_combine.
+    atlas_attention_prefill_mma takes the same struct with ml == NULL: grid (row tiles of 64,
+    kv_heads), keys [0, largest position of its rows + 1), output [tokens, q_heads, D]."""
 
     _fields_ = [
         ("q", c_ptr),  # [tokens, q_heads, head_dim] f32
