@@ -112,6 +112,15 @@ __device__ void delta_net_decode(const DeltaNetDecodeParams& p) {
   const int h = blockIdx.x;
   const int hk = h / (Hv / Hk);
 
+  const int lane = threadIdx.x % kWarpSize;
+  const int part = lane / kColsPerWarp;
+  const int col = blockIdx.y * kColsPerBlock + (threadIdx.x / kWarpSize) * kColsPerWarp + lane % kColsPerWarp;
+  // The state columns first: the block's one large read is in flight while the conv runs.
+  float* state = static_cast<float*>(p.state) + static_cast<int64_t>(h) * Dk * Dv + col;
+  float s[kRows];  // s[r] = S[part + kKeyParts * r][col]
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) s[r] = state[(part + kKeyParts * r) * Dv];
+
   __shared__ float q_s[Dk];
   __shared__ float k_s[Dk];
   for (int i = threadIdx.x; i < 2 * Dk; i += kThreads) {
@@ -119,9 +128,6 @@ __device__ void delta_net_decode(const DeltaNetDecodeParams& p) {
     if (i < Dk) q_s[i] = value;
     else k_s[i - Dk] = value;
   }
-  const int lane = threadIdx.x % kWarpSize;
-  const int part = lane / kColsPerWarp;
-  const int col = blockIdx.y * kColsPerBlock + (threadIdx.x / kWarpSize) * kColsPerWarp + lane % kColsPerWarp;
   const int v_channel = 2 * Hk * Dk + h * Dv + col;
   const float v = conv_channel<K>(p, v_channel);
   const float neg_A = -expf(static_cast<const float*>(p.A_log)[h]);
@@ -129,10 +135,6 @@ __device__ void delta_net_decode(const DeltaNetDecodeParams& p) {
   const float a = static_cast<const float*>(p.a)[h];
   const float b = static_cast<const float*>(p.b)[h];
 
-  float* state = static_cast<float*>(p.state) + static_cast<int64_t>(h) * Dk * Dv + col;
-  float s[kRows];  // s[r] = S[part + kKeyParts * r][col]
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) s[r] = state[(part + kKeyParts * r) * Dv];
   __syncthreads();  // q_s / k_s complete; every lane of a column has read its v channel's state
   if (part == 0) advance_conv_state<K>(p, v_channel);
 
