@@ -3,7 +3,7 @@ files (kernels/<hw>/atlas-demo/<quant>/*.cu, plus the bf16 sibling's for a quant
 emulated driver of test_cuda_select.py accepts any `atlas_` name, so a launch of an entry that
 was never instantiated (a slot count, a format suffix) shows up here and not only on the device.
 Covered: prefill (GEMV and GEMM sizes), decode, and both with a dump attached (ATLAS_DUMP runs the
-stacked MoE's parts apart)."""
+stacked MoE's parts apart), with the default kernel forms and with every opt-in form."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ from atlas.safetensors import Checkpoint
 from test_cuda_select import make_runtime
 
 REPO = Path(__file__).resolve().parent.parent
+OPT_IN_FORMS = {"ATLAS_ROUTER": "fused", "ATLAS_DELTANET_DECODE": "fused", "ATLAS_PREFILL_ATTENTION": "mma",
+                "ATLAS_DELTA_RULE": "chunked"}
+OPT_IN_KERNELS = {"atlas_router_fused", "atlas_delta_net_decode", "atlas_attention_prefill_mma",
+                  "atlas_gated_delta_chunk_prep", "atlas_gated_delta_chunk_scan"}
 ENTRY = re.compile(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (atlas_\w+)\(')
 
 
@@ -55,14 +59,29 @@ def launched_kernels(model_dir: Path, rng: np.random.Generator, dump: bool) -> s
     return {launch[0] for launch in driver.launches[start:]}
 
 
+@pytest.fixture(params=["default", "opt-in"])
+def forms(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The kernel forms the backend picks from the environment: defaults, or every opt-in one."""
+    for name, value in OPT_IN_FORMS.items():
+        if request.param == "opt-in":
+            monkeypatch.setenv(name, value)
+        else:
+            monkeypatch.delenv(name, raising=False)
+    return request.param
+
+
 @pytest.mark.parametrize("dump", [False, True])
-def test_demo_launches_only_instantiated_entries(rng: np.random.Generator, dump: bool) -> None:
-    missing = launched_kernels(DEMO_DIR, rng, dump) - instance_entries("h200", "atlas-demo", "bf16")
+def test_demo_launches_only_instantiated_entries(rng: np.random.Generator, dump: bool, forms: str) -> None:
+    launched = launched_kernels(DEMO_DIR, rng, dump)
+    opt_in = OPT_IN_KERNELS - ({"atlas_delta_net_decode"} if dump else set())  # a dump runs DeltaNet's three ops
+    assert (opt_in <= launched) == (forms == "opt-in"), sorted(OPT_IN_KERNELS & launched)
+    missing = launched - instance_entries("h200", "atlas-demo", "bf16")
     assert not missing, f"launched but never instantiated: {sorted(missing)}"
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_quantized_demo_launches_only_instantiated_entries(fmt: str, tmp_path: Path, rng: np.random.Generator) -> None:
+def test_quantized_demo_launches_only_instantiated_entries(fmt: str, tmp_path: Path, rng: np.random.Generator,
+                                                           forms: str) -> None:
     from atlas.quantize import QuantizeArgs, quantize
 
     model_dir = quantize(QuantizeArgs(str(DEMO_DIR), fmt, tmp_path / fmt, 1 << 30))
