@@ -131,6 +131,7 @@ class Memory:
     state: np.ndarray  # [Hv, Dk, Dv]
     out: np.ndarray  # [Hv*Dv]
     arrivals: np.ndarray  # [Hk]
+    eps: float = EPS
     clock: int = 0
     conv_reads: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # channel -> (time, block)
     conv_writes: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
@@ -205,7 +206,7 @@ def finish_group(mem: Memory, d: Dims, hk: int, block: int, qk_state: bool = Tru
     for h in range(hk * group, (hk + 1) * group):
         row = slice(h * d.dv, (h + 1) * d.dv)
         x = mem.out[row]
-        mem.out[row] = x / np.sqrt((x * x).mean() + EPS) * mem.norm_weight * _silu(mem.z[row])
+        mem.out[row] = x / np.sqrt((x * x).mean() + mem.eps) * mem.norm_weight * _silu(mem.z[row])
 
 
 def run_launch(mem: Memory, d: Dims, order: np.ndarray, racy: bool = False) -> None:
