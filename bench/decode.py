@@ -292,7 +292,8 @@ def main() -> int:
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
                               "machine": machine(), "model": "qwen3.6-35b-a3b dims, 40 layers, synthetic weights",
                               "batch": 1, "notes": [],
-                              "deltanet_decode": os.environ.get("ATLAS_DELTANET_DECODE", "separate")}
+                              "deltanet_decode": os.environ.get("ATLAS_DELTANET_DECODE", "separate"),
+                              "router": os.environ.get("ATLAS_ROUTER", "split")}
     if args.prefill_only:
         result.update(run_prefill_forms(spec, rng))
         result["seconds"] = time.perf_counter() - started

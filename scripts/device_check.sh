@@ -8,7 +8,8 @@
 #   ATLAS_WHEEL=wheels/atlas-...+h200...whl ...       # use a carried wheel instead of building
 #
 # Files under $OUT (at most 8): log.txt, info.json, junit-ops.xml, junit-model.xml, results.json
-# (bench/decode.py), qbench.json (bench/quant.py), summary.txt.
+# (bench/decode.py), qbench.json (bench/quant.py), variants.json (the opt-in forms' bench runs),
+# summary.txt.
 set -u -o pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -20,6 +21,8 @@ LOG="$OUT/log.txt"
 PY="${PYTHON:-python3}"
 BUDGET_S="${ATLAS_CHECK_BUDGET_S:-540}"  # the whole script, inside the 10-minute call
 WHEEL_DIR=/tmp/atlas-wheel
+VARIANTS_DIR=/tmp/atlas-variants
+rm -rf "$VARIANTS_DIR" && mkdir -p "$VARIANTS_DIR"
 export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1  # no network there
 START=$(date +%s)
 SUMMARY=()
@@ -86,15 +89,20 @@ stage model 110 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-m
 # Benchmarks size their --budget-s to the stage's (clipped) limit so they write their JSON in time.
 stage bench 130 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
 
-# Decode tok/s again with the fused DeltaNet decode kernel (one launch per layer and token instead of
-# three; opt-in until measured here), to set against bench's default.
-stage deltanet 40 "rm -f /tmp/atlas-deltanet-fused.json; cd /tmp && ATLAS_DELTANET_DECODE=fused $PY '$REPO/bench/decode.py' --decode-only \
-  --out /tmp/atlas-deltanet-fused.json"
-
-# Prefill tok/s with the tensor-core prefill attention (and the SIMT one on the same model), 512 / 2048 tokens.
-stage prefill 40 "rm -f /tmp/atlas-prefill.json; cd /tmp && ATLAS_PREFILL_ATTENTION=mma $PY '$REPO/bench/decode.py' --prefill-only --out /tmp/atlas-prefill.json"
-
 stage qbench 90 "cd /tmp && $PY '$REPO/bench/quant.py' --out '$OUT/qbench.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
+
+# The opt-in forms, measured beside bench's defaults: decode with the fused DeltaNet decode kernel
+# and the one-launch router (120 fewer launches per Qwen3.6 token), prefill with the tensor-core
+# attention (and the SIMT one on the same model). Both land in $OUT/variants.json (8 files at most).
+stage fused 45 "cd /tmp && ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused $PY '$REPO/bench/decode.py' --decode-only \
+  --out $VARIANTS_DIR/fused_decode.json"
+stage prefill 40 "cd /tmp && ATLAS_PREFILL_ATTENTION=mma $PY '$REPO/bench/decode.py' --prefill-only --out $VARIANTS_DIR/mma_prefill.json"
+$PY - "$VARIANTS_DIR" "$OUT/variants.json" <<'EOF'
+import json, pathlib, sys
+found = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}
+if found:
+    pathlib.Path(sys.argv[2]).write_text(json.dumps(found, indent=1))
+EOF
 
 {
   echo
@@ -121,12 +129,16 @@ for key in ("prefill_tok_s", "decode_tok_s", "decode_bytes_per_token", "decode_g
         print(f"{key}: {json.dumps(r[key])}")
 EOF
   fi
-  if [[ -f /tmp/atlas-deltanet-fused.json ]]; then
-    $PY - /tmp/atlas-deltanet-fused.json <<'EOF'
+  if [[ -f "$OUT/variants.json" ]]; then
+    $PY - "$OUT/variants.json" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"deltanet stage ({r.get('deltanet_decode')} DeltaNet decode): {r['decode_tok_s']:.1f} tok/s, "
-      f"roofline {r['roofline_pct']:.1f}%")
+if "fused_decode" in r:
+    d = r["fused_decode"]
+    print(f"fused decode ({d.get('deltanet_decode')} DeltaNet, {d.get('router', '?')} router): "
+          f"{d['decode_tok_s']:.1f} tok/s, roofline {d['roofline_pct']:.1f}%")
+if "mma_prefill" in r:
+    print("prefill tok/s by attention form:", json.dumps(r["mma_prefill"].get("prefill_tok_s_by_form")))
 EOF
   fi
   if [[ -f "$OUT/qbench.json" ]]; then
