@@ -97,9 +97,11 @@ def real_nvcc(path: Path) -> Path:
 def read_profile(bindir: Path, env: Mapping[str, str]) -> dict[str, str]:
     """nvcc.profile's variables after expansion (`+=` prepends, `=+` appends, as nvcc does)."""
     top_default = str(bindir.parent)
+    target_dir = "targets/" + TARGET_DIRS.get(platform.machine(), f"{platform.machine()}-linux")
     values = {"_HERE_": str(bindir), "_THERE_": str(bindir), "_SPACE_": " ", "_TARGET_SIZE_": "",
               "_NVVM_BRANCH_": "nvvm", "_CUDART_": "cudart", "PATH": env.get("PATH", ""),
-              "_TARGET_DIR_": "targets/" + TARGET_DIRS.get(platform.machine(), f"{platform.machine()}-linux"),
+              # nvcc leaves it empty where <TOP>/targets/<arch> does not exist (the PyPI wheels)
+              "_TARGET_DIR_": target_dir if (bindir.parent / target_dir).is_dir() else "",
               "TOP": top_default, "CICC_PATH": f"{top_default}/nvvm/bin",
               "NVVMIR_LIBRARY_DIR": f"{top_default}/nvvm/libdevice", "INCLUDES": f'"-I{top_default}/include"'}
     profile = bindir / "nvcc.profile"

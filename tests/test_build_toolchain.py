@@ -9,6 +9,7 @@ turn behind the unchanged wrapper. The real toolchain's resolution is checked ag
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import build_tools.toolchain as toolchain_mod
-from build_tools.toolchain import fingerprint, include_dirs, read_profile, real_nvcc, resolve_toolchain
+from build_tools.toolchain import fingerprint, include_dirs, real_nvcc, resolve_toolchain
 
 PROFILE = """
 TOP              = $(_HERE_)/..
@@ -41,7 +42,9 @@ def _write(path: Path, data: bytes, executable: bool = False) -> None:
 
 
 def _include(top: Path) -> Path:
-    return top / read_profile(top / "bin", {"PATH": ""})["_TARGET_DIR_"] / "include"
+    """A toolkit's targets/<arch>/include (nvcc's _TARGET_DIR_ where that folder exists)."""
+    arch = platform.machine()
+    return top / "targets" / toolchain_mod.TARGET_DIRS.get(arch, f"{arch}-linux") / "include"
 
 
 def make_toolchain(top: Path) -> None:
