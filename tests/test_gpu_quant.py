@@ -37,20 +37,26 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
     return from_storage(to_storage(x, "bf16"), "bf16").reshape(x.shape)
 
 
-@pytest.fixture(scope="module", params=[(m, f) for m in MODELS for f in FORMATS], ids=lambda p: f"{p[0]}-{p[1]}")
-def gpu(request: pytest.FixtureRequest) -> tuple[Any, str, dict[str, int]]:
+def open_tuple(model: str, storage: str) -> tuple[Any, str, dict[str, int]]:
+    """(CUDA backend of the model/storage tuple, storage, the model's constants), or a skip with
+    the reason; a failure under ATLAS_REQUIRE_GPU (bf16) / ATLAS_REQUIRE_GPU_QUANT (fp8, nvfp4)."""
     from atlas.targets import load_registry
 
-    model, fmt = request.param
     try:
         from atlas.backends.cuda.select import open_backend_for_model
 
-        backend = open_backend_for_model(model, fmt)
+        backend = open_backend_for_model(model, storage)
     except (AtlasError, ImportError) as err:
-        if os.environ.get("ATLAS_REQUIRE_GPU_QUANT") == "1":
+        required = "ATLAS_REQUIRE_GPU" if storage == "bf16" else "ATLAS_REQUIRE_GPU_QUANT"
+        if os.environ.get(required) == "1":
             raise
-        pytest.skip(f"no CUDA backend with the {model}/{fmt} tuple here: {err}")
-    return backend, fmt, dict(load_registry().models[model].constants)
+        pytest.skip(f"no CUDA backend with the {model}/{storage} tuple here: {err}")
+    return backend, storage, dict(load_registry().models[model].constants)
+
+
+@pytest.fixture(scope="module", params=[(m, f) for m in MODELS for f in FORMATS], ids=lambda p: f"{p[0]}-{p[1]}")
+def gpu(request: pytest.FixtureRequest) -> tuple[Any, str, dict[str, int]]:
+    return open_tuple(*request.param)
 
 
 def quantize(fmt: str, w: np.ndarray) -> tuple[Any, np.ndarray]:

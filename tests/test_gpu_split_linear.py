@@ -6,14 +6,12 @@ step scratch poisoned with NaN first, so an unwritten or misaddressed part fails
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import numpy as np
 import pytest
 
 from atlas.backends.numpy_backend import NumpyBackend
-from atlas.errors import AtlasError
 from test_gpu_ops import bf16_round, check_bound, normal
 
 pytestmark = pytest.mark.gpu
@@ -25,18 +23,9 @@ FLOOR = 2e-4
 
 @pytest.fixture(scope="module", params=[(m, s) for m in MODELS for s in STORAGES], ids=lambda p: f"{p[0]}-{p[1]}")
 def gpu(request: pytest.FixtureRequest) -> tuple[Any, str, dict[str, int]]:
-    from atlas.backends.cuda.select import open_backend_for_model
-    from atlas.targets import load_registry
+    from test_gpu_quant import open_tuple
 
-    model, storage = request.param
-    try:
-        backend = open_backend_for_model(model, storage)
-    except (AtlasError, ImportError) as err:
-        required = "ATLAS_REQUIRE_GPU" if storage == "bf16" else "ATLAS_REQUIRE_GPU_QUANT"
-        if os.environ.get(required) == "1":
-            raise
-        pytest.skip(f"no CUDA backend with the {model}/{storage} tuple here: {err}")
-    return backend, storage, dict(load_registry().models[model].constants)
+    return open_tuple(*request.param)
 
 
 def projection_widths(d: dict[str, int]) -> list[tuple[int, ...]]:
