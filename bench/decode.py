@@ -180,7 +180,8 @@ def run_prefill_forms(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
     engine = Engine(spec, checkpoint, backend, max_seq_len=max(PREFILL_LENGTHS) + 8)
     backend.rt.synchronize()
     result: dict[str, Any] = {"device": backend.describe(), "load_s": time.perf_counter() - t0,
-                              "prefill_attention": backend.prefill_attention, "prefill_tok_s_by_form": {}}
+                              "prefill_attention": backend.prefill_attention, "gemm": backend.gemm_form,
+                              "prefill_tok_s_by_form": {}}
     prompt = rng.integers(0, spec.vocab_size, size=max(PREFILL_LENGTHS)).tolist()
     own = backend.prefill_attention
     for form in (own, *(f for f in PREFILL_ATTENTION_FORMS if f != own)):

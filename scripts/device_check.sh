@@ -80,7 +80,7 @@ stage demo 45 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --ma
 GPU_PYTEST="ATLAS_TEST_INSTALLED=1 ATLAS_REQUIRE_GPU=1 ATLAS_REQUIRE_GPU_QUANT=1 ATLAS_CUDA_CHECK=1 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider"
 # Kernel-level tests first (they name the failing op), then everything else marked gpu.
 KERNEL_TESTS="tests/test_gpu_ops.py tests/test_gpu_split_linear.py tests/test_gpu_moe_shared.py tests/test_gpu_router_fused.py tests/test_gpu_delta_chunked.py tests/test_gpu_delta_decode.py \
-  tests/test_gpu_chain.py tests/test_gpu_quant.py tests/test_gpu_kv.py tests/test_gpu_attention_mma.py"
+  tests/test_gpu_chain.py tests/test_gpu_quant.py tests/test_gpu_kv.py tests/test_gpu_attention_mma.py tests/test_gpu_gemm_wgmma.py"
 stage ops 110 "$GPU_PYTEST --maxfail=40 --junitxml='$OUT/junit-ops.xml' $KERNEL_TESTS"
 
 stage model 110 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-model.xml' tests \
@@ -93,10 +93,11 @@ stage qbench 90 "cd /tmp && $PY '$REPO/bench/quant.py' --out '$OUT/qbench.json' 
 
 # The opt-in forms, measured beside bench's defaults: decode with the fused DeltaNet decode kernel
 # and the one-launch router (120 fewer launches per Qwen3.6 token), prefill with the tensor-core
-# attention (and the SIMT one on the same model). Both land in $OUT/variants.json (8 files at most).
+# attention (and the SIMT one on the same model), both with the wgmma GEMM (ATLAS_GEMM=wgmma; bench's
+# simt prefill number is the mma.sync GEMM beside it). Both land in $OUT/variants.json (8 files at most).
 stage fused 45 "cd /tmp && ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused $PY '$REPO/bench/decode.py' --decode-only \
   --out $VARIANTS_DIR/fused_decode.json"
-stage prefill 40 "cd /tmp && ATLAS_PREFILL_ATTENTION=mma $PY '$REPO/bench/decode.py' --prefill-only --out $VARIANTS_DIR/mma_prefill.json"
+stage prefill 40 "cd /tmp && ATLAS_PREFILL_ATTENTION=mma ATLAS_GEMM=wgmma $PY '$REPO/bench/decode.py' --prefill-only --out $VARIANTS_DIR/mma_prefill.json"
 $PY - "$VARIANTS_DIR" "$OUT/variants.json" <<'EOF'
 import json, pathlib, sys
 found = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}

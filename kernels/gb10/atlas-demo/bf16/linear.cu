@@ -1,6 +1,6 @@
 // generated from kernels/templates/bf16/linear.cu.j2 by build_tools/instances.py; do not edit
 // linear: GEMV for tokens 1..8 (one instance per token count, wide and narrow row shapes),
-// mma.sync GEMM above.
+// mma.sync GEMM above (and on h200 the opt-in wgmma GEMM).
 #include "atlas/gemm.cuh"
 #include "atlas/gemv.cuh"
 extern "C" __global__ void __launch_bounds__(atlas::kGemvThreads) atlas_gemv_t1(const LinearParams p) {

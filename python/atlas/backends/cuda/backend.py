@@ -37,6 +37,7 @@ class CudaBackend:
         """`router` "split" | "fused" (ops_linear_moe.router_form; None: ATLAS_ROUTER decides)."""
         self.rt = rt
         self.prefill_attention = ops_dense.prefill_attention_form()  # ATLAS_PREFILL_ATTENTION: "simt" | "mma"
+        self.gemm_form = ops_dense.gemm_form(rt)  # ATLAS_GEMM: "mma" | "wgmma" (h200 only)
         self.router_form = ops_linear_moe.router_form(router)
         fused = self.router_form == "fused"
         self._router_arrivals = ops_linear_moe.router_arrivals(rt) if fused else None
@@ -120,7 +121,7 @@ class CudaBackend:
     def linear(self, x: DeviceTensor, weight: DeviceTensor | QuantWeight) -> DeviceTensor:
         if isinstance(weight, QuantWeight):
             return ops_quant.linear(self.rt, x, weight)
-        return ops_dense.linear(self.rt, x, weight)
+        return ops_dense.linear(self.rt, x, weight, gemm_with=self.gemm_form)
 
     def linear_split(self, x: DeviceTensor, weight: DeviceTensor | QuantWeight,
                      widths: Sequence[int]) -> list[DeviceTensor]:

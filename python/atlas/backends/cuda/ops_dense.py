@@ -34,6 +34,16 @@ GEMV_WIDE_MIN_WAVES = 2  # wide blocks only when they fill every SM at least thi
 GEMM_THREADS = 128  # gemm.cuh kGemmThreads
 GEMM_BM = 64
 GEMM_BN = 128
+# Prefill GEMM (T > GEMV_MAX_TOKENS): "mma" (default: atlas_gemm_bf16, mma.sync, every target) or
+# "wgmma" (atlas_gemm_wgmma, warpgroup MMA; h200 tuples only; opt-in until the device confirms it).
+GEMM_ENV = "ATLAS_GEMM"
+GEMM_FORMS = ("mma", "wgmma")
+WGMMA_CC = (9, 0)  # sm_90a cubin: the h200 tuple (h100 is its alias)
+WGMMA_THREADS = 256  # gemm_wgmma.cuh kWgmmaThreads: 2 warpgroups
+WGMMA_BM = 128  # kWgmmaBM
+WGMMA_BN = 128  # kWgmmaBN
+WGMMA_BK = 64  # kWgmmaBK
+WGMMA_SMEM = 2 * 2 * WGMMA_BM * WGMMA_BK * 2 + 1024  # kWgmmaSmemBytes: 2 stages of A and B bf16 tiles + realignment
 ROPE_THREADS = 128  # rope.cuh kRopeThreads
 ATTN_KEYS = 32  # attention.cuh kAttnKeys
 ATTN_DECODE_MAX_TOKENS = 4  # up to here: split-K flash-decoding + combine
@@ -150,7 +160,33 @@ def sigmoid_mul(rt: CudaRuntime, x: DeviceTensor, gate: DeviceTensor) -> DeviceT
     return out
 
 
-def linear(rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor) -> DeviceTensor:
+def gemm_form(rt: CudaRuntime, form: str | None = None) -> str:
+    """`form`, or with None the ATLAS_GEMM environment variable (default "mma"), checked; "wgmma"
+    also against the device's compute capability. The CUDA backend reads it once, when it is built."""
+    chosen = (os.environ.get(GEMM_ENV, "").strip() or "mma") if form is None else form
+    if chosen not in GEMM_FORMS:
+        raise AtlasError(f"{GEMM_ENV}={chosen!r} is not a prefill GEMM form; use 'mma' (default) or 'wgmma'")
+    cc = tuple(rt.info.cc) if chosen == "wgmma" else WGMMA_CC
+    if cc != WGMMA_CC:
+        raise AtlasError(f"{GEMM_ENV}=wgmma needs an h200/h100 GPU (compute capability 9.0), this one is "
+                         f"{cc[0]}.{cc[1]}; unset {GEMM_ENV}")
+    return chosen
+
+
+def gemm(rt: CudaRuntime, params: kp.LinearParams, form: str = "mma") -> None:
+    """The prefill GEMM of `params` (any tokens >= 1; linear() sends it tokens > GEMV_MAX_TOKENS)."""
+    _expect(form in GEMM_FORMS, f"linear: GEMM form {form!r}, expected one of {GEMM_FORMS}")
+    if form == "wgmma":
+        grid = (_ceil_div(params.n, WGMMA_BN), _ceil_div(params.tokens, WGMMA_BM), 1)
+        rt.launch("atlas_gemm_wgmma", grid, (WGMMA_THREADS, 1, 1), params, smem=WGMMA_SMEM)
+    else:
+        grid = (_ceil_div(params.n, GEMM_BN), _ceil_div(params.tokens, GEMM_BM), 1)
+        rt.launch("atlas_gemm_bf16", grid, (GEMM_THREADS, 1, 1), params)
+
+
+def linear(rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor, *, gemm_with: str = "mma") -> DeviceTensor:
+    """out = x @ weight.T: GEMV kernels up to GEMV_MAX_TOKENS tokens, else the GEMM `gemm_with`
+    ("mma" | "wgmma", gemm_form)."""
     n, k = weight.shape
     _expect(x.shape[-1] == k, f"linear: x {x.shape} vs weight {weight.shape}")
     _expect(k % 8 == 0, f"linear: in features {k} not a multiple of 8 (16-byte bf16 loads)")
@@ -170,8 +206,7 @@ def linear(rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor) -> DeviceTens
             grid = (_ceil_div(n, GEMV_NARROW_ROWS_PER_BLOCK), 1, 1)
             rt.launch(f"atlas_gemv_narrow_t{tokens}", grid, (GEMV_THREADS, 1, 1), params)
     else:
-        grid = (_ceil_div(n, GEMM_BN), _ceil_div(tokens, GEMM_BM), 1)
-        rt.launch("atlas_gemm_bf16", grid, (GEMM_THREADS, 1, 1), params)
+        gemm(rt, params, gemm_with)
     return out
 
 

@@ -1,0 +1,201 @@
+// Prefill linear on Hopper (sm_90a only): out[M, N] f32 = x[M, K] f32 @ W[N, K]^T bf16 through
+// warpgroup MMA (wgmma.mma_async m64n128k16, bf16 in, f32 accumulate in registers).
+// Block: 2 warpgroups (256 threads), tile 128 x 128 x 64; warpgroup g owns rows 64g..64g+63 and
+// all 128 columns. Two shared-memory stages, each an A tile [128][64] and a B tile [128][64] bf16,
+// K-major, in the 128-byte swizzle layout the matrix descriptors name (swizzle mode 1): row r of a
+// tile is 128 bytes at r * 128, its 16-byte chunk c stored at chunk c ^ (r % 8); tiles start on
+// 1024-byte boundaries so the hardware's swizzle (address bits [4:6] ^= bits [7:9]) matches.
+// W arrives by cp.async (16 B, zero-filled past N / K); x is read as f32 into registers one step
+// ahead and converted to bf16 when stored, while the current step's wgmma chain runs.
+// Handles any M and N; K % 8 == 0 (checked by the op wrapper). Dynamic shared memory:
+// kWgmmaSmemBytes (the op wrapper asks for it; the extra 1024 B realign the base).
+#pragma once
+
+#include "atlas/common.cuh"
+#include "atlas/gemm.cuh"
+
+namespace atlas {
+
+constexpr int kWgmmaBM = 128;
+constexpr int kWgmmaBN = 128;
+constexpr int kWgmmaBK = 64;  // one 128-byte swizzle row of bf16
+constexpr int kWgmmaK = 16;   // k per wgmma instruction
+constexpr int kWgmmaThreads = 256;
+constexpr int kWgmmaGroupRows = 64;  // rows per warpgroup (the m of m64n128k16)
+constexpr int kWgmmaRowBytes = kWgmmaBK * 2;
+constexpr int kWgmmaTileBytes = kWgmmaBM * kWgmmaRowBytes;  // A and B tiles alike: 16 KiB
+constexpr int kWgmmaStageBytes = 2 * kWgmmaTileBytes;       // A then B
+constexpr int kWgmmaSmemBytes = 2 * kWgmmaStageBytes + 1024;
+constexpr int kWgmmaSwizzleAtom = 8 * kWgmmaRowBytes;  // 1024 B: 8 rows, the descriptor's stride offset
+constexpr int kWgmmaALoads = kWgmmaBM * kWgmmaBK / 4 / kWgmmaThreads;  // float4 per thread: 8
+constexpr int kWgmmaBLoads = kWgmmaBN * kWgmmaBK / 8 / kWgmmaThreads;  // 16-byte chunks per thread: 4
+constexpr int kWgmmaAccum = kWgmmaBN / 2;  // f32 accumulators per thread: 64
+static_assert(kWgmmaBN == kWgmmaBM, "A and B tiles share one size");
+
+// Byte offset of element (row, col) of a [rows][64] bf16 tile in the 128-byte swizzle layout.
+__device__ __forceinline__ int wgmma_swizzled(int row, int col) {
+  return row * kWgmmaRowBytes + (((col / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
+}
+
+// Shared-memory matrix descriptor: start address >> 4 in bits 0-13, leading byte offset >> 4 in
+// 16-29 (unused by a K-major swizzled operand whose k16 fits in one 128-byte row: 1 by
+// convention), stride byte offset >> 4 in 32-45 (1024: the next 8-row group), base offset 0
+// (atoms 1024-aligned), swizzle mode 1 (128 B) in bits 62-63.
+__device__ __forceinline__ uint64_t wgmma_desc(uint32_t smem_byte_addr) {
+  const uint64_t start = (smem_byte_addr & 0x3FFFF) >> 4;
+  const uint64_t leading = 16 >> 4;
+  const uint64_t stride = kWgmmaSwizzleAtom >> 4;
+  return start | (leading << 16) | (stride << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Pins the accumulators at this point of the program so the compiler cannot move their uses
+// across the asynchronous wgmma that writes them.
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[kWgmmaAccum]) {
+#pragma unroll
+  for (int i = 0; i < kWgmmaAccum; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define ATLAS_WG_F8(b)                                                                              \
+  "+f"(d[b + 0]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), \
+      "+f"(d[b + 6]), "+f"(d[b + 7])
+
+// d += A[64 x 16] @ B[128 x 16]^T, both K-major in shared memory (no transpose, scales +1).
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[kWgmmaAccum], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, accumulate, 1, 1, 0, 0;\n}\n"
+      : ATLAS_WG_F8(0), ATLAS_WG_F8(8), ATLAS_WG_F8(16), ATLAS_WG_F8(24), ATLAS_WG_F8(32), ATLAS_WG_F8(40),
+        ATLAS_WG_F8(48), ATLAS_WG_F8(56)
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+#undef ATLAS_WG_F8
+
+struct WgmmaTile {
+  int m0, n0;
+  uint32_t smem;  // shared address of stage 0, 1024-aligned
+};
+
+// x tile rows m0.., cols k0.. -> registers (zeros past M / K).
+__device__ __forceinline__ void wgmma_load_a(const LinearParams& p, int m0, int k0, float4 (&regs)[kWgmmaALoads]) {
+  const float* x = static_cast<const float*>(p.x);
+#pragma unroll
+  for (int j = 0; j < kWgmmaALoads; ++j) {
+    const int f = threadIdx.x + j * kWgmmaThreads;
+    const int row = f / (kWgmmaBK / 4);
+    const int col = (f % (kWgmmaBK / 4)) * 4;
+    const bool valid = m0 + row < p.tokens && k0 + col < p.k;
+    regs[j] = valid ? *reinterpret_cast<const float4*>(x + static_cast<int64_t>(m0 + row) * p.k + k0 + col)
+                    : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+__device__ __forceinline__ void wgmma_store_a(const float4 (&regs)[kWgmmaALoads], uint8_t* a_tile) {
+#pragma unroll
+  for (int j = 0; j < kWgmmaALoads; ++j) {
+    const int f = threadIdx.x + j * kWgmmaThreads;
+    const int row = f / (kWgmmaBK / 4);
+    const int col = (f % (kWgmmaBK / 4)) * 4;
+    *reinterpret_cast<uint2*>(a_tile + wgmma_swizzled(row, col)) =
+        make_uint2(pack_bf16x2(regs[j].x, regs[j].y), pack_bf16x2(regs[j].z, regs[j].w));
+  }
+}
+
+__device__ __forceinline__ void wgmma_issue_b(const LinearParams& p, int n0, int k0, uint8_t* b_tile) {
+  const uint16_t* weight = static_cast<const uint16_t*>(p.weight);
+#pragma unroll
+  for (int j = 0; j < kWgmmaBLoads; ++j) {
+    const int c = threadIdx.x + j * kWgmmaThreads;
+    const int row = c / (kWgmmaBK / 8);
+    const int col = (c % (kWgmmaBK / 8)) * 8;
+    const bool valid = n0 + row < p.n && k0 + col < p.k;
+    const uint16_t* src = valid ? weight + static_cast<int64_t>(n0 + row) * p.k + k0 + col : weight;
+    cp_async_16(b_tile + wgmma_swizzled(row, col), src, valid);
+  }
+}
+
+// One k-step of this warpgroup: 4 chained wgmma over the stage's 64 k, committed as one group.
+__device__ __forceinline__ void wgmma_compute(uint32_t stage, float (&acc)[kWgmmaAccum]) {
+  const int group = threadIdx.x / 128;
+  const uint32_t a_base = stage + group * kWgmmaGroupRows * kWgmmaRowBytes;
+  const uint32_t b_base = stage + kWgmmaTileBytes;
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kWgmmaBK / kWgmmaK; ++ks)
+    wgmma_m64n128k16(acc, wgmma_desc(a_base + ks * kWgmmaK * 2), wgmma_desc(b_base + ks * kWgmmaK * 2));
+  wgmma_commit();
+}
+
+// Accumulator i of warp w (of the warpgroup), lane l: row 16w + l/4 + 8*((i%4)/2),
+// col 8*(i/4) + 2*(l%4) + i%2 (the wgmma D fragment: the m16n8 C layout per 8 columns).
+// Pairs i, i+1 are adjacent columns: one 8-byte store when both are in range and N is even.
+__device__ __forceinline__ void wgmma_store_out(const LinearParams& p, const WgmmaTile& tile,
+                                                const float (&acc)[kWgmmaAccum]) {
+  float* out = static_cast<float*>(p.out);
+  const int lane = threadIdx.x % kWarpSize;
+  const int row0 = tile.m0 + (threadIdx.x / 128) * kWgmmaGroupRows + ((threadIdx.x / kWarpSize) % 4) * 16 + lane / 4;
+  const bool pairs = p.n % 2 == 0;
+#pragma unroll
+  for (int i = 0; i < kWgmmaAccum; i += 2) {
+    const int row = row0 + 8 * ((i % 4) / 2);
+    const int col = tile.n0 + 8 * (i / 4) + 2 * (lane % 4);
+    if (row >= p.tokens) continue;
+    float* dst = out + static_cast<int64_t>(row) * p.n + col;
+    if (pairs && col + 1 < p.n) {
+      *reinterpret_cast<float2*>(dst) = make_float2(acc[i], acc[i + 1]);
+    } else {
+      if (col < p.n) dst[0] = acc[i];
+      if (col + 1 < p.n) dst[1] = acc[i + 1];
+    }
+  }
+}
+
+__device__ void gemm_wgmma(const LinearParams& p) {
+  extern __shared__ __align__(16) uint8_t wgmma_smem[];
+  const uint32_t raw = smem_addr(wgmma_smem);
+  const uint32_t aligned = (raw + 1023u) & ~1023u;
+  uint8_t* base = wgmma_smem + (aligned - raw);
+  const WgmmaTile tile{static_cast<int>(blockIdx.y) * kWgmmaBM, static_cast<int>(blockIdx.x) * kWgmmaBN, aligned};
+  if (tile.m0 >= p.tokens || tile.n0 >= p.n) return;
+
+  float acc[kWgmmaAccum];
+#pragma unroll
+  for (int i = 0; i < kWgmmaAccum; ++i) acc[i] = 0.0f;
+
+  const int steps = ceil_div(p.k, kWgmmaBK);
+  float4 a_next[kWgmmaALoads];
+  wgmma_load_a(p, tile.m0, 0, a_next);
+  wgmma_store_a(a_next, base);
+  wgmma_issue_b(p, tile.n0, 0, base + kWgmmaTileBytes);
+  cp_async_commit();
+  for (int step = 0; step < steps; ++step) {
+    const int cur = step & 1;
+    uint8_t* next = base + (cur ^ 1) * kWgmmaStageBytes;
+    const bool has_next = step + 1 < steps;
+    if (has_next) {
+      wgmma_load_a(p, tile.m0, (step + 1) * kWgmmaBK, a_next);
+      wgmma_issue_b(p, tile.n0, (step + 1) * kWgmmaBK, next + kWgmmaTileBytes);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();   // this step's W tile has landed (for this thread's copies)
+    fence_proxy_async();  // generic-proxy writes (cp.async, x stores) -> visible to wgmma's async proxy
+    __syncthreads();
+    wgmma_compute(tile.smem + cur * kWgmmaStageBytes, acc);
+    if (has_next) wgmma_store_a(a_next, next);  // the other stage: its wgmma finished last step
+    wgmma_wait_all();
+    wgmma_fence_operands(acc);
+    __syncthreads();  // both warpgroups are done reading `cur` before step + 1 refills it
+  }
+  wgmma_store_out(p, tile, acc);
+}
+
+}  // namespace atlas
