@@ -70,6 +70,11 @@ class PtxBuild:
 
 def compile_ptx_entries(build: PtxBuild, tmp: Path) -> dict[str, PtxEntry]:
     """Kernel name -> its entry in the PTX nvcc makes here (skips the test without nvcc)."""
+    return {m[1]: PtxEntry(int(m[2]), int(m[3]), int(m[4])) for m in _ENTRY.finditer(compile_ptx(build, tmp))}
+
+
+def compile_ptx(build: PtxBuild, tmp: Path) -> str:
+    """The PTX text nvcc makes here of the build's sources (skips the test without nvcc)."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip(f"no nvcc here: cannot compile the {build.model} {build.quant} kernels' PTX")
@@ -81,7 +86,7 @@ def compile_ptx_entries(build: PtxBuild, tmp: Path) -> dict[str, PtxEntry]:
     out = tmp / "kernels.ptx"
     subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{include}", "-Ikernels/include", "-I.", f"-arch={build.arch}",
                     "-ptx", "-o", str(out), str(source)], cwd=REPO, check=True, capture_output=True)
-    return {m[1]: PtxEntry(int(m[2]), int(m[3]), int(m[4])) for m in _ENTRY.finditer(out.read_text())}
+    return out.read_text()
 
 
 def model_dims(model: str) -> dict[str, int]:
