@@ -11,7 +11,7 @@ bf16(x) @ bf16(W)^T for shapes that are not multiples of the tile.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,12 +28,14 @@ from _abi import MODELS, REPO, PtxBuild, RecordingRuntime, compile_ptx_entries, 
 HEADER = "gemm_wgmma.cuh"
 BM, BN, BK = (header_constant(HEADER, n) for n in ("kWgmmaBM", "kWgmmaBN", "kWgmmaBK"))
 THREADS = header_constant(HEADER, "kWgmmaThreads")
+STAGES = header_constant(HEADER, "kWgmmaStages")
 GROUP_ROWS = header_constant(HEADER, "kWgmmaGroupRows")
 WG_K = header_constant(HEADER, "kWgmmaK")
-ROW_BYTES = BK * 2
+ROW_BYTES, RAW_ROW_BYTES = BK * 2, BK * 4
 TILE_BYTES = BM * ROW_BYTES
-STAGE_BYTES = 2 * TILE_BYTES
-SMEM_BYTES = 2 * STAGE_BYTES + 1024
+STAGE_BYTES = TILE_BYTES + BM * RAW_ROW_BYTES  # W tile (bf16, swizzled), then raw x (f32)
+STAGES_OFFSET = 2 * TILE_BYTES  # after the two bf16 A tiles
+SMEM_BYTES = STAGES_OFFSET + STAGES * STAGE_BYTES + 1024
 A_LOADS, B_LOADS = BM * BK // 4 // THREADS, BN * BK // 8 // THREADS
 TID = np.arange(THREADS)
 
@@ -49,51 +51,108 @@ def kernel_desc(addr: int, stride: int = 8 * ROW_BYTES) -> int:
     return ((addr & 0x3FFFF) >> 4) | ((16 >> 4) << 16) | ((stride >> 4) << 32) | (1 << 62)
 
 
-@dataclass
-class Problem:
-    x: np.ndarray  # [T, K] f32
-    w: np.ndarray  # [N, K] bf16 bits (uint16)
-    smem: np.ndarray  # the block's shared window, uint16 per 2 bytes, indexed by shared byte address // 2
-    aligned: int  # the kernel's 1024-aligned stage-0 address
-
-
 def as_bf16_bits(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
-def stage_a(p: Problem, m0: int, k0: int, tile: int) -> set[int]:
-    """wgmma_load_a + wgmma_store_a: 4 f32 per (thread, j) -> 4 bf16 at the swizzled byte."""
-    written: set[int] = set()
-    t, k = p.x.shape
-    for j in range(A_LOADS):
-        f = TID + j * THREADS
-        row, col = f // (BK // 4), (f % (BK // 4)) * 4
-        for lane_t in range(THREADS):
-            r, c = int(row[lane_t]), int(col[lane_t])
-            valid = m0 + r < t and k0 + c < k
-            vals = p.x[m0 + r, k0 + c:k0 + c + 4] if valid else np.zeros(4, np.float32)
-            byte = tile + int(swizzled(row[lane_t], col[lane_t]))
-            assert byte % 8 == 0, "uint2 store misaligned"
-            p.smem[byte // 2:byte // 2 + 4] = as_bf16_bits(vals)
-            written.update(range(byte, byte + 8))
-    return written
+@dataclass
+class Block:
+    """One block's shared memory and the asynchronous parts of the machine, in one of two timings:
+    "early" lands each cp.async at its issue and reads wgmma operands at wgmma.wait_group (a slot
+    refilled or an A tile rewritten while a wgmma may still read it changes the result); "late"
+    lands cp.async groups only at the cp.async.wait_group that guarantees them and reads wgmma
+    operands at issue (a tile read before its copies are waited for holds stale 0xFF bytes)."""
+
+    x: np.ndarray  # [T, K] f32
+    w: np.ndarray  # [N, K] bf16 bits (uint16)
+    smem: np.ndarray  # uint8, indexed by shared byte address
+    aligned: int  # the kernel's 1024-aligned base
+    timing: str
+    stride: int = 8 * ROW_BYTES
+    group: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    pending: list[list[tuple[int, np.ndarray]]] = field(default_factory=list)
+    in_flight: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+
+    def write(self, addr: int, data: np.ndarray) -> None:
+        raw = np.ascontiguousarray(data).view(np.uint8)
+        self.smem[addr:addr + raw.size] = raw
+
+    def cp_async_16(self, addr: int, data: np.ndarray) -> None:
+        assert addr % 16 == 0 and data.nbytes == 16, "cp.async 16 misaligned"
+        if self.timing == "early":
+            self.write(addr, data)
+        else:
+            self.group.append((addr, data.copy()))
+
+    def commit(self) -> None:
+        self.pending.append(self.group)
+        self.group = []
+
+    def wait(self, allowed: int) -> None:
+        while len(self.pending) > allowed:
+            for addr, data in self.pending.pop(0):
+                self.write(addr, data)
+
+    def wgmma(self, a_tile: int, b_tile: int, acc: np.ndarray) -> None:
+        self.in_flight.append((a_tile, b_tile, acc))
+        if self.timing == "late":
+            self.wgmma_wait_all()
+
+    def wgmma_wait_all(self) -> None:
+        for a_tile, b_tile, acc in self.in_flight:
+            wgmma_compute(self, a_tile, b_tile, acc)
+        self.in_flight = []
+
+    # the shared-memory layout (WgmmaSmem)
+    def a(self, i: int) -> int:
+        return self.aligned + i * TILE_BYTES
+
+    def stage(self, step: int) -> int:
+        return self.aligned + STAGES_OFFSET + (step % STAGES) * STAGE_BYTES
 
 
-def stage_b(p: Problem, n0: int, k0: int, tile: int) -> set[int]:
-    """wgmma_issue_b: cp.async of 8 bf16 per (thread, j), zero-filled past N / K."""
-    written: set[int] = set()
-    n, k = p.w.shape
+def chunk_grid(j: int, per_row: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, col) of chunk tid + j * threads for every thread, per_row chunks of 64 / per_row columns."""
+    c = TID + j * THREADS
+    return c // per_row, (c % per_row) * (BK // per_row)
+
+
+def issue_stage(b: Block, m0: int, n0: int, step: int) -> None:
+    """wgmma_issue_stage: W chunks (8 bf16) swizzled, then x chunks (4 f32) raw; zeros past the edges."""
+    (t, k), n, k0, stage = b.x.shape, b.w.shape[0], step * BK, b.stage(step)
     for j in range(B_LOADS):
-        c = TID + j * THREADS
-        row, col = c // (BK // 8), (c % (BK // 8)) * 8
-        for lane_t in range(THREADS):
-            r, cc = int(row[lane_t]), int(col[lane_t])
-            valid = n0 + r < n and k0 + cc < k
-            byte = tile + int(swizzled(row[lane_t], col[lane_t]))
-            assert byte % 16 == 0, "cp.async 16 misaligned"
-            p.smem[byte // 2:byte // 2 + 8] = p.w[n0 + r, k0 + cc:k0 + cc + 8] if valid else 0
-            written.update(range(byte, byte + 16))
+        for r, c in zip(*chunk_grid(j, BK // 8)):
+            valid = n0 + r < n and k0 + c < k
+            b.cp_async_16(stage + int(swizzled(r, c)), b.w[n0 + r, k0 + c:k0 + c + 8] if valid else np.zeros(8, np.uint16))
+    for j in range(A_LOADS):
+        for r, c in zip(*chunk_grid(j, BK // 4)):
+            valid = m0 + r < t and k0 + c < k
+            b.cp_async_16(stage + TILE_BYTES + r * RAW_ROW_BYTES + c * 4,
+                          b.x[m0 + r, k0 + c:k0 + c + 4] if valid else np.zeros(4, np.float32))
+
+
+def convert_a(b: Block, raw: int, a_tile: int) -> set[int]:
+    """wgmma_convert_a: each thread's own raw chunks -> bf16 at the swizzled byte; returns the bytes written."""
+    written: set[int] = set()
+    for j in range(A_LOADS):
+        for r, c in zip(*chunk_grid(j, BK // 4)):
+            src = raw + r * RAW_ROW_BYTES + c * 4
+            values = b.smem[src:src + 16].view(np.float32)
+            dst = a_tile + int(swizzled(r, c))
+            assert dst % 8 == 0, "uint2 store misaligned"
+            b.write(dst, as_bf16_bits(values))
+            written.update(range(dst, dst + 8))
     return written
+
+
+def wgmma_compute(b: Block, a_tile: int, b_tile: int, acc: np.ndarray) -> None:
+    """wgmma_compute for both warpgroups: 4 chained m64n128k16, descriptors advanced 32 B per k16."""
+    for group in range(2):
+        a_base = a_tile + group * GROUP_ROWS * ROW_BYTES
+        for ks in range(BK // WG_K):
+            a = descriptor_operand(b.smem, kernel_desc(a_base + ks * WG_K * 2, b.stride), GROUP_ROWS)
+            w = descriptor_operand(b.smem, kernel_desc(b_tile + ks * WG_K * 2, b.stride), BN)
+            spread_d(acc[group], a @ w.T)
 
 
 # --- the hardware's side (PTX ISA: matrix descriptor, K-major 128B-swizzle layout, D fragments) ---
@@ -106,7 +165,8 @@ def descriptor_operand(smem: np.ndarray, desc: int, rows: int) -> np.ndarray:
     k = np.arange(WG_K)[None, :]
     linear = start + (r // 8) * stride + (r % 8) * 128 + 2 * k  # [rows, 16] byte addresses
     physical = linear ^ (((linear >> 7) & 7) << 4)  # 128B swizzle: 16-byte chunk ^= row within 1024
-    return smem[physical // 2].view(ml_dtypes.bfloat16).astype(np.float64)
+    bits = smem[physical].astype(np.uint16) | (smem[physical + 1].astype(np.uint16) << 8)
+    return bits.view(ml_dtypes.bfloat16).astype(np.float64)
 
 
 def spread_d(acc: np.ndarray, d: np.ndarray) -> None:
@@ -116,25 +176,26 @@ def spread_d(acc: np.ndarray, d: np.ndarray) -> None:
     acc += d[16 * w + lane // 4 + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * (lane % 4) + i % 2]
 
 
-def emulate_block(p: Problem, m0: int, n0: int, out: np.ndarray, stride: int = 8 * ROW_BYTES) -> None:
+def emulate_block(b: Block, m0: int, n0: int, out: np.ndarray) -> None:
+    """gemm_wgmma's program order for one block."""
     acc = np.zeros((2, 4, 32, BN // 2))  # [warpgroup, warp, lane, register]
-    steps = -(-p.x.shape[1] // BK)
-    for written in (stage_a(p, m0, 0, p.aligned), stage_b(p, n0, 0, p.aligned + TILE_BYTES)):
-        assert len(written) == TILE_BYTES, "the staging threads leave a tile byte unwritten"
+    steps = -(-b.x.shape[1] // BK)
+    for s in range(STAGES - 1):
+        if s < steps:
+            issue_stage(b, m0, n0, s)
+        b.commit()
+    b.wait(STAGES - 2)
+    assert len(convert_a(b, b.stage(0) + TILE_BYTES, b.a(0))) == TILE_BYTES, "an A tile byte is left unwritten"
     for step in range(steps):
-        cur = step & 1
-        base = p.aligned + cur * STAGE_BYTES
-        nxt = p.aligned + (cur ^ 1) * STAGE_BYTES
+        ahead = step + STAGES - 1
+        if ahead < steps:
+            issue_stage(b, m0, n0, ahead)
+        b.commit()
+        b.wgmma(b.a(step & 1), b.stage(step), acc)
+        b.wait(STAGES - 2)
         if step + 1 < steps:
-            stage_b(p, n0, (step + 1) * BK, nxt + TILE_BYTES)
-        for group in range(2):
-            a_base, b_base = base + group * GROUP_ROWS * ROW_BYTES, base + TILE_BYTES
-            for ks in range(BK // WG_K):
-                a = descriptor_operand(p.smem, kernel_desc(a_base + ks * WG_K * 2, stride), GROUP_ROWS)
-                b = descriptor_operand(p.smem, kernel_desc(b_base + ks * WG_K * 2, stride), BN)
-                spread_d(acc[group], a @ b.T)
-        if step + 1 < steps:
-            stage_a(p, m0, (step + 1) * BK, nxt)
+            convert_a(b, b.stage(step + 1) + TILE_BYTES, b.a((step + 1) & 1))
+        b.wgmma_wait_all()
     store_out(acc, m0, n0, out)
 
 
@@ -155,7 +216,8 @@ def store_out(acc: np.ndarray, m0: int, n0: int, out: np.ndarray) -> None:
                     out[row, col + e] = acc[group, warp, lane, i + e]
 
 
-def emulate_gemm(x: np.ndarray, w_bits: np.ndarray, rng: np.random.Generator, stride: int = 8 * ROW_BYTES) -> np.ndarray:
+def emulate_gemm(x: np.ndarray, w_bits: np.ndarray, rng: np.random.Generator, timing: str,
+                 stride: int = 8 * ROW_BYTES) -> np.ndarray:
     """Every block of the grid ops_dense.gemm launches for "wgmma"; output poisoned with NaN."""
     (t, k), n = x.shape, w_bits.shape[0]
     rt = RecordingRuntime()
@@ -165,14 +227,14 @@ def emulate_gemm(x: np.ndarray, w_bits: np.ndarray, rng: np.random.Generator, st
     (launch,) = rt.launches
     raw = 16 * int(rng.integers(0, 64))  # dynamic shared memory is only 16-byte aligned
     aligned = (raw + 1023) & ~1023
-    assert aligned + 2 * STAGE_BYTES <= raw + launch.smem
+    assert aligned + SMEM_BYTES - 1024 <= raw + launch.smem
     out = np.full((t, n), np.nan)
     for by in range(launch.grid[1]):
         for bx in range(launch.grid[0]):
             m0, n0 = by * BM, bx * BN
             if m0 < t and n0 < n:
-                smem = np.full((raw + launch.smem) // 2, 0xFFFF, np.uint16)  # stale bf16 NaNs
-                emulate_block(Problem(x, w_bits, smem, aligned), m0, n0, out, stride)
+                smem = np.full(raw + launch.smem, 0xFF, np.uint8)  # stale bytes: bf16 / f32 NaNs
+                emulate_block(Block(x, w_bits, smem, aligned, timing, stride), m0, n0, out)
     return out
 
 
@@ -183,20 +245,21 @@ def _operands(rng: np.random.Generator, t: int, n: int, k: int) -> tuple[np.ndar
     return x, w_bits, want
 
 
+@pytest.mark.parametrize("timing", ["early", "late"])
 @pytest.mark.parametrize("parity", [0, 1])
-def test_emulated_wgmma_gemm_equals_x_times_w_transposed(rng: np.random.Generator, parity: int) -> None:
+def test_emulated_wgmma_gemm_equals_x_times_w_transposed(rng: np.random.Generator, parity: int, timing: str) -> None:
     t = int(rng.integers(BM + 1, 2 * BM))
     n = 2 * int(rng.integers(BN // 2 + 1, BN)) + parity  # partial tiles both ways; odd N: scalar stores
-    k = 8 * int(rng.integers(BK // 8 + 1, 3 * BK // 8))  # a partial last k-step
+    k = 8 * int(rng.integers((STAGES + 1) * BK // 8 + 1, (STAGES + 2) * BK // 8))  # ring wraps; partial last step
     x, w_bits, want = _operands(rng, t, n, k)
-    out = emulate_gemm(x, w_bits, rng)
+    out = emulate_gemm(x, w_bits, rng, timing)
     assert np.isfinite(out).all(), "some output element is never written"
     np.testing.assert_allclose(out, want, rtol=1e-9, atol=1e-9)
 
 
 def test_emulation_catches_a_wrong_descriptor_stride(rng: np.random.Generator) -> None:
     x, w_bits, want = _operands(rng, 20, 40, BK)
-    out = emulate_gemm(x, w_bits, rng, stride=4 * ROW_BYTES)
+    out = emulate_gemm(x, w_bits, rng, "early", stride=4 * ROW_BYTES)
     assert not np.allclose(out, want, rtol=1e-3, atol=1e-3)
 
 
@@ -212,7 +275,7 @@ def test_descriptor_fields_follow_the_ptx_isa(rng: np.random.Generator) -> None:
 def test_wrapper_geometry_mirrors_the_header() -> None:
     assert (ops_dense.WGMMA_BM, ops_dense.WGMMA_BN, ops_dense.WGMMA_BK) == (BM, BN, BK)
     assert ops_dense.WGMMA_THREADS == THREADS == 2 * 128
-    assert ops_dense.WGMMA_SMEM == SMEM_BYTES
+    assert ops_dense.WGMMA_STAGES == STAGES and ops_dense.WGMMA_SMEM == SMEM_BYTES <= 227 * 1024
     assert A_LOADS * THREADS * 4 == BM * BK and B_LOADS * THREADS * 8 == BN * BK
 
 

@@ -1,12 +1,14 @@
 // Prefill linear on Hopper (sm_90a only): out[M, N] f32 = x[M, K] f32 @ W[N, K]^T bf16 through
 // warpgroup MMA (wgmma.mma_async m64n128k16, bf16 in, f32 accumulate in registers).
 // Block: 2 warpgroups (256 threads), tile 128 x 128 x 64; warpgroup g owns rows 64g..64g+63 and
-// all 128 columns. Two shared-memory stages, each an A tile [128][64] and a B tile [128][64] bf16,
-// K-major, in the 128-byte swizzle layout the matrix descriptors name (swizzle mode 1): row r of a
-// tile is 128 bytes at r * 128, its 16-byte chunk c stored at chunk c ^ (r % 8); tiles start on
-// 1024-byte boundaries so the hardware's swizzle (address bits [4:6] ^= bits [7:9]) matches.
-// W arrives by cp.async (16 B, zero-filled past N / K); x is read as f32 into registers one step
-// ahead and converted to bf16 when stored, while the current step's wgmma chain runs.
+// all 128 columns. The operands wgmma reads are [128][64] bf16 tiles, K-major, in the 128-byte
+// swizzle layout the matrix descriptors name (swizzle mode 1): row r of a tile is 128 bytes at
+// r * 128, its 16-byte chunk c stored at chunk c ^ (r % 8); tiles start on 1024-byte boundaries so
+// the hardware's swizzle (address bits [4:6] ^= bits [7:9]) matches.
+// kWgmmaStages load stages, each a W tile (bf16, swizzled) and the x tile as it is in global memory
+// (f32, [128][64] row-major), filled by cp.async 16 B (zero-filled past M / N / K) kWgmmaStages - 1
+// k-steps ahead; while step s's wgmma chain runs, the threads convert step s + 1's x tile to bf16
+// into the other of two swizzled A tiles.
 // Handles any M and N; K % 8 == 0 (checked by the op wrapper). Dynamic shared memory:
 // kWgmmaSmemBytes (the op wrapper asks for it; the extra 1024 B realign the base).
 #pragma once
@@ -21,16 +23,20 @@ constexpr int kWgmmaBN = 128;
 constexpr int kWgmmaBK = 64;  // one 128-byte swizzle row of bf16
 constexpr int kWgmmaK = 16;   // k per wgmma instruction
 constexpr int kWgmmaThreads = 256;
+constexpr int kWgmmaStages = 4;
 constexpr int kWgmmaGroupRows = 64;  // rows per warpgroup (the m of m64n128k16)
 constexpr int kWgmmaRowBytes = kWgmmaBK * 2;
-constexpr int kWgmmaTileBytes = kWgmmaBM * kWgmmaRowBytes;  // A and B tiles alike: 16 KiB
-constexpr int kWgmmaStageBytes = 2 * kWgmmaTileBytes;       // A then B
-constexpr int kWgmmaSmemBytes = 2 * kWgmmaStageBytes + 1024;
+constexpr int kWgmmaTileBytes = kWgmmaBM * kWgmmaRowBytes;  // bf16 A and B tiles alike: 16 KiB
+constexpr int kWgmmaRawRowBytes = kWgmmaBK * 4;             // x row as f32
+constexpr int kWgmmaStageBytes = kWgmmaTileBytes + kWgmmaBM * kWgmmaRawRowBytes;  // W tile, then raw x: 48 KiB
+constexpr int kWgmmaStagesOffset = 2 * kWgmmaTileBytes;  // after the two bf16 A tiles
+constexpr int kWgmmaSmemBytes = kWgmmaStagesOffset + kWgmmaStages * kWgmmaStageBytes + 1024;
 constexpr int kWgmmaSwizzleAtom = 8 * kWgmmaRowBytes;  // 1024 B: 8 rows, the descriptor's stride offset
-constexpr int kWgmmaALoads = kWgmmaBM * kWgmmaBK / 4 / kWgmmaThreads;  // float4 per thread: 8
-constexpr int kWgmmaBLoads = kWgmmaBN * kWgmmaBK / 8 / kWgmmaThreads;  // 16-byte chunks per thread: 4
+constexpr int kWgmmaALoads = kWgmmaBM * kWgmmaBK / 4 / kWgmmaThreads;  // 16-byte x chunks (4 f32) per thread: 8
+constexpr int kWgmmaBLoads = kWgmmaBN * kWgmmaBK / 8 / kWgmmaThreads;  // 16-byte W chunks per thread: 4
 constexpr int kWgmmaAccum = kWgmmaBN / 2;  // f32 accumulators per thread: 64
 static_assert(kWgmmaBN == kWgmmaBM, "A and B tiles share one size");
+static_assert(kWgmmaSmemBytes <= 227 * 1024, "over the sm_90 opt-in shared memory per block");
 
 // Byte offset of element (row, col) of a [rows][64] bf16 tile in the 128-byte swizzle layout.
 __device__ __forceinline__ int wgmma_swizzled(int row, int col) {
@@ -82,31 +88,19 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[kWgmmaAccum], uint64
 
 struct WgmmaTile {
   int m0, n0;
-  uint32_t smem;  // shared address of stage 0, 1024-aligned
 };
 
-// x tile rows m0.., cols k0.. -> registers (zeros past M / K).
-__device__ __forceinline__ void wgmma_load_a(const LinearParams& p, int m0, int k0, float4 (&regs)[kWgmmaALoads]) {
+// x tile rows m0.., cols k0.. -> the stage's raw f32 tile, as in global memory (zeros past M / K).
+__device__ __forceinline__ void wgmma_issue_x(const LinearParams& p, int m0, int k0, uint8_t* raw) {
   const float* x = static_cast<const float*>(p.x);
 #pragma unroll
   for (int j = 0; j < kWgmmaALoads; ++j) {
-    const int f = threadIdx.x + j * kWgmmaThreads;
-    const int row = f / (kWgmmaBK / 4);
-    const int col = (f % (kWgmmaBK / 4)) * 4;
+    const int c = threadIdx.x + j * kWgmmaThreads;
+    const int row = c / (kWgmmaBK / 4);
+    const int col = (c % (kWgmmaBK / 4)) * 4;
     const bool valid = m0 + row < p.tokens && k0 + col < p.k;
-    regs[j] = valid ? *reinterpret_cast<const float4*>(x + static_cast<int64_t>(m0 + row) * p.k + k0 + col)
-                    : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-}
-
-__device__ __forceinline__ void wgmma_store_a(const float4 (&regs)[kWgmmaALoads], uint8_t* a_tile) {
-#pragma unroll
-  for (int j = 0; j < kWgmmaALoads; ++j) {
-    const int f = threadIdx.x + j * kWgmmaThreads;
-    const int row = f / (kWgmmaBK / 4);
-    const int col = (f % (kWgmmaBK / 4)) * 4;
-    *reinterpret_cast<uint2*>(a_tile + wgmma_swizzled(row, col)) =
-        make_uint2(pack_bf16x2(regs[j].x, regs[j].y), pack_bf16x2(regs[j].z, regs[j].w));
+    const float* src = valid ? x + static_cast<int64_t>(m0 + row) * p.k + k0 + col : x;
+    cp_async_16(raw + row * kWgmmaRawRowBytes + col * 4, src, valid);
   }
 }
 
@@ -123,15 +117,31 @@ __device__ __forceinline__ void wgmma_issue_b(const LinearParams& p, int n0, int
   }
 }
 
-// One k-step of this warpgroup: 4 chained wgmma over the stage's 64 k, committed as one group.
-__device__ __forceinline__ void wgmma_compute(uint32_t stage, float (&acc)[kWgmmaAccum]) {
-  const int group = threadIdx.x / 128;
-  const uint32_t a_base = stage + group * kWgmmaGroupRows * kWgmmaRowBytes;
-  const uint32_t b_base = stage + kWgmmaTileBytes;
+// Stage `stage` (k-step s) of the load ring: W and x of that step, one cp.async group.
+__device__ __forceinline__ void wgmma_issue_stage(const LinearParams& p, int m0, int n0, int step, uint8_t* stage) {
+  wgmma_issue_b(p, n0, step * kWgmmaBK, stage);
+  wgmma_issue_x(p, m0, step * kWgmmaBK, stage + kWgmmaTileBytes);
+}
+
+// The raw f32 x tile -> bf16 in the swizzled A tile (each thread converts the chunks it copied).
+__device__ __forceinline__ void wgmma_convert_a(const uint8_t* raw, uint8_t* a_tile) {
+#pragma unroll
+  for (int j = 0; j < kWgmmaALoads; ++j) {
+    const int c = threadIdx.x + j * kWgmmaThreads;
+    const int row = c / (kWgmmaBK / 4);
+    const int col = (c % (kWgmmaBK / 4)) * 4;
+    const float4 v = *reinterpret_cast<const float4*>(raw + row * kWgmmaRawRowBytes + col * 4);
+    *reinterpret_cast<uint2*>(a_tile + wgmma_swizzled(row, col)) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+  }
+}
+
+// One k-step of this warpgroup: 4 chained wgmma over the step's 64 k, committed as one group.
+__device__ __forceinline__ void wgmma_compute(uint32_t a_tile, uint32_t b_tile, float (&acc)[kWgmmaAccum]) {
+  const uint32_t a_base = a_tile + (threadIdx.x / 128) * kWgmmaGroupRows * kWgmmaRowBytes;
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kWgmmaBK / kWgmmaK; ++ks)
-    wgmma_m64n128k16(acc, wgmma_desc(a_base + ks * kWgmmaK * 2), wgmma_desc(b_base + ks * kWgmmaK * 2));
+    wgmma_m64n128k16(acc, wgmma_desc(a_base + ks * kWgmmaK * 2), wgmma_desc(b_tile + ks * kWgmmaK * 2));
   wgmma_commit();
 }
 
@@ -159,12 +169,29 @@ __device__ __forceinline__ void wgmma_store_out(const LinearParams& p, const Wgm
   }
 }
 
-__device__ void gemm_wgmma(const LinearParams& p) {
+// Shared memory from the 1024-aligned base: A tiles 0 and 1 (bf16, swizzled), then the
+// kWgmmaStages load stages (W tile bf16 swizzled, raw x tile f32).
+struct WgmmaSmem {
+  uint8_t* base;
+  uint32_t addr;  // shared address of base
+
+  __device__ uint8_t* a(int i) const { return base + i * kWgmmaTileBytes; }
+  __device__ uint8_t* stage(int step) const {
+    return base + kWgmmaStagesOffset + (step % kWgmmaStages) * kWgmmaStageBytes;
+  }
+  __device__ uint32_t shared(const uint8_t* ptr) const { return addr + static_cast<uint32_t>(ptr - base); }
+};
+
+__device__ __forceinline__ WgmmaSmem wgmma_smem_layout() {
   extern __shared__ __align__(16) uint8_t wgmma_smem[];
   const uint32_t raw = smem_addr(wgmma_smem);
   const uint32_t aligned = (raw + 1023u) & ~1023u;
-  uint8_t* base = wgmma_smem + (aligned - raw);
-  const WgmmaTile tile{static_cast<int>(blockIdx.y) * kWgmmaBM, static_cast<int>(blockIdx.x) * kWgmmaBN, aligned};
+  return WgmmaSmem{wgmma_smem + (aligned - raw), aligned};
+}
+
+__device__ void gemm_wgmma(const LinearParams& p) {
+  const WgmmaSmem smem = wgmma_smem_layout();
+  const WgmmaTile tile{static_cast<int>(blockIdx.y) * kWgmmaBM, static_cast<int>(blockIdx.x) * kWgmmaBN};
   if (tile.m0 >= p.tokens || tile.n0 >= p.n) return;
 
   float acc[kWgmmaAccum];
@@ -172,28 +199,25 @@ __device__ void gemm_wgmma(const LinearParams& p) {
   for (int i = 0; i < kWgmmaAccum; ++i) acc[i] = 0.0f;
 
   const int steps = ceil_div(p.k, kWgmmaBK);
-  float4 a_next[kWgmmaALoads];
-  wgmma_load_a(p, tile.m0, 0, a_next);
-  wgmma_store_a(a_next, base);
-  wgmma_issue_b(p, tile.n0, 0, base + kWgmmaTileBytes);
-  cp_async_commit();
-  for (int step = 0; step < steps; ++step) {
-    const int cur = step & 1;
-    uint8_t* next = base + (cur ^ 1) * kWgmmaStageBytes;
-    const bool has_next = step + 1 < steps;
-    if (has_next) {
-      wgmma_load_a(p, tile.m0, (step + 1) * kWgmmaBK, a_next);
-      wgmma_issue_b(p, tile.n0, (step + 1) * kWgmmaBK, next + kWgmmaTileBytes);
-    }
+#pragma unroll
+  for (int s = 0; s < kWgmmaStages - 1; ++s) {  // one group per stage, empty past the last step
+    if (s < steps) wgmma_issue_stage(p, tile.m0, tile.n0, s, smem.stage(s));
     cp_async_commit();
-    cp_async_wait<1>();   // this step's W tile has landed (for this thread's copies)
-    fence_proxy_async();  // generic-proxy writes (cp.async, x stores) -> visible to wgmma's async proxy
-    __syncthreads();
-    wgmma_compute(tile.smem + cur * kWgmmaStageBytes, acc);
-    if (has_next) wgmma_store_a(a_next, next);  // the other stage: its wgmma finished last step
+  }
+  cp_async_wait<kWgmmaStages - 2>();  // step 0's copies (this thread's) have landed
+  wgmma_convert_a(smem.stage(0) + kWgmmaTileBytes, smem.a(0));
+  for (int step = 0; step < steps; ++step) {
+    fence_proxy_async();  // generic-proxy writes (cp.async, A conversion) -> visible to wgmma's async proxy
+    __syncthreads();      // ... and to the other threads: step's A and W tiles are complete
+    const int ahead = step + kWgmmaStages - 1;  // refills the stage step - 1 used (its wgmma has finished)
+    if (ahead < steps) wgmma_issue_stage(p, tile.m0, tile.n0, ahead, smem.stage(ahead));
+    cp_async_commit();
+    wgmma_compute(smem.shared(smem.a(step & 1)), smem.shared(smem.stage(step)), acc);
+    cp_async_wait<kWgmmaStages - 2>();  // step + 1's copies (this thread's, all it converts) have landed
+    // A tile (step + 1) & 1 was last read by step - 1's wgmma, finished before this step's barrier.
+    if (step + 1 < steps) wgmma_convert_a(smem.stage(step + 1) + kWgmmaTileBytes, smem.a((step + 1) & 1));
     wgmma_wait_all();
     wgmma_fence_operands(acc);
-    __syncthreads();  // both warpgroups are done reading `cur` before step + 1 refills it
   }
   wgmma_store_out(p, tile, acc);
 }
