@@ -31,11 +31,10 @@ THREADS = header_constant(HEADER, "kWgmmaThreads")
 STAGES = header_constant(HEADER, "kWgmmaStages")
 GROUP_ROWS = header_constant(HEADER, "kWgmmaGroupRows")
 WG_K = header_constant(HEADER, "kWgmmaK")
-ROW_BYTES, RAW_ROW_BYTES = BK * 2, BK * 4
+ROW_BYTES = BK * 2
 TILE_BYTES = BM * ROW_BYTES
-STAGE_BYTES = TILE_BYTES + BM * RAW_ROW_BYTES  # W tile (bf16, swizzled), then raw x (f32)
-STAGES_OFFSET = 2 * TILE_BYTES  # after the two bf16 A tiles
-SMEM_BYTES = STAGES_OFFSET + STAGES * STAGE_BYTES + 1024
+STAGES_OFFSET = 2 * TILE_BYTES  # the W ring follows the two A tiles
+SMEM_BYTES = STAGES_OFFSET + STAGES * TILE_BYTES + 1024
 A_LOADS, B_LOADS = BM * BK // 4 // THREADS, BN * BK // 8 // THREADS
 TID = np.arange(THREADS)
 
@@ -58,7 +57,7 @@ def as_bf16_bits(values: np.ndarray) -> np.ndarray:
 @dataclass
 class Block:
     """One block's shared memory and the asynchronous parts of the machine, in one of two timings:
-    "early" lands each cp.async at its issue and reads wgmma operands at wgmma.wait_group (a slot
+    "early" lands each cp.async at its issue and reads wgmma operands at wgmma.wait_group (a W tile
     refilled or an A tile rewritten while a wgmma may still read it changes the result); "late"
     lands cp.async groups only at the cp.async.wait_group that guarantees them and reads wgmma
     operands at issue (a tile read before its copies are waited for holds stale 0xFF bytes)."""
@@ -107,8 +106,8 @@ class Block:
     def a(self, i: int) -> int:
         return self.aligned + i * TILE_BYTES
 
-    def stage(self, step: int) -> int:
-        return self.aligned + STAGES_OFFSET + (step % STAGES) * STAGE_BYTES
+    def w_tile(self, step: int) -> int:
+        return self.aligned + STAGES_OFFSET + (step % STAGES) * TILE_BYTES
 
 
 def chunk_grid(j: int, per_row: int) -> tuple[np.ndarray, np.ndarray]:
@@ -117,27 +116,29 @@ def chunk_grid(j: int, per_row: int) -> tuple[np.ndarray, np.ndarray]:
     return c // per_row, (c % per_row) * (BK // per_row)
 
 
-def issue_stage(b: Block, m0: int, n0: int, step: int) -> None:
-    """wgmma_issue_stage: W chunks (8 bf16) swizzled, then x chunks (4 f32) raw; zeros past the edges."""
-    (t, k), n, k0, stage = b.x.shape, b.w.shape[0], step * BK, b.stage(step)
+def issue_b(b: Block, n0: int, step: int) -> None:
+    """wgmma_issue_b: W chunks (8 bf16) into the ring's swizzled tile; zeros past N / K."""
+    n, k = b.w.shape
+    k0, tile = step * BK, b.w_tile(step)
     for j in range(B_LOADS):
         for r, c in zip(*chunk_grid(j, BK // 8)):
             valid = n0 + r < n and k0 + c < k
-            b.cp_async_16(stage + int(swizzled(r, c)), b.w[n0 + r, k0 + c:k0 + c + 8] if valid else np.zeros(8, np.uint16))
-    for j in range(A_LOADS):
-        for r, c in zip(*chunk_grid(j, BK // 4)):
-            valid = m0 + r < t and k0 + c < k
-            b.cp_async_16(stage + TILE_BYTES + r * RAW_ROW_BYTES + c * 4,
-                          b.x[m0 + r, k0 + c:k0 + c + 4] if valid else np.zeros(4, np.float32))
+            b.cp_async_16(tile + int(swizzled(r, c)), b.w[n0 + r, k0 + c:k0 + c + 8] if valid else np.zeros(8, np.uint16))
 
 
-def convert_a(b: Block, raw: int, a_tile: int) -> set[int]:
-    """wgmma_convert_a: each thread's own raw chunks -> bf16 at the swizzled byte; returns the bytes written."""
+def load_a(b: Block, m0: int, step: int) -> list[np.ndarray]:
+    """wgmma_load_a: each thread's float4 registers (zeros past T / K), [j][thread] -> 4 f32."""
+    t, k = b.x.shape
+    k0 = step * BK
+    return [np.stack([b.x[m0 + r, k0 + c:k0 + c + 4] if m0 + r < t and k0 + c < k else np.zeros(4, np.float32)
+                      for r, c in zip(*chunk_grid(j, BK // 4))]) for j in range(A_LOADS)]
+
+
+def store_a(b: Block, regs: list[np.ndarray], a_tile: int) -> set[int]:
+    """wgmma_store_a: 4 bf16 per (thread, j) at the swizzled byte; returns the bytes written."""
     written: set[int] = set()
     for j in range(A_LOADS):
-        for r, c in zip(*chunk_grid(j, BK // 4)):
-            src = raw + r * RAW_ROW_BYTES + c * 4
-            values = b.smem[src:src + 16].view(np.float32)
+        for (r, c), values in zip(zip(*chunk_grid(j, BK // 4)), regs[j]):
             dst = a_tile + int(swizzled(r, c))
             assert dst % 8 == 0, "uint2 store misaligned"
             b.write(dst, as_bf16_bits(values))
@@ -182,19 +183,24 @@ def emulate_block(b: Block, m0: int, n0: int, out: np.ndarray) -> None:
     steps = -(-b.x.shape[1] // BK)
     for s in range(STAGES - 1):
         if s < steps:
-            issue_stage(b, m0, n0, s)
+            issue_b(b, n0, s)
         b.commit()
+    a_next = load_a(b, m0, 0)
+    assert len(store_a(b, a_next, b.a(0))) == TILE_BYTES, "an A tile byte is left unwritten"
+    if steps > 1:
+        a_next = load_a(b, m0, 1)
     b.wait(STAGES - 2)
-    assert len(convert_a(b, b.stage(0) + TILE_BYTES, b.a(0))) == TILE_BYTES, "an A tile byte is left unwritten"
     for step in range(steps):
         ahead = step + STAGES - 1
         if ahead < steps:
-            issue_stage(b, m0, n0, ahead)
+            issue_b(b, n0, ahead)
         b.commit()
-        b.wgmma(b.a(step & 1), b.stage(step), acc)
-        b.wait(STAGES - 2)
+        b.wgmma(b.a(step & 1), b.w_tile(step), acc)
         if step + 1 < steps:
-            convert_a(b, b.stage(step + 1) + TILE_BYTES, b.a((step + 1) & 1))
+            store_a(b, a_next, b.a((step + 1) & 1))
+        if step + 2 < steps:
+            a_next = load_a(b, m0, step + 2)
+        b.wait(STAGES - 2)
         b.wgmma_wait_all()
     store_out(acc, m0, n0, out)
 

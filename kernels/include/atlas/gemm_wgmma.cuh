@@ -5,10 +5,10 @@
 // swizzle layout the matrix descriptors name (swizzle mode 1): row r of a tile is 128 bytes at
 // r * 128, its 16-byte chunk c stored at chunk c ^ (r % 8); tiles start on 1024-byte boundaries so
 // the hardware's swizzle (address bits [4:6] ^= bits [7:9]) matches.
-// kWgmmaStages load stages, each a W tile (bf16, swizzled) and the x tile as it is in global memory
-// (f32, [128][64] row-major), filled by cp.async 16 B (zero-filled past M / N / K) kWgmmaStages - 1
-// k-steps ahead; while step s's wgmma chain runs, the threads convert step s + 1's x tile to bf16
-// into the other of two swizzled A tiles.
+// W tiles arrive by cp.async 16 B (zero-filled past N / K) into a ring of kWgmmaStages tiles,
+// kWgmmaStages - 1 k-steps ahead. x tiles are read as f32 float4 into registers one k-step ahead
+// (x rows are re-read by every block column, mostly from L2) and converted to bf16 when stored into
+// the other of two A tiles, while the current step's wgmma chain runs.
 // Handles any M and N; K % 8 == 0 (checked by the op wrapper). Dynamic shared memory:
 // kWgmmaSmemBytes (the op wrapper asks for it; the extra 1024 B realign the base).
 #pragma once
@@ -23,14 +23,12 @@ constexpr int kWgmmaBN = 128;
 constexpr int kWgmmaBK = 64;  // one 128-byte swizzle row of bf16
 constexpr int kWgmmaK = 16;   // k per wgmma instruction
 constexpr int kWgmmaThreads = 256;
-constexpr int kWgmmaStages = 4;
+constexpr int kWgmmaStages = 6;  // W tiles in the cp.async ring
 constexpr int kWgmmaGroupRows = 64;  // rows per warpgroup (the m of m64n128k16)
 constexpr int kWgmmaRowBytes = kWgmmaBK * 2;
 constexpr int kWgmmaTileBytes = kWgmmaBM * kWgmmaRowBytes;  // bf16 A and B tiles alike: 16 KiB
-constexpr int kWgmmaRawRowBytes = kWgmmaBK * 4;             // x row as f32
-constexpr int kWgmmaStageBytes = kWgmmaTileBytes + kWgmmaBM * kWgmmaRawRowBytes;  // W tile, then raw x: 48 KiB
-constexpr int kWgmmaStagesOffset = 2 * kWgmmaTileBytes;  // after the two bf16 A tiles
-constexpr int kWgmmaSmemBytes = kWgmmaStagesOffset + kWgmmaStages * kWgmmaStageBytes + 1024;
+constexpr int kWgmmaStagesOffset = 2 * kWgmmaTileBytes;       // the W ring follows the two A tiles
+constexpr int kWgmmaSmemBytes = kWgmmaStagesOffset + kWgmmaStages * kWgmmaTileBytes + 1024;
 constexpr int kWgmmaSwizzleAtom = 8 * kWgmmaRowBytes;  // 1024 B: 8 rows, the descriptor's stride offset
 constexpr int kWgmmaALoads = kWgmmaBM * kWgmmaBK / 4 / kWgmmaThreads;  // 16-byte x chunks (4 f32) per thread: 8
 constexpr int kWgmmaBLoads = kWgmmaBN * kWgmmaBK / 8 / kWgmmaThreads;  // 16-byte W chunks per thread: 4
@@ -90,17 +88,28 @@ struct WgmmaTile {
   int m0, n0;
 };
 
-// x tile rows m0.., cols k0.. -> the stage's raw f32 tile, as in global memory (zeros past M / K).
-__device__ __forceinline__ void wgmma_issue_x(const LinearParams& p, int m0, int k0, uint8_t* raw) {
+// x tile rows m0.., cols k0.. -> registers (zeros past M / K).
+__device__ __forceinline__ void wgmma_load_a(const LinearParams& p, int m0, int k0, float4 (&regs)[kWgmmaALoads]) {
   const float* x = static_cast<const float*>(p.x);
 #pragma unroll
   for (int j = 0; j < kWgmmaALoads; ++j) {
-    const int c = threadIdx.x + j * kWgmmaThreads;
-    const int row = c / (kWgmmaBK / 4);
-    const int col = (c % (kWgmmaBK / 4)) * 4;
+    const int f = threadIdx.x + j * kWgmmaThreads;
+    const int row = f / (kWgmmaBK / 4);
+    const int col = (f % (kWgmmaBK / 4)) * 4;
     const bool valid = m0 + row < p.tokens && k0 + col < p.k;
-    const float* src = valid ? x + static_cast<int64_t>(m0 + row) * p.k + k0 + col : x;
-    cp_async_16(raw + row * kWgmmaRawRowBytes + col * 4, src, valid);
+    regs[j] = valid ? *reinterpret_cast<const float4*>(x + static_cast<int64_t>(m0 + row) * p.k + k0 + col)
+                    : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+__device__ __forceinline__ void wgmma_store_a(const float4 (&regs)[kWgmmaALoads], uint8_t* a_tile) {
+#pragma unroll
+  for (int j = 0; j < kWgmmaALoads; ++j) {
+    const int f = threadIdx.x + j * kWgmmaThreads;
+    const int row = f / (kWgmmaBK / 4);
+    const int col = (f % (kWgmmaBK / 4)) * 4;
+    *reinterpret_cast<uint2*>(a_tile + wgmma_swizzled(row, col)) =
+        make_uint2(pack_bf16x2(regs[j].x, regs[j].y), pack_bf16x2(regs[j].z, regs[j].w));
   }
 }
 
@@ -114,24 +123,6 @@ __device__ __forceinline__ void wgmma_issue_b(const LinearParams& p, int n0, int
     const bool valid = n0 + row < p.n && k0 + col < p.k;
     const uint16_t* src = valid ? weight + static_cast<int64_t>(n0 + row) * p.k + k0 + col : weight;
     cp_async_16(b_tile + wgmma_swizzled(row, col), src, valid);
-  }
-}
-
-// Stage `stage` (k-step s) of the load ring: W and x of that step, one cp.async group.
-__device__ __forceinline__ void wgmma_issue_stage(const LinearParams& p, int m0, int n0, int step, uint8_t* stage) {
-  wgmma_issue_b(p, n0, step * kWgmmaBK, stage);
-  wgmma_issue_x(p, m0, step * kWgmmaBK, stage + kWgmmaTileBytes);
-}
-
-// The raw f32 x tile -> bf16 in the swizzled A tile (each thread converts the chunks it copied).
-__device__ __forceinline__ void wgmma_convert_a(const uint8_t* raw, uint8_t* a_tile) {
-#pragma unroll
-  for (int j = 0; j < kWgmmaALoads; ++j) {
-    const int c = threadIdx.x + j * kWgmmaThreads;
-    const int row = c / (kWgmmaBK / 4);
-    const int col = (c % (kWgmmaBK / 4)) * 4;
-    const float4 v = *reinterpret_cast<const float4*>(raw + row * kWgmmaRawRowBytes + col * 4);
-    *reinterpret_cast<uint2*>(a_tile + wgmma_swizzled(row, col)) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
   }
 }
 
@@ -169,16 +160,14 @@ __device__ __forceinline__ void wgmma_store_out(const LinearParams& p, const Wgm
   }
 }
 
-// Shared memory from the 1024-aligned base: A tiles 0 and 1 (bf16, swizzled), then the
-// kWgmmaStages load stages (W tile bf16 swizzled, raw x tile f32).
+// Shared memory from the 1024-aligned base: A tiles 0 and 1, then the ring of kWgmmaStages W tiles
+// (all bf16, swizzled).
 struct WgmmaSmem {
   uint8_t* base;
   uint32_t addr;  // shared address of base
 
   __device__ uint8_t* a(int i) const { return base + i * kWgmmaTileBytes; }
-  __device__ uint8_t* stage(int step) const {
-    return base + kWgmmaStagesOffset + (step % kWgmmaStages) * kWgmmaStageBytes;
-  }
+  __device__ uint8_t* w(int step) const { return base + kWgmmaStagesOffset + (step % kWgmmaStages) * kWgmmaTileBytes; }
   __device__ uint32_t shared(const uint8_t* ptr) const { return addr + static_cast<uint32_t>(ptr - base); }
 };
 
@@ -200,22 +189,26 @@ __device__ void gemm_wgmma(const LinearParams& p) {
 
   const int steps = ceil_div(p.k, kWgmmaBK);
 #pragma unroll
-  for (int s = 0; s < kWgmmaStages - 1; ++s) {  // one group per stage, empty past the last step
-    if (s < steps) wgmma_issue_stage(p, tile.m0, tile.n0, s, smem.stage(s));
+  for (int s = 0; s < kWgmmaStages - 1; ++s) {  // one group per W tile, empty past the last step
+    if (s < steps) wgmma_issue_b(p, tile.n0, s * kWgmmaBK, smem.w(s));
     cp_async_commit();
   }
-  cp_async_wait<kWgmmaStages - 2>();  // step 0's copies (this thread's) have landed
-  wgmma_convert_a(smem.stage(0) + kWgmmaTileBytes, smem.a(0));
+  float4 a_next[kWgmmaALoads];
+  wgmma_load_a(p, tile.m0, 0, a_next);
+  wgmma_store_a(a_next, smem.a(0));
+  if (steps > 1) wgmma_load_a(p, tile.m0, kWgmmaBK, a_next);
+  cp_async_wait<kWgmmaStages - 2>();  // step 0's W copies (this thread's) have landed
   for (int step = 0; step < steps; ++step) {
-    fence_proxy_async();  // generic-proxy writes (cp.async, A conversion) -> visible to wgmma's async proxy
+    fence_proxy_async();  // generic-proxy writes (cp.async, A stores) -> visible to wgmma's async proxy
     __syncthreads();      // ... and to the other threads: step's A and W tiles are complete
-    const int ahead = step + kWgmmaStages - 1;  // refills the stage step - 1 used (its wgmma has finished)
-    if (ahead < steps) wgmma_issue_stage(p, tile.m0, tile.n0, ahead, smem.stage(ahead));
+    const int ahead = step + kWgmmaStages - 1;  // refills the W tile step - 1 used (its wgmma has finished)
+    if (ahead < steps) wgmma_issue_b(p, tile.n0, ahead * kWgmmaBK, smem.w(ahead));
     cp_async_commit();
-    wgmma_compute(smem.shared(smem.a(step & 1)), smem.shared(smem.stage(step)), acc);
-    cp_async_wait<kWgmmaStages - 2>();  // step + 1's copies (this thread's, all it converts) have landed
+    wgmma_compute(smem.shared(smem.a(step & 1)), smem.shared(smem.w(step)), acc);
     // A tile (step + 1) & 1 was last read by step - 1's wgmma, finished before this step's barrier.
-    if (step + 1 < steps) wgmma_convert_a(smem.stage(step + 1) + kWgmmaTileBytes, smem.a((step + 1) & 1));
+    if (step + 1 < steps) wgmma_store_a(a_next, smem.a((step + 1) & 1));
+    if (step + 2 < steps) wgmma_load_a(p, tile.m0, (step + 2) * kWgmmaBK, a_next);
+    cp_async_wait<kWgmmaStages - 2>();  // step + 1's W copies (this thread's) have landed
     wgmma_wait_all();
     wgmma_fence_operands(acc);
   }

@@ -43,9 +43,9 @@ WGMMA_THREADS = 256  # gemm_wgmma.cuh kWgmmaThreads: 2 warpgroups
 WGMMA_BM = 128  # kWgmmaBM
 WGMMA_BN = 128  # kWgmmaBN
 WGMMA_BK = 64  # kWgmmaBK
-WGMMA_STAGES = 4  # kWgmmaStages
-# kWgmmaSmemBytes: 2 bf16 A tiles, the load stages (bf16 W tile + f32 x tile), 1024 B to realign
-WGMMA_SMEM = 2 * WGMMA_BM * WGMMA_BK * 2 + WGMMA_STAGES * (WGMMA_BN * WGMMA_BK * 2 + WGMMA_BM * WGMMA_BK * 4) + 1024
+WGMMA_STAGES = 6  # kWgmmaStages: W tiles in the cp.async ring
+# kWgmmaSmemBytes: 2 A tiles and the W ring (bf16 [128][64] each), 1024 B to realign the base
+WGMMA_SMEM = (2 + WGMMA_STAGES) * WGMMA_BM * WGMMA_BK * 2 + 1024
 ROPE_THREADS = 128  # rope.cuh kRopeThreads
 ATTN_KEYS = 32  # attention.cuh kAttnKeys
 ATTN_DECODE_MAX_TOKENS = 4  # up to here: split-K flash-decoding + combine
