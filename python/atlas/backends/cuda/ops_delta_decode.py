@@ -9,11 +9,10 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from atlas.errors import AtlasError
 from atlas.kernel_params.delta_decode import DeltaNetDecodeParams
 
 from ..base import DeltaNetInputs, DeltaNetOperands
-from .ops_common import expect as _expect
+from .ops_common import FormSwitch, expect as _expect
 from .ops_linear_moe import DELTA_COLS_PER_BLOCK, DELTA_THREADS
 
 if TYPE_CHECKING:
@@ -22,6 +21,7 @@ if TYPE_CHECKING:
 
 DECODE_ENV = "ATLAS_DELTANET_DECODE"
 DECODE_FORMS = ("separate", "fused")
+DECODE_SWITCH = FormSwitch(DECODE_ENV, "DeltaNet decode form", DECODE_FORMS)
 # One arrival counter per key head; the buffer is allocated before any graph capture, so it has
 # room for any registry model's key heads rather than this model's.
 ARRIVAL_COUNTERS = 1024
@@ -29,11 +29,7 @@ ARRIVAL_COUNTERS = 1024
 
 def decode_form(form: str | None, environ: Mapping[str, str] = os.environ) -> str:
     """`form` "separate" | "fused", or None: ATLAS_DELTANET_DECODE decides (default separate)."""
-    chosen = environ.get(DECODE_ENV, "separate") if form is None else form
-    if chosen not in DECODE_FORMS:
-        raise AtlasError(f"{DECODE_ENV}={chosen!r} is not a DeltaNet decode form; use 'separate' "
-                         "(default: three kernels) or 'fused' (one kernel per layer and token)")
-    return chosen
+    return DECODE_SWITCH.read(form, environ)
 
 
 def decode_arrivals(rt: CudaRuntime) -> DeviceTensor:

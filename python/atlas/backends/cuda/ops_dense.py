@@ -6,7 +6,6 @@ launches. Launch geometry constants mirror the kernel headers named beside them.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,7 +14,7 @@ from atlas.kernel_params import dense as kp
 from atlas.sampling import check_sampling
 
 from ..base import SamplingParams
-from .ops_common import INT32_MAX, ceil_div as _ceil_div, expect as _expect
+from .ops_common import INT32_MAX, FormSwitch, ceil_div as _ceil_div, expect as _expect
 
 if TYPE_CHECKING:
     from .runtime import CudaRuntime
@@ -38,6 +37,7 @@ GEMM_BN = 128
 # "wgmma" (atlas_gemm_wgmma, warpgroup MMA; h200 tuples only; opt-in until the device confirms it).
 GEMM_ENV = "ATLAS_GEMM"
 GEMM_FORMS = ("mma", "wgmma")
+GEMM_SWITCH = FormSwitch(GEMM_ENV, "prefill GEMM form", GEMM_FORMS)
 WGMMA_CC = (9, 0)  # sm_90a cubin: the h200 tuple (h100 is its alias)
 WGMMA_THREADS = 256  # gemm_wgmma.cuh kWgmmaThreads: 2 warpgroups
 WGMMA_BM = 128  # kWgmmaBM
@@ -63,6 +63,7 @@ ATTN_MMA_PAD = 8  # kMmaAttnPad (bf16 per smem row)
 # atlas_attention_prefill) or "mma" (tensor cores; opt-in until the device has confirmed it).
 PREFILL_ATTENTION_ENV = "ATLAS_PREFILL_ATTENTION"
 PREFILL_ATTENTION_FORMS = ("simt", "mma")
+PREFILL_ATTENTION_SWITCH = FormSwitch(PREFILL_ATTENTION_ENV, "prefill attention form", PREFILL_ATTENTION_FORMS)
 ARGMAX_THREADS = 256  # sampling.cuh kArgmaxThreads
 ARGMAX_CHUNK = 2048
 SAMPLE_THREADS = 1024  # sampling.cuh kSampleThreads
@@ -165,9 +166,7 @@ def sigmoid_mul(rt: CudaRuntime, x: DeviceTensor, gate: DeviceTensor) -> DeviceT
 def gemm_form(rt: CudaRuntime, form: str | None = None) -> str:
     """`form`, or with None the ATLAS_GEMM environment variable (default "mma"), checked; "wgmma"
     also against the device's compute capability. The CUDA backend reads it once, when it is built."""
-    chosen = (os.environ.get(GEMM_ENV, "").strip() or "mma") if form is None else form
-    if chosen not in GEMM_FORMS:
-        raise AtlasError(f"{GEMM_ENV}={chosen!r} is not a prefill GEMM form; use 'mma' (default) or 'wgmma'")
+    chosen = GEMM_SWITCH.read(form)
     cc = tuple(rt.info.cc) if chosen == "wgmma" else WGMMA_CC
     if cc != WGMMA_CC:
         raise AtlasError(f"{GEMM_ENV}=wgmma needs an h200/h100 GPU (compute capability 9.0), this one is "
@@ -271,11 +270,7 @@ class CachedKV:
 def prefill_attention_form(form: str | None = None) -> str:
     """`form`, or with None the ATLAS_PREFILL_ATTENTION environment variable (default "simt"),
     checked. The CUDA backend reads it once, when it is built."""
-    chosen = (os.environ.get(PREFILL_ATTENTION_ENV, "").strip() or "simt") if form is None else form
-    if chosen not in PREFILL_ATTENTION_FORMS:
-        raise AtlasError(f"{PREFILL_ATTENTION_ENV}={chosen!r} is not a prefill attention form; "
-                         "use 'simt' (default) or 'mma'")
-    return chosen
+    return PREFILL_ATTENTION_SWITCH.read(form)
 
 
 def attention_mma_smem_bytes(dim: int) -> int:

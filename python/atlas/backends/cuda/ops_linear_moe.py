@@ -5,14 +5,12 @@ they were not written for, so a drift shows up as poisoned outputs in the GPU te
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from atlas.errors import AtlasError
 from atlas.kernel_params import linear_moe as kp
 
-from .ops_common import ceil_div as _ceil_div, expect as _expect
+from .ops_common import FormSwitch, ceil_div as _ceil_div, expect as _expect
 
 if TYPE_CHECKING:
     from .runtime import CudaRuntime
@@ -30,6 +28,7 @@ DELTA_PREP_THREADS = 256
 # Prefill form of the delta rule: "recurrent" (default: walks the tokens) or "chunked" (the
 # 64-token WY form; opt-in until the device has confirmed it).
 DELTA_RULE_ENV = "ATLAS_DELTA_RULE"
+DELTA_RULE_SWITCH = FormSwitch(DELTA_RULE_ENV, "delta rule form", ("recurrent", "chunked"))
 # gated_norm.cuh
 GATED_NORM_WARPS = 8
 # router.cuh
@@ -49,6 +48,7 @@ MOE_GEMV_MAX_TOKENS = 8
 # speculative verify; longer prefills keep the split form). Opt-in until the device confirms it.
 ROUTER_ENV = "ATLAS_ROUTER"
 ROUTER_FORMS = ("split", "fused")
+ROUTER_SWITCH = FormSwitch(ROUTER_ENV, "router form", ROUTER_FORMS)
 ROUTER_FUSED_MAX_TOKENS = MOE_GEMV_MAX_TOKENS
 
 
@@ -134,10 +134,7 @@ def gated_delta_rule(
 def _delta_rule_chunked(chunked: bool | None) -> bool:
     if chunked is not None:
         return chunked
-    mode = os.environ.get(DELTA_RULE_ENV, "recurrent")
-    if mode not in ("recurrent", "chunked"):
-        raise AtlasError(f"{DELTA_RULE_ENV}={mode!r} is not a delta rule form; use 'recurrent' (default) or 'chunked'")
-    return mode == "chunked"
+    return DELTA_RULE_SWITCH.read() == "chunked"
 
 
 def delta_prep_smem_bytes(k_dim: int) -> int:
@@ -172,10 +169,7 @@ def gated_rms_norm(rt: CudaRuntime, x: DeviceTensor, z: DeviceTensor, weight: De
 
 def router_form(form: str | None = None) -> str:
     """`form`, or with None the ATLAS_ROUTER environment variable (default "split"), checked."""
-    chosen = (os.environ.get(ROUTER_ENV, "").strip() or "split") if form is None else form
-    if chosen not in ROUTER_FORMS:
-        raise AtlasError(f"{ROUTER_ENV}={chosen!r} is not a router form; use 'split' (default) or 'fused'")
-    return chosen
+    return ROUTER_SWITCH.read(form)
 
 
 def router_arrivals(rt: CudaRuntime) -> DeviceTensor:
