@@ -691,3 +691,17 @@ def test_gpu_footprint_matches_the_device(tmp_path: Path, rng: np.random.Generat
     assert live <= expected <= live * 1.01
     assert dropped >= live
     del engine
+
+
+def test_every_kernel_form_switch_reads_empty_as_default_and_refuses_in_one_line(rng: np.random.Generator) -> None:
+    from atlas.backends.cuda import ops_delta_decode, ops_dense, ops_linear_moe
+
+    switches = [ops_dense.GEMM_SWITCH, ops_dense.PREFILL_ATTENTION_SWITCH, ops_linear_moe.ROUTER_SWITCH,
+                ops_linear_moe.DELTA_RULE_SWITCH, ops_delta_decode.DECODE_SWITCH]
+    assert len({s.env for s in switches}) == len(switches)
+    for switch in switches:
+        assert switch.read(None, {}) == switch.read(None, {switch.env: " "}) == switch.forms[0]
+        other = str(rng.choice(switch.forms))
+        assert switch.read(None, {switch.env: other}) == other and switch.read(other, {switch.env: "x"}) == other
+        with pytest.raises(AtlasError, match=f"^{switch.env}='bogus' is not a .*; use '{switch.forms[0]}' \\(default\\)"):
+            switch.read(None, {switch.env: "bogus"})
