@@ -1,148 +1,189 @@
-"""Driver binding through pycuda (ATLAS_CUDA_BINDING=pycuda). pycuda raises on every failed
-call itself; this adapter re-raises as CudaError naming the call. CUDA graphs are used when the
-installed pycuda has stream capture (2021.1+), else decode runs without graphs."""
+"""Driver binding through pycuda (ATLAS_CUDA_BINDING=pycuda), on pycuda's documented API only
+(doc/driver.rst of pycuda 2026.1; the newest feature used, Function.set_attribute with
+function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, is "versionadded 2022.1").
+
+pycuda raises its own `pycuda.driver.Error` on every failed call; this adapter re-raises it as
+CudaError naming the call. Released pycuda has no stream capture (CUDA graph support, pycuda
+pull request #343, was never merged), so `graphs` is False and decode runs without graphs.
+"""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import importlib.util
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from atlas.errors import AtlasError
 
 from .driver import CudaError, DeviceInfo, Handle, LaunchArgs, no_such_device
 
+MIN_VERSION = (2022, 1)
+NO_CAPTURE = "pycuda has no CUDA stream capture (no released version has graphs); decode runs without CUDA graphs"
 
-def _call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+
+def _import_pycuda() -> tuple[Any, Any]:
+    """(pycuda, pycuda.driver), or one AtlasError line saying what to install or fix."""
+    if importlib.util.find_spec("pycuda") is None:
+        raise AtlasError(
+            "ATLAS_CUDA_BINDING=pycuda but pycuda is not installed; "
+            "install it (`pip install pycuda`, builds from source) or unset ATLAS_CUDA_BINDING"
+        )
     try:
-        return fn(*args)
-    except Exception as err:
-        raise CudaError(f"{name} failed: {err}") from None
+        import pycuda
+        import pycuda.driver as cuda
+    except ImportError as err:  # pycuda._driver links libcuda: no NVIDIA driver, or a broken build
+        raise AtlasError(f"pycuda is installed but does not load ({err}); install the NVIDIA driver, "
+                         "reinstall pycuda, or unset ATLAS_CUDA_BINDING") from None
+    version = tuple(getattr(pycuda, "VERSION", (0,)))
+    if version < MIN_VERSION:
+        text = getattr(pycuda, "VERSION_TEXT", ".".join(map(str, version)))
+        raise AtlasError(f"pycuda {text} is older than {MIN_VERSION[0]}.{MIN_VERSION[1]}, which atlas needs "
+                         "(Function.set_attribute); upgrade it (`pip install -U pycuda`) or unset ATLAS_CUDA_BINDING")
+    return pycuda, cuda
 
 
-class _HostSpan:
-    """A host address range as a writable buffer object (pycuda copies take buffers)."""
-
-    @staticmethod
-    def view(addr: int, nbytes: int) -> memoryview:
-        return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+def _host_bytes(addr: int, nbytes: int) -> memoryview:
+    """A host address range as a writable buffer (pycuda's copies take buffer objects)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
 
 
 class PycudaDriver:
     binding = "pycuda"
+    graphs = False
 
     def __init__(self, ordinal: int = 0) -> None:
-        try:
-            import pycuda.driver as cuda
-        except ImportError:
-            raise AtlasError(
-                "ATLAS_CUDA_BINDING=pycuda but pycuda is not installed; "
-                "install it (`pip install pycuda`, builds from source) or unset ATLAS_CUDA_BINDING"
-            ) from None
+        _, cuda = _import_pycuda()
         self._cuda = cuda
         try:
             cuda.init()
             count = cuda.Device.count()
-        except Exception as err:
+        except cuda.Error as err:
             raise AtlasError(f"no usable NVIDIA GPU through pycuda: {err}") from None
         if count <= ordinal:
             raise no_such_device(ordinal, count)
-        self._device = cuda.Device(ordinal)
-        self._context = _call("retain_primary_context", self._device.retain_primary_context)
-        _call("Context.push", self._context.push)
-        self.graphs = hasattr(cuda.Stream, "begin_capture")
+        self._device = self._call("Device", cuda.Device, ordinal)
+        # retain_primary_context does not make the context current; push does. The push is
+        # undone at exit: pycuda aborts the process if its context stack is not empty then.
+        self._context = self._call("Device.retain_primary_context", self._device.retain_primary_context)
+        self._call("Context.push", self._context.push)
         self._allocations: dict[int, Any] = {}
+        atexit.register(self.release)
+
+    def _call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except self._cuda.MemoryError as err:  # memory.py recognises the driver's name for it
+            raise CudaError(f"{name} failed: CUDA_ERROR_OUT_OF_MEMORY ({err})") from None
+        except self._cuda.Error as err:
+            raise CudaError(f"{name} failed: {err}") from None
+
+    def release(self) -> None:
+        """Free what is still allocated and pop the context (at exit; idempotent)."""
+        if self._context is None:
+            return
+        for allocation in self._allocations.values():
+            try:
+                allocation.free()
+            except self._cuda.Error:
+                pass
+        self._allocations.clear()
+        self._context = None
+        self._cuda.Context.pop()
 
     def device_info(self) -> DeviceInfo:
-        attr = self._cuda.device_attribute
-        dev = self._device
+        attr, dev = self._cuda.device_attribute, self._device
+        major, minor = dev.compute_capability()
         return DeviceInfo(
             name=dev.name(),
-            cc=tuple(dev.compute_capability()),  # type: ignore[arg-type]
-            sm_count=dev.get_attribute(attr.MULTIPROCESSOR_COUNT),
-            max_smem_optin=dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
-            total_bytes=dev.total_memory(),
-            driver_version=self._cuda.get_driver_version(),
+            cc=(int(major), int(minor)),
+            sm_count=int(dev.get_attribute(attr.MULTIPROCESSOR_COUNT)),
+            max_smem_optin=int(dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)),
+            total_bytes=int(dev.total_memory()),
+            driver_version=int(self._cuda.get_driver_version()),
         )
 
     def mem_get_info(self) -> tuple[int, int]:
-        free, total = _call("mem_get_info", self._cuda.mem_get_info)
+        free, total = self._call("mem_get_info", self._cuda.mem_get_info)
         return int(free), int(total)
 
     def module_load(self, image: bytes) -> Handle:
-        return _call("module_from_buffer", self._cuda.module_from_buffer, image)
+        return self._call("module_from_buffer", self._cuda.module_from_buffer, image)
 
     def get_function(self, module: Handle, name: str) -> Handle:
-        return _call(f"get_function({name})", module.get_function, name)
+        return self._call(f"Module.get_function({name})", module.get_function, name)
 
     def set_max_dynamic_smem(self, function: Handle, nbytes: int) -> None:
         attr = self._cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _call("Function.set_attribute", function.set_attribute, attr, nbytes)
+        self._call("Function.set_attribute", function.set_attribute, attr, int(nbytes))
 
     def mem_alloc(self, nbytes: int) -> int:
-        allocation = _call("mem_alloc", self._cuda.mem_alloc, max(nbytes, 1))
-        self._allocations[int(allocation)] = allocation
-        return int(allocation)
+        allocation = self._call("mem_alloc", self._cuda.mem_alloc, max(int(nbytes), 1))
+        ptr = int(allocation)
+        self._allocations[ptr] = allocation  # freed through its DeviceAllocation, kept by address
+        return ptr
 
     def mem_free(self, ptr: int) -> None:
-        # pycuda frees through its DeviceAllocation objects, kept here by address.
         allocation = self._allocations.pop(ptr, None)
-        if allocation is not None:
-            _call("DeviceAllocation.free", allocation.free)
+        if allocation is None:
+            raise CudaError(f"mem_free({ptr:#x}) failed: not an allocation of this driver")
+        self._call("DeviceAllocation.free", allocation.free)
 
+    # The host copies are the synchronous forms: pycuda documents memcpy_htod_async/dtoh_async
+    # for page-locked host memory only, and atlas copies from numpy arrays. They run on the
+    # legacy default stream, which `Stream()` (flags 0, a blocking stream) is ordered with.
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Handle) -> None:
-        _call("memcpy_htod_async", self._cuda.memcpy_htod_async, dst, _HostSpan.view(src_host, nbytes), stream)
+        self._call("memcpy_htod", self._cuda.memcpy_htod, dst, _host_bytes(src_host, nbytes))
 
     def memcpy_dtoh(self, dst_host: int, src: int, nbytes: int, stream: Handle) -> None:
-        _call("memcpy_dtoh_async", self._cuda.memcpy_dtoh_async, _HostSpan.view(dst_host, nbytes), src, stream)
+        self._call("memcpy_dtoh", self._cuda.memcpy_dtoh, _host_bytes(dst_host, nbytes), src)
 
     def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Handle) -> None:
-        _call("memcpy_dtod_async", self._cuda.memcpy_dtod_async, dst, src, nbytes, stream)
+        self._call("memcpy_dtod_async", self._cuda.memcpy_dtod_async, dst, src, nbytes, stream)
 
     def memset_d8(self, dst: int, value: int, nbytes: int, stream: Handle) -> None:
-        _call("memset_d8_async", self._cuda.memset_d8_async, dst, value, nbytes, stream)
+        self._call("memset_d8_async", self._cuda.memset_d8_async, dst, value, nbytes, stream)
 
     def launch(self, launch: LaunchArgs) -> None:
-        # pycuda's _launch_kernel takes the packed argument buffer; ours is the one params struct.
+        # The kernel's one argument is the params struct by value: prepared as a numpy void
+        # dtype of its size, which pycuda packs as struct format "<size>s" (the bytes verbatim).
+        function = launch.function
+        function.prepare([np.dtype((np.void, launch.params_size))])
         packed = ctypes.string_at(launch.params_addr, launch.params_size)
-        _call(
-            f"launch {launch.kernel} grid={launch.grid} block={launch.block}",
-            launch.function._launch_kernel,
-            launch.grid,
-            launch.block,
-            packed,
-            launch.smem,
-            launch.stream,
-        )
+        grid = tuple(int(g) for g in launch.grid)
+        block = tuple(int(b) for b in launch.block)
+        self._call(f"launch of {launch.kernel} grid={grid} block={block} smem={launch.smem}",
+                   function.prepared_async_call, grid, block, launch.stream, packed, shared_size=launch.smem)
 
     def stream_create(self) -> Handle:
-        return _call("Stream", self._cuda.Stream)
+        return self._call("Stream", self._cuda.Stream)
 
     def stream_synchronize(self, stream: Handle) -> None:
-        _call("Stream.synchronize", stream.synchronize)
+        self._call("Stream.synchronize", stream.synchronize)
 
     def event_create(self) -> Handle:
-        return _call("Event", self._cuda.Event)
+        return self._call("Event", self._cuda.Event)
 
     def event_record(self, event: Handle, stream: Handle) -> None:
-        _call("Event.record", event.record, stream)
+        self._call("Event.record", event.record, stream)
 
     def event_synchronize(self, event: Handle) -> None:
-        _call("Event.synchronize", event.synchronize)
+        self._call("Event.synchronize", event.synchronize)
 
     def event_elapsed_ms(self, start: Handle, end: Handle) -> float:
-        return float(_call("Event.time_since", end.time_since, start))
+        return float(self._call("Event.time_since", end.time_since, start))
 
     def begin_capture(self, stream: Handle) -> None:
-        mode = self._cuda.capture_mode.RELAXED
-        _call("Stream.begin_capture", stream.begin_capture, mode)
+        raise CudaError(NO_CAPTURE)
 
     def end_capture(self, stream: Handle) -> Handle:
-        graph = _call("Stream.end_capture", stream.end_capture)
-        return _call("Graph.instantiate", graph.instantiate)
+        raise CudaError(NO_CAPTURE)
 
     def graph_launch(self, graph_exec: Handle, stream: Handle) -> None:
-        _call("GraphExec.launch", graph_exec.launch, stream)
+        raise CudaError(NO_CAPTURE)
 
     def graph_destroy(self, graph_exec: Handle) -> None:
-        del graph_exec
+        raise CudaError(NO_CAPTURE)
