@@ -467,17 +467,9 @@ def test_open_reports_the_device_and_pops_its_context_at_exit(fake: Harness) -> 
 
 # --- runtime: arena, uploads, reads, memset, copies ---------------------------------------------
 def test_arena_is_deterministic_and_grows_then_folds(fake: Harness, rng: np.random.Generator) -> None:
-    rt = make_runtime(arena_bytes=1 << 20)
-    sizes = [tuple(int(d) for d in rng.integers(1, 100, size=2)) for _ in range(20)]
-    first = [rt.empty(s, "f32").ptr for s in sizes]
-    assert all(p % HEAP_ALIGN == 0 for p in first)
-    rt.reset_step()
-    assert [rt.empty(s, "f32").ptr for s in sizes] == first
-    generation = rt.arena.generation
-    big = rt.empty((1 << 19,), "f32")  # 2 MiB: more than the arena holds
-    assert big.ptr not in first
-    rt.reset_step()
-    assert rt.arena.generation == generation + 1
+    from test_cuda_select import arena_grows_then_folds
+
+    arena_grows_then_folds(make_runtime(arena_bytes=1 << 20), rng, HEAP_ALIGN)
     assert len(fake.gpu.allocations) == 1  # the two grown blocks were freed for one folded block
 
 

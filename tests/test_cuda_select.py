@@ -238,11 +238,12 @@ class AddParams(ctypes.Structure):
 
 
 # --- runtime --------------------------------------------------------------------------------------
-def test_arena_is_deterministic_and_grows_then_folds(rng: np.random.Generator) -> None:
-    rt, driver = make_runtime(arena_bytes=1 << 20)
+def arena_grows_then_folds(rt: CudaRuntime, rng: np.random.Generator, align: int) -> None:
+    """Same addresses step after step; a step that outgrows the arena (1 MiB) folds it into one
+    block at the next reset. Shared with the pycuda adapter's tests."""
     sizes = [tuple(int(d) for d in rng.integers(1, 100, size=2)) for _ in range(20)]
     first = [rt.empty(s, "f32").ptr for s in sizes]
-    assert all(p % 256 == 0 for p in first)
+    assert all(p % align == 0 for p in first)
     rt.reset_step()
     assert [rt.empty(s, "f32").ptr for s in sizes] == first
     generation = rt.arena.generation
@@ -250,6 +251,11 @@ def test_arena_is_deterministic_and_grows_then_folds(rng: np.random.Generator) -
     assert big.ptr not in first
     rt.reset_step()
     assert rt.arena.generation == generation + 1
+
+
+def test_arena_is_deterministic_and_grows_then_folds(rng: np.random.Generator) -> None:
+    rt, driver = make_runtime(arena_bytes=1 << 20)
+    arena_grows_then_folds(rt, rng, 256)
     assert len(driver.allocs) >= 1
 
 
