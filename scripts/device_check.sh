@@ -158,7 +158,7 @@ for fmt in ("bf16", "fp8", "nvfp4"):
     if m:
         print(f"qbench moe {fmt} ({moe['tokens']} tok x {moe['experts']} experts): "
               + ", ".join(f"{mode} grouped {m[mode]['grouped_ms']:.3f} ms vs loop {m[mode]['loop_ms']:.3f} ms = {m[mode]['speedup']:.2f}x"
-                          for mode in ("eager", "graph")) + f", experts {m['expert_weight_bytes'] / 1e9:.3f} GB")
+                          for mode in ("eager", "graph") if mode in m) + f", experts {m['expert_weight_bytes'] / 1e9:.3f} GB")
 if "memory_ratio_vs_bf16" in moe:
     print("qbench moe memory vs bf16:", {f: round(v, 2) for f, v in moe["memory_ratio_vs_bf16"].items()})
 if r.get("notes"):
