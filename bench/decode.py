@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -273,7 +272,16 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def main() -> int:
+def kernel_forms() -> dict[str, str]:
+    """The kernel form each ATLAS_* switch picks in this run (defaults included)."""
+    from atlas.backends.cuda import ops_delta_decode, ops_dense, ops_linear_moe
+
+    switches = (ops_dense.GEMM_SWITCH, ops_dense.PREFILL_ATTENTION_SWITCH, ops_linear_moe.ROUTER_SWITCH,
+                ops_linear_moe.DELTA_RULE_SWITCH, ops_delta_decode.DECODE_SWITCH)
+    return {switch.env: switch.read() for switch in switches}
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=170.0)
@@ -282,7 +290,39 @@ def main() -> int:
                         help="decode tok/s only (no prefill timing, no transformers)")
     parser.add_argument("--prefill-only", action="store_true",
                         help="prefill tok/s per prefill attention form only (no decode, no transformers)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def atlas_result(spec: Any, rng: np.random.Generator, decode_only: bool) -> dict[str, Any]:
+    """Prefill / decode tok/s, bytes per decode token and the roofline."""
+    atlas_run, copy_bps, device = run_atlas(spec, rng, timed_prefill=not decode_only)
+    bytes_per_token = decode_bytes_per_token(spec, DECODE_CONTEXT + DECODE_TOKENS // 2)
+    achieved = bytes_per_token["total"] * atlas_run.decode_tok_s
+    return {
+        "device": device, "load_s": atlas_run.load_s,
+        "prefill_tok_s": atlas_run.prefill_tok_s, "decode_tok_s": atlas_run.decode_tok_s,
+        "decode_tokens": atlas_run.decode_tokens, "decode_context": DECODE_CONTEXT,
+        "decode_bytes_per_token": bytes_per_token, "decode_gb_s": achieved / 1e9,
+        "copy_gb_s": copy_bps / 1e9, "roofline_pct": 100 * achieved / copy_bps,
+        "roofline_tok_s": copy_bps / bytes_per_token["total"],
+    }
+
+
+def compare_transformers(result: dict[str, Any], config: dict[str, Any], rng: np.random.Generator, vocab: int) -> None:
+    try:
+        hf = run_transformers(config, rng, vocab)
+    except Exception as err:  # the comparison is optional; record why it is missing
+        result["notes"].append(f"transformers comparison failed: {type(err).__name__}: {err}"[:400])
+        return
+    result["transformers"] = hf
+    result["speedup_vs_transformers"] = {
+        "decode": result["decode_tok_s"] / hf["decode_tok_s"],
+        **{f"prefill_{k}": result["prefill_tok_s"][k] / v for k, v in hf["prefill_tok_s"].items()},
+    }
+
+
+def main() -> int:
+    args = parse_args()
     started = time.perf_counter()
     rng = np.random.default_rng(synthetic.SEED)
     from atlas.config import load_spec
@@ -292,42 +332,22 @@ def main() -> int:
         spec = load_spec(Path(tmp))
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
                               "machine": machine(), "model": "qwen3.6-35b-a3b dims, 40 layers, synthetic weights",
-                              "batch": 1, "notes": [],
-                              "deltanet_decode": os.environ.get("ATLAS_DELTANET_DECODE", "separate"),
-                              "router": os.environ.get("ATLAS_ROUTER", "split")}
+                              "batch": 1, "notes": [], "kernel_forms": kernel_forms()}
     if args.prefill_only:
         result.update(run_prefill_forms(spec, rng))
-        result["seconds"] = time.perf_counter() - started
-        args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
-        log(json.dumps({k: result[k] for k in ("prefill_attention", "prefill_tok_s_by_form")}))
-        return 0
-    atlas_run, copy_bps, device = run_atlas(spec, rng, timed_prefill=not args.decode_only)
-    bytes_per_token = decode_bytes_per_token(spec, DECODE_CONTEXT + DECODE_TOKENS // 2)
-    achieved = bytes_per_token["total"] * atlas_run.decode_tok_s
-    result.update({
-        "device": device, "load_s": atlas_run.load_s,
-        "prefill_tok_s": atlas_run.prefill_tok_s, "decode_tok_s": atlas_run.decode_tok_s,
-        "decode_tokens": atlas_run.decode_tokens, "decode_context": DECODE_CONTEXT,
-        "decode_bytes_per_token": bytes_per_token, "decode_gb_s": achieved / 1e9,
-        "copy_gb_s": copy_bps / 1e9, "roofline_pct": 100 * achieved / copy_bps,
-        "roofline_tok_s": copy_bps / bytes_per_token["total"],
-    })
-    spent = time.perf_counter() - started
-    if args.skip_transformers or args.decode_only or spent > 0.5 * args.budget_s:
-        result["notes"].append(f"transformers comparison skipped ({'flag' if args.skip_transformers or args.decode_only else f'{spent:.0f}s spent'})")
+        shown = ("prefill_attention", "prefill_tok_s_by_form")
     else:
-        try:
-            hf = run_transformers(config, rng, spec.vocab_size)
-            result["transformers"] = hf
-            result["speedup_vs_transformers"] = {
-                "decode": atlas_run.decode_tok_s / hf["decode_tok_s"],
-                **{f"prefill_{k}": atlas_run.prefill_tok_s[k] / v for k, v in hf["prefill_tok_s"].items()},
-            }
-        except Exception as err:  # the comparison is optional; record why it is missing
-            result["notes"].append(f"transformers comparison failed: {type(err).__name__}: {err}"[:400])
+        result.update(atlas_result(spec, rng, args.decode_only))
+        spent = time.perf_counter() - started
+        if args.skip_transformers or args.decode_only or spent > 0.5 * args.budget_s:
+            why = "flag" if args.skip_transformers or args.decode_only else f"{spent:.0f}s spent"
+            result["notes"].append(f"transformers comparison skipped ({why})")
+        else:
+            compare_transformers(result, config, rng, spec.vocab_size)
+        shown = ("prefill_tok_s", "decode_tok_s", "roofline_pct")
     result["seconds"] = time.perf_counter() - started
     args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
-    log(json.dumps({k: result[k] for k in ("prefill_tok_s", "decode_tok_s", "roofline_pct")}))
+    log(json.dumps({k: result[k] for k in shown}))
     return 0
 
 

@@ -141,7 +141,8 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 if "fused_decode" in r:
     d = r["fused_decode"]
-    print(f"fused decode ({d.get('deltanet_decode')} DeltaNet, {d.get('router', '?')} router): "
+    forms = d.get("kernel_forms", {})
+    print(f"fused decode ({forms.get('ATLAS_DELTANET_DECODE')} DeltaNet, {forms.get('ATLAS_ROUTER')} router): "
           f"{d['decode_tok_s']:.1f} tok/s, roofline {d['roofline_pct']:.1f}%")
 if "mma_prefill" in r:
     print("prefill tok/s by attention form:", json.dumps(r["mma_prefill"].get("prefill_tok_s_by_form")))

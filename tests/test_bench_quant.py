@@ -315,3 +315,50 @@ def test_moe_bench_launch_plan_through_the_op_wrappers(rng: np.random.Generator)
         sizes[fmt] = result["expert_weight_bytes"]
     assert sizes["bf16"] == 2 * 3 * shape.experts * shape.hidden * shape.inter
     assert 1.9 < sizes["bf16"] / sizes["fp8"] < 2.0 and 3.3 < sizes["bf16"] / sizes["nvfp4"] < 3.6
+
+
+@pytest.mark.parametrize("mode", ["full", "--decode-only", "--prefill-only"])
+def test_decode_bench_writes_its_json_in_every_mode(mode: str, tmp_path: Path, rng: np.random.Generator,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/decode.py's plumbing without a GPU: the measurements are stand-ins, the JSON keys,
+    ratios, kernel forms and notes are the script's own."""
+    import json
+    from types import SimpleNamespace
+
+    import decode
+
+    tok_s = float(rng.uniform(50, 500))
+    run = SimpleNamespace(load_s=1.0, prefill_tok_s={"512": 3 * tok_s, "2048": 2 * tok_s}, decode_tok_s=tok_s,
+                          decode_tokens=256)
+    monkeypatch.setattr(decode, "run_atlas", lambda spec, rng, timed_prefill=True: (run, 4.0e12, "stand-in"))
+    monkeypatch.setattr(decode, "run_prefill_forms", lambda spec, rng: {"prefill_attention": "simt", "prefill_tok_s_by_form": {"simt": tok_s}})
+    monkeypatch.setattr(decode, "run_transformers",
+                        lambda config, rng, vocab: {"decode_tok_s": tok_s / 4, "prefill_tok_s": {"512": tok_s, "2048": tok_s}})
+    monkeypatch.setenv("ATLAS_ROUTER", "fused")
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["decode.py", "--out", str(out), *([] if mode == "full" else [mode])])
+    assert decode.main() == 0
+    result = json.loads(out.read_text())
+    assert result["kernel_forms"]["ATLAS_ROUTER"] == "fused" and result["kernel_forms"]["ATLAS_GEMM"] == "mma"
+    if mode == "--prefill-only":
+        assert result["prefill_tok_s_by_form"] == {"simt": tok_s} and "decode_tok_s" not in result
+        return
+    decode_spec = _decode_spec()
+    assert decode_spec.num_hidden_layers == 40
+    per_token = decode.decode_bytes_per_token(decode_spec, decode.DECODE_CONTEXT + decode.DECODE_TOKENS // 2)
+    assert result["roofline_pct"] == pytest.approx(100 * per_token["total"] * tok_s / 4.0e12)
+    if mode == "full":
+        assert result["speedup_vs_transformers"] == {"decode": pytest.approx(4.0), "prefill_512": pytest.approx(3.0),
+                                                     "prefill_2048": pytest.approx(2.0)}
+    else:
+        assert "transformers" not in result and any("skipped (flag)" in n for n in result["notes"])
+
+
+def _decode_spec() -> Any:
+    import synthetic
+
+    from atlas.config import load_spec
+
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic.write_config(Path(tmp))
+        return load_spec(Path(tmp))
