@@ -1,4 +1,4 @@
-"""Checkpoint names -> backend tensors: shape checks up front, float32 host arrays, progress bar.
+"""Checkpoint names -> backend tensors: shape checks up front, host arrays, progress bar.
 
 A model family (models/) lists the tensors it needs with their expected shapes; `WeightReader`
 checks every one before any data is read, so a checkpoint that does not match its config fails at
@@ -21,6 +21,7 @@ from .safetensors import Checkpoint
 
 TEXT_PREFIXES = ("model.language_model.", "model.")  # multimodal (nested) first, then text-only
 READABLE_DTYPES = frozenset({"F32", "BF16", "F16", "F64"})
+COMPACT_FLOAT_DTYPES = frozenset({"BF16", "F16"})  # exact in float32: converted where an op reads them
 Shape = tuple[int, ...]
 
 
@@ -99,14 +100,23 @@ class WeightReader:
             raise KeyError(f"{missing[0]} was not planned; add it to the family's plan")
 
     def array(self, name: str) -> np.ndarray:
-        """The planned tensor as a float32 host array (bf16 converted exactly)."""
+        """The planned tensor as a float32 host array (bf16 converted exactly); on a backend that
+        keeps stored floats (`keeps_stored_floats`: numpy), a bf16 / f16 matrix comes as stored,
+        a read-only view of the checkpoint's memory map, so it is never expanded to float32."""
         self._check_planned([name])
         if self.quantized.holds(name):
             data = self.quantized.weight(name).dequantize()
+        elif self._keeps_stored(name):
+            data = self.checkpoint.get_raw(name)
         else:
             data = np.asarray(self.checkpoint.get(name), dtype=np.float32)
         self._bar.update(self._stored_bytes(name))
         return data
+
+    def _keeps_stored(self, name: str) -> bool:
+        info = self.checkpoint.info(name)
+        compact = info.dtype in COMPACT_FLOAT_DTYPES and len(info.shape) >= 2
+        return compact and bool(getattr(self.backend, "keeps_stored_floats", False))
 
     def upload(self, array: np.ndarray) -> Tensor:
         """Matrices are stored as bf16 on backends that can, vectors stay f32."""

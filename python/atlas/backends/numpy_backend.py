@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..quant.stored import QuantizedWeight
 from ..sampling import choose_token
 from .base import (
     DeltaNetInputs,
@@ -17,6 +18,7 @@ from .base import (
     check_split_widths,
     compose_gated_delta_net,
 )
+from .host_weights import HostMatrix, HostQuantized, compact, dense, expert_matrix, matmul_t, row_parts
 
 DecodeStep = Callable[[Tensor, Tensor], Tensor]
 
@@ -157,25 +159,40 @@ def delta_rule_chunked(x: DeltaInputs, state: np.ndarray) -> np.ndarray:
 
 
 class NumpyBackend:
-    """Reference backend: numpy arrays in float32 (int32 for ids), computed on the host."""
+    """Reference backend: computes in float32 (int32 for ids) on the host. Matrices uploaded with
+    the bf16 hint stay as stored (bf16, or packed when quantized: host_weights.py) and are
+    converted to float32 inside the ops that read them."""
 
     name = "numpy"
+    keeps_stored_floats = True  # the loader hands bf16 / f16 matrices over unconverted
 
     # --- memory -------------------------------------------------------------------------------
     def upload(self, array: np.ndarray, dtype: StorageDType) -> Tensor:
+        if dtype == "bf16" and array.ndim >= 2 and array.dtype.kind not in "iub":
+            return compact(array)
         target = np.int32 if dtype == "i32" else np.float32
         return np.array(array, dtype=target, order="C", copy=True)
+
+    def upload_quantized(self, weight: QuantizedWeight) -> Tensor:
+        return HostQuantized((weight,))
+
+    def upload_quantized_rows(
+        self, weights: Sequence[QuantizedWeight], rows: np.ndarray | None, experts: int
+    ) -> Tensor:
+        return HostQuantized(tuple(weights), None if rows is None else np.asarray(rows), experts)
 
     def zeros(self, shape: tuple[int, ...], dtype: StorageDType) -> Tensor:
         return np.zeros(shape, dtype=np.int32 if dtype == "i32" else np.float32)
 
     def to_numpy(self, t: Tensor) -> np.ndarray:
-        array = np.asarray(t)
+        array = dense(t) if isinstance(t, (HostMatrix, HostQuantized)) else np.asarray(t)
         return array.astype(np.int32 if np.issubdtype(array.dtype, np.integer) else np.float32)
 
     # --- dense ops ----------------------------------------------------------------------------
     def embedding(self, table: Tensor, ids: Tensor) -> Tensor:
-        return table[ids]
+        if isinstance(table, HostMatrix):
+            return table.take(ids)  # [T, H]: only the rows read are converted
+        return dense(table)[ids]
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return _rms(x, eps) * weight
@@ -188,14 +205,14 @@ class NumpyBackend:
         return x + y
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        return x @ weight.T
+        return matmul_t(x, weight)
 
     def linear_split(self, x: Tensor, weight: Tensor, widths: Sequence[int]) -> list[Tensor]:
         """One matmul per part: BLAS may round a column block of a wider product differently, and
         the reference must not depend on how the loader grouped the parts (storage, backend hooks)."""
         check_split_widths(weight.shape, widths)
-        bounds = np.cumsum([0, *widths])
-        return [x @ weight[a:b].T for a, b in zip(bounds, bounds[1:])]  # [T, width] each
+        bounds = np.cumsum([0, *widths]).tolist()
+        return [matmul_t(x, part) for part in row_parts(weight, bounds)]  # [T, width] each
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         half = gate_up.shape[-1] // 2
@@ -231,6 +248,7 @@ class NumpyBackend:
     # --- linear attention (Gated DeltaNet) ----------------------------------------------------
     def causal_conv1d(self, x: Tensor, weight: Tensor, conv_state: Tensor) -> Tensor:
         tokens = x.shape[0]
+        weight = dense(weight)  # [C, K]
         width = weight.shape[1]
         window = np.concatenate([conv_state.T, x], axis=0)  # [K-1+T, C]
         out = np.zeros_like(x)
@@ -261,6 +279,7 @@ class NumpyBackend:
         self, x: Tensor, weight: Tensor, top_k: int, renormalize: bool, *, shared_expert: bool = False
     ) -> tuple[Tensor, Tensor]:
         experts = weight.shape[0] - int(shared_expert)
+        weight = dense(weight)  # [E (+1), H]
         logits = x @ weight[:experts].T  # [T, E]
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
@@ -277,8 +296,8 @@ class NumpyBackend:
         out = np.zeros_like(x)  # [T, H]
         for expert in np.unique(ids):
             tokens, slots = np.nonzero(ids == expert)
-            hidden = self.silu_mul(x[tokens] @ gate_up[expert].T)  # [n, I]
-            expert_out = hidden @ down[expert].T  # [n, H]
+            hidden = self.silu_mul(x[tokens] @ expert_matrix(gate_up, expert).T)  # [n, I]
+            expert_out = hidden @ expert_matrix(down, expert).T  # [n, H]
             out[tokens] += expert_out * weights[tokens, slots, None]  # a token picks an expert once
         return out
 
