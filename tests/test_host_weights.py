@@ -145,6 +145,7 @@ def test_host_memory_check_names_both_sizes_and_the_fix(tmp_path: Path) -> None:
     line = str(err.value)
     assert "\n" not in line and "0.0 GiB is available" in line and "GiB of host memory" in line
     assert "--device cuda" in line and "atlas.quantize" in line
+    assert "--kv-cache-dtype" in line  # the demo's 4096-token cache outweighs its weights
     assert available_bytes(tmp_path / "missing") is None
     check_numpy_fits(DEMO_DIR, spec, None, True, tmp_path / "missing")  # not Linux: no check
 
@@ -168,3 +169,54 @@ def test_footprint_counts_kv_cache_levels() -> None:
     layers = spec.layer_types.count("full_attention")
     assert full.kv_cache == layers * 2 * 4096 * spec.num_key_value_heads * spec.head_dim * 4
     assert 0 < turbo.kv_cache < full.kv_cache / 4 and full.total < 4 * GIB
+
+
+def sparse_qwen36(model_dir: Path) -> Path:
+    """A Qwen3.6-35B-A3B-shaped bf16 checkpoint (fused experts) whose data is a sparse file:
+    headers are real, nothing is read before the memory check."""
+    import json
+    import shutil
+    import struct
+
+    from atlas.models.qwen3_5_moe import Layout, model_plan
+    from atlas.targets import load_registry
+
+    constants = dict(load_registry().models["qwen3.6-35b-a3b"].constants)
+    config = json.loads((DEMO_DIR / "config.json").read_text())
+    config.update({k: v for k, v in constants.items() if k != "rotary_dim"})
+    layers, interval = constants["num_hidden_layers"], constants["full_attention_interval"]
+    config["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(config))
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_DIR / name, model_dir / name)
+    header, offset = {}, 0
+    for name, shape in model_plan(Layout("model.", True, load_spec(model_dir))).items():
+        size = 2 * int(np.prod(shape))
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    path = model_dir / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.truncate(8 + len(blob) + offset)
+    return model_dir
+
+
+def test_the_real_model_is_refused_in_one_line_where_it_does_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from atlas.backends import host_memory
+    from atlas.run import main
+
+    model_dir = sparse_qwen36(tmp_path / "qwen3.6")
+    footprint = host_footprint(load_spec(model_dir), Checkpoint.open(model_dir), HostRun(4096, KVCacheOptions(), True))
+    stored = Checkpoint.open(model_dir)
+    params = sum(int(np.prod(stored.shape(n))) for n in stored.names())
+    assert 34e9 < params < 36e9 and footprint.weights < 2.001 * params  # bf16 as stored, not 4 bytes
+    monkeypatch.setattr(host_memory, "MEMINFO", write_meminfo(tmp_path / "meminfo", 24 << 20))  # a 24 GiB host
+    code = main(["--model", str(model_dir), "--prompt", "hello", "--device", "cpu"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert f"needs {footprint.total / GIB:.1f} GiB" in lines[0] and "only 24.0 GiB is available" in lines[0]
+    assert "--kv-cache-dtype" not in lines[0]  # 0.2 GiB of cache beside 65 GiB of weights

@@ -131,9 +131,11 @@ def available_bytes(meminfo: Path = MEMINFO) -> int | None:
 def check_host_memory(footprint: HostFootprint, available: int | None) -> None:
     if available is None or footprint.total <= available:
         return
+    fixes = ["run it on a GPU (--device cuda)", "use a quantized checkpoint (python -m atlas.quantize --to nvfp4)"]
+    if footprint.kv_cache > footprint.weights // 4:  # only where the cache is worth shrinking
+        fixes.append("a smaller KV cache (--kv-cache-dtype turbo4)")
     raise AtlasError(
         f"the model needs {footprint.total / GIB:.1f} GiB of host memory on the CPU backend "
         f"({footprint.describe()}) but only {available / GIB:.1f} GiB is available (MemAvailable); "
-        "run it on a GPU (--device cuda), use a quantized checkpoint (python -m atlas.quantize --to nvfp4), "
-        "a smaller KV cache (--kv-cache-dtype turbo4), or free or add RAM"
+        f"{', '.join(fixes)}, or free or add RAM"
     )
