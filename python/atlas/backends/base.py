@@ -78,8 +78,9 @@ class Backend(Protocol):
 
     # --- memory -------------------------------------------------------------------------------
     def upload(self, array: np.ndarray, dtype: StorageDType) -> Tensor:
-        """Copy a host array to the backend. `dtype` is the storage hint: the numpy backend keeps
-        float data in float32 whatever the hint; the CUDA backend stores bf16 matrices."""
+        """Copy a host array to the backend. `dtype` is the storage hint: the CUDA backend stores
+        bf16 matrices; the numpy backend keeps bf16 / f16 matrices as given (float32 ones as bf16
+        where exact) and converts them to float32 inside its ops (host_weights.py)."""
 
     def zeros(self, shape: tuple[int, ...], dtype: StorageDType) -> Tensor:
         """A new zero-filled tensor (caches and states)."""
