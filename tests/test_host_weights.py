@@ -220,3 +220,21 @@ def test_the_real_model_is_refused_in_one_line_where_it_does_not_fit(
     assert code == 2 and len(lines) == 1, lines
     assert f"needs {footprint.total / GIB:.1f} GiB" in lines[0] and "only 24.0 GiB is available" in lines[0]
     assert "--kv-cache-dtype" not in lines[0]  # 0.2 GiB of cache beside 65 GiB of weights
+
+
+def test_loader_stacks_are_kept_not_copied(tmp_path: Path) -> None:
+    """The loader's own bf16 temporaries (expert stacks) reach the numpy backend read-only and are
+    kept as they are; an array a caller uploads writable is still copied."""
+    from atlas.loader import WeightReader
+
+    checkpoint = Checkpoint.open(DEMO_DIR)
+    name = next(n for n in checkpoint.names() if len(checkpoint.shape(n)) == 2)
+    backend = NumpyBackend()
+    reader = WeightReader(checkpoint, backend, {name: checkpoint.shape(name)})
+    stack = np.stack([reader.array(name)] * 2)  # [2, N, K] bf16, writable
+    kept = reader.upload(stack)
+    assert isinstance(kept, HostMatrix) and np.shares_memory(kept.stored, stack)
+    reader.close()
+    copied = backend.upload(stack, "bf16")
+    assert isinstance(copied, HostMatrix) and not np.shares_memory(copied.stored, stack)
+    assert np.shares_memory(reader.upload(reader.array(name)).stored, checkpoint.get_raw(name))  # the map itself

@@ -119,8 +119,14 @@ class WeightReader:
         return compact and bool(getattr(self.backend, "keeps_stored_floats", False))
 
     def upload(self, array: np.ndarray) -> Tensor:
-        """Matrices are stored as bf16 on backends that can, vectors stay f32."""
-        return self.backend.upload(np.ascontiguousarray(array), "bf16" if array.ndim >= 2 else "f32")
+        """Matrices are stored as bf16 on backends that can, vectors stay f32. The arrays are the
+        loader's own temporaries: a backend that keeps stored floats gets them read-only, which
+        lets it keep them instead of copying (a layer's expert stack is a GiB on Qwen3.6)."""
+        data = np.ascontiguousarray(array)
+        if getattr(self.backend, "keeps_stored_floats", False):
+            data = data.view()
+            data.flags.writeable = False
+        return self.backend.upload(data, "bf16" if array.ndim >= 2 else "f32")
 
     def tensor(self, name: str) -> Tensor:
         """A whole planned tensor; a quantized one goes packed to a backend with
