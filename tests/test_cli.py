@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from atlas.run import main
-from runtime_checkpoint import make_tiny_checkpoint, train_tokenizer, transformers_greedy
+from _conditioning import draw_conditioned
+from runtime_checkpoint import make_tiny_checkpoint, train_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,12 +38,17 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_streams_transformers_greedy_text(tiny_dir: Path, rng: np.random.Generator) -> None:
     from atlas.tokenizer import Tokenizer
 
-    prompt = " ".join(rng.choice(["Simple", "is", "better", "than", "complex", "naïve", "世界"], size=4))
+    tokenizer = Tokenizer.open(tiny_dir)
+
+    def draw() -> tuple[str, list[int]]:
+        prompt = " ".join(rng.choice(["Simple", "is", "better", "than", "complex", "naïve", "世界"], size=4))
+        return prompt, tokenizer.encode(prompt)
+
+    prompt, greedy_ids = draw_conditioned(tiny_dir, draw, 12)
+    prompt_ids = tokenizer.encode(prompt)
     done = run_cli("--model", str(tiny_dir), "--prompt", prompt, "--max-tokens", "12", "--device", "cpu")
     assert done.returncode == 0, done.stderr
-    tokenizer = Tokenizer.open(tiny_dir)
-    prompt_ids = tokenizer.encode(prompt)
-    expected = tokenizer.decode(transformers_greedy(tiny_dir, prompt_ids, 12))
+    expected = tokenizer.decode(greedy_ids)
     assert done.stdout == expected + "\n"
     stats = done.stderr.strip().splitlines()[-1]
     assert f"prompt {len(prompt_ids)} tokens" in stats

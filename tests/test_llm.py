@@ -15,7 +15,8 @@ from atlas.backends import create_backend
 from atlas.config import load_spec
 from atlas.errors import AtlasError
 from atlas.llm import GenerateOptions
-from runtime_checkpoint import make_tiny_checkpoint, transformers_greedy
+from _conditioning import draw_conditioned
+from runtime_checkpoint import make_tiny_checkpoint
 
 PROMPT_WORDS = ["Beautiful", "is", "better", "than", "ugly", "café", "你好", "🙂", "Flat", "dense."]
 
@@ -38,22 +39,28 @@ def random_prompt(rng: np.random.Generator) -> str:
 
 @pytest.mark.oracle
 def test_greedy_matches_transformers(tiny: LLM, tiny_dir: Path, rng: np.random.Generator) -> None:
-    prompt = random_prompt(rng)
+    def draw() -> tuple[str, list[int]]:
+        prompt = random_prompt(rng)
+        return prompt, tiny.tokenizer.encode(prompt)
+
+    prompt, expected = draw_conditioned(tiny_dir, draw, 16)
     result = tiny.generate(prompt, max_tokens=16)
-    prompt_ids = tiny.tokenizer.encode(prompt)
-    assert result.prompt_tokens == len(prompt_ids)
-    assert result.token_ids == transformers_greedy(tiny_dir, prompt_ids, 16)
+    assert result.prompt_tokens == len(tiny.tokenizer.encode(prompt))
+    assert result.token_ids == expected
     assert result.text == tiny.tokenizer.decode(result.token_ids)
     assert result.prefill_tok_s > 0 and result.decode_tok_s >= 0
 
 
 @pytest.mark.oracle
 def test_chat_prompt_matches_transformers(tiny: LLM, tiny_dir: Path, rng: np.random.Generator) -> None:
-    prompt = random_prompt(rng)
+    def draw() -> tuple[str, list[int]]:
+        prompt = random_prompt(rng)
+        return prompt, tiny.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+
+    prompt, expected = draw_conditioned(tiny_dir, draw, 8)
     result = tiny.generate(prompt, max_tokens=8, chat=True)
-    chat_ids = tiny.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-    assert result.prompt_tokens == len(chat_ids)
-    assert result.token_ids == transformers_greedy(tiny_dir, chat_ids, 8)
+    assert result.prompt_tokens == len(tiny.tokenizer.encode_chat([{"role": "user", "content": prompt}]))
+    assert result.token_ids == expected
 
 
 def test_token_id_prompt_equals_text_prompt(tiny: LLM, rng: np.random.Generator) -> None:

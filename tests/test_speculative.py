@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _checkpoints import TinyModel, random_value, write_checkpoint
+from _conditioning import MAX_DRAWS, well_conditioned
 from atlas.backends.base import SamplingParams
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.config import ModelSpec, load_spec
@@ -129,37 +130,6 @@ def test_demo_greedy_unchanged(demo_mtp: Path, k: int) -> None:
     assert isinstance(stats, SpecStats) and stats.drafted > 0
     assert stats.token_ids == expected
     check_rounds(stats, 40)
-
-
-TIE_MARGIN = 1e-5  # router probability / relative logit gap below which rounding could decide
-MAX_DRAWS = 20
-
-
-class RouterMargins(NumpyBackend):
-    """The numpy backend, noting each router call's smallest gap at the top-k cut."""
-
-    def __init__(self) -> None:
-        self.margins: list[float] = []
-
-    def router(self, x, weight, top_k, renormalize, *, shared_expert=False):  # type: ignore[no-untyped-def]
-        logits = x @ weight[: weight.shape[0] - int(shared_expert)].T  # [T, E]
-        probs = np.sort(np.exp(logits - logits.max(axis=-1, keepdims=True)), axis=-1)[:, ::-1]
-        probs /= probs.sum(axis=-1, keepdims=True)
-        if top_k < probs.shape[-1]:
-            self.margins.append(float((probs[:, top_k - 1] - probs[:, top_k]).min()))
-        return super().router(x, weight, top_k, renormalize, shared_expert=shared_expert)
-
-
-def well_conditioned(model_dir: Path, prompt: list[int], tokens: list[int]) -> bool:
-    """False when float32 rounding alone could decide the greedy path (a router top-k cut or the
-    greedy choice near a tie): a verify pass over K + 1 positions rounds differently from single
-    steps, so such draws say nothing about speculation."""
-    backend = RouterMargins()
-    engine = Engine(load_spec(model_dir), Checkpoint.open(model_dir), backend, max_seq_len=256)
-    logits = engine.logits(prompt + tokens)[len(prompt) - 1 : -1]  # [N, V], the greedy choices
-    top2 = np.sort(logits, axis=-1)[:, -2:]
-    gap = float((top2[:, 1] - top2[:, 0]).min() / np.abs(logits).max())
-    return min(backend.margins, default=1.0) > TIE_MARGIN and gap > TIE_MARGIN
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
