@@ -353,12 +353,41 @@ def test_sample_matches_reference(env: Env, rng: np.random.Generator) -> None:
     for params in settings:
         for _ in range(3):
             logits = normal(rng, 1, v, scale=4)
-            uniform = float(rng.random())
-            env.gpu.rt.reset_step()
-            env.gpu.rt.poison_scratch()
-            got = env.gpu.to_numpy(env.gpu.sample(env.gpu.upload(logits, "f32"), params, uniform))
-            want = env.ref.sample(logits, params, uniform)
-            assert got.shape == (1,) and int(got[0]) == int(want[0]), f"{params} u={uniform}"
+            check_sample(env, logits, params, float(rng.random()), "")
+
+
+SAMPLE_TOLERANCE = 1e-6  # of the kept mass: the device's expf and sums move each CDF step by ~1e-7
+
+
+def check_sample(env: Env, logits: np.ndarray, params: SamplingParams, uniform: float, label: str) -> None:
+    """The device's token (scratch poisoned first) is the reference's for the same uniform draw,
+    or one whose CDF interval (or keep threshold) the draw misses only by rounding: over a
+    248K-token vocabulary a 1e-7 shift of the cumulative sum moves ~1 % of draws to a neighbour."""
+    env.gpu.rt.reset_step()
+    env.gpu.rt.poison_scratch()
+    got = env.gpu.to_numpy(env.gpu.sample(env.gpu.upload(logits, "f32"), params, uniform))
+    want = env.ref.sample(logits, params, uniform)
+    assert got.shape == (1,), f"{params} {label}: shape {got.shape}"
+    if int(got[0]) != int(want[0]):
+        assert within_rounding_of_draw(logits[0], params, uniform, int(got[0])), f"{params} {label} u={uniform}"
+
+
+def within_rounding_of_draw(logits: np.ndarray, params: SamplingParams, uniform: float, token: int) -> bool:
+    """Whether `token` would be chosen by the reference (atlas.sampling.choose_token's steps) for a
+    draw, or a keep threshold, off by SAMPLE_TOLERANCE of the kept mass."""
+    from atlas.sampling import softmax_probs, top_k_mask, top_p_mask
+
+    probs = softmax_probs(logits, params.temperature)  # [V]
+    keep = top_p_mask(probs, top_k_mask(probs, params.top_k), params.top_p)
+    kept = np.where(keep, probs, 0.0).astype(np.float64)  # [V]
+    cumulative = np.cumsum(kept)  # [V]
+    tolerance = SAMPLE_TOLERANCE * cumulative[-1]
+    target = uniform * cumulative[-1]
+    if not 0 <= token < probs.shape[0]:
+        return False
+    if not keep[token]:  # a tie at the top-k / top-p cut decided by rounding
+        return bool(probs[token] >= kept[keep].min() * (1 - SAMPLE_TOLERANCE))
+    return bool(cumulative[token] - kept[token] - tolerance <= target <= cumulative[token] + tolerance)
 
 
 def test_sample_extremes_match_reference(env: Env, rng: np.random.Generator) -> None:
@@ -378,9 +407,4 @@ def test_sample_extremes_match_reference(env: Env, rng: np.random.Generator) -> 
                 logits *= 1e10
             elif kind in ("nan", "inf"):
                 logits[0, rng.choice(v, size=7, replace=False)] = np.nan if kind == "nan" else np.inf
-            uniform = float(rng.random())
-            env.gpu.rt.reset_step()
-            env.gpu.rt.poison_scratch()
-            got = env.gpu.to_numpy(env.gpu.sample(env.gpu.upload(logits, "f32"), params, uniform))
-            want = env.ref.sample(logits, params, uniform)
-            assert got.shape == (1,) and int(got[0]) == int(want[0]), f"{params} {kind} u={uniform}"
+            check_sample(env, logits, params, float(rng.random()), kind)

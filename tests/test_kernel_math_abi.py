@@ -529,3 +529,26 @@ def test_conv1d_chunks_and_state_equal_the_reference(rng: np.random.Generator) -
         got = emulate_causal_conv1d(x, weight, got_state)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(got_state, want_state)
+
+
+def test_sample_rounding_rule_accepts_only_neighbours_across_a_boundary(rng: np.random.Generator) -> None:
+    """test_gpu_ops' within_rounding_of_draw: the reference's own token; the neighbour when the
+    draw sits on their CDF boundary (to 1e-9 of the mass); never a token whose interval is away."""
+    from test_gpu_ops import within_rounding_of_draw
+
+    from atlas.backends.base import SamplingParams
+    from atlas.sampling import choose_token, softmax_probs
+
+    logits = rng.standard_normal(5000).astype(np.float32)  # every p > 1e-6 of the mass: no token is "near" by size
+    params = SamplingParams(1.0, 0, 1.0)
+    for uniform in rng.random(20):
+        token = choose_token(logits, params, float(uniform))
+        assert within_rounding_of_draw(logits, params, float(uniform), token)
+        far = (token + 2500) % 5000
+        assert not within_rounding_of_draw(logits, params, float(uniform), far)
+    cumulative = np.cumsum(softmax_probs(logits, 1.0).astype(np.float64))
+    boundary = int(rng.integers(100, 4900))
+    uniform = float(cumulative[boundary] / cumulative[-1]) - 1e-9  # just inside `boundary`'s interval
+    assert choose_token(logits, params, uniform) == boundary
+    assert within_rounding_of_draw(logits, params, uniform, boundary + 1)
+    assert not within_rounding_of_draw(logits, params, uniform, boundary + 3)
