@@ -5,6 +5,8 @@ launches. Launch geometry constants mirror the kernel headers named beside them.
 
 from __future__ import annotations
 
+import ctypes
+
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -200,15 +202,35 @@ def linear(rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor, *, gemm_with:
         return out
     params = kp.LinearParams(x=x.ptr, weight=weight.ptr, out=out.ptr, tokens=tokens, n=n, k=k)
     if tokens <= GEMV_MAX_TOKENS:
-        wide_blocks = _ceil_div(n, GEMV_WIDE_ROWS_PER_BLOCK)
-        if wide_blocks >= GEMV_WIDE_MIN_WAVES * rt.sm_count:
-            rt.launch(f"atlas_gemv_t{tokens}", (wide_blocks, 1, 1), (GEMV_THREADS, 1, 1), params)
-        else:
-            grid = (_ceil_div(n, GEMV_NARROW_ROWS_PER_BLOCK), 1, 1)
-            rt.launch(f"atlas_gemv_narrow_t{tokens}", grid, (GEMV_THREADS, 1, 1), params)
+        gemv(rt, "atlas_gemv", params)
     else:
         gemm(rt, params, gemm_with)
     return out
+
+
+@dataclass(frozen=True)
+class GemvGeometry:
+    """Block shape of a family of decode GEMV kernels (mirrors its header's constants)."""
+
+    threads: int
+    wide_rows: int  # output rows per block of the wide form
+    narrow_rows: int
+    wide_min_waves: int  # the wide form only when its blocks fill every SM this many times
+
+
+DENSE_GEMV = GemvGeometry(GEMV_THREADS, GEMV_WIDE_ROWS_PER_BLOCK, GEMV_NARROW_ROWS_PER_BLOCK, GEMV_WIDE_MIN_WAVES)
+
+
+def gemv(rt: CudaRuntime, entry: str, params: ctypes.Structure, shape: GemvGeometry = DENSE_GEMV) -> None:
+    """The decode GEMV `entry`_t{T} (or `entry`_narrow_t{T}) of a LinearParams-shaped `params`:
+    the wide form (more rows per block) when it still fills the SMs `wide_min_waves` times."""
+    tokens, n = params.tokens, params.n
+    wide_blocks = _ceil_div(n, shape.wide_rows)
+    if wide_blocks >= shape.wide_min_waves * rt.sm_count:
+        rt.launch(f"{entry}_t{tokens}", (wide_blocks, 1, 1), (shape.threads, 1, 1), params)
+    else:
+        grid = (_ceil_div(n, shape.narrow_rows), 1, 1)
+        rt.launch(f"{entry}_narrow_t{tokens}", grid, (shape.threads, 1, 1), params)
 
 
 def head_norm_rope(

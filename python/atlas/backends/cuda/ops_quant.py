@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from atlas.kernel_params import quant as kp
 
 from .ops_common import INT32_MAX, ceil_div as _ceil_div, expect as _expect
+from .ops_dense import GemvGeometry, gemv
 from .ops_linear_moe import moe_combine, moe_route
 from .quant_weights import CHUNK, QuantWeight
 
@@ -22,6 +23,7 @@ GEMV_THREADS = 256  # gemv_quant.cuh kQGemvThreads
 GEMV_WIDE_ROWS_PER_BLOCK = 32  # 8 warps x kQGemvWideRows
 GEMV_NARROW_ROWS_PER_BLOCK = 8  # 8 warps x kQGemvNarrowRows
 GEMV_WIDE_MIN_WAVES = 2  # as ops_dense: wide blocks only when they fill every SM twice
+QUANT_GEMV = GemvGeometry(GEMV_THREADS, GEMV_WIDE_ROWS_PER_BLOCK, GEMV_NARROW_ROWS_PER_BLOCK, GEMV_WIDE_MIN_WAVES)
 GEMM_THREADS = 128  # gemm.cuh kGemmThreads
 GEMM_BM = 64
 GEMM_BN = 128
@@ -56,12 +58,7 @@ def linear(rt: CudaRuntime, x: DeviceTensor, w: QuantWeight) -> DeviceTensor:
     params = kp.QuantLinearParams(x=x.ptr, weight=w.q.ptr, scale=w.scale.ptr, row_scale=w.row_scale_ptr,
                                   out=out.ptr, tokens=tokens, n=n, k=k)
     if tokens <= GEMV_MAX_TOKENS:
-        wide_blocks = _ceil_div(n, GEMV_WIDE_ROWS_PER_BLOCK)
-        if wide_blocks >= GEMV_WIDE_MIN_WAVES * rt.sm_count:
-            rt.launch(f"atlas_qgemv_{w.format}_t{tokens}", (wide_blocks, 1, 1), (GEMV_THREADS, 1, 1), params)
-        else:
-            grid = (_ceil_div(n, GEMV_NARROW_ROWS_PER_BLOCK), 1, 1)
-            rt.launch(f"atlas_qgemv_{w.format}_narrow_t{tokens}", grid, (GEMV_THREADS, 1, 1), params)
+        gemv(rt, f"atlas_qgemv_{w.format}", params, QUANT_GEMV)
     else:
         grid = (_ceil_div(n, GEMM_BN), _ceil_div(tokens, GEMM_BM), 1)
         rt.launch(f"atlas_qgemm_{w.format}", grid, (GEMM_THREADS, 1, 1), params)
