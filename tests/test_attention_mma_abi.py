@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from atlas.backends.cuda import ops_dense
+from atlas.backends.base import KVCache
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.errors import AtlasError
 
@@ -237,8 +238,9 @@ def _problem(rng: np.random.Generator, shape: tuple[int, int, int, int], tokens:
     k_cache[live:], v_cache[live:] = np.nan, np.nan  # never written: must never be read
     scale = dim**-0.5
     ref = NumpyBackend().attention(q.astype(np.float32), k_cache[start:live].astype(np.float32),
-                                   v_cache[start:live].astype(np.float32), k_cache.astype(np.float32).copy(),
-                                   v_cache.astype(np.float32).copy(), positions, scale)
+                                   v_cache[start:live].astype(np.float32),
+                                   KVCache(k_cache.astype(np.float32).copy(), v_cache.astype(np.float32).copy()),
+                                   positions, scale)
     return Problem(q, k_cache, v_cache, positions, scale), ref
 
 
@@ -345,7 +347,8 @@ def test_backend_reads_the_form_once_and_opts_into_the_smem(monkeypatch: pytest.
     tokens, (hq, hkv, d) = int(rng.integers(5, 200)), (16, 2, 256)
     f = lambda *s: rt.empty(s, "f32")  # noqa: E731
     caches = [rt.zeros((256, hkv, d), "bf16") for _ in range(2)]
-    backend.attention(f(tokens, hq, d), f(tokens, hkv, d), f(tokens, hkv, d), *caches, rt.empty((tokens,), "i32"), 1 / 16)
+    backend.attention(f(tokens, hq, d), f(tokens, hkv, d), f(tokens, hkv, d), KVCache(*caches), rt.empty((tokens,), "i32"),
+                      1 / 16)
     kernel, grid, _, smem = driver.launches[-1]
     assert kernel == {"simt": "atlas_attention_prefill", "mma": "atlas_attention_prefill_mma"}[form]
     if form == "mma":

@@ -28,6 +28,7 @@ from atlas.layers.linear_attention import GatedDeltaNet
 from atlas.layers.step import Step
 
 import test_delta_decode_abi as abi
+from _operands import delta_rule_operands
 import test_gpu_delta_decode as gpu_test
 from test_cuda_select import FakeDriver, make_runtime
 
@@ -139,8 +140,8 @@ def _three(name: str, raw: bytes) -> None:
         r = linear_moe.GatedDeltaRuleParams.from_buffer_copy(raw)
         t, hv, dk, dv = r.num_tokens, r.num_v_heads, r.k_head_dim, r.v_head_dim
         mixed = _f32(r.mixed_qkv, t, 2 * r.num_k_heads * dk + hv * dv).copy()
-        out = ref.gated_delta_rule(mixed, _f32(r.a, t, hv).copy(), _f32(r.b, t, hv).copy(), _f32(r.A_log, hv),
-                                   _f32(r.dt_bias, hv), _f32(r.state, hv, dk, dv), r.num_k_heads)
+        layer = delta_rule_operands(_f32(r.A_log, hv), _f32(r.dt_bias, hv), _f32(r.state, hv, dk, dv), r.num_k_heads)
+        out = ref.gated_delta_rule(mixed, _f32(r.a, t, hv).copy(), _f32(r.b, t, hv).copy(), layer)
         _f32(r.out, t, hv, dv)[...] = out
     elif name == "atlas_gated_rms_norm":
         n = linear_moe.GatedRmsNormParams.from_buffer_copy(raw)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from atlas.backends.base import KVCache
 from atlas.backends.numpy_backend import NumpyBackend
 
 from test_gpu_ops import BF16_FLOOR, MODELS, bf16_round, check_bound, normal, open_gpu_backend
@@ -41,7 +42,7 @@ def _inputs(rng: np.random.Generator, dims: dict[str, int], tokens: int, start: 
 
 def _reference(x: dict[str, np.ndarray], rounded: bool, scale: float) -> np.ndarray:
     arrays = {name: bf16_round(a) if rounded and name != "positions" else a.copy() for name, a in x.items()}
-    return NumpyBackend().attention(arrays["q"], arrays["k"], arrays["v"], arrays["k_cache"], arrays["v_cache"],
+    return NumpyBackend().attention(arrays["q"], arrays["k"], arrays["v"], KVCache(arrays["k_cache"], arrays["v_cache"]),
                                     arrays["positions"], scale)
 
 
@@ -89,6 +90,6 @@ def test_backend_takes_the_form_it_was_built_with(gpu: tuple[str, Any, dict[str,
     dev = {name: mma_backend.upload(a, storage.get(name, "f32")) for name, a in x.items()}
     backend.rt.reset_step()
     backend.rt.poison_scratch()
-    got = mma_backend.to_numpy(mma_backend.attention(dev["q"], dev["k"], dev["v"], dev["k_cache"], dev["v_cache"],
+    got = mma_backend.to_numpy(mma_backend.attention(dev["q"], dev["k"], dev["v"], KVCache(dev["k_cache"], dev["v_cache"]),
                                                      dev["positions"], scale))
     np.testing.assert_array_equal(got, want, err_msg=f"{model}: backend attention is not the mma kernel's")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_gpu_ops import Env, In, check_bound, normal, run_op
+from test_gpu_ops import Env, In, check_bound, delta_rule_args, normal, run_op
 from test_gpu_ops import env as env  # noqa: F401  (the module-scoped GPU fixture)
 
 pytestmark = pytest.mark.gpu
@@ -28,7 +28,7 @@ def _inputs(env: Env, rng: np.random.Generator, tokens: int) -> list[In | int]:
 def test_chunked_delta_rule_matches_the_reference(env: Env, rng: np.random.Generator, tokens: int,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ATLAS_DELTA_RULE", "chunked")
-    run_op(env, "gated_delta_rule", _inputs(env, rng, tokens), FLOOR)
+    run_op(env, "gated_delta_rule", _inputs(env, rng, tokens), FLOOR, pack=delta_rule_args)
 
 
 def test_chunked_and_recurrent_forms_agree(env: Env, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,7 +38,7 @@ def test_chunked_and_recurrent_forms_agree(env: Env, rng: np.random.Generator, m
         monkeypatch.setenv("ATLAS_DELTA_RULE", form)
         args = [env.gpu.upload(x.value, x.storage) if isinstance(x, In) else x for x in inputs]
         env.gpu.rt.reset_step()
-        out = env.gpu.to_numpy(env.gpu.gated_delta_rule(*args))
+        out = env.gpu.to_numpy(env.gpu.gated_delta_rule(*delta_rule_args(args)))
         results.append((out, env.gpu.to_numpy(args[5])))
     (out_r, state_r), (out_c, state_c) = results
     check_bound("chunked vs recurrent output", out_c, out_r, out_r, FLOOR)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from atlas.backends.base import KVCache
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.errors import AtlasError
 from atlas.kvcache.levels import get_level
@@ -96,10 +97,10 @@ def test_attention_through_each_level_matches_numpy(gpu: tuple[Any, dict[str, in
     for tokens in (70, 1, 3, 1, 40):  # prefill kernel, decode (split-K + combine), prefill again
         q, k, v = (_vectors(rng, tokens, h, d, largest=3.0) for h in (hq, hkv, hkv))  # softmax not one-hot
         positions = np.arange(start, start + tokens, dtype=np.int32)
-        want = ref.attention(q, k, v, ref_k, ref_v, positions, 1.0 / math.sqrt(d))
+        want = ref.attention(q, k, v, KVCache(ref_k, ref_v), positions, 1.0 / math.sqrt(d))
         backend.rt.reset_step()
         out = backend.attention(backend.upload(q, "f32"), backend.upload(k, "f32"), backend.upload(v, "f32"),
-                                k_cache, v_cache, backend.upload(positions, "i32"), 1.0 / math.sqrt(d))
+                                KVCache(k_cache, v_cache), backend.upload(positions, "i32"), 1.0 / math.sqrt(d))
         got = backend.to_numpy(out)
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
         assert np.all(np.isfinite(got)) and err < ATTENTION_RTOL, f"{level} at {start}+{tokens}: relative error {err:.2e}"

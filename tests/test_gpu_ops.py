@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pytest
 
-from atlas.backends.base import SamplingParams
+from atlas.backends.base import KVCache, SamplingParams
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.errors import AtlasError
+
+from _operands import delta_rule_operands
 
 pytestmark = pytest.mark.gpu
 
@@ -129,18 +132,24 @@ def check_bound(name: str, out: np.ndarray, ref32: np.ndarray, ref16: np.ndarray
     assert err <= 2 * err16 + floor, f"{name}: err {err:.3e} > 2 * {err16:.3e} + {floor:.0e}"
 
 
-def run_op(env: Env, op: str, inputs: list[Any], floor: float) -> list[np.ndarray]:
+def _flat(args: list[Any]) -> list[Any]:
+    return args
+
+
+def run_op(env: Env, op: str, inputs: list[Any], floor: float,
+           pack: Callable[[list[Any]], list[Any]] = _flat) -> list[np.ndarray]:
     """Run op on the GPU and on both references; check every float output and state. Returns
-    the GPU outputs (as numpy) for op-specific checks. Plain values (eps, top_k) pass as they are."""
+    the GPU outputs (as numpy) for op-specific checks. Plain values (eps, top_k) pass as they are.
+    `pack` groups the flat argument list into the op's arguments (a KVCache, DeltaNetOperands)."""
     inputs = _as_inputs(inputs)
     args32, args16 = _host_args(inputs, False), _host_args(inputs, True)
-    ref32 = _outputs(getattr(env.ref, op)(*args32))
-    ref16 = _outputs(getattr(env.ref, op)(*args16))
+    ref32 = _outputs(getattr(env.ref, op)(*pack(args32)))
+    ref16 = _outputs(getattr(env.ref, op)(*pack(args16)))
     gpu_args = _gpu_args(env, inputs)
     rt = env.gpu.rt
     rt.reset_step()
     rt.poison_scratch()
-    gpu_out = [env.gpu.to_numpy(t) for t in _outputs(getattr(env.gpu, op)(*gpu_args))]
+    gpu_out = [env.gpu.to_numpy(t) for t in _outputs(getattr(env.gpu, op)(*pack(gpu_args)))]
     assert len(gpu_out) == len(ref32), f"{op}: {len(gpu_out)} outputs, expected {len(ref32)}"
     for i, (out, r32, r16) in enumerate(zip(gpu_out, ref32, ref16)):
         if np.issubdtype(np.asarray(r32).dtype, np.floating):
@@ -240,6 +249,18 @@ def test_head_norm_rope(env: Env, rng: np.random.Generator, tokens: int, start: 
                 In(positions, "i32"), env.d("rotary_dim"), theta, 1e-6], F32_FLOOR * 5)
 
 
+def attention_args(args: list[Any]) -> list[Any]:
+    """q, k, v, k_cache, v_cache, positions, scale -> Backend.attention's arguments."""
+    q, k, v, k_cache, v_cache, positions, scale = args
+    return [q, k, v, KVCache(k_cache, v_cache), positions, scale]
+
+
+def delta_rule_args(args: list[Any]) -> list[Any]:
+    """mixed_qkv, a, b, A_log, dt_bias, state, num_k_heads -> Backend.gated_delta_rule's arguments."""
+    mixed, a, b, a_log, dt_bias, state, num_k_heads = args
+    return [mixed, a, b, delta_rule_operands(a_log, dt_bias, state, num_k_heads)]
+
+
 @pytest.mark.parametrize("tokens,start", [(1, 0), (1, 700), (3, 64), (17, 0), (80, 0), (40, 300)])
 def test_attention(env: Env, rng: np.random.Generator, tokens: int, start: int) -> None:
     hq, hkv, d = env.d("num_attention_heads"), env.d("num_key_value_heads"), env.d("head_dim")
@@ -250,7 +271,7 @@ def test_attention(env: Env, rng: np.random.Generator, tokens: int, start: int) 
     run_op(env, "attention",
            [In(q, "f32", rounds=True), In(k, "f32", rounds=True), In(v, "f32", rounds=True),
             In(k_cache, "bf16", state=True), In(v_cache, "bf16", state=True), In(positions, "i32"),
-            1.0 / math.sqrt(d)], BF16_FLOOR * 5)
+            1.0 / math.sqrt(d)], BF16_FLOOR * 5, pack=attention_args)
 
 
 # --- linear attention -----------------------------------------------------------------------------
@@ -273,7 +294,7 @@ def test_gated_delta_rule(env: Env, rng: np.random.Generator, tokens: int) -> No
     state = normal(rng, hv, dk, dv, scale=0.1)
     run_op(env, "gated_delta_rule",
            [In(mixed, "f32"), In(a, "f32"), In(b, "f32"), In(a_log, "f32"), In(dt_bias, "f32"),
-            In(state, "f32", state=True), hk], 1e-4)
+            In(state, "f32", state=True), hk], 1e-4, pack=delta_rule_args)
 
 
 @pytest.mark.parametrize("tokens", [1, 17])

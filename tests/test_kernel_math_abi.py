@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from atlas.backends.base import SamplingParams
+from atlas.backends.base import KVCache, SamplingParams
 from atlas.backends.numpy_backend import DeltaInputs, NumpyBackend, delta_rule_recurrent, rope_cos_sin
 from atlas.sampling import choose_token
 
@@ -230,7 +230,7 @@ def test_attention_split_tiling_equals_the_reference(rng: np.random.Generator) -
         q = rng.standard_normal((tokens, q_heads, dim)).astype(np.float32)
         k, v = (rng.standard_normal((tokens, kv_heads, dim)).astype(np.float32) for _ in range(2))
         k_cache, v_cache = (rng.standard_normal((capacity, kv_heads, dim)).astype(np.float32) for _ in range(2))
-        want = NumpyBackend().attention(q, k, v, k_cache, v_cache, positions, dim**-0.5)  # writes the caches
+        want = NumpyBackend().attention(q, k, v, KVCache(k_cache, v_cache), positions, dim**-0.5)  # writes the caches
         got = emulate_attention(q, k_cache, v_cache, positions)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"T={tokens} S={capacity} start={start}")
 

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from atlas.backends.base import KVCache
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.errors import AtlasError
 from atlas.kvcache import LEVEL_NAMES, LEVELS, KVCacheOptions, QuantizedRows, bytes_per_vector, round_trip
@@ -229,9 +230,9 @@ def test_attention_sees_exactly_the_stored_level(name: str, rng: np.random.Gener
     reference = np.zeros((capacity, heads, dim), np.float32), np.zeros((capacity, heads, dim), np.float32)
     for start, stop in ((0, 7), (7, 8), (8, 10)):  # a prefill, then decode steps
         positions = np.arange(start, stop, dtype=np.int32)
-        got = be.attention(q[start:stop], k[start:stop], v[start:stop], *caches, positions, 0.125)
+        got = be.attention(q[start:stop], k[start:stop], v[start:stop], KVCache(*caches), positions, 0.125)
         rk, rv = round_trip(level, k[start:stop]), round_trip(level, v[start:stop])
-        want = be.attention(q[start:stop], rk, rv, *reference, positions, 0.125)
+        want = be.attention(q[start:stop], rk, rv, KVCache(*reference), positions, 0.125)
         np.testing.assert_array_equal(got, want)
     assert caches[0].nbytes == capacity * heads * bytes_per_vector(level, dim)
     packed = caches[0].fields["codes"][:10].reshape(10 * heads, -1)

@@ -7,9 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atlas.backends.base import SamplingParams
+from atlas.backends.base import KVCache, SamplingParams
 from atlas.backends.numpy_backend import NumpyBackend
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+
+from _operands import delta_rule_operands
 
 be = NumpyBackend()
 
@@ -101,12 +103,13 @@ def test_attention_prefill_and_decode_match_sdpa(rng: np.random.Generator, q_hea
         t(q).transpose(0, 1), t(k).transpose(0, 1), t(v).transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
     ).transpose(0, 1)
     k_cache, v_cache = be.zeros((capacity, kv_heads, dim), "bf16"), be.zeros((capacity, kv_heads, dim), "bf16")
+    cache = KVCache(k_cache, v_cache)
     split = 290
     for lo, hi in ((0, 100), (100, split)):  # a prefill continued from a filled cache
-        chunk = be.attention(q[lo:hi], k[lo:hi], v[lo:hi], k_cache, v_cache, np.arange(lo, hi, dtype=np.int32), scale)
+        chunk = be.attention(q[lo:hi], k[lo:hi], v[lo:hi], cache, np.arange(lo, hi, dtype=np.int32), scale)
         close(chunk, ref[lo:hi], 1e-5)
     for pos in range(split, tokens):
-        step = be.attention(q[pos : pos + 1], k[pos : pos + 1], v[pos : pos + 1], k_cache, v_cache, np.array([pos], np.int32), scale)
+        step = be.attention(q[pos : pos + 1], k[pos : pos + 1], v[pos : pos + 1], cache, np.array([pos], np.int32), scale)
         close(step, ref[pos : pos + 1], 1e-5)
     close(k_cache[:tokens], k)
     assert not v_cache[tokens:].any()
@@ -138,6 +141,12 @@ def delta_inputs(rng: np.random.Generator, tokens: int, hk: int, hv: int, dk: in
     }
 
 
+def delta_rule(inputs: dict[str, np.ndarray], state: np.ndarray, hk: int, rows: slice = slice(None)) -> np.ndarray:
+    """The reference gated delta rule on `delta_inputs` (tokens `rows`), updating `state`."""
+    layer = delta_rule_operands(inputs["A_log"], inputs["dt_bias"], state, hk)
+    return be.gated_delta_rule(inputs["mixed_qkv"][rows], inputs["a"][rows], inputs["b"][rows], layer)
+
+
 def hf_delta(inputs: dict[str, np.ndarray], hk: int, dk: int, state: np.ndarray, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
     mixed = t(inputs["mixed_qkv"])
     tokens, hv = inputs["a"].shape
@@ -158,7 +167,7 @@ def test_gated_delta_rule_matches_transformers(rng: np.random.Generator, tokens:
     inputs = delta_inputs(rng, tokens, hk, hv, dk, dv)
     initial = randn(rng, hv, dk, dv, scale=0.5)
     state = initial.copy()
-    ours = be.gated_delta_rule(**inputs, state=state, num_k_heads=hk)
+    ours = delta_rule(inputs, state, hk)
     for chunked in (False, True):
         ref, final = hf_delta(inputs, hk, dk, initial, chunked)
         close(ours, ref, 2e-4)
@@ -169,15 +178,9 @@ def test_chunked_prefill_equals_token_by_token(rng: np.random.Generator) -> None
     tokens, hk, hv, dk, dv = 130, 2, 4, 16, 16
     inputs = delta_inputs(rng, tokens, hk, hv, dk, dv)
     chunked_state = be.zeros((hv, dk, dv), "f32")
-    chunked = be.gated_delta_rule(**inputs, state=chunked_state, num_k_heads=hk)
+    chunked = delta_rule(inputs, chunked_state, hk)
     step_state = be.zeros((hv, dk, dv), "f32")
-    steps = [
-        be.gated_delta_rule(
-            inputs["mixed_qkv"][i : i + 1], inputs["a"][i : i + 1], inputs["b"][i : i + 1],
-            inputs["A_log"], inputs["dt_bias"], step_state, hk,
-        )
-        for i in range(tokens)
-    ]
+    steps = [delta_rule(inputs, step_state, hk, slice(i, i + 1)) for i in range(tokens)]
     close(chunked, np.concatenate(steps), 2e-4)
     close(chunked_state, step_state, 2e-4)
 
@@ -321,7 +324,7 @@ def test_ops_leave_their_inputs_unchanged(rng: np.random.Generator) -> None:
     be.sigmoid_mul(x, res)
     be.head_norm_rope(heads, w, np.arange(6, dtype=np.int32), 8, 1e4, 1e-6)
     be.gated_rms_norm(heads, heads, w, 1e-6)
-    be.gated_delta_rule(**inputs, state=be.zeros((2, 8, 8), "f32"), num_k_heads=1)
+    delta_rule(inputs, be.zeros((2, 8, 8), "f32"), 1)
     be.router(x, randn(rng, 4, 16), 2, True)
     for array, copy in zip(arrays, before):
         np.testing.assert_array_equal(array, copy)

@@ -34,6 +34,15 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 = off
 
 
+@dataclass
+class KVCache:
+    """A full-attention layer's K and V caches, updated in place by `Backend.attention`: [S, Hkv, D]
+    backend tensors, or a quantized --kv-cache-dtype level's storage of that shape."""
+
+    k: Tensor  # [S, Hkv, D]
+    v: Tensor  # [S, Hkv, D]
+
+
 @dataclass(frozen=True)
 class DeltaNetInputs:
     """One step's inputs of a Gated DeltaNet layer (parts of its fused input projection)."""
@@ -61,8 +70,7 @@ class DeltaNetOperands:
 def compose_gated_delta_net(backend: Backend, x: DeltaNetInputs, layer: DeltaNetOperands) -> Tensor:
     """`Backend.gated_delta_net` as its three ops: conv, delta rule, gated norm."""
     mixed = backend.causal_conv1d(x.mixed, layer.conv_weight, layer.conv_state)  # [T, C]
-    core = backend.gated_delta_rule(mixed, x.a, x.b, layer.A_log, layer.dt_bias, layer.recurrent_state,
-                                    layer.num_k_heads)  # [T, Hv, Dv]
+    core = backend.gated_delta_rule(mixed, x.a, x.b, layer)  # [T, Hv, Dv]
     return backend.gated_rms_norm(core, x.z, layer.norm_weight, layer.norm_eps)  # [T, Hv, Dv]
 
 
@@ -132,17 +140,8 @@ class Backend(Protocol):
         `rotary_dim` dims (rotate-half / NeoX layout, inv_freq = theta^(-2i/rotary_dim)) at
         positions [T] i32; the remaining dims pass through."""
 
-    def attention(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        positions: Tensor,
-        scale: float,
-    ) -> Tensor:
-        """q [T, Hq, D]; k, v [T, Hkv, D]; caches [S, Hkv, D] updated in place at rows
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, positions: Tensor, scale: float) -> Tensor:
+        """q [T, Hq, D]; k, v [T, Hkv, D]; cache.k, cache.v [S, Hkv, D] updated in place at rows
         positions[0] .. positions[0]+T-1 (positions [T] i32 are consecutive). Causal GQA softmax
         attention of each query over cache rows 0 .. its own position. -> [T, Hq, D]."""
 
@@ -151,18 +150,9 @@ class Backend(Protocol):
         """x [T, C], weight [C, K], conv_state [C, K-1] (the previous K-1 inputs, oldest first),
         updated in place. -> silu(depthwise causal conv) [T, C]."""
 
-    def gated_delta_rule(
-        self,
-        mixed_qkv: Tensor,
-        a: Tensor,
-        b: Tensor,
-        A_log: Tensor,
-        dt_bias: Tensor,
-        state: Tensor,
-        num_k_heads: int,
-    ) -> Tensor:
-        """mixed_qkv [T, 2*Hk*Dk + Hv*Dv] (q, k, v concatenated, after the conv), a, b [T, Hv],
-        A_log, dt_bias [Hv], state [Hv, Dk, Dv] f32 updated in place.
+    def gated_delta_rule(self, mixed_qkv: Tensor, a: Tensor, b: Tensor, layer: DeltaNetOperands) -> Tensor:
+        """mixed_qkv [T, 2*Hk*Dk + Hv*Dv] (q, k, v concatenated, after the conv), a, b [T, Hv];
+        of `layer`: A_log, dt_bias [Hv], recurrent_state [Hv, Dk, Dv] f32 updated in place, num_k_heads.
         q, k are L2-normalised per head (eps 1e-6), each key head serves Hv/Hk consecutive value
         heads, q is scaled by Dk^-0.5, g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b);
         per token: S = S*exp(g); S += k (x) (beta * (v - S^T k)); o = S^T q.  -> o [T, Hv, Dv].

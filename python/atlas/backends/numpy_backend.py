@@ -12,6 +12,7 @@ from ..sampling import choose_token
 from .base import (
     DeltaNetInputs,
     DeltaNetOperands,
+    KVCache,
     SamplingParams,
     StorageDType,
     Tensor,
@@ -231,11 +232,10 @@ class NumpyBackend:
         rotated = rot * cos[:, None, :] + _rotate_half(rot) * sin[:, None, :]
         return np.concatenate([rotated, normed[..., rotary_dim:]], axis=-1)
 
-    def attention(
-        self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, scale: float
-    ) -> Tensor:
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, positions: Tensor, scale: float) -> Tensor:
         start = int(positions[0])
         end = start + q.shape[0]
+        k_cache, v_cache = cache.k, cache.v  # [S, Hkv, D]
         k_cache[start:end] = k
         v_cache[start:end] = v
         outputs = []
@@ -257,12 +257,10 @@ class NumpyBackend:
         conv_state[...] = window[tokens:].T
         return _silu(out)
 
-    def gated_delta_rule(
-        self, mixed_qkv: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, state: Tensor,
-        num_k_heads: int,
-    ) -> Tensor:
-        q, k, v = _split_qkv(mixed_qkv, num_k_heads, state.shape)  # [Hv, T, D*]
-        g = (-np.exp(A_log) * _softplus(a + dt_bias)).T  # [Hv, T]
+    def gated_delta_rule(self, mixed_qkv: Tensor, a: Tensor, b: Tensor, layer: DeltaNetOperands) -> Tensor:
+        state = layer.recurrent_state  # [Hv, Dk, Dv]
+        q, k, v = _split_qkv(mixed_qkv, layer.num_k_heads, state.shape)  # [Hv, T, D*]
+        g = (-np.exp(layer.A_log) * _softplus(a + layer.dt_bias)).T  # [Hv, T]
         beta = _sigmoid(b).T  # [Hv, T]
         rule = delta_rule_recurrent if q.shape[1] <= RECURRENT_MAX_TOKENS else delta_rule_chunked
         out = rule(DeltaInputs(q, k, v, g.astype(np.float32), beta.astype(np.float32)), state)  # [Hv, T, Dv]

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import AtlasError
-from ..layers.attention import Attention, KVCache
+from ..backends.base import KVCache
+from ..layers.attention import Attention
 from ..layers.decoder import DecoderLayer
 from .level import KVLevel
 from .levels import get_level

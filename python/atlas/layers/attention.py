@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..backends.base import Backend, Tensor
+from ..backends.base import Backend, KVCache, Tensor
 from .norm import RMSNorm
 from .rotary import Rotary
 from .split_linear import SplitLinear
@@ -24,12 +24,6 @@ class AttentionWeights:
     o: Tensor  # [H, Hq*D]
     q_norm: RMSNorm  # [D]
     k_norm: RMSNorm  # [D]
-
-
-@dataclass
-class KVCache:
-    k: Tensor  # [S, Hkv, D]
-    v: Tensor  # [S, Hkv, D]
 
 
 @dataclass(frozen=True)
@@ -55,7 +49,7 @@ class Attention:
         q = step.emit(f"{name}.q", self._norm_rope(step, q, w.q_norm))
         k = step.emit(f"{name}.k", self._norm_rope(step, k, w.k_norm))
         step.emit(f"{name}.v", v)
-        out = be.attention(q, k, v, cache.k, cache.v, step.positions, d.head_dim**-0.5)  # [T, Hq, D]
+        out = be.attention(q, k, v, cache, step.positions, d.head_dim**-0.5)  # [T, Hq, D]
         out = step.emit(f"{name}.core", out.reshape(tokens, d.num_heads * d.head_dim))
         gated = step.emit(f"{name}.gated", be.sigmoid_mul(out, gate))  # [T, Hq*D]
         return be.linear(gated, w.o)  # [T, H]

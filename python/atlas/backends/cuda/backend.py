@@ -14,6 +14,7 @@ from ...errors import AtlasError
 from ..base import (
     DeltaNetInputs,
     DeltaNetOperands,
+    KVCache,
     SamplingParams,
     StorageDType,
     check_split_widths,
@@ -180,11 +181,12 @@ class CudaBackend:
                        rotary_dim: int, rope_theta: float, eps: float) -> DeviceTensor:
         return ops_dense.head_norm_rope(self.rt, x, weight, positions, rotary_dim, rope_theta, eps)
 
-    def attention(self, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, k_cache: DeviceTensor | QuantizedKVCache,
-                  v_cache: DeviceTensor | QuantizedKVCache, positions: DeviceTensor, scale: float) -> DeviceTensor:
-        if isinstance(k_cache, QuantizedKVCache) and isinstance(v_cache, QuantizedKVCache):
-            return ops_kv.attention(self.rt, q, k, v, k_cache, v_cache, positions, scale)
-        return ops_dense.attention(self.rt, q, k, v, k_cache, v_cache, positions, scale,
+    def attention(self, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, cache: KVCache,
+                  positions: DeviceTensor, scale: float) -> DeviceTensor:
+        """cache.k / cache.v: bf16 DeviceTensors or QuantizedKVCache levels (both of one kind)."""
+        if isinstance(cache.k, QuantizedKVCache) and isinstance(cache.v, QuantizedKVCache):
+            return ops_kv.attention(self.rt, q, k, v, cache.k, cache.v, positions, scale)
+        return ops_dense.attention(self.rt, q, k, v, cache.k, cache.v, positions, scale,
                                    prefill=self.prefill_attention)
 
     def quantized_kv_cache(self, level: str, shape: tuple[int, int, int]) -> QuantizedKVCache:
@@ -196,9 +198,9 @@ class CudaBackend:
         return ops_linear_moe.causal_conv1d(self.rt, x, weight, conv_state)
 
     def gated_delta_rule(self, mixed_qkv: DeviceTensor, a: DeviceTensor, b: DeviceTensor,
-                         A_log: DeviceTensor, dt_bias: DeviceTensor, state: DeviceTensor,
-                         num_k_heads: int) -> DeviceTensor:
-        return ops_linear_moe.gated_delta_rule(self.rt, mixed_qkv, a, b, A_log, dt_bias, state, num_k_heads)
+                         layer: DeltaNetOperands) -> DeviceTensor:
+        return ops_linear_moe.gated_delta_rule(self.rt, mixed_qkv, a, b, layer.A_log, layer.dt_bias,
+                                               layer.recurrent_state, layer.num_k_heads)
 
     def gated_rms_norm(self, x: DeviceTensor, z: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
         return ops_linear_moe.gated_rms_norm(self.rt, x, z, weight, eps)
