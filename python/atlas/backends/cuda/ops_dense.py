@@ -56,6 +56,7 @@ ATTN_DECODE_ROWS = 4
 ATTN_PREFILL_THREADS = 256  # 8 warps x 2 rows
 ATTN_PREFILL_ROWS = 16
 ATTN_MAX_SPLITS = 256
+ATTN_MAX_ROW_TILES = 65535  # the prefill grid's z (row tiles): the launch limit of gridDim.z
 ATTN_HEAD_DIMS = (64, 128, 256)
 ATTN_MMA_ROWS = 64  # attention_mma.cuh kMmaAttnRows: 4 warps x 16 rows
 ATTN_MMA_THREADS = 128  # kMmaAttnThreads
@@ -326,6 +327,14 @@ def attention(
     return attend(rt, q, CachedKV(k_cache.ptr, v_cache.ptr, capacity, kv_heads), positions, scale, prefill=prefill)
 
 
+def prefill_token_chunks(tokens: int, group: int) -> list[tuple[int, int]]:
+    """Token ranges [first, stop) of the prefill attention launches: each has at most
+    ATTN_MAX_ROW_TILES row tiles (Qwen3.6, G = 8: 131070 tokens). A launch over a later range
+    attends the same cache (written before), each row masked by its own position."""
+    per_launch = ATTN_MAX_ROW_TILES * ATTN_PREFILL_ROWS // group
+    return [(first, min(first + per_launch, tokens)) for first in range(0, tokens, per_launch)]
+
+
 def attend(rt: CudaRuntime, q: DeviceTensor, cache: CachedKV, positions: DeviceTensor, scale: float, *,
            prefill: str = "simt") -> DeviceTensor:
     """Causal attention of q [T, Hq, D] over the cached keys and values (already written).
@@ -346,9 +355,13 @@ def attend(rt: CudaRuntime, q: DeviceTensor, cache: CachedKV, positions: DeviceT
                   smem=attention_mma_smem_bytes(dim))
         return out
     if tokens > ATTN_DECODE_MAX_TOKENS:
-        params = kp.AttentionParams(out=out.ptr, ml=None, **common)
-        grid = (1, cache.kv_heads, _ceil_div(rows, ATTN_PREFILL_ROWS))
-        rt.launch(f"atlas_attention_prefill{cache.suffix}", grid, (ATTN_PREFILL_THREADS, 1, 1), params)
+        group = q_heads // cache.kv_heads
+        for first, stop in prefill_token_chunks(tokens, group):
+            chunk = dict(common, q=q.rows(first, stop).ptr, positions=positions.elements(first, stop).ptr,
+                         tokens=stop - first)
+            params = kp.AttentionParams(out=out.rows(first, stop).ptr, ml=None, **chunk)
+            grid = (1, cache.kv_heads, _ceil_div((stop - first) * group, ATTN_PREFILL_ROWS))
+            rt.launch(f"atlas_attention_prefill{cache.suffix}", grid, (ATTN_PREFILL_THREADS, 1, 1), params)
         return out
     splits = min(_ceil_div(cache.capacity, ATTN_KEYS), ATTN_MAX_SPLITS)  # the kernels size spans from the live length
     partial = rt.empty((splits, tokens, q_heads, dim), "f32")
