@@ -99,6 +99,8 @@ def one_error_line(code: int, err: str) -> str:
         (["--prompt", "Flat \udcff", "--device", "cpu"], "not valid Unicode"),  # argv bytes that are not UTF-8
         (["--spec-k", "2", "--no-spec"], "--no-spec"),
         (["--kv-high-precision-layers", "few"], "--kv-high-precision-layers"),
+        (["--max-seq-len", "0"], "--max-seq-len"),
+        (["--max-seq-len", "2049", "--device", "cpu"], "max_seq_len 2049 exceeds the model's context of 2048"),
     ],
 )
 def test_bad_flags(flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

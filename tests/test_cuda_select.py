@@ -17,7 +17,8 @@ from atlas.backends.cuda.driver import CudaError, DeviceInfo, LaunchArgs
 from atlas.backends.cuda.graph import GraphedDecodeStep
 from atlas.backends.cuda.kernel_images import TupleKey
 from atlas.backends.cuda.runtime import CudaRuntime, KernelImage, RuntimeOptions
-from atlas.backends.cuda.footprint import DeviceFootprint, RunShape, device_footprint, quantized_bytes
+from atlas.backends.cuda.footprint import DeviceFootprint, device_footprint, quantized_bytes
+from atlas.backends.run_plan import RunPlan
 from atlas.backends.cuda.select import HEADROOM_BYTES, check_fits, device_ordinal, select_tuple
 from atlas.backends.cuda.tensor import DeviceTensor
 from atlas.backends.cuda.upload import Uploader, from_storage, to_storage
@@ -586,7 +587,7 @@ def test_footprint_matches_what_loading_allocates(
 
     model_dir = tiny_checkpoints[method]
     spec, checkpoint = load_spec(model_dir), Checkpoint.open(model_dir)
-    run = RunShape(max_seq_len=int(rng.integers(8, 300)), kv_cache=KVCacheOptions(kv_level, 0))
+    run = RunPlan(max_seq_len=int(rng.integers(8, 300)), kv_cache=KVCacheOptions(kv_level, 0))
     estimate = device_footprint(spec, checkpoint, run)
 
     rt, driver = make_runtime()
@@ -620,7 +621,7 @@ def test_footprint_is_what_a_stacked_shared_expert_holds(
 
     model_dir = tiny_checkpoints["bf16-shared-slot"]
     spec, checkpoint = load_spec(model_dir), Checkpoint.open(model_dir)
-    run = RunShape(max_seq_len=int(rng.integers(8, 300)))
+    run = RunPlan(max_seq_len=int(rng.integers(8, 300)))
     estimate = device_footprint(spec, checkpoint, run)
     rt, driver = make_runtime()
     engine = Engine(spec, checkpoint, CudaBackend(rt, use_graphs=False), run.max_seq_len)
@@ -683,7 +684,7 @@ def test_gpu_footprint_matches_the_device(tmp_path: Path, rng: np.random.Generat
             raise
         pytest.skip(f"no CUDA backend for the demo in {method} here: {err}")
     spec, checkpoint = load_spec(model_dir), Checkpoint.open(model_dir)
-    run = RunShape(max_seq_len=int(rng.integers(64, 2048)), load_mtp=False)  # Engine alone loads no MTP head
+    run = RunPlan(max_seq_len=int(rng.integers(64, 2048)), load_mtp=False)  # Engine alone loads no MTP head
     estimate = device_footprint(spec, checkpoint, run)
     pool, driver = backend.rt.pool, backend.rt.driver
     gc.collect()  # earlier tests' device tensors are released before the free memory is read

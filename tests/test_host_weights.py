@@ -13,9 +13,10 @@ import pytest
 
 from atlas.backends import check_numpy_fits
 from atlas.backends import host_weights
-from atlas.backends.host_memory import GIB, HostRun, available_bytes, host_footprint
+from atlas.backends.host_memory import GIB, available_bytes, host_footprint
 from atlas.backends.host_weights import HostMatrix, HostQuantized, matmul_t, resident_bytes
 from atlas.backends.numpy_backend import NumpyBackend
+from atlas.backends.run_plan import RunPlan, context_length
 from atlas.config import load_spec
 from atlas.demo import DEMO_DIR
 from atlas.engine import Engine
@@ -85,7 +86,7 @@ def test_bf16_demo_is_held_in_bf16_with_the_same_logits(rng: np.random.Generator
     held = sum(resident_bytes(w) for w in weights)
     assert held < 2.02 * params, f"{held / params:.3f} bytes per parameter"
     spec = load_spec(DEMO_DIR)
-    run = HostRun(64, KVCacheOptions(), load_mtp=False)
+    run = RunPlan(64, KVCacheOptions(), load_mtp=False)
     assert host_footprint(spec, Checkpoint.open(DEMO_DIR), run).weights == held
 
 
@@ -99,7 +100,7 @@ def test_quantized_weights_stay_packed_with_the_same_logits(fmt: str, tmp_path: 
     packed = [w for w in weights if isinstance(w, HostQuantized)]
     assert packed and any(w.experts for w in packed)
     held = sum(resident_bytes(w) for w in weights)
-    run = HostRun(64, KVCacheOptions(), load_mtp=False)
+    run = RunPlan(64, KVCacheOptions(), load_mtp=False)
     assert host_footprint(load_spec(model_dir), Checkpoint.open(model_dir), run).weights == held
 
 
@@ -139,15 +140,15 @@ def write_meminfo(path: Path, available_kib: int) -> Path:
 def test_host_memory_check_names_both_sizes_and_the_fix(tmp_path: Path) -> None:
     spec = load_spec(DEMO_DIR)
     assert available_bytes(write_meminfo(tmp_path / "big", 64 << 20)) == 64 << 30
-    check_numpy_fits(DEMO_DIR, spec, None, True, tmp_path / "big")
+    check_numpy_fits(DEMO_DIR, spec, RunPlan(), tmp_path / "big")
     with pytest.raises(AtlasError) as err:
-        check_numpy_fits(DEMO_DIR, spec, None, True, write_meminfo(tmp_path / "small", 1024))
+        check_numpy_fits(DEMO_DIR, spec, RunPlan(), write_meminfo(tmp_path / "small", 1024))
     line = str(err.value)
     assert "\n" not in line and "0.0 GiB is available" in line and "GiB of host memory" in line
     assert "--device cuda" in line and "atlas.quantize" in line
     assert "--kv-cache-dtype" in line  # the demo's 4096-token cache outweighs its weights
     assert available_bytes(tmp_path / "missing") is None
-    check_numpy_fits(DEMO_DIR, spec, None, True, tmp_path / "missing")  # not Linux: no check
+    check_numpy_fits(DEMO_DIR, spec, RunPlan(), tmp_path / "missing")  # not Linux: no check
 
 
 def test_cli_exits_2_with_one_line_when_the_model_does_not_fit(
@@ -164,8 +165,8 @@ def test_cli_exits_2_with_one_line_when_the_model_does_not_fit(
 
 def test_footprint_counts_kv_cache_levels() -> None:
     spec, checkpoint = load_spec(DEMO_DIR), Checkpoint.open(DEMO_DIR)
-    full = host_footprint(spec, checkpoint, HostRun(4096, KVCacheOptions("bf16", 0), False))
-    turbo = host_footprint(spec, checkpoint, HostRun(4096, KVCacheOptions("turbo4", 0), False))
+    full = host_footprint(spec, checkpoint, RunPlan(4096, KVCacheOptions("bf16", 0), False))
+    turbo = host_footprint(spec, checkpoint, RunPlan(4096, KVCacheOptions("turbo4", 0), False))
     layers = spec.layer_types.count("full_attention")
     assert full.kv_cache == layers * 2 * 4096 * spec.num_key_value_heads * spec.head_dim * 4
     assert 0 < turbo.kv_cache < full.kv_cache / 4 and full.total < 4 * GIB
@@ -210,7 +211,9 @@ def test_the_real_model_is_refused_in_one_line_where_it_does_not_fit(
     from atlas.run import main
 
     model_dir = sparse_qwen36(tmp_path / "qwen3.6")
-    footprint = host_footprint(load_spec(model_dir), Checkpoint.open(model_dir), HostRun(4096, KVCacheOptions(), True))
+    spec = load_spec(model_dir)
+    run = RunPlan(context_length(None, spec.max_position_embeddings), KVCacheOptions(), True)  # atlas.run's
+    footprint = host_footprint(spec, Checkpoint.open(model_dir), run)
     stored = Checkpoint.open(model_dir)
     params = sum(int(np.prod(stored.shape(n))) for n in stored.names())
     assert 34e9 < params < 36e9 and footprint.weights < 2.001 * params  # bf16 as stored, not 4 bytes

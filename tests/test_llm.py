@@ -144,6 +144,23 @@ def test_length_limit_is_exact(tiny: LLM) -> None:
         tiny.prepare(prompt, GenerateOptions(max_tokens=capacity - len(prompt) + 2))
 
 
+def test_max_seq_len_sizes_the_cache_and_the_limit(tiny_dir: Path, rng: np.random.Generator) -> None:
+    context = load_spec(tiny_dir).max_position_embeddings
+    assert LLM(tiny_dir, device="cpu").parts.engine.max_seq_len == min(4096, context)
+    capacity = int(rng.integers(8, context))
+    short = LLM(tiny_dir, device="cpu", max_seq_len=capacity)
+    assert short.parts.engine.max_seq_len == capacity
+    state = short.parts.engine.states
+    assert any(getattr(s, "k", None) is not None and s.k.shape[0] == capacity for s in state)
+    prompt = [1, 2, 3]
+    short.prepare(prompt, GenerateOptions(max_tokens=capacity - 2))
+    with pytest.raises(AtlasError, match=rf"holds {capacity}; .*\(--max-seq-len, up to {context}\)"):
+        short.prepare(prompt, GenerateOptions(max_tokens=capacity - 1))
+    for bad in (0, -5, 2.5, True, context + 1):
+        with pytest.raises(AtlasError, match="max_seq_len"):
+            LLM(tiny_dir, device="cpu", max_seq_len=bad)  # type: ignore[arg-type]
+
+
 def test_bad_prompts(tiny: LLM) -> None:
     vocab = tiny.parts.spec.vocab_size
     with pytest.raises(AtlasError, match="outside the vocabulary"):

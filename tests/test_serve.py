@@ -151,6 +151,8 @@ def assert_still_serving(served: Served) -> None:
 # --- happy paths with the official client ------------------------------------------------------
 def test_models_and_health(served: Served) -> None:
     assert [m.id for m in served.client().models.list()] == [DEMO_NAME]
+    [card] = get_json(served.port, "/v1/models")["data"]
+    assert card["max_model_len"] == min(served.llm.parts.engine.max_seq_len, served.llm.parts.spec.max_position_embeddings)
     health = get_json(served.port, "/health")
     assert health["status"] == "ok" and health["device"].startswith("cpu")
     assert health["speculation"] == served.llm.speculation and health["kv_cache"].startswith("bf16 on layers")

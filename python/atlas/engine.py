@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .backends.base import Backend, SamplingParams, Tensor
+from .backends.run_plan import DEFAULT_MAX_SEQ_LEN
 from .config import ModelSpec
 from .dump import dump_from_env
 from .errors import AtlasError
@@ -18,8 +19,6 @@ from .layers.step import Dump, Step
 from .models import load_model
 from .safetensors import Checkpoint
 from .sampling import check_sampling, is_int
-
-DEFAULT_MAX_SEQ_LEN = 4096  # tokens of KV cache when the caller names no capacity
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The engine's command-line flags, defined once for `atlas.run` and `atlas.serve`: --device,
---spec-k / --no-spec (MTP speculation), --kv-cache-dtype and --kv-high-precision-layers.
+--spec-k / --no-spec (MTP speculation), --kv-cache-dtype, --kv-high-precision-layers and
+--max-seq-len.
 
 Imports stay light (click and the level names): `--help` must not load numpy.
 """
@@ -28,6 +29,7 @@ class EngineFlags:
     kv_high_precision_layers: str = "auto"
     spec_k: int | None = None  # MTP speculation: None = on (k=2) when the checkpoint has the head
     no_spec: bool = False
+    max_seq_len: int | None = None  # KV cache positions: None = 4096, capped by the model's context
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> EngineFlags:
@@ -51,7 +53,8 @@ class EngineFlags:
         from .llm import LLM
 
         spec_k = self.spec_k_value()
-        return LLM(model_dir, self.device, self.kv_cache_dtype, self.kv_high_precision_layers, spec_k)
+        return LLM(model_dir, self.device, self.kv_cache_dtype, self.kv_high_precision_layers, spec_k,
+                   self.max_seq_len)
 
 
 def high_precision_value(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -77,6 +80,10 @@ ENGINE_OPTIONS = (
     click.option(
         "--kv-high-precision-layers", default="auto", show_default=True, callback=high_precision_value,
         help="Full-attention layers kept bf16 at each end: auto (= 1: the first and the last) or N.",
+    ),
+    click.option(
+        "--max-seq-len", type=click.IntRange(min=1), default=None,
+        help="Context held in the KV cache: prompt + generated tokens (default 4096, at most the model's max_position_embeddings).",
     ),
 )  # fmt: skip
 

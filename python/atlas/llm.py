@@ -73,11 +73,13 @@ class LoadedModel:
 
 
 def load_model(
-    model: str | PathLike[str] | None, device: str, kv_cache: KVCacheOptions | None = None, spec_k: int | None = None
+    model: str | PathLike[str] | None, device: str, kv_cache: KVCacheOptions | None = None, spec_k: int | None = None,
+    max_seq_len: int | None = None,
 ) -> LoadedModel:
     """Resolve, read config and tokenizer, open the weights and build the engine. spec_k: MTP
     speculation (atlas.speculative.build_engine): None = k=2 when the checkpoint has the head,
-    0 = off (the head is not loaded), 1..3 = that k."""
+    0 = off (the head is not loaded), 1..3 = that k. max_seq_len: KV cache positions (None: 4096,
+    capped by the model's context)."""
     if isinstance(model, PathLike):
         model = fspath(model)
     if model is not None and not isinstance(model, str):
@@ -85,7 +87,9 @@ def load_model(
     if kv_cache is not None:
         kv_cache.check()
     from .backends import create_backend
+    from .backends.run_plan import RunPlan, context_length
     from .config import load_spec
+    from .kvcache.options import KVCacheOptions
     from .resolve import resolve_model
     from .safetensors import Checkpoint
     from .speculative import build_engine
@@ -94,9 +98,11 @@ def load_model(
     model_dir = resolve_model(model)
     spec = load_spec(model_dir)
     tokenizer = Tokenizer.open(model_dir)
+    capacity = context_length(max_seq_len, spec.max_position_embeddings)
+    run = RunPlan(capacity, kv_cache or KVCacheOptions(), load_mtp=spec_k != 0)
     checkpoint = Checkpoint.open(model_dir)
-    backend, reason = create_backend(device, model_dir, spec, kv_cache, load_mtp=spec_k != 0)
-    engine, speculation = build_engine(spec, checkpoint, backend, spec_k, kv_cache=kv_cache)
+    backend, reason = create_backend(device, model_dir, spec, run)
+    engine, speculation = build_engine(spec, checkpoint, backend, spec_k, run)
     return LoadedModel(model_dir, spec, tokenizer, engine, reason, speculation)
 
 
@@ -104,7 +110,8 @@ class LLM:
     """A loaded model. `model`: None (the embedded demo), a directory, an HF repo id in the local
     cache or a registry name; `device`: "auto", "cpu" or "cuda"; `kv_cache_dtype` and
     `kv_high_precision_layers`: the KV cache level of the full-attention layers (atlas.kvcache.options);
-    `spec_k`: MTP speculative decoding (None: k=2 when the checkpoint has the head, 0: off)."""
+    `spec_k`: MTP speculative decoding (None: k=2 when the checkpoint has the head, 0: off);
+    `max_seq_len`: KV cache positions, prompt + generated (None: 4096, capped by the model's context)."""
 
     def __init__(
         self,
@@ -113,11 +120,12 @@ class LLM:
         kv_cache_dtype: str = DEFAULT_LEVEL,
         kv_high_precision_layers: str | int = "auto",
         spec_k: int | None = None,
+        max_seq_len: int | None = None,
     ) -> None:
         from .kvcache.options import KVCacheOptions
 
         kv_cache = KVCacheOptions(kv_cache_dtype, kv_high_precision_layers)
-        self.parts = load_model(model, device, kv_cache, spec_k)
+        self.parts = load_model(model, device, kv_cache, spec_k, max_seq_len)
 
     @classmethod
     def from_loaded(cls, parts: LoadedModel) -> LLM:
@@ -314,7 +322,15 @@ def check_length(spec: ModelSpec, engine: EngineLike, prompt_tokens: int, max_to
         raise AtlasError(
             f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {positions} "
             f"positions but this model holds {capacity}; shorten the prompt or lower max_tokens"
+            + raise_hint(spec, capacity)
         )
+
+
+def raise_hint(spec: ModelSpec, capacity: int) -> str:
+    """How to hold more, when the KV cache, not the model, sets the limit."""
+    if capacity >= spec.max_position_embeddings:
+        return ""
+    return f", or load it with a larger max_seq_len (--max-seq-len, up to {spec.max_position_embeddings})"
 
 
 def context_capacity(spec: ModelSpec, engine: EngineLike) -> int:

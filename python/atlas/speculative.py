@@ -27,8 +27,9 @@ from typing import Any, Literal
 import numpy as np
 
 from .backends.base import Backend, Tensor
+from .backends.run_plan import DEFAULT_MAX_SEQ_LEN, RunPlan
 from .config import ModelSpec
-from .engine import DEFAULT_MAX_SEQ_LEN, Engine, GenerationRequest, GenerationStats
+from .engine import Engine, GenerationRequest, GenerationStats
 from .errors import AtlasError
 from .layers.linear_attention import DeltaNetState
 from .layers.step import Step
@@ -272,23 +273,26 @@ def check_spec_k(spec_k: int) -> None:
 
 
 def build_engine(
-    spec: ModelSpec, checkpoint: Checkpoint, backend: Backend, spec_k: int | None = None, kv_cache: Any = None
+    spec: ModelSpec, checkpoint: Checkpoint, backend: Backend, spec_k: int | None = None, run: RunPlan | None = None
 ) -> tuple[Engine, str]:
     """The engine and a line saying whether it speculates. spec_k: None = on (k=2) when the
-    checkpoint has an MTP head; 0 = off, the head is not loaded; 1..3 = on with that k."""
+    checkpoint has an MTP head; 0 = off, the head is not loaded; 1..3 = on with that k. `run`:
+    the caches' capacity and KV level (its load_mtp is the caller's business: spec_k decides)."""
     from .models.qwen3_5_moe_mtp import has_mtp_head
 
+    run = run or RunPlan()
+    caches = {"max_seq_len": run.max_seq_len, "kv_cache": run.kv_cache}
     if spec_k == 0:
-        return Engine(spec, checkpoint, backend, kv_cache=kv_cache), "off (--no-spec)"
+        return Engine(spec, checkpoint, backend, **caches), "off (--no-spec)"
     if spec_k is not None:
         check_spec_k(spec_k)
     if not has_mtp_head(checkpoint):
         reason = "off: the checkpoint has no MTP head (mtp.* tensors)"
         if spec_k is not None:
             reason += f", so --spec-k {spec_k} is ignored"
-        return Engine(spec, checkpoint, backend, kv_cache=kv_cache), reason
+        return Engine(spec, checkpoint, backend, **caches), reason
     k = DEFAULT_SPEC_K if spec_k is None else spec_k
-    engine = SpeculativeEngine(spec, checkpoint, backend, k, kv_cache=kv_cache)
+    engine = SpeculativeEngine(spec, checkpoint, backend, k, **caches)
     return engine, f"MTP k={k} (greedy requests)"
 
 

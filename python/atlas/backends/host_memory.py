@@ -20,23 +20,14 @@ from ..errors import AtlasError
 
 if TYPE_CHECKING:
     from ..config import ModelSpec
-    from ..kvcache.options import KVCacheOptions
     from ..safetensors import Checkpoint
+    from .run_plan import RunPlan
 
 GIB = 1 << 30
 F32_BYTES = 4
 WORKSPACE_BYTES = 1 * GIB  # converted row blocks / selected experts, activations, the tokenizer
 MEMINFO = Path("/proc/meminfo")
 STORED_ITEMSIZE = {"BF16": 2, "F16": 2}  # everything else float becomes float32
-
-
-@dataclass(frozen=True)
-class HostRun:
-    """What the run holds beside its weights (the defaults are what `atlas run` builds)."""
-
-    max_seq_len: int
-    kv_cache: KVCacheOptions
-    load_mtp: bool = True
 
 
 @dataclass(frozen=True)
@@ -85,7 +76,7 @@ def host_weight_bytes(spec: ModelSpec, checkpoint: Checkpoint, load_mtp: bool) -
     return total
 
 
-def host_kv_bytes(spec: ModelSpec, run: HostRun, mtp_layers: int) -> int:
+def host_kv_bytes(spec: ModelSpec, run: RunPlan, mtp_layers: int) -> int:
     from ..kvcache.level import bytes_per_vector
     from ..kvcache.levels import get_level
 
@@ -106,7 +97,7 @@ def host_state_bytes(spec: ModelSpec) -> int:
     return per_layer * sum(1 for kind in spec.layer_types if kind == "linear_attention")
 
 
-def host_footprint(spec: ModelSpec, checkpoint: Checkpoint, run: HostRun) -> HostFootprint:
+def host_footprint(spec: ModelSpec, checkpoint: Checkpoint, run: RunPlan) -> HostFootprint:
     from ..models.qwen3_5_moe_mtp import has_mtp_head
 
     mtp = int(run.load_mtp and has_mtp_head(checkpoint))

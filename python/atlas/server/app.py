@@ -86,7 +86,9 @@ def engine_settings(llm: LLM) -> dict[str, str]:
 
 
 def model_card(state: ServerState) -> dict[str, object]:
-    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "atlas"}
+    """OpenAI's model object, with vLLM's max_model_len (the context a request may fill)."""
+    capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "atlas", "max_model_len": capacity}
 
 
 async def generation(request: Request, state: ServerState, chat: bool) -> Response:

@@ -19,11 +19,9 @@ than select.py's headroom: the loader, not this count, should avoid it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...engine import DEFAULT_MAX_SEQ_LEN
-from ...kvcache.options import KVCacheOptions
 from ...quant.fp8_block import block_grid
 from ...quant.nvfp4 import GROUP_SIZE
 from .memory import ALIGN, GIB
@@ -31,6 +29,7 @@ from .ops_common import ceil_div
 from .ops_kv import cache_bytes
 from .quant_weights import FP8_BLOCK
 from .runtime import RuntimeOptions
+from ..run_plan import RunPlan
 
 if TYPE_CHECKING:
     from ...config import ModelSpec
@@ -38,16 +37,6 @@ if TYPE_CHECKING:
 
 BF16_BYTES = 2
 F32_BYTES = 4
-
-
-@dataclass(frozen=True)
-class RunShape:
-    """What the run holds beside its weights (the defaults are what `atlas run` builds)."""
-
-    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
-    kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)
-    load_mtp: bool = True  # build_engine loads the MTP head when the checkpoint has one
-    arena_bytes: int = RuntimeOptions().arena_bytes
 
 
 @dataclass(frozen=True)
@@ -104,7 +93,7 @@ def weight_bytes(spec: ModelSpec, checkpoint: Checkpoint, load_mtp: bool = True)
     return total
 
 
-def kv_cache_bytes(spec: ModelSpec, run: RunShape, mtp_layers: int = 0) -> int:
+def kv_cache_bytes(spec: ModelSpec, run: RunPlan, mtp_layers: int = 0) -> int:
     """K and V of every full-attention layer at its level (the MTP head's bf16)."""
     shape = (run.max_seq_len, spec.num_key_value_heads, spec.head_dim)
     bf16_pair = 2 * _allocation(BF16_BYTES * math.prod(shape))
@@ -127,10 +116,11 @@ def state_bytes(spec: ModelSpec) -> int:
     return layers * (conv + recurrent)
 
 
-def device_footprint(spec: ModelSpec, checkpoint: Checkpoint, run: RunShape | None = None) -> DeviceFootprint:
+def device_footprint(spec: ModelSpec, checkpoint: Checkpoint, run: RunPlan | None = None) -> DeviceFootprint:
+    """`run` defaults to `atlas run`'s: the default context, the bf16 KV cache, the MTP head."""
     from ...models.qwen3_5_moe_mtp import has_mtp_head
 
-    run = run or RunShape()
+    run = run or RunPlan()
     mtp = int(run.load_mtp and has_mtp_head(checkpoint))
     return DeviceFootprint(weight_bytes(spec, checkpoint, run.load_mtp), kv_cache_bytes(spec, run, mtp),
-                           state_bytes(spec), run.arena_bytes)
+                           state_bytes(spec), RuntimeOptions().arena_bytes)

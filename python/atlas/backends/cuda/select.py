@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import AtlasError
-from .footprint import DeviceFootprint, RunShape, device_footprint
+from ..run_plan import RunPlan
+from .footprint import DeviceFootprint, device_footprint
 from .kernel_images import TupleKey, installed_tuples, load_image
 from .memory import GIB
 
@@ -79,7 +80,7 @@ def check_fits(footprint: DeviceFootprint, free_bytes: int, total_bytes: int, he
         )
 
 
-def checkpoint_footprint(model_dir: Path, spec: ModelSpec | None, run: RunShape | None) -> DeviceFootprint:
+def checkpoint_footprint(model_dir: Path, spec: ModelSpec | None, run: RunPlan | None) -> DeviceFootprint:
     from ...config import load_spec
     from ...safetensors import Checkpoint
 
@@ -106,7 +107,7 @@ def _open(driver: Driver, selection: Selection) -> CudaBackend:
     return CudaBackend(CudaRuntime(driver, load_image(selection.key, selection.kind), options))
 
 
-def open_backend(model_dir: Path, spec: ModelSpec | None = None, run: RunShape | None = None) -> CudaBackend:
+def open_backend(model_dir: Path, spec: ModelSpec | None = None, run: RunPlan | None = None) -> CudaBackend:
     """The CUDA backend for this checkpoint, or an AtlasError saying why it cannot run; `run`
     (default: `atlas run`'s context and KV cache) sizes what is held beside the weights."""
     from ...config import read_json_object
