@@ -93,6 +93,21 @@ def test_stats_and_decode_step_hook(engine: Engine, prompt: list[int]) -> None:
     assert backend.wraps == 1 and backend.replays == 9  # the first token comes from the prefill
 
 
+def test_prompt_in_passes_equals_one_pass(engine: Engine, rng: np.random.Generator) -> None:
+    """The prompt prefilled `prefill_chunk` tokens a pass carries the caches and states from one
+    pass to the next: the last token's logits, and a decode step after them, equal one pass's."""
+    prompt = rng.integers(0, TINY.vocab_size, int(rng.integers(20, 60))).tolist()
+    token = int(rng.integers(0, TINY.vocab_size))
+    results = []
+    for chunk in (len(prompt), int(rng.integers(1, len(prompt) // 2))):
+        engine.prefill_chunk = chunk
+        prefilled = np.array(engine.prefill(prompt))
+        results.append((prefilled, np.array(engine.decode(token, len(prompt)))))
+    (whole, whole_next), (passes, passes_next) = results
+    np.testing.assert_allclose(passes, whole, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(passes_next, whole_next, rtol=1e-4, atol=1e-5)
+
+
 def test_generation_is_independent_of_earlier_calls(engine: Engine, prompt: list[int], rng: np.random.Generator) -> None:
     first = engine.generate(prompt, 12, GREEDY, None, set()).token_ids
     engine.generate(rng.integers(0, TINY.vocab_size, 30).tolist(), 12, GREEDY, None, set())

@@ -73,6 +73,27 @@ def test_graph_replay_equals_eager_decode(demo_gpu: Any, rng: np.random.Generato
     assert runs[True] == runs[False], f"first difference at {_first_difference(runs[True], runs[False])}"
 
 
+def test_prompt_in_passes_on_the_gpu(demo_gpu: Any, rng: np.random.Generator) -> None:
+    """A prompt prefilled in several passes (prefill_chunk) on the GPU: its logits are as close to
+    the numpy reference's as one pass's are (within twice their error plus a floor)."""
+    from atlas import LLM
+    from atlas.engine import PREFILL_CHUNK
+
+    prompt = rng.integers(0, demo_gpu.parts.spec.vocab_size, size=int(rng.integers(40, 300))).tolist()
+    want = np.asarray(LLM(device="cpu").parts.engine.prefill(prompt), dtype=np.float64)  # [1, V]
+    engine = demo_gpu.parts.engine
+    errors = []
+    try:
+        for chunk in (PREFILL_CHUNK, int(rng.integers(5, len(prompt) // 2))):
+            engine.prefill_chunk = chunk
+            got = engine.backend.to_numpy(engine.prefill(prompt)).astype(np.float64)
+            errors.append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
+    finally:
+        engine.prefill_chunk = PREFILL_CHUNK
+    whole, passes = errors
+    assert passes <= 2 * whole + 1e-3, f"passes err {passes:.3e} vs one pass {whole:.3e}"
+
+
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 

@@ -148,6 +148,25 @@ def test_tiny_greedy_unchanged(tiny_mtp: Path, k: int, rng: np.random.Generator)
     check_rounds(stats, max_tokens)
 
 
+def test_prompt_in_passes_speculates_as_in_one(demo_mtp: Path, rng: np.random.Generator) -> None:
+    """A prompt prefilled in several passes: the head takes each pass's rows, so after the first
+    draft its KV cache holds what one pass leaves there; the output is plain greedy's."""
+    from atlas.demo import zen_of_python
+
+    prompt = Tokenizer.open(demo_mtp).encode(zen_of_python()[: int(rng.integers(120, 300))])
+    expected = greedy(plain_engine(demo_mtp), prompt, 30).token_ids
+    caches = []
+    for chunk in (len(prompt), int(rng.integers(2, len(prompt) // 2))):
+        engine = spec_engine(demo_mtp, 2)
+        engine.prefill_chunk = chunk
+        assert greedy(engine, prompt, 30).token_ids == expected
+        engine._draft(engine._prefill(prompt), 1)
+        caches.append(np.concatenate([engine.mtp_cache.k[: len(prompt)], engine.mtp_cache.v[: len(prompt)]]))
+    whole, passes = caches
+    assert np.abs(whole).max() > 0
+    np.testing.assert_allclose(passes, whole, rtol=1e-4, atol=1e-5)
+
+
 # --- rollback under chosen acceptance patterns --------------------------------------------------------
 @pytest.mark.parametrize("p_wrong", [0.0, 0.35, 1.0])
 def test_rollback_under_every_acceptance_pattern(demo_mtp: Path, p_wrong: float, rng: np.random.Generator) -> None:

@@ -1,4 +1,5 @@
-"""The generation engine: one model, its state, prefill in one pass, then one token per step."""
+"""The generation engine: one model, its state, the prompt in passes of at most PREFILL_CHUNK
+tokens, then one token per step."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ from .layers.step import Dump, Step
 from .models import load_model
 from .safetensors import Checkpoint
 from .sampling import check_sampling, is_int
+
+
+PREFILL_CHUNK = 4096  # prompt tokens per forward: bounds a step's activations at any context length
+
+
+def prefill_chunks(tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of at most `chunk` tokens covering `tokens` prompt tokens in order."""
+    return [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
 
 
 @dataclass
@@ -61,6 +70,7 @@ class Engine:
         self.spec = spec
         self.backend = backend
         self.max_seq_len = max_seq_len
+        self.prefill_chunk = PREFILL_CHUNK  # the caches and states carry one pass into the next
         self.kv_plan = (kv_cache or KVCacheOptions()).plan(spec.layer_types, spec.head_dim, backend.name)  # per layer
         run_info = {"model_type": spec.model_type, "num_hidden_layers": spec.num_hidden_layers}
         env_dump = dump_from_env(backend, run_info)  # ATLAS_DUMP: checked before the weights load
@@ -98,10 +108,14 @@ class Engine:
         return ids, positions
 
     def prefill(self, prompt_ids: list[int]) -> Tensor:
-        """Run the whole prompt from a fresh state -> logits of its last token [1, V]."""
+        """Run the whole prompt from a fresh state, `prefill_chunk` tokens a pass -> logits of its
+        last token [1, V]."""
         self.check_ids(prompt_ids, 0)
         self.reset()
-        return self._last_logits(*self._ids(prompt_ids, 0))
+        *passes, (start, stop) = prefill_chunks(len(prompt_ids), self.prefill_chunk)
+        for first, end in passes:
+            self.forward(*self._ids(prompt_ids[first:end], first))
+        return self._last_logits(*self._ids(prompt_ids[start:stop], start))
 
     def decode(self, token: int, position: int) -> Tensor:
         """One token at `position` -> its logits [1, V]."""

@@ -29,7 +29,7 @@ import numpy as np
 from .backends.base import Backend, Tensor
 from .backends.run_plan import DEFAULT_MAX_SEQ_LEN, RunPlan
 from .config import ModelSpec
-from .engine import Engine, GenerationRequest, GenerationStats
+from .engine import Engine, GenerationRequest, GenerationStats, prefill_chunks
 from .errors import AtlasError
 from .layers.linear_attention import DeltaNetState
 from .layers.step import Step
@@ -213,14 +213,21 @@ class SpeculativeEngine(Engine):
         return self.backend.embedding(t, self.backend.upload(np.array([row], dtype=np.int32), "i32"))
 
     def _prefill(self, prompt_ids: list[int]) -> Cursor:
+        """The prompt in passes of `prefill_chunk` tokens; the head takes each pass but the last
+        at once (its rows' next tokens are known), the last one with the first draft."""
         self.check_ids(prompt_ids, 0)
         self.reset()
-        ids, positions = self._ids(prompt_ids, 0)
+        *passes, (start, stop) = prefill_chunks(len(prompt_ids), self.prefill_chunk)
+        for first, end in passes:
+            _, mtp_in = self._main_forward(*self._ids(prompt_ids[first:end], first))  # [n, H]
+            ids, positions = self._ids(prompt_ids[first + 1 : end + 1], first)
+            self.head.forward(Step(self.backend, positions), ids, persist(self.backend, mtp_in), self.mtp_cache)
+        ids, positions = self._ids(prompt_ids[start:stop], start)
         out, mtp_in = self._main_forward(ids, positions)  # [n, H] each
         mtp_hidden = persist(self.backend, mtp_in)
-        last = len(prompt_ids) - 1
+        last = stop - start - 1
         token = self._greedy(self._row(out, last), positions)[0]
-        return Cursor(len(prompt_ids), token, [], 0, [*prompt_ids[1:], token], mtp_hidden, last)
+        return Cursor(len(prompt_ids), token, [], start, [*prompt_ids[start + 1 :], token], mtp_hidden, last)
 
     def _draft(self, cursor: Cursor, k: int) -> list[int]:
         """k draft tokens: the head over its pending rows, then k-1 single steps on its own output."""
