@@ -275,7 +275,7 @@ def test_attention(env: Env, rng: np.random.Generator, tokens: int, start: int) 
 
 
 # --- linear attention -----------------------------------------------------------------------------
-@pytest.mark.parametrize("tokens", [1, 13])
+@pytest.mark.parametrize("tokens", [1, 13, 150])  # 150: three token chunks (grid.y), windows read from x
 def test_causal_conv1d(env: Env, rng: np.random.Generator, tokens: int) -> None:
     c, width = env.conv_channels, env.d("linear_conv_kernel_dim")
     run_op(env, "causal_conv1d",
