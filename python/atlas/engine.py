@@ -3,8 +3,9 @@ tokens, then one token per step."""
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,10 +113,22 @@ class Engine:
         last token [1, V]."""
         self.check_ids(prompt_ids, 0)
         self.reset()
-        *passes, (start, stop) = prefill_chunks(len(prompt_ids), self.prefill_chunk)
-        for first, end in passes:
-            self.forward(*self._ids(prompt_ids[first:end], first))
-        return self._last_logits(*self._ids(prompt_ids[start:stop], start))
+        for start, stop in self.prompt_passes(len(prompt_ids)):
+            ids, positions = self._ids(prompt_ids[start:stop], start)
+            if stop < len(prompt_ids):
+                self.forward(ids, positions)
+        return self._last_logits(ids, positions)
+
+    def prompt_passes(self, tokens: int) -> Iterator[tuple[int, int]]:
+        """[start, stop) of each prefill pass in order, with a progress bar on stderr (cleared
+        when done) when the prompt takes more than one."""
+        from tqdm import tqdm
+
+        passes = prefill_chunks(tokens, self.prefill_chunk)
+        with tqdm(total=tokens, desc="prefill", unit="tok", file=sys.stderr, leave=False, disable=len(passes) == 1) as bar:
+            for start, stop in passes:
+                yield start, stop
+                bar.update(stop - start)
 
     def decode(self, token: int, position: int) -> Tensor:
         """One token at `position` -> its logits [1, V]."""

@@ -29,7 +29,7 @@ import numpy as np
 from .backends.base import Backend, Tensor
 from .backends.run_plan import DEFAULT_MAX_SEQ_LEN, RunPlan
 from .config import ModelSpec
-from .engine import Engine, GenerationRequest, GenerationStats, prefill_chunks
+from .engine import Engine, GenerationRequest, GenerationStats
 from .errors import AtlasError
 from .layers.linear_attention import DeltaNetState
 from .layers.step import Step
@@ -217,13 +217,12 @@ class SpeculativeEngine(Engine):
         at once (its rows' next tokens are known), the last one with the first draft."""
         self.check_ids(prompt_ids, 0)
         self.reset()
-        *passes, (start, stop) = prefill_chunks(len(prompt_ids), self.prefill_chunk)
-        for first, end in passes:
-            _, mtp_in = self._main_forward(*self._ids(prompt_ids[first:end], first))  # [n, H]
-            ids, positions = self._ids(prompt_ids[first + 1 : end + 1], first)
-            self.head.forward(Step(self.backend, positions), ids, persist(self.backend, mtp_in), self.mtp_cache)
-        ids, positions = self._ids(prompt_ids[start:stop], start)
-        out, mtp_in = self._main_forward(ids, positions)  # [n, H] each
+        for start, stop in self.prompt_passes(len(prompt_ids)):
+            ids, positions = self._ids(prompt_ids[start:stop], start)
+            out, mtp_in = self._main_forward(ids, positions)  # [n, H] each
+            if stop < len(prompt_ids):
+                head_ids, _ = self._ids(prompt_ids[start + 1 : stop + 1], start)
+                self.head.forward(Step(self.backend, positions), head_ids, persist(self.backend, mtp_in), self.mtp_cache)
         mtp_hidden = persist(self.backend, mtp_in)
         last = stop - start - 1
         token = self._greedy(self._row(out, last), positions)[0]
