@@ -172,8 +172,8 @@ def run_block(x: Launch, d: Dims, h: int, y: int, v: Variant, log: SharedLog | N
 def recorded_grid(d: Dims, tokens: int) -> tuple[int, int, int]:
     rt = RecordingRuntime()
     f = lambda *s: rt.empty(s, "f32")  # noqa: E731
-    ops.gated_delta_rule(rt, f(tokens, d.width), f(tokens, d.hv), f(tokens, d.hv), f(d.hv), f(d.hv),
-                         f(d.hv, d.dk, d.dv), d.hk, chunked=False)
+    ops.gated_delta_rule(rt, f(tokens, d.width), f(tokens, d.hv), f(tokens, d.hv),
+                         delta_rule_operands(f(d.hv), f(d.hv), f(d.hv, d.dk, d.dv), d.hk), chunked=False)
     (launch,) = rt.launches
     assert launch.kernel == "atlas_gated_delta_rule" and launch.block == (THREADS, 1, 1)
     p = launch.params

@@ -18,6 +18,7 @@ import pytest
 from atlas.backends.cuda import ops_linear_moe as ops
 
 from _abi import MODELS, PtxBuild, PtxEntry, RecordingRuntime, compile_ptx_entries, header_constant, model_dims
+from _operands import delta_rule_operands
 
 FILES = ("causal_conv1d", "gated_delta_rule", "gated_rms_norm", "router", "moe_experts", "add_sigmoid_scaled")
 OPT_IN_SMEM_MIN = 99 * 1024  # the smallest per-block opt-in of the targets (sm_86/89, sm_120/121)
@@ -41,8 +42,8 @@ def _run_every_op(rt: RecordingRuntime, d: dict[str, int], rng: np.random.Genera
         for conv_dtype in ("f32", "bf16"):
             ops.causal_conv1d(rt, f(tokens, channels), rt.empty((channels, width), conv_dtype), f(channels, width - 1))
         for chunked in (False, True):
-            ops.gated_delta_rule(rt, f(tokens, channels), f(tokens, hv), f(tokens, hv), f(hv), f(hv), f(hv, dk, dv), hk,
-                                 chunked=chunked)
+            ops.gated_delta_rule(rt, f(tokens, channels), f(tokens, hv), f(tokens, hv),
+                                 delta_rule_operands(f(hv), f(hv), f(hv, dk, dv), hk), chunked=chunked)
         ops.gated_rms_norm(rt, f(tokens, hv, dv), f(tokens, hv, dv), f(dv), 1e-6)
         arrivals = rt.empty((ops.ROUTER_FUSED_MAX_TOKENS,), "i32")  # the fused router's counters (decode steps)
         for shared in (0, 1):  # the router's shared slot: k + 1 slots over E + 1 stacked experts
@@ -121,7 +122,7 @@ def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="top_k"):
         ops.router(rt, f(2, 64), rt.empty((8, 64), "bf16"), 9, True)
     with pytest.raises(ValueError, match="mixed_qkv"):
-        ops.gated_delta_rule(rt, f(1, 100), f(1, 4), f(1, 4), f(4), f(4), f(4, 64, 64), 2)
+        ops.gated_delta_rule(rt, f(1, 100), f(1, 4), f(1, 4), delta_rule_operands(f(4), f(4), f(4, 64, 64), 2))
     assert rt.launches == []
 
 
@@ -155,7 +156,8 @@ def test_delta_rule_form_follows_the_environment(monkeypatch: pytest.MonkeyPatch
     def kernels(tokens: int) -> list[str]:
         rt = RecordingRuntime()
         f = lambda *s: rt.empty(s, "f32")  # noqa: E731
-        ops.gated_delta_rule(rt, f(tokens, 2 * hk * dk + hv * dv), f(tokens, hv), f(tokens, hv), f(hv), f(hv), f(hv, dk, dv), hk)
+        ops.gated_delta_rule(rt, f(tokens, 2 * hk * dk + hv * dv), f(tokens, hv), f(tokens, hv),
+                             delta_rule_operands(f(hv), f(hv), f(hv, dk, dv), hk))
         return [launch.kernel for launch in rt.launches]
 
     monkeypatch.delenv(ops.DELTA_RULE_ENV, raising=False)

@@ -199,8 +199,7 @@ class CudaBackend:
 
     def gated_delta_rule(self, mixed_qkv: DeviceTensor, a: DeviceTensor, b: DeviceTensor,
                          layer: DeltaNetOperands) -> DeviceTensor:
-        return ops_linear_moe.gated_delta_rule(self.rt, mixed_qkv, a, b, layer.A_log, layer.dt_bias,
-                                               layer.recurrent_state, layer.num_k_heads)
+        return ops_linear_moe.gated_delta_rule(self.rt, mixed_qkv, a, b, layer)
 
     def gated_rms_norm(self, x: DeviceTensor, z: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
         return ops_linear_moe.gated_rms_norm(self.rt, x, z, weight, eps)

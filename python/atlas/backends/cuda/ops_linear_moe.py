@@ -13,6 +13,7 @@ from atlas.kernel_params import linear_moe as kp
 from .ops_common import FormSwitch, ceil_div as _ceil_div, expect as _expect
 
 if TYPE_CHECKING:
+    from ..base import DeltaNetOperands
     from .runtime import CudaRuntime
     from .tensor import DeviceTensor
 
@@ -90,19 +91,11 @@ def causal_conv1d(rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor, conv_s
     return out
 
 
-def gated_delta_rule(
-    rt: CudaRuntime,
-    mixed_qkv: DeviceTensor,
-    a: DeviceTensor,
-    b: DeviceTensor,
-    A_log: DeviceTensor,
-    dt_bias: DeviceTensor,
-    state: DeviceTensor,
-    num_k_heads: int,
-    *,
-    chunked: bool | None = None,
-) -> DeviceTensor:
-    """`chunked` None: the ATLAS_DELTA_RULE environment variable decides (prefill only)."""
+def gated_delta_rule(rt: CudaRuntime, mixed_qkv: DeviceTensor, a: DeviceTensor, b: DeviceTensor,
+                     layer: DeltaNetOperands, *, chunked: bool | None = None) -> DeviceTensor:
+    """Backend.gated_delta_rule (of `layer`: A_log, dt_bias, recurrent_state, num_k_heads).
+    `chunked` None: the ATLAS_DELTA_RULE environment variable decides (prefill only)."""
+    A_log, dt_bias, state, num_k_heads = layer.A_log, layer.dt_bias, layer.recurrent_state, layer.num_k_heads
     value_heads, k_dim, v_dim = state.shape
     tokens = mixed_qkv.shape[0]
     width = 2 * num_k_heads * k_dim + value_heads * v_dim
