@@ -1,7 +1,7 @@
 """Whole-model checks on the GPU: the demo recites, greedy GPU == greedy numpy on the demo, and a
 4-layer model with the real Qwen3.6-35B-A3B dimensions agrees with transformers fp32 on the same
-GPU (teacher-forced next token >= 99 % over 256 positions, every layer's hidden-state norm within
-2 %)."""
+GPU (teacher-forced next token >= 99 % over the 256 positions without a near-tie, a tied token at
+the others, every layer's hidden-state norm within 2 %)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,13 @@ GREEDY_TOKENS = 96
 NEAR_TIE = 2e-2
 MAX_DRAWS = 20
 PASSES_FLOOR = 5e-3
+# test_qwen_dims_match_transformers: a next token whose transformers top-2 gap is under QWEN_NEAR_TIE
+# of the position's largest |logit| may go the other way on a correct GPU. At these dims the kernels'
+# bf16 roundings (prefill GEMM activations, grouped MoE x and act, the KV cache) move the logits ~1 %:
+# on a CPU stand-in (numpy with those roundings; a 4-layer checkpoint of _random_value's weights) 1-5
+# of the 256 next tokens flipped for each of 9 prompts, at gaps up to 1.0e-2, and 4 of the 9 fell
+# under the former 99 % agreement over all positions. ~15 % of positions lie under 3e-2.
+QWEN_NEAR_TIE = 3e-2
 
 
 def gpu_llm() -> Any:
@@ -199,7 +206,7 @@ def qwen4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
 
 
 def _transformers_run(model: Any, ids: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """(next-token argmax [T], each decoder layer's output [T, H]) from transformers in fp32."""
+    """(next-token logits [T, V], each decoder layer's output [T, H]) from transformers in fp32."""
     import torch
 
     outputs: dict[int, np.ndarray] = {}
@@ -215,7 +222,21 @@ def _transformers_run(model: Any, ids: list[int]) -> tuple[np.ndarray, list[np.n
     finally:
         for hook in hooks:
             hook.remove()
-    return logits.argmax(-1).cpu().numpy(), [outputs[i] for i in range(len(model.model.layers))]
+    return logits.float().cpu().numpy(), [outputs[i] for i in range(len(model.model.layers))]
+
+
+def next_token_agreement(ref_logits: np.ndarray, chosen: np.ndarray) -> tuple[float, list[int]]:
+    """(agreement of `chosen` [T] with the argmax of ref_logits [T, V] over the positions whose top-2
+    gap is at least QWEN_NEAR_TIE of their largest |logit|; the near-tie positions where `chosen` is
+    not within that gap of the top, i.e. not one of the tied tokens)."""
+    scale = np.abs(ref_logits).max(-1)  # [T]
+    top = ref_logits.max(-1)  # [T]
+    second = np.partition(ref_logits, -2, axis=-1)[:, -2]  # [T]
+    clear = top - second >= QWEN_NEAR_TIE * scale  # [T]
+    picked = ref_logits[np.arange(chosen.shape[0]), chosen]  # [T]
+    wild = np.nonzero(~clear & (top - picked > QWEN_NEAR_TIE * scale))[0].tolist()
+    agreement = float((chosen[clear] == ref_logits[clear].argmax(-1)).mean()) if clear.any() else 1.0
+    return agreement, wild
 
 
 def test_qwen_dims_match_transformers(qwen4: tuple[Path, Any], rng: np.random.Generator) -> None:
@@ -227,7 +248,7 @@ def test_qwen_dims_match_transformers(qwen4: tuple[Path, Any], rng: np.random.Ge
     model_dir, hf_model = qwen4
     spec = load_spec(model_dir)
     ids = rng.integers(0, spec.vocab_size, size=POSITIONS).tolist()
-    hf_next, hf_layers = _transformers_run(hf_model, ids)
+    hf_logits, hf_layers = _transformers_run(hf_model, ids)  # [T, V], [T, H] per layer
 
     backend, reason = create_backend(ATLAS_DEVICE, model_dir, spec)
     assert reason.startswith(ATLAS_DEVICE)
@@ -236,12 +257,13 @@ def test_qwen_dims_match_transformers(qwen4: tuple[Path, Any], rng: np.random.Ge
     engine.dump = lambda name, t: layers.__setitem__(name, backend.to_numpy(t)) if name.endswith(".out") else None
     atlas_next = engine.logits(ids).argmax(-1)
 
-    agreement = float((atlas_next == hf_next).mean())
+    agreement, wild = next_token_agreement(hf_logits, atlas_next)
     ratios = [float(np.linalg.norm(layers[f"layer.{i}.out"]) / np.linalg.norm(hf_layers[i]))
               for i in range(spec.num_hidden_layers)]
     errors = [float(np.linalg.norm(layers[f"layer.{i}.out"] - hf_layers[i]) / np.linalg.norm(hf_layers[i]))
               for i in range(spec.num_hidden_layers)]
-    detail = f"agreement {agreement:.4f}, norm ratios {np.round(ratios, 4)}, rel errors {np.round(errors, 4)}"
+    detail = (f"agreement {agreement:.4f} off near-ties, near-tie positions picking another token {wild}, "
+              f"norm ratios {np.round(ratios, 4)}, rel errors {np.round(errors, 4)}")
     print(detail)
-    assert agreement >= 0.99, detail
+    assert agreement >= 0.99 and not wild, detail
     assert all(0.98 <= r <= 1.02 for r in ratios), detail
