@@ -215,6 +215,19 @@ def test_moe_experts_match_transformers(rng: np.random.Generator) -> None:
     close(be.moe_experts(x, ids, weights, gate_up, down), ref, 1e-4)
 
 
+def test_moe_empty_slots_add_nothing(rng: np.random.Generator) -> None:
+    """id -1 (the CUDA router's slot for a NaN token) is skipped, not read as expert E - 1."""
+    experts, top_k, hidden, inter, tokens = 6, 2, 16, 8, 5
+    gate_up, down = randn(rng, experts, 2 * inter, hidden, scale=0.2), randn(rng, experts, hidden, inter, scale=0.2)
+    x = randn(rng, tokens, hidden)
+    ids = np.stack([rng.choice(experts - 1, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1, (tokens, top_k)).astype(np.float32)
+    emptied = ids.copy()
+    emptied[:, -1] = -1
+    kept = be.moe_experts(x, ids[:, :-1], weights[:, :-1], gate_up, down)
+    close(be.moe_experts(x, emptied, weights, gate_up, down), kept, 1e-6)
+
+
 def test_argmax_lowest_index_on_ties(rng: np.random.Generator) -> None:
     logits = randn(rng, 4, 30)
     logits[2, [5, 17]] = logits.max() + 1.0

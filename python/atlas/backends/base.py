@@ -180,7 +180,8 @@ class Backend(Protocol):
         self, x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor
     ) -> Tensor:
         """x [T, H], ids / weights [T, k], gate_up [E, 2I, H], down [E, H, I] ->
-        sum_j weights[t, j] * down[e] @ silu_mul(gate_up[e] @ x[t]) with e = ids[t, j]  [T, H]."""
+        sum_j weights[t, j] * down[e] @ silu_mul(gate_up[e] @ x[t]) with e = ids[t, j]  [T, H].
+        A slot with id -1 (the CUDA router's mark for a token whose logits are NaN) adds nothing."""
 
     def add_sigmoid_scaled(self, x: Tensor, y: Tensor, gate_logit: Tensor) -> Tensor:
         """x, y [T, H], gate_logit [T, 1] -> x + sigmoid(gate_logit) * y (shared expert)."""

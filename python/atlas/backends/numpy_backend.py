@@ -292,7 +292,7 @@ class NumpyBackend:
 
     def moe_experts(self, x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
         out = np.zeros_like(x)  # [T, H]
-        for expert in np.unique(ids):
+        for expert in np.unique(ids[ids >= 0]):  # -1: an empty slot, not expert E - 1
             tokens, slots = np.nonzero(ids == expert)
             hidden = self.silu_mul(x[tokens] @ expert_matrix(gate_up, expert).T)  # [n, I]
             expert_out = hidden @ expert_matrix(down, expert).T  # [n, H]
