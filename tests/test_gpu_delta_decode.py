@@ -21,7 +21,7 @@ from test_gpu_ops import env as env  # noqa: F401  (the module-scoped GPU fixtur
 pytestmark = pytest.mark.gpu
 
 FLOOR = 1e-4  # test_gpu_ops' bound for the delta rule: f32 throughout, different summation order
-SAME = 1e-6  # fused vs three kernels: the same per-element code, expected to agree bit for bit
+SAME = 1e-5  # fused vs three kernels: the same per-element code, but nvcc may contract FMAs differently in each
 EPS = 1e-6
 STEPS = 4
 
