@@ -125,7 +125,8 @@ class Engine:
         from tqdm import tqdm
 
         passes = prefill_chunks(tokens, self.prefill_chunk)
-        with tqdm(total=tokens, desc="prefill", unit="tok", file=sys.stderr, leave=False, disable=len(passes) == 1) as bar:
+        bar = tqdm(total=tokens, desc="prefill", unit="tok", file=sys.stderr, leave=False, disable=len(passes) == 1)
+        with bar:
             for start, stop in passes:
                 yield start, stop
                 bar.update(stop - start)

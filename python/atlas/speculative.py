@@ -222,7 +222,8 @@ class SpeculativeEngine(Engine):
             out, mtp_in = self._main_forward(ids, positions)  # [n, H] each
             if stop < len(prompt_ids):
                 head_ids, _ = self._ids(prompt_ids[start + 1 : stop + 1], start)
-                self.head.forward(Step(self.backend, positions), head_ids, persist(self.backend, mtp_in), self.mtp_cache)
+                hidden = persist(self.backend, mtp_in)  # [n, H]: the head's embedding recycles step memory
+                self.head.forward(Step(self.backend, positions), head_ids, hidden, self.mtp_cache)
         mtp_hidden = persist(self.backend, mtp_in)
         last = stop - start - 1
         token = self._greedy(self._row(out, last), positions)[0]
