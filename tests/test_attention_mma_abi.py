@@ -278,7 +278,7 @@ def _attention(rt: RecordingRuntime, dims: dict[str, int], tokens: int, capacity
     hq, hkv, d = dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"]
     f = lambda *s: rt.empty(s, "f32")  # noqa: E731
     caches = [rt.empty((capacity, hkv, d), "bf16") for _ in range(2)]
-    ops_dense.attention(rt, f(tokens, hq, d), f(tokens, hkv, d), f(tokens, hkv, d), *caches,
+    ops_dense.attention(rt, f(tokens, hq, d), f(tokens, hkv, d), f(tokens, hkv, d), KVCache(*caches),
                         rt.empty((tokens,), "i32"), d**-0.5, prefill=prefill)
 
 

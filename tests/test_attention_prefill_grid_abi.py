@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from atlas.backends.base import KVCache
 from atlas.backends.cuda import ops_dense, ops_kv
 
 from _abi import RecordingRuntime, model_dims
@@ -63,12 +64,12 @@ def test_a_long_qwen_prompt_fits_the_grid(level: str, rng: np.random.Generator) 
     q, positions = f(tokens, hq, d), rt.empty((tokens,), "i32")
     if level == "bf16":
         caches = [rt.empty((262_144, hkv, d), "bf16") for _ in range(2)]
-        out = ops_dense.attention(rt, q, f(tokens, hkv, d), f(tokens, hkv, d), *caches, positions, d**-0.5)
+        out = ops_dense.attention(rt, q, f(tokens, hkv, d), f(tokens, hkv, d), KVCache(*caches), positions, d**-0.5)
     else:
         shape = (262_144, hkv, d)
         caches = [ops_kv.QuantizedKVCache(level, shape, rt.empty((ops_kv.cache_bytes(level, shape),), "u8"))
                   for _ in range(2)]
-        out = ops_kv.attention(rt, q, f(tokens, hkv, d), f(tokens, hkv, d), *caches, positions, d**-0.5)
+        out = ops_kv.attention(rt, q, f(tokens, hkv, d), f(tokens, hkv, d), KVCache(*caches), positions, d**-0.5)
     assert len(_check_ranges(rt, q, out, positions, tokens)) == 2
 
 
@@ -87,7 +88,7 @@ def test_token_ranges_give_the_reference_attention(monkeypatch: pytest.MonkeyPat
     rt = RecordingRuntime()
     q_dev, positions_dev = rt.empty(q.shape, "f32"), rt.empty((tokens,), "i32")
     caches = [rt.empty((capacity, kv_heads, dim), "bf16") for _ in range(2)]
-    out_dev = ops_dense.attention(rt, q_dev, rt.empty(k.shape, "f32"), rt.empty(v.shape, "f32"), *caches,
+    out_dev = ops_dense.attention(rt, q_dev, rt.empty(k.shape, "f32"), rt.empty(v.shape, "f32"), KVCache(*caches),
                                   positions_dev, dim**-0.5)
     ranges = _check_ranges(rt, q_dev, out_dev, positions_dev, tokens)
     assert len(ranges) == 3

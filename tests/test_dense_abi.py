@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from atlas.backends.base import SamplingParams
+from atlas.backends.base import KVCache, SamplingParams
 from atlas.backends.cuda import ops_dense
 from atlas.backends.cuda.tensor import DeviceTensor
 
@@ -61,7 +61,7 @@ def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Gen
     ops_dense.head_norm_rope(rt, f(prefill, hq, d), f(d), _tensor(rt, "i32", prefill), dims["rotary_dim"], 1e7, 1e-6)
     for t in (tokens % 4 + 1, prefill):
         caches = [_tensor(rt, "bf16", capacity, hkv, d) for _ in range(2)]
-        ops_dense.attention(rt, f(t, hq, d), f(t, hkv, d), f(t, hkv, d), *caches, _tensor(rt, "i32", t), d**-0.5)
+        ops_dense.attention(rt, f(t, hq, d), f(t, hkv, d), f(t, hkv, d), KVCache(*caches), _tensor(rt, "i32", t), d**-0.5)
     ops_dense.argmax(rt, f(tokens, v))
     ops_dense.sample(rt, f(1, v), SamplingParams(0.8, 20, 0.9), float(rng.random()))
     return {"tokens": tokens, "prefill": prefill, "capacity": capacity, "n": n}
@@ -127,7 +127,7 @@ def test_bad_inputs_are_refused(rng: np.random.Generator) -> None:
     with pytest.raises(ValueError, match="head dim"):
         caches = [rt.empty((64, 2, 96), "bf16") for _ in range(2)]
         ops_dense.attention(rt, rt.empty((1, 4, 96), "f32"), rt.empty((1, 2, 96), "f32"),
-                            rt.empty((1, 2, 96), "f32"), *caches, rt.empty((1,), "i32"), 0.1)
+                            rt.empty((1, 2, 96), "f32"), KVCache(*caches), rt.empty((1,), "i32"), 0.1)
     assert rt.launches == []
 
 

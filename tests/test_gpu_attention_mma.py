@@ -54,7 +54,7 @@ def _run_mma(backend: Any, x: dict[str, np.ndarray], scale: float) -> np.ndarray
     rt = backend.rt
     rt.reset_step()
     rt.poison_scratch()
-    out = ops_dense.attention(rt, dev["q"], dev["k"], dev["v"], dev["k_cache"], dev["v_cache"], dev["positions"],
+    out = ops_dense.attention(rt, dev["q"], dev["k"], dev["v"], KVCache(dev["k_cache"], dev["v_cache"]), dev["positions"],
                               scale, prefill="mma")
     return backend.to_numpy(out)
 

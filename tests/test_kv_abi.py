@@ -19,6 +19,7 @@ import re
 import numpy as np
 import pytest
 
+from atlas.backends.base import KVCache
 from atlas.backends.cuda import ops_kv
 from atlas.kvcache.codebooks import CODEBOOKS
 from atlas.kvcache.hadamard import rotate, sign_flips, unrotate
@@ -56,7 +57,7 @@ def test_every_launch_matches_its_ptx_entry(ptx_entries: tuple[str, dict[str, Pt
         for tokens in (int(rng.integers(1, 5)), int(rng.integers(5, 700))):
             caches = [_cache(rt, level, (capacity, hkv, d)) for _ in range(2)]
             f = lambda *s: rt.empty(s, "f32")  # noqa: E731
-            ops_kv.attention(rt, f(tokens, hq, d), f(tokens, hkv, d), f(tokens, hkv, d), *caches,
+            ops_kv.attention(rt, f(tokens, hq, d), f(tokens, hkv, d), f(tokens, hkv, d), KVCache(*caches),
                              rt.empty((tokens,), "i32"), d**-0.5)
     launched = set()
     for launch in rt.launches:
@@ -90,7 +91,7 @@ def test_bad_caches_are_refused() -> None:
     k_cache, v_cache = _cache(rt, "fp8", (64, 2, 128)), _cache(rt, "turbo4", (64, 2, 128))
     f = lambda *s: rt.empty(s, "f32")  # noqa: E731
     with pytest.raises(ValueError, match="k cache fp8"):
-        ops_kv.attention(rt, f(1, 4, 128), f(1, 2, 128), f(1, 2, 128), k_cache, v_cache, rt.empty((1,), "i32"), 0.1)
+        ops_kv.attention(rt, f(1, 4, 128), f(1, 2, 128), f(1, 2, 128), KVCache(k_cache, v_cache), rt.empty((1,), "i32"), 0.1)
     assert rt.launches == []
 
 

@@ -19,6 +19,7 @@ from ..base import SamplingParams
 from .ops_common import INT32_MAX, FormSwitch, ceil_div as _ceil_div, expect as _expect
 
 if TYPE_CHECKING:
+    from ..base import KVCache
     from .runtime import CudaRuntime
     from .tensor import DeviceTensor
 
@@ -301,21 +302,12 @@ def attention_mma_smem_bytes(dim: int) -> int:
     return 2 * (ATTN_MMA_ROWS + 2 * ATTN_MMA_KEYS) * (dim + ATTN_MMA_PAD)
 
 
-def attention(
-    rt: CudaRuntime,
-    q: DeviceTensor,
-    k: DeviceTensor,
-    v: DeviceTensor,
-    k_cache: DeviceTensor,
-    v_cache: DeviceTensor,
-    positions: DeviceTensor,
-    scale: float,
-    *,
-    prefill: str = "simt",
-) -> DeviceTensor:
-    """Writes this step's k, v into the caches, then attends (the kernel compiled for the tuple's
-    head_dim; it leaves the output untouched for any other head dim). `prefill`: the form of
-    attention for T > ATTN_DECODE_MAX_TOKENS (prefill_attention_form)."""
+def attention(rt: CudaRuntime, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, cache: KVCache,
+              positions: DeviceTensor, scale: float, *, prefill: str = "simt") -> DeviceTensor:
+    """Writes this step's k, v into the bf16 caches (cache.k, cache.v), then attends (the kernel
+    compiled for the tuple's head_dim; it leaves the output untouched for any other head dim).
+    `prefill`: the form of attention for T > ATTN_DECODE_MAX_TOKENS (prefill_attention_form)."""
+    k_cache, v_cache = cache.k, cache.v  # [S, Hkv, D] bf16
     _check_attention(q, k, v, k_cache, v_cache, positions)
     tokens, _, dim = q.shape
     capacity, kv_heads, _ = k_cache.shape

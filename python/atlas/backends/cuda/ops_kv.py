@@ -22,6 +22,7 @@ from .ops_dense import ATTN_HEAD_DIMS, CachedKV, attend
 from .tensor import DeviceTensor
 
 if TYPE_CHECKING:
+    from ..base import KVCache
     from .runtime import CudaRuntime
 
 QUANTIZED_LEVELS = ("fp8", "nvfp4", "turbo8", "turbo4", "turbo3")
@@ -102,9 +103,11 @@ def write(rt: CudaRuntime, k: DeviceTensor, v: DeviceTensor, k_cache: QuantizedK
     rt.launch(f"atlas_kv_write_{k_cache.level}", grid, (KV_WRITE_THREADS, 1, 1), params)
 
 
-def attention(rt: CudaRuntime, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, k_cache: QuantizedKVCache,
-              v_cache: QuantizedKVCache, positions: DeviceTensor, scale: float) -> DeviceTensor:
-    """ops_dense.attention over a quantized cache: write this step's rows, then attend."""
+def attention(rt: CudaRuntime, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, cache: KVCache,
+              positions: DeviceTensor, scale: float) -> DeviceTensor:
+    """ops_dense.attention over a quantized cache (cache.k, cache.v: QuantizedKVCache): write this
+    step's rows, then attend."""
+    k_cache, v_cache = cache.k, cache.v
     _check(q, k, v, k_cache, v_cache, positions)
     capacity, kv_heads, _ = k_cache.shape
     write(rt, k, v, k_cache, v_cache, positions)
