@@ -23,30 +23,14 @@ import pytest
 from atlas.backends.cuda import ops_linear_moe as ops
 from atlas.backends.numpy_backend import NumpyBackend
 
-from _abi import MODELS, REPO, RecordingRuntime, header_constant, model_dims
+from _abi import MODELS, REPO, RecordingRuntime, header_constant
 from _operands import delta_rule_operands
+from test_delta_decode_abi import COLS_PER_BLOCK, COLS_PER_WARP, KEY_PARTS, THREADS, Dims
 
 HEADER = (REPO / "kernels/include/atlas/delta_rule.cuh").read_text()
-WARPS = header_constant("delta_rule.cuh", "kWarps")
-THREADS = 32 * WARPS
-COLS_PER_WARP = header_constant("delta_rule.cuh", "kColsPerWarp")
-KEY_PARTS = 32 // COLS_PER_WARP
-COLS_PER_BLOCK = WARPS * COLS_PER_WARP
 CHAINS = header_constant("delta_rule.cuh", "kChains")
 BUFFERS = int(re.search(r"__shared__ float q_s\[(\d+)\]\[Dk\];", HEADER)[1])
 L2_EPS = np.float32(1e-6)
-
-
-@dataclass(frozen=True)
-class Dims:
-    hk: int
-    hv: int
-    dk: int
-    dv: int
-
-    @property
-    def width(self) -> int:
-        return 2 * self.hk * self.dk + self.hv * self.dv
 
 
 @dataclass(frozen=True)
@@ -172,7 +156,7 @@ def run_block(x: Launch, d: Dims, h: int, y: int, v: Variant, log: SharedLog | N
 def recorded_grid(d: Dims, tokens: int) -> tuple[int, int, int]:
     rt = RecordingRuntime()
     f = lambda *s: rt.empty(s, "f32")  # noqa: E731
-    ops.gated_delta_rule(rt, f(tokens, d.width), f(tokens, d.hv), f(tokens, d.hv),
+    ops.gated_delta_rule(rt, f(tokens, d.channels), f(tokens, d.hv), f(tokens, d.hv),
                          delta_rule_operands(f(d.hv), f(d.hv), f(d.hv, d.dk, d.dv), d.hk), chunked=False)
     (launch,) = rt.launches
     assert launch.kernel == "atlas_gated_delta_rule" and launch.block == (THREADS, 1, 1)
@@ -194,7 +178,7 @@ class Case:
     @classmethod
     def draw(cls, rng: np.random.Generator, d: Dims, tokens: int) -> Case:
         n = lambda *s, scale=1.0: (rng.standard_normal(s) * scale).astype(np.float32)  # noqa: E731
-        return cls(d, n(tokens, d.width), n(tokens, d.hv), n(tokens, d.hv, scale=2),
+        return cls(d, n(tokens, d.channels), n(tokens, d.hv), n(tokens, d.hv, scale=2),
                    np.log(rng.uniform(1, 16, d.hv)).astype(np.float32), n(d.hv, scale=0.5), n(d.hv, d.dk, d.dv, scale=0.1))
 
     def emulate(self, variant: Variant) -> tuple[Launch, SharedLog]:
@@ -217,14 +201,9 @@ class Case:
         return out, state
 
 
-def dims_of(model: str) -> Dims:
-    c = model_dims(model)
-    return Dims(c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"])
-
-
 @pytest.mark.parametrize("model", MODELS)
 def test_the_token_loop_equals_the_reference_without_races(model: str, rng: np.random.Generator) -> None:
-    d = dims_of(model)
+    d = Dims.of(model)
     for tokens in (1, 3):
         case = Case.draw(rng, d, tokens)
         got, log = case.emulate(Variant())
@@ -236,7 +215,7 @@ def test_the_token_loop_equals_the_reference_without_races(model: str, rng: np.r
 
 
 def test_the_checks_catch_a_single_buffer_and_a_wrong_column_sum(rng: np.random.Generator) -> None:
-    case = Case.draw(rng, Dims(2, 4, 64, 64), 3)
+    case = Case.draw(rng, Dims(2, 4, 64, 64, 4), 3)
     _, log = case.emulate(Variant(buffers=1))
     assert log.races(), "a single q_s / k_s buffer is rewritten while other warps still read it"
     got, _ = case.emulate(Variant(sum_offsets=(1, 2)))
