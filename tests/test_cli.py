@@ -20,11 +20,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """atlas.run's exit code and output as written: decoded from bytes, since text mode would turn a
+    generated "\r" into "\n" (a random model's tokens can decode to one)."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "python"), "PYTHONIOENCODING": "utf-8"}
-    return subprocess.run(
-        [sys.executable, "-m", "atlas.run", *args],
-        capture_output=True, text=True, encoding="utf-8", env=env, timeout=300,
-    )  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "atlas.run", *args], capture_output=True, env=env, timeout=300)
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode("utf-8"), done.stderr.decode("utf-8"))
 
 
 @pytest.fixture(scope="module")
