@@ -24,6 +24,7 @@ import test_compare
 import test_dump
 import test_gpu_kv
 import test_gpu_model
+import test_gpu_prompt_cache
 import test_gpu_quant
 import test_llm
 import test_speculative
@@ -57,6 +58,20 @@ def test_demo_greedy_and_passes_every_draw(stand_in: None, rng: np.random.Genera
     for _ in range(SLOW_DRAWS):
         test_gpu_model.test_greedy_gpu_equals_greedy_numpy_on_the_demo(demo_gpu, rng)
         test_gpu_model.test_prompt_in_passes_on_the_gpu(demo_gpu, rng)
+
+
+@pytest.mark.parametrize("cut", ["end", "tail"])
+def test_prompt_cache_gpu_test_passes(stand_in: None, rng: np.random.Generator, cut: str) -> None:
+    demo_gpu = test_gpu_model.gpu_llm()
+    for _ in range(3):
+        test_gpu_prompt_cache.test_resume_on_the_gpu_matches_a_fresh_prefill(demo_gpu, rng, cut)
+
+
+@pytest.mark.slow
+def test_prompt_cache_gpu_test_passes_every_draw(stand_in: None, rng: np.random.Generator) -> None:
+    demo_gpu = test_gpu_model.gpu_llm()
+    for draw in range(SLOW_DRAWS):
+        test_gpu_prompt_cache.test_resume_on_the_gpu_matches_a_fresh_prefill(demo_gpu, rng, ["end", "tail"][draw % 2])
 
 
 def test_auto_device_and_dump_pass(stand_in: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -170,6 +170,32 @@ def test_completion(served: Served, rng: np.random.Generator) -> None:
     assert answer.usage.total_tokens == prompt_tokens + count
 
 
+def test_next_chat_turn_resumes_from_the_prompt_cache(served: Served, rng: np.random.Generator) -> None:
+    """The second turn of a conversation reports the prompt tokens the prompt cache held: the first
+    turn's prompt and answer when the template renders them unchanged (the live state), else the
+    first prompt (its end checkpoint) or all but its last CHECKPOINT_TAIL tokens."""
+    from atlas.prompt_cache import CHECKPOINT_TAIL
+
+    zen = [line for line in zen_of_python().splitlines() if line.strip()]
+    start = int(rng.integers(0, len(zen) - 16))
+    messages = [{"role": "user", "content": "\n".join(zen[start : start + 16])}]
+    client = served.client()
+    first = client.chat.completions.create(model=DEMO_NAME, messages=messages, max_tokens=8, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": random_prompt(rng)}]
+    second = client.chat.completions.create(model=DEMO_NAME, messages=messages, max_tokens=8, temperature=0)
+    tokenizer = served.reference.tokenizer
+    first_ids, second_ids = tokenizer.encode_chat(messages[:1]), tokenizer.encode_chat(messages)
+    answer_ids = served.reference.generate(first_ids, max_tokens=8).token_ids
+    held = [first_ids + answer_ids[:-1], first_ids, first_ids[:-CHECKPOINT_TAIL]]  # live, end, tail
+    assert len(first_ids) >= 128, "the tail checkpoint needs a longer first turn"
+    hit = next((len(ids) for ids in held if second_ids[: len(ids)] == ids), 0)
+    assert hit >= len(first_ids) - CHECKPOINT_TAIL, "the template re-rendered the first turn too far back"
+    assert second.usage.prompt_tokens == len(second_ids)
+    assert second.usage.prompt_tokens_details.cached_tokens == hit
+    assert second.choices[0].message.content == served.reference.generate(second_ids, max_tokens=8).text
+
+
 def test_completion_stream(served: Served, rng: np.random.Generator) -> None:
     prompt, max_tokens = random_prompt(rng), int(rng.integers(1, 200))
     text, finish, count = expected(served, prompt, max_tokens)
@@ -518,13 +544,15 @@ def test_cli_engine_flags_reach_the_engine(rng: np.random.Generator) -> None:
     level = str(rng.choice(["fp8", "nvfp4", "turbo8", "turbo4", "turbo3"]))
     k = int(rng.integers(1, 4))
     full = [i for i, kind in enumerate(load_spec(DEMO_DIR).layer_types) if kind == "full_attention"]
-    args = ("--kv-cache-dtype", level, "--kv-high-precision-layers", "0", "--spec-k", str(k))
+    checkpoints = int(rng.integers(0, 9))
+    args = ("--kv-cache-dtype", level, "--kv-high-precision-layers", "0", "--spec-k", str(k), "--prompt-cache", str(checkpoints))
     with cli_server(*args) as (port, stderr):
         health = get_json(port, "/health")
         answer = openai.OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0) \
             .completions.create(model=DEMO_NAME, prompt="Flat is", max_tokens=4, temperature=0)
     assert health["kv_cache"] == f"{level} on layers {', '.join(map(str, full))}", health
     assert f"--spec-k {k} is ignored" in health["speculation"], health  # the demo has no MTP head
+    assert health["prompt_cache"] == (f"{checkpoints} checkpoints" if checkpoints else "off"), health
     assert any(f"kv cache {level} on layers" in line for line in stderr), stderr
     assert answer.choices[0].text
 
@@ -553,6 +581,8 @@ def listening_port(lines: queue.Queue[str], seen: list[str]) -> int:
     (["--kv-high-precision-layers", "-1"], "--kv-high-precision-layers"),
     (["--kv-high-precision-layers", "some"], "--kv-high-precision-layers"),
     (["--served-model-name", " "], "--served-model-name"),
+    (["--prompt-cache", "-1"], "--prompt-cache"),
+    (["--prompt-cache", "65"], "--prompt-cache"),
 ])
 def test_cli_bad_input_is_one_line(args: list[str], needle: str) -> None:
     done = subprocess.run(serve_command(*args), capture_output=True, text=True, env=cli_env(), timeout=TIMEOUT_S)

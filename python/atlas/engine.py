@@ -1,11 +1,11 @@
 """The generation engine: one model, its state, the prompt in passes of at most PREFILL_CHUNK
-tokens, then one token per step."""
+tokens (after what the prompt cache already holds), then one token per step."""
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +19,10 @@ from .errors import AtlasError
 from .kvcache import KVCacheOptions, new_states
 from .layers.step import Dump, Step
 from .models import load_model
+from .prompt_cache import PromptCache, Resume, ResumeFilter
 from .safetensors import Checkpoint
 from .sampling import check_sampling, is_int
+from .snapshot import DeltaNetSnapshot
 
 
 PREFILL_CHUNK = 4096  # prompt tokens per forward: bounds a step's activations at any context length
@@ -31,10 +33,23 @@ def prefill_chunks(tokens: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
 
 
+def split_passes(passes: list[tuple[int, int]], offset: int, marks: Sequence[int]) -> list[tuple[int, int]]:
+    """`passes` shifted by `offset`, each split where it spans one of `marks` (absolute positions)."""
+    out: list[tuple[int, int]] = []
+    for start, stop in passes:
+        start, stop = start + offset, stop + offset
+        for mark in sorted(m for m in marks if start < m < stop):
+            out.append((start, mark))
+            start = mark
+        out.append((start, stop))
+    return out
+
+
 @dataclass
 class GenerationStats:
     token_ids: list[int] = field(default_factory=list)  # new tokens, the eos that stopped it included
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prompt cache held (not run again)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -64,8 +79,11 @@ class Engine:
         checkpoint: Checkpoint,
         backend: Backend,
         max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
+        *,
         kv_cache: KVCacheOptions | None = None,
+        prompt_cache: int = 0,
     ):
+        """prompt_cache: checkpoints the prompt cache keeps (0: off; atlas.prompt_cache)."""
         if max_seq_len < 1:
             raise AtlasError(f"max_seq_len must be >= 1, got {max_seq_len}")
         self.spec = spec
@@ -77,6 +95,7 @@ class Engine:
         env_dump = dump_from_env(backend, run_info)  # ATLAS_DUMP: checked before the weights load
         self.model = load_model(spec, checkpoint, backend)
         self.dump: Dump | None = env_dump  # set to receive every named intermediate (not during graphs)
+        self.prompt_cache = PromptCache(backend, prompt_cache)
         self.reset()
 
     def reset(self) -> None:
@@ -84,6 +103,7 @@ class Engine:
         self._decode: Callable[[Tensor, Tensor], Tensor] | None = None
         self.states: list[Any] = []  # the old states go back to the memory pool before new ones are made
         self.states = new_states(self.model.layers, self.backend, self.max_seq_len, self.kv_plan)
+        self.prompt_cache.reset()
 
     # --- steps --------------------------------------------------------------------------------
     def forward(self, ids: Tensor, positions: Tensor) -> Tensor:
@@ -95,9 +115,11 @@ class Engine:
     def _last_logits(self, ids: Tensor, positions: Tensor) -> Tensor:
         """Logits of the last token only [1, V] (the row is gathered with the embedding op)."""
         hidden = self.forward(ids, positions)  # [T, H]
-        last = self.backend.upload(np.array([ids.shape[0] - 1], dtype=np.int32), "i32")
-        last_hidden = self.backend.embedding(hidden, last)  # [1, H]
-        return self.model.logits(Step(self.backend, positions, self.dump), last_hidden)
+        return self.model.logits(Step(self.backend, positions, self.dump), self._row(hidden, ids.shape[0] - 1))
+
+    def _row(self, t: Tensor, row: int) -> Tensor:
+        """t [T, H] -> its row `row` [1, H]."""
+        return self.backend.embedding(t, self.backend.upload(np.array([row], dtype=np.int32), "i32"))
 
     def _decode_step(self, ids: Tensor, positions: Tensor) -> Tensor:
         step = Step(self.backend, positions, None)
@@ -109,41 +131,75 @@ class Engine:
         return ids, positions
 
     def prefill(self, prompt_ids: list[int]) -> Tensor:
-        """Run the whole prompt from a fresh state, `prefill_chunk` tokens a pass -> logits of its
-        last token [1, V]."""
+        """Run the prompt, `prefill_chunk` tokens a pass, from what the prompt cache holds of it (a
+        fresh state without one) -> logits of its last token [1, V]."""
         self.check_ids(prompt_ids, 0)
-        self.reset()
-        for start, stop in self.prompt_passes(len(prompt_ids)):
+        resume = self.resume(prompt_ids)
+        if resume.start == len(prompt_ids):  # the whole prompt is a checkpoint's: its last row gives the logits
+            assert resume.checkpoint is not None
+            _, positions = self._ids(prompt_ids[-1:], len(prompt_ids) - 1)
+            return self.model.logits(Step(self.backend, positions, self.dump), resume.checkpoint.hidden)
+        marks = self.prompt_cache.marks(resume.start, len(prompt_ids))
+        for start, stop in self.prompt_passes(resume.start, len(prompt_ids), marks):
             ids, positions = self._ids(prompt_ids[start:stop], start)
-            if stop < len(prompt_ids):
-                self.forward(ids, positions)
-        return self._last_logits(ids, positions)
+            with self.prompt_cache.feeding(prompt_ids[start:stop], start):
+                last = self._row(self.forward(ids, positions), stop - start - 1)  # [1, H]
+            if stop in marks:
+                self.prompt_cache.save(self.states, last)
+        return self.model.logits(Step(self.backend, positions, self.dump), last)
 
-    def prompt_passes(self, tokens: int) -> Iterator[tuple[int, int]]:
-        """[start, stop) of each prefill pass in order, with a progress bar on stderr (cleared
-        when done) when the prompt takes more than one."""
+    def resume(self, prompt_ids: list[int], usable: ResumeFilter | None = None) -> Resume:
+        """Put the state where the prompt cache holds the longest usable start of the prompt
+        (restoring a checkpoint), or fresh; a dump sees every forward, so it always starts fresh."""
+        resume = self.prompt_cache.choose(prompt_ids, usable) if self.dump is None else Resume()
+        if resume.start == 0:
+            self.reset()
+            return resume
+        if resume.checkpoint is not None:
+            self.restore_states(resume.checkpoint.states)
+        self.prompt_cache.resumed(resume)
+        return resume
+
+    def restore_states(self, snapshot: DeltaNetSnapshot) -> None:
+        """Copy a snapshot back into the DeltaNet states; the prompt cache forgets them if it fails."""
+        try:
+            snapshot.restore(self.states)
+        except BaseException:  # half copied
+            self.prompt_cache.forget()
+            raise
+
+    def prompt_passes(self, start: int, stop: int, marks: Sequence[int] = ()) -> Iterator[tuple[int, int]]:
+        """[a, b) of each prefill pass over prompt tokens start..stop-1 in order: at most
+        `prefill_chunk` tokens each, and one ending at each of `marks`; with a progress bar on
+        stderr (cleared when done) when there is more than one."""
         from tqdm import tqdm
 
-        passes = prefill_chunks(tokens, self.prefill_chunk)
-        bar = tqdm(total=tokens, desc="prefill", unit="tok", file=sys.stderr, leave=False, disable=len(passes) == 1)
+        passes = split_passes(prefill_chunks(stop - start, self.prefill_chunk), start, marks)
+        bar = tqdm(total=stop - start, desc="prefill", unit="tok", file=sys.stderr, leave=False, disable=len(passes) == 1)
         with bar:
-            for start, stop in passes:
-                yield start, stop
-                bar.update(stop - start)
+            for a, b in passes:
+                yield a, b
+                bar.update(b - a)
 
     def decode(self, token: int, position: int) -> Tensor:
         """One token at `position` -> its logits [1, V]."""
         self.check_ids([token], position)
-        return self._one_token_logits(*self._ids([token], position))
+        with self.prompt_cache.feeding([token], position):
+            return self._one_token_logits(*self._ids([token], position))
 
-    def decode_tensor(self, ids: Tensor, position: int) -> Tensor:
+    def decode_tensor(self, ids: Tensor, position: int, token: int | None = None) -> Tensor:
         """decode() for a token already on the backend (ids [1] i32, the previous pick_tensor):
-        the greedy chain argmax -> next embedding stays on the device."""
+        the greedy chain argmax -> next embedding stays on the device. `token`: the same id as read
+        back, for the prompt cache (None: the cache forgets what the state holds)."""
         if tuple(ids.shape) != (1,):
             raise AtlasError(f"decode_tensor takes one token id of shape (1,), got {tuple(ids.shape)}")
         self.check_ids([0], position)  # only the length: the id came from argmax/sample over the vocab
         positions = self.backend.upload(np.array([position], dtype=np.int32), "i32")
-        return self._one_token_logits(ids, positions)
+        if token is None:
+            self.prompt_cache.forget()
+            return self._one_token_logits(ids, positions)
+        with self.prompt_cache.feeding([token], position):
+            return self._one_token_logits(ids, positions)
 
     def _one_token_logits(self, ids: Tensor, positions: Tensor) -> Tensor:
         """ids, positions [1] i32 -> logits [1, V] through the backend's decode step (a CUDA graph
@@ -160,7 +216,9 @@ class Engine:
         self.reset()
         token_ids, positions = self._ids(ids, 0)
         step = Step(self.backend, positions, self.dump)
-        return self.backend.to_numpy(self.model.logits(step, self.forward(token_ids, positions)))
+        with self.prompt_cache.feeding(ids, 0):
+            hidden = self.forward(token_ids, positions)
+        return self.backend.to_numpy(self.model.logits(step, hidden))
 
     def check_ids(self, ids: list[int], start: int) -> None:
         if not ids:
@@ -208,11 +266,12 @@ class Engine:
         rng = np.random.default_rng(request.seed)
         started = time.perf_counter()
         token, token_t = self.pick_tensor(self.prefill(request.prompt_ids), request.sampling, rng)
+        stats.cached_tokens = self.prompt_cache.last_hit
         stats.prefill_seconds = time.perf_counter() - started
         started = time.perf_counter()
         position = len(request.prompt_ids)
         while self._accept(token, stats, request) and len(stats.token_ids) < request.max_tokens:
-            token, token_t = self.pick_tensor(self.decode_tensor(token_t, position), request.sampling, rng)
+            token, token_t = self.pick_tensor(self.decode_tensor(token_t, position, token), request.sampling, rng)
             position += 1
         stats.decode_seconds = time.perf_counter() - started
         return stats

@@ -30,11 +30,13 @@ class EngineFlags:
     spec_k: int | None = None  # MTP speculation: None = on (k=2) when the checkpoint has the head
     no_spec: bool = False
     max_seq_len: int | None = None  # KV cache positions: None = 4096, capped by the model's context
+    prompt_cache: int = 0  # prompt-cache checkpoints: atlas.serve's --prompt-cache (atlas.run runs one prompt)
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> EngineFlags:
-        """Take this dataclass's fields out of a click command's keyword arguments."""
-        return cls(**{f.name: kwargs.pop(f.name) for f in fields(cls)})
+        """Take this dataclass's fields out of a click command's keyword arguments (a field the
+        command has no option for keeps its default)."""
+        return cls(**{f.name: kwargs.pop(f.name) for f in fields(cls) if f.name in kwargs})
 
     def spec_k_value(self) -> int | None:
         """--spec-k / --no-spec -> LLM's spec_k (None: the checkpoint decides, 0: off)."""
@@ -54,7 +56,7 @@ class EngineFlags:
 
         spec_k = self.spec_k_value()
         return LLM(model_dir, self.device, self.kv_cache_dtype, self.kv_high_precision_layers, spec_k,
-                   self.max_seq_len)
+                   self.max_seq_len, prompt_cache=self.prompt_cache)
 
 
 def high_precision_value(ctx: click.Context, param: click.Parameter, value: str) -> str:

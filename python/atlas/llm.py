@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_PROMPT_CACHE = 4  # prompt-cache checkpoints of LLM and atlas.serve (an Engine made directly has none)
+MAX_PROMPT_CACHE = 64
 
 
 @dataclass(frozen=True)
@@ -25,11 +27,12 @@ class GenerationResult:
     token_ids: list[int]  # the new tokens (eos included when generation stopped on it)
     text: str  # the new tokens decoded, special tokens skipped
     prompt_tokens: int
-    prefill_tok_s: float
+    prefill_tok_s: float  # over the prompt tokens run (those the prompt cache held are not)
     decode_tok_s: float
     spec_rounds: int = 0  # MTP speculation: verify passes, drafts proposed, drafts accepted
     spec_drafted: int = 0
     spec_accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens the prompt cache held
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class EngineLike(Protocol):
 
     def pick_tensor(self, logits: Any, sampling: SamplingParams, rng: Any) -> tuple[int, Any]: ...  # id, [1] i32
 
-    def decode_tensor(self, ids: Any, position: int) -> Any: ...  # logits [1, V]; ids from pick_tensor
+    def decode_tensor(self, ids: Any, position: int, token: int | None = None) -> Any: ...  # logits [1, V]; ids, token from pick_tensor
 
 
 @dataclass
@@ -74,18 +77,19 @@ class LoadedModel:
 
 def load_model(
     model: str | PathLike[str] | None, device: str, kv_cache: KVCacheOptions | None = None, spec_k: int | None = None,
-    max_seq_len: int | None = None,
+    max_seq_len: int | None = None, prompt_cache: int = 0,
 ) -> LoadedModel:
     """Resolve, read config and tokenizer, open the weights and build the engine. spec_k: MTP
     speculation (atlas.speculative.build_engine): None = k=2 when the checkpoint has the head,
     0 = off (the head is not loaded), 1..3 = that k. max_seq_len: KV cache positions (None: 4096,
-    capped by the model's context)."""
+    capped by the model's context). prompt_cache: checkpoints of the prompt cache (0: off)."""
     if isinstance(model, PathLike):
         model = fspath(model)
     if model is not None and not isinstance(model, str):
         raise AtlasError(f"model must be a registry name, an HF repo id or a directory path, got {model!r}")
     if kv_cache is not None:
         kv_cache.check()
+    check_prompt_cache(prompt_cache)
     from .backends import create_backend
     from .backends.run_plan import RunPlan, context_length
     from .config import load_spec
@@ -99,7 +103,7 @@ def load_model(
     spec = load_spec(model_dir)
     tokenizer = Tokenizer.open(model_dir)
     capacity = context_length(max_seq_len, spec.max_position_embeddings)
-    run = RunPlan(capacity, kv_cache or KVCacheOptions(), load_mtp=spec_k != 0)
+    run = RunPlan(capacity, kv_cache or KVCacheOptions(), load_mtp=spec_k != 0, prompt_cache=prompt_cache)
     checkpoint = Checkpoint.open(model_dir)
     backend, reason = create_backend(device, model_dir, spec, run)
     engine, speculation = build_engine(spec, checkpoint, backend, spec_k, run)
@@ -111,7 +115,9 @@ class LLM:
     cache or a registry name; `device`: "auto", "cpu" or "cuda"; `kv_cache_dtype` and
     `kv_high_precision_layers`: the KV cache level of the full-attention layers (atlas.kvcache.options);
     `spec_k`: MTP speculative decoding (None: k=2 when the checkpoint has the head, 0: off);
-    `max_seq_len`: KV cache positions, prompt + generated (None: 4096, capped by the model's context)."""
+    `max_seq_len`: KV cache positions, prompt + generated (None: 4096, capped by the model's context);
+    `prompt_cache`: checkpoints of the prompt cache, so a prompt that starts like an earlier
+    request's resumes after the shared tokens (atlas.prompt_cache; 0: off)."""
 
     def __init__(
         self,
@@ -121,11 +127,13 @@ class LLM:
         kv_high_precision_layers: str | int = "auto",
         spec_k: int | None = None,
         max_seq_len: int | None = None,
+        *,
+        prompt_cache: int = DEFAULT_PROMPT_CACHE,
     ) -> None:
         from .kvcache.options import KVCacheOptions
 
         kv_cache = KVCacheOptions(kv_cache_dtype, kv_high_precision_layers)
-        self.parts = load_model(model, device, kv_cache, spec_k, max_seq_len)
+        self.parts = load_model(model, device, kv_cache, spec_k, max_seq_len, prompt_cache)
 
     @classmethod
     def from_loaded(cls, parts: LoadedModel) -> LLM:
@@ -187,11 +195,12 @@ class LLM:
             token_ids=token_ids,
             text=self.parts.tokenizer.decode(token_ids),
             prompt_tokens=int(stats.prompt_tokens),
-            prefill_tok_s=rate(int(stats.prompt_tokens), stats.prefill_seconds),
+            prefill_tok_s=rate(int(stats.prompt_tokens) - int(stats.cached_tokens), stats.prefill_seconds),
             decode_tok_s=rate(max(len(token_ids) - 1, 0), stats.decode_seconds),
             spec_rounds=getattr(stats, "rounds", 0),
             spec_drafted=getattr(stats, "drafted", 0),
             spec_accepted=getattr(stats, "accepted", 0),
+            cached_tokens=int(stats.cached_tokens),
         )
 
     def stream(
@@ -258,7 +267,7 @@ def iter_tokens(
         yield token
         if token in eos_ids or count == opts.max_tokens:
             return
-        token, token_t = engine.pick_tensor(engine.decode_tensor(token_t, position), sampling, rng)
+        token, token_t = engine.pick_tensor(engine.decode_tensor(token_t, position, token), sampling, rng)
         position += 1
 
 
@@ -289,6 +298,13 @@ def token_ids(prompt: object) -> list[int]:
     if bad:
         raise AtlasError(f"prompt token ids must be integers, got {bad[0]!r}")
     return [int(t) for t in ids]
+
+
+def check_prompt_cache(checkpoints: object) -> None:
+    from .sampling import is_int
+
+    if not is_int(checkpoints) or not 0 <= checkpoints <= MAX_PROMPT_CACHE:  # type: ignore[operator]
+        raise AtlasError(f"prompt_cache must be an integer in 0..{MAX_PROMPT_CACHE} (checkpoints; 0 = off), got {checkpoints!r}")
 
 
 def check_options(opts: GenerateOptions) -> None:

@@ -2,7 +2,8 @@
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions (`stream: true` as server-sent events),
 /health. The engine flags (--device, --spec-k / --no-spec, --kv-cache-dtype,
---kv-high-precision-layers) are atlas.run's (engine_flags.py). Bad flags, models or addresses
+--kv-high-precision-layers, --max-seq-len) are atlas.run's (engine_flags.py); --prompt-cache is
+the server's (atlas.prompt_cache). Bad flags, models or addresses
 print one line on stderr and exit with code 2.
 """
 
@@ -19,6 +20,7 @@ import click
 from .cli import run_command
 from .engine_flags import EngineFlags, engine_options
 from .errors import AtlasError
+from .llm import DEFAULT_PROMPT_CACHE, MAX_PROMPT_CACHE
 from .run import MODEL_HELP
 
 if TYPE_CHECKING:
@@ -51,7 +53,7 @@ def engine_summary(llm: LLM) -> str:
     from .server.app import engine_settings
 
     settings = engine_settings(llm)
-    return f"speculation {settings['speculation']}; kv cache {settings['kv_cache']}"
+    return f"speculation {settings['speculation']}; kv cache {settings['kv_cache']}; prompt cache {settings['prompt_cache']}"
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -107,6 +109,11 @@ def serve(args: ServeArgs) -> None:
 @click.option(
     "--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
     show_default=True,
+)
+@click.option(
+    "--prompt-cache", type=click.IntRange(0, MAX_PROMPT_CACHE), default=DEFAULT_PROMPT_CACHE, show_default=True,
+    help="Checkpoints of the prompt cache: a request whose prompt starts like an earlier one's (a chat's next turn) "
+    "resumes after the shared tokens; each holds a copy of the DeltaNet states. 0: off.",
 )
 @engine_options
 def command(**kwargs: object) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -31,10 +31,11 @@ from .backends.run_plan import DEFAULT_MAX_SEQ_LEN, RunPlan
 from .config import ModelSpec
 from .engine import Engine, GenerationRequest, GenerationStats
 from .errors import AtlasError
-from .layers.linear_attention import DeltaNetState
 from .layers.step import Step
+from .prompt_cache import StateCheckpoint
 from .safetensors import Checkpoint
 from .sampling import check_sampling
+from .snapshot import DeltaNetSnapshot, persist
 
 DEFAULT_SPEC_K = 2
 MAX_SPEC_K = 3
@@ -67,54 +68,6 @@ class Cursor:
     mtp_last: int  # the row whose output drafts the token after `token`
 
 
-def copy_tensor(backend: Backend, dst: Tensor, src: Tensor) -> None:
-    """dst[...] = src (same shape): the backend's `copy` op, or numpy's for numpy tensors."""
-    copy = getattr(backend, "copy", None)
-    if callable(copy):
-        copy(dst, src)
-    elif isinstance(dst, np.ndarray):
-        np.copyto(dst, np.asarray(src))
-    else:
-        raise AtlasError(
-            f"the {backend.name} backend has no copy op, which speculative decoding needs; "
-            "run with --no-spec"
-        )
-
-
-def persist(backend: Backend, t: Tensor) -> Tensor:
-    """A copy of a step tensor that outlives the step (GPU step memory is recycled)."""
-    out = backend.zeros(tuple(t.shape), "f32")
-    copy_tensor(backend, out, t)
-    return out
-
-
-@dataclass
-class DeltaNetSnapshot:
-    """Copies of every DeltaNet conv + recurrent state, taken before a verify pass."""
-
-    backend: Backend
-    saved: list[tuple[int, Tensor, Tensor]] = field(default_factory=list)  # (layer, conv, recurrent)
-
-    @classmethod
-    def for_states(cls, backend: Backend, states: list[Any]) -> DeltaNetSnapshot:
-        saved = [
-            (i, backend.zeros(tuple(s.conv.shape), "f32"), backend.zeros(tuple(s.recurrent.shape), "f32"))
-            for i, s in enumerate(states)
-            if isinstance(s, DeltaNetState)
-        ]
-        return cls(backend, saved)
-
-    def take(self, states: list[Any]) -> None:
-        for i, conv, recurrent in self.saved:
-            copy_tensor(self.backend, conv, states[i].conv)
-            copy_tensor(self.backend, recurrent, states[i].recurrent)
-
-    def restore(self, states: list[Any]) -> None:
-        for i, conv, recurrent in self.saved:
-            copy_tensor(self.backend, states[i].conv, conv)
-            copy_tensor(self.backend, states[i].recurrent, recurrent)
-
-
 def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
     """How many drafts match the main model's greedy tokens (greedy[i] follows drafts[:i])."""
     count = 0
@@ -132,21 +85,34 @@ class SpeculativeEngine(Engine):
         checkpoint: Checkpoint,
         backend: Backend,
         spec_k: int = DEFAULT_SPEC_K,
+        *,
         max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
         hidden_source: HiddenSource = "final_norm",
         kv_cache: Any = None,  # atlas.kvcache.KVCacheOptions for the main model's caches
+        prompt_cache: int = 0,  # checkpoints of the prompt cache (0: off)
     ):
         from .models.qwen3_5_moe_mtp import load_mtp_head
 
         check_spec_k(spec_k)
         if hidden_source not in HIDDEN_SOURCES:
             raise AtlasError(f"hidden_source must be one of {', '.join(HIDDEN_SOURCES)}, got {hidden_source!r}")
-        super().__init__(spec, checkpoint, backend, max_seq_len, kv_cache=kv_cache)
+        super().__init__(spec, checkpoint, backend, max_seq_len, kv_cache=kv_cache, prompt_cache=prompt_cache)
         self.spec_k = spec_k
         self.hidden_source = hidden_source
         self.head = load_mtp_head(spec, checkpoint, backend, self.model)
         self.mtp_cache = self.head.new_state(backend, max_seq_len)
         self.snapshot = DeltaNetSnapshot.for_states(backend, self.states)
+
+    def reset(self) -> None:
+        super().reset()
+        self.mtp_rows = 0  # the head's KV rows 0.. that hold its inputs for the live sequence
+
+    def prefill(self, prompt_ids: list[int]) -> Tensor:
+        """The plain path's prefill (sampled requests): the head's rows past the resume point are
+        not written, so they no longer match."""
+        logits = super().prefill(prompt_ids)
+        self.mtp_rows = min(self.mtp_rows, self.prompt_cache.last_hit)
+        return logits
 
     # --- generation ---------------------------------------------------------------------------
     def run(self, request: GenerationRequest) -> GenerationStats:
@@ -163,6 +129,7 @@ class SpeculativeEngine(Engine):
             if not self._accept(token, stats, request) or len(stats.token_ids) >= request.max_tokens:
                 break
         stats.decode_seconds = time.perf_counter() - started
+        stats.cached_tokens = self.prompt_cache.last_hit
         return stats
 
     def speculative_tokens(
@@ -209,31 +176,52 @@ class SpeculativeEngine(Engine):
         logits = self.model.logits(Step(self.backend, positions, self.dump), hidden)  # [T, V]
         return [int(t) for t in self.backend.to_numpy(self.backend.argmax(logits))]
 
-    def _row(self, t: Tensor, row: int) -> Tensor:
-        return self.backend.embedding(t, self.backend.upload(np.array([row], dtype=np.int32), "i32"))
-
     def _prefill(self, prompt_ids: list[int]) -> Cursor:
-        """The prompt in passes of `prefill_chunk` tokens; the head takes each pass but the last
-        at once (its rows' next tokens are known), the last one with the first draft."""
+        """The prompt in passes after what the prompt cache holds; the head takes each pass's rows
+        but the last at once (their next tokens are known), the last pass's with the first draft."""
         self.check_ids(prompt_ids, 0)
-        self.reset()
-        for start, stop in self.prompt_passes(len(prompt_ids)):
+        resume = self.resume(prompt_ids, self._head_ready)
+        n = len(prompt_ids)
+        if resume.checkpoint is not None:
+            self.mtp_rows = min(self.mtp_rows, resume.start - 1)
+            head_input = persist(self.backend, resume.checkpoint.head_input)  # [1, H] the head's row start-1
+            if resume.start == n:  # all of the prompt was a checkpoint's
+                _, positions = self._ids(prompt_ids[-1:], n - 1)
+                token = self._greedy(resume.checkpoint.hidden, positions)[0]
+                return Cursor(n, token, [], n - 1, [token], head_input, 0)
+            self._head_rows(prompt_ids, resume.start - 1, resume.start, head_input)
+        marks = self.prompt_cache.marks(resume.start, n)
+        for start, stop in self.prompt_passes(resume.start, n, marks):
             ids, positions = self._ids(prompt_ids[start:stop], start)
-            out, mtp_in = self._main_forward(ids, positions)  # [n, H] each
-            if stop < len(prompt_ids):
-                head_ids, _ = self._ids(prompt_ids[start + 1 : stop + 1], start)
-                hidden = persist(self.backend, mtp_in)  # [n, H]: the head's embedding recycles step memory
-                self.head.forward(Step(self.backend, positions), head_ids, hidden, self.mtp_cache)
+            with self.prompt_cache.feeding(prompt_ids[start:stop], start):
+                out, mtp_in = self._main_forward(ids, positions)  # [m, H] each
+            if stop in marks:
+                self.prompt_cache.save(self.states, self._row(out, stop - start - 1), self._row(mtp_in, stop - start - 1))
+            if stop < n:  # the head's embedding recycles step memory: its hidden input must persist
+                self._head_rows(prompt_ids, start, stop, persist(self.backend, mtp_in))
         mtp_hidden = persist(self.backend, mtp_in)
         last = stop - start - 1
         token = self._greedy(self._row(out, last), positions)[0]
-        return Cursor(len(prompt_ids), token, [], start, [*prompt_ids[start + 1 :], token], mtp_hidden, last)
+        return Cursor(n, token, [], start, [*prompt_ids[start + 1 :], token], mtp_hidden, last)
+
+    def _head_rows(self, prompt_ids: list[int], start: int, stop: int, hidden: Tensor) -> None:
+        """The head over its rows start..stop-1 (hidden [stop-start, H]), whose next tokens are the prompt's."""
+        ids, positions = self._ids(prompt_ids[start + 1 : stop + 1], start)
+        self.head.forward(Step(self.backend, positions), ids, hidden, self.mtp_cache)
+        self.mtp_rows = stop
+
+    def _head_ready(self, start: int, checkpoint: StateCheckpoint | None) -> bool:
+        """Whether a greedy prefill can resume at `start`: the head's rows before start-1 hold this
+        prefix's inputs, and the checkpoint has the row start-1 reads (the live states have not)."""
+        return checkpoint is not None and checkpoint.has_head_input and self.mtp_rows >= start - 1
 
     def _draft(self, cursor: Cursor, k: int) -> list[int]:
         """k draft tokens: the head over its pending rows, then k-1 single steps on its own output."""
         ids, positions = self._ids(cursor.mtp_ids, cursor.mtp_start)
         # the head's steps stay out of ATLAS_DUMP, which records the main model's forwards
         out = self.head.forward(Step(self.backend, positions), ids, cursor.mtp_hidden, self.mtp_cache)
+        if self.mtp_rows >= cursor.mtp_start:  # rows past mtp_last are padding, and the drafts' own below
+            self.mtp_rows = cursor.mtp_start + cursor.mtp_last + 1
         hidden = self._row(out, cursor.mtp_last)  # [1, H]
         drafts: list[int] = []
         for i in range(k):
@@ -254,16 +242,19 @@ class SpeculativeEngine(Engine):
         if drafts and not cursor.replay:  # with a replay pending the state is the snapshot already
             self.snapshot.take(self.states)
         ids, positions = self._ids(fed, start)
-        out, mtp_in = self._main_forward(ids, positions)  # [R+K+1, H] each
+        with self.prompt_cache.feeding(fed, start):
+            out, mtp_in = self._main_forward(ids, positions)  # [R+K+1, H] each
         mtp_hidden = persist(self.backend, mtp_in)
         greedy = self._greedy(out, positions)[replayed:]  # [K+1]: the rows after token and each draft
         accepted = accepted_prefix(drafts, greedy)
         replay: list[int] = []
         if accepted < len(drafts):
-            self.snapshot.restore(self.states)
+            self.restore_states(self.snapshot)
+            self.prompt_cache.rolled_back(start)
             replay = fed[: replayed + accepted + 1]
             if len(replay) > self.spec_k + 1:  # bound the verify pass: catch up now
-                self.forward(*self._ids(replay, start))
+                with self.prompt_cache.feeding(replay, start):
+                    self.forward(*self._ids(replay, start))
                 replay = []
         bonus = greedy[accepted]
         pending = [*fed[1 : replayed + accepted + 1], bonus]
@@ -288,7 +279,7 @@ def build_engine(
     from .models.qwen3_5_moe_mtp import has_mtp_head
 
     run = run or RunPlan()
-    caches = {"max_seq_len": run.max_seq_len, "kv_cache": run.kv_cache}
+    caches = {"max_seq_len": run.max_seq_len, "kv_cache": run.kv_cache, "prompt_cache": run.prompt_cache}
     if spec_k == 0:
         return Engine(spec, checkpoint, backend, **caches), "off (--no-spec)"
     if spec_k is not None:

@@ -102,7 +102,7 @@ def host_footprint(spec: ModelSpec, checkpoint: Checkpoint, run: RunPlan) -> Hos
 
     mtp = int(run.load_mtp and has_mtp_head(checkpoint))
     return HostFootprint(host_weight_bytes(spec, checkpoint, run.load_mtp), host_kv_bytes(spec, run, mtp),
-                         host_state_bytes(spec))
+                         host_state_bytes(spec) * run.state_copies())
 
 
 def available_bytes(meminfo: Path = MEMINFO) -> int | None:

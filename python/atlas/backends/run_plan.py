@@ -16,6 +16,11 @@ class RunPlan:
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN  # KV cache positions: prompt + generated tokens
     kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)
     load_mtp: bool = True  # build_engine loads the MTP head when the checkpoint has one
+    prompt_cache: int = 0  # checkpoints the prompt cache keeps, each a copy of the DeltaNet states (0: off)
+
+    def state_copies(self) -> int:
+        """DeltaNet state sets held: the live one and one per prompt-cache checkpoint."""
+        return 1 + self.prompt_cache
 
 
 def context_length(requested: int | None, model_context: int) -> int:

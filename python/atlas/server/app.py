@@ -78,11 +78,15 @@ def create_app(state: ServerState) -> Starlette:
 
 
 def engine_settings(llm: LLM) -> dict[str, str]:
-    """What the engine flags chose: backend, MTP speculation, KV cache level per full-attention layer."""
+    """What the engine flags chose: backend, MTP speculation, KV cache level per full-attention layer,
+    prompt cache."""
     from ..kvcache.options import describe
 
     plan = getattr(llm.parts.engine, "kv_plan", None)
-    return {"device": llm.device, "speculation": llm.speculation, "kv_cache": describe(plan) if plan else "default"}
+    cache = getattr(llm.parts.engine, "prompt_cache", None)
+    checkpoints = f"{cache.capacity} checkpoints" if cache is not None and cache.enabled else "off"
+    return {"device": llm.device, "speculation": llm.speculation, "kv_cache": describe(plan) if plan else "default",
+            "prompt_cache": checkpoints}
 
 
 def model_card(state: ServerState) -> dict[str, object]:

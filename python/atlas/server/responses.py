@@ -29,11 +29,13 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def usage(finished: Finished) -> dict[str, int]:
+def usage(finished: Finished) -> dict[str, Any]:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: the prompt cache's share."""
     return {
         "prompt_tokens": finished.prompt_tokens,
         "completion_tokens": finished.completion_tokens,
         "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": finished.cached_tokens},
     }
 
 

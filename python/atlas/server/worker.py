@@ -28,6 +28,7 @@ class Finished:
     finish_reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens the prompt cache held
 
 
 @dataclass(frozen=True)
@@ -136,4 +137,6 @@ def generate(llm: LLM, job: Job) -> Finished:
     if not matcher.stopped and (text := matcher.push(decoder.flush()) + matcher.flush()):
         job.emit(TextPiece(text))
     stopped = matcher.stopped or last_token in eos_ids
-    return Finished("stop" if stopped else "length", len(job.prompt_ids), count)
+    cache = getattr(llm.parts.engine, "prompt_cache", None)
+    cached = cache.last_hit if cache is not None and count else 0
+    return Finished("stop" if stopped else "length", len(job.prompt_ids), count, cached)

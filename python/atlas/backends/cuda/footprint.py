@@ -123,4 +123,4 @@ def device_footprint(spec: ModelSpec, checkpoint: Checkpoint, run: RunPlan | Non
     run = run or RunPlan()
     mtp = int(run.load_mtp and has_mtp_head(checkpoint))
     return DeviceFootprint(weight_bytes(spec, checkpoint, run.load_mtp), kv_cache_bytes(spec, run, mtp),
-                           state_bytes(spec), RuntimeOptions().arena_bytes)
+                           state_bytes(spec) * run.state_copies(), RuntimeOptions().arena_bytes)
