@@ -196,6 +196,60 @@ def test_next_chat_turn_resumes_from_the_prompt_cache(served: Served, rng: np.ra
     assert second.choices[0].message.content == served.reference.generate(second_ids, max_tokens=8).text
 
 
+def reference_logprobs(served: Served, prompt_ids: list[int], max_tokens: int, top: int, **kw: Any) -> list[Any]:
+    result = served.reference.generate(prompt_ids, max_tokens=max_tokens, logprobs=top, **kw)
+    assert result.logprobs is not None and len(result.logprobs) == len(result.token_ids)
+    return result.logprobs
+
+
+def token_text(served: Served, token: int) -> str:
+    return served.reference.tokenizer.decode([token], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs(served: Served, rng: np.random.Generator, stream: bool) -> None:
+    """Each generated token's entry: the reference's log-probability, its text and bytes, and the
+    top_logprobs most likely tokens; streamed, the chunks' entries add up to the same list."""
+    prompt, top = random_prompt(rng), int(rng.integers(0, 6))
+    messages = [{"role": "user", "content": prompt}]
+    temperature = float(rng.choice([0.0, 0.8]))
+    want = reference_logprobs(served, served.reference.tokenizer.encode_chat(messages), 12, top, temperature=temperature, seed=5)
+    answer = served.client().chat.completions.create(
+        model=DEMO_NAME, messages=messages, max_tokens=12, temperature=temperature, seed=5, logprobs=True,
+        top_logprobs=top, stream=stream,
+    )
+    chunks = list(answer) if stream else [answer]
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == len(want)
+    for entry, expected_entry in zip(entries, want, strict=True):
+        assert entry.token == token_text(served, expected_entry.token)
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert entry.logprob == pytest.approx(expected_entry.logprob, abs=1e-5)
+        assert [(t.token, t.logprob) for t in entry.top_logprobs] == [
+            (token_text(served, t), pytest.approx(lp, abs=1e-5)) for t, lp in expected_entry.top
+        ]
+        assert entry.logprob <= 0 and all(t.logprob <= 0 for t in entry.top_logprobs)
+
+
+def test_completion_logprobs(served: Served, rng: np.random.Generator) -> None:
+    prompt, top = random_prompt(rng), int(rng.integers(1, 6))
+    want = reference_logprobs(served, served.reference.tokenizer.encode(prompt), 10, top)
+    answer = served.client().completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=10, temperature=0, logprobs=top)
+    logprobs = answer.choices[0].logprobs
+    assert logprobs.tokens == [token_text(served, w.token) for w in want]
+    assert logprobs.token_logprobs == [pytest.approx(w.logprob, abs=1e-5) for w in want]
+    assert [len(t) for t in logprobs.top_logprobs] == [len({token_text(served, i) for i, _ in w.top}) for w in want]
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(want))]
+    greedy_first = [max(t.values()) for t in logprobs.top_logprobs]
+    assert logprobs.token_logprobs == [pytest.approx(g, abs=1e-6) for g in greedy_first]  # greedy: the top token
+
+
+def test_no_logprobs_unless_asked(served: Served) -> None:
+    answer = served.client().chat.completions.create(
+        model=DEMO_NAME, messages=[{"role": "user", "content": "Flat"}], max_tokens=4, temperature=0)
+    assert answer.choices[0].logprobs is None
+
+
 def test_completion_stream(served: Served, rng: np.random.Generator) -> None:
     prompt, max_tokens = random_prompt(rng), int(rng.integers(1, 200))
     text, finish, count = expected(served, prompt, max_tokens)
@@ -312,7 +366,9 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("stop empty string", {**GOOD, "stop": [""]}, "stop"),
     ("n above one", {**GOOD, "n": 3}, "n"),
     ("stream not bool", {**GOOD, "stream": "yes"}, "stream"),
-    ("logprobs asked", {**GOOD, "logprobs": 5}, "logprobs"),
+    ("logprobs beyond 20", {**GOOD, "logprobs": 21}, "logprobs"),
+    ("logprobs as in chat", {**GOOD, "logprobs": True}, "logprobs"),
+    ("echo asked", {**GOOD, "echo": True}, "echo"),
     ("top_k beyond int32", {**GOOD, "top_k": 2**40, "temperature": 0.7}, "top_k"),
     ("prompt lone surrogate", {**GOOD, "prompt": "Flat \ud800 is"}, "prompt"),
     ("nested too deeply", "[" * 100_000 + "]" * 100_000, None),
@@ -326,6 +382,12 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("image content", {"model": DEMO_NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
     ("chat lone surrogate", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "\udcff"}]}, "messages"),
+    ("top_logprobs without logprobs", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],
+                                       "top_logprobs": 3}, "top_logprobs"),
+    ("top_logprobs beyond 20", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],
+                                "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("logprobs as in completions", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],
+                                    "logprobs": 2}, "logprobs"),
     ("chat max_completion_tokens beyond context",
      {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_tokens"),
 ]

@@ -21,7 +21,7 @@ from .layers.step import Dump, Step
 from .models import load_model
 from .prompt_cache import PromptCache, Resume, ResumeFilter
 from .safetensors import Checkpoint
-from .sampling import check_sampling, is_int
+from .sampling import TokenLogprob, check_logprobs, check_sampling, is_int, token_logprob
 from .snapshot import DeltaNetSnapshot
 
 
@@ -52,6 +52,7 @@ class GenerationStats:
     cached_tokens: int = 0  # prompt tokens the prompt cache held (not run again)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, when asked for
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,14 @@ class GenerationRequest:
     seed: int | None
     eos_ids: set[int]
     on_token: Callable[[int], None] | None = None
+    logprobs: int | None = None  # None: none; N: each token's log-probability and the N most likely
 
     def __post_init__(self) -> None:
         """Every way into Engine.run builds one: bad values are one line here, not numpy's
         ValueError (a negative seed) or a silent loop bound (a float max_tokens)."""
         if not is_int(self.max_tokens) or self.max_tokens < 0:
             raise AtlasError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        check_logprobs(self.logprobs)
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             raise AtlasError(f"seed must be a non-negative integer, got {self.seed!r}")
 
@@ -245,6 +248,11 @@ class Engine:
             token = self.backend.sample(logits, sampling, float(rng.random()))
         return int(self.backend.to_numpy(token)[0]), token
 
+    def token_logprob(self, logits: Tensor, token: int, top: int) -> TokenLogprob:
+        """The picked token's log-probability under logits [1, V] and the `top` most likely (the
+        row read back: a GPU pays a V-float copy per token, only when asked)."""
+        return token_logprob(self.backend.to_numpy(logits)[0], token, top)
+
     def generate(
         self,
         prompt_ids: list[int],
@@ -265,20 +273,24 @@ class Engine:
             return stats
         rng = np.random.default_rng(request.seed)
         started = time.perf_counter()
-        token, token_t = self.pick_tensor(self.prefill(request.prompt_ids), request.sampling, rng)
+        logits = self.prefill(request.prompt_ids)
+        token, token_t = self.pick_tensor(logits, request.sampling, rng)
         stats.cached_tokens = self.prompt_cache.last_hit
         stats.prefill_seconds = time.perf_counter() - started
         started = time.perf_counter()
         position = len(request.prompt_ids)
-        while self._accept(token, stats, request) and len(stats.token_ids) < request.max_tokens:
-            token, token_t = self.pick_tensor(self.decode_tensor(token_t, position, token), request.sampling, rng)
+        while self._accept(token, logits, stats, request) and len(stats.token_ids) < request.max_tokens:
+            logits = self.decode_tensor(token_t, position, token)
+            token, token_t = self.pick_tensor(logits, request.sampling, rng)
             position += 1
         stats.decode_seconds = time.perf_counter() - started
         return stats
 
-    def _accept(self, token: int, stats: GenerationStats, request: GenerationRequest) -> bool:
-        """Record a token; False when it ends the generation."""
+    def _accept(self, token: int, logits: Tensor, stats: GenerationStats, request: GenerationRequest) -> bool:
+        """Record a token picked from logits [1, V]; False when it ends the generation."""
         stats.token_ids.append(token)
+        if request.logprobs is not None:
+            stats.logprobs.append(self.token_logprob(logits, token, request.logprobs))
         if request.on_token is not None:
             request.on_token(token)
         return token not in request.eos_ids

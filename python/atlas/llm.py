@@ -13,6 +13,7 @@ from .kvcache.names import DEFAULT_LEVEL
 
 if TYPE_CHECKING:
     from .backends.base import SamplingParams
+    from .sampling import TokenLogprob
     from .kvcache.options import KVCacheOptions
     from .config import ModelSpec
     from .tokenizer import Tokenizer
@@ -33,6 +34,7 @@ class GenerationResult:
     spec_drafted: int = 0
     spec_accepted: int = 0
     cached_tokens: int = 0  # prompt tokens the prompt cache held
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
 
 
 @dataclass(frozen=True)
@@ -43,26 +45,21 @@ class GenerateOptions:
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
     chat: bool = False  # wrap a text prompt as one user message in the chat template
+    logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
 
 
 class EngineLike(Protocol):
     """What LLM needs of atlas.engine.Engine."""
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        sampling: SamplingParams,
-        seed: int | None,
-        eos_ids: set[int],
-        on_token: Callable[[int], None] | None,
-    ) -> Any: ...  # atlas.engine.GenerationStats
+    def run(self, request: Any) -> Any: ...  # atlas.engine.GenerationRequest -> GenerationStats
 
     def prefill(self, prompt_ids: list[int]) -> Any: ...  # logits of the last prompt token [1, V]
 
     def pick_tensor(self, logits: Any, sampling: SamplingParams, rng: Any) -> tuple[int, Any]: ...  # id, [1] i32
 
     def decode_tensor(self, ids: Any, position: int, token: int | None = None) -> Any: ...  # logits [1, V]; ids, token from pick_tensor
+
+    def token_logprob(self, logits: Any, token: int, top: int) -> TokenLogprob: ...
 
 
 @dataclass
@@ -168,10 +165,13 @@ class LLM:
         seed: int | None = None,
         chat: bool = False,
         on_text: Callable[[str], None] | None = None,
+        logprobs: int | None = None,
     ) -> GenerationResult:
         """Generate from a text prompt or prompt token ids; greedy when temperature is 0.
-        `on_text` receives the text pieces as they complete."""
-        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat)
+        `on_text` receives the text pieces as they complete; `logprobs` (0..20): each token's
+        log-probability and that many most likely alternatives in the result (the model's
+        distribution before temperature, top-k and top-p)."""
+        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs)
         return self.generate_with(self.prepare(prompt, opts), opts, on_text)
 
     def generate_with(
@@ -184,10 +184,11 @@ class LLM:
             if on_text and (piece := decoder.push(token)):
                 on_text(piece)
 
-        stats = self.parts.engine.generate(
-            prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, self.eos_ids(),
-            emit if on_text else None,
-        )
+        from .engine import GenerationRequest
+
+        request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, self.eos_ids(),
+                                    emit if on_text else None, opts.logprobs)
+        stats = self.parts.engine.run(request)
         if on_text and (rest := decoder.flush()):
             on_text(rest)
         token_ids = [int(t) for t in stats.token_ids]
@@ -201,6 +202,7 @@ class LLM:
             spec_drafted=getattr(stats, "drafted", 0),
             spec_accepted=getattr(stats, "accepted", 0),
             cached_tokens=int(stats.cached_tokens),
+            logprobs=list(stats.logprobs) if opts.logprobs is not None else None,
         )
 
     def stream(
@@ -246,28 +248,34 @@ class LLM:
 
 
 def iter_tokens(
-    engine: EngineLike, prompt_ids: list[int], opts: GenerateOptions, eos_ids: set[int]
+    engine: EngineLike, prompt_ids: list[int], opts: GenerateOptions, eos_ids: set[int],
+    scores: list[TokenLogprob] | None = None,
 ) -> Iterator[int]:
     """Engine.generate's loop as a generator over the engine's step API (prefill, decode, pick),
-    with the same seeded RNG draws, so stream() and generate() give the same tokens."""
+    with the same seeded RNG draws, so stream() and generate() give the same tokens. With
+    opts.logprobs, each token's TokenLogprob is appended to `scores` before the token is yielded."""
     import numpy as np
 
     sampling = sampling_params(opts)
     speculative = getattr(engine, "speculative_tokens", None)  # atlas.speculative: greedy only
-    if speculative is not None and sampling.temperature == 0:
+    if speculative is not None and sampling.temperature == 0 and opts.logprobs is None:
         for count, token in enumerate(speculative(prompt_ids, opts.max_tokens), start=1):
             yield token
             if token in eos_ids or count == opts.max_tokens:
                 return
         return
     rng = np.random.default_rng(opts.seed)
-    token, token_t = engine.pick_tensor(engine.prefill(prompt_ids), sampling, rng)
+    logits = engine.prefill(prompt_ids)
+    token, token_t = engine.pick_tensor(logits, sampling, rng)
     position = len(prompt_ids)
     for count in range(1, opts.max_tokens + 1):
+        if opts.logprobs is not None and scores is not None:
+            scores.append(engine.token_logprob(logits, token, opts.logprobs))
         yield token
         if token in eos_ids or count == opts.max_tokens:
             return
-        token, token_t = engine.pick_tensor(engine.decode_tensor(token_t, position, token), sampling, rng)
+        logits = engine.decode_tensor(token_t, position, token)
+        token, token_t = engine.pick_tensor(logits, sampling, rng)
         position += 1
 
 
@@ -308,8 +316,9 @@ def check_prompt_cache(checkpoints: object) -> None:
 
 
 def check_options(opts: GenerateOptions) -> None:
-    from .sampling import check_sampling, is_int, is_real
+    from .sampling import check_logprobs, check_sampling, is_int, is_real
 
+    check_logprobs(opts.logprobs)
     max_tokens = opts.max_tokens
     if not is_int(max_tokens) or max_tokens < 1:
         raise AtlasError(f"max_tokens must be a positive integer, got {max_tokens!r}")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .backends.base import SamplingParams
 from .errors import AtlasError
 
 MAX_TOP_K = 2**31 - 1  # SampleParams.top_k is an int32; any top_k >= the vocabulary keeps all
+MAX_LOGPROBS = 20  # alternatives listed per generated token (OpenAI's top_logprobs limit)
 
 
 def is_int(value: object) -> bool:
@@ -28,6 +31,14 @@ def check_sampling(params: SamplingParams) -> None:
         raise AtlasError(f"top_k must be in 0..{MAX_TOP_K} (0 = off), got {params.top_k}")
     if not 0.0 < params.top_p <= 1.0:
         raise AtlasError(f"top_p must be in (0, 1] (1 = off), got {params.top_p}")
+
+
+def check_logprobs(logprobs: object) -> None:
+    if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):  # type: ignore[operator]
+        raise AtlasError(
+            f"logprobs must be None (off) or an integer in 0..{MAX_LOGPROBS} (the most likely tokens "
+            f"listed beside each generated one), got {logprobs!r}"
+        )
 
 
 def softmax_probs(logits: np.ndarray, temperature: float) -> np.ndarray:
@@ -64,6 +75,25 @@ def top_p_mask(probs: np.ndarray, keep: np.ndarray, top_p: float) -> np.ndarray:
     first = int(np.searchsorted(mass, top_p * mass[-1], side="left"))
     threshold = descending[min(first, descending.shape[0] - 1)]
     return keep & (kept >= threshold)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (the raw logits' log-softmax, before
+    temperature, top-k and top-p), with the `top` most likely tokens, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """logits [V] -> the TokenLogprob of `token` and the `top` alternatives (ties: lower id first)."""
+    z = np.where(np.isnan(logits), -np.inf, logits).astype(np.float64)  # [V]
+    peak = z.max()
+    logprobs = z - (peak + np.log(np.exp(z - peak).sum())) if np.isfinite(peak) else np.full_like(z, -np.log(z.size))
+    order = np.lexsort((np.arange(z.size), -logprobs))[:top]  # [top]
+    return TokenLogprob(token, float(logprobs[token]), tuple((int(i), float(logprobs[i])) for i in order))
 
 
 def choose_token(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:

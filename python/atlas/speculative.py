@@ -77,7 +77,8 @@ def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
 
 
 class SpeculativeEngine(Engine):
-    """An Engine that decodes greedy requests with the MTP head; sampling requests decode as usual."""
+    """An Engine that decodes greedy requests with the MTP head; sampled requests and requests for
+    logprobs decode as usual."""
 
     def __init__(
         self,
@@ -116,8 +117,8 @@ class SpeculativeEngine(Engine):
 
     # --- generation ---------------------------------------------------------------------------
     def run(self, request: GenerationRequest) -> GenerationStats:
-        if request.sampling.temperature != 0 or request.max_tokens <= 0:
-            return super().run(request)
+        if request.sampling.temperature != 0 or request.max_tokens <= 0 or request.logprobs is not None:
+            return super().run(request)  # logprobs need every position's logits read back: no gain left
         check_sampling(request.sampling)
         self.check_ids(request.prompt_ids, request.max_tokens - 1)  # the last token is not fed
         stats = SpecStats(prompt_tokens=len(request.prompt_ids), spec_k=self.spec_k)
@@ -126,7 +127,7 @@ class SpeculativeEngine(Engine):
             if not stats.token_ids:
                 stats.prefill_seconds = time.perf_counter() - started
                 started = time.perf_counter()
-            if not self._accept(token, stats, request) or len(stats.token_ids) >= request.max_tokens:
+            if not self._accept(token, None, stats, request) or len(stats.token_ids) >= request.max_tokens:
                 break
         stats.decode_seconds = time.perf_counter() - started
         stats.cached_tokens = self.prompt_cache.last_hit

@@ -22,7 +22,7 @@ from ..errors import AtlasError
 from ..llm import DEFAULT_MAX_TOKENS, LLM, GenerateOptions, context_capacity
 from .errors import RequestError, error_body, request_error_body
 from .protocol import GenerationBody, parse_body
-from .responses import Reply, chunk, full_body, sse, text_delta, usage_chunk
+from .responses import Reply, chunk, full_body, logprobs_body, sse, text_delta, usage_chunk
 from .worker import EngineWorker, Event, Failed, Finished, TextPiece
 
 log = logging.getLogger("atlas.serve")
@@ -108,7 +108,7 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
         state.llm.prepare(prompt_ids, opts)
     except AtlasError as err:
         raise RequestError(str(err), "messages" if chat else "prompt") from None
-    reply = Reply(chat=chat, model=state.model_name)
+    reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None)
     events = state.worker.events(prompt_ids, opts, body.sampling.stop)
     if body.stream:
         return EventStreamResponse(stream_events(reply, events, body.include_usage))
@@ -161,7 +161,7 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
         )
     s = body.sampling
     max_tokens = wanted if wanted is not None else min(state.default_max_tokens, room)
-    return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed)
+    return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed, logprobs=body.logprobs)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
@@ -187,25 +187,27 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
 
 
 async def collect(reply: Reply, events: AsyncGenerator[Event, None]) -> dict[str, object]:
-    pieces: list[str] = []
+    pieces: list[TextPiece] = []
     async with aclosing(events):
         async for event in events:
             if isinstance(event, TextPiece):
-                pieces.append(event.text)
+                pieces.append(event)
             elif isinstance(event, Finished):
-                return full_body(reply, "".join(pieces), event)
+                return full_body(reply, pieces, event)
             else:
                 raise RequestError(event.message, status=500)
     raise RequestError("the engine stopped before finishing", status=500)
 
 
 async def stream_events(reply: Reply, events: AsyncGenerator[Event, None], include_usage: bool) -> AsyncGenerator[str, None]:
+    offset = 0  # of the next token in the completion text (completions' logprobs.text_offset)
     async with aclosing(events):
         if reply.chat:
             yield sse(chunk(reply, {"role": "assistant", "content": ""}))
         async for event in events:
             if isinstance(event, TextPiece):
-                yield sse(chunk(reply, text_delta(reply, event.text)))
+                yield sse(chunk(reply, text_delta(reply, event.text), logprobs=logprobs_body(reply, event.scored, offset)))
+                offset += sum(len(s.text) for s in event.scored)
             elif isinstance(event, Finished):
                 yield sse(chunk(reply, {}, event.finish_reason))
                 if include_usage:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampling import MAX_TOP_K, is_int
+from ..sampling import MAX_LOGPROBS, MAX_TOP_K, is_int
 from .errors import RequestError
 
 Prompt = str | list[int]
@@ -18,8 +18,6 @@ MAX_STOPS = 16
 # field -> its values that change nothing; any other value is refused (we cannot honour it)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -49,6 +47,7 @@ class GenerationBody:
     sampling: SamplingFields
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
 
 
 def parse_body(body: Any, chat: bool) -> GenerationBody:
@@ -67,6 +66,7 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
         sampling=parse_sampling(body),
         stream=stream,
         include_usage=stream and include_usage,
+        logprobs=parse_logprobs(body, chat),
     )
 
 
@@ -86,6 +86,18 @@ def parse_sampling(body: dict[str, Any]) -> SamplingFields:
         seed=optional_int(body, "seed", minimum=0),  # numpy seeds are non-negative
         stop=parse_stop(body.get("stop")),
     )
+
+
+def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """Chat: `logprobs` true and `top_logprobs` 0..20; completions: `logprobs` 0..20 -> the
+    alternatives listed per token (None: no logprobs)."""
+    if not chat:
+        return optional_int(body, "logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    wanted = optional_bool(body, "logprobs")
+    top = optional_int(body, "top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    if top and not wanted:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def check_unsupported(body: dict[str, Any]) -> None:

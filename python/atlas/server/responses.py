@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .worker import Finished
+from .worker import Finished, ScoredToken, TextPiece
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class Reply:
 
     chat: bool
     model: str
+    logprobs: bool = False  # the request asked for them: each choice carries a logprobs object
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -39,27 +40,54 @@ def usage(finished: Finished) -> dict[str, Any]:
     }
 
 
-def full_body(reply: Reply, text: str, finished: Finished) -> dict[str, Any]:
+def full_body(reply: Reply, pieces: list[TextPiece], finished: Finished) -> dict[str, Any]:
+    text = "".join(p.text for p in pieces)
+    logprobs = logprobs_body(reply, tuple(s for p in pieces for s in p.scored), 0)
     if reply.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
         body = reply.head("chat.completion")
     else:
-        choice = {"index": 0, "text": text, "logprobs": None}
+        choice = {"index": 0, "text": text, "logprobs": logprobs}
         body = reply.head("text_completion")
     choice["finish_reason"] = finished.finish_reason
     return {**body, "choices": [choice], "usage": usage(finished)}
 
 
-def chunk(reply: Reply, delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
-    """One stream chunk; delta is {"content": ...} / {"role": ...} (chat) or {"text": ...}."""
+def chunk(
+    reply: Reply, delta: dict[str, str], finish_reason: str | None = None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One stream chunk; delta is {"content": ...} / {"role": ...} (chat) or {"text": ...};
+    logprobs: logprobs_body of the tokens whose text it carries."""
     if reply.chat:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs}
         body = reply.head("chat.completion.chunk")
     else:
-        choice = {"index": 0, "text": delta.get("text", ""), "logprobs": None}
+        choice = {"index": 0, "text": delta.get("text", ""), "logprobs": logprobs}
         body = reply.head("text_completion")
     choice["finish_reason"] = finish_reason
     return {**body, "choices": [choice]}
+
+
+def logprobs_body(reply: Reply, scored: tuple[ScoredToken, ...], offset: int) -> dict[str, Any] | None:
+    """A choice's logprobs in OpenAI's shape: chat {"content": [{token, logprob, bytes,
+    top_logprobs}]}; completions {tokens, token_logprobs, top_logprobs, text_offset}, offsets
+    counted from `offset` in the completion text. None when the request did not ask."""
+    if not reply.logprobs:
+        return None
+    if reply.chat:
+        return {"content": [{**token_entry(s.text, s.logprob), "top_logprobs": [token_entry(t, lp) for t, lp in s.top]}
+                            for s in scored], "refusal": None}
+    offsets = [offset + sum(len(s.text) for s in scored[:i]) for i in range(len(scored))]
+    return {
+        "tokens": [s.text for s in scored],
+        "token_logprobs": [s.logprob for s in scored],
+        "top_logprobs": [dict(s.top) for s in scored],
+        "text_offset": offsets,
+    }
+
+
+def token_entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 def text_delta(reply: Reply, text: str) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """The one engine thread. The model is loaded on it and every generation runs on it (a CUDA
 context belongs to the thread that opened it); jobs queue in arrival order, each generation
-starts from a fresh state (prefill resets it), and a cancelled job stops before its next token."""
+starts from its prompt alone (prefill starts fresh or, through the prompt cache, from a state that
+holds exactly the prompt's first tokens), and a cancelled job stops before its next token."""
 
 from __future__ import annotations
 
@@ -13,14 +14,25 @@ from dataclasses import dataclass, field
 
 from ..errors import AtlasError
 from ..llm import LLM, GenerateOptions, iter_tokens
+from ..sampling import TokenLogprob
 from .stops import StopMatcher
 
 log = logging.getLogger("atlas.serve")
 
 
 @dataclass(frozen=True)
+class ScoredToken:
+    """A generated token's logprob entry: its text, log-probability, and the most likely tokens."""
+
+    text: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TextPiece:
     text: str
+    scored: tuple[ScoredToken, ...] = ()  # the tokens generated since the previous piece (logprobs asked for)
 
 
 @dataclass(frozen=True)
@@ -126,17 +138,31 @@ def generate(llm: LLM, job: Job) -> Finished:
     decoder = llm.tokenizer.stream_decoder()
     matcher = StopMatcher(job.stops)
     eos_ids = llm.eos_ids()
+    scores: list[TokenLogprob] = []
+    sent = 0  # scores already sent with a piece
     count = 0
     last_token = -1
-    for last_token in iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids):
+    for last_token in iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, scores):
         count += 1
         if text := matcher.push(decoder.push(last_token)):
-            job.emit(TextPiece(text))
+            job.emit(TextPiece(text, scored(llm, scores[sent:])))
+            sent = len(scores)
         if matcher.stopped or job.cancelled.is_set():
             break
-    if not matcher.stopped and (text := matcher.push(decoder.flush()) + matcher.flush()):
-        job.emit(TextPiece(text))
+    text = "" if matcher.stopped else matcher.push(decoder.flush()) + matcher.flush()
+    if text or len(scores) > sent:
+        job.emit(TextPiece(text, scored(llm, scores[sent:])))
     stopped = matcher.stopped or last_token in eos_ids
     cache = getattr(llm.parts.engine, "prompt_cache", None)
     cached = cache.last_hit if cache is not None and count else 0
     return Finished("stop" if stopped else "length", len(job.prompt_ids), count, cached)
+
+
+def scored(llm: LLM, scores: list[TokenLogprob]) -> tuple[ScoredToken, ...]:
+    """TokenLogprobs -> entries with each token's text (special tokens spelled out, as vLLM does;
+    a token that holds part of a UTF-8 character reads as U+FFFD)."""
+
+    def text(token: int) -> str:
+        return llm.tokenizer.decode([token], skip_special_tokens=False)
+
+    return tuple(ScoredToken(text(s.token), s.logprob, tuple((text(t), lp) for t, lp in s.top)) for s in scores)

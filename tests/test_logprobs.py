@@ -1,0 +1,74 @@
+"""Logprobs of generated tokens (LLM.generate(logprobs=N), the server's logprobs fields): each
+token's log-probability under the model's raw logits, checked against a log-softmax of the
+teacher-forced logits of the whole sequence; the N most likely tokens in order; speculative
+engines answer such requests on the plain path with the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atlas import LLM
+from atlas.engine import GenerationRequest
+from atlas.errors import AtlasError
+from atlas.sampling import token_logprob
+from atlas.speculative import SpecStats
+from test_speculative import GREEDY, NO_EOS, plain_engine, spec_engine
+from test_speculative import demo_mtp as demo_mtp  # noqa: F401  (the module-scoped fixture)
+
+VOCAB = 512  # the demo's
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    return z - (z.max(-1, keepdims=True) + np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_logprobs_are_the_teacher_forced_log_softmax(rng: np.random.Generator, temperature: float) -> None:
+    llm = LLM(device="cpu")
+    prompt = rng.integers(0, VOCAB, int(rng.integers(3, 40))).tolist()
+    top = int(rng.integers(0, 21))
+    result = llm.generate(prompt, max_tokens=10, temperature=temperature, seed=3, logprobs=top)
+    assert result.logprobs is not None and len(result.logprobs) == len(result.token_ids)
+    forced = log_softmax(np.asarray(llm.parts.engine.logits(prompt + result.token_ids)))[len(prompt) - 1 :]  # [N+1, V]
+    for i, (token, scored) in enumerate(zip(result.token_ids, result.logprobs, strict=True)):
+        assert scored.token == token
+        assert scored.logprob == pytest.approx(forced[i, token], abs=1e-4)
+        listed = [t for t, _ in scored.top]
+        assert len(set(listed)) == len(listed) == top
+        assert [lp for _, lp in scored.top] == pytest.approx(np.sort(forced[i])[::-1][:top].tolist(), abs=1e-4)
+        assert [lp for _, lp in scored.top] == pytest.approx(forced[i, listed].tolist(), abs=1e-4)
+        if temperature == 0 and top:
+            assert scored.top[0][0] == token
+    plain = llm.generate(prompt, max_tokens=10, temperature=temperature, seed=3)
+    assert plain.token_ids == result.token_ids and plain.logprobs is None
+
+
+def test_token_logprob_edges() -> None:
+    logits = np.array([1.0, np.nan, 3.0, 3.0, -np.inf], dtype=np.float32)
+    scored = token_logprob(logits, 0, 5)
+    assert [t for t, _ in scored.top] == [2, 3, 0, 1, 4]  # ties: lower id first; NaN reads as -inf
+    assert np.exp([lp for _, lp in scored.top]).sum() == pytest.approx(1.0)
+    assert scored.logprob == pytest.approx(1.0 - np.log(np.exp(1.0) + 2 * np.exp(3.0)))
+    flat = token_logprob(np.full(4, -np.inf, dtype=np.float32), 1, 2)
+    assert flat.logprob == pytest.approx(-np.log(4)) and len(flat.top) == 2
+    assert token_logprob(logits, 2, 0).top == ()
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 1.0, "2", True])
+def test_bad_logprobs_is_one_line(bad: object) -> None:
+    with pytest.raises(AtlasError, match="logprobs must be None"):
+        LLM(device="cpu").generate("Flat is", max_tokens=2, logprobs=bad)  # type: ignore[arg-type]
+
+
+def test_speculative_engine_scores_on_the_plain_path(demo_mtp: Path, rng: np.random.Generator) -> None:
+    model_dir = demo_mtp
+    prompt = rng.integers(0, VOCAB, 20).tolist()
+    stats = spec_engine(model_dir, 2).run(GenerationRequest(prompt, 12, GREEDY, None, NO_EOS, logprobs=2))
+    assert not isinstance(stats, SpecStats) and len(stats.logprobs) == 12
+    want = plain_engine(model_dir).run(GenerationRequest(prompt, 12, GREEDY, None, NO_EOS, logprobs=2))
+    assert stats.token_ids == want.token_ids
+    assert [s.logprob for s in stats.logprobs] == pytest.approx([s.logprob for s in want.logprobs], abs=1e-5)
