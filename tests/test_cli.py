@@ -100,6 +100,9 @@ def one_error_line(code: int, err: str) -> str:
         (["--spec-k", "2", "--no-spec"], "--no-spec"),
         (["--kv-high-precision-layers", "few"], "--kv-high-precision-layers"),
         (["--max-seq-len", "0"], "--max-seq-len"),
+        (["--presence-penalty", "3"], "--presence-penalty"),
+        (["--repetition-penalty", "0"], "--repetition-penalty"),
+        (["--min-p", "1.5"], "--min-p"),
         (["--max-seq-len", "2049", "--device", "cpu"], "max_seq_len 2049 exceeds the model's context of 2048"),
     ],
 )

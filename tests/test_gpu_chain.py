@@ -56,3 +56,32 @@ def test_chain_feeds_device_ids_with_host_fed_tokens(demo_gpu: Any, rng: np.rand
         chained.append(token)
     assert chained == host_fed
     assert writes == [1] * STEPS, f"host-to-device writes per step {writes}: only the position should go up"
+
+
+def test_host_picks_feed_the_chain(demo_gpu: Any, rng: np.random.Generator) -> None:
+    """Penalties pick on the host from the logits read back: each pick is the penalized argmax of
+    its step's GPU logits, and the id uploaded for the next step gives the same tokens as feeding
+    the ids from the host with decode(int)."""
+    from atlas.sampling import Penalties, host_argmax
+
+    engine = demo_gpu.parts.engine
+    prompt = rng.integers(0, demo_gpu.parts.spec.vocab_size, size=int(rng.integers(2, 30))).tolist()
+    sampling = SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=2.0)
+    mirror, penalties = Penalties(prompt), Penalties(prompt)
+
+    logits = engine.prefill(prompt)
+    chained: list[int] = []
+    for position in range(len(prompt), len(prompt) + STEPS):
+        expected = host_argmax(mirror.apply(engine.backend.to_numpy(logits)[0], sampling))
+        token, token_t = engine.pick_tensor(logits, sampling, rng, penalties)
+        assert token == expected, f"step {len(chained)}: host pick {token}, penalized argmax {expected}"
+        mirror.add(token)
+        chained.append(token)
+        logits = engine.decode_tensor(token_t, position, token)
+
+    engine.reset()
+    fed = Penalties(prompt)
+    host_fed = [engine.pick_tensor(engine.prefill(prompt), sampling, rng, fed)[0]]
+    for position in range(len(prompt), len(prompt) + STEPS - 1):
+        host_fed.append(engine.pick_tensor(engine.decode(host_fed[-1], position), sampling, rng, fed)[0])
+    assert host_fed == chained

@@ -22,6 +22,7 @@ import pytest
 
 import test_compare
 import test_dump
+import test_gpu_chain
 import test_gpu_kv
 import test_gpu_model
 import test_gpu_prompt_cache
@@ -58,6 +59,12 @@ def test_demo_greedy_and_passes_every_draw(stand_in: None, rng: np.random.Genera
     for _ in range(SLOW_DRAWS):
         test_gpu_model.test_greedy_gpu_equals_greedy_numpy_on_the_demo(demo_gpu, rng)
         test_gpu_model.test_prompt_in_passes_on_the_gpu(demo_gpu, rng)
+
+
+def test_host_picks_gpu_test_passes(stand_in: None, rng: np.random.Generator) -> None:
+    demo_gpu = test_gpu_model.gpu_llm()
+    for _ in range(3):
+        test_gpu_chain.test_host_picks_feed_the_chain(demo_gpu, rng)
 
 
 @pytest.mark.parametrize("cut", ["end", "tail"])

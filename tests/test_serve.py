@@ -244,6 +244,19 @@ def test_completion_logprobs(served: Served, rng: np.random.Generator) -> None:
     assert logprobs.token_logprobs == [pytest.approx(g, abs=1e-6) for g in greedy_first]  # greedy: the top token
 
 
+def test_penalties_and_min_p(served: Served, rng: np.random.Generator) -> None:
+    """OpenAI's presence / frequency penalties and vLLM's repetition_penalty and min_p (extra_body)
+    give what the in-process model gives with the same settings."""
+    prompt = random_prompt(rng)
+    settings = {"presence_penalty": 1.5, "frequency_penalty": float(rng.uniform(-1, 1))}
+    extra = {"repetition_penalty": float(rng.uniform(1.0, 3.0)), "min_p": 0.1}
+    temperature = float(rng.choice([0.0, 0.7]))
+    answer = served.client().completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=20, temperature=temperature,
+                                                seed=11, extra_body=extra, **settings)
+    want = served.reference.generate(prompt, max_tokens=20, temperature=temperature, seed=11, **settings, **extra)
+    assert answer.choices[0].text == want.text
+
+
 def test_no_logprobs_unless_asked(served: Served) -> None:
     answer = served.client().chat.completions.create(
         model=DEMO_NAME, messages=[{"role": "user", "content": "Flat"}], max_tokens=4, temperature=0)
@@ -369,6 +382,10 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("logprobs beyond 20", {**GOOD, "logprobs": 21}, "logprobs"),
     ("logprobs as in chat", {**GOOD, "logprobs": True}, "logprobs"),
     ("echo asked", {**GOOD, "echo": True}, "echo"),
+    ("presence_penalty beyond 2", {**GOOD, "presence_penalty": 2.5}, "presence_penalty"),
+    ("frequency_penalty string", {**GOOD, "frequency_penalty": "high"}, "frequency_penalty"),
+    ("repetition_penalty zero", {**GOOD, "repetition_penalty": 0}, "repetition_penalty"),
+    ("min_p above one", {**GOOD, "min_p": 1.5}, "min_p"),
     ("top_k beyond int32", {**GOOD, "top_k": 2**40, "temperature": 0.7}, "top_k"),
     ("prompt lone surrogate", {**GOOD, "prompt": "Flat \ud800 is"}, "prompt"),
     ("nested too deeply", "[" * 100_000 + "]" * 100_000, None),

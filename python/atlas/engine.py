@@ -21,7 +21,9 @@ from .layers.step import Dump, Step
 from .models import load_model
 from .prompt_cache import PromptCache, Resume, ResumeFilter
 from .safetensors import Checkpoint
-from .sampling import TokenLogprob, check_logprobs, check_sampling, is_int, token_logprob
+from .sampling import (
+    Penalties, TokenLogprob, check_logprobs, check_sampling, choose_token, host_argmax, is_int, token_logprob,
+)
 from .snapshot import DeltaNetSnapshot
 
 
@@ -239,14 +241,31 @@ class Engine:
     def pick(self, logits: Tensor, sampling: SamplingParams, rng: np.random.Generator) -> int:
         return self.pick_tensor(logits, sampling, rng)[0]
 
-    def pick_tensor(self, logits: Tensor, sampling: SamplingParams, rng: np.random.Generator) -> tuple[int, Tensor]:
+    def pick_tensor(
+        self, logits: Tensor, sampling: SamplingParams, rng: np.random.Generator, penalties: Penalties | None = None
+    ) -> tuple[int, Tensor]:
         """The chosen id read back (to stream it) and the backend tensor [1] i32 holding it (to feed
-        decode_tensor without a host round trip)."""
-        if sampling.temperature == 0:
-            token = self.backend.argmax(logits)
+        decode_tensor without a host round trip). Settings the backend's ops do not take (penalties,
+        min_p) are applied on the host to the logits read back; `penalties` records the pick."""
+        if sampling.on_host:
+            token = self._host_pick(self.backend.to_numpy(logits)[0], sampling, rng, penalties)
+            token_t = self.backend.upload(np.array([token], dtype=np.int32), "i32")
+        elif sampling.temperature == 0:
+            token_t = self.backend.argmax(logits)
+            token = int(self.backend.to_numpy(token_t)[0])
         else:
-            token = self.backend.sample(logits, sampling, float(rng.random()))
-        return int(self.backend.to_numpy(token)[0]), token
+            token_t = self.backend.sample(logits, sampling, float(rng.random()))
+            token = int(self.backend.to_numpy(token_t)[0])
+        if penalties is not None:
+            penalties.add(token)
+        return token, token_t
+
+    @staticmethod
+    def _host_pick(row: np.ndarray, sampling: SamplingParams, rng: np.random.Generator, penalties: Penalties | None) -> int:
+        """The token from logits [V] on the host: penalized, then argmax or the reference sampler."""
+        if penalties is not None:
+            row = penalties.apply(row, sampling)
+        return host_argmax(row) if sampling.temperature == 0 else choose_token(row, sampling, float(rng.random()))
 
     def token_logprob(self, logits: Tensor, token: int, top: int) -> TokenLogprob:
         """The picked token's log-probability under logits [1, V] and the `top` most likely (the
@@ -272,16 +291,17 @@ class Engine:
         if request.max_tokens == 0:
             return stats
         rng = np.random.default_rng(request.seed)
+        penalties = Penalties(request.prompt_ids) if request.sampling.penalized else None
         started = time.perf_counter()
         logits = self.prefill(request.prompt_ids)
-        token, token_t = self.pick_tensor(logits, request.sampling, rng)
+        token, token_t = self.pick_tensor(logits, request.sampling, rng, penalties)
         stats.cached_tokens = self.prompt_cache.last_hit
         stats.prefill_seconds = time.perf_counter() - started
         started = time.perf_counter()
         position = len(request.prompt_ids)
         while self._accept(token, logits, stats, request) and len(stats.token_ids) < request.max_tokens:
             logits = self.decode_tensor(token_t, position, token)
-            token, token_t = self.pick_tensor(logits, request.sampling, rng)
+            token, token_t = self.pick_tensor(logits, request.sampling, rng, penalties)
             position += 1
         stats.decode_seconds = time.perf_counter() - started
         return stats

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from os import PathLike, fspath
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -38,6 +38,17 @@ class GenerationResult:
 
 
 @dataclass(frozen=True)
+class SamplingExtras:
+    """min_p and the penalties: the sampling settings the engine applies on the host (their meaning:
+    atlas.backends.base.SamplingParams)."""
+
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
 class GenerateOptions:
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0  # 0 = greedy
@@ -46,6 +57,7 @@ class GenerateOptions:
     seed: int | None = None
     chat: bool = False  # wrap a text prompt as one user message in the chat template
     logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
+    extras: SamplingExtras = field(default_factory=SamplingExtras)  # min_p, penalties
 
 
 class EngineLike(Protocol):
@@ -55,7 +67,7 @@ class EngineLike(Protocol):
 
     def prefill(self, prompt_ids: list[int]) -> Any: ...  # logits of the last prompt token [1, V]
 
-    def pick_tensor(self, logits: Any, sampling: SamplingParams, rng: Any) -> tuple[int, Any]: ...  # id, [1] i32
+    def pick_tensor(self, logits: Any, sampling: SamplingParams, rng: Any, penalties: Any = None) -> tuple[int, Any]: ...  # id, [1] i32
 
     def decode_tensor(self, ids: Any, position: int, token: int | None = None) -> Any: ...  # logits [1, V]; ids, token from pick_tensor
 
@@ -166,12 +178,18 @@ class LLM:
         chat: bool = False,
         on_text: Callable[[str], None] | None = None,
         logprobs: int | None = None,
+        min_p: float = 0.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
     ) -> GenerationResult:
         """Generate from a text prompt or prompt token ids; greedy when temperature is 0.
         `on_text` receives the text pieces as they complete; `logprobs` (0..20): each token's
         log-probability and that many most likely alternatives in the result (the model's
-        distribution before temperature, top-k and top-p)."""
-        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs)
+        distribution before temperature, top-k and top-p). min_p and the penalties: as vLLM's
+        (atlas.backends.base.SamplingParams)."""
+        extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty)
+        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, extras)
         return self.generate_with(self.prepare(prompt, opts), opts, on_text)
 
     def generate_with(
@@ -215,10 +233,15 @@ class LLM:
         top_p: float = 1.0,
         seed: int | None = None,
         chat: bool = False,
+        min_p: float = 0.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
     ) -> Iterator[str]:
         """Yield text pieces as they are generated. Runs on the calling thread (a CUDA context
         is bound to the thread that opened it); stop reading to stop generating."""
-        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat)
+        extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty)
+        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, extras=extras)
         prompt_ids = self.prepare(prompt, opts)
         decoder = self.parts.tokenizer.stream_decoder()
         for token in iter_tokens(self.parts.engine, prompt_ids, opts, self.eos_ids()):
@@ -257,16 +280,19 @@ def iter_tokens(
     import numpy as np
 
     sampling = sampling_params(opts)
-    speculative = getattr(engine, "speculative_tokens", None)  # atlas.speculative: greedy only
-    if speculative is not None and sampling.temperature == 0 and opts.logprobs is None:
+    speculative = getattr(engine, "speculative_tokens", None)  # atlas.speculative: plain greedy only
+    if speculative is not None and sampling.temperature == 0 and opts.logprobs is None and not sampling.on_host:
         for count, token in enumerate(speculative(prompt_ids, opts.max_tokens), start=1):
             yield token
             if token in eos_ids or count == opts.max_tokens:
                 return
         return
+    from .sampling import Penalties
+
     rng = np.random.default_rng(opts.seed)
+    penalties = Penalties(prompt_ids) if sampling.penalized else None
     logits = engine.prefill(prompt_ids)
-    token, token_t = engine.pick_tensor(logits, sampling, rng)
+    token, token_t = engine.pick_tensor(logits, sampling, rng, penalties)
     position = len(prompt_ids)
     for count in range(1, opts.max_tokens + 1):
         if opts.logprobs is not None and scores is not None:
@@ -275,7 +301,7 @@ def iter_tokens(
         if token in eos_ids or count == opts.max_tokens:
             return
         logits = engine.decode_tensor(token_t, position, token)
-        token, token_t = engine.pick_tensor(logits, sampling, rng)
+        token, token_t = engine.pick_tensor(logits, sampling, rng, penalties)
         position += 1
 
 
@@ -325,7 +351,8 @@ def check_options(opts: GenerateOptions) -> None:
     seed = opts.seed
     if seed is not None and (not is_int(seed) or seed < 0):
         raise AtlasError(f"seed must be a non-negative integer, got {seed!r}")
-    for name, value in (("temperature", opts.temperature), ("top_p", opts.top_p)):
+    reals = {"temperature": opts.temperature, "top_p": opts.top_p, **asdict(opts.extras)}
+    for name, value in reals.items():
         if not is_real(value):
             raise AtlasError(f"{name} must be a number, got {value!r}")
     if not is_int(opts.top_k):
@@ -336,7 +363,8 @@ def check_options(opts: GenerateOptions) -> None:
 def sampling_params(opts: GenerateOptions) -> SamplingParams:
     from .backends.base import SamplingParams
 
-    return SamplingParams(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p))
+    extra = {name: float(value) for name, value in asdict(opts.extras).items()}
+    return SamplingParams(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p), **extra)
 
 
 def check_length(spec: ModelSpec, engine: EngineLike, prompt_tokens: int, max_tokens: int) -> None:

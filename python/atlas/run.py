@@ -6,7 +6,7 @@ Bad flags and bad models print one line on stderr and exit with code 2, never a 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import click
@@ -15,6 +15,7 @@ from .cli import run_command
 from .engine_flags import EngineFlags, engine_options
 from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL
+from .llm import SamplingExtras
 
 @dataclass(frozen=True)
 class RunArgs:
@@ -27,6 +28,7 @@ class RunArgs:
     seed: int | None
     chat: bool
     engine: EngineFlags
+    extras: SamplingExtras
 
 
 def default_prompt(model_dir: Path, model_arg: str | None) -> str:
@@ -53,7 +55,7 @@ def run(args: RunArgs) -> None:
     encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
     llm = args.engine.load(str(model_dir))
     opts = GenerateOptions(
-        args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat
+        args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat, extras=args.extras
     )
     prompt_ids = llm.prepare(prompt, opts)
     click.echo(f"atlas: model {llm.model_dir}, device {llm.device}", err=True)
@@ -92,11 +94,20 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 )
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed for sampling (reproducible output).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
+              help="Keep tokens whose probability is >= min_p x the largest; 0: off.")
+@click.option("--presence-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0, show_default=True,
+              help="Subtracted from the logit of every token generated so far (Qwen suggests up to 1.5 against repetition).")
+@click.option("--frequency-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0, show_default=True,
+              help="Subtracted, times its count, from the logit of every generated token.")
+@click.option("--repetition-penalty", type=click.FloatRange(0.0, 10.0, min_open=True), default=1.0, show_default=True,
+              help="Prompt and generated tokens' logits divided by it when positive, multiplied when not; 1: off.")
 @engine_options
 def command(**kwargs: object) -> None:
     """Run a model: stream generated text to stdout, then a stats line to stderr."""
     engine = EngineFlags.pop_from(kwargs)
-    run(RunArgs(**kwargs, engine=engine))  # type: ignore[arg-type]
+    extras = SamplingExtras(**{f.name: kwargs.pop(f.name) for f in fields(SamplingExtras)})  # type: ignore[arg-type]
+    run(RunArgs(**kwargs, engine=engine, extras=extras))  # type: ignore[arg-type]
 
 
 def main(argv: list[str] | None = None) -> int:

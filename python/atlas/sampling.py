@@ -11,6 +11,8 @@ from .errors import AtlasError
 
 MAX_TOP_K = 2**31 - 1  # SampleParams.top_k is an int32; any top_k >= the vocabulary keeps all
 MAX_LOGPROBS = 20  # alternatives listed per generated token (OpenAI's top_logprobs limit)
+MAX_PENALTY = 2.0  # presence / frequency penalty range, OpenAI's
+MAX_REPETITION_PENALTY = 10.0
 
 
 def is_int(value: object) -> bool:
@@ -31,6 +33,46 @@ def check_sampling(params: SamplingParams) -> None:
         raise AtlasError(f"top_k must be in 0..{MAX_TOP_K} (0 = off), got {params.top_k}")
     if not 0.0 < params.top_p <= 1.0:
         raise AtlasError(f"top_p must be in (0, 1] (1 = off), got {params.top_p}")
+    if not 0.0 <= params.min_p <= 1.0:
+        raise AtlasError(f"min_p must be in [0, 1] (0 = off), got {params.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -MAX_PENALTY <= getattr(params, name) <= MAX_PENALTY:
+            raise AtlasError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), got {getattr(params, name)}")
+    if not 0.0 < params.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise AtlasError(
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {params.repetition_penalty}"
+        )
+
+
+class Penalties:
+    """What the penalties read while one sequence is generated: which tokens the prompt or the
+    output holds (repetition_penalty) and how often each was generated (presence, frequency)."""
+
+    def __init__(self, prompt_ids: list[int]) -> None:
+        self.prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
+        self.generated: dict[int, int] = {}
+
+    def add(self, token: int) -> None:
+        self.generated[token] = self.generated.get(token, 0) + 1
+
+    def apply(self, logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+        """logits [V] -> penalized float32 copy: repetition first, then presence and frequency
+        (vLLM's order)."""
+        z = np.array(logits, dtype=np.float32)  # [V]
+        ids = np.array(list(self.generated), dtype=np.int64)  # [G]
+        counts = np.array(list(self.generated.values()), dtype=np.float32)  # [G]
+        if params.repetition_penalty != 1:
+            seen = np.unique(np.concatenate([self.prompt_ids, ids]))
+            r = np.float32(params.repetition_penalty)
+            z[seen] = np.where(z[seen] > 0, z[seen] / r, z[seen] * r)
+        if ids.size:
+            z[ids] -= np.float32(params.frequency_penalty) * counts + np.float32(params.presence_penalty)
+        return z
+
+
+def host_argmax(logits: np.ndarray) -> int:
+    """The backends' argmax on one row [V]: NaN never wins, the first maximum does."""
+    return int(np.argmax(np.where(np.isnan(logits), -np.inf, logits)))
 
 
 def check_logprobs(logprobs: object) -> None:
@@ -97,9 +139,13 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
 
 
 def choose_token(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
-    """The reference token choice of `Backend.sample` for one row of logits [V]."""
+    """The reference token choice of `Backend.sample` for one row of logits [V]; min_p (host
+    picks only) keeps tokens with p >= min_p * the largest p before top_p sees them."""
     probs = softmax_probs(logits, params.temperature)  # [V]
-    keep = top_p_mask(probs, top_k_mask(probs, params.top_k), params.top_p)
+    keep = top_k_mask(probs, params.top_k)
+    if params.min_p > 0:
+        keep &= probs >= np.float32(params.min_p) * probs.max()
+    keep = top_p_mask(probs, keep, params.top_p)
     cumulative = np.cumsum(np.where(keep, probs, 0.0).astype(np.float64))  # [V]
     index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
     return min(index, logits.shape[0] - 1)

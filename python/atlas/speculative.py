@@ -77,8 +77,8 @@ def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
 
 
 class SpeculativeEngine(Engine):
-    """An Engine that decodes greedy requests with the MTP head; sampled requests and requests for
-    logprobs decode as usual."""
+    """An Engine that decodes greedy requests with the MTP head; sampled or penalized requests and
+    requests for logprobs decode as usual."""
 
     def __init__(
         self,
@@ -117,8 +117,9 @@ class SpeculativeEngine(Engine):
 
     # --- generation ---------------------------------------------------------------------------
     def run(self, request: GenerationRequest) -> GenerationStats:
-        if request.sampling.temperature != 0 or request.max_tokens <= 0 or request.logprobs is not None:
-            return super().run(request)  # logprobs need every position's logits read back: no gain left
+        plain = request.sampling.temperature != 0 or request.sampling.on_host or request.logprobs is not None
+        if plain or request.max_tokens <= 0:  # logprobs and host picks read every position's logits back
+            return super().run(request)
         check_sampling(request.sampling)
         self.check_ids(request.prompt_ids, request.max_tokens - 1)  # the last token is not fed
         stats = SpecStats(prompt_tokens=len(request.prompt_ids), spec_k=self.spec_k)

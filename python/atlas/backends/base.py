@@ -27,11 +27,25 @@ StorageDType = Literal["f32", "bf16", "i32"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Host-side sampling settings; temperature 0 means greedy."""
+    """Host-side sampling settings; temperature 0 means greedy. Backends' argmax / sample take the
+    first three; the rest (`on_host`) the engine applies to the logits read back (atlas.sampling)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0 = off: keep the tokens whose p is >= min_p * the largest p
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # subtracted, times its count, from the logit of every generated token
+    repetition_penalty: float = 1.0  # 1 = off: a prompt or generated token's logit / r when > 0, else * r
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def on_host(self) -> bool:
+        """Settings no backend op takes: the engine picks such tokens on the host."""
+        return self.penalized or self.min_p > 0
 
 
 @dataclass

@@ -161,7 +161,7 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
         )
     s = body.sampling
     max_tokens = wanted if wanted is not None else min(state.default_max_tokens, room)
-    return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed, logprobs=body.logprobs)
+    return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed, logprobs=body.logprobs, extras=s.extras)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampling import MAX_LOGPROBS, MAX_TOP_K, is_int
+from ..llm import SamplingExtras
+from ..sampling import MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, is_int
 from .errors import RequestError
 
 Prompt = str | list[int]
@@ -23,9 +24,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "functions": (None, []),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
 }
 
 
@@ -37,6 +35,7 @@ class SamplingFields:
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
+    extras: SamplingExtras  # min_p, presence / frequency / repetition penalties
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,28 @@ def parse_sampling(body: dict[str, Any]) -> SamplingFields:
         top_k=0 if top_k in (None, -1) else top_k,
         seed=optional_int(body, "seed", minimum=0),  # numpy seeds are non-negative
         stop=parse_stop(body.get("stop")),
+        extras=parse_extras(body),
     )
+
+
+def parse_extras(body: dict[str, Any]) -> SamplingExtras:
+    """min_p in [0, 1], presence_penalty and frequency_penalty in [-2, 2] (OpenAI's range),
+    repetition_penalty in (0, 10] (vLLM's extension)."""
+    values = {
+        "min_p": optional_number(body, "min_p", 0.0),
+        "presence_penalty": optional_number(body, "presence_penalty", 0.0),
+        "frequency_penalty": optional_number(body, "frequency_penalty", 0.0),
+        "repetition_penalty": optional_number(body, "repetition_penalty", 1.0),
+    }
+    ranges = {"min_p": (0.0, 1.0), "presence_penalty": (-MAX_PENALTY, MAX_PENALTY),
+              "frequency_penalty": (-MAX_PENALTY, MAX_PENALTY)}
+    for name, (low, high) in ranges.items():
+        if not low <= values[name] <= high:
+            raise RequestError(f"'{name}' must be in [{low:g}, {high:g}], got {values[name]}", name)
+    if not 0 < values["repetition_penalty"] <= MAX_REPETITION_PENALTY:
+        raise RequestError(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+                           f"got {values['repetition_penalty']}", "repetition_penalty")
+    return SamplingExtras(**values)
 
 
 def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:

@@ -1,0 +1,109 @@
+"""min_p and the presence / frequency / repetition penalties (picked on the host): the penalty
+formula against a direct one, each greedy pick the argmax of the teacher-forced logits penalized by
+the tokens before it, sampled picks inside the min_p set, the same tokens from generate() and
+stream(), penalized greedy requests on a speculative engine as on a plain one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atlas import LLM
+from atlas.backends.base import SamplingParams
+from atlas.engine import GenerationRequest
+from atlas.errors import AtlasError
+from atlas.sampling import Penalties, softmax_probs
+from test_speculative import NO_EOS, plain_engine, spec_engine
+from test_speculative import demo_mtp as demo_mtp  # noqa: F401  (the module-scoped fixture)
+
+VOCAB = 512  # the demo's
+MAX_DRAWS = 10
+TIE = 1e-4  # relative logit gap under which float32 rounding may decide a pick
+
+
+def penalized(row: np.ndarray, prompt: list[int], before: list[int], p: SamplingParams) -> np.ndarray:
+    """The penalties written out token by token."""
+    z = row.astype(np.float64).copy()
+    for t in set(prompt) | set(before):
+        z[t] = z[t] / p.repetition_penalty if z[t] > 0 else z[t] * p.repetition_penalty
+    for t in set(before):
+        z[t] -= p.frequency_penalty * before.count(t) + p.presence_penalty
+    return z
+
+
+def random_params(rng: np.random.Generator, temperature: float = 0.0) -> SamplingParams:
+    """Strong penalties: the demo's logits are confident, and a test must see picks they move."""
+    return SamplingParams(
+        temperature=temperature, presence_penalty=float(rng.choice([-1, 1]) * rng.uniform(1, 2)),
+        frequency_penalty=float(rng.uniform(-2, 2)), repetition_penalty=float(rng.uniform(2.0, 6.0)),
+        min_p=float(rng.uniform(0.05, 0.3)) if temperature else 0.0,
+    )
+
+
+def test_penalty_formula(rng: np.random.Generator) -> None:
+    prompt = rng.integers(0, 50, 20).tolist()
+    generated = rng.integers(0, 50, 30).tolist()
+    params = random_params(rng)
+    state = Penalties(prompt)
+    for t in generated:
+        state.add(t)
+    row = rng.standard_normal(64).astype(np.float32) * 3
+    np.testing.assert_allclose(state.apply(row, params), penalized(row, prompt, generated, params), rtol=1e-6, atol=1e-6)
+    assert not SamplingParams().on_host and SamplingParams(min_p=0.1).on_host and not SamplingParams(min_p=0.1).penalized
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_picks_follow_the_penalized_logits(rng: np.random.Generator, temperature: float) -> None:
+    """Checked at every step; at least one step's pick must be one the unpenalized logits would
+    not allow (else the draw could not tell penalties from none: drawn again)."""
+    llm = LLM(device="cpu", prompt_cache=0)
+    for _ in range(MAX_DRAWS):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(3, 30))).tolist()
+        params = random_params(rng, temperature)
+        kwargs = {k: getattr(params, k) for k in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")}
+        result = llm.generate(prompt, max_tokens=16, temperature=temperature, seed=7, **kwargs)
+        streamed = "".join(llm.stream(prompt, max_tokens=16, temperature=temperature, seed=7, **kwargs))
+        assert streamed == result.text
+        forced = np.asarray(llm.parts.engine.logits(prompt + result.token_ids))[len(prompt) - 1 :]  # [N+1, V]
+        moved = 0
+        for i, token in enumerate(result.token_ids):
+            z = penalized(forced[i], prompt, result.token_ids[:i], params)
+            if temperature == 0:
+                assert z[token] >= z.max() - TIE * np.abs(z).max(), f"step {i}: not the penalized argmax"
+                moved += forced[i, token] < forced[i].max() - TIE * np.abs(forced[i]).max()
+            else:
+                probs = softmax_probs(z.astype(np.float32), temperature)
+                assert probs[token] >= params.min_p * probs.max() * (1 - 1e-3), f"step {i}: outside the min_p set"
+                raw = softmax_probs(forced[i].astype(np.float32), temperature)
+                moved += raw[token] < params.min_p * raw.max() * (1 - 1e-3)
+        if moved:
+            return
+    pytest.fail(f"penalties moved no pick in {MAX_DRAWS} draws")
+
+
+def test_repetition_penalty_stops_a_loop() -> None:
+    """The demo recites its text; a strong repetition penalty drives it off the words it has used."""
+    llm = LLM(device="cpu", prompt_cache=0)
+    plain = llm.generate("Beautiful is better than", max_tokens=40)
+    penalized_run = llm.generate("Beautiful is better than", max_tokens=40, repetition_penalty=5.0)
+    assert len(set(penalized_run.token_ids)) > len(set(plain.token_ids))
+
+
+def test_speculative_engine_penalizes_on_the_plain_path(demo_mtp: Path, rng: np.random.Generator) -> None:  # noqa: F811
+    prompt = rng.integers(0, VOCAB, 20).tolist()
+    params = random_params(rng)
+    request = GenerationRequest(prompt, 12, params, None, NO_EOS)
+    got = spec_engine(demo_mtp, 2).run(request)
+    assert got.token_ids == plain_engine(demo_mtp).run(request).token_ids
+    assert not hasattr(got, "rounds")
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("min_p", 1.5), ("min_p", -0.1), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+    ("repetition_penalty", 0.0), ("repetition_penalty", 11.0), ("presence_penalty", "1"),
+])
+def test_bad_values_are_one_line(name: str, value: object) -> None:
+    with pytest.raises(AtlasError, match=name):
+        LLM(device="cpu").generate("Flat is", max_tokens=2, **{name: value})  # type: ignore[arg-type]
