@@ -624,7 +624,8 @@ def test_cli_engine_flags_reach_the_engine(rng: np.random.Generator) -> None:
     k = int(rng.integers(1, 4))
     full = [i for i, kind in enumerate(load_spec(DEMO_DIR).layer_types) if kind == "full_attention"]
     checkpoints = int(rng.integers(0, 9))
-    args = ("--kv-cache-dtype", level, "--kv-high-precision-layers", "0", "--spec-k", str(k), "--prompt-cache", str(checkpoints))
+    args = ("--kv-cache-dtype", level, "--kv-high-precision-layers", "0", "--spec-k", str(k), "--prompt-cache", str(checkpoints),
+            "--reasoning-parser", "qwen3")
     with cli_server(*args) as (port, stderr):
         health = get_json(port, "/health")
         answer = openai.OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0) \
@@ -632,6 +633,7 @@ def test_cli_engine_flags_reach_the_engine(rng: np.random.Generator) -> None:
     assert health["kv_cache"] == f"{level} on layers {', '.join(map(str, full))}", health
     assert f"--spec-k {k} is ignored" in health["speculation"], health  # the demo has no MTP head
     assert health["prompt_cache"] == (f"{checkpoints} checkpoints" if checkpoints else "off"), health
+    assert health["reasoning_parser"] == "qwen3", health
     assert any(f"kv cache {level} on layers" in line for line in stderr), stderr
     assert answer.choices[0].text
 
@@ -661,6 +663,7 @@ def listening_port(lines: queue.Queue[str], seen: list[str]) -> int:
     (["--kv-high-precision-layers", "some"], "--kv-high-precision-layers"),
     (["--served-model-name", " "], "--served-model-name"),
     (["--prompt-cache", "-1"], "--prompt-cache"),
+    (["--reasoning-parser", "deepthink"], "--reasoning-parser"),
     (["--prompt-cache", "65"], "--prompt-cache"),
 ])
 def test_cli_bad_input_is_one_line(args: list[str], needle: str) -> None:

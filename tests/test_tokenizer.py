@@ -155,3 +155,19 @@ def test_missing_or_broken_files(tmp_path: Path) -> None:
     (tmp_path / "chat_template.jinja").write_bytes(b"{{ messages }}\xff\xfe")
     with pytest.raises(AtlasError, match="chat_template.jinja cannot be read"):
         Tokenizer.open(tmp_path)
+
+
+def test_template_kwargs_reach_the_template(tmp_path: Path, rng: np.random.Generator) -> None:
+    """Extra template variables (the server's chat_template_kwargs), as Qwen's enable_thinking."""
+    train_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and enable_thinking is false %}<no-think>{% else %}<think>{% endif %}",
+        encoding="utf-8",
+    )
+    tokenizer = Tokenizer.open(tmp_path)
+    text = random_text(rng, 8)
+    messages = [{"role": "user", "content": text}]
+    assert tokenizer.decode(tokenizer.encode_chat(messages)) == tokenizer.decode(tokenizer.encode(text + "<think>", add_special_tokens=False))
+    off = tokenizer.encode_chat(messages, template_kwargs={"enable_thinking": False})
+    assert off == tokenizer.encode(text + "<no-think>", add_special_tokens=False)

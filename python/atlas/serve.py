@@ -22,6 +22,7 @@ from .engine_flags import EngineFlags, engine_options
 from .errors import AtlasError
 from .llm import DEFAULT_PROMPT_CACHE, MAX_PROMPT_CACHE
 from .run import MODEL_HELP
+from .server.reasoning import PARSERS
 
 if TYPE_CHECKING:
     from .llm import LLM
@@ -37,6 +38,7 @@ class ServeArgs:
     port: int
     served_model_name: str | None
     log_level: str
+    reasoning_parser: str | None
     engine: EngineFlags
 
 
@@ -89,7 +91,7 @@ def serve(args: ServeArgs) -> None:
         name = args.served_model_name or served_name(args.model, model_dir)
         click.echo(f"atlas.serve: model {name} ({model_dir}), device {llm.device}", err=True)
         click.echo(f"atlas.serve: {engine_summary(llm)}", err=True)
-        app = create_app(ServerState(name, worker, llm))
+        app = create_app(ServerState(name, worker, llm, reasoning_parser=args.reasoning_parser))
         config = uvicorn.Config(
             app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
         )
@@ -109,6 +111,10 @@ def serve(args: ServeArgs) -> None:
 @click.option(
     "--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
     show_default=True,
+)
+@click.option(
+    "--reasoning-parser", type=click.Choice(PARSERS), default=None,
+    help="Chat answers' <think> ... </think> block goes to message.reasoning_content (as vLLM's); default: left in content.",
 )
 @click.option(
     "--prompt-cache", type=click.IntRange(0, MAX_PROMPT_CACHE), default=DEFAULT_PROMPT_CACHE, show_default=True,

@@ -91,9 +91,12 @@ class Tokenizer:
         origin = str(self.chat_template_source or self.source)
         return render_chat_template(self.chat_template, messages, context, origin)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """The rendered template already holds its special tokens, so none are added."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        """The rendered template already holds its special tokens, so none are added.
+        template_kwargs: extra template variables (e.g. Qwen's enable_thinking)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **(template_kwargs or {}))
         return self.encode(text, add_special_tokens=False)
 
 

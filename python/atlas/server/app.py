@@ -22,10 +22,12 @@ from ..errors import AtlasError
 from ..llm import DEFAULT_MAX_TOKENS, LLM, GenerateOptions, context_capacity
 from .errors import RequestError, error_body, request_error_body
 from .protocol import GenerationBody, parse_body
+from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply, chunk, full_body, logprobs_body, sse, text_delta, usage_chunk
 from .worker import EngineWorker, Event, Failed, Finished, TextPiece
 
 log = logging.getLogger("atlas.serve")
+REASONING_TAIL_TOKENS = 32  # of the prompt, where a generation prompt would open a <think> block
 T = TypeVar("T")
 
 
@@ -35,6 +37,7 @@ class ServerState:
     worker: EngineWorker
     llm: LLM
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # when a request names none (and the context has room)
+    reasoning_parser: str | None = None  # "qwen3": chat answers' <think> block goes to reasoning_content
 
 
 class EventStreamResponse(StreamingResponse):
@@ -64,7 +67,8 @@ def create_app(state: ServerState) -> Starlette:
 
     async def health(request: Request) -> Response:
         ok = state.worker.alive
-        body = {"status": "ok" if ok else "engine stopped", **engine_settings(state.llm)}
+        body = {"status": "ok" if ok else "engine stopped", **engine_settings(state.llm),
+                "reasoning_parser": state.reasoning_parser or "off"}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     routes = [
@@ -109,11 +113,20 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
     except AtlasError as err:
         raise RequestError(str(err), "messages" if chat else "prompt") from None
     reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None)
+    splitter = reasoning_splitter(state, chat, prompt_ids)
     events = state.worker.events(prompt_ids, opts, body.sampling.stop)
     if body.stream:
-        return EventStreamResponse(stream_events(reply, events, body.include_usage))
-    answer = await unless_disconnected(request, collect(reply, events))
+        return EventStreamResponse(stream_events(reply, events, body.include_usage, splitter))
+    answer = await unless_disconnected(request, collect(reply, events, splitter))
     return JSONResponse(answer) if answer is not None else Response(status_code=499)
+
+
+def reasoning_splitter(state: ServerState, chat: bool, prompt_ids: list[int]) -> ReasoningSplitter | None:
+    """For chat answers under --reasoning-parser: opened when the prompt's end is inside a block."""
+    if not chat or state.reasoning_parser is None:
+        return None
+    tail = state.llm.tokenizer.decode(prompt_ids[-REASONING_TAIL_TOKENS:], skip_special_tokens=False)
+    return ReasoningSplitter(prompt_opens_reasoning(tail))
 
 
 async def read_json(request: Request) -> object:
@@ -130,7 +143,7 @@ def encode(llm: LLM, body: GenerationBody) -> list[int]:
     param = "messages" if body.messages is not None else "prompt"
     try:
         if body.messages is not None:
-            ids = llm.tokenizer.encode_chat(body.messages)
+            ids = llm.tokenizer.encode_chat(body.messages, template_kwargs=body.template_kwargs)
         elif isinstance(body.prompt, str):
             ids = llm.tokenizer.encode(body.prompt)
         else:
@@ -186,35 +199,57 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     return result
 
 
-async def collect(reply: Reply, events: AsyncGenerator[Event, None]) -> dict[str, object]:
+async def collect(
+    reply: Reply, events: AsyncGenerator[Event, None], splitter: ReasoningSplitter | None = None
+) -> dict[str, object]:
     pieces: list[TextPiece] = []
     async with aclosing(events):
         async for event in events:
             if isinstance(event, TextPiece):
                 pieces.append(event)
             elif isinstance(event, Finished):
-                return full_body(reply, pieces, event)
+                return full_body(reply, pieces, event, splitter)
             else:
                 raise RequestError(event.message, status=500)
     raise RequestError("the engine stopped before finishing", status=500)
 
 
-async def stream_events(reply: Reply, events: AsyncGenerator[Event, None], include_usage: bool) -> AsyncGenerator[str, None]:
+async def stream_events(
+    reply: Reply, events: AsyncGenerator[Event, None], include_usage: bool, splitter: ReasoningSplitter | None = None
+) -> AsyncGenerator[str, None]:
     offset = 0  # of the next token in the completion text (completions' logprobs.text_offset)
     async with aclosing(events):
         if reply.chat:
             yield sse(chunk(reply, {"role": "assistant", "content": ""}))
         async for event in events:
             if isinstance(event, TextPiece):
-                yield sse(chunk(reply, text_delta(reply, event.text), logprobs=logprobs_body(reply, event.scored, offset)))
+                logprobs = logprobs_body(reply, event.scored, offset)
+                for delta in piece_deltas(reply, event.text, splitter, logprobs is not None):
+                    yield sse(chunk(reply, delta, logprobs=logprobs))
+                    logprobs = logprobs_body(reply, (), 0)  # the piece's entries go with its first chunk
                 offset += sum(len(s.text) for s in event.scored)
             elif isinstance(event, Finished):
+                for delta in splitter_deltas(splitter.flush()) if splitter else []:
+                    yield sse(chunk(reply, delta))
                 yield sse(chunk(reply, {}, event.finish_reason))
                 if include_usage:
                     yield sse(usage_chunk(reply, event))
             elif isinstance(event, Failed):
                 yield sse(error_body(event.message, "server_error"))
     yield sse("[DONE]")
+
+
+def piece_deltas(reply: Reply, text: str, splitter: ReasoningSplitter | None, scored: bool) -> list[dict[str, str]]:
+    """A text piece's chunk deltas: one, or a chat piece split into reasoning and content; a piece
+    whose text is all held back still gets one (empty) delta when it carries logprobs."""
+    if splitter is None:
+        return [text_delta(reply, text)]
+    deltas = splitter_deltas(splitter.push(text))
+    return deltas or ([text_delta(reply, "")] if scored else [])
+
+
+def splitter_deltas(parts: list[tuple[str, str]]) -> list[dict[str, str]]:
+    return [{field: text} for field, text in parts]
 
 
 async def on_request_error(request: Request, err: Exception) -> Response:

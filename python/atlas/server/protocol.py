@@ -15,6 +15,7 @@ from .errors import RequestError
 Prompt = str | list[int]
 Message = dict[str, str]
 MAX_STOPS = 16
+RESERVED_TEMPLATE_NAMES = {"messages", "add_generation_prompt"}
 
 # field -> its values that change nothing; any other value is refused (we cannot honour it)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -47,6 +48,7 @@ class GenerationBody:
     stream: bool
     include_usage: bool
     logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
+    template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables
 
 
 def parse_body(body: Any, chat: bool) -> GenerationBody:
@@ -66,6 +68,7 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
         stream=stream,
         include_usage=stream and include_usage,
         logprobs=parse_logprobs(body, chat),
+        template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")) if chat else None,
     )
 
 
@@ -118,6 +121,18 @@ def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
     if top and not wanted:
         raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return (top or 0) if wanted else None
+
+
+def parse_template_kwargs(value: Any) -> dict[str, Any] | None:
+    """vLLM's chat_template_kwargs: extra variables for the chat template (Qwen's enable_thinking)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
+    taken = sorted(set(value) & RESERVED_TEMPLATE_NAMES)
+    if taken:
+        raise RequestError(f"'chat_template_kwargs' may not set {taken[0]!r}: the server sets it", "chat_template_kwargs")
+    return value
 
 
 def check_unsupported(body: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .reasoning import ReasoningSplitter
 from .worker import Finished, ScoredToken, TextPiece
 
 
@@ -40,11 +41,17 @@ def usage(finished: Finished) -> dict[str, Any]:
     }
 
 
-def full_body(reply: Reply, pieces: list[TextPiece], finished: Finished) -> dict[str, Any]:
+def full_body(
+    reply: Reply, pieces: list[TextPiece], finished: Finished, splitter: ReasoningSplitter | None = None
+) -> dict[str, Any]:
+    """splitter: a chat answer's <think> block goes to message.reasoning_content (--reasoning-parser)."""
     text = "".join(p.text for p in pieces)
     logprobs = logprobs_body(reply, tuple(s for p in pieces for s in p.scored), 0)
     if reply.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if splitter is not None:
+            message["reasoning_content"], message["content"] = splitter.split_all(text)
+        choice = {"index": 0, "message": message, "logprobs": logprobs}
         body = reply.head("chat.completion")
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs}

@@ -3,6 +3,8 @@ cannot, so a stop string never reaches the client, not even in part."""
 
 from __future__ import annotations
 
+from .reasoning import partial_suffix
+
 
 class StopMatcher:
     def __init__(self, stops: tuple[str, ...]) -> None:
@@ -32,10 +34,4 @@ class StopMatcher:
 
     def _held_back(self) -> int:
         """Length of the longest tail of the pending text that begins some stop string."""
-        longest = 0
-        for stop in self.stops:
-            for size in range(min(len(stop) - 1, len(self.pending)), longest, -1):
-                if self.pending.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest
+        return max((partial_suffix(self.pending, stop) for stop in self.stops), default=0)
