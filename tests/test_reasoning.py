@@ -10,13 +10,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from atlas.server.answer import AnswerShaper
 from atlas.server.reasoning import END, START, ReasoningSplitter, partial_suffix, prompt_opens_reasoning
 
 WORDS = ["a", "bc", " ", "\n", "\n\n", START, END, "<", "</", "<th", "think>", "é", "🙂", "</think", "x>"]
 
 
 def split(text: str, opened: bool) -> tuple[str | None, str | None]:
-    return ReasoningSplitter(opened).split_all(text)
+    fields, _ = AnswerShaper(ReasoningSplitter(opened)).whole(text)
+    return fields["reasoning_content"], fields["content"]
 
 
 @pytest.mark.parametrize(("text", "opened", "want"), [

@@ -23,6 +23,7 @@ from .errors import AtlasError
 from .llm import DEFAULT_PROMPT_CACHE, MAX_PROMPT_CACHE
 from .run import MODEL_HELP
 from .server.reasoning import PARSERS
+from .server.tools import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
     from .llm import LLM
@@ -39,6 +40,7 @@ class ServeArgs:
     served_model_name: str | None
     log_level: str
     reasoning_parser: str | None
+    tool_call_parser: str | None
     engine: EngineFlags
 
 
@@ -91,7 +93,8 @@ def serve(args: ServeArgs) -> None:
         name = args.served_model_name or served_name(args.model, model_dir)
         click.echo(f"atlas.serve: model {name} ({model_dir}), device {llm.device}", err=True)
         click.echo(f"atlas.serve: {engine_summary(llm)}", err=True)
-        app = create_app(ServerState(name, worker, llm, reasoning_parser=args.reasoning_parser))
+        parsers = {"reasoning_parser": args.reasoning_parser, "tool_call_parser": args.tool_call_parser}
+        app = create_app(ServerState(name, worker, llm, **parsers))
         config = uvicorn.Config(
             app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
         )
@@ -115,6 +118,11 @@ def serve(args: ServeArgs) -> None:
 @click.option(
     "--reasoning-parser", type=click.Choice(PARSERS), default=None,
     help="Chat answers' <think> ... </think> block goes to message.reasoning_content (as vLLM's); default: left in content.",
+)
+@click.option(
+    "--tool-call-parser", type=click.Choice(TOOL_PARSERS), default=None,
+    help="Chat requests may carry tools (tool_choice auto / none); the answer's calls come back as tool_calls "
+    "(qwen3_coder: the XML calls of Qwen3.5 / 3.6 and Qwen3-Coder).",
 )
 @click.option(
     "--prompt-cache", type=click.IntRange(0, MAX_PROMPT_CACHE), default=DEFAULT_PROMPT_CACHE, show_default=True,

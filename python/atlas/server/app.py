@@ -22,7 +22,9 @@ from ..errors import AtlasError
 from ..llm import DEFAULT_MAX_TOKENS, LLM, GenerateOptions, context_capacity
 from .errors import RequestError, error_body, request_error_body
 from .protocol import GenerationBody, parse_body
+from .answer import AnswerShaper
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
+from .tools import ToolCallStream
 from .responses import Reply, chunk, full_body, logprobs_body, sse, text_delta, usage_chunk
 from .worker import EngineWorker, Event, Failed, Finished, TextPiece
 
@@ -38,6 +40,7 @@ class ServerState:
     llm: LLM
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # when a request names none (and the context has room)
     reasoning_parser: str | None = None  # "qwen3": chat answers' <think> block goes to reasoning_content
+    tool_call_parser: str | None = None  # "qwen3_coder": chat requests may carry tools; calls parsed
 
 
 class EventStreamResponse(StreamingResponse):
@@ -68,7 +71,7 @@ def create_app(state: ServerState) -> Starlette:
     async def health(request: Request) -> Response:
         ok = state.worker.alive
         body = {"status": "ok" if ok else "engine stopped", **engine_settings(state.llm),
-                "reasoning_parser": state.reasoning_parser or "off"}
+                "reasoning_parser": state.reasoning_parser or "off", "tool_call_parser": state.tool_call_parser or "off"}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     routes = [
@@ -106,6 +109,7 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
             f"model {body.model!r} is not served here; use {state.model_name!r} (see /v1/models)",
             "model", "model_not_found",
         )
+    check_tools(state, body)
     prompt_ids = await anyio.to_thread.run_sync(encode, state.llm, body)  # templates take a while
     opts = generate_options(state, body, len(prompt_ids))
     try:
@@ -113,20 +117,30 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
     except AtlasError as err:
         raise RequestError(str(err), "messages" if chat else "prompt") from None
     reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None)
-    splitter = reasoning_splitter(state, chat, prompt_ids)
+    shaper = answer_shaper(state, body, prompt_ids)
     events = state.worker.events(prompt_ids, opts, body.sampling.stop)
     if body.stream:
-        return EventStreamResponse(stream_events(reply, events, body.include_usage, splitter))
-    answer = await unless_disconnected(request, collect(reply, events, splitter))
+        return EventStreamResponse(stream_events(reply, events, body.include_usage, shaper))
+    answer = await unless_disconnected(request, collect(reply, events, shaper))
     return JSONResponse(answer) if answer is not None else Response(status_code=499)
 
 
-def reasoning_splitter(state: ServerState, chat: bool, prompt_ids: list[int]) -> ReasoningSplitter | None:
-    """For chat answers under --reasoning-parser: opened when the prompt's end is inside a block."""
-    if not chat or state.reasoning_parser is None:
+def answer_shaper(state: ServerState, body: GenerationBody, prompt_ids: list[int]) -> AnswerShaper | None:
+    """For chat answers under --reasoning-parser (opened when the prompt ends inside a block) and
+    for chat requests with tools."""
+    if body.messages is None or (state.reasoning_parser is None and not body.tools):
         return None
-    tail = state.llm.tokenizer.decode(prompt_ids[-REASONING_TAIL_TOKENS:], skip_special_tokens=False)
-    return ReasoningSplitter(prompt_opens_reasoning(tail))
+    splitter = None
+    if state.reasoning_parser is not None:
+        tail = state.llm.tokenizer.decode(prompt_ids[-REASONING_TAIL_TOKENS:], skip_special_tokens=False)
+        splitter = ReasoningSplitter(prompt_opens_reasoning(tail))
+    return AnswerShaper(splitter, ToolCallStream(body.tools) if body.tools else None)
+
+
+def check_tools(state: ServerState, body: GenerationBody) -> None:
+    if body.tools and state.tool_call_parser is None:
+        raise RequestError("this server parses no tool calls; start it with --tool-call-parser qwen3_coder, "
+                           "or leave 'tools' out", "tools")
 
 
 async def read_json(request: Request) -> object:
@@ -143,7 +157,8 @@ def encode(llm: LLM, body: GenerationBody) -> list[int]:
     param = "messages" if body.messages is not None else "prompt"
     try:
         if body.messages is not None:
-            ids = llm.tokenizer.encode_chat(body.messages, template_kwargs=body.template_kwargs)
+            extra = {**(body.template_kwargs or {}), **({"tools": body.tools} if body.tools else {})}
+            ids = llm.tokenizer.encode_chat(body.messages, template_kwargs=extra)
         elif isinstance(body.prompt, str):
             ids = llm.tokenizer.encode(body.prompt)
         else:
@@ -200,7 +215,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
 
 
 async def collect(
-    reply: Reply, events: AsyncGenerator[Event, None], splitter: ReasoningSplitter | None = None
+    reply: Reply, events: AsyncGenerator[Event, None], shaper: AnswerShaper | None = None
 ) -> dict[str, object]:
     pieces: list[TextPiece] = []
     async with aclosing(events):
@@ -208,14 +223,14 @@ async def collect(
             if isinstance(event, TextPiece):
                 pieces.append(event)
             elif isinstance(event, Finished):
-                return full_body(reply, pieces, event, splitter)
+                return full_body(reply, pieces, event, shaper)
             else:
                 raise RequestError(event.message, status=500)
     raise RequestError("the engine stopped before finishing", status=500)
 
 
 async def stream_events(
-    reply: Reply, events: AsyncGenerator[Event, None], include_usage: bool, splitter: ReasoningSplitter | None = None
+    reply: Reply, events: AsyncGenerator[Event, None], include_usage: bool, shaper: AnswerShaper | None = None
 ) -> AsyncGenerator[str, None]:
     offset = 0  # of the next token in the completion text (completions' logprobs.text_offset)
     async with aclosing(events):
@@ -224,14 +239,17 @@ async def stream_events(
         async for event in events:
             if isinstance(event, TextPiece):
                 logprobs = logprobs_body(reply, event.scored, offset)
-                for delta in piece_deltas(reply, event.text, splitter, logprobs is not None):
+                for delta in piece_deltas(reply, event.text, shaper, logprobs is not None):
                     yield sse(chunk(reply, delta, logprobs=logprobs))
                     logprobs = logprobs_body(reply, (), 0)  # the piece's entries go with its first chunk
                 offset += sum(len(s.text) for s in event.scored)
             elif isinstance(event, Finished):
-                for delta in splitter_deltas(splitter.flush()) if splitter else []:
-                    yield sse(chunk(reply, delta))
-                yield sse(chunk(reply, {}, event.finish_reason))
+                parts, calls = shaper.finish() if shaper else ([], [])
+                for field, text in parts:
+                    yield sse(chunk(reply, {field: text}))
+                if calls:
+                    yield sse(chunk(reply, {"tool_calls": [call.wire(i) for i, call in enumerate(calls)]}))  # type: ignore[dict-item]
+                yield sse(chunk(reply, {}, "tool_calls" if calls else event.finish_reason))
                 if include_usage:
                     yield sse(usage_chunk(reply, event))
             elif isinstance(event, Failed):
@@ -239,17 +257,13 @@ async def stream_events(
     yield sse("[DONE]")
 
 
-def piece_deltas(reply: Reply, text: str, splitter: ReasoningSplitter | None, scored: bool) -> list[dict[str, str]]:
-    """A text piece's chunk deltas: one, or a chat piece split into reasoning and content; a piece
+def piece_deltas(reply: Reply, text: str, shaper: AnswerShaper | None, scored: bool) -> list[dict[str, str]]:
+    """A text piece's chunk deltas: one, or a chat piece shaped into reasoning and content; a piece
     whose text is all held back still gets one (empty) delta when it carries logprobs."""
-    if splitter is None:
+    if shaper is None:
         return [text_delta(reply, text)]
-    deltas = splitter_deltas(splitter.push(text))
+    deltas: list[dict[str, str]] = [{field: part} for field, part in shaper.push(text)]
     return deltas or ([text_delta(reply, "")] if scored else [])
-
-
-def splitter_deltas(parts: list[tuple[str, str]]) -> list[dict[str, str]]:
-    return [{field: text} for field, text in parts]
 
 
 async def on_request_error(request: Request, err: Exception) -> Response:

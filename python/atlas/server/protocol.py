@@ -11,18 +11,18 @@ from typing import Any
 from ..llm import SamplingExtras
 from ..sampling import MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, is_int
 from .errors import RequestError
+from .tools import parse_tool_choice, parse_tools, template_tool_calls
 
 Prompt = str | list[int]
-Message = dict[str, str]
+Message = dict[str, Any]  # role, content (text), and tool_calls / tool_call_id / name where given
 MAX_STOPS = 16
-RESERVED_TEMPLATE_NAMES = {"messages", "add_generation_prompt"}
+RESERVED_TEMPLATE_NAMES = {"messages", "add_generation_prompt", "tools"}
 
 # field -> its values that change nothing; any other value is refused (we cannot honour it)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
     "functions": (None, []),
     "logit_bias": (None, {}),
 }
@@ -49,6 +49,7 @@ class GenerationBody:
     include_usage: bool
     logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
     template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables
+    tools: list[dict[str, Any]] | None = None  # chat: function tools offered (tool_choice "auto")
 
 
 def parse_body(body: Any, chat: bool) -> GenerationBody:
@@ -69,7 +70,14 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
         include_usage=stream and include_usage,
         logprobs=parse_logprobs(body, chat),
         template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")) if chat else None,
+        tools=offered_tools(body) if chat else None,
     )
+
+
+def offered_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools the template describes: none under tool_choice "none"."""
+    tools = parse_tools(body.get("tools"))
+    return tools if parse_tool_choice(body.get("tool_choice"), tools) == "auto" else None
 
 
 def parse_sampling(body: dict[str, Any]) -> SamplingFields:
@@ -181,7 +189,13 @@ def parse_message(value: Any, index: int) -> Message:
     role = value.get("role")
     if not isinstance(role, str) or not role:
         raise RequestError(f"{param}.role must be a non-empty string", f"{param}.role")
-    return {"role": role, "content": message_text(value.get("content"), f"{param}.content")}
+    message: Message = {"role": role, "content": message_text(value.get("content"), f"{param}.content")}
+    if value.get("tool_calls") is not None:  # an assistant turn that called tools
+        message["tool_calls"] = template_tool_calls(value["tool_calls"], f"{param}.tool_calls")
+    for key in ("tool_call_id", "name"):  # a tool turn's answer to a call
+        if isinstance(value.get(key), str):
+            message[key] = value[key]
+    return message
 
 
 def message_text(content: Any, param: str) -> str:

@@ -39,13 +39,6 @@ class ReasoningSplitter:
                 break
         return [(f, t) for f, t in out if t]
 
-    def split_all(self, text: str) -> tuple[str | None, str | None]:
-        """A whole answer (on a fresh splitter) -> (reasoning_content, content), None where empty."""
-        parts = self.push(text) + self.flush()
-        reasoning = "".join(t for f, t in parts if f == "reasoning_content")
-        content = "".join(t for f, t in parts if f == "content")
-        return reasoning or None, content or None
-
     def flush(self) -> list[tuple[Field, str]]:
         text, self.pending = self.pending, ""
         if self.mode == "content" and self.strip_newlines:

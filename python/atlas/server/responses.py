@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .reasoning import ReasoningSplitter
+from .answer import AnswerShaper
 from .worker import Finished, ScoredToken, TextPiece
 
 
@@ -42,21 +42,26 @@ def usage(finished: Finished) -> dict[str, Any]:
 
 
 def full_body(
-    reply: Reply, pieces: list[TextPiece], finished: Finished, splitter: ReasoningSplitter | None = None
+    reply: Reply, pieces: list[TextPiece], finished: Finished, shaper: AnswerShaper | None = None
 ) -> dict[str, Any]:
-    """splitter: a chat answer's <think> block goes to message.reasoning_content (--reasoning-parser)."""
+    """shaper: a chat answer's reasoning block and tool calls go to their message fields."""
     text = "".join(p.text for p in pieces)
     logprobs = logprobs_body(reply, tuple(s for p in pieces for s in p.scored), 0)
+    finish_reason = finished.finish_reason
     if reply.chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        if splitter is not None:
-            message["reasoning_content"], message["content"] = splitter.split_all(text)
+        if shaper is not None:
+            fields, calls = shaper.whole(text)
+            message.update(fields)
+            if calls:
+                message["tool_calls"] = [call.wire() for call in calls]
+                finish_reason = "tool_calls"
         choice = {"index": 0, "message": message, "logprobs": logprobs}
         body = reply.head("chat.completion")
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs}
         body = reply.head("text_completion")
-    choice["finish_reason"] = finished.finish_reason
+    choice["finish_reason"] = finish_reason
     return {**body, "choices": [choice], "usage": usage(finished)}
 
 
