@@ -72,3 +72,29 @@ def test_speculative_engine_scores_on_the_plain_path(demo_mtp: Path, rng: np.ran
     want = plain_engine(model_dir).run(GenerationRequest(prompt, 12, GREEDY, None, NO_EOS, logprobs=2))
     assert stats.token_ids == want.token_ids
     assert [s.logprob for s in stats.logprobs] == pytest.approx([s.logprob for s in want.logprobs], abs=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [4096, 37])
+def test_prompt_logprobs_are_the_teacher_forced_log_softmax(rng: np.random.Generator, chunk: int) -> None:
+    """Every prompt token after the first, under the logits of the one before it (passes of
+    `chunk` tokens, rows scored in blocks), after a cached run of the same prompt (scoring runs the
+    whole prompt again)."""
+    llm = LLM(device="cpu")
+    llm.parts.engine.prefill_chunk = chunk
+    prompt = rng.integers(0, VOCAB, int(rng.integers(70, 160))).tolist()
+    top = int(rng.integers(0, 4))
+    llm.generate(prompt, max_tokens=3)
+    result = llm.generate(prompt, max_tokens=int(rng.integers(0, 3)), prompt_logprobs=top)
+    assert result.prompt_logprobs is not None and len(result.prompt_logprobs) == len(prompt)
+    assert result.prompt_logprobs[0] is None and result.cached_tokens == 0
+    forced = log_softmax(np.asarray(llm.parts.engine.logits(prompt)))  # [T, V]
+    for p, scored in enumerate(result.prompt_logprobs[1:], start=1):
+        assert scored is not None and scored.token == prompt[p]
+        assert scored.logprob == pytest.approx(forced[p - 1, prompt[p]], abs=1e-4)
+        assert [lp for _, lp in scored.top] == pytest.approx(np.sort(forced[p - 1])[::-1][:top].tolist(), abs=1e-4)
+
+
+def test_max_tokens_zero_needs_prompt_logprobs() -> None:
+    with pytest.raises(AtlasError, match="max_tokens must be an integer >= 1"):
+        LLM(device="cpu").generate("Flat is", max_tokens=0)
+    assert LLM(device="cpu").generate("Flat is", max_tokens=0, prompt_logprobs=0).token_ids == []

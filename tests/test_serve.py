@@ -257,6 +257,28 @@ def test_penalties_and_min_p(served: Served, rng: np.random.Generator) -> None:
     assert answer.choices[0].text == want.text
 
 
+@pytest.mark.parametrize(("max_tokens", "stream"), [(0, False), (1, False), (3, True)])
+def test_echo_scores_the_prompt(served: Served, rng: np.random.Generator, max_tokens: int, stream: bool) -> None:
+    """lm-evaluation-harness's loglikelihood request: echo + logprobs (max_tokens 0 or 1): the
+    prompt comes back in front, its tokens scored (the first with none) as the model scores them."""
+    prompt = random_prompt(rng) + " " + random_prompt(rng)
+    prompt_ids = served.reference.tokenizer.encode(prompt)
+    want = served.reference.generate(prompt_ids, max_tokens=max_tokens, logprobs=2, prompt_logprobs=2)
+    assert want.prompt_logprobs is not None and want.logprobs is not None
+    answer = served.client().completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                logprobs=2, echo=True, stream=stream)
+    choices = [c.choices[0] for c in (answer if stream else [answer])]
+    assert "".join(c.text for c in choices) == prompt + want.text
+    tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
+    values = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs]
+    tops = [t for c in choices if c.logprobs for t in c.logprobs.top_logprobs]
+    expected = [*want.prompt_logprobs, *want.logprobs]
+    assert tokens == [token_text(served, t) for t in prompt_ids + want.token_ids]
+    assert values[0] is None and tops[0] is None
+    assert values[1:] == [pytest.approx(e.logprob, abs=1e-5) for e in expected[1:]]
+    assert [len(t) for t in tops[1:]] == [len({token_text(served, i) for i, _ in e.top}) for e in expected[1:]]
+
+
 def test_no_logprobs_unless_asked(served: Served) -> None:
     answer = served.client().chat.completions.create(
         model=DEMO_NAME, messages=[{"role": "user", "content": "Flat"}], max_tokens=4, temperature=0)
@@ -381,7 +403,7 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("stream not bool", {**GOOD, "stream": "yes"}, "stream"),
     ("logprobs beyond 20", {**GOOD, "logprobs": 21}, "logprobs"),
     ("logprobs as in chat", {**GOOD, "logprobs": True}, "logprobs"),
-    ("echo asked", {**GOOD, "echo": True}, "echo"),
+    ("echo not bool", {**GOOD, "echo": "yes"}, "echo"),
     ("presence_penalty beyond 2", {**GOOD, "presence_penalty": 2.5}, "presence_penalty"),
     ("frequency_penalty string", {**GOOD, "frequency_penalty": "high"}, "frequency_penalty"),
     ("repetition_penalty zero", {**GOOD, "repetition_penalty": 0}, "repetition_penalty"),
@@ -401,6 +423,7 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("chat lone surrogate", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "\udcff"}]}, "messages"),
     ("top_logprobs without logprobs", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],
                                        "top_logprobs": 3}, "top_logprobs"),
+    ("echo in chat", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
     ("top_logprobs beyond 20", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],
                                 "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("logprobs as in completions", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],

@@ -99,7 +99,7 @@ class CannedWorker:
         self.llm = llm
         self.prompt = ""
 
-    async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...]) -> AsyncIterator[Any]:
+    async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...], echo: str | None = None) -> AsyncIterator[Any]:
         self.prompt = self.llm.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         for piece in ANSWER:
             yield TextPiece(piece)

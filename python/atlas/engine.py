@@ -28,6 +28,7 @@ from .snapshot import DeltaNetSnapshot
 
 
 PREFILL_CHUNK = 4096  # prompt tokens per forward: bounds a step's activations at any context length
+SCORE_ROWS = 64  # prompt rows whose logits [rows, V] are made at once when prompt tokens are scored
 
 
 def prefill_chunks(tokens: int, chunk: int) -> list[tuple[int, int]]:
@@ -55,6 +56,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, when asked for
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per prompt token, when asked for
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class GenerationRequest:
     eos_ids: set[int]
     on_token: Callable[[int], None] | None = None
     logprobs: int | None = None  # None: none; N: each token's log-probability and the N most likely
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none)
 
     def __post_init__(self) -> None:
         """Every way into Engine.run builds one: bad values are one line here, not numpy's
@@ -73,6 +76,7 @@ class GenerationRequest:
         if not is_int(self.max_tokens) or self.max_tokens < 0:
             raise AtlasError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         check_logprobs(self.logprobs)
+        check_logprobs(self.prompt_logprobs)
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             raise AtlasError(f"seed must be a non-negative integer, got {self.seed!r}")
 
@@ -138,20 +142,48 @@ class Engine:
     def prefill(self, prompt_ids: list[int]) -> Tensor:
         """Run the prompt, `prefill_chunk` tokens a pass, from what the prompt cache holds of it (a
         fresh state without one) -> logits of its last token [1, V]."""
+        return self._run_prompt(prompt_ids, None)[0]
+
+    def prefill_scored(self, prompt_ids: list[int], top: int) -> tuple[Tensor, list[TokenLogprob | None]]:
+        """prefill() from a fresh state that also scores each prompt token after the first under
+        the logits of the one before it, with the `top` most likely (echo, prompt logprobs)
+        -> (logits of the last token [1, V], [None, TokenLogprob, ...] one per prompt token)."""
+        return self._run_prompt(prompt_ids, top)
+
+    def _run_prompt(self, prompt_ids: list[int], score_top: int | None) -> tuple[Tensor, list[TokenLogprob | None]]:
         self.check_ids(prompt_ids, 0)
-        resume = self.resume(prompt_ids)
+        resume = self.resume(prompt_ids, None if score_top is None else lambda start, checkpoint: False)
+        scores: list[TokenLogprob | None] = [None]
         if resume.start == len(prompt_ids):  # the whole prompt is a checkpoint's: its last row gives the logits
             assert resume.checkpoint is not None
             _, positions = self._ids(prompt_ids[-1:], len(prompt_ids) - 1)
-            return self.model.logits(Step(self.backend, positions, self.dump), resume.checkpoint.hidden)
+            return self.model.logits(Step(self.backend, positions, self.dump), resume.checkpoint.hidden), scores
         marks = self.prompt_cache.marks(resume.start, len(prompt_ids))
         for start, stop in self.prompt_passes(resume.start, len(prompt_ids), marks):
             ids, positions = self._ids(prompt_ids[start:stop], start)
             with self.prompt_cache.feeding(prompt_ids[start:stop], start):
-                last = self._row(self.forward(ids, positions), stop - start - 1)  # [1, H]
+                hidden = self.forward(ids, positions)  # [n, H]
+            last = self._row(hidden, stop - start - 1)  # [1, H]
+            if score_top is not None:
+                scores += self._score_rows(hidden, positions, prompt_ids, (start, stop), score_top)
             if stop in marks:
                 self.prompt_cache.save(self.states, last)
-        return self.model.logits(Step(self.backend, positions, self.dump), last)
+        return self.model.logits(Step(self.backend, positions, self.dump), last), scores
+
+    def _score_rows(
+        self, hidden: Tensor, positions: Tensor, prompt_ids: list[int], span: tuple[int, int], top: int
+    ) -> list[TokenLogprob]:
+        """A pass's rows start..stop-1 (hidden [n, H]) score the prompt tokens after them, in blocks
+        of SCORE_ROWS rows (a block's logits [rows, V] are read back)."""
+        start, stop = span
+        end = min(stop, len(prompt_ids) - 1)  # row p scores token p + 1
+        scored: list[TokenLogprob] = []
+        for a in range(start, end, SCORE_ROWS):
+            b = min(a + SCORE_ROWS, end)
+            rows = self.backend.embedding(hidden, self.backend.upload(np.arange(a - start, b - start, dtype=np.int32), "i32"))
+            logits = self.backend.to_numpy(self.model.logits(Step(self.backend, positions), rows))  # [b - a, V]
+            scored += [token_logprob(row, prompt_ids[p + 1], top) for p, row in zip(range(a, b), logits)]
+        return scored
 
     def resume(self, prompt_ids: list[int], usable: ResumeFilter | None = None) -> Resume:
         """Put the state where the prompt cache holds the longest usable start of the prompt
@@ -288,12 +320,18 @@ class Engine:
         check_sampling(request.sampling)
         self.check_ids(request.prompt_ids, max(request.max_tokens - 1, 0))  # the last token is not fed
         stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
-        if request.max_tokens == 0:
+        if request.max_tokens == 0 and request.prompt_logprobs is None:
             return stats
         rng = np.random.default_rng(request.seed)
         penalties = Penalties(request.prompt_ids) if request.sampling.penalized else None
         started = time.perf_counter()
-        logits = self.prefill(request.prompt_ids)
+        if request.prompt_logprobs is None:
+            logits = self.prefill(request.prompt_ids)
+        else:
+            logits, stats.prompt_logprobs = self.prefill_scored(request.prompt_ids, request.prompt_logprobs)
+        if request.max_tokens == 0:  # the prompt's scores only
+            stats.prefill_seconds = time.perf_counter() - started
+            return stats
         token, token_t = self.pick_tensor(logits, request.sampling, rng, penalties)
         stats.cached_tokens = self.prompt_cache.last_hit
         stats.prefill_seconds = time.perf_counter() - started

@@ -35,6 +35,7 @@ class GenerationResult:
     spec_accepted: int = 0
     cached_tokens: int = 0  # prompt tokens the prompt cache held
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None), when asked for
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class GenerateOptions:
     seed: int | None = None
     chat: bool = False  # wrap a text prompt as one user message in the chat template
     logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens; allows max_tokens 0
     extras: SamplingExtras = field(default_factory=SamplingExtras)  # min_p, penalties
 
 
@@ -66,6 +68,8 @@ class EngineLike(Protocol):
     def run(self, request: Any) -> Any: ...  # atlas.engine.GenerationRequest -> GenerationStats
 
     def prefill(self, prompt_ids: list[int]) -> Any: ...  # logits of the last prompt token [1, V]
+
+    def prefill_scored(self, prompt_ids: list[int], top: int) -> tuple[Any, list[TokenLogprob | None]]: ...
 
     def pick_tensor(self, logits: Any, sampling: SamplingParams, rng: Any, penalties: Any = None) -> tuple[int, Any]: ...  # id, [1] i32
 
@@ -178,6 +182,7 @@ class LLM:
         chat: bool = False,
         on_text: Callable[[str], None] | None = None,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         min_p: float = 0.0,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
@@ -186,10 +191,11 @@ class LLM:
         """Generate from a text prompt or prompt token ids; greedy when temperature is 0.
         `on_text` receives the text pieces as they complete; `logprobs` (0..20): each token's
         log-probability and that many most likely alternatives in the result (the model's
-        distribution before temperature, top-k and top-p). min_p and the penalties: as vLLM's
-        (atlas.backends.base.SamplingParams)."""
+        distribution before temperature, top-k and top-p); `prompt_logprobs` the same for the
+        prompt's tokens after the first (scoring a text: max_tokens may then be 0). min_p and the
+        penalties: as vLLM's (atlas.backends.base.SamplingParams)."""
         extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty)
-        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, extras)
+        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras)
         return self.generate_with(self.prepare(prompt, opts), opts, on_text)
 
     def generate_with(
@@ -205,7 +211,7 @@ class LLM:
         from .engine import GenerationRequest
 
         request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, self.eos_ids(),
-                                    emit if on_text else None, opts.logprobs)
+                                    emit if on_text else None, opts.logprobs, opts.prompt_logprobs)
         stats = self.parts.engine.run(request)
         if on_text and (rest := decoder.flush()):
             on_text(rest)
@@ -221,6 +227,7 @@ class LLM:
             spec_accepted=getattr(stats, "accepted", 0),
             cached_tokens=int(stats.cached_tokens),
             logprobs=list(stats.logprobs) if opts.logprobs is not None else None,
+            prompt_logprobs=list(stats.prompt_logprobs) if opts.prompt_logprobs is not None else None,
         )
 
     def stream(
@@ -273,15 +280,18 @@ class LLM:
 def iter_tokens(
     engine: EngineLike, prompt_ids: list[int], opts: GenerateOptions, eos_ids: set[int],
     scores: list[TokenLogprob] | None = None,
+    prompt_scores: list[TokenLogprob | None] | None = None,
 ) -> Iterator[int]:
     """Engine.generate's loop as a generator over the engine's step API (prefill, decode, pick),
     with the same seeded RNG draws, so stream() and generate() give the same tokens. With
-    opts.logprobs, each token's TokenLogprob is appended to `scores` before the token is yielded."""
+    opts.logprobs, each token's TokenLogprob is appended to `scores` before the token is yielded;
+    with opts.prompt_logprobs, the prompt's go to `prompt_scores` before the first token."""
     import numpy as np
 
     sampling = sampling_params(opts)
     speculative = getattr(engine, "speculative_tokens", None)  # atlas.speculative: plain greedy only
-    if speculative is not None and sampling.temperature == 0 and opts.logprobs is None and not sampling.on_host:
+    scored = opts.logprobs is not None or opts.prompt_logprobs is not None
+    if speculative is not None and sampling.temperature == 0 and not scored and not sampling.on_host:
         for count, token in enumerate(speculative(prompt_ids, opts.max_tokens), start=1):
             yield token
             if token in eos_ids or count == opts.max_tokens:
@@ -291,7 +301,13 @@ def iter_tokens(
 
     rng = np.random.default_rng(opts.seed)
     penalties = Penalties(prompt_ids) if sampling.penalized else None
-    logits = engine.prefill(prompt_ids)
+    if opts.prompt_logprobs is None:
+        logits = engine.prefill(prompt_ids)
+    else:
+        logits, prompt_scored = engine.prefill_scored(prompt_ids, opts.prompt_logprobs)
+        (prompt_scores if prompt_scores is not None else []).extend(prompt_scored)
+    if opts.max_tokens == 0:
+        return
     token, token_t = engine.pick_tensor(logits, sampling, rng, penalties)
     position = len(prompt_ids)
     for count in range(1, opts.max_tokens + 1):
@@ -345,9 +361,11 @@ def check_options(opts: GenerateOptions) -> None:
     from .sampling import check_logprobs, check_sampling, is_int, is_real
 
     check_logprobs(opts.logprobs)
+    check_logprobs(opts.prompt_logprobs)
     max_tokens = opts.max_tokens
-    if not is_int(max_tokens) or max_tokens < 1:
-        raise AtlasError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    least = 0 if opts.prompt_logprobs is not None else 1  # scoring a prompt needs no new token
+    if not is_int(max_tokens) or max_tokens < least:
+        raise AtlasError(f"max_tokens must be an integer >= {least}, got {max_tokens!r}")
     seed = opts.seed
     if seed is not None and (not is_int(seed) or seed < 0):
         raise AtlasError(f"seed must be a non-negative integer, got {seed!r}")

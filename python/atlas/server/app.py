@@ -118,7 +118,8 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
         raise RequestError(str(err), "messages" if chat else "prompt") from None
     reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None)
     shaper = answer_shaper(state, body, prompt_ids)
-    events = state.worker.events(prompt_ids, opts, body.sampling.stop)
+    echo = echo_text(state.llm, body, prompt_ids) if body.echo else None
+    events = state.worker.events(prompt_ids, opts, body.sampling.stop, echo)
     if body.stream:
         return EventStreamResponse(stream_events(reply, events, body.include_usage, shaper))
     answer = await unless_disconnected(request, collect(reply, events, shaper))
@@ -135,6 +136,11 @@ def answer_shaper(state: ServerState, body: GenerationBody, prompt_ids: list[int
         tail = state.llm.tokenizer.decode(prompt_ids[-REASONING_TAIL_TOKENS:], skip_special_tokens=False)
         splitter = ReasoningSplitter(prompt_opens_reasoning(tail))
     return AnswerShaper(splitter, ToolCallStream(body.tools) if body.tools else None)
+
+
+def echo_text(llm: LLM, body: GenerationBody, prompt_ids: list[int]) -> str:
+    """The prompt as sent back by echo: the text given, or the ids decoded."""
+    return body.prompt if isinstance(body.prompt, str) else llm.tokenizer.decode(prompt_ids)
 
 
 def check_tools(state: ServerState, body: GenerationBody) -> None:
@@ -189,7 +195,11 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
         )
     s = body.sampling
     max_tokens = wanted if wanted is not None else min(state.default_max_tokens, room)
-    return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed, logprobs=body.logprobs, extras=s.extras)
+    prompt_logprobs = None  # echo with logprobs scores the prompt; max_tokens 0 runs only the prompt
+    if body.echo and (body.logprobs is not None or max_tokens == 0):
+        prompt_logprobs = body.logprobs or 0
+    return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed, logprobs=body.logprobs,
+                           prompt_logprobs=prompt_logprobs, extras=s.extras)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -20,7 +20,6 @@ RESERVED_TEMPLATE_NAMES = {"messages", "add_generation_prompt", "tools"}
 
 # field -> its values that change nothing; any other value is refused (we cannot honour it)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "functions": (None, []),
@@ -50,6 +49,7 @@ class GenerationBody:
     logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
     template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables
     tools: list[dict[str, Any]] | None = None  # chat: function tools offered (tool_choice "auto")
+    echo: bool = False  # completions: the prompt comes back in front of the completion
 
 
 def parse_body(body: Any, chat: bool) -> GenerationBody:
@@ -61,16 +61,20 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
         raise RequestError(f"n={n} is not supported; this server returns one choice (n=1)", "n")
     stream = optional_bool(body, "stream") or False
     include_usage = parse_include_usage(body.get("stream_options"))  # checked even without stream
+    echo = optional_bool(body, "echo") or False
+    if chat and echo:
+        raise RequestError("'echo' is a /v1/completions field; leave it out of chat requests", "echo")
     return GenerationBody(
         model=required_str(body, "model"),
         prompt=None if chat else parse_prompt(body.get("prompt")),
         messages=parse_messages(body.get("messages")) if chat else None,
-        sampling=parse_sampling(body),
+        sampling=parse_sampling(body, echo),
         stream=stream,
         include_usage=stream and include_usage,
         logprobs=parse_logprobs(body, chat),
         template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")) if chat else None,
         tools=offered_tools(body) if chat else None,
+        echo=echo,
     )
 
 
@@ -80,7 +84,7 @@ def offered_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return tools if parse_tool_choice(body.get("tool_choice"), tools) == "auto" else None
 
 
-def parse_sampling(body: dict[str, Any]) -> SamplingFields:
+def parse_sampling(body: dict[str, Any], echo: bool = False) -> SamplingFields:
     top_k = optional_int(body, "top_k", minimum=-1, maximum=MAX_TOP_K)  # -1: off, as in vLLM
     temperature = optional_number(body, "temperature", 1.0)
     if temperature < 0:
@@ -89,7 +93,7 @@ def parse_sampling(body: dict[str, Any]) -> SamplingFields:
     if not 0 < top_p <= 1:
         raise RequestError(f"'top_p' must be in (0, 1] (1 = off), got {top_p}", "top_p")
     return SamplingFields(
-        max_tokens=max_tokens_field(body),
+        max_tokens=max_tokens_field(body, echo),
         temperature=temperature,
         top_p=top_p,
         top_k=0 if top_k in (None, -1) else top_k,
@@ -149,10 +153,11 @@ def check_unsupported(body: dict[str, Any]) -> None:
             raise RequestError(f"'{name}' is not supported by this server; leave it out", name)
 
 
-def max_tokens_field(body: dict[str, Any]) -> int | None:
-    """max_completion_tokens (the newer name) wins over max_tokens."""
-    newer = optional_int(body, "max_completion_tokens", minimum=1)
-    return newer if newer is not None else optional_int(body, "max_tokens", minimum=1)
+def max_tokens_field(body: dict[str, Any], echo: bool = False) -> int | None:
+    """max_completion_tokens (the newer name) wins over max_tokens; 0 only with echo (scoring a prompt)."""
+    least = 0 if echo else 1
+    newer = optional_int(body, "max_completion_tokens", minimum=least)
+    return newer if newer is not None else optional_int(body, "max_tokens", minimum=least)
 
 
 def parse_prompt(value: Any) -> Prompt:

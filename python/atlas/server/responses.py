@@ -93,7 +93,7 @@ def logprobs_body(reply: Reply, scored: tuple[ScoredToken, ...], offset: int) ->
     return {
         "tokens": [s.text for s in scored],
         "token_logprobs": [s.logprob for s in scored],
-        "top_logprobs": [dict(s.top) for s in scored],
+        "top_logprobs": [dict(s.top) if s.logprob is not None else None for s in scored],
         "text_offset": offsets,
     }
 

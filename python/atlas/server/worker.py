@@ -25,7 +25,7 @@ class ScoredToken:
     """A generated token's logprob entry: its text, log-probability, and the most likely tokens."""
 
     text: str
-    logprob: float
+    logprob: float | None  # None: the prompt's first token (echo), which nothing predicts
     top: tuple[tuple[str, float], ...] = ()
 
 
@@ -58,6 +58,7 @@ class Job:
     stops: tuple[str, ...]
     emit: Callable[[Event], None]  # called on the engine thread
     cancelled: threading.Event = field(default_factory=threading.Event)
+    echo: str | None = None  # the prompt's text, sent first (with its scores when opts.prompt_logprobs)
 
 
 class EngineWorker:
@@ -88,7 +89,9 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.llm is not None
 
-    async def events(self, prompt_ids: list[int], opts: GenerateOptions, stops: tuple[str, ...]) -> AsyncIterator[Event]:
+    async def events(
+        self, prompt_ids: list[int], opts: GenerateOptions, stops: tuple[str, ...], echo: str | None = None
+    ) -> AsyncIterator[Event]:
         """Queue a generation and yield its events; closing the iterator early cancels the job."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[Event] = asyncio.Queue()
@@ -102,7 +105,7 @@ class EngineWorker:
         if not self._thread.is_alive():  # nobody would ever take the job: answer instead of hanging
             yield Failed("the engine thread has stopped; restart the server")
             return
-        job = Job(prompt_ids, opts, stops, emit)
+        job = Job(prompt_ids, opts, stops, emit, echo=echo)
         self._jobs.put(job)
         try:
             while True:
@@ -139,16 +142,21 @@ def generate(llm: LLM, job: Job) -> Finished:
     matcher = StopMatcher(job.stops)
     eos_ids = llm.eos_ids()
     scores: list[TokenLogprob] = []
+    prompt_scores: list[TokenLogprob | None] = []
     sent = 0  # scores already sent with a piece
     count = 0
     last_token = -1
-    for last_token in iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, scores):
+    for last_token in iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, scores, prompt_scores):
+        if count == 0 and job.echo is not None:
+            job.emit(TextPiece(job.echo, scored_prompt(llm, job.prompt_ids, prompt_scores)))
         count += 1
         if text := matcher.push(decoder.push(last_token)):
             job.emit(TextPiece(text, scored(llm, scores[sent:])))
             sent = len(scores)
         if matcher.stopped or job.cancelled.is_set():
             break
+    if count == 0 and job.echo is not None:  # max_tokens 0: the prompt alone
+        job.emit(TextPiece(job.echo, scored_prompt(llm, job.prompt_ids, prompt_scores)))
     text = "" if matcher.stopped else matcher.push(decoder.flush()) + matcher.flush()
     if text or len(scores) > sent:
         job.emit(TextPiece(text, scored(llm, scores[sent:])))
@@ -166,3 +174,11 @@ def scored(llm: LLM, scores: list[TokenLogprob]) -> tuple[ScoredToken, ...]:
         return llm.tokenizer.decode([token], skip_special_tokens=False)
 
     return tuple(ScoredToken(text(s.token), s.logprob, tuple((text(t), lp) for t, lp in s.top)) for s in scores)
+
+
+def scored_prompt(llm: LLM, prompt_ids: list[int], scores: list[TokenLogprob | None]) -> tuple[ScoredToken, ...]:
+    """The echoed prompt's entries (none unless its logprobs were asked for); the first has no logprob."""
+    if not scores:
+        return ()
+    first = ScoredToken(llm.tokenizer.decode(prompt_ids[:1], skip_special_tokens=False), None)
+    return (first, *scored(llm, [s for s in scores[1:] if s is not None]))
