@@ -279,6 +279,25 @@ def test_echo_scores_the_prompt(served: Served, rng: np.random.Generator, max_to
     assert [len(t) for t in tops[1:]] == [len({token_text(served, i) for i, _ in e.top}) for e in expected[1:]]
 
 
+def test_stop_token_ids_and_ignore_eos(served: Served, rng: np.random.Generator) -> None:
+    """A stop token id ends the completion on it (its text kept, as vLLM keeps it); ignore_eos runs
+    to max_tokens past the model's eos."""
+    prompt = random_prompt(rng)
+    full = served.reference.generate(prompt, max_tokens=60)
+    cut = int(rng.integers(0, len(full.token_ids)))
+    stop_id = full.token_ids[cut]
+    first = full.token_ids.index(stop_id)
+    answer = served.client().completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=60, temperature=0,
+                                                extra_body={"stop_token_ids": [stop_id]})
+    assert answer.usage.completion_tokens == first + 1 and answer.choices[0].finish_reason == "stop"
+    assert answer.choices[0].text == served.reference.tokenizer.decode(full.token_ids[: first + 1])
+    zen = served.reference.generate("Namespaces are one honking great", max_tokens=60)
+    assert zen.token_ids[-1] in served.reference.eos_ids(), "the demo ends its text with eos"
+    long = served.client().completions.create(model=DEMO_NAME, prompt="Namespaces are one honking great", max_tokens=60,
+                                              temperature=0, extra_body={"ignore_eos": True})
+    assert long.usage.completion_tokens == 60 and long.choices[0].finish_reason == "length"
+
+
 def test_no_logprobs_unless_asked(served: Served) -> None:
     answer = served.client().chat.completions.create(
         model=DEMO_NAME, messages=[{"role": "user", "content": "Flat"}], max_tokens=4, temperature=0)
@@ -404,6 +423,9 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("logprobs beyond 20", {**GOOD, "logprobs": 21}, "logprobs"),
     ("logprobs as in chat", {**GOOD, "logprobs": True}, "logprobs"),
     ("echo not bool", {**GOOD, "echo": "yes"}, "echo"),
+    ("stop_token_ids not a list", {**GOOD, "stop_token_ids": 5}, "stop_token_ids"),
+    ("stop_token_ids beyond the vocabulary", {**GOOD, "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("ignore_eos not bool", {**GOOD, "ignore_eos": 1}, "ignore_eos"),
     ("presence_penalty beyond 2", {**GOOD, "presence_penalty": 2.5}, "presence_penalty"),
     ("frequency_penalty string", {**GOOD, "frequency_penalty": "high"}, "frequency_penalty"),
     ("repetition_penalty zero", {**GOOD, "repetition_penalty": 0}, "repetition_penalty"),
@@ -687,6 +709,7 @@ def listening_port(lines: queue.Queue[str], seen: list[str]) -> int:
     (["--served-model-name", " "], "--served-model-name"),
     (["--prompt-cache", "-1"], "--prompt-cache"),
     (["--reasoning-parser", "deepthink"], "--reasoning-parser"),
+    (["--api-key", " "], "--api-key"),
     (["--prompt-cache", "65"], "--prompt-cache"),
 ])
 def test_cli_bad_input_is_one_line(args: list[str], needle: str) -> None:

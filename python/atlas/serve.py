@@ -41,6 +41,7 @@ class ServeArgs:
     log_level: str
     reasoning_parser: str | None
     tool_call_parser: str | None
+    api_key: str | None
     engine: EngineFlags
 
 
@@ -83,6 +84,8 @@ def serve(args: ServeArgs) -> None:
     from .server.worker import EngineWorker
 
     args.engine.check()
+    if args.api_key is not None and not args.api_key.strip():
+        raise AtlasError("--api-key (or ATLAS_API_KEY) is empty; give a key or leave it out")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise AtlasError("--served-model-name is empty; give a name or leave the flag out")
     model_dir = resolve_model(args.model)
@@ -94,7 +97,7 @@ def serve(args: ServeArgs) -> None:
         click.echo(f"atlas.serve: model {name} ({model_dir}), device {llm.device}", err=True)
         click.echo(f"atlas.serve: {engine_summary(llm)}", err=True)
         parsers = {"reasoning_parser": args.reasoning_parser, "tool_call_parser": args.tool_call_parser}
-        app = create_app(ServerState(name, worker, llm, **parsers))
+        app = create_app(ServerState(name, worker, llm, **parsers, api_key=args.api_key))
         config = uvicorn.Config(
             app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
         )
@@ -118,6 +121,10 @@ def serve(args: ServeArgs) -> None:
 @click.option(
     "--reasoning-parser", type=click.Choice(PARSERS), default=None,
     help="Chat answers' <think> ... </think> block goes to message.reasoning_content (as vLLM's); default: left in content.",
+)
+@click.option(
+    "--api-key", envvar="ATLAS_API_KEY", default=None,
+    help="Require 'Authorization: Bearer KEY' on /v1/* (env ATLAS_API_KEY); /health stays open.",
 )
 @click.option(
     "--tool-call-parser", type=click.Choice(TOOL_PARSERS), default=None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable
@@ -16,7 +17,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.middleware import Middleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import AtlasError
 from ..llm import DEFAULT_MAX_TOKENS, LLM, GenerateOptions, context_capacity
@@ -41,6 +43,7 @@ class ServerState:
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # when a request names none (and the context has room)
     reasoning_parser: str | None = None  # "qwen3": chat answers' <think> block goes to reasoning_content
     tool_call_parser: str | None = None  # "qwen3_coder": chat requests may carry tools; calls parsed
+    api_key: str | None = None  # /v1/* requests must send "Authorization: Bearer <api_key>"
 
 
 class EventStreamResponse(StreamingResponse):
@@ -81,7 +84,30 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
     handlers = {RequestError: on_request_error, HTTPException: on_http_error, Exception: on_crash}
-    return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+    middleware = [Middleware(ApiKeyGate, key=state.api_key)] if state.api_key else []
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)  # type: ignore[arg-type]
+
+
+class ApiKeyGate:
+    """A pure ASGI gate (a streamed response passes through untouched): /v1/* needs the bearer key;
+    /health stays open for load balancers."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self.authorized(scope):
+            body = error_body("invalid or missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
+                              code="invalid_api_key")
+            await JSONResponse(body, status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
 def engine_settings(llm: LLM) -> dict[str, str]:
@@ -110,6 +136,7 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
             "model", "model_not_found",
         )
     check_tools(state, body)
+    check_stop_ids(state, body)
     prompt_ids = await anyio.to_thread.run_sync(encode, state.llm, body)  # templates take a while
     opts = generate_options(state, body, len(prompt_ids))
     try:
@@ -141,6 +168,13 @@ def answer_shaper(state: ServerState, body: GenerationBody, prompt_ids: list[int
 def echo_text(llm: LLM, body: GenerationBody, prompt_ids: list[int]) -> str:
     """The prompt as sent back by echo: the text given, or the ids decoded."""
     return body.prompt if isinstance(body.prompt, str) else llm.tokenizer.decode(prompt_ids)
+
+
+def check_stop_ids(state: ServerState, body: GenerationBody) -> None:
+    vocab = state.llm.parts.spec.vocab_size
+    bad = [t for t in body.sampling.stop.token_ids if t >= vocab]
+    if bad:
+        raise RequestError(f"stop token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "stop_token_ids")
 
 
 def check_tools(state: ServerState, body: GenerationBody) -> None:

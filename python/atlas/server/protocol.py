@@ -11,6 +11,7 @@ from typing import Any
 from ..llm import SamplingExtras
 from ..sampling import MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, is_int
 from .errors import RequestError
+from .stops import Stops
 from .tools import parse_tool_choice, parse_tools, template_tool_calls
 
 Prompt = str | list[int]
@@ -34,7 +35,7 @@ class SamplingFields:
     top_p: float
     top_k: int
     seed: int | None
-    stop: tuple[str, ...]
+    stop: Stops
     extras: SamplingExtras  # min_p, presence / frequency / repetition penalties
 
 
@@ -98,7 +99,8 @@ def parse_sampling(body: dict[str, Any], echo: bool = False) -> SamplingFields:
         top_p=top_p,
         top_k=0 if top_k in (None, -1) else top_k,
         seed=optional_int(body, "seed", minimum=0),  # numpy seeds are non-negative
-        stop=parse_stop(body.get("stop")),
+        stop=Stops(parse_stop(body.get("stop")), parse_stop_token_ids(body.get("stop_token_ids")),
+                   optional_bool(body, "ignore_eos") or False),
         extras=parse_extras(body),
     )
 
@@ -223,6 +225,18 @@ def parse_stop(value: Any) -> tuple[str, ...]:
     if len(stops) > MAX_STOPS:
         raise RequestError(f"'stop' holds {len(stops)} strings; at most {MAX_STOPS} are allowed", "stop")
     return tuple(stops)
+
+
+def parse_stop_token_ids(value: Any) -> tuple[int, ...]:
+    """vLLM's stop_token_ids: token ids that end the generation (checked against the vocabulary
+    when the request is prepared)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(is_int(t) and t >= 0 for t in value):
+        raise RequestError("'stop_token_ids' must be a list of non-negative token ids", "stop_token_ids")
+    if len(value) > MAX_STOPS:
+        raise RequestError(f"'stop_token_ids' holds {len(value)} ids; at most {MAX_STOPS} are allowed", "stop_token_ids")
+    return tuple(int(t) for t in value)
 
 
 def parse_include_usage(value: Any) -> bool:

@@ -1,9 +1,23 @@
-"""Stop strings over streamed text: text that may begin a stop string is held back until it
-cannot, so a stop string never reaches the client, not even in part."""
+"""What ends a generation besides max_tokens: stop strings over the streamed text (text that may
+begin one is held back until it cannot, so a stop string never reaches the client, not even in
+part), stop token ids, and the model's eos tokens unless ignore_eos."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .reasoning import partial_suffix
+
+
+@dataclass(frozen=True)
+class Stops:
+    strings: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] = ()  # vLLM's stop_token_ids: their text stays in the output
+    ignore_eos: bool = False  # vLLM's: generate max_tokens whatever the model's eos (benchmarks)
+
+    def end_ids(self, eos_ids: set[int]) -> set[int]:
+        """The token ids that end a generation."""
+        return (set() if self.ignore_eos else set(eos_ids)) | set(self.token_ids)
 
 
 class StopMatcher:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..errors import AtlasError
 from ..llm import LLM, GenerateOptions, iter_tokens
 from ..sampling import TokenLogprob
-from .stops import StopMatcher
+from .stops import StopMatcher, Stops
 
 log = logging.getLogger("atlas.serve")
 
@@ -55,7 +55,7 @@ Event = TextPiece | Finished | Failed
 class Job:
     prompt_ids: list[int]
     opts: GenerateOptions
-    stops: tuple[str, ...]
+    stops: Stops
     emit: Callable[[Event], None]  # called on the engine thread
     cancelled: threading.Event = field(default_factory=threading.Event)
     echo: str | None = None  # the prompt's text, sent first (with its scores when opts.prompt_logprobs)
@@ -90,7 +90,7 @@ class EngineWorker:
         return self._thread.is_alive() and self.llm is not None
 
     async def events(
-        self, prompt_ids: list[int], opts: GenerateOptions, stops: tuple[str, ...], echo: str | None = None
+        self, prompt_ids: list[int], opts: GenerateOptions, stops: Stops, echo: str | None = None
     ) -> AsyncIterator[Event]:
         """Queue a generation and yield its events; closing the iterator early cancels the job."""
         loop = asyncio.get_running_loop()
@@ -139,8 +139,8 @@ class EngineWorker:
 def generate(llm: LLM, job: Job) -> Finished:
     """Run one job on the calling (engine) thread, emitting text as it completes."""
     decoder = llm.tokenizer.stream_decoder()
-    matcher = StopMatcher(job.stops)
-    eos_ids = llm.eos_ids()
+    matcher = StopMatcher(job.stops.strings)
+    eos_ids = job.stops.end_ids(llm.eos_ids())
     scores: list[TokenLogprob] = []
     prompt_scores: list[TokenLogprob | None] = []
     sent = 0  # scores already sent with a piece

@@ -1,0 +1,30 @@
+"""atlas.serve --api-key (ATLAS_API_KEY): /v1/* answers 401 with an OpenAI error body without
+the bearer key, the official client works with it, /health stays open."""
+
+from __future__ import annotations
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+from starlette.testclient import TestClient  # noqa: E402
+
+from atlas import LLM  # noqa: E402
+from atlas.demo import DEMO_NAME  # noqa: E402
+from atlas.server.app import ServerState, create_app  # noqa: E402
+from test_tools import CannedWorker  # noqa: E402
+
+
+def test_api_key_gates_the_v1_routes() -> None:
+    llm = LLM(device="cpu")
+    http = TestClient(create_app(ServerState(DEMO_NAME, CannedWorker(llm), llm, api_key="s3cret")))  # type: ignore[arg-type]
+    body = {"model": DEMO_NAME, "prompt": "Flat", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+        answer = http.post("/v1/completions", json=body, headers=headers)
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+    assert http.get("/v1/models").status_code == 401
+    assert http.get("/health").status_code == 200
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="s3cret", http_client=http, max_retries=0)
+    assert client.completions.create(model=DEMO_NAME, prompt="Flat", max_tokens=2).choices[0].text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url="http://testserver/v1", api_key="nope", http_client=http, max_retries=0).models.list()
