@@ -298,6 +298,30 @@ def test_stop_token_ids_and_ignore_eos(served: Served, rng: np.random.Generator)
     assert long.usage.completion_tokens == 60 and long.choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices(served: Served, rng: np.random.Generator, stream: bool) -> None:
+    """n choices one after another: choice i samples with seed + i, each tagged with its index;
+    usage counts the prompt once and every choice's tokens."""
+    prompt, n, seed = random_prompt(rng), int(rng.integers(2, 5)), int(rng.integers(0, 1000))
+    kw: dict[str, Any] = {"stream_options": {"include_usage": True}} if stream else {}
+    answer = served.client().chat.completions.create(
+        model=DEMO_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0.9, seed=seed, n=n,
+        stream=stream, **kw)
+    if stream:
+        chunks = list(answer)
+        texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                 for i in range(n)]
+        usage = chunks[-1].usage
+    else:
+        assert [c.index for c in answer.choices] == list(range(n))
+        texts, usage = [c.message.content for c in answer.choices], answer.usage
+    chat_want = [served.reference.generate(served.reference.tokenizer.encode_chat([{"role": "user", "content": prompt}]),
+                                           max_tokens=12, temperature=0.9, seed=seed + i) for i in range(n)]
+    assert texts == [w.text for w in chat_want]
+    assert usage.completion_tokens == sum(len(w.token_ids) for w in chat_want)
+    assert usage.prompt_tokens == chat_want[0].prompt_tokens
+
+
 def test_no_logprobs_unless_asked(served: Served) -> None:
     answer = served.client().chat.completions.create(
         model=DEMO_NAME, messages=[{"role": "user", "content": "Flat"}], max_tokens=4, temperature=0)
@@ -418,7 +442,8 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("seed negative", {**GOOD, "seed": -3, "temperature": 0.7}, "seed"),
     ("stop wrong type", {**GOOD, "stop": 7}, "stop"),
     ("stop empty string", {**GOOD, "stop": [""]}, "stop"),
-    ("n above one", {**GOOD, "n": 3}, "n"),
+    ("n above 16", {**GOOD, "n": 17}, "n"),
+    ("n zero", {**GOOD, "n": 0}, "n"),
     ("stream not bool", {**GOOD, "stream": "yes"}, "stream"),
     ("logprobs beyond 20", {**GOOD, "logprobs": 21}, "logprobs"),
     ("logprobs as in chat", {**GOOD, "logprobs": True}, "logprobs"),
@@ -475,7 +500,7 @@ def test_client_sees_bad_requests(served: Served) -> None:
         client.completions.create(model="no-such-model", prompt="Flat", max_tokens=2)
     assert unknown.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as several:
-        client.chat.completions.create(model=DEMO_NAME, messages=[{"role": "user", "content": "x"}], n=2)
+        client.chat.completions.create(model=DEMO_NAME, messages=[{"role": "user", "content": "x"}], n=17)
     assert several.value.param == "n"
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model=DEMO_NAME, input="x")

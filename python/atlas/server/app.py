@@ -2,33 +2,33 @@
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable
-from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import anyio
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.middleware import Middleware
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from ..errors import AtlasError
 from ..llm import DEFAULT_MAX_TOKENS, LLM, GenerateOptions, context_capacity
+from .answer import AnswerShaper
+from .auth import ApiKeyGate
+from .choices import ChoiceRun, collect_choices, stream_choices
 from .errors import RequestError, error_body, request_error_body
 from .protocol import GenerationBody, parse_body
-from .answer import AnswerShaper
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
+from .responses import Reply
 from .tools import ToolCallStream
-from .responses import Reply, chunk, full_body, logprobs_body, sse, text_delta, usage_chunk
-from .worker import EngineWorker, Event, Failed, Finished, TextPiece
+from .worker import EngineWorker
 
 log = logging.getLogger("atlas.serve")
 REASONING_TAIL_TOKENS = 32  # of the prompt, where a generation prompt would open a <think> block
@@ -88,28 +88,6 @@ def create_app(state: ServerState) -> Starlette:
     return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)  # type: ignore[arg-type]
 
 
-class ApiKeyGate:
-    """A pure ASGI gate (a streamed response passes through untouched): /v1/* needs the bearer key;
-    /health stays open for load balancers."""
-
-    def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app = app
-        self.key = key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self.authorized(scope):
-            body = error_body("invalid or missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
-                              code="invalid_api_key")
-            await JSONResponse(body, status_code=401)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
-
-
 def engine_settings(llm: LLM) -> dict[str, str]:
     """What the engine flags chose: backend, MTP speculation, KV cache level per full-attention layer,
     prompt cache."""
@@ -144,12 +122,10 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
     except AtlasError as err:
         raise RequestError(str(err), "messages" if chat else "prompt") from None
     reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None)
-    shaper = answer_shaper(state, body, prompt_ids)
-    echo = echo_text(state.llm, body, prompt_ids) if body.echo else None
-    events = state.worker.events(prompt_ids, opts, body.sampling.stop, echo)
+    runs = choice_runs(state, body, prompt_ids, opts)
     if body.stream:
-        return EventStreamResponse(stream_events(reply, events, body.include_usage, shaper))
-    answer = await unless_disconnected(request, collect(reply, events, shaper))
+        return EventStreamResponse(stream_choices(reply, runs, body.include_usage))
+    answer = await unless_disconnected(request, collect_choices(reply, runs))
     return JSONResponse(answer) if answer is not None else Response(status_code=499)
 
 
@@ -163,6 +139,17 @@ def answer_shaper(state: ServerState, body: GenerationBody, prompt_ids: list[int
         tail = state.llm.tokenizer.decode(prompt_ids[-REASONING_TAIL_TOKENS:], skip_special_tokens=False)
         splitter = ReasoningSplitter(prompt_opens_reasoning(tail))
     return AnswerShaper(splitter, ToolCallStream(body.tools) if body.tools else None)
+
+
+def choice_runs(state: ServerState, body: GenerationBody, prompt_ids: list[int], opts: GenerateOptions) -> list[ChoiceRun]:
+    """One run per choice; choice i samples with seed + i (a seeded request stays reproducible)."""
+    echo = echo_text(state.llm, body, prompt_ids) if body.echo else None
+    runs = []
+    for index in range(body.n):
+        seeded = replace(opts, seed=None if opts.seed is None else opts.seed + index)
+        events = state.worker.events(prompt_ids, seeded, body.sampling.stop, echo)
+        runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt_ids)))
+    return runs
 
 
 def echo_text(llm: LLM, body: GenerationBody, prompt_ids: list[int]) -> str:
@@ -256,58 +243,6 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     if error is not None:
         raise error
     return result
-
-
-async def collect(
-    reply: Reply, events: AsyncGenerator[Event, None], shaper: AnswerShaper | None = None
-) -> dict[str, object]:
-    pieces: list[TextPiece] = []
-    async with aclosing(events):
-        async for event in events:
-            if isinstance(event, TextPiece):
-                pieces.append(event)
-            elif isinstance(event, Finished):
-                return full_body(reply, pieces, event, shaper)
-            else:
-                raise RequestError(event.message, status=500)
-    raise RequestError("the engine stopped before finishing", status=500)
-
-
-async def stream_events(
-    reply: Reply, events: AsyncGenerator[Event, None], include_usage: bool, shaper: AnswerShaper | None = None
-) -> AsyncGenerator[str, None]:
-    offset = 0  # of the next token in the completion text (completions' logprobs.text_offset)
-    async with aclosing(events):
-        if reply.chat:
-            yield sse(chunk(reply, {"role": "assistant", "content": ""}))
-        async for event in events:
-            if isinstance(event, TextPiece):
-                logprobs = logprobs_body(reply, event.scored, offset)
-                for delta in piece_deltas(reply, event.text, shaper, logprobs is not None):
-                    yield sse(chunk(reply, delta, logprobs=logprobs))
-                    logprobs = logprobs_body(reply, (), 0)  # the piece's entries go with its first chunk
-                offset += sum(len(s.text) for s in event.scored)
-            elif isinstance(event, Finished):
-                parts, calls = shaper.finish() if shaper else ([], [])
-                for field, text in parts:
-                    yield sse(chunk(reply, {field: text}))
-                if calls:
-                    yield sse(chunk(reply, {"tool_calls": [call.wire(i) for i, call in enumerate(calls)]}))  # type: ignore[dict-item]
-                yield sse(chunk(reply, {}, "tool_calls" if calls else event.finish_reason))
-                if include_usage:
-                    yield sse(usage_chunk(reply, event))
-            elif isinstance(event, Failed):
-                yield sse(error_body(event.message, "server_error"))
-    yield sse("[DONE]")
-
-
-def piece_deltas(reply: Reply, text: str, shaper: AnswerShaper | None, scored: bool) -> list[dict[str, str]]:
-    """A text piece's chunk deltas: one, or a chat piece shaped into reasoning and content; a piece
-    whose text is all held back still gets one (empty) delta when it carries logprobs."""
-    if shaper is None:
-        return [text_delta(reply, text)]
-    deltas: list[dict[str, str]] = [{field: part} for field, part in shaper.push(text)]
-    return deltas or ([text_delta(reply, "")] if scored else [])
 
 
 async def on_request_error(request: Request, err: Exception) -> Response:

@@ -17,6 +17,7 @@ from .tools import parse_tool_choice, parse_tools, template_tool_calls
 Prompt = str | list[int]
 Message = dict[str, Any]  # role, content (text), and tool_calls / tool_call_id / name where given
 MAX_STOPS = 16
+MAX_CHOICES = 16  # n: choices run one after another, so a request's time grows with it
 RESERVED_TEMPLATE_NAMES = {"messages", "add_generation_prompt", "tools"}
 
 # field -> its values that change nothing; any other value is refused (we cannot honour it)
@@ -51,15 +52,14 @@ class GenerationBody:
     template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables
     tools: list[dict[str, Any]] | None = None  # chat: function tools offered (tool_choice "auto")
     echo: bool = False  # completions: the prompt comes back in front of the completion
+    n: int = 1  # choices, generated one after another
 
 
 def parse_body(body: Any, chat: bool) -> GenerationBody:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     check_unsupported(body)
-    n = optional_int(body, "n", minimum=1)
-    if n not in (None, 1):
-        raise RequestError(f"n={n} is not supported; this server returns one choice (n=1)", "n")
+    n = optional_int(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
     stream = optional_bool(body, "stream") or False
     include_usage = parse_include_usage(body.get("stream_options"))  # checked even without stream
     echo = optional_bool(body, "echo") or False
@@ -76,6 +76,7 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
         template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")) if chat else None,
         tools=offered_tools(body) if chat else None,
         echo=echo,
+        n=n,
     )
 
 

@@ -31,20 +31,27 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def usage(finished: Finished) -> dict[str, Any]:
-    """OpenAI's usage object; prompt_tokens_details.cached_tokens: the prompt cache's share."""
+def usage(finished: list[Finished]) -> dict[str, Any]:
+    """OpenAI's usage object over a request's choices (the prompt counted once, as OpenAI does);
+    prompt_tokens_details.cached_tokens: the prompt cache's share of the first choice's prompt."""
+    prompt, completion = finished[0].prompt_tokens, sum(f.completion_tokens for f in finished)
     return {
-        "prompt_tokens": finished.prompt_tokens,
-        "completion_tokens": finished.completion_tokens,
-        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": finished.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": finished[0].cached_tokens},
     }
 
 
-def full_body(
-    reply: Reply, pieces: list[TextPiece], finished: Finished, shaper: AnswerShaper | None = None
+def full_body(reply: Reply, choices: list[dict[str, Any]], finished: list[Finished]) -> dict[str, Any]:
+    return {**reply.head("chat.completion" if reply.chat else "text_completion"), "choices": choices, "usage": usage(finished)}
+
+
+def choice_body(
+    reply: Reply, index: int, pieces: list[TextPiece], finished: Finished, shaper: AnswerShaper | None = None
 ) -> dict[str, Any]:
-    """shaper: a chat answer's reasoning block and tool calls go to their message fields."""
+    """One whole choice; shaper: a chat answer's reasoning block and tool calls go to their
+    message fields."""
     text = "".join(p.text for p in pieces)
     logprobs = logprobs_body(reply, tuple(s for p in pieces for s in p.scored), 0)
     finish_reason = finished.finish_reason
@@ -56,25 +63,24 @@ def full_body(
             if calls:
                 message["tool_calls"] = [call.wire() for call in calls]
                 finish_reason = "tool_calls"
-        choice = {"index": 0, "message": message, "logprobs": logprobs}
-        body = reply.head("chat.completion")
+        choice = {"index": index, "message": message, "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs}
-        body = reply.head("text_completion")
+        choice = {"index": index, "text": text, "logprobs": logprobs}
     choice["finish_reason"] = finish_reason
-    return {**body, "choices": [choice], "usage": usage(finished)}
+    return choice
 
 
 def chunk(
-    reply: Reply, delta: dict[str, str], finish_reason: str | None = None, logprobs: dict[str, Any] | None = None
+    reply: Reply, delta: dict[str, Any], finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One stream chunk; delta is {"content": ...} / {"role": ...} (chat) or {"text": ...};
-    logprobs: logprobs_body of the tokens whose text it carries."""
+    """One stream chunk of choice `index`; delta is {"content": ...} / {"role": ...} (chat) or
+    {"text": ...}; logprobs: logprobs_body of the tokens whose text it carries."""
     if reply.chat:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs}
         body = reply.head("chat.completion.chunk")
     else:
-        choice = {"index": 0, "text": delta.get("text", ""), "logprobs": logprobs}
+        choice = {"index": index, "text": delta.get("text", ""), "logprobs": logprobs}
         body = reply.head("text_completion")
     choice["finish_reason"] = finish_reason
     return {**body, "choices": [choice]}
@@ -106,7 +112,7 @@ def text_delta(reply: Reply, text: str) -> dict[str, str]:
     return {"content": text} if reply.chat else {"text": text}
 
 
-def usage_chunk(reply: Reply, finished: Finished) -> dict[str, Any]:
+def usage_chunk(reply: Reply, finished: list[Finished]) -> dict[str, Any]:
     kind = "chat.completion.chunk" if reply.chat else "text_completion"
     return {**reply.head(kind), "choices": [], "usage": usage(finished)}
 

@@ -1,0 +1,32 @@
+"""--api-key: a pure ASGI gate in front of the app (a streamed response passes through untouched)."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .errors import error_body
+
+
+class ApiKeyGate:
+    """A pure ASGI gate (a streamed response passes through untouched): /v1/* needs the bearer key;
+    /health stays open for load balancers."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self.authorized(scope):
+            body = error_body("invalid or missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
+                              code="invalid_api_key")
+            await JSONResponse(body, status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)

@@ -1,0 +1,95 @@
+"""A request's choices (`n` of them, generated one after another on the engine, the later ones
+from the prompt cache), collected into one body or streamed as chunks tagged with their index."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from .answer import AnswerShaper
+from .errors import RequestError, error_body
+from .responses import Reply, choice_body, chunk, full_body, logprobs_body, sse, text_delta, usage_chunk
+from .worker import Event, Failed, Finished, TextPiece
+
+
+@dataclass
+class ChoiceRun:
+    index: int
+    events: AsyncGenerator[Event, None]  # not started: its job is queued when first iterated
+    shaper: AnswerShaper | None = None
+
+
+async def collect_choices(reply: Reply, runs: list[ChoiceRun]) -> dict[str, Any]:
+    choices, finished = [], []
+    for run in runs:
+        choice, done = await collect(reply, run)
+        choices.append(choice)
+        finished.append(done)
+    return full_body(reply, choices, finished)
+
+
+async def collect(reply: Reply, run: ChoiceRun) -> tuple[dict[str, Any], Finished]:
+    pieces: list[TextPiece] = []
+    async with aclosing(run.events):
+        async for event in run.events:
+            if isinstance(event, TextPiece):
+                pieces.append(event)
+            elif isinstance(event, Finished):
+                return choice_body(reply, run.index, pieces, event, run.shaper), event
+            else:
+                raise RequestError(event.message, status=500)
+    raise RequestError("the engine stopped before finishing", status=500)
+
+
+async def stream_choices(reply: Reply, runs: list[ChoiceRun], include_usage: bool) -> AsyncGenerator[str, None]:
+    """Each choice's chunks in turn; a choice that fails ends the stream after its error."""
+    finished: list[Finished] = []
+    for run in runs:
+        async for line in stream_choice(reply, run, finished):
+            yield line
+        if len(finished) <= run.index:
+            break
+    if include_usage and finished:
+        yield sse(usage_chunk(reply, finished))
+    yield sse("[DONE]")
+
+
+async def stream_choice(reply: Reply, run: ChoiceRun, finished: list[Finished]) -> AsyncGenerator[str, None]:
+    offset = 0  # of the next token in the completion text (completions' logprobs.text_offset)
+    async with aclosing(run.events):
+        if reply.chat:
+            yield sse(chunk(reply, {"role": "assistant", "content": ""}, index=run.index))
+        async for event in run.events:
+            if isinstance(event, TextPiece):
+                logprobs = logprobs_body(reply, event.scored, offset)
+                for delta in piece_deltas(reply, event.text, run.shaper, logprobs is not None):
+                    yield sse(chunk(reply, delta, logprobs=logprobs, index=run.index))
+                    logprobs = logprobs_body(reply, (), 0)  # the piece's entries go with its first chunk
+                offset += sum(len(s.text) for s in event.scored)
+            elif isinstance(event, Finished):
+                for line in finish_lines(reply, run, event):
+                    yield line
+                finished.append(event)
+            elif isinstance(event, Failed):
+                yield sse(error_body(event.message, "server_error"))
+
+
+def finish_lines(reply: Reply, run: ChoiceRun, event: Finished) -> list[str]:
+    """What the shaper held back, the tool calls in one delta, then the finish chunk."""
+    parts, calls = run.shaper.finish() if run.shaper else ([], [])
+    lines = [sse(chunk(reply, {field: text}, index=run.index)) for field, text in parts]
+    if calls:
+        lines.append(sse(chunk(reply, {"tool_calls": [call.wire(i) for i, call in enumerate(calls)]}, index=run.index)))
+    lines.append(sse(chunk(reply, {}, "tool_calls" if calls else event.finish_reason, index=run.index)))
+    return lines
+
+
+def piece_deltas(reply: Reply, text: str, shaper: AnswerShaper | None, scored: bool) -> list[dict[str, str]]:
+    """A text piece's chunk deltas: one, or a chat piece shaped into reasoning and content; a piece
+    whose text is all held back still gets one (empty) delta when it carries logprobs."""
+    if shaper is None:
+        return [text_delta(reply, text)]
+    deltas: list[dict[str, str]] = [{field: part} for field, part in shaper.push(text)]
+    return deltas or ([text_delta(reply, "")] if scored else [])
