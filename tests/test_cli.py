@@ -19,11 +19,12 @@ from runtime_checkpoint import make_tiny_checkpoint, train_tokenizer
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
     """atlas.run's exit code and output as written: decoded from bytes, since text mode would turn a
     generated "\r" into "\n" (a random model's tokens can decode to one)."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "python"), "PYTHONIOENCODING": "utf-8"}
-    done = subprocess.run([sys.executable, "-m", "atlas.run", *args], capture_output=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "atlas.run", *args], capture_output=True, env=env, timeout=300,
+                          input=stdin.encode("utf-8"))
     return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode("utf-8"), done.stderr.decode("utf-8"))
 
 
@@ -165,3 +166,40 @@ def test_checkpoint_not_matching_config(tmp_path: Path, tiny_dir: Path, damage: 
     save_file(tensors, str(tmp_path / "model.safetensors"))
     line = one_error_line(main(["--model", str(tmp_path), "--prompt", "x", "--device", "cpu"]), capsys.readouterr().err)
     assert repr(victim) in line and "model.safetensors" in line
+
+
+def test_interactive_conversation(rng: np.random.Generator) -> None:
+    """Each stdin line is a turn of one conversation rendered by the chat template; the replies are
+    what the Python API gives for the same conversation; later turns resume from the prompt cache;
+    /reset forgets, /exit leaves."""
+    from atlas import LLM
+    from atlas.demo import zen_of_python
+
+    lines = [line for line in zen_of_python().splitlines() if line.strip()]
+    turns = [" ".join(lines[int(rng.integers(len(lines)))].split()[:3]) for _ in range(3)]
+    done = run_cli("--interactive", "--max-tokens", "10", stdin=f"{turns[0]}\n{turns[1]}\n/reset\n{turns[2]}\n/exit\nnever\n")
+    assert done.returncode == 0, done.stderr
+    llm, messages, want = LLM(device="cpu"), [], []
+    for i, turn in enumerate(turns):
+        messages = [] if i == 2 else messages  # /reset before the third
+        messages.append({"role": "user", "content": turn})
+        result = llm.generate(llm.tokenizer.encode_chat(messages), max_tokens=10)
+        messages.append({"role": "assistant", "content": result.text})
+        want.append(result.text)
+    assert done.stdout == "".join(text + "\n" for text in want)
+    stats = [line for line in done.stderr.splitlines() if "prefill" in line]
+    assert len(stats) == 3 and "cached" in stats[1] and "never" not in done.stdout
+
+
+def test_interactive_needs_a_chat_template(tiny_dir: Path) -> None:
+    import shutil
+
+    plain = tiny_dir.parent / "no-template"
+    if not plain.exists():
+        shutil.copytree(tiny_dir, plain)
+        config = json.loads((plain / "tokenizer_config.json").read_text())
+        config.pop("chat_template", None)
+        (plain / "tokenizer_config.json").write_text(json.dumps(config))
+        (plain / "chat_template.jinja").unlink(missing_ok=True)
+    done = run_cli("--model", str(plain), "--interactive")
+    assert done.returncode == 2 and "no chat template" in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -6,8 +6,9 @@ Bad flags and bad models print one line on stderr and exit with code 2, never a 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -15,7 +16,11 @@ from .cli import run_command
 from .engine_flags import EngineFlags, engine_options
 from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL
+from .chat import write_stdout
 from .llm import SamplingExtras
+
+if TYPE_CHECKING:
+    from .llm import LLM, GenerationResult
 
 @dataclass(frozen=True)
 class RunArgs:
@@ -27,6 +32,7 @@ class RunArgs:
     top_p: float
     seed: int | None
     chat: bool
+    interactive: bool
     engine: EngineFlags
     extras: SamplingExtras
 
@@ -41,43 +47,59 @@ def default_prompt(model_dir: Path, model_arg: str | None) -> str:
 
 
 def run(args: RunArgs) -> None:
+    from .chat import converse
     from .config import load_spec
-    from .kvcache.options import describe
-    from .llm import GenerateOptions, encode_prompt
+    from .llm import DEFAULT_PROMPT_CACHE, GenerateOptions, encode_prompt
     from .resolve import resolve_model
-    from .speculative import acceptance_summary
     from .tokenizer import Tokenizer
 
     args.engine.check()
     model_dir = resolve_model(args.model)
-    prompt = args.prompt if args.prompt is not None else default_prompt(model_dir, args.model)
+    prompt = args.prompt
+    if prompt is None and not args.interactive:
+        prompt = default_prompt(model_dir, args.model)
     load_spec(model_dir)  # config and prompt problems surface before the weights load
-    encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
-    llm = args.engine.load(str(model_dir))
+    tokenizer = Tokenizer.open(model_dir)
+    if args.interactive and tokenizer.chat_template is None:
+        raise AtlasError(f"{model_dir} has no chat template, which --interactive needs; run without it")
+    if prompt is not None:
+        encode_prompt(tokenizer, prompt, args.chat)
+    engine = replace(args.engine, prompt_cache=DEFAULT_PROMPT_CACHE) if args.interactive else args.engine
+    llm = engine.load(str(model_dir))
     opts = GenerateOptions(
         args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat, extras=args.extras
     )
-    prompt_ids = llm.prepare(prompt, opts)
-    click.echo(f"atlas: model {llm.model_dir}, device {llm.device}", err=True)
-    if args.engine.kv_cache_dtype != DEFAULT_LEVEL:
-        click.echo(f"atlas: kv cache {describe(llm.parts.engine.kv_plan)}", err=True)
-    if args.engine.spec_k is not None or llm.speculation.startswith("MTP"):
-        click.echo(f"atlas: speculation {llm.speculation}", err=True)
-    result = llm.generate_with(prompt_ids, opts, on_text=write_stdout)
+    announce(llm, args.engine)
+    if args.interactive:
+        converse(llm, opts, prompt, lambda result: stats_line(llm, result))
+        return
+    assert prompt is not None
+    result = llm.generate_with(llm.prepare(prompt, opts), opts, on_text=write_stdout)
     write_stdout("\n")
+    click.echo(stats_line(llm, result), err=True)
+
+
+def announce(llm: LLM, flags: EngineFlags) -> None:
+    """Where the model runs, on stderr: the device, and the KV level and speculation when chosen."""
+    from .kvcache.options import describe
+
+    click.echo(f"atlas: model {llm.model_dir}, device {llm.device}", err=True)
+    if flags.kv_cache_dtype != DEFAULT_LEVEL:
+        click.echo(f"atlas: kv cache {describe(llm.parts.engine.kv_plan)}", err=True)  # type: ignore[attr-defined]
+    if flags.spec_k is not None or llm.speculation.startswith("MTP"):
+        click.echo(f"atlas: speculation {llm.speculation}", err=True)
+
+
+def stats_line(llm: LLM, result: GenerationResult) -> str:
+    from .speculative import acceptance_summary
+
     spec = acceptance_summary(result.spec_rounds, result.spec_drafted, result.spec_accepted, len(result.token_ids))
-    click.echo(
-        f"atlas: prompt {result.prompt_tokens} tokens, prefill {result.prefill_tok_s:.1f} tok/s, "
+    cached = f" ({result.cached_tokens} cached)" if result.cached_tokens else ""
+    return (
+        f"atlas: prompt {result.prompt_tokens} tokens{cached}, prefill {result.prefill_tok_s:.1f} tok/s, "
         f"decode {result.decode_tok_s:.1f} tok/s ({len(result.token_ids)} tokens), "
-        f"device {llm.device.split(' ')[0]}" + (f", {spec}" if result.spec_rounds else ""),
-        err=True,
+        f"device {llm.device.split(' ')[0]}" + (f", {spec}" if result.spec_rounds else "")
     )
-
-
-def write_stdout(text: str) -> None:
-    """Generated text goes out unaltered (click.echo would strip escape sequences off a pipe)."""
-    sys.stdout.write(text)
-    sys.stdout.flush()
 
 
 MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (default: atlas-demo)."
@@ -94,6 +116,8 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 )
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed for sampling (reproducible output).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--interactive", "-i", is_flag=True,
+              help="A conversation: each line on stdin is a user turn (chat template; --prompt is the first).")
 @click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
               help="Keep tokens whose probability is >= min_p x the largest; 0: off.")
 @click.option("--presence-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0, show_default=True,
