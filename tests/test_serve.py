@@ -322,6 +322,38 @@ def test_n_choices(served: Served, rng: np.random.Generator, stream: bool) -> No
     assert usage.prompt_tokens == chat_want[0].prompt_tokens
 
 
+def read_metrics(port: int) -> dict[str, float]:
+    """GET /metrics parsed: every sample line "name{labels} value" -> {name{labels}: value}."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=TIMEOUT_S)
+    try:
+        conn.request("GET", "/metrics")
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("Content-Type", "").startswith("text/plain")
+        text = response.read().decode()
+    finally:
+        conn.close()
+    samples = [line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")]
+    return {name: float(value) for name, value in samples}
+
+
+def test_metrics_count_requests_and_tokens(served: Served, rng: np.random.Generator) -> None:
+    before = read_metrics(served.port)
+    usages = []
+    for _ in range(2):
+        answer = served.client().completions.create(model=DEMO_NAME, prompt=random_prompt(rng),
+                                                    max_tokens=int(rng.integers(1, 20)), temperature=0)
+        usages.append(answer.usage)
+    after = read_metrics(served.port)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta['atlas_requests_total{outcome="finished"}'] == 2
+    assert delta["atlas_prompt_tokens_total"] == sum(u.prompt_tokens for u in usages)
+    assert delta["atlas_generated_tokens_total"] == sum(u.completion_tokens for u in usages)
+    assert delta["atlas_cached_tokens_total"] == sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    for histogram in ("atlas_queue_seconds", "atlas_time_to_first_token_seconds", "atlas_request_run_seconds"):
+        assert delta[f"{histogram}_count"] == 2 and delta[f'{histogram}_bucket{{le="+Inf"}}'] == 2
+    assert after["atlas_requests_running"] == 0 and after["atlas_requests_waiting"] == 0
+
+
 def test_no_logprobs_unless_asked(served: Served) -> None:
     answer = served.client().chat.completions.create(
         model=DEMO_NAME, messages=[{"role": "user", "content": "Flat"}], max_tokens=4, temperature=0)

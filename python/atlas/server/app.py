@@ -77,8 +77,13 @@ def create_app(state: ServerState) -> Starlette:
                 "reasoning_parser": state.reasoning_parser or "off", "tool_call_parser": state.tool_call_parser or "off"}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    async def metrics(request: Request) -> Response:
+        text = state.worker.metrics.render(state.worker.waiting)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -9,12 +9,14 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ..errors import AtlasError
 from ..llm import LLM, GenerateOptions, iter_tokens
 from ..sampling import TokenLogprob
+from .metrics import Metrics, RequestRecord
 from .stops import StopMatcher, Stops
 
 log = logging.getLogger("atlas.serve")
@@ -59,6 +61,8 @@ class Job:
     emit: Callable[[Event], None]  # called on the engine thread
     cancelled: threading.Event = field(default_factory=threading.Event)
     echo: str | None = None  # the prompt's text, sent first (with its scores when opts.prompt_logprobs)
+    queued_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None  # set by generate
 
 
 class EngineWorker:
@@ -71,6 +75,12 @@ class EngineWorker:
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="atlas-engine", daemon=True)
         self.llm: LLM | None = None
+        self.metrics = Metrics()
+
+    @property
+    def waiting(self) -> int:
+        """Jobs queued behind the one running (approximate: the queue's own count)."""
+        return self._jobs.qsize()
 
     def start(self) -> LLM:
         """Start the thread and wait until the model is loaded; a load error is raised here."""
@@ -126,14 +136,25 @@ class EngineWorker:
         finally:
             self._loaded.set()
         while (job := self._jobs.get()) is not None:
-            if job.cancelled.is_set():
-                continue
-            try:
-                job.emit(generate(self.llm, job))
-            except Exception as err:  # noqa: BLE001 - one failed request must not stop the server
-                log.exception("generation failed")
-                message = str(err) if isinstance(err, AtlasError) else f"{type(err).__name__}: {err}"
-                job.emit(Failed(f"generation failed: {message}"))
+            if not job.cancelled.is_set():
+                self._run(job)
+
+    def _run(self, job: Job) -> None:
+        """One job; its metrics are recorded before its last event, so a client that has its
+        answer finds it counted."""
+        assert self.llm is not None
+        self.metrics.started()
+        started = time.perf_counter()
+        try:
+            finished = generate(self.llm, job)
+        except Exception as err:  # noqa: BLE001 - one failed request must not stop the server
+            log.exception("generation failed")
+            self.metrics.record(request_record(job, None, started))
+            message = str(err) if isinstance(err, AtlasError) else f"{type(err).__name__}: {err}"
+            job.emit(Failed(f"generation failed: {message}"))
+            return
+        self.metrics.record(request_record(job, finished, started))
+        job.emit(finished)
 
 
 def generate(llm: LLM, job: Job) -> Finished:
@@ -147,8 +168,10 @@ def generate(llm: LLM, job: Job) -> Finished:
     count = 0
     last_token = -1
     for last_token in iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, scores, prompt_scores):
-        if count == 0 and job.echo is not None:
-            job.emit(TextPiece(job.echo, scored_prompt(llm, job.prompt_ids, prompt_scores)))
+        if count == 0:
+            job.first_token_at = time.perf_counter()
+            if job.echo is not None:
+                job.emit(TextPiece(job.echo, scored_prompt(llm, job.prompt_ids, prompt_scores)))
         count += 1
         if text := matcher.push(decoder.push(last_token)):
             job.emit(TextPiece(text, scored(llm, scores[sent:])))
@@ -182,3 +205,13 @@ def scored_prompt(llm: LLM, prompt_ids: list[int], scores: list[TokenLogprob | N
         return ()
     first = ScoredToken(llm.tokenizer.decode(prompt_ids[:1], skip_special_tokens=False), None)
     return (first, *scored(llm, [s for s in scores[1:] if s is not None]))
+
+
+def request_record(job: Job, finished: Finished | None, started: float) -> RequestRecord:
+    now = time.perf_counter()
+    first = None if job.first_token_at is None else job.first_token_at - started
+    timing = {"queue_s": started - job.queued_at, "first_token_s": first, "run_s": now - started}
+    if finished is None:
+        return RequestRecord("failed", **timing)
+    outcome = "cancelled" if job.cancelled.is_set() else "finished"
+    return RequestRecord(outcome, finished.prompt_tokens, finished.cached_tokens, finished.completion_tokens, **timing)
