@@ -5,7 +5,6 @@ resumes with the MTP head's rows intact; memory checks count the checkpoints."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from atlas.layers.linear_attention import DeltaNetState
 from atlas.prompt_cache import CHECKPOINT_TAIL, MIN_TAIL_PROMPT
 from atlas.safetensors import Checkpoint
 from atlas.speculative import SpeculativeEngine
-from test_speculative import add_mtp_head, new_seed
+from test_speculative import demo_mtp as demo_mtp  # noqa: F401  (the module-scoped fixture)
 
 GREEDY = SamplingParams()
 NO_EOS: set[int] = set()
@@ -177,14 +176,6 @@ def test_a_dump_runs_every_prompt_in_full(rng: np.random.Generator) -> None:
     cached.dump = lambda name, t: seen.append(name)
     cached.prefill(a + ids(rng, 3))
     assert cached.prompt_cache.last_hit == 0 and "positions" in seen
-
-
-@pytest.fixture(scope="module")
-def demo_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("demo") / "demo-mtp"
-    shutil.copytree(DEMO_DIR, path, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    add_mtp_head(path, new_seed(), fused=True)
-    return path
 
 
 def spec_engine(model_dir: Path, prompt_cache: int) -> SpeculativeEngine:
