@@ -107,3 +107,19 @@ def test_speculative_engine_penalizes_on_the_plain_path(demo_mtp: Path, rng: np.
 def test_bad_values_are_one_line(name: str, value: object) -> None:
     with pytest.raises(AtlasError, match=name):
         LLM(device="cpu").generate("Flat is", max_tokens=2, **{name: value})  # type: ignore[arg-type]
+
+
+def test_min_tokens_holds_off_the_end() -> None:
+    """The demo ends its text with eos a few tokens after this prompt; min_tokens keeps it going
+    (no ending id among the first min_tokens), greedy or sampled, through generate and stream."""
+    llm = LLM(device="cpu", prompt_cache=0)
+    prompt = "Namespaces are one honking great"
+    plain = llm.generate(prompt, max_tokens=60)
+    eos = llm.eos_ids()
+    assert plain.token_ids[-1] in eos and len(plain.token_ids) < 30
+    for temperature in (0.0, 0.7):
+        held = llm.generate(prompt, max_tokens=60, min_tokens=30, temperature=temperature, seed=2)
+        assert len(held.token_ids) >= 30 and not eos & set(held.token_ids[:30])
+        assert "".join(llm.stream(prompt, max_tokens=60, min_tokens=30, temperature=temperature, seed=2)) == held.text
+    with pytest.raises(AtlasError, match="min_tokens"):
+        llm.generate(prompt, max_tokens=4, min_tokens=-1)

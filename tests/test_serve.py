@@ -296,6 +296,9 @@ def test_stop_token_ids_and_ignore_eos(served: Served, rng: np.random.Generator)
     long = served.client().completions.create(model=DEMO_NAME, prompt="Namespaces are one honking great", max_tokens=60,
                                               temperature=0, extra_body={"ignore_eos": True})
     assert long.usage.completion_tokens == 60 and long.choices[0].finish_reason == "length"
+    held = served.client().completions.create(model=DEMO_NAME, prompt="Namespaces are one honking great", max_tokens=60,
+                                              temperature=0, extra_body={"min_tokens": 30})
+    assert held.usage.completion_tokens >= 30
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -483,6 +486,7 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("stop_token_ids not a list", {**GOOD, "stop_token_ids": 5}, "stop_token_ids"),
     ("stop_token_ids beyond the vocabulary", {**GOOD, "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("ignore_eos not bool", {**GOOD, "ignore_eos": 1}, "ignore_eos"),
+    ("min_tokens negative", {**GOOD, "min_tokens": -1}, "min_tokens"),
     ("presence_penalty beyond 2", {**GOOD, "presence_penalty": 2.5}, "presence_penalty"),
     ("frequency_penalty string", {**GOOD, "frequency_penalty": "high"}, "frequency_penalty"),
     ("repetition_penalty zero", {**GOOD, "repetition_penalty": 0}, "repetition_penalty"),

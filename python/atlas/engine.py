@@ -323,7 +323,7 @@ class Engine:
         if request.max_tokens == 0 and request.prompt_logprobs is None:
             return stats
         rng = np.random.default_rng(request.seed)
-        penalties = Penalties(request.prompt_ids) if request.sampling.penalized else None
+        penalties = Penalties(request.prompt_ids, request.eos_ids) if request.sampling.penalized else None
         started = time.perf_counter()
         if request.prompt_logprobs is None:
             logits = self.prefill(request.prompt_ids)

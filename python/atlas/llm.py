@@ -47,6 +47,7 @@ class SamplingExtras:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0  # vLLM's: no eos (or stop id) before this many tokens
 
 
 @dataclass(frozen=True)
@@ -187,14 +188,15 @@ class LLM:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
     ) -> GenerationResult:
         """Generate from a text prompt or prompt token ids; greedy when temperature is 0.
         `on_text` receives the text pieces as they complete; `logprobs` (0..20): each token's
         log-probability and that many most likely alternatives in the result (the model's
         distribution before temperature, top-k and top-p); `prompt_logprobs` the same for the
         prompt's tokens after the first (scoring a text: max_tokens may then be 0). min_p and the
-        penalties: as vLLM's (atlas.backends.base.SamplingParams)."""
-        extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty)
+        penalties, min_tokens: as vLLM's (atlas.backends.base.SamplingParams)."""
+        extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens)
         opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras)
         return self.generate_with(self.prepare(prompt, opts), opts, on_text)
 
@@ -244,10 +246,11 @@ class LLM:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
     ) -> Iterator[str]:
         """Yield text pieces as they are generated. Runs on the calling thread (a CUDA context
         is bound to the thread that opened it); stop reading to stop generating."""
-        extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty)
+        extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens)
         opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, extras=extras)
         prompt_ids = self.prepare(prompt, opts)
         decoder = self.parts.tokenizer.stream_decoder()
@@ -300,7 +303,7 @@ def iter_tokens(
     from .sampling import Penalties
 
     rng = np.random.default_rng(opts.seed)
-    penalties = Penalties(prompt_ids) if sampling.penalized else None
+    penalties = Penalties(prompt_ids, eos_ids) if sampling.penalized else None
     if opts.prompt_logprobs is None:
         logits = engine.prefill(prompt_ids)
     else:
@@ -370,6 +373,8 @@ def check_options(opts: GenerateOptions) -> None:
     if seed is not None and (not is_int(seed) or seed < 0):
         raise AtlasError(f"seed must be a non-negative integer, got {seed!r}")
     reals = {"temperature": opts.temperature, "top_p": opts.top_p, **asdict(opts.extras)}
+    if not is_int(reals.pop("min_tokens")):
+        raise AtlasError(f"min_tokens must be an integer >= 0, got {opts.extras.min_tokens!r}")
     for name, value in reals.items():
         if not is_real(value):
             raise AtlasError(f"{name} must be a number, got {value!r}")
@@ -381,8 +386,9 @@ def check_options(opts: GenerateOptions) -> None:
 def sampling_params(opts: GenerateOptions) -> SamplingParams:
     from .backends.base import SamplingParams
 
-    extra = {name: float(value) for name, value in asdict(opts.extras).items()}
-    return SamplingParams(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p), **extra)
+    extra = {name: float(value) for name, value in asdict(opts.extras).items() if name != "min_tokens"}
+    return SamplingParams(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p),
+                          min_tokens=opts.extras.min_tokens, **extra)
 
 
 def check_length(spec: ModelSpec, engine: EngineLike, prompt_tokens: int, max_tokens: int) -> None:

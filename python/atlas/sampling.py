@@ -38,6 +38,8 @@ def check_sampling(params: SamplingParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if not -MAX_PENALTY <= getattr(params, name) <= MAX_PENALTY:
             raise AtlasError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), got {getattr(params, name)}")
+    if not is_int(params.min_tokens) or params.min_tokens < 0:
+        raise AtlasError(f"min_tokens must be an integer >= 0, got {params.min_tokens!r}")
     if not 0.0 < params.repetition_penalty <= MAX_REPETITION_PENALTY:
         raise AtlasError(
             f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {params.repetition_penalty}"
@@ -48,17 +50,22 @@ class Penalties:
     """What the penalties read while one sequence is generated: which tokens the prompt or the
     output holds (repetition_penalty) and how often each was generated (presence, frequency)."""
 
-    def __init__(self, prompt_ids: list[int]) -> None:
+    def __init__(self, prompt_ids: list[int], end_ids: set[int] | None = None) -> None:
         self.prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
+        self.end_ids = np.array(sorted(end_ids or ()), dtype=np.int64)  # masked before min_tokens
         self.generated: dict[int, int] = {}
+        self.count = 0
 
     def add(self, token: int) -> None:
         self.generated[token] = self.generated.get(token, 0) + 1
+        self.count += 1
 
     def apply(self, logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         """logits [V] -> penalized float32 copy: repetition first, then presence and frequency
-        (vLLM's order)."""
+        (vLLM's order); before min_tokens, the ending ids at -inf."""
         z = np.array(logits, dtype=np.float32)  # [V]
+        if self.count < params.min_tokens:
+            z[self.end_ids[self.end_ids < z.size]] = -np.inf
         ids = np.array(list(self.generated), dtype=np.int64)  # [G]
         counts = np.array(list(self.generated.values()), dtype=np.float32)  # [G]
         if params.repetition_penalty != 1:

@@ -37,10 +37,13 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
     frequency_penalty: float = 0.0  # subtracted, times its count, from the logit of every generated token
     repetition_penalty: float = 1.0  # 1 = off: a prompt or generated token's logit / r when > 0, else * r
+    min_tokens: int = 0  # the tokens that end a generation cannot be picked before this many
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        """Picks depend on the tokens before them (atlas.sampling.Penalties)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1 \
+            or self.min_tokens > 0
 
     @property
     def on_host(self) -> bool:

@@ -108,7 +108,7 @@ def parse_sampling(body: dict[str, Any], echo: bool = False) -> SamplingFields:
 
 def parse_extras(body: dict[str, Any]) -> SamplingExtras:
     """min_p in [0, 1], presence_penalty and frequency_penalty in [-2, 2] (OpenAI's range),
-    repetition_penalty in (0, 10] (vLLM's extension)."""
+    repetition_penalty in (0, 10] and min_tokens >= 0 (vLLM's extensions)."""
     values = {
         "min_p": optional_number(body, "min_p", 0.0),
         "presence_penalty": optional_number(body, "presence_penalty", 0.0),
@@ -123,7 +123,7 @@ def parse_extras(body: dict[str, Any]) -> SamplingExtras:
     if not 0 < values["repetition_penalty"] <= MAX_REPETITION_PENALTY:
         raise RequestError(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
                            f"got {values['repetition_penalty']}", "repetition_penalty")
-    return SamplingExtras(**values)
+    return SamplingExtras(**values, min_tokens=optional_int(body, "min_tokens", minimum=0) or 0)
 
 
 def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
