@@ -124,6 +124,8 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
               help="Subtracted from the logit of every token generated so far (Qwen suggests up to 1.5 against repetition).")
 @click.option("--frequency-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0, show_default=True,
               help="Subtracted, times its count, from the logit of every generated token.")
+@click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+              help="No end-of-sequence token before this many tokens.")
 @click.option("--repetition-penalty", type=click.FloatRange(0.0, 10.0, min_open=True), default=1.0, show_default=True,
               help="Prompt and generated tokens' logits divided by it when positive, multiplied when not; 1: off.")
 @engine_options
