@@ -487,6 +487,8 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("stop_token_ids beyond the vocabulary", {**GOOD, "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("ignore_eos not bool", {**GOOD, "ignore_eos": 1}, "ignore_eos"),
     ("min_tokens negative", {**GOOD, "min_tokens": -1}, "min_tokens"),
+    ("json mode", {**GOOD, "response_format": {"type": "json_object"}}, "response_format"),
+    ("audio out", {**GOOD, "modalities": ["text", "audio"]}, "modalities"),
     ("presence_penalty beyond 2", {**GOOD, "presence_penalty": 2.5}, "presence_penalty"),
     ("frequency_penalty string", {**GOOD, "frequency_penalty": "high"}, "frequency_penalty"),
     ("repetition_penalty zero", {**GOOD, "repetition_penalty": 0}, "repetition_penalty"),

@@ -77,6 +77,7 @@ from starlette.testclient import TestClient  # noqa: E402
 from atlas import LLM  # noqa: E402
 from atlas.demo import DEMO_DIR, DEMO_NAME  # noqa: E402
 from atlas.server.app import ServerState, create_app  # noqa: E402
+from atlas.server.metrics import Metrics  # noqa: E402
 from atlas.server.worker import Finished, TextPiece  # noqa: E402
 
 TOOLS_TEMPLATE = (  # ChatML with Qwen's tool rendering, reduced: tools in a system turn, calls as XML
@@ -94,10 +95,12 @@ class CannedWorker:
     """Answers with ANSWER's pieces; keeps the last prompt it was given."""
 
     alive = True
+    waiting = 0
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self.prompt = ""
+        self.metrics = Metrics()
 
     async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...], echo: str | None = None) -> AsyncIterator[Any]:
         self.prompt = self.llm.tokenizer.decode(prompt_ids, skip_special_tokens=False)

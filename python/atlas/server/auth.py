@@ -12,7 +12,7 @@ from .errors import error_body
 
 class ApiKeyGate:
     """A pure ASGI gate (a streamed response passes through untouched): /v1/* needs the bearer key;
-    /health stays open for load balancers."""
+    /health and /metrics stay open for load balancers and scrapers."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app

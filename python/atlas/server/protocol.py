@@ -26,6 +26,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "functions": (None, []),
     "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),  # JSON mode / schemas need constrained decoding
+    "modalities": (None, ["text"]),
+    "audio": (None,),
 }
 
 
