@@ -382,6 +382,23 @@ def test_gpu_greedy_unchanged(demo_mtp: Path, k: int, rng: np.random.Generator) 
 
 
 @pytest.mark.gpu
+def test_gpu_speculation_resumes_from_the_prompt_cache(demo_mtp: Path, rng: np.random.Generator) -> None:
+    """A greedy turn, then a prompt that extends it: the speculative engine resumes at the first
+    prompt's end checkpoint (DeltaNet states and the head's input row copied on the device) and
+    still gives plain greedy's tokens."""
+    from atlas.demo import zen_of_python
+
+    plain, spec = cuda_llm(demo_mtp, 0), cuda_llm(demo_mtp, 2)
+    text = Tokenizer.open(demo_mtp).encode(zen_of_python(), add_special_tokens=False)
+    cut = int(rng.integers(140, min(len(text) - 40, 260)))
+    first, second = text[:cut], text[:cut] + text[cut + 3 : cut + 13]  # three tokens left out: no live reuse
+    spec.generate(first, max_tokens=8)  # type: ignore[attr-defined]
+    result = spec.generate(second, max_tokens=24)  # type: ignore[attr-defined]
+    assert result.cached_tokens == len(first) and result.spec_drafted > 0
+    assert result.token_ids == plain.generate(second, max_tokens=24).token_ids  # type: ignore[attr-defined]
+
+
+@pytest.mark.gpu
 def test_gpu_rollback_under_chosen_acceptance(demo_mtp: Path, rng: np.random.Generator) -> None:
     plain, spec = cuda_llm(demo_mtp, 0), cuda_llm(demo_mtp, 3)
     prompt = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT)
