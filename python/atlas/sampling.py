@@ -51,30 +51,40 @@ class Penalties:
     output holds (repetition_penalty) and how often each was generated (presence, frequency)."""
 
     def __init__(self, prompt_ids: list[int], end_ids: set[int] | None = None) -> None:
-        self.prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
+        self.prompt_ids = np.unique(np.asarray(prompt_ids, dtype=np.int64))
         self.end_ids = np.array(sorted(end_ids or ()), dtype=np.int64)  # masked before min_tokens
         self.generated: dict[int, int] = {}
         self.count = 0
+        self.seen: np.ndarray | None = None  # [V] bool: in the prompt or generated (made at the first apply)
 
     def add(self, token: int) -> None:
         self.generated[token] = self.generated.get(token, 0) + 1
         self.count += 1
+        if self.seen is not None and token < self.seen.size:
+            self.seen[token] = True
 
     def apply(self, logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         """logits [V] -> penalized float32 copy: repetition first, then presence and frequency
-        (vLLM's order); before min_tokens, the ending ids at -inf."""
+        (vLLM's order); before min_tokens, the ending ids at -inf. O(V + generated distinct) a
+        token, whatever the prompt's length."""
         z = np.array(logits, dtype=np.float32)  # [V]
         if self.count < params.min_tokens:
             z[self.end_ids[self.end_ids < z.size]] = -np.inf
-        ids = np.array(list(self.generated), dtype=np.int64)  # [G]
-        counts = np.array(list(self.generated.values()), dtype=np.float32)  # [G]
         if params.repetition_penalty != 1:
-            seen = np.unique(np.concatenate([self.prompt_ids, ids]))
             r = np.float32(params.repetition_penalty)
-            z[seen] = np.where(z[seen] > 0, z[seen] / r, z[seen] * r)
-        if ids.size:
+            z = np.where(self._seen(z.size), np.where(z > 0, z / r, z * r), z)  # [V]
+        if self.generated:
+            ids = np.fromiter(self.generated, dtype=np.int64)  # [G]
+            counts = np.fromiter(self.generated.values(), dtype=np.float32)  # [G]
             z[ids] -= np.float32(params.frequency_penalty) * counts + np.float32(params.presence_penalty)
         return z
+
+    def _seen(self, size: int) -> np.ndarray:
+        if self.seen is None:
+            self.seen = np.zeros(size, dtype=bool)  # [V]
+            self.seen[self.prompt_ids[self.prompt_ids < size]] = True
+            self.seen[[t for t in self.generated if t < size]] = True
+        return self.seen
 
 
 def host_argmax(logits: np.ndarray) -> int:
