@@ -253,3 +253,17 @@ def test_auto_picks_cuda_and_agrees_with_cpu() -> None:
     want = LLM(device="cpu").generate(DEMO_PROMPT, max_tokens=64).token_ids
     assert gpu.generate(DEMO_PROMPT, max_tokens=64).token_ids == want
     assert "".join(gpu.stream(DEMO_PROMPT, max_tokens=64)) == gpu.tokenizer.decode(want)
+
+
+def test_chat_renders_the_conversation(rng: np.random.Generator) -> None:
+    """LLM.chat: the template over the messages, then generate(); the same tokens as generating
+    from the rendered ids; bad messages are one line."""
+    llm = LLM(device="cpu")
+    messages = [{"role": "user", "content": "Flat is"}, {"role": "assistant", "content": "better than nested."},
+                {"role": "user", "content": "Sparse is"}]
+    seed = int(rng.integers(0, 1000))
+    got = llm.chat(messages, max_tokens=12, temperature=0.8, seed=seed)
+    want = llm.generate(llm.tokenizer.encode_chat(messages), max_tokens=12, temperature=0.8, seed=seed)
+    assert got.token_ids == want.token_ids and got.prompt_tokens == len(llm.tokenizer.encode_chat(messages))
+    with pytest.raises(AtlasError, match="messages must be a list"):
+        llm.chat("Flat is")  # type: ignore[arg-type]

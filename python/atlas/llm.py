@@ -232,6 +232,16 @@ class LLM:
             prompt_logprobs=list(stats.prompt_logprobs) if opts.prompt_logprobs is not None else None,
         )
 
+    def chat(
+        self, messages: list[dict[str, Any]], *, template_kwargs: dict[str, Any] | None = None, **options: Any
+    ) -> GenerationResult:
+        """The assistant's next turn after `messages` ({"role", "content"} dicts, as vLLM's
+        LLM.chat takes them), rendered with the model's chat template (`template_kwargs`: extra
+        template variables, e.g. enable_thinking=False); `options` are generate()'s."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise AtlasError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        return self.generate(self.tokenizer.encode_chat(messages, template_kwargs=template_kwargs), **options)
+
     def stream(
         self,
         prompt: str | list[int],
