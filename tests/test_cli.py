@@ -203,3 +203,20 @@ def test_interactive_needs_a_chat_template(tiny_dir: Path) -> None:
         (plain / "chat_template.jinja").unlink(missing_ok=True)
     done = run_cli("--model", str(plain), "--interactive")
     assert done.returncode == 2 and "no chat template" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_chat_template_override(tmp_path: Path) -> None:
+    """--chat-template replaces the model's template (the prompt it renders is what runs); a
+    missing or broken file is one line, exit 2, before the weights load."""
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}", encoding="utf-8")
+    done = run_cli("--chat", "--prompt", "Beautiful is better than", "--chat-template", str(template), "--max-tokens", "8")
+    assert done.returncode == 0, done.stderr
+    from atlas import LLM
+
+    assert done.stdout == LLM(device="cpu").generate("Beautiful is better than", max_tokens=8).text + "\n"
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}", encoding="utf-8")
+    for path, needle in ((tmp_path / "missing.jinja", "cannot be read"), (broken, "not valid jinja")):
+        done = run_cli("--chat", "--chat-template", str(path))
+        assert done.returncode == 2 and needle in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

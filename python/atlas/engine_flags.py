@@ -1,6 +1,6 @@
 """The engine's command-line flags, defined once for `atlas.run` and `atlas.serve`: --device,
---spec-k / --no-spec (MTP speculation), --kv-cache-dtype, --kv-high-precision-layers and
---max-seq-len.
+--spec-k / --no-spec (MTP speculation), --kv-cache-dtype, --kv-high-precision-layers,
+--chat-template and --max-seq-len.
 
 Imports stay light (click and the level names): `--help` must not load numpy.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
@@ -18,6 +19,7 @@ from .kvcache.names import DEFAULT_LEVEL, LEVEL_NAMES
 
 if TYPE_CHECKING:
     from .llm import LLM
+    from .tokenizer import Tokenizer
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -31,6 +33,7 @@ class EngineFlags:
     no_spec: bool = False
     max_seq_len: int | None = None  # KV cache positions: None = 4096, capped by the model's context
     prompt_cache: int = 0  # prompt-cache checkpoints: atlas.serve's --prompt-cache (atlas.run runs one prompt)
+    chat_template: str | None = None  # a jinja file used instead of the model's chat template
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> EngineFlags:
@@ -50,13 +53,27 @@ class EngineFlags:
 
         self.spec_k_value()
         KVCacheOptions(self.kv_cache_dtype, self.kv_high_precision_layers).check()
+        if self.chat_template is not None:
+            from .tokenizer import read_template_file
+
+            read_template_file(Path(self.chat_template))
+
+    def tokenizer(self, model_dir: Path) -> Tokenizer:
+        """The model's tokenizer, with --chat-template's template when given."""
+        from .tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.open(model_dir)
+        return tokenizer if self.chat_template is None else tokenizer.with_chat_template(Path(self.chat_template))
 
     def load(self, model_dir: str) -> LLM:
         from .llm import LLM
 
         spec_k = self.spec_k_value()
-        return LLM(model_dir, self.device, self.kv_cache_dtype, self.kv_high_precision_layers, spec_k,
-                   self.max_seq_len, prompt_cache=self.prompt_cache)
+        llm = LLM(model_dir, self.device, self.kv_cache_dtype, self.kv_high_precision_layers, spec_k,
+                  self.max_seq_len, prompt_cache=self.prompt_cache)
+        if self.chat_template is not None:
+            llm.parts.tokenizer = llm.parts.tokenizer.with_chat_template(Path(self.chat_template))
+        return llm
 
 
 def high_precision_value(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -82,6 +99,10 @@ ENGINE_OPTIONS = (
     click.option(
         "--kv-high-precision-layers", default="auto", show_default=True, callback=high_precision_value,
         help="Full-attention layers kept bf16 at each end: auto (= 1: the first and the last) or N.",
+    ),
+    click.option(
+        "--chat-template", type=click.Path(dir_okay=False), default=None,
+        help="A jinja file used instead of the model's chat template (as vLLM's --chat-template).",
     ),
     click.option(
         "--max-seq-len", type=click.IntRange(min=1), default=None,

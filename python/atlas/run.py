@@ -51,7 +51,6 @@ def run(args: RunArgs) -> None:
     from .config import load_spec
     from .llm import DEFAULT_PROMPT_CACHE, GenerateOptions, encode_prompt
     from .resolve import resolve_model
-    from .tokenizer import Tokenizer
 
     args.engine.check()
     model_dir = resolve_model(args.model)
@@ -59,7 +58,7 @@ def run(args: RunArgs) -> None:
     if prompt is None and not args.interactive:
         prompt = default_prompt(model_dir, args.model)
     load_spec(model_dir)  # config and prompt problems surface before the weights load
-    tokenizer = Tokenizer.open(model_dir)
+    tokenizer = args.engine.tokenizer(model_dir)
     if args.interactive and tokenizer.chat_template is None:
         raise AtlasError(f"{model_dir} has no chat template, which --interactive needs; run without it")
     if prompt is not None:

@@ -46,6 +46,12 @@ class Tokenizer:
             special_tokens=read_special_tokens(model_dir / "tokenizer_config.json", config),
         )
 
+    def with_chat_template(self, path: Path) -> Tokenizer:
+        """This tokenizer with the chat template of a file instead of the model's (vLLM's --chat-template)."""
+        from dataclasses import replace
+
+        return replace(self, chat_template=read_template_file(path), chat_template_source=Path(path))
+
     # --- ids and text -------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
@@ -193,6 +199,20 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], context:
     escaping, raise_exception and strftime_now available. Any failure is one AtlasError naming
     `origin` (the template's file): the template is data, whatever it raises is its problem or the
     messages', never a traceback."""
+    compiled = compile_chat_template(template, origin)
+    try:
+        return compiled.render(messages=messages, **context)
+    except TemplateRaised as err:
+        raise AtlasError(f"{origin}: the chat template refused the messages: {first_line(err)}") from None
+    except Exception as err:  # noqa: BLE001 - TypeError, UndefinedError, ...: one line, see above
+        raise AtlasError(
+            f"{origin}: the chat template failed on these messages ({type(err).__name__}: {first_line(err)}); "
+            "fix the template or the messages"
+        ) from None
+
+
+def compile_chat_template(template: str, origin: str) -> Any:
+    """The template compiled in transformers' sandboxed environment; a syntax error is one line."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -209,15 +229,16 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], context:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
-        compiled = env.from_string(template)
+        return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as err:
         raise AtlasError(f"{origin}: the chat template is not valid jinja (line {err.lineno}: {first_line(err)}); fix it") from None
+
+
+def read_template_file(path: Path) -> str:
+    """A --chat-template file (checked to compile), or one line saying why it cannot be used."""
     try:
-        return compiled.render(messages=messages, **context)
-    except TemplateRaised as err:
-        raise AtlasError(f"{origin}: the chat template refused the messages: {first_line(err)}") from None
-    except Exception as err:  # noqa: BLE001 - TypeError, UndefinedError, ...: one line, see above
-        raise AtlasError(
-            f"{origin}: the chat template failed on these messages ({type(err).__name__}: {first_line(err)}); "
-            "fix the template or the messages"
-        ) from None
+        template = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise AtlasError(f"chat template {path} cannot be read ({first_line(err)}); give a UTF-8 jinja file") from None
+    compile_chat_template(template, str(path))
+    return template
