@@ -220,3 +220,18 @@ def test_chat_template_override(tmp_path: Path) -> None:
     for path, needle in ((tmp_path / "missing.jinja", "cannot be read"), (broken, "not valid jinja")):
         done = run_cli("--chat", "--chat-template", str(path))
         assert done.returncode == 2 and needle in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_chat_template_kwargs(tmp_path: Path) -> None:
+    """--chat-template-kwargs sets template variables for every chat prompt; bad JSON is one line."""
+    template = tmp_path / "thinking.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}{% if shout %}!{% endif %}", encoding="utf-8")
+    done = run_cli("--chat", "--prompt", "Flat is", "--chat-template", str(template), "--max-tokens", "6",
+                   "--chat-template-kwargs", '{"shout": true}')
+    assert done.returncode == 0, done.stderr
+    from atlas import LLM
+
+    assert done.stdout == LLM(device="cpu").generate("Flat is!", max_tokens=6).text + "\n"
+    for bad in ("{shout", '["shout"]', '{"messages": []}'):
+        done = run_cli("--chat", "--chat-template-kwargs", bad)
+        assert done.returncode == 2 and "--chat-template-kwargs" in done.stderr, done.stderr

@@ -171,3 +171,14 @@ def test_template_kwargs_reach_the_template(tmp_path: Path, rng: np.random.Gener
     assert tokenizer.decode(tokenizer.encode_chat(messages)) == tokenizer.decode(tokenizer.encode(text + "<think>", add_special_tokens=False))
     off = tokenizer.encode_chat(messages, template_kwargs={"enable_thinking": False})
     assert off == tokenizer.encode(text + "<no-think>", add_special_tokens=False)
+
+
+def test_template_defaults_sit_under_each_call(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    train_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}[{{ mode }}]", encoding="utf-8")
+    tokenizer = replace(Tokenizer.open(tmp_path), template_defaults={"mode": "a"})
+    messages = [{"role": "user", "content": "x"}]
+    assert tokenizer.decode(tokenizer.encode_chat(messages)) == "x[a]"
+    assert tokenizer.decode(tokenizer.encode_chat(messages, template_kwargs={"mode": "b"})) == "x[b]"

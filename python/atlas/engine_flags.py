@@ -1,6 +1,6 @@
 """The engine's command-line flags, defined once for `atlas.run` and `atlas.serve`: --device,
 --spec-k / --no-spec (MTP speculation), --kv-cache-dtype, --kv-high-precision-layers,
---chat-template and --max-seq-len.
+--chat-template, --chat-template-kwargs and --max-seq-len.
 
 Imports stay light (click and the level names): `--help` must not load numpy.
 """
@@ -8,13 +8,15 @@ Imports stay light (click and the level names): `--help` must not load numpy.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+import json
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from .backends import DEVICES
+from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL, LEVEL_NAMES
 
 if TYPE_CHECKING:
@@ -34,6 +36,7 @@ class EngineFlags:
     max_seq_len: int | None = None  # KV cache positions: None = 4096, capped by the model's context
     prompt_cache: int = 0  # prompt-cache checkpoints: atlas.serve's --prompt-cache (atlas.run runs one prompt)
     chat_template: str | None = None  # a jinja file used instead of the model's chat template
+    chat_template_kwargs: str | None = None  # JSON object: default template variables (enable_thinking ...)
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> EngineFlags:
@@ -57,13 +60,33 @@ class EngineFlags:
             from .tokenizer import read_template_file
 
             read_template_file(Path(self.chat_template))
+        self.template_defaults()
+
+    def template_defaults(self) -> dict[str, Any]:
+        """--chat-template-kwargs parsed: a JSON object of template variables, or one line."""
+        if self.chat_template_kwargs is None:
+            return {}
+        try:
+            value = json.loads(self.chat_template_kwargs)
+        except json.JSONDecodeError as err:
+            raise AtlasError(f"--chat-template-kwargs is not JSON ({err.msg}); give an object such as "
+                             "'{\"enable_thinking\": false}'") from None
+        reserved = {"messages", "add_generation_prompt", "tools"}
+        if not isinstance(value, dict) or reserved & set(value):
+            raise AtlasError("--chat-template-kwargs must be a JSON object of template variables other than "
+                             "messages, add_generation_prompt and tools")
+        return value
 
     def tokenizer(self, model_dir: Path) -> Tokenizer:
-        """The model's tokenizer, with --chat-template's template when given."""
+        """The model's tokenizer as the flags dress it (--chat-template, --chat-template-kwargs)."""
         from .tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.open(model_dir)
-        return tokenizer if self.chat_template is None else tokenizer.with_chat_template(Path(self.chat_template))
+        return self.dress(Tokenizer.open(model_dir))
+
+    def dress(self, tokenizer: Tokenizer) -> Tokenizer:
+        if self.chat_template is not None:
+            tokenizer = tokenizer.with_chat_template(Path(self.chat_template))
+        return replace(tokenizer, template_defaults=self.template_defaults())
 
     def load(self, model_dir: str) -> LLM:
         from .llm import LLM
@@ -71,8 +94,7 @@ class EngineFlags:
         spec_k = self.spec_k_value()
         llm = LLM(model_dir, self.device, self.kv_cache_dtype, self.kv_high_precision_layers, spec_k,
                   self.max_seq_len, prompt_cache=self.prompt_cache)
-        if self.chat_template is not None:
-            llm.parts.tokenizer = llm.parts.tokenizer.with_chat_template(Path(self.chat_template))
+        llm.parts.tokenizer = self.dress(llm.parts.tokenizer)
         return llm
 
 
@@ -103,6 +125,10 @@ ENGINE_OPTIONS = (
     click.option(
         "--chat-template", type=click.Path(dir_okay=False), default=None,
         help="A jinja file used instead of the model's chat template (as vLLM's --chat-template).",
+    ),
+    click.option(
+        "--chat-template-kwargs", default=None,
+        help="""Default chat-template variables as a JSON object, e.g. '{"enable_thinking": false}' (a request's own win).""",
     ),
     click.option(
         "--max-seq-len", type=click.IntRange(min=1), default=None,

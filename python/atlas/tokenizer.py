@@ -23,6 +23,7 @@ class Tokenizer:
     chat_template: str | None = None
     chat_template_source: Path | None = None  # the file it was read from, named in its errors
     special_tokens: dict[str, str] = field(default_factory=dict)  # "eos_token" -> "<|im_end|>"
+    template_defaults: dict[str, Any] = field(default_factory=dict)  # --chat-template-kwargs: under each call's own
 
     @classmethod
     def open(cls, model_dir: Path) -> Tokenizer:
@@ -101,8 +102,8 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None
     ) -> list[int]:
         """The rendered template already holds its special tokens, so none are added.
-        template_kwargs: extra template variables (e.g. Qwen's enable_thinking)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **(template_kwargs or {}))
+        template_kwargs: extra template variables (e.g. Qwen's enable_thinking), over template_defaults."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **{**self.template_defaults, **(template_kwargs or {})})
         return self.encode(text, add_special_tokens=False)
 
 
