@@ -185,3 +185,9 @@ def test_tools_need_the_parser(tmp_path: Path) -> None:
     answer = http.post("/v1/chat/completions", json={"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],
                                                      "tools": [WEATHER]})
     assert answer.status_code == 400 and "--tool-call-parser" in answer.json()["error"]["message"]
+
+
+def test_odd_schemas_leave_parameters_as_text() -> None:
+    odd = {"type": "function", "function": {"name": "get_weather", "parameters": {"properties": ["city", "days"]}}}
+    calls = parse_calls(CALL, [odd])
+    assert calls is not None and calls[0].arguments["days"] == "3" and calls[0].arguments["metric"] == "true"

@@ -101,11 +101,14 @@ def template_tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
 
 # --- answer side --------------------------------------------------------------------------------
 def parameter_types(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """tool name -> {parameter name: its JSON schema type}."""
+    """tool name -> {parameter name: its JSON schema type}; a schema without usable properties
+    leaves its parameters as text."""
     types: dict[str, dict[str, Any]] = {}
     for tool in tools:
         function = tool["function"]
-        properties = (function.get("parameters") or {}).get("properties") or {}
+        properties = (function.get("parameters") or {}).get("properties")
+        if not isinstance(properties, dict):
+            properties = {}
         types[function["name"]] = {k: v.get("type") if isinstance(v, dict) else None for k, v in properties.items()}
     return types
 
