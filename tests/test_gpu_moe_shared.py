@@ -55,12 +55,16 @@ def routed_ids_agree(ids: np.ndarray, x: np.ndarray, w: np.ndarray, top_k: int, 
     """Per token: the router's ids [T, k + 1] equal, in slot order, those of the reference on bf16 x
     and w, on f32 x and w, or on f32 x with bf16 w (the kernel's own arithmetic: without it a
     near-tie among E = 256 logits fails about one draw of 9 tokens in four, test_router_ids_rule.py)."""
+    return np.logical_or.reduce([(ids == r).all(-1) for r in reference_ids(x, w, top_k, renormalize)])
+
+
+def reference_ids(x: np.ndarray, w: np.ndarray, top_k: int, renormalize: bool) -> list[np.ndarray]:
+    """The router's ids [T, k + 1] on the numpy backend at the three roundings routed_ids_agree accepts."""
     from atlas.backends.numpy_backend import NumpyBackend
 
     ref = NumpyBackend()
-    refs = [ref.router(a, b, top_k, renormalize, shared_expert=True)[0]
+    return [ref.router(a, b, top_k, renormalize, shared_expert=True)[0]
             for a, b in ((bf16_round(x), bf16_round(w)), (x, w), (x, bf16_round(w)))]
-    return np.logical_or.reduce([(ids == r).all(-1) for r in refs])
 
 
 @pytest.mark.parametrize("tokens,renormalize", [(1, True), (17, True), (9, False)])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from atlas.backends.numpy_backend import NumpyBackend
-from test_gpu_moe_shared import routed_ids_agree
+from test_gpu_moe_shared import reference_ids, routed_ids_agree
 from test_gpu_ops import bf16_round, normal, weight
 
 EXPERTS, TOP_K, HIDDEN = 256, 8, 2048  # qwen3.6-35b-a3b
@@ -31,11 +31,17 @@ def test_rule_accepts_the_kernels_arithmetic(rng: np.random.Generator) -> None:
 
 
 def test_rule_rejects_other_experts(rng: np.random.Generator) -> None:
+    """Experts in the wrong slot order, or one expert replaced, are rejected, except on a token
+    whose references themselves disagree there (a near-tie: once in ~30 runs of 9 tokens, seed
+    2506145033 in CI, whose bf16 reference ordered the first two experts the other way)."""
     x, w = normal(rng, TOKENS, HIDDEN), weight(rng, EXPERTS + 1, HIDDEN) * 4
     ids = kernel_ids(x, w, True)
+    refs = reference_ids(x, w, TOP_K, True)
     swapped = ids.copy()
     swapped[:, [0, 1]] = swapped[:, [1, 0]]  # the right experts in the wrong slot order
-    assert not routed_ids_agree(swapped, x, w, TOP_K, True).any()
+    settled = np.logical_and.reduce([(r[:, :2] == refs[0][:, :2]).all(-1) for r in refs])  # [T]
+    assert not routed_ids_agree(swapped, x, w, TOP_K, True)[settled].any() and settled.mean() >= 0.5
     other = ids.copy()
     other[:, TOP_K - 1] = [next(e for e in range(EXPERTS) if e not in row) for row in ids]  # [T]
-    assert not routed_ids_agree(other, x, w, TOP_K, True).any()
+    listed = np.logical_or.reduce([(r[:, :TOP_K] == other[:, TOP_K - 1 : TOP_K]).any(-1) for r in refs])  # [T]
+    assert not routed_ids_agree(other, x, w, TOP_K, True)[~listed].any() and (~listed).mean() >= 0.5
