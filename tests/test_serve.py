@@ -357,6 +357,21 @@ def test_metrics_count_requests_and_tokens(served: Served, rng: np.random.Genera
     assert after["atlas_requests_running"] == 0 and after["atlas_requests_waiting"] == 0
 
 
+def test_batch_of_prompts(served: Served, rng: np.random.Generator) -> None:
+    """A completions batch (text and token ids) with n choices each: choice p * n + j answers
+    prompt p with seed + that index; usage counts every prompt once."""
+    texts = [random_prompt(rng) for _ in range(2)]
+    prompts: list[Any] = [texts[0], served.reference.tokenizer.encode(texts[1])]
+    n, seed = 2, int(rng.integers(0, 1000))
+    answer = served.client().completions.create(model=DEMO_NAME, prompt=prompts, n=n, max_tokens=10, temperature=0.8,
+                                                seed=seed)
+    assert [c.index for c in answer.choices] == list(range(4))
+    want = [served.reference.generate(prompts[i // n], max_tokens=10, temperature=0.8, seed=seed + i) for i in range(4)]
+    assert [c.text for c in answer.choices] == [w.text for w in want]
+    assert answer.usage.prompt_tokens == want[0].prompt_tokens + want[2].prompt_tokens
+    assert answer.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+
+
 def test_no_logprobs_unless_asked(served: Served) -> None:
     answer = served.client().chat.completions.create(
         model=DEMO_NAME, messages=[{"role": "user", "content": "Flat"}], max_tokens=4, temperature=0)
@@ -461,7 +476,8 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("missing prompt", {"model": DEMO_NAME}, "prompt"),
     ("prompt wrong type", {**GOOD, "prompt": 42}, "prompt"),
     ("empty prompt", {**GOOD, "prompt": ""}, "prompt"),
-    ("batch of prompts", {**GOOD, "prompt": ["a", "b"]}, "prompt"),
+    ("batch with an empty prompt", {**GOOD, "prompt": ["Flat is", ""]}, "prompt"),
+    ("batch of 17", {**GOOD, "prompt": ["Flat is"] * 17}, "prompt"),
     ("token id outside vocab", {**GOOD, "prompt": [1, 10**6]}, "prompt"),
     ("missing model", {"prompt": "Beautiful"}, "model"),
     ("unknown model", {**GOOD, "model": "gpt-4o"}, "model"),

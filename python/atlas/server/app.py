@@ -24,7 +24,7 @@ from .answer import AnswerShaper
 from .auth import ApiKeyGate
 from .choices import ChoiceRun, collect_choices, stream_choices
 from .errors import RequestError, error_body, request_error_body
-from .protocol import GenerationBody, parse_body
+from .protocol import GenerationBody, Prompt, parse_body
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
 from .tools import ToolCallStream
@@ -120,17 +120,12 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
         )
     check_tools(state, body)
     check_stop_ids(state, body)
-    prompt_ids = await anyio.to_thread.run_sync(encode, state.llm, body)  # templates take a while
-    opts = generate_options(state, body, len(prompt_ids))
-    try:
-        state.llm.prepare(prompt_ids, opts)
-    except AtlasError as err:
-        raise RequestError(str(err), "messages" if chat else "prompt") from None
+    inputs = await anyio.to_thread.run_sync(prepare_inputs, state, body)  # templates take a while
     reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None)
-    runs = choice_runs(state, body, prompt_ids, opts)
+    runs = choice_runs(state, body, inputs)
     if body.stream:
-        return EventStreamResponse(stream_choices(reply, runs, body.include_usage))
-    answer = await unless_disconnected(request, collect_choices(reply, runs))
+        return EventStreamResponse(stream_choices(reply, runs, body.include_usage, body.n))
+    answer = await unless_disconnected(request, collect_choices(reply, runs, body.n))
     return JSONResponse(answer) if answer is not None else Response(status_code=499)
 
 
@@ -146,20 +141,43 @@ def answer_shaper(state: ServerState, body: GenerationBody, prompt_ids: list[int
     return AnswerShaper(splitter, ToolCallStream(body.tools) if body.tools else None)
 
 
-def choice_runs(state: ServerState, body: GenerationBody, prompt_ids: list[int], opts: GenerateOptions) -> list[ChoiceRun]:
-    """One run per choice; choice i samples with seed + i (a seeded request stays reproducible)."""
-    echo = echo_text(state.llm, body, prompt_ids) if body.echo else None
+@dataclass(frozen=True)
+class PromptInput:
+    """One prompt of a request, encoded and checked against the context."""
+
+    ids: list[int]
+    opts: GenerateOptions
+    echo: str | None  # the text sent back under echo
+
+
+def prepare_inputs(state: ServerState, body: GenerationBody) -> list[PromptInput]:
+    """Every prompt of the request (a chat's one, a completions batch) encoded and checked, so a
+    bad one fails the request before any runs."""
+    prompts: list[Prompt | None] = list(body.prompts) if body.prompts is not None else [None]
+    inputs = []
+    for prompt in prompts:
+        ids = encode(state.llm, body, prompt)
+        opts = generate_options(state, body, len(ids))
+        try:
+            state.llm.prepare(ids, opts)
+        except AtlasError as err:
+            raise RequestError(str(err), "prompt" if prompt is not None else "messages") from None
+        echo = (prompt if isinstance(prompt, str) else state.llm.tokenizer.decode(ids)) if body.echo else None
+        inputs.append(PromptInput(ids, opts, echo))
+    return inputs
+
+
+def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInput]) -> list[ChoiceRun]:
+    """n runs per prompt, in order; choice i (index prompt x n + j) samples with seed + i, so a
+    seeded request stays reproducible."""
     runs = []
-    for index in range(body.n):
-        seeded = replace(opts, seed=None if opts.seed is None else opts.seed + index)
-        events = state.worker.events(prompt_ids, seeded, body.sampling.stop, echo)
-        runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt_ids)))
+    for p, prompt in enumerate(inputs):
+        for j in range(body.n):
+            index = p * body.n + j
+            seeded = replace(prompt.opts, seed=None if prompt.opts.seed is None else prompt.opts.seed + index)
+            events = state.worker.events(prompt.ids, seeded, body.sampling.stop, prompt.echo)
+            runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt.ids)))
     return runs
-
-
-def echo_text(llm: LLM, body: GenerationBody, prompt_ids: list[int]) -> str:
-    """The prompt as sent back by echo: the text given, or the ids decoded."""
-    return body.prompt if isinstance(body.prompt, str) else llm.tokenizer.decode(prompt_ids)
 
 
 def check_stop_ids(state: ServerState, body: GenerationBody) -> None:
@@ -185,16 +203,17 @@ async def read_json(request: Request) -> object:
         raise RequestError("the request body nests too deeply to parse", code="invalid_json") from None
 
 
-def encode(llm: LLM, body: GenerationBody) -> list[int]:
+def encode(llm: LLM, body: GenerationBody, prompt: Prompt | None) -> list[int]:
+    """A chat's messages (prompt None) or one completions prompt -> token ids."""
     param = "messages" if body.messages is not None else "prompt"
     try:
         if body.messages is not None:
             extra = {**(body.template_kwargs or {}), **({"tools": body.tools} if body.tools else {})}
             ids = llm.tokenizer.encode_chat(body.messages, template_kwargs=extra)
-        elif isinstance(body.prompt, str):
-            ids = llm.tokenizer.encode(body.prompt)
+        elif isinstance(prompt, str):
+            ids = llm.tokenizer.encode(prompt)
         else:
-            ids = list(body.prompt or [])
+            ids = list(prompt or [])
     except AtlasError as err:  # the chat template's failure, text that is not valid Unicode
         raise RequestError(str(err), param) from None
     if not ids:
@@ -206,7 +225,7 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
     """Every new token but the last takes a position after the prompt's."""
     capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
     room = capacity - prompt_tokens + 1  # the most new tokens that fit
-    prompt_param = "prompt" if body.prompt is not None else "messages"
+    prompt_param = "prompt" if body.prompts is not None else "messages"
     if room < 1:
         raise RequestError(
             f"the prompt has {prompt_tokens} tokens but this model's context holds {capacity}; "

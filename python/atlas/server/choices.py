@@ -21,13 +21,14 @@ class ChoiceRun:
     shaper: AnswerShaper | None = None
 
 
-async def collect_choices(reply: Reply, runs: list[ChoiceRun]) -> dict[str, Any]:
+async def collect_choices(reply: Reply, runs: list[ChoiceRun], n: int = 1) -> dict[str, Any]:
+    """n: choices per prompt (the usage counts each prompt once)."""
     choices, finished = [], []
     for run in runs:
         choice, done = await collect(reply, run)
         choices.append(choice)
         finished.append(done)
-    return full_body(reply, choices, finished)
+    return full_body(reply, choices, finished, n)
 
 
 async def collect(reply: Reply, run: ChoiceRun) -> tuple[dict[str, Any], Finished]:
@@ -43,7 +44,7 @@ async def collect(reply: Reply, run: ChoiceRun) -> tuple[dict[str, Any], Finishe
     raise RequestError("the engine stopped before finishing", status=500)
 
 
-async def stream_choices(reply: Reply, runs: list[ChoiceRun], include_usage: bool) -> AsyncGenerator[str, None]:
+async def stream_choices(reply: Reply, runs: list[ChoiceRun], include_usage: bool, n: int = 1) -> AsyncGenerator[str, None]:
     """Each choice's chunks in turn; a choice that fails ends the stream after its error."""
     finished: list[Finished] = []
     for run in runs:
@@ -52,7 +53,7 @@ async def stream_choices(reply: Reply, runs: list[ChoiceRun], include_usage: boo
         if len(finished) <= run.index:
             break
     if include_usage and finished:
-        yield sse(usage_chunk(reply, finished))
+        yield sse(usage_chunk(reply, finished, n))
     yield sse("[DONE]")
 
 

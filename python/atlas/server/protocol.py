@@ -18,6 +18,7 @@ Prompt = str | list[int]
 Message = dict[str, Any]  # role, content (text), and tool_calls / tool_call_id / name where given
 MAX_STOPS = 16
 MAX_CHOICES = 16  # n: choices run one after another, so a request's time grows with it
+MAX_PROMPTS = 16  # a completions batch, answered one prompt after another
 RESERVED_TEMPLATE_NAMES = {"messages", "add_generation_prompt", "tools"}
 
 # field -> its values that change nothing; any other value is refused (we cannot honour it)
@@ -46,7 +47,7 @@ class SamplingFields:
 @dataclass(frozen=True)
 class GenerationBody:
     model: str
-    prompt: Prompt | None  # /v1/completions
+    prompts: list[Prompt] | None  # /v1/completions: one, or a batch answered in turn
     messages: list[Message] | None  # /v1/chat/completions
     sampling: SamplingFields
     stream: bool
@@ -70,7 +71,7 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
         raise RequestError("'echo' is a /v1/completions field; leave it out of chat requests", "echo")
     return GenerationBody(
         model=required_str(body, "model"),
-        prompt=None if chat else parse_prompt(body.get("prompt")),
+        prompts=None if chat else parse_prompts(body.get("prompt")),
         messages=parse_messages(body.get("messages")) if chat else None,
         sampling=parse_sampling(body, echo),
         stream=stream,
@@ -166,10 +167,18 @@ def max_tokens_field(body: dict[str, Any], echo: bool = False) -> int | None:
     return newer if newer is not None else optional_int(body, "max_tokens", minimum=least)
 
 
+def parse_prompts(value: Any) -> list[Prompt]:
+    """OpenAI's prompt: a string, token ids, or a batch (a list of strings or of token-id lists),
+    each answered in turn."""
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        if len(value) > MAX_PROMPTS:
+            raise RequestError(f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
+        return [parse_prompt(p) for p in value]
+    return [parse_prompt(value)]
+
+
 def parse_prompt(value: Any) -> Prompt:
-    """A string, a list of one string, token ids, or a list of one list of token ids."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
+    """One prompt: a non-empty string or non-empty list of token ids."""
     if isinstance(value, str):
         if not value:
             raise RequestError("'prompt' is empty; give some text", "prompt")
@@ -178,11 +187,7 @@ def parse_prompt(value: Any) -> Prompt:
         return [int(t) for t in value]
     if value is None:
         raise RequestError("'prompt' is required", "prompt")
-    raise RequestError(
-        "'prompt' must be a non-empty string or a list of token ids (batches of several prompts "
-        "are not supported)",
-        "prompt",
-    )
+    raise RequestError("'prompt' must be a non-empty string, a list of token ids, or a list of those", "prompt")
 
 
 def parse_messages(value: Any) -> list[Message]:

@@ -31,20 +31,23 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def usage(finished: list[Finished]) -> dict[str, Any]:
-    """OpenAI's usage object over a request's choices (the prompt counted once, as OpenAI does);
-    prompt_tokens_details.cached_tokens: the prompt cache's share of the first choice's prompt."""
-    prompt, completion = finished[0].prompt_tokens, sum(f.completion_tokens for f in finished)
+def usage(finished: list[Finished], n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage object over a request's choices, n per prompt in order (each prompt counted
+    once, as OpenAI does); prompt_tokens_details.cached_tokens: the prompt cache's share of the
+    first choice of each prompt."""
+    firsts = finished[::n]
+    prompt, completion = sum(f.prompt_tokens for f in firsts), sum(f.completion_tokens for f in finished)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": finished[0].cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)},
     }
 
 
-def full_body(reply: Reply, choices: list[dict[str, Any]], finished: list[Finished]) -> dict[str, Any]:
-    return {**reply.head("chat.completion" if reply.chat else "text_completion"), "choices": choices, "usage": usage(finished)}
+def full_body(reply: Reply, choices: list[dict[str, Any]], finished: list[Finished], n: int = 1) -> dict[str, Any]:
+    body = reply.head("chat.completion" if reply.chat else "text_completion")
+    return {**body, "choices": choices, "usage": usage(finished, n)}
 
 
 def choice_body(
@@ -112,9 +115,9 @@ def text_delta(reply: Reply, text: str) -> dict[str, str]:
     return {"content": text} if reply.chat else {"text": text}
 
 
-def usage_chunk(reply: Reply, finished: list[Finished]) -> dict[str, Any]:
+def usage_chunk(reply: Reply, finished: list[Finished], n: int = 1) -> dict[str, Any]:
     kind = "chat.completion.chunk" if reply.chat else "text_completion"
-    return {**reply.head(kind), "choices": [], "usage": usage(finished)}
+    return {**reply.head(kind), "choices": [], "usage": usage(finished, n)}
 
 
 def sse(data: dict[str, Any] | str) -> str:
