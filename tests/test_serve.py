@@ -807,3 +807,23 @@ def test_cli_port_in_use() -> None:
                               env=cli_env(), timeout=TIMEOUT_S)
     assert done.returncode == 2
     assert done.stderr.strip().startswith(f"atlas.serve: error: cannot listen on {HOST}:{port}"), done.stderr
+
+
+def test_tokenize_and_detokenize(served: Served, rng: np.random.Generator) -> None:
+    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize."""
+    prompt = random_prompt(rng)
+    tokenizer = served.reference.tokenizer
+    status, body = post(served.port, "/tokenize", json.dumps({"model": DEMO_NAME, "prompt": prompt}))
+    assert status == 200 and body["tokens"] == tokenizer.encode(prompt) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == get_json(served.port, "/v1/models")["data"][0]["max_model_len"]
+    messages = [{"role": "user", "content": prompt}]
+    status, body = post(served.port, "/tokenize", json.dumps({"model": DEMO_NAME, "messages": messages}))
+    assert status == 200 and body["tokens"] == tokenizer.encode_chat(messages)
+    status, body = post(served.port, "/detokenize", json.dumps({"model": DEMO_NAME, "tokens": tokenizer.encode(prompt)}))
+    assert status == 200 and body["prompt"] == tokenizer.decode(tokenizer.encode(prompt))
+    for path, bad, param in (("/tokenize", {"model": DEMO_NAME}, "prompt"),
+                             ("/tokenize", {"model": DEMO_NAME, "prompt": 5}, "prompt"),
+                             ("/detokenize", {"model": DEMO_NAME, "tokens": [10**9]}, "tokens"),
+                             ("/detokenize", {"model": "gpt-4o", "tokens": [1]}, "model")):
+        status, body = post(served.port, path, json.dumps(bad))
+        assert status == 400 and body["error"]["param"] == param, body

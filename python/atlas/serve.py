@@ -124,7 +124,7 @@ def serve(args: ServeArgs) -> None:
 )
 @click.option(
     "--api-key", envvar="ATLAS_API_KEY", default=None,
-    help="Require 'Authorization: Bearer KEY' on /v1/* (env ATLAS_API_KEY); /health and /metrics stay open.",
+    help="Require 'Authorization: Bearer KEY' on every route but /health and /metrics (env ATLAS_API_KEY).",
 )
 @click.option(
     "--tool-call-parser", type=click.Choice(TOOL_PARSERS), default=None,

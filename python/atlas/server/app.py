@@ -24,7 +24,7 @@ from .answer import AnswerShaper
 from .auth import ApiKeyGate
 from .choices import ChoiceRun, collect_choices, stream_choices
 from .errors import RequestError, error_body, request_error_body
-from .protocol import GenerationBody, Prompt, parse_body
+from .protocol import GenerationBody, Prompt, TokenizeBody, parse_body, parse_detokenize, parse_tokenize
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
 from .tools import ToolCallStream
@@ -81,8 +81,22 @@ def create_app(state: ServerState) -> Starlette:
         text = state.worker.metrics.render(state.worker.waiting)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def tokenize(request: Request) -> Response:
+        body = parse_tokenize(await read_json(request))
+        check_model(state, body.model)
+        ids = await anyio.to_thread.run_sync(tokenize_body, state.llm, body)
+        capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": capacity})
+
+    async def detokenize(request: Request) -> Response:
+        model, tokens = parse_detokenize(await read_json(request), state.llm.parts.spec.vocab_size)
+        check_model(state, model)
+        return JSONResponse({"prompt": state.llm.tokenizer.decode(tokens)})
+
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
@@ -113,11 +127,7 @@ def model_card(state: ServerState) -> dict[str, object]:
 
 async def generation(request: Request, state: ServerState, chat: bool) -> Response:
     body = parse_body(await read_json(request), chat)
-    if body.model != state.model_name:
-        raise RequestError(
-            f"model {body.model!r} is not served here; use {state.model_name!r} (see /v1/models)",
-            "model", "model_not_found",
-        )
+    check_model(state, body.model)
     check_tools(state, body)
     check_stop_ids(state, body)
     inputs = await anyio.to_thread.run_sync(prepare_inputs, state, body)  # templates take a while
@@ -178,6 +188,24 @@ def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInp
             events = state.worker.events(prompt.ids, seeded, body.sampling.stop, prompt.echo)
             runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt.ids)))
     return runs
+
+
+def check_model(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise RequestError(
+            f"model {model!r} is not served here; use {state.model_name!r} (see /v1/models)",
+            "model", "model_not_found",
+        )
+
+
+def tokenize_body(llm: LLM, body: TokenizeBody) -> list[int]:
+    try:
+        if body.messages is not None:
+            return llm.tokenizer.encode_chat(body.messages, body.add_generation_prompt, body.template_kwargs)
+        assert body.prompt is not None
+        return llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    except AtlasError as err:
+        raise RequestError(str(err), "messages" if body.messages is not None else "prompt") from None
 
 
 def check_stop_ids(state: ServerState, body: GenerationBody) -> None:

@@ -9,17 +9,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import error_body
 
+OPEN_PATHS = {"/health", "/metrics"}  # for load balancers and scrapers; every other route needs the key
+
 
 class ApiKeyGate:
-    """A pure ASGI gate (a streamed response passes through untouched): /v1/* needs the bearer key;
-    /health and /metrics stay open for load balancers and scrapers."""
+    """A pure ASGI gate (a streamed response passes through untouched): every route but OPEN_PATHS
+    needs the bearer key."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
         self.key = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self.authorized(scope):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self.authorized(scope):
             body = error_body("invalid or missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
                               code="invalid_api_key")
             await JSONResponse(body, status_code=401)(scope, receive, send)

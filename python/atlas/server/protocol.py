@@ -291,3 +291,43 @@ def optional_bool(body: dict[str, Any], name: str, param: str | None = None) -> 
     if value is not None and not isinstance(value, bool):
         raise RequestError(f"'{param or name}' must be true or false, got {value!r}", param or name)
     return value
+
+
+@dataclass(frozen=True)
+class TokenizeBody:
+    """vLLM's /tokenize: a completions prompt or chat messages."""
+
+    model: str
+    prompt: str | None
+    messages: list[Message] | None
+    add_special_tokens: bool  # completions prompts: the tokenizer's own (BOS ...)
+    add_generation_prompt: bool  # messages: end with the assistant's opening
+    template_kwargs: dict[str, Any] | None
+
+
+def parse_tokenize(body: Any) -> TokenizeBody:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise RequestError("give exactly one of 'prompt' (text) and 'messages'", "prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise RequestError("'prompt' must be text", "prompt")
+    return TokenizeBody(
+        model=required_str(body, "model"),
+        prompt=prompt,
+        messages=parse_messages(messages) if messages is not None else None,
+        add_special_tokens=optional_bool(body, "add_special_tokens") is not False,
+        add_generation_prompt=optional_bool(body, "add_generation_prompt") is not False,
+        template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")),
+    )
+
+
+def parse_detokenize(body: Any, vocab: int) -> tuple[str, list[int]]:
+    """vLLM's /detokenize: (model, token ids within the vocabulary)."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
+        raise RequestError(f"'tokens' must be a list of token ids in 0..{vocab - 1}", "tokens")
+    return required_str(body, "model"), [int(t) for t in tokens]
