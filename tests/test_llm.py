@@ -267,3 +267,20 @@ def test_chat_renders_the_conversation(rng: np.random.Generator) -> None:
     assert got.token_ids == want.token_ids and got.prompt_tokens == len(llm.tokenizer.encode_chat(messages))
     with pytest.raises(AtlasError, match="messages must be a list"):
         llm.chat("Flat is")  # type: ignore[arg-type]
+
+
+def test_stop_strings_end_the_text(rng: np.random.Generator) -> None:
+    """stop: the text ends before the first stop string (never part of it), generation stops on
+    the token that completed it, finish_reason says why; stream() gives the same text."""
+    llm = LLM(device="cpu")
+    full = llm.generate("Beautiful is better than", max_tokens=60)
+    start = int(rng.integers(5, len(full.text) - 10))
+    stop = full.text[start : start + int(rng.integers(3, 9))]
+    result = llm.generate("Beautiful is better than", max_tokens=60, stop=[stop, "never in this text"])
+    assert result.text == full.text[: full.text.index(stop)] and result.finish_reason == "stop"
+    assert len(result.token_ids) < len(full.token_ids)
+    assert stop in llm.tokenizer.decode(result.token_ids) and stop not in llm.tokenizer.decode(result.token_ids[:-1])
+    assert "".join(llm.stream("Beautiful is better than", max_tokens=60, stop=stop)) == result.text
+    assert llm.generate("Beautiful is better than", max_tokens=3).finish_reason == "length"
+    with pytest.raises(AtlasError, match="stop must be"):
+        llm.generate("Flat is", max_tokens=2, stop=[""])

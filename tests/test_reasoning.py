@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from atlas.server.answer import AnswerShaper
-from atlas.server.reasoning import END, START, ReasoningSplitter, partial_suffix, prompt_opens_reasoning
+from atlas.server.reasoning import END, START, ReasoningSplitter, prompt_opens_reasoning
+from atlas.stop_strings import partial_suffix
 
 WORDS = ["a", "bc", " ", "\n", "\n\n", START, END, "<", "</", "<th", "think>", "é", "🙂", "</think", "x>"]
 

@@ -66,7 +66,7 @@ class GenerationRequest:
     sampling: SamplingParams
     seed: int | None
     eos_ids: set[int]
-    on_token: Callable[[int], None] | None = None
+    on_token: Callable[[int], bool | None] | None = None  # a true return ends the generation (a stop string)
     logprobs: int | None = None  # None: none; N: each token's log-probability and the N most likely
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none)
 
@@ -311,7 +311,7 @@ class Engine:
         sampling: SamplingParams,
         seed: int | None,
         eos_ids: set[int],
-        on_token: Callable[[int], None] | None = None,
+        on_token: Callable[[int], bool | None] | None = None,
     ) -> GenerationStats:
         request = GenerationRequest(list(prompt_ids), max_tokens, sampling, seed, set(eos_ids), on_token)
         return self.run(request)
@@ -349,6 +349,6 @@ class Engine:
         stats.token_ids.append(token)
         if request.logprobs is not None:
             stats.logprobs.append(self.token_logprob(logits, token, request.logprobs))
-        if request.on_token is not None:
-            request.on_token(token)
+        if request.on_token is not None and request.on_token(token):
+            return False
         return token not in request.eos_ids

@@ -35,6 +35,7 @@ class GenerationResult:
     spec_accepted: int = 0
     cached_tokens: int = 0  # prompt tokens the prompt cache held
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
+    finish_reason: str = "length"  # "stop": an eos token or a stop string ended it
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None), when asked for
 
 
@@ -61,6 +62,7 @@ class GenerateOptions:
     logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
     prompt_logprobs: int | None = None  # the same for the prompt's tokens; allows max_tokens 0
     extras: SamplingExtras = field(default_factory=SamplingExtras)  # min_p, penalties
+    stop: tuple[str, ...] = ()  # strings that end the text (never part of it)
 
 
 class EngineLike(Protocol):
@@ -189,38 +191,51 @@ class LLM:
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         min_tokens: int = 0,
+        stop: str | list[str] | None = None,
     ) -> GenerationResult:
         """Generate from a text prompt or prompt token ids; greedy when temperature is 0.
         `on_text` receives the text pieces as they complete; `logprobs` (0..20): each token's
         log-probability and that many most likely alternatives in the result (the model's
         distribution before temperature, top-k and top-p); `prompt_logprobs` the same for the
         prompt's tokens after the first (scoring a text: max_tokens may then be 0). min_p and the
-        penalties, min_tokens: as vLLM's (atlas.backends.base.SamplingParams)."""
+        penalties, min_tokens: as vLLM's (atlas.backends.base.SamplingParams). `stop`: strings that
+        end the text, never part of it (the token that completes one is the last generated)."""
         extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens)
-        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras)
+        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
+                               stop_strings(stop))
         return self.generate_with(self.prepare(prompt, opts), opts, on_text)
 
     def generate_with(
         self, prompt_ids: list[int], opts: GenerateOptions, on_text: Callable[[str], None] | None
     ) -> GenerationResult:
         """generate() for prompt ids already checked by prepare()."""
-        decoder = self.parts.tokenizer.stream_decoder()
-
-        def emit(token: int) -> None:
-            if on_text and (piece := decoder.push(token)):
-                on_text(piece)
-
         from .engine import GenerationRequest
+        from .stop_strings import StopMatcher
 
+        decoder, matcher, pieces = self.parts.tokenizer.stream_decoder(), StopMatcher(opts.stop), []
+
+        def emit(token: int) -> bool:
+            """Pass the text on; True (stop) once a stop string is complete."""
+            if piece := matcher.push(decoder.push(token)):
+                pieces.append(piece)
+                if on_text:
+                    on_text(piece)
+            return matcher.stopped
+
+        watch = on_text is not None or bool(opts.stop)
         request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, self.eos_ids(),
-                                    emit if on_text else None, opts.logprobs, opts.prompt_logprobs)
+                                    emit if watch else None, opts.logprobs, opts.prompt_logprobs)
         stats = self.parts.engine.run(request)
-        if on_text and (rest := decoder.flush()):
-            on_text(rest)
+        if watch and (rest := "" if matcher.stopped else matcher.push(decoder.flush()) + matcher.flush()):
+            pieces.append(rest)
+            if on_text:
+                on_text(rest)
         token_ids = [int(t) for t in stats.token_ids]
+        stopped = matcher.stopped or (bool(token_ids) and token_ids[-1] in self.eos_ids())
         return GenerationResult(
             token_ids=token_ids,
-            text=self.parts.tokenizer.decode(token_ids),
+            text="".join(pieces) if opts.stop else self.parts.tokenizer.decode(token_ids),
+            finish_reason="stop" if stopped else "length",
             prompt_tokens=int(stats.prompt_tokens),
             prefill_tok_s=rate(int(stats.prompt_tokens) - int(stats.cached_tokens), stats.prefill_seconds),
             decode_tok_s=rate(max(len(token_ids) - 1, 0), stats.decode_seconds),
@@ -257,17 +272,22 @@ class LLM:
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         min_tokens: int = 0,
+        stop: str | list[str] | None = None,
     ) -> Iterator[str]:
         """Yield text pieces as they are generated. Runs on the calling thread (a CUDA context
         is bound to the thread that opened it); stop reading to stop generating."""
+        from .stop_strings import StopMatcher
+
         extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens)
-        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, extras=extras)
+        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, extras=extras, stop=stop_strings(stop))
         prompt_ids = self.prepare(prompt, opts)
-        decoder = self.parts.tokenizer.stream_decoder()
+        decoder, matcher = self.parts.tokenizer.stream_decoder(), StopMatcher(opts.stop)
         for token in iter_tokens(self.parts.engine, prompt_ids, opts, self.eos_ids()):
-            if piece := decoder.push(token):
+            if piece := matcher.push(decoder.push(token)):
                 yield piece
-        if rest := decoder.flush():
+            if matcher.stopped:
+                return
+        if rest := matcher.push(decoder.flush()) + matcher.flush():
             yield rest
 
     def prepare(self, prompt: str | list[int], opts: GenerateOptions) -> list[int]:
@@ -361,6 +381,16 @@ def token_ids(prompt: object) -> list[int]:
     if bad:
         raise AtlasError(f"prompt token ids must be integers, got {bad[0]!r}")
     return [int(t) for t in ids]
+
+
+def stop_strings(stop: object) -> tuple[str, ...]:
+    """generate()'s `stop`: None, a string, or a list of non-empty strings."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise AtlasError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return tuple(stops)
 
 
 def check_prompt_cache(checkpoints: object) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from ..stop_strings import partial_suffix
+
 Field = Literal["reasoning_content", "content"]
 PARSERS = ("qwen3",)  # --reasoning-parser choices: Qwen3 / QwQ / DeepSeek-R1 tags
 START, END = "<think>", "</think>"
@@ -80,11 +82,3 @@ class ReasoningSplitter:
             self.strip_newlines = False
         sent, self.pending = self.pending, ""
         return [("content", sent)]
-
-
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag` (shorter than it)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import RequestError
-from .reasoning import partial_suffix
+from ..stop_strings import partial_suffix
 
 PARSERS = ("qwen3_coder",)
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"

@@ -17,7 +17,8 @@ from ..errors import AtlasError
 from ..llm import LLM, GenerateOptions, iter_tokens
 from ..sampling import TokenLogprob
 from .metrics import Metrics, RequestRecord
-from .stops import StopMatcher, Stops
+from ..stop_strings import StopMatcher
+from .stops import Stops
 
 log = logging.getLogger("atlas.serve")
 
