@@ -235,3 +235,18 @@ def test_chat_template_kwargs(tmp_path: Path) -> None:
     for bad in ("{shout", '["shout"]', '{"messages": []}'):
         done = run_cli("--chat", "--chat-template-kwargs", bad)
         assert done.returncode == 2 and "--chat-template-kwargs" in done.stderr, done.stderr
+
+
+def test_prompt_file(tmp_path: Path) -> None:
+    """--prompt-file reads the prompt (a file, or '-' for stdin) as --prompt would give it."""
+    from atlas import LLM
+
+    want = LLM(device="cpu").generate("Beautiful is better than", max_tokens=8).text + "\n"
+    path = tmp_path / "prompt.txt"
+    path.write_text("Beautiful is better than", encoding="utf-8")
+    assert run_cli("--prompt-file", str(path), "--max-tokens", "8").stdout == want
+    assert run_cli("--prompt-file", "-", "--max-tokens", "8", stdin="Beautiful is better than").stdout == want
+    for args, needle in ((["--prompt-file", str(tmp_path / "missing.txt")], "cannot be read"),
+                         (["--prompt-file", str(path), "--prompt", "x"], "exclude each other")):
+        done = run_cli(*args)
+        assert done.returncode == 2 and needle in done.stderr and len(done.stderr.strip().splitlines()) == 1

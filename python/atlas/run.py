@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 class RunArgs:
     model: str | None
     prompt: str | None
+    prompt_file: str | None  # --prompt-file: the prompt's text from a file, "-" for stdin
     max_tokens: int
     temperature: float
     top_k: int
@@ -46,6 +47,22 @@ def default_prompt(model_dir: Path, model_arg: str | None) -> str:
     raise AtlasError(f"--prompt is required with --model {model_arg} (only the demo has a default prompt)")
 
 
+def prompt_text(args: RunArgs) -> str | None:
+    """--prompt, or --prompt-file's text (UTF-8; "-": stdin, not with --interactive)."""
+    if args.prompt_file is None:
+        return args.prompt
+    if args.prompt is not None:
+        raise AtlasError("--prompt and --prompt-file exclude each other; give one of them")
+    if args.prompt_file == "-":
+        if args.interactive:
+            raise AtlasError("--prompt-file - reads stdin, which --interactive reads turns from; give a file")
+        return sys.stdin.read()
+    try:
+        return Path(args.prompt_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise AtlasError(f"--prompt-file {args.prompt_file} cannot be read ({err}); give a UTF-8 text file") from None
+
+
 def run(args: RunArgs) -> None:
     from .chat import converse
     from .config import load_spec
@@ -54,7 +71,7 @@ def run(args: RunArgs) -> None:
 
     args.engine.check()
     model_dir = resolve_model(args.model)
-    prompt = args.prompt
+    prompt = prompt_text(args)
     if prompt is None and not args.interactive:
         prompt = default_prompt(model_dir, args.model)
     load_spec(model_dir)  # config and prompt problems surface before the weights load
@@ -107,6 +124,7 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--prompt", default=None, help="Prompt text (default for the demo: its first words).")
+@click.option("--prompt-file", default=None, help="Read the prompt from this UTF-8 file ('-': stdin).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off.")
