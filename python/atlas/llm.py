@@ -174,35 +174,13 @@ class LLM:
         return self.parts.model_dir
 
     def generate(
-        self,
-        prompt: str | list[int],
-        *,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        chat: bool = False,
-        on_text: Callable[[str], None] | None = None,
-        logprobs: int | None = None,
-        prompt_logprobs: int | None = None,
-        min_p: float = 0.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        min_tokens: int = 0,
-        stop: str | list[str] | None = None,
+        self, prompt: str | list[int], *, on_text: Callable[[str], None] | None = None, **options: Any
     ) -> GenerationResult:
         """Generate from a text prompt or prompt token ids; greedy when temperature is 0.
-        `on_text` receives the text pieces as they complete; `logprobs` (0..20): each token's
-        log-probability and that many most likely alternatives in the result (the model's
-        distribution before temperature, top-k and top-p); `prompt_logprobs` the same for the
-        prompt's tokens after the first (scoring a text: max_tokens may then be 0). min_p and the
-        penalties, min_tokens: as vLLM's (atlas.backends.base.SamplingParams). `stop`: strings that
-        end the text, never part of it (the token that completes one is the last generated)."""
-        extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens)
-        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
-                               stop_strings(stop))
+        `on_text` receives the text pieces as they complete; `options`: generate_options()'s
+        (max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, min_p,
+        presence_penalty, frequency_penalty, repetition_penalty, min_tokens, stop)."""
+        opts = generate_options(**options)
         return self.generate_with(self.prepare(prompt, opts), opts, on_text)
 
     def generate_with(
@@ -257,29 +235,15 @@ class LLM:
             raise AtlasError("messages must be a list of {'role': ..., 'content': ...} dicts")
         return self.generate(self.tokenizer.encode_chat(messages, template_kwargs=template_kwargs), **options)
 
-    def stream(
-        self,
-        prompt: str | list[int],
-        *,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        chat: bool = False,
-        min_p: float = 0.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        min_tokens: int = 0,
-        stop: str | list[str] | None = None,
-    ) -> Iterator[str]:
-        """Yield text pieces as they are generated. Runs on the calling thread (a CUDA context
-        is bound to the thread that opened it); stop reading to stop generating."""
+    def stream(self, prompt: str | list[int], **options: Any) -> Iterator[str]:
+        """Yield text pieces as they are generated (options: generate()'s; logprobs are generate()'s
+        alone). Runs on the calling thread (a CUDA context is bound to the thread that opened it);
+        stop reading to stop generating."""
         from .stop_strings import StopMatcher
 
-        extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens)
-        opts = GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, extras=extras, stop=stop_strings(stop))
+        opts = generate_options(**options)
+        if opts.logprobs is not None or opts.prompt_logprobs is not None:
+            raise AtlasError("stream() yields text only; ask generate() for logprobs")
         prompt_ids = self.prepare(prompt, opts)
         decoder, matcher = self.parts.tokenizer.stream_decoder(), StopMatcher(opts.stop)
         for token in iter_tokens(self.parts.engine, prompt_ids, opts, self.eos_ids()):
@@ -381,6 +345,34 @@ def token_ids(prompt: object) -> list[int]:
     if bad:
         raise AtlasError(f"prompt token ids must be integers, got {bad[0]!r}")
     return [int(t) for t in ids]
+
+
+def generate_options(
+    *,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    chat: bool = False,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    min_tokens: int = 0,
+    stop: str | list[str] | None = None,
+) -> GenerateOptions:
+    """LLM.generate / stream keyword arguments -> GenerateOptions. logprobs (0..20): each token's
+    log-probability and that many most likely alternatives (the model's distribution before
+    temperature, top-k and top-p); prompt_logprobs: the same for the prompt's tokens after the first
+    (scoring a text: max_tokens may then be 0); min_p, the penalties, min_tokens: as vLLM's
+    (atlas.backends.base.SamplingParams); stop: strings that end the text, never part of it (the
+    token that completes one is the last generated). Values are checked by LLM.prepare."""
+    extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens)
+    return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
+                           stop_strings(stop))
 
 
 def stop_strings(stop: object) -> tuple[str, ...]:
