@@ -29,6 +29,8 @@ from .snapshot import DeltaNetSnapshot
 
 PREFILL_CHUNK = 4096  # prompt tokens per forward: bounds a step's activations at any context length
 SCORE_ROWS = 64  # prompt rows whose logits [rows, V] are made at once when prompt tokens are scored
+PromptForward = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]  # ids, positions -> hidden, head input
+PromptPass = tuple[int, int, Tensor, Tensor, Tensor | None]  # start, stop, positions, hidden, head input
 
 
 def prefill_chunks(tokens: int, chunk: int) -> list[tuple[int, int]]:
@@ -158,17 +160,26 @@ class Engine:
             assert resume.checkpoint is not None
             _, positions = self._ids(prompt_ids[-1:], len(prompt_ids) - 1)
             return self.model.logits(Step(self.backend, positions, self.dump), resume.checkpoint.hidden), scores
-        marks = self.prompt_cache.marks(resume.start, len(prompt_ids))
-        for start, stop in self.prompt_passes(resume.start, len(prompt_ids), marks):
-            ids, positions = self._ids(prompt_ids[start:stop], start)
-            with self.prompt_cache.feeding(prompt_ids[start:stop], start):
-                hidden = self.forward(ids, positions)  # [n, H]
-            last = self._row(hidden, stop - start - 1)  # [1, H]
+        passes = self.prompt_forwards(prompt_ids, resume.start, lambda ids, positions: (self.forward(ids, positions), None))
+        for start, stop, positions, hidden, _ in passes:
             if score_top is not None:
                 scores += self._score_rows(hidden, positions, prompt_ids, (start, stop), score_top)
-            if stop in marks:
-                self.prompt_cache.save(self.states, last)
+        last = self._row(hidden, stop - start - 1)  # [1, H]
         return self.model.logits(Step(self.backend, positions, self.dump), last), scores
+
+    def prompt_forwards(self, prompt_ids: list[int], start: int, forward: PromptForward) -> Iterator[PromptPass]:
+        """The prompt's tokens from `start` on in passes through `forward` (-> hidden [n, H], the
+        MTP head's input [n, H] or None), the prompt cache told of each pass and checkpointed at
+        its marks -> (start, stop, positions, hidden, head input) of each pass."""
+        marks = self.prompt_cache.marks(start, len(prompt_ids))
+        for a, b in self.prompt_passes(start, len(prompt_ids), marks):
+            ids, positions = self._ids(prompt_ids[a:b], a)
+            with self.prompt_cache.feeding(prompt_ids[a:b], a):
+                hidden, head_input = forward(ids, positions)
+            if b in marks:
+                head_row = None if head_input is None else self._row(head_input, b - a - 1)
+                self.prompt_cache.save(self.states, self._row(hidden, b - a - 1), head_row)
+            yield a, b, positions, hidden, head_input
 
     def _score_rows(
         self, hidden: Tensor, positions: Tensor, prompt_ids: list[int], span: tuple[int, int], top: int

@@ -24,8 +24,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
-
 from .backends.base import Backend, Tensor
 from .backends.run_plan import DEFAULT_MAX_SEQ_LEN, RunPlan
 from .config import ModelSpec
@@ -193,13 +191,7 @@ class SpeculativeEngine(Engine):
                 token = self._greedy(resume.checkpoint.hidden, positions)[0]
                 return Cursor(n, token, [], n - 1, [token], head_input, 0)
             self._head_rows(prompt_ids, resume.start - 1, resume.start, head_input)
-        marks = self.prompt_cache.marks(resume.start, n)
-        for start, stop in self.prompt_passes(resume.start, n, marks):
-            ids, positions = self._ids(prompt_ids[start:stop], start)
-            with self.prompt_cache.feeding(prompt_ids[start:stop], start):
-                out, mtp_in = self._main_forward(ids, positions)  # [m, H] each
-            if stop in marks:
-                self.prompt_cache.save(self.states, self._row(out, stop - start - 1), self._row(mtp_in, stop - start - 1))
+        for start, stop, positions, out, mtp_in in self.prompt_forwards(prompt_ids, resume.start, self._main_forward):
             if stop < n:  # the head's embedding recycles step memory: its hidden input must persist
                 self._head_rows(prompt_ids, start, stop, persist(self.backend, mtp_in))
         mtp_hidden = persist(self.backend, mtp_in)
