@@ -222,7 +222,6 @@ def test_cuda_memory_check_sees_the_run_shape(tiny_dir: Path, monkeypatch: pytes
     """The device memory check counts the KV cache at the level asked for and the MTP head only
     when it will be loaded."""
     import atlas.backends.cuda.select as select
-    from atlas.kvcache.options import KVCacheOptions
 
     seen: list[object] = []
 

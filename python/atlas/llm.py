@@ -405,8 +405,7 @@ def check_options(opts: GenerateOptions) -> None:
     if seed is not None and (not is_int(seed) or seed < 0):
         raise AtlasError(f"seed must be a non-negative integer, got {seed!r}")
     reals = {"temperature": opts.temperature, "top_p": opts.top_p, **asdict(opts.extras)}
-    if not is_int(reals.pop("min_tokens")):
-        raise AtlasError(f"min_tokens must be an integer >= 0, got {opts.extras.min_tokens!r}")
+    del reals["min_tokens"]  # an integer: check_sampling says so
     for name, value in reals.items():
         if not is_real(value):
             raise AtlasError(f"{name} must be a number, got {value!r}")
