@@ -49,12 +49,6 @@ struct MmaAttnRows {
   int last_key[2];    // last visible key (-1: a row past the end)
 };
 
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* ptr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(ptr)));
-}
-
 struct MmaAttnRow {
   int token, head;
   bool valid;
@@ -228,7 +222,7 @@ __device__ __forceinline__ void mma_attn_store(const AttentionParams& p, int row
 template <int D>
 __device__ void attention_prefill_mma(const AttentionParams& p) {
   static_assert(D % 32 == 0 && D <= 256, "attention_prefill_mma: head_dim must be a multiple of 32, at most 256");
-  extern __shared__ __align__(16) uint8_t attn_mma_smem[];
+  ATLAS_DYNAMIC_SMEM(uint8_t, attn_mma_smem);
   __shared__ int key_end_s;
   MmaAttnSmem<D>& sm = *reinterpret_cast<MmaAttnSmem<D>*>(attn_mma_smem);
   if (p.head_dim != D || p.tokens <= 0 || p.ml != nullptr) return;

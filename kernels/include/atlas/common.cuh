@@ -11,6 +11,12 @@
 
 namespace atlas {
 
+// The block's dynamic shared memory as `type name[]`, 16-byte aligned (tests/simt's host build
+// defines its own).
+#ifndef ATLAS_DYNAMIC_SMEM
+#define ATLAS_DYNAMIC_SMEM(type, name) extern __shared__ __align__(16) type name[]
+#endif
+
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 

@@ -174,7 +174,7 @@ __device__ void chunk_prep(const GatedDeltaChunkParams& p) {
   const int h = blockIdx.x;
   const int n = blockIdx.y;
   if (h >= Hv || n >= p.num_chunks) return;
-  extern __shared__ __align__(16) float prep_s[];
+  ATLAS_DYNAMIC_SMEM(float, prep_s);
   constexpr int kS = prep_row_stride(Dk);
   const PrepSmem s{prep_s, prep_s + kChunk * kS, prep_s + 2 * kChunk * kS, prep_s + 2 * kChunk * kS + kChunk * kAStride,
                    prep_s + 2 * kChunk * kS + kChunk * kAStride + kChunk};

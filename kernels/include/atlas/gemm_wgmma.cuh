@@ -172,7 +172,7 @@ struct WgmmaSmem {
 };
 
 __device__ __forceinline__ WgmmaSmem wgmma_smem_layout() {
-  extern __shared__ __align__(16) uint8_t wgmma_smem[];
+  ATLAS_DYNAMIC_SMEM(uint8_t, wgmma_smem);
   const uint32_t raw = smem_addr(wgmma_smem);
   const uint32_t aligned = (raw + 1023u) & ~1023u;
   return WgmmaSmem{wgmma_smem + (aligned - raw), aligned};

@@ -18,6 +18,7 @@
 #pragma once
 
 #include "atlas/common.cuh"
+#include "atlas/ptx.cuh"
 #include "atlas/row_dot.cuh"
 
 namespace atlas::moe {
@@ -109,7 +110,7 @@ __device__ void moe_down_gemv(const MoeDownGemvParams& p) {
 // output row is computed on its own.
 __device__ void moe_route(const MoeRouteParams& p) {
   if (blockDim.x != kRouteThreads || blockIdx.x != 0) return;
-  extern __shared__ int route_s[];
+  ATLAS_DYNAMIC_SMEM(int, route_s);
   const int E = p.num_experts;
   int* count_s = route_s;
   int* cursor_s = route_s + E;
@@ -142,14 +143,6 @@ __device__ void moe_route(const MoeRouteParams& p) {
 }
 
 using TileRow = uint16_t[kStride];
-
-__device__ __forceinline__ void mma_bf16_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 // Output column and weight row (within the expert) of B smem row r. gate_up: each warp's 32 rows
 // are 16 gate rows then the 16 up rows of the same act columns.
@@ -249,7 +242,7 @@ __device__ __forceinline__ void mma_tile(const TileRow* a_s, const TileRow* b_s,
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-      for (int nj = 0; nj < 4; ++nj) mma_bf16_m16n8k16(acc[mi][nj], a[mi], b[nj]);
+      for (int nj = 0; nj < 4; ++nj) mma_bf16_16816(acc[mi][nj], a[mi], b[nj][0], b[nj][1]);
   }
 }
 

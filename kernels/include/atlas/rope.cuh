@@ -15,7 +15,7 @@ namespace atlas {
 constexpr int kRopeThreads = 128;
 
 __device__ void head_norm_rope(const HeadNormRopeParams& p) {
-  extern __shared__ __align__(16) float rope_rows[];  // [warps, head_dim]
+  ATLAS_DYNAMIC_SMEM(float, rope_rows);  // [warps, head_dim]
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const int row = blockIdx.x * (blockDim.x / kWarpSize) + warp;  // token * heads + head
