@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,18 @@ def rng(request: pytest.FixtureRequest) -> "np.random.Generator":
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"rng seed: {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _host_simt() -> Iterator[None]:
+    """ATLAS_SIMT=sm80 or gb10: every CUDA backend the session opens runs on the host emulator of
+    that hardware's tuples (tests/_simt.py) instead of a GPU; meant for `-m gpu` runs."""
+    hw = os.environ.get("ATLAS_SIMT", "")
+    if not hw:
+        yield
+        return
+    from _simt import use_simt
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        use_simt(monkeypatch, hw)
+        yield

@@ -34,6 +34,7 @@ constexpr int kWgmmaALoads = kWgmmaBM * kWgmmaBK / 4 / kWgmmaThreads;  // 16-byt
 constexpr int kWgmmaBLoads = kWgmmaBN * kWgmmaBK / 8 / kWgmmaThreads;  // 16-byte W chunks per thread: 4
 constexpr int kWgmmaAccum = kWgmmaBN / 2;  // f32 accumulators per thread: 64
 static_assert(kWgmmaBN == kWgmmaBM, "A and B tiles share one size");
+static_assert(kWgmmaAccum == kWgmmaN128Accum, "wgmma_m64n128k16 (ptx.cuh) holds 64 accumulators");
 static_assert(kWgmmaSmemBytes <= 227 * 1024, "over the sm_90 opt-in shared memory per block");
 
 // Byte offset of element (row, col) of a [rows][64] bf16 tile in the 128-byte swizzle layout.
@@ -51,38 +52,6 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t smem_byte_addr) {
   const uint64_t stride = kWgmmaSwizzleAtom >> 4;
   return start | (leading << 16) | (stride << 32) | (1ull << 62);
 }
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// Pins the accumulators at this point of the program so the compiler cannot move their uses
-// across the asynchronous wgmma that writes them.
-__device__ __forceinline__ void wgmma_fence_operands(float (&d)[kWgmmaAccum]) {
-#pragma unroll
-  for (int i = 0; i < kWgmmaAccum; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-#define ATLAS_WG_F8(b)                                                                              \
-  "+f"(d[b + 0]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), \
-      "+f"(d[b + 6]), "+f"(d[b + 7])
-
-// d += A[64 x 16] @ B[128 x 16]^T, both K-major in shared memory (no transpose, scales +1).
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[kWgmmaAccum], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, accumulate, 1, 1, 0, 0;\n}\n"
-      : ATLAS_WG_F8(0), ATLAS_WG_F8(8), ATLAS_WG_F8(16), ATLAS_WG_F8(24), ATLAS_WG_F8(32), ATLAS_WG_F8(40),
-        ATLAS_WG_F8(48), ATLAS_WG_F8(56)
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-}
-#undef ATLAS_WG_F8
 
 struct WgmmaTile {
   int m0, n0;

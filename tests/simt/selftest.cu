@@ -1,0 +1,111 @@
+// Kernels that exercise the host emulator itself (tests/test_simt.py): the PTX emulations against
+// their definitions, and each kind of fault the emulator promises to report.
+#include "atlas/ptx.cuh"
+
+struct SelfTestParams {
+  void* in;
+  void* out;
+  int32_t n;
+};
+
+// out[i] = sum of in[0..blockDim) for every thread i: a shared-memory reduction with its barrier.
+extern "C" __global__ void __launch_bounds__(1024) simt_block_sum(const SelfTestParams p) {
+  __shared__ float values[1024];
+  const float* in = static_cast<const float*>(p.in);
+  values[threadIdx.x] = in[threadIdx.x];
+  __syncthreads();
+  float total = 0.0f;
+  for (unsigned i = 0; i < blockDim.x; ++i) total += values[i];
+  static_cast<float*>(p.out)[threadIdx.x] = total;
+}
+
+// The same without the barrier: threads read neighbours' slots before they are written.
+extern "C" __global__ void __launch_bounds__(1024) simt_block_sum_unsynced(const SelfTestParams p) {
+  __shared__ float values[1024];
+  const float* in = static_cast<const float*>(p.in);
+  values[threadIdx.x] = in[threadIdx.x];
+  float total = 0.0f;
+  for (unsigned i = 0; i < blockDim.x; ++i) total += values[i];
+  static_cast<float*>(p.out)[threadIdx.x] = total;
+}
+
+// out[lane] = in[lane ^ n] within each warp.
+extern "C" __global__ void __launch_bounds__(1024) simt_shfl_xor(const SelfTestParams p) {
+  const float v = static_cast<const float*>(p.in)[threadIdx.x];
+  static_cast<float*>(p.out)[threadIdx.x] = __shfl_xor_sync(0xffffffffu, v, p.n);
+}
+
+// Threads past n return, the rest meet at a barrier: undefined behaviour, reported.
+extern "C" __global__ void __launch_bounds__(1024) simt_exit_then_sync(const SelfTestParams p) {
+  if (static_cast<int>(threadIdx.x) >= p.n) return;
+  __syncthreads();
+  static_cast<float*>(p.out)[threadIdx.x] = 1.0f;
+}
+
+// Lane 0 waits at a shuffle while the other threads wait at a barrier: a deadlock.
+extern "C" __global__ void __launch_bounds__(1024) simt_deadlock(const SelfTestParams p) {
+  float v = 1.0f;
+  if (threadIdx.x == 0) {
+    v = __shfl_xor_sync(0xffffffffu, v, 1);
+  } else {
+    __syncthreads();
+  }
+  static_cast<float*>(p.out)[threadIdx.x] = v;
+}
+
+// Reads in[n]: one element past an allocation of n floats when n * 4 is a multiple of 256.
+extern "C" __global__ void __launch_bounds__(1024) simt_read_past_end(const SelfTestParams p) {
+  static_cast<float*>(p.out)[threadIdx.x] = static_cast<const float*>(p.in)[p.n];
+}
+
+// One warp: in = A (16x16, row-major) then B^T (8x16, row-major: B stored by column), bf16; fragments
+// gathered by ldmatrix from shared memory exactly as gemm.cuh does; out = D (16x8 f32, row-major).
+extern "C" __global__ void __launch_bounds__(32) simt_mma_tile(const SelfTestParams p) {
+  __shared__ __align__(16) uint16_t a[16][16];
+  __shared__ __align__(16) uint16_t bt[8][16];
+  const uint16_t* in = static_cast<const uint16_t*>(p.in);
+  const int lane = threadIdx.x;
+  for (int i = lane; i < 256; i += 32) a[i / 16][i % 16] = in[i];
+  for (int i = lane; i < 128; i += 32) bt[i / 16][i % 16] = in[256 + i];
+  __syncwarp();
+  uint32_t af[4];
+  atlas::ldmatrix_x4(af, &a[lane % 16][(lane / 16) * 8]);
+  uint32_t bf[4];  // x4 over B^T rows 0-7, k 0-7 / 8-15, twice: b0, b1 = matrices 0, 1
+  atlas::ldmatrix_x4(bf, &bt[lane % 8][((lane / 8) % 2) * 8]);
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  atlas::mma_bf16_16816(d, af, bf[0], bf[1]);
+  float* out = static_cast<float*>(p.out);
+  const int row = lane / 4;
+  const int col = 2 * (lane % 4);
+  out[row * 8 + col] = d[0];
+  out[row * 8 + col + 1] = d[1];
+  out[(row + 8) * 8 + col] = d[2];
+  out[(row + 8) * 8 + col + 1] = d[3];
+}
+
+// One warp: in = a 16x16 bf16 tile (row-major); out[lane * 4 + j] = register j of ldmatrix.x4.trans
+// over the four 8x8 quarters (rows lane % 16, columns (lane / 16) * 8), as attention_mma.cuh reads V.
+extern "C" __global__ void __launch_bounds__(32) simt_ldmatrix_trans(const SelfTestParams p) {
+  __shared__ __align__(16) uint16_t v[16][16];
+  const uint16_t* in = static_cast<const uint16_t*>(p.in);
+  const int lane = threadIdx.x;
+  for (int i = lane; i < 256; i += 32) v[i / 16][i % 16] = in[i];
+  __syncwarp();
+  uint32_t r[4];
+  atlas::ldmatrix_x4_trans(r, &v[lane % 16][(lane / 16) * 8]);
+  for (int j = 0; j < 4; ++j) static_cast<uint32_t*>(p.out)[lane * 4 + j] = r[j];
+}
+
+// in: n floats; each thread copies its 16-byte chunk to shared memory by cp.async and reads it back
+// before (out[0..n)) and after (out[n..2n)) the wait.
+extern "C" __global__ void __launch_bounds__(1024) simt_cp_async(const SelfTestParams p) {
+  __shared__ __align__(16) float stage[1024 * 4];
+  const float* in = static_cast<const float*>(p.in);
+  float* out = static_cast<float*>(p.out);
+  const int i = threadIdx.x * 4;
+  atlas::cp_async_16(&stage[i], &in[i], true);
+  atlas::cp_async_commit();
+  for (int j = 0; j < 4; ++j) out[i + j] = stage[i + j];
+  atlas::cp_async_wait<0>();
+  for (int j = 0; j < 4; ++j) out[p.n + i + j] = stage[i + j];
+}
