@@ -76,6 +76,14 @@ __device__ __forceinline__ void load_f32(const float* src, float (&out)[N]) {
   }
 }
 
+// Sets every element of a (nested) register array, unrolled: fill(acc, 0.0f) for float acc[A][B][C].
+__device__ __forceinline__ void fill(float& element, float value) { element = value; }
+template <class T, int N>
+__device__ __forceinline__ void fill(T (&array)[N], float value) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) fill(array[i], value);
+}
+
 __device__ __forceinline__ float warp_sum(float value) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2)

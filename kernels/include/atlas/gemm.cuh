@@ -34,6 +34,13 @@ struct GemmTile {
   int m0, n0, warp_m, warp_n, lane;
 };
 
+// This block's output tile and this thread's warp (2 x 2 warps) and lane in it.
+__device__ __forceinline__ GemmTile gemm_block_tile() {
+  const int warp = threadIdx.x / kWarpSize;
+  return GemmTile{static_cast<int>(blockIdx.y) * kGemmBM, static_cast<int>(blockIdx.x) * kGemmBN, warp / 2,
+                  warp % 2, static_cast<int>(threadIdx.x % kWarpSize)};
+}
+
 // x tile rows m0.., cols k0.. -> registers (zeros past M / K).
 __device__ __forceinline__ void gemm_load_a(const LinearParams& p, int m0, int k0, float4 (&regs)[kGemmALoads]) {
   const float* x = static_cast<const float*>(p.x);
@@ -111,18 +118,11 @@ __device__ __forceinline__ void gemm_store_out(const LinearParams& p, const Gemm
 
 __device__ void gemm_bf16(const LinearParams& p) {
   __shared__ __align__(128) GemmSmem smem;
-  const int warp = threadIdx.x / kWarpSize;
-  const GemmTile tile{static_cast<int>(blockIdx.y) * kGemmBM, static_cast<int>(blockIdx.x) * kGemmBN,
-                      warp / 2, warp % 2, static_cast<int>(threadIdx.x % kWarpSize)};
+  const GemmTile tile = gemm_block_tile();
   if (tile.m0 >= p.tokens || tile.n0 >= p.n) return;
 
   float acc[kGemmMTiles][kGemmNTiles][4];
-#pragma unroll
-  for (int mt = 0; mt < kGemmMTiles; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kGemmNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+  fill(acc, 0.0f);
 
   const int steps = ceil_div(p.k, kGemmBK);
   float4 a_next[kGemmALoads];

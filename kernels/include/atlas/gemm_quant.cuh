@@ -70,18 +70,11 @@ __device__ void gemm_quant(const QuantLinearParams& qp) {
   if (qp.k % kChunk != 0) return;
   const LinearParams p{qp.x, qp.weight, qp.out, qp.tokens, qp.n, qp.k};
   const QuantMatrix m{static_cast<const uint8_t*>(qp.weight), qp.scale, qp.k};
-  const int warp = threadIdx.x / kWarpSize;
-  const GemmTile tile{static_cast<int>(blockIdx.y) * kGemmBM, static_cast<int>(blockIdx.x) * kGemmBN,
-                      warp / 2, warp % 2, static_cast<int>(threadIdx.x % kWarpSize)};
+  const GemmTile tile = gemm_block_tile();
   if (tile.m0 >= p.tokens || tile.n0 >= p.n) return;
 
   float acc[kGemmMTiles][kGemmNTiles][4];
-#pragma unroll
-  for (int mt = 0; mt < kGemmMTiles; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kGemmNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+  fill(acc, 0.0f);
 
   const int steps = ceil_div(p.k, kGemmBK);
   float4 a_next[kGemmALoads];

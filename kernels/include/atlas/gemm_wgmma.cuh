@@ -153,8 +153,7 @@ __device__ void gemm_wgmma(const LinearParams& p) {
   if (tile.m0 >= p.tokens || tile.n0 >= p.n) return;
 
   float acc[kWgmmaAccum];
-#pragma unroll
-  for (int i = 0; i < kWgmmaAccum; ++i) acc[i] = 0.0f;
+  fill(acc, 0.0f);
 
   const int steps = ceil_div(p.k, kWgmmaBK);
 #pragma unroll

@@ -63,22 +63,32 @@ __device__ __forceinline__ void gemv_chunk(const float* xs, const uint16_t* (&ro
   }
 }
 
+// The epilogue of the GEMVs: out[t, row0 + r] = scale(row0 + r) * (acc[t][r] summed over the warp's
+// lanes), rows past n skipped.
+template <int T, int R, class RowScale>
+__device__ __forceinline__ void gemv_store_rows(const float (&acc)[T][R], float* out, int n, int row0, RowScale scale) {
+  const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float total = warp_sum(acc[t][r]);
+      if (lane == 0 && row0 + r < n) out[static_cast<int64_t>(t) * n + row0 + r] = scale(row0 + r) * total;
+    }
+}
+
 template <int T, int R, int U>
 __device__ void gemv(const LinearParams& p) {
   constexpr int kCols = gemv_chunk_cols<T>();
   __shared__ __align__(16) float xs[T * kCols];  // [T, kCols]
   if (p.tokens != T) return;  // the wrapper picks the instance with T == tokens
   const int warp = threadIdx.x / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
   const int row0 = (blockIdx.x * kGemvWarps + warp) * R;
   const float* x = static_cast<const float*>(p.x);
   const uint16_t* weight = static_cast<const uint16_t*>(p.weight);
 
   float acc[T][R];
-#pragma unroll
-  for (int t = 0; t < T; ++t)
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[t][r] = 0.0f;
+  fill(acc, 0.0f);
 
   for (int c0 = 0; c0 < p.k; c0 += kCols) {
     const int cols = min(kCols, p.k - c0);  // a multiple of 8
@@ -97,14 +107,7 @@ __device__ void gemv(const LinearParams& p) {
     __syncthreads();
   }
 
-  float* out = static_cast<float*>(p.out);
-#pragma unroll
-  for (int t = 0; t < T; ++t)
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float total = warp_sum(acc[t][r]);
-      if (lane == 0 && row0 + r < p.n) out[static_cast<int64_t>(t) * p.n + row0 + r] = total;
-    }
+  gemv_store_rows(acc, static_cast<float*>(p.out), p.n, row0, [](int) { return 1.0f; });
 }
 
 }  // namespace atlas

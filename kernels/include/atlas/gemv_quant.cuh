@@ -9,6 +9,7 @@
 // Requires k % 16 == 0 (op wrapper).
 #pragma once
 
+#include "atlas/gemv.cuh"
 #include "atlas/quant_common.cuh"
 
 namespace atlas::quant {
@@ -102,7 +103,6 @@ __device__ void gemv_quant(const QuantLinearParams& p) {
   __shared__ __align__(16) float xs[T * kCols];  // [T, kCols], swizzled float4 slots
   if (p.tokens != T || p.k % kChunk != 0) return;
   const int warp = threadIdx.x / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
   const int row0 = (blockIdx.x * kQGemvWarps + warp) * R;
   const QuantMatrix m{static_cast<const uint8_t*>(p.weight), p.scale, p.k};
   int64_t rows[R];
@@ -110,10 +110,7 @@ __device__ void gemv_quant(const QuantLinearParams& p) {
   for (int r = 0; r < R; ++r) rows[r] = row0 + r < p.n ? row0 + r : -1;
 
   float acc[T][R];
-#pragma unroll
-  for (int t = 0; t < T; ++t)
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[t][r] = 0.0f;
+  fill(acc, 0.0f);
 
   for (int col0 = 0; col0 < p.k; col0 += kCols) {
     const int cols = min(kCols, p.k - col0);  // a multiple of 16
@@ -123,15 +120,8 @@ __device__ void gemv_quant(const QuantLinearParams& p) {
     __syncthreads();
   }
 
-  float* out = static_cast<float*>(p.out);
-#pragma unroll
-  for (int t = 0; t < T; ++t)
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float total = warp_sum(acc[t][r]);
-      if (lane == 0 && row0 + r < p.n)
-        out[static_cast<int64_t>(t) * p.n + row0 + r] = row_scale_at(p.row_scale, row0 + r) * total;
-    }
+  gemv_store_rows(acc, static_cast<float*>(p.out), p.n, row0,
+                  [&](int row) { return row_scale_at(p.row_scale, row); });
 }
 
 }  // namespace atlas::quant
