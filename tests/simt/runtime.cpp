@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <deque>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -255,8 +256,10 @@ std::string deadlock_report(unsigned threads) {
   return text;
 }
 
-// Runs one block to completion; false (with `error` set) on a failure.
-bool run_block(unsigned threads) {
+// Runs one block to completion; false (with `error` set) on a failure. `reverse` resumes the
+// fibers from the last thread down, so of two threads racing on an unsynchronised location each
+// order shows up in some block.
+bool run_block(unsigned threads, bool reverse) {
   reset_block(threads);
   if (!start_fibers(threads)) {
     error = "could not map fiber stacks";
@@ -265,8 +268,8 @@ bool run_block(unsigned threads) {
   for (;;) {
     const unsigned long before = progress;
     bool any = false;
-    for (unsigned i = 0; i < threads; ++i) {
-      Fiber& f = fibers[i];
+    for (unsigned n = 0; n < threads; ++n) {
+      Fiber& f = fibers[reverse ? threads - 1 - n : n];
       if (f.done) continue;
       any = true;
       if (f.wait_on != nullptr && *f.wait_on == f.wait_value) continue;
@@ -373,13 +376,18 @@ int simt_launch(void (*fn)(const void*), const void* params, const unsigned grid
   block_dim = {block[0], block[1], block[2]};
   const unsigned threads = block[0] * block[1] * block[2];
   in_kernel = 1;
+  // Blocks run one at a time in a scrambled order (i -> i * stride mod count, stride coprime with
+  // count), so a kernel that relies on block order fails here as it may on a GPU.
+  const unsigned long count = static_cast<unsigned long>(grid[0]) * grid[1] * grid[2];
+  unsigned long stride = 2654435761ul % count;
+  while (count > 1 && std::gcd(stride, count) != 1) ++stride;
   bool ok = true;
-  for (unsigned z = 0; ok && z < grid[2]; ++z)
-    for (unsigned y = 0; ok && y < grid[1]; ++y)
-      for (unsigned x = 0; ok && x < grid[0]; ++x) {
-        block_idx = {x, y, z};
-        ok = run_block(threads);
-      }
+  for (unsigned long i = 0; ok && i < count; ++i) {
+    const unsigned long b = count > 1 ? (i * stride) % count : 0;
+    block_idx = {static_cast<unsigned>(b % grid[0]), static_cast<unsigned>((b / grid[0]) % grid[1]),
+                 static_cast<unsigned>(b / (static_cast<unsigned long>(grid[0]) * grid[1]))};
+    ok = run_block(threads, i % 2 == 1);
+  }
   in_kernel = 0;
   current = nullptr;
   if (ok) return 0;
