@@ -37,9 +37,14 @@ REPO = Path(__file__).resolve().parents[1]
 SIMT = REPO / "tests" / "simt"
 OUT = REPO / "build" / "simt"
 ENTRY = re.compile(r'extern "C" __global__ void __launch_bounds__\(([^,)]+)(?:, *\d+)?\) (\w+)\(const (\w+) p\)')
-CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing", "-fno-weak", "-w")
+# -fno-weak: one translation unit, and the static __shared__ arrays of inline functions then share a
+# section with the others; alignment checks trap (SIGILL), reported as misaligned accesses.
+CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing", "-fno-weak",
+             "-fsanitize=alignment", "-fsanitize-undefined-trap-on-error", "-w")
 HOST_CC = {"sm80": (8, 0), "gb10": (12, 1), "h200": (9, 0)}  # the compute capability each emulates
 DEFAULT_SMEM = 48 * 1024
+ALLOC_ALIGN = 256  # cuMemAlloc's alignment
+TENSOR_ALIGN = 16  # the widest access a kernel makes (uint4 / float4)
 MAX_SMEM_OPTIN = 227 * 1024
 
 
@@ -152,6 +157,7 @@ class SimtDriver:
         self.hw = hw
         self.lib: Any = None
         self.sizes: dict[int, int] = {}
+        self.aligns: dict[int, int] = {}
         self.functions: dict[tuple[int, str], _Function] = {}
         self.capture: _Graph | None = None
         self.launches = 0
@@ -169,8 +175,8 @@ class SimtDriver:
         self.lib.simt_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint),
                                          ctypes.POINTER(ctypes.c_uint), ctypes.c_ulong, ctypes.c_char_p, ctypes.c_ulong]
         self.lib.simt_alloc.restype = ctypes.c_void_p
-        self.lib.simt_alloc.argtypes = [ctypes.c_ulong]
-        self.lib.simt_free.argtypes = [ctypes.c_void_p, ctypes.c_ulong]
+        self.lib.simt_alloc.argtypes = [ctypes.c_ulong, ctypes.c_ulong]
+        self.lib.simt_free.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
         return self.lib
 
     # --- device ---------------------------------------------------------------------------------
@@ -201,18 +207,22 @@ class SimtDriver:
         function.max_dynamic_smem = nbytes
 
     # --- memory ---------------------------------------------------------------------------------
-    def mem_alloc(self, nbytes: int) -> int:
-        ptr = self.lib.simt_alloc(max(int(nbytes), 1))
+    def mem_alloc(self, nbytes: int, align: int = ALLOC_ALIGN) -> int:
+        """cuMemAlloc: 256-byte aligned like the real one; `align` 16 puts the end of a tensor that
+        is not a multiple of 256 bytes next to its guard page (GuardedArena)."""
+        size = max(int(nbytes), 1)
+        ptr = self.lib.simt_alloc(size, align)
         if not ptr:
             raise CudaError(f"cuMemAlloc({nbytes}): CUDA_ERROR_OUT_OF_MEMORY")
-        self.sizes[int(ptr)] = max(int(nbytes), 1)
+        self.sizes[int(ptr)] = size
+        self.aligns[int(ptr)] = align
         return int(ptr)
 
     def mem_free(self, ptr: int) -> None:
         size = self.sizes.pop(int(ptr), None)
         if size is None:
             raise CudaError(f"cuMemFree({ptr:#x}): not an allocation")
-        self.lib.simt_free(ptr, size)
+        self.lib.simt_free(ptr, size, self.aligns.pop(int(ptr)))
 
     def _check_range(self, ptr: int, nbytes: int, what: str) -> None:
         for base, size in self.sizes.items():
@@ -320,6 +330,53 @@ class SimtDriver:
             raise CudaError(f"{call} while the stream is capturing: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
 
 
+class GuardedArena:
+    """The step arena (atlas.backends.cuda.memory.StepArena's interface) with every step tensor in
+    an allocation of its own that ends at a guard page, so a kernel writing or reading past a
+    scratch tensor faults instead of landing in its neighbour. The k-th allocation of a step reuses
+    the k-th slot when the size is the same (what graph replay needs, like the bump arena);
+    otherwise the slot is replaced and `generation` moves, so graphs are captured again."""
+
+    def __init__(self, driver: SimtDriver, initial_bytes: int = 0) -> None:
+        self.driver = driver
+        self.generation = 0
+        self.high_water = 0
+        self._slots: list[tuple[int, int]] = []  # (ptr, size)
+        self._next = 0
+
+    def alloc(self, nbytes: int) -> int:
+        size = max(int(nbytes), 1)
+        index, self._next = self._next, self._next + 1
+        if index < len(self._slots) and self._slots[index][1] == size:
+            return self._slots[index][0]
+        ptr = self.driver.mem_alloc(size, TENSOR_ALIGN)
+        if index < len(self._slots):
+            self.driver.mem_free(self._slots[index][0])
+            self._slots[index] = (ptr, size)
+            self.generation += 1
+        else:
+            self._slots.append((ptr, size))
+        self.high_water = max(self.high_water, sum(size for _, size in self._slots[: self._next]))
+        return ptr
+
+    def mark(self) -> tuple[int]:
+        return (self._next,)
+
+    def rewind(self, mark: tuple[int]) -> None:
+        self._next = mark[0]
+
+    def reset(self) -> None:
+        self._next = 0
+
+    def spans(self) -> list[tuple[int, int]]:
+        return list(self._slots)
+
+    def release(self) -> None:
+        for ptr, _ in self._slots:
+            self.driver.mem_free(ptr)
+        self._slots = []
+
+
 def host_tuples(hw: str) -> list[Any]:
     """The tuples of `hw` whose kernel sources are in the tree (all of them build for the host)."""
     from atlas.backends.cuda.kernel_images import TupleKey
@@ -330,9 +387,10 @@ def host_tuples(hw: str) -> list[Any]:
 
 def use_simt(monkeypatch: Any, hw: str) -> None:
     """Every CUDA backend this test opens runs on the host emulator of `hw`'s tuples."""
-    from atlas.backends.cuda import driver, select
+    from atlas.backends.cuda import driver, runtime, select
     from atlas.backends.cuda.runtime import KernelImage
 
     monkeypatch.setattr(driver, "open_driver", lambda ordinal=0: SimtDriver(hw))
+    monkeypatch.setattr(runtime, "StepArena", GuardedArena)
     monkeypatch.setattr(select, "installed_tuples", lambda: host_tuples(hw))
     monkeypatch.setattr(select, "load_image", lambda key, kind: KernelImage(f"{key} (host SIMT)", str(key).encode(), "ptx"))

@@ -89,12 +89,32 @@ def test_a_missing_barrier_shows_in_the_result(device: Device, rng: np.random.Ge
         ("simt_exit_then_sync", 16, "exited"),
         ("simt_deadlock", 0, "deadlock"),
         ("simt_read_past_end", 64, "illegal memory access"),
+        ("simt_vector_load", 1, "misaligned access"),
     ],
 )
 def test_faults_are_reported(device: Device, kernel: str, n: int, message: str) -> None:
     x = np.zeros(64, np.float32)  # 256 bytes: element 64 is on the guard page
     with pytest.raises(CudaError, match=message):
         device.run(kernel, x, np.zeros(64, np.float32), n=n, threads=64)
+
+
+def test_step_tensors_end_at_a_guard_page(device: Device) -> None:
+    """GuardedArena: a 60-float scratch tensor (240 bytes, not a multiple of 256) faults at element 60;
+    the same sizes in the same order give the same addresses after a reset."""
+    from _simt import GuardedArena
+
+    arena = GuardedArena(device.driver)
+    first = [arena.alloc(240), arena.alloc(64)]
+    arena.reset()
+    assert [arena.alloc(240), arena.alloc(64)] == first and arena.generation == 0
+    out = device.driver.mem_alloc(256)
+    device.launch("simt_read_past_end", 32, first[0], out, n=59)
+    with pytest.raises(CudaError, match="illegal memory access"):
+        device.launch("simt_read_past_end", 32, first[0], out, n=60)
+    arena.reset()
+    arena.alloc(480)
+    assert arena.generation == 1
+    arena.release()
 
 
 def test_launch_limits_are_enforced(device: Device) -> None:

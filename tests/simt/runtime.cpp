@@ -116,6 +116,7 @@ const void* entry_params = nullptr;
 volatile sig_atomic_t in_kernel = 0;
 struct sigaction previous_segv;
 struct sigaction previous_bus;
+struct sigaction previous_ill;  // the host build's alignment checks trap with ud2
 
 void* stack_for(Fiber& f) {
   if (!f.stack) {
@@ -178,14 +179,16 @@ void finish_current() {
 
 void on_fault(int sig, siginfo_t* info, void* context) {
   if (!in_kernel) {
-    const struct sigaction& prev = sig == SIGSEGV ? previous_segv : previous_bus;
+    const struct sigaction& prev = sig == SIGSEGV ? previous_segv : sig == SIGILL ? previous_ill : previous_bus;
     sigaction(sig, &prev, nullptr);
     return;  // the fault repeats under the previous handler
   }
   (void)context;
-  char text[200];
-  std::snprintf(text, sizeof text, "%s at address %p (%s)", sig == SIGSEGV ? "illegal memory access" : "misaligned access",
-                info->si_addr, current ? where(*current).c_str() : "?");
+  const char* what = sig == SIGSEGV ? "illegal memory access"
+                     : sig == SIGILL ? "misaligned access (a load or store at an address its type's alignment forbids)"
+                                     : "bus error";
+  char text[240];
+  std::snprintf(text, sizeof text, "%s at %p (%s)", what, info->si_addr, current ? where(*current).c_str() : "?");
   if (error.empty()) error = text;
   void* abandoned;
   simt_switch(&abandoned, scheduler_sp);
@@ -206,6 +209,7 @@ void install_fault_handler() {
   sigemptyset(&action.sa_mask);
   sigaction(SIGSEGV, &action, &previous_segv);
   sigaction(SIGBUS, &action, &previous_bus);
+  sigaction(SIGILL, &action, &previous_ill);
 }
 
 void reset_block(unsigned threads) {
@@ -395,11 +399,12 @@ int simt_launch(void (*fn)(const void*), const void* params, const unsigned grid
   return -1;
 }
 
-// Device memory: `size` bytes, 256-byte aligned, ending at a guard page so a read or write past
-// the end faults; the bytes start as 0xFF (cuMemAlloc promises nothing).
-void* simt_alloc(unsigned long size) {
+// Device memory: `size` bytes rounded up to `align` (a power of two, at most a page), starting
+// `align`-aligned and ending at a guard page, so a read or write past the rounded end faults; the
+// bytes start as 0xFF (cuMemAlloc promises nothing).
+void* simt_alloc(unsigned long size, unsigned long align) {
   const unsigned long page = static_cast<unsigned long>(sysconf(_SC_PAGESIZE));
-  const unsigned long body = (size + 255) / 256 * 256;
+  const unsigned long body = (size + align - 1) / align * align;
   const unsigned long mapped = (body + page - 1) / page * page + page;
   char* base = static_cast<char*>(mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   if (base == MAP_FAILED) return nullptr;
@@ -410,9 +415,9 @@ void* simt_alloc(unsigned long size) {
   return start;
 }
 
-void simt_free(void* ptr, unsigned long size) {
+void simt_free(void* ptr, unsigned long size, unsigned long align) {
   const unsigned long page = static_cast<unsigned long>(sysconf(_SC_PAGESIZE));
-  const unsigned long body = (size + 255) / 256 * 256;
+  const unsigned long body = (size + align - 1) / align * align;
   const unsigned long mapped = (body + page - 1) / page * page + page;
   char* guard = static_cast<char*>(ptr) + body;
   munmap(guard + page - mapped, mapped);

@@ -109,3 +109,9 @@ extern "C" __global__ void __launch_bounds__(1024) simt_cp_async(const SelfTestP
   atlas::cp_async_wait<0>();
   for (int j = 0; j < 4; ++j) out[p.n + i + j] = stage[i + j];
 }
+
+// A 16-byte vector load from in + 4 n bytes: misaligned unless n % 4 == 0.
+extern "C" __global__ void __launch_bounds__(1024) simt_vector_load(const SelfTestParams p) {
+  const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const char*>(p.in) + 4 * p.n);
+  static_cast<unsigned*>(p.out)[threadIdx.x] = v.x;
+}
