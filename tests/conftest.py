@@ -25,6 +25,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU and an installed wheel with kernels")
     config.addinivalue_line("markers", "slow: builds wheels or trains; minutes, not seconds")
     config.addinivalue_line("markers", "oracle: compares against Hugging Face transformers")
+    hw = os.environ.get("ATLAS_SIMT", "")
+    if hw:
+        from _simt import HOST_CC
+
+        if hw not in HOST_CC:
+            raise pytest.UsageError(f"ATLAS_SIMT={hw!r} is not a hardware the host emulator builds; "
+                                    f"set it to one of {', '.join(sorted(HOST_CC))} or unset it")
 
 
 @pytest.fixture
@@ -41,8 +48,8 @@ def rng(request: pytest.FixtureRequest) -> "np.random.Generator":
 
 @pytest.fixture(scope="session", autouse=True)
 def _host_simt() -> Iterator[None]:
-    """ATLAS_SIMT=sm80 or gb10: every CUDA backend the session opens runs on the host emulator of
-    that hardware's tuples (tests/_simt.py) instead of a GPU; meant for `-m gpu` runs."""
+    """ATLAS_SIMT=h200, gb10 or sm80: every CUDA backend the session opens runs on the host emulator
+    of that hardware's tuples (tests/_simt.py) instead of a GPU; meant for `-m gpu` runs."""
     hw = os.environ.get("ATLAS_SIMT", "")
     if not hw:
         yield
