@@ -180,20 +180,40 @@ def test_graph_replays_the_captured_params(device: Device, rng: np.random.Genera
         driver.graph_launch(graph, None)
 
 
+QWEN = "qwen3.6-35b-a3b"
+# The qwen3.6-dimension tests that take minutes each on the emulator (the lm_head GEMV, the prefill
+# GEMMs and MoE at 17 tokens and up), left to the device run.
+QWEN_HEAVY = (
+    f"test_gpu_ops.py::test_linear_lm_head[{QWEN}]", f"test_gpu_ops.py::test_linear[{QWEN}-17]",
+    f"test_gpu_ops.py::test_linear[{QWEN}-100]", f"test_gpu_ops.py::test_moe_experts[{QWEN}-17]",
+    f"test_gpu_ops.py::test_moe_experts[{QWEN}-70]",
+    f"test_gpu_moe_shared.py::test_moe_experts_with_the_shared_slot[{QWEN}-70]",
+)
+SUITES = {
+    # every gpu-marked test at the demo dimensions
+    "demo": ["-k", "not qwen", "tests"],
+    # the real-dimension kernel instances (head_dim 256, 256 experts, the DeltaNet heads, the KV levels)
+    "qwen-dims": ["-k", "qwen", *(f"--deselect=tests/{t}" for t in QWEN_HEAVY),
+                  *(f"tests/test_gpu_{f}.py" for f in ("ops", "delta_decode", "delta_chunked", "router_fused",
+                                                       "moe_shared", "kv"))],
+}
+
+
 @pytest.mark.slow
-def test_gpu_suite_passes_on_the_emulated_h200_kernels() -> None:
-    """Every gpu-marked test at the demo dimensions (the qwen3.6 ones would take hours here) with its
-    CUDA backend on the emulated h200 tuples, whose sources hold gb10's and sm80's plus wgmma. The
-    REQUIRE flags turn "no CUDA backend" into a failure, so nothing passes by skipping."""
+@pytest.mark.parametrize("suite", SUITES)
+def test_gpu_suite_passes_on_the_emulated_h200_kernels(suite: str) -> None:
+    """gpu-marked tests with their CUDA backend on the emulated h200 tuples, whose sources hold
+    gb10's and sm80's plus wgmma. The REQUIRE flags turn "no CUDA backend" into a failure, so
+    nothing passes by skipping; the qwen3.6 model-against-transformers test needs ~17 GB for the
+    fp32 reference and stays with the device run."""
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "ATLAS_SIMT": "h200", "ATLAS_REQUIRE_GPU": "1", "ATLAS_REQUIRE_GPU_QUANT": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-k", "not qwen", "-p", "no:cacheprovider", "-rs",
-           str(repo / "tests")]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs", *SUITES[suite]]
     done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
     report = done.stdout[-8000:] + done.stderr[-2000:]
     assert done.returncode == 0, report
     passed = re.search(r"(\d+) passed", done.stdout)
-    assert passed and int(passed.group(1)) >= 100, report
+    assert passed and int(passed.group(1)) >= 50, report
     skips = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
     allowed = ("pycuda is not installed", "T = 1 is decode")
     assert all(any(reason in line for reason in allowed) for line in skips), report
