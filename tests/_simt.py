@@ -132,6 +132,23 @@ def compile_library(out: Path, sources: list[Path], includes: list[Path]) -> Pat
     return lib
 
 
+# Function-local statics outside the runtime (namespace simt) and the C++ library: in kernel code
+# only __shared__ arrays are static locals.
+KERNEL_STATIC = re.compile(r"_ZZ(?!N4simt|N?K?St|N9__gnu_cxx)")
+
+
+def template_shared_arrays(library: Path) -> list[tuple[int, int]]:
+    """(offset, size) of the kernels' __shared__ arrays outside the simt_shared section: GCC puts
+    the static locals of function templates in .bss whatever their section attribute says."""
+    table = subprocess.run(["nm", "-S", "--defined-only", str(library)], capture_output=True, text=True, check=True)
+    regions = []
+    for line in table.stdout.splitlines():
+        fields = line.split()
+        if len(fields) == 4 and fields[2] in "bB" and KERNEL_STATIC.match(fields[3]):
+            regions.append((int(fields[0], 16), int(fields[1], 16)))
+    return regions
+
+
 @dataclass
 class _Function:
     name: str
@@ -177,6 +194,10 @@ class SimtDriver:
         self.lib.simt_alloc.restype = ctypes.c_void_p
         self.lib.simt_alloc.argtypes = [ctypes.c_ulong, ctypes.c_ulong]
         self.lib.simt_free.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+        regions = template_shared_arrays(path)
+        offsets = (ctypes.c_ulong * max(len(regions), 1))(*(offset for offset, _ in regions))
+        sizes = (ctypes.c_ulong * max(len(regions), 1))(*(size for _, size in regions))
+        self.lib.simt_set_template_shared(offsets, sizes, ctypes.c_ulong(len(regions)))
         return self.lib
 
     # --- device ---------------------------------------------------------------------------------

@@ -150,6 +150,14 @@ def test_ldmatrix_trans_follows_the_ptx_definition(device: Device, rng: np.rando
         np.testing.assert_array_equal(got[:, j], lo | (hi << 16), err_msg=f"register {j}")
 
 
+def test_shared_memory_starts_poisoned_at_every_launch(device: Device) -> None:
+    """A template kernel's __shared__ array read before any write holds the poison (NaN), also after
+    an earlier launch wrote 1.0 into it."""
+    for _ in range(2):
+        got = device.run("simt_template_shared", np.zeros(64, np.float32), np.zeros(1, np.float32), threads=64)
+        assert np.isnan(got[0]), got
+
+
 def test_cp_async_lands_at_the_wait(device: Device, rng: np.random.Generator) -> None:
     x = rng.standard_normal(128).astype(np.float32)
     got = device.run("simt_cp_async", x, np.zeros(256, np.float32), n=128)

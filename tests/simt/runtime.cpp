@@ -5,6 +5,7 @@
 // punish is an error here: a barrier after some threads exited, a warp collective whose mask
 // names an exited lane or differs between lanes, a memory fault (allocations end at a guard
 // page). Shared memory is poisoned with 0xFF bytes before every block.
+#include <dlfcn.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -212,6 +213,11 @@ void install_fault_handler() {
   sigaction(SIGILL, &action, &previous_ill);
 }
 
+// Static __shared__ arrays of function templates, which GCC places in .bss whatever their section
+// attribute says (simt_set_template_shared): poisoned at every launch rather than every block.
+std::vector<std::pair<char*, unsigned long>> template_shared;
+unsigned long dynamic_bytes = 0;
+
 void reset_block(unsigned threads) {
   block = BlockState{threads, threads, 0, 0};
   const unsigned warp_count = (threads + 31) / 32;
@@ -221,7 +227,7 @@ void reset_block(unsigned threads) {
     warps[w].live = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1);
   }
   if (__start_simt_shared != nullptr) std::memset(__start_simt_shared, 0xff, __stop_simt_shared - __start_simt_shared);
-  std::memset(dynamic_buffer, 0xff, sizeof dynamic_buffer);
+  std::memset(dynamic_buffer, 0xff, dynamic_bytes);
 }
 
 bool start_fibers(unsigned threads) {
@@ -376,6 +382,8 @@ int simt_launch(void (*fn)(const void*), const void* params, const unsigned grid
   }
   entry = fn;
   entry_params = params;
+  dynamic_bytes = smem;
+  for (const auto& [start, size] : template_shared) std::memset(start, 0xff, size);
   grid_dim = {grid[0], grid[1], grid[2]};
   block_dim = {block[0], block[1], block[2]};
   const unsigned threads = block[0] * block[1] * block[2];
@@ -397,6 +405,16 @@ int simt_launch(void (*fn)(const void*), const void* params, const unsigned grid
   if (ok) return 0;
   std::snprintf(message, message_size, "%s", error.c_str());
   return -1;
+}
+
+// The static __shared__ arrays that live outside the simt_shared section: `count` (offset from the
+// library's load address, size) pairs read from its symbol table.
+void simt_set_template_shared(const unsigned long* offsets, const unsigned long* sizes, unsigned long count) {
+  Dl_info info;
+  dladdr(reinterpret_cast<void*>(&simt_launch), &info);
+  simt::template_shared.clear();
+  for (unsigned long i = 0; i < count; ++i)
+    simt::template_shared.emplace_back(static_cast<char*>(info.dli_fbase) + offsets[i], sizes[i]);
 }
 
 // Device memory: `size` bytes rounded up to `align` (a power of two, at most a page), starting

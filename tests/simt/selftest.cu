@@ -115,3 +115,17 @@ extern "C" __global__ void __launch_bounds__(1024) simt_vector_load(const SelfTe
   const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const char*>(p.in) + 4 * p.n);
   static_cast<unsigned*>(p.out)[threadIdx.x] = v.x;
 }
+
+// A function template's __shared__ array (GCC keeps it out of the poisoned section): thread 0 reads
+// element 0 before anyone writes it, then every thread writes its element.
+template <int N>
+__device__ void read_unwritten_shared(const SelfTestParams& p) {
+  __shared__ float stage[N];
+  if (threadIdx.x == 0) static_cast<float*>(p.out)[0] = stage[0];
+  __syncthreads();
+  stage[threadIdx.x % N] = 1.0f;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) simt_template_shared(const SelfTestParams p) {
+  read_unwritten_shared<64>(p);
+}
