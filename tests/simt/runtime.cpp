@@ -88,7 +88,6 @@ struct Fiber {
   uint3 tid;
   unsigned warp = 0;
   unsigned lane = 0;
-  bool started = false;
   bool done = false;
   const char* waiting = nullptr;
   const unsigned long* wait_on = nullptr;  // resumable once *wait_on != wait_value
