@@ -3,6 +3,7 @@ weights made on the device (no checkpoint), batch 1, against transformers bf16 w
 weights on the same GPU.
 
     python bench/decode.py --out results.json [--budget-s 150] [--skip-transformers] [--prefill-only]
+                           [--layers 40]
 
 Reports prefill tok/s (512 and 2048 prompt tokens), decode tok/s (256 tokens after a 1024-token
 prompt, greedy, the token id read back every step as a real generation does), bytes read per
@@ -37,6 +38,7 @@ PREFILL_LENGTHS = (512, 2048)
 DECODE_CONTEXT = 1024
 DECODE_TOKENS = 256
 HF_DECODE_TOKENS = 32
+WARMUP_TOKENS = 64  # the warm-up generation's prompt: loads the modules, captures the graph
 COPY_BYTES = 2 << 30
 
 
@@ -174,7 +176,7 @@ def run_prefill_forms(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
 
     checkpoint = synthetic.SyntheticCheckpoint(synthetic.text_plan(spec))
     backend = make_bench_backend(checkpoint)
-    log(f"atlas on {backend.describe()}; loading 40 synthetic layers")
+    log(f"atlas on {backend.describe()}; loading {spec.num_hidden_layers} synthetic layers")
     t0 = time.perf_counter()
     engine = Engine(spec, checkpoint, backend, max_seq_len=max(PREFILL_LENGTHS) + 8)
     backend.rt.synchronize()
@@ -186,7 +188,7 @@ def run_prefill_forms(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
     for form in (own, *(f for f in PREFILL_ATTENTION_FORMS if f != own)):
         backend.prefill_attention = form
         log(f"prefill attention {form}")
-        engine.generate(prompt[:64], 1, SamplingParams(), None, set())  # warm-up: the form's kernels
+        engine.generate(prompt[:WARMUP_TOKENS], 1, SamplingParams(), None, set())  # warm-up: the form's kernels
         result["prefill_tok_s_by_form"][form] = time_prefill(engine, prompt)
     backend.prefill_attention = own
     result["prefill_tok_s"] = result["prefill_tok_s_by_form"][own]
@@ -200,7 +202,7 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     checkpoint = synthetic.SyntheticCheckpoint(synthetic.text_plan(spec))
     backend = make_bench_backend(checkpoint)
     device = backend.describe()
-    log(f"atlas on {device}; loading 40 synthetic layers")
+    log(f"atlas on {device}; loading {spec.num_hidden_layers} synthetic layers")
     t0 = time.perf_counter()
     engine = Engine(spec, checkpoint, backend, max_seq_len=max(PREFILL_LENGTHS) + DECODE_TOKENS + 8)
     backend.rt.synchronize()
@@ -208,7 +210,7 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     log(f"loaded in {load_s:.1f}s; copy bandwidth")
     copy_bps = copy_bandwidth(backend.rt)
     prompt = rng.integers(0, spec.vocab_size, size=max(PREFILL_LENGTHS)).tolist()
-    engine.generate(prompt[:64], 4, SamplingParams(), None, set())  # warm-up: module, graph capture
+    engine.generate(prompt[:WARMUP_TOKENS], 4, SamplingParams(), None, set())  # warm-up: module, graph capture
     prefill = time_prefill(engine, prompt) if timed_prefill else {}
     decode, steps = time_decode(engine, prompt[:DECODE_CONTEXT], DECODE_TOKENS)
     log(f"decode at {DECODE_CONTEXT} context: {decode:.1f} tok/s over {steps} steps")
@@ -285,12 +287,17 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=170.0)
+    parser.add_argument("--layers", type=int, default=synthetic.QWEN_LAYERS,
+                        help="decoder layers (every 4th full attention); fewer for a quick run")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--decode-only", action="store_true",
                         help="decode tok/s only (no prefill timing, no transformers)")
     parser.add_argument("--prefill-only", action="store_true",
                         help="prefill tok/s per prefill attention form only (no decode, no transformers)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.layers < 1:
+        parser.error(f"--layers {args.layers}: give at least 1 layer")
+    return args
 
 
 def atlas_result(spec: Any, rng: np.random.Generator, decode_only: bool) -> dict[str, Any]:
@@ -328,10 +335,10 @@ def main() -> int:
     from atlas.config import load_spec
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = synthetic.write_config(Path(tmp))
+        config = synthetic.write_config(Path(tmp), args.layers)
         spec = load_spec(Path(tmp))
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
-                              "machine": machine(), "model": "qwen3.6-35b-a3b dims, 40 layers, synthetic weights",
+                              "machine": machine(), "model": synthetic.model_label(args.layers),
                               "batch": 1, "notes": [], "kernel_forms": kernel_forms()}
     if args.prefill_only:
         result.update(run_prefill_forms(spec, rng))

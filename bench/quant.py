@@ -1,7 +1,7 @@
 """Quantized-target benchmark on the GPU (issue 5, point 7): the full 40-layer Qwen3.6-35B-A3B
 dimensions with synthetic fp8-block / nvfp4 weights written on the device (no checkpoint).
 
-    python bench/quant.py --out results.json [--budget-s 150] [--parts moe,fp8,nvfp4]
+    python bench/quant.py --out results.json [--budget-s 150] [--parts moe,fp8,nvfp4] [--layers 40]
     python bench/quant.py --out quant-memory.json --cpu-only   # the CPU numbers alone
 
 Reports, per part (the JSON is rewritten after each, so a timeout keeps what finished):
@@ -131,18 +131,18 @@ def release(backend: Any) -> None:
     backend.rt.arena.release()
 
 
-def run_decode(fmt: str, rng: np.random.Generator, copy_bps: float | None) -> tuple[dict[str, Any], float]:
-    """Decode tok/s of the 40-layer model in `fmt`; (result, copy bandwidth measured once)."""
+def run_decode(fmt: str, layers: int, rng: np.random.Generator, copy_bps: float | None) -> tuple[dict[str, Any], float]:
+    """Decode tok/s of the `layers`-layer model in `fmt`; (result, copy bandwidth measured once)."""
     from atlas.backends.base import SamplingParams
     from atlas.config import load_spec
     from atlas.engine import Engine
 
     with tempfile.TemporaryDirectory() as tmp:
-        synthetic.write_quant_config(Path(tmp), fmt)
+        synthetic.write_quant_config(Path(tmp), fmt, layers)
         spec = load_spec(Path(tmp))
         checkpoint = synthetic.SyntheticQuantCheckpoint(synthetic.quant_plan(spec), source=tmp, fmt=fmt)
         backend = make_quant_backend(checkpoint)
-        log(f"{fmt}: atlas on {backend.describe()}; loading 40 synthetic layers")
+        log(f"{fmt}: atlas on {backend.describe()}; loading {layers} synthetic layers")
         t0 = time.perf_counter()
         engine = Engine(spec, checkpoint, backend, max_seq_len=decode.DECODE_CONTEXT + decode.DECODE_TOKENS + 8)
         backend.rt.synchronize()
@@ -152,7 +152,7 @@ def run_decode(fmt: str, rng: np.random.Generator, copy_bps: float | None) -> tu
     if copy_bps is None:
         copy_bps = decode.copy_bandwidth(backend.rt)
     prompt = rng.integers(0, spec.vocab_size, size=decode.DECODE_CONTEXT).tolist()
-    engine.generate(prompt[:64], 4, SamplingParams(), None, set())  # warm-up: module, graph capture
+    engine.generate(prompt[:decode.WARMUP_TOKENS], 4, SamplingParams(), None, set())  # warm-up: module, graph capture
     stats = engine.generate(prompt, 1, SamplingParams(), None, set())
     tok_s, steps = decode.time_decode(engine, prompt, decode.DECODE_TOKENS)
     per_token = decode_bytes(spec, fmt, decode.DECODE_CONTEXT + decode.DECODE_TOKENS // 2)
@@ -200,12 +200,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="result JSON (its directory must exist)")
     parser.add_argument("--budget-s", type=float, default=150.0, help="skip parts that would end past this")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--layers", type=int, default=synthetic.QWEN_LAYERS,
+                        help="decoder layers of the decode parts (every 4th full attention); fewer for a quick run")
     parser.add_argument("--cpu-only", action="store_true", help="write the CPU numbers only (no GPU needed)")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
         raise AtlasError(f"--parts {args.parts!r}: unknown part {unknown[0] if unknown else '(none)'}; choose from {','.join(PARTS)}")
+    if args.layers < 1:
+        raise AtlasError(f"--layers {args.layers}: give at least 1 layer")
     if not args.budget_s > 0:
         raise AtlasError(f"--budget-s {args.budget_s}: must be a positive number of seconds")
     if not args.out.parent.is_dir():
@@ -249,7 +253,7 @@ def run_parts(args: argparse.Namespace, spec: Any, result: dict[str, Any], start
             if part == "moe":
                 result["moe"] = run_moe(spec, rng)
             else:
-                result[part], copy_bps = run_decode(part, rng, copy_bps)
+                result[part], copy_bps = run_decode(part, args.layers, rng, copy_bps)
                 result["copy_gb_s"] = copy_bps / 1e9
         except Exception as err:  # record and go on: one failing part must not hide the others
             failed += 1
@@ -271,10 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench/quant.py: error: {err}", file=sys.stderr)
         return USAGE_EXIT
     with tempfile.TemporaryDirectory() as tmp:
-        synthetic.write_config(Path(tmp))
+        synthetic.write_config(Path(tmp), args.layers)
         spec = load_spec(Path(tmp))
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
-                              "machine": decode.machine(), "model": "qwen3.6-35b-a3b dims, 40 layers, synthetic weights",
+                              "machine": decode.machine(), "model": synthetic.model_label(args.layers),
                               "batch": 1, "notes": [], **cpu_numbers(spec)}
     if args.cpu_only:
         result["notes"].append("--cpu-only: no GPU part run")

@@ -21,9 +21,10 @@ LAZY_MIN_BYTES = 32 << 20  # float32 size from which a tensor is a repeated tile
 HOST_ALWAYS = ("self_attn.q_proj.weight",)  # the loader splits it on the host: keep it real
 TILE_ELEMENTS = 1 << 20
 SEED = 20261129
+QWEN_LAYERS = 40  # Qwen3.6-35B-A3B's decoder layers
 
 
-def qwen_config(num_layers: int = 40) -> dict[str, Any]:
+def qwen_config(num_layers: int = QWEN_LAYERS) -> dict[str, Any]:
     """config.json of a qwen3_5_moe_text model with the Qwen3.6-35B-A3B dimensions."""
     from transformers import Qwen3_5MoeTextConfig
 
@@ -36,7 +37,12 @@ def qwen_config(num_layers: int = 40) -> dict[str, Any]:
     return config.to_dict()
 
 
-def write_config(model_dir: Path, num_layers: int = 40) -> dict[str, Any]:
+def model_label(num_layers: int) -> str:
+    """The benchmarks' "model" entry."""
+    return f"qwen3.6-35b-a3b dims, {num_layers} layers, synthetic weights"
+
+
+def write_config(model_dir: Path, num_layers: int = QWEN_LAYERS) -> dict[str, Any]:
     model_dir.mkdir(parents=True, exist_ok=True)
     config = qwen_config(num_layers)
     (model_dir / "config.json").write_text(json.dumps(config), encoding="utf-8")
@@ -252,7 +258,7 @@ class SyntheticQuantCheckpoint(SyntheticCheckpoint):
         return quant_checkpoint_parts(self.fmt, self.plan[weight])[suffix]  # type: ignore[arg-type]
 
 
-def write_quant_config(model_dir: Path, fmt: str, num_layers: int = 40) -> dict[str, Any]:
+def write_quant_config(model_dir: Path, fmt: str, num_layers: int = QWEN_LAYERS) -> dict[str, Any]:
     """config.json (+ hf_quant_config.json for nvfp4) of the synthetic quantized checkpoint."""
     from atlas.quant.exclusions import EXCLUDED_MODULES
     from atlas.quantize import quant_configs

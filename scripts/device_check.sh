@@ -103,72 +103,12 @@ stage qbench 90 "cd /tmp && $PY '$REPO/bench/quant.py' --out '$OUT/qbench.json' 
 stage fused 45 "cd /tmp && ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused $PY '$REPO/bench/decode.py' --decode-only \
   --out $VARIANTS_DIR/fused_decode.json"
 stage prefill 40 "cd /tmp && ATLAS_PREFILL_ATTENTION=mma ATLAS_GEMM=wgmma $PY '$REPO/bench/decode.py' --prefill-only --out $VARIANTS_DIR/mma_prefill.json"
-$PY - "$VARIANTS_DIR" "$OUT/variants.json" <<'EOF'
-import json, pathlib, sys
-found = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}
-if found:
-    pathlib.Path(sys.argv[2]).write_text(json.dumps(found, indent=1))
-EOF
+$PY "$REPO/scripts/device_summary.py" variants "$VARIANTS_DIR" "$OUT/variants.json"
 
 {
   echo
   echo "=== summary (total $(elapsed)s of ${BUDGET_S}s budget)"
   printf '%-10s %-8s %6s  %s\n' stage status time detail
   for line in "${SUMMARY[@]}"; do echo "$line"; done
-  for junit in "$OUT"/junit-*.xml; do
-    [[ -f "$junit" ]] || continue
-    $PY - "$junit" <<'EOF'
-import sys, xml.etree.ElementTree as ET
-root = ET.parse(sys.argv[1]).getroot()
-suites = [root] if root.tag == "testsuite" else list(root)
-total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-print(sys.argv[1].rsplit("/", 1)[-1] + ": {tests} tests, {failures} failed, {errors} errors, {skipped} skipped".format(**total))
-EOF
-  done
-  if [[ -f "$OUT/results.json" ]]; then
-    $PY - "$OUT/results.json" <<'EOF'
-import json, sys
-r = json.load(open(sys.argv[1]))
-for key in ("prefill_tok_s", "decode_tok_s", "decode_bytes_per_token", "decode_gb_s",
-            "copy_gb_s", "roofline_pct", "transformers", "speedup_vs_transformers", "notes"):
-    if key in r:
-        print(f"{key}: {json.dumps(r[key])}")
-EOF
-  fi
-  if [[ -f "$OUT/variants.json" ]]; then
-    $PY - "$OUT/variants.json" <<'EOF'
-import json, sys
-r = json.load(open(sys.argv[1]))
-if "fused_decode" in r:
-    d = r["fused_decode"]
-    forms = d.get("kernel_forms", {})
-    print(f"fused decode ({forms.get('ATLAS_DELTANET_DECODE')} DeltaNet, {forms.get('ATLAS_ROUTER')} router): "
-          f"{d['decode_tok_s']:.1f} tok/s, roofline {d['roofline_pct']:.1f}%")
-if "mma_prefill" in r:
-    print("prefill tok/s by attention form:", json.dumps(r["mma_prefill"].get("prefill_tok_s_by_form")))
-EOF
-  fi
-  if [[ -f "$OUT/qbench.json" ]]; then
-    $PY - "$OUT/qbench.json" <<'EOF'
-import json, sys
-r = json.load(open(sys.argv[1]))
-print("qbench weight memory GB:", {f: round(b / 1e9, 2) for f, b in r.get("weight_memory_bytes", {}).items()})
-for fmt in ("fp8", "nvfp4"):
-    d = r.get(fmt)
-    if d:
-        print(f"qbench {fmt}: decode {d['decode_tok_s']:.1f} tok/s, {d['decode_gb_s']:.0f} GB/s, "
-              f"roofline {d['roofline_pct']:.1f}% (ceiling {d['roofline_tok_s']:.0f} tok/s), prefill 1024 {d['prefill_tok_s_1024']:.0f} tok/s")
-moe = r.get("moe", {})
-for fmt in ("bf16", "fp8", "nvfp4"):
-    m = moe.get(fmt)
-    if m:
-        print(f"qbench moe {fmt} ({moe['tokens']} tok x {moe['experts']} experts): "
-              + ", ".join(f"{mode} grouped {m[mode]['grouped_ms']:.3f} ms vs loop {m[mode]['loop_ms']:.3f} ms = {m[mode]['speedup']:.2f}x"
-                          for mode in ("eager", "graph") if mode in m) + f", experts {m['expert_weight_bytes'] / 1e9:.3f} GB")
-if "memory_ratio_vs_bf16" in moe:
-    print("qbench moe memory vs bf16:", {f: round(v, 2) for f, v in moe["memory_ratio_vs_bf16"].items()})
-if r.get("notes"):
-    print("qbench notes:", json.dumps(r["notes"]))
-EOF
-  fi
+  $PY "$REPO/scripts/device_summary.py" report "$OUT"
 } 2>&1 | tee "$OUT/summary.txt" | tee -a "$LOG"

@@ -21,6 +21,7 @@ that suite once per hardware.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import hashlib
 import os
@@ -177,7 +178,7 @@ class SimtDriver:
         self.aligns: dict[int, int] = {}
         self.functions: dict[tuple[int, str], _Function] = {}
         self.capture: _Graph | None = None
-        self.launches = 0
+        self.bases: list[int] = []  # sorted, for _check_range
 
     def module_load(self, image: bytes) -> Any:
         """`image` names the tuple (simt_image) instead of holding PTX: build it for the host."""
@@ -237,18 +238,20 @@ class SimtDriver:
             raise CudaError(f"cuMemAlloc({nbytes}): CUDA_ERROR_OUT_OF_MEMORY")
         self.sizes[int(ptr)] = size
         self.aligns[int(ptr)] = align
+        bisect.insort(self.bases, int(ptr))
         return int(ptr)
 
     def mem_free(self, ptr: int) -> None:
         size = self.sizes.pop(int(ptr), None)
         if size is None:
             raise CudaError(f"cuMemFree({ptr:#x}): not an allocation")
+        self.bases.pop(bisect.bisect_left(self.bases, int(ptr)))
         self.lib.simt_free(ptr, size, self.aligns.pop(int(ptr)))
 
     def _check_range(self, ptr: int, nbytes: int, what: str) -> None:
-        for base, size in self.sizes.items():
-            if base <= ptr and ptr + nbytes <= base + size:
-                return
+        index = bisect.bisect_right(self.bases, ptr) - 1
+        if index >= 0 and ptr + nbytes <= self.bases[index] + self.sizes[self.bases[index]]:
+            return
         raise CudaError(f"{what}: {nbytes} B at {ptr:#x} is not inside one allocation (CUDA_ERROR_INVALID_VALUE)")
 
     def _now_or_recorded(self, node: Any) -> None:
@@ -296,7 +299,6 @@ class SimtDriver:
 
         def run() -> None:
             message = ctypes.create_string_buffer(512)
-            self.launches += 1
             if self.lib.simt_launch(f.entry, params, grid, block, smem, message, len(message)) != 0:
                 raise CudaError(f"{f.name} grid={tuple(launch.grid)} block={tuple(launch.block)}: "
                                 f"{message.value.decode()}")

@@ -55,19 +55,35 @@ struct MmaOperands {
   uint32_t b[2];
 };
 
-// A element (row, k) of the 16x16 tile: lane (row % 8) * 4 + (k % 8) / 2, register
-// (row / 8) + 2 (k / 8), half k % 2.
-inline float a_element(const unsigned char* all, int row, int k) {
+inline MmaOperands lane_operands(const unsigned char* all, int lane) {
   MmaOperands ops;
-  std::memcpy(&ops, all + ((row % 8) * 4 + (k % 8) / 2) * simt::kExchangeBytes, sizeof ops);
-  return bf16_half(ops.a[row / 8 + 2 * (k / 8)], k % 2);
+  std::memcpy(&ops, all + lane * simt::kExchangeBytes, sizeof ops);
+  return ops;
 }
 
-// B element (k, n) of the 16x8 tile: lane n * 4 + (k % 8) / 2, register k / 8, half k % 2.
-inline float b_element(const unsigned char* all, int k, int n) {
-  MmaOperands ops;
-  std::memcpy(&ops, all + (n * 4 + (k % 8) / 2) * simt::kExchangeBytes, sizeof ops);
-  return bf16_half(ops.b[k / 8], k % 2);
+// Row `row` of the 16x16 A tile: element k comes from lane (row % 8) * 4 + (k % 8) / 2, register
+// (row / 8) + 2 (k / 8), half k % 2.
+inline void a_row(const unsigned char* all, int row, float (&out)[16]) {
+  for (int q = 0; q < 4; ++q) {
+    const MmaOperands ops = lane_operands(all, (row % 8) * 4 + q);
+    for (int high = 0; high < 2; ++high) {
+      const uint32_t word = ops.a[row / 8 + 2 * high];
+      out[8 * high + 2 * q] = bf16_half(word, 0);
+      out[8 * high + 2 * q + 1] = bf16_half(word, 1);
+    }
+  }
+}
+
+// Column `n` of the 16x8 B tile: element k comes from lane n * 4 + (k % 8) / 2, register k / 8,
+// half k % 2.
+inline void b_column(const unsigned char* all, int n, float (&out)[16]) {
+  for (int q = 0; q < 4; ++q) {
+    const MmaOperands ops = lane_operands(all, n * 4 + q);
+    for (int high = 0; high < 2; ++high) {
+      out[8 * high + 2 * q] = bf16_half(ops.b[high], 0);
+      out[8 * high + 2 * q + 1] = bf16_half(ops.b[high], 1);
+    }
+  }
 }
 
 }  // namespace simt_detail
@@ -78,15 +94,19 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 }
 
 // d += a * b; lane l holds D elements (l / 4, 2 (l % 4) + {0, 1}) in d[0..1] and row + 8 in d[2..3].
+// The lane's two A rows and two B columns are unpacked once; k is summed in order.
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   const simt_detail::MmaOperands mine{{a[0], a[1], a[2], a[3]}, {b0, b1}};
   const unsigned char* all = simt::warp_exchange(0xffffffffu, &mine, sizeof mine);
   const int lane = static_cast<int>(simt::lane_id());
+  float rows[2][16], columns[2][16];
+  for (int r = 0; r < 2; ++r) simt_detail::a_row(all, lane / 4 + 8 * r, rows[r]);
+  for (int c = 0; c < 2; ++c) simt_detail::b_column(all, 2 * (lane % 4) + c, columns[c]);
   for (int i = 0; i < 4; ++i) {
-    const int row = lane / 4 + 8 * (i / 2);
-    const int col = 2 * (lane % 4) + i % 2;
+    const float* row = rows[i / 2];
+    const float* column = columns[i % 2];
     float sum = 0.0f;
-    for (int k = 0; k < 16; ++k) sum += simt_detail::a_element(all, row, k) * simt_detail::b_element(all, k, col);
+    for (int k = 0; k < 16; ++k) sum += row[k] * column[k];
     d[i] += sum;
   }
 }
@@ -129,16 +149,23 @@ inline float wgmma_operand(uint64_t desc, int row, int k) {
 }  // namespace simt_detail
 
 // d += A[64 x 16] @ B[128 x 16]^T. Warp w of the warpgroup holds D rows 16 w + lane / 4 (+ 8 for
-// i % 4 >= 2), columns 8 (i / 4) + 2 (lane % 4) + i % 2 (the m16n8 C layout per 8 columns).
+// i % 4 >= 2), columns 8 (i / 4) + 2 (lane % 4) + i % 2 (the m16n8 C layout per 8 columns). The
+// thread's 2 rows of A and 32 columns of B are read once; k is summed in order.
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[kWgmmaN128Accum], uint64_t desc_a, uint64_t desc_b) {
+  constexpr int kColumns = kWgmmaN128Accum / 2;
   const int lane = static_cast<int>(simt::lane_id());
   const int warp = static_cast<int>(threadIdx.x / 32) % 4;
+  float rows[2][16], columns[kColumns][16];
+  for (int k = 0; k < 16; ++k) {
+    for (int r = 0; r < 2; ++r) rows[r][k] = simt_detail::wgmma_operand(desc_a, 16 * warp + lane / 4 + 8 * r, k);
+    for (int c = 0; c < kColumns; ++c)
+      columns[c][k] = simt_detail::wgmma_operand(desc_b, 8 * (c / 2) + 2 * (lane % 4) + c % 2, k);
+  }
   for (int i = 0; i < kWgmmaN128Accum; ++i) {
-    const int row = 16 * warp + lane / 4 + 8 * ((i % 4) / 2);
-    const int col = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+    const float* row = rows[(i % 4) / 2];
+    const float* column = columns[2 * (i / 4) + i % 2];
     float sum = 0.0f;
-    for (int k = 0; k < 16; ++k)
-      sum += simt_detail::wgmma_operand(desc_a, row, k) * simt_detail::wgmma_operand(desc_b, col, k);
+    for (int k = 0; k < 16; ++k) sum += row[k] * column[k];
     d[i] += sum;
   }
 }

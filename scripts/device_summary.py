@@ -1,0 +1,104 @@
+"""The JSON half of scripts/device_check.sh: merge the opt-in forms' bench runs into variants.json,
+and print the summary lines of what landed under $OUT (junit totals, bench/decode.py's
+results.json, variants.json, bench/quant.py's qbench.json). Files that are missing are left out,
+so a stage that timed out still leaves the summary of the others.
+
+    python scripts/device_summary.py variants SRC_DIR OUT_FILE   # SRC_DIR/*.json -> one file, by stem
+    python scripts/device_summary.py report OUT_DIR              # the lines, to stdout
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+RESULT_KEYS = ("prefill_tok_s", "decode_tok_s", "decode_bytes_per_token", "decode_gb_s", "copy_gb_s",
+               "roofline_pct", "transformers", "speedup_vs_transformers", "notes")
+
+
+def merge_variants(src: Path, out: Path) -> None:
+    found = {p.stem: json.loads(p.read_text()) for p in sorted(src.glob("*.json"))}
+    if found:
+        out.write_text(json.dumps(found, indent=1))
+
+
+def junit_line(path: Path) -> str:
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    return f"{path.name}: {total['tests']} tests, {total['failures']} failed, {total['errors']} errors, {total['skipped']} skipped"
+
+
+def decode_lines(r: dict[str, Any]) -> list[str]:
+    return [f"{key}: {json.dumps(r[key])}" for key in RESULT_KEYS if key in r]
+
+
+def variant_lines(r: dict[str, Any]) -> list[str]:
+    lines = []
+    if "fused_decode" in r:
+        d = r["fused_decode"]
+        forms = d.get("kernel_forms", {})
+        lines.append(f"fused decode ({forms.get('ATLAS_DELTANET_DECODE')} DeltaNet, {forms.get('ATLAS_ROUTER')} router): "
+                     f"{d['decode_tok_s']:.1f} tok/s, roofline {d['roofline_pct']:.1f}%")
+    if "mma_prefill" in r:
+        lines.append(f"prefill tok/s by attention form: {json.dumps(r['mma_prefill'].get('prefill_tok_s_by_form'))}")
+    return lines
+
+
+def moe_line(fmt: str, moe: dict[str, Any]) -> str:
+    m = moe[fmt]
+    modes = ", ".join(f"{mode} grouped {m[mode]['grouped_ms']:.3f} ms vs loop {m[mode]['loop_ms']:.3f} ms = "
+                      f"{m[mode]['speedup']:.2f}x" for mode in ("eager", "graph") if mode in m)
+    return f"qbench moe {fmt} ({moe['tokens']} tok x {moe['experts']} experts): {modes}, experts {m['expert_weight_bytes'] / 1e9:.3f} GB"
+
+
+def qbench_lines(r: dict[str, Any]) -> list[str]:
+    memory = {f: round(b / 1e9, 2) for f, b in r.get("weight_memory_bytes", {}).items()}
+    lines = [f"qbench weight memory GB: {memory}"]
+    for fmt in ("fp8", "nvfp4"):
+        if d := r.get(fmt):
+            lines.append(f"qbench {fmt}: decode {d['decode_tok_s']:.1f} tok/s, {d['decode_gb_s']:.0f} GB/s, "
+                         f"roofline {d['roofline_pct']:.1f}% (ceiling {d['roofline_tok_s']:.0f} tok/s), "
+                         f"prefill {d['decode_context']} {d['prefill_tok_s_1024']:.0f} tok/s")
+    moe = r.get("moe", {})
+    lines += [moe_line(fmt, moe) for fmt in ("bf16", "fp8", "nvfp4") if fmt in moe]
+    if "memory_ratio_vs_bf16" in moe:
+        lines.append(f"qbench moe memory vs bf16: { {f: round(v, 2) for f, v in moe['memory_ratio_vs_bf16'].items()} }")
+    if r.get("notes"):
+        lines.append(f"qbench notes: {json.dumps(r['notes'])}")
+    return lines
+
+
+def report(out: Path) -> list[str]:
+    lines = []
+    for junit in sorted(out.glob("junit-*.xml")):
+        try:
+            lines.append(junit_line(junit))
+        except ET.ParseError as err:  # pytest killed while writing it
+            lines.append(f"{junit.name}: unreadable ({err})")
+    for name, render in (("results.json", decode_lines), ("variants.json", variant_lines), ("qbench.json", qbench_lines)):
+        path = out / name
+        if path.is_file():
+            try:
+                lines += render(json.loads(path.read_text()))
+            except (ValueError, KeyError, TypeError) as err:  # one bad file must not hide the others
+                lines.append(f"{name}: unreadable ({type(err).__name__}: {err})")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "variants":
+        merge_variants(Path(argv[1]), Path(argv[2]))
+        return 0
+    if len(argv) == 2 and argv[0] == "report":
+        print("\n".join(report(Path(argv[1]))))
+        return 0
+    print("usage: device_summary.py variants SRC_DIR OUT_FILE | report OUT_DIR", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,125 @@
+"""The device check's benchmark stages end to end on the host SIMT emulator (tests/_simt.py), so the
+first GPU run does not spend its minutes on a bug in a script: bench/decode.py in its three forms
+(default, --decode-only with the fused decode kernels, --prefill-only with the tensor-core forms)
+and bench/quant.py (MoE grouped vs loop, fp8 and nvfp4 decode), each on a 4-layer model with the
+Qwen3.6 dimensions and tiny prompt lengths, then scripts/device_summary.py over what they wrote.
+The numbers are the emulator's, meaningless as speeds: only their presence and form are checked."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import decode as bench_decode  # noqa: E402
+import device_summary  # noqa: E402
+import quant as bench_quant  # noqa: E402
+import quant_moe  # noqa: E402
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulator is built with g++")]
+
+LAYERS = "4"  # 3 DeltaNet + 1 full-attention layer
+FORM_SWITCHES = ("ATLAS_GEMM", "ATLAS_PREFILL_ATTENTION", "ATLAS_ROUTER", "ATLAS_DELTA_RULE", "ATLAS_DELTANET_DECODE")
+
+
+@pytest.fixture
+def emulated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The h200 kernels on the emulator, the default kernel forms, and prompt lengths it runs in
+    seconds rather than hours."""
+    from _simt import use_simt
+
+    use_simt(monkeypatch, "h200")
+    for switch in FORM_SWITCHES:
+        monkeypatch.delenv(switch, raising=False)
+    for name, value in (("PREFILL_LENGTHS", (4, 8)), ("DECODE_CONTEXT", 8), ("DECODE_TOKENS", 3),
+                        ("WARMUP_TOKENS", 4), ("COPY_BYTES", 1 << 20)):
+        monkeypatch.setattr(bench_decode, name, value)
+    monkeypatch.setattr(bench_quant, "MOE_TOKENS", 4)
+    monkeypatch.setattr(quant_moe, "REPEATS", 1)
+    return monkeypatch
+
+
+def run_decode_bench(monkeypatch: pytest.MonkeyPatch, out: Path, *flags: str) -> dict[str, Any]:
+    monkeypatch.setattr(sys, "argv", ["decode.py", "--out", str(out), "--layers", LAYERS, "--budget-s", "1e6", *flags])
+    assert bench_decode.main() == 0
+    return json.loads(out.read_text())
+
+
+def assert_rates(rates: dict[str, float], keys: set[str]) -> None:
+    assert set(rates) == keys
+    assert all(math.isfinite(v) and v > 0 for v in rates.values()), rates
+
+
+def check_decode_result(r: dict[str, Any]) -> None:
+    assert r["model"] == f"qwen3.6-35b-a3b dims, {LAYERS} layers, synthetic weights"
+    assert "host SIMT emulator" in r["device"]
+    assert math.isfinite(r["decode_tok_s"]) and r["decode_tok_s"] > 0
+    assert r["decode_tokens"] == bench_decode.DECODE_TOKENS - 1
+    parts = r["decode_bytes_per_token"]
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    assert r["roofline_pct"] == pytest.approx(100 * r["decode_gb_s"] / r["copy_gb_s"])
+
+
+def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    out, variants = tmp_path / "out", tmp_path / "variants"
+    out.mkdir(), variants.mkdir()
+    main = run_decode_bench(emulated, out / "results.json")
+    check_decode_result(main)
+    assert_rates(main["prefill_tok_s"], {"4", "8"})
+    assert main["kernel_forms"]["ATLAS_GEMM"] == "mma"
+    # No CUDA torch here: the comparison is attempted and its failure recorded, not raised.
+    assert "transformers" in main or any("transformers comparison" in n for n in main["notes"]), main["notes"]
+
+    emulated.setenv("ATLAS_DELTANET_DECODE", "fused")
+    emulated.setenv("ATLAS_ROUTER", "fused")
+    fused = run_decode_bench(emulated, variants / "fused_decode.json", "--decode-only")
+    check_decode_result(fused)
+    assert fused["prefill_tok_s"] == {}
+    assert fused["kernel_forms"]["ATLAS_DELTANET_DECODE"] == fused["kernel_forms"]["ATLAS_ROUTER"] == "fused"
+
+    emulated.setenv("ATLAS_PREFILL_ATTENTION", "mma")
+    emulated.setenv("ATLAS_GEMM", "wgmma")
+    prefill = run_decode_bench(emulated, variants / "mma_prefill.json", "--prefill-only")
+    assert (prefill["prefill_attention"], prefill["gemm"]) == ("mma", "wgmma")
+    assert set(prefill["prefill_tok_s_by_form"]) == {"mma", "simt"}
+    for rates in prefill["prefill_tok_s_by_form"].values():
+        assert_rates(rates, {"4", "8"})
+
+    device_summary.merge_variants(variants, out / "variants.json")
+    lines = "\n".join(device_summary.report(out))
+    assert "unreadable" not in lines, lines
+    for expected in ("decode_tok_s: ", "roofline_pct: ", "copy_gb_s: ", "fused decode (fused DeltaNet, fused router): ",
+                     'prefill tok/s by attention form: {"mma": '):
+        assert expected in lines, lines
+
+
+def test_quant_bench(emulated: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    out = tmp_path / "qbench.json"
+    assert bench_quant.main(["--out", str(out), "--layers", LAYERS, "--budget-s", "1e6"]) == 0
+    r = json.loads(out.read_text())
+    assert r["notes"] == []
+    for fmt in ("fp8", "nvfp4"):
+        check_decode_result({**r[fmt], "model": r["model"], "copy_gb_s": r["copy_gb_s"]})
+    moe = r["moe"]
+    assert (moe["tokens"], moe["experts"]) == (4, 256)
+    for fmt in ("bf16", "fp8", "nvfp4"):
+        for mode in ("eager", "graph"):
+            timing = moe[fmt][mode]
+            assert timing["speedup"] == pytest.approx(timing["loop_ms"] / timing["grouped_ms"])
+    assert moe["memory_ratio_vs_bf16"]["nvfp4"] > moe["memory_ratio_vs_bf16"]["fp8"] > 1
+
+    lines = "\n".join(device_summary.report(tmp_path))
+    assert "unreadable" not in lines, lines
+    for expected in ("qbench fp8: decode ", "qbench nvfp4: decode ", "qbench moe bf16 (4 tok x 256 experts): eager grouped",
+                     "qbench moe memory vs bf16: "):
+        assert expected in lines, lines

@@ -1,0 +1,57 @@
+"""scripts/device_summary.py, the summary the device check prints last: junit totals, and one bad
+or missing file never hides the lines of the others. (tests/test_bench_simt.py runs it over real
+bench output from the emulator.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import device_summary  # noqa: E402
+
+
+def write_junit(path: Path, counts: list[dict[str, int]]) -> None:
+    suites = "".join('<testsuite name="pytest" ' + " ".join(f'{k}="{v}"' for k, v in c.items()) + "/>" for c in counts)
+    path.write_text(f'<?xml version="1.0" encoding="utf-8"?><testsuites>{suites}</testsuites>')
+
+
+def test_junit_totals_over_suites(tmp_path: Path, rng: np.random.Generator) -> None:
+    counts = [{k: int(rng.integers(0, 50)) for k in ("tests", "failures", "errors", "skipped")} for _ in range(3)]
+    write_junit(tmp_path / "junit-ops.xml", counts)
+    total = {k: sum(c[k] for c in counts) for k in counts[0]}
+    assert device_summary.report(tmp_path) == [
+        f"junit-ops.xml: {total['tests']} tests, {total['failures']} failed, {total['errors']} errors, {total['skipped']} skipped"]
+
+
+def test_a_bad_file_is_named_and_the_others_still_print(tmp_path: Path) -> None:
+    (tmp_path / "junit-model.xml").write_text('<?xml version="1.0"?><testsuites><testsuite tests="3"')  # killed mid-write
+    (tmp_path / "results.json").write_text(json.dumps({"decode_tok_s": 412.5, "roofline_pct": 57.1}))
+    (tmp_path / "variants.json").write_text(json.dumps({"fused_decode": {"kernel_forms": {}}}))  # no decode_tok_s
+    (tmp_path / "qbench.json").write_text("{")
+    lines = device_summary.report(tmp_path)
+    assert lines[0].startswith("junit-model.xml: unreadable")
+    assert "decode_tok_s: 412.5" in lines and "roofline_pct: 57.1" in lines
+    assert any(line.startswith("variants.json: unreadable (KeyError") for line in lines), lines
+    assert any(line.startswith("qbench.json: unreadable (JSONDecodeError") for line in lines), lines
+
+
+def test_variants_merge_by_stem(tmp_path: Path) -> None:
+    src, out = tmp_path / "src", tmp_path / "variants.json"
+    src.mkdir()
+    assert device_summary.main(["variants", str(src), str(out)]) == 0
+    assert not out.exists()  # nothing ran: no file, rather than an empty one
+    (src / "fused_decode.json").write_text(json.dumps({"decode_tok_s": 1.5}))
+    (src / "mma_prefill.json").write_text(json.dumps({"prefill_tok_s_by_form": {"mma": {"512": 9.0}}}))
+    device_summary.merge_variants(src, out)
+    assert json.loads(out.read_text()) == {"fused_decode": {"decode_tok_s": 1.5},
+                                           "mma_prefill": {"prefill_tok_s_by_form": {"mma": {"512": 9.0}}}}
+
+
+def test_usage_error_exits_2(capsys) -> None:
+    assert device_summary.main(["report"]) == 2
+    assert capsys.readouterr().err.startswith("usage: device_summary.py")
