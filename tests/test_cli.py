@@ -66,6 +66,19 @@ def test_sampling_flags_and_seed(tiny_dir: Path, rng: np.random.Generator) -> No
     assert first.stdout == second.stdout
 
 
+def test_logit_bias_flag(capsys: pytest.CaptureFixture[str], rng: np.random.Generator) -> None:
+    """--logit-bias ID=BIAS, repeated: the last value of an id wins; the output is LLM.generate's."""
+    from atlas.llm import LLM
+
+    token, banned = (int(t) for t in rng.choice(512, 2, replace=False))
+    flags = ["--logit-bias", f"{token}=-5", "--logit-bias", f"{banned}=-100", "--logit-bias", f"{token}=100"]
+    capsys.readouterr()  # the rng fixture's seed line
+    assert main(["--prompt", "Flat is", "--max-tokens", "4", "--device", "cpu", *flags]) == 0
+    expected = LLM(device="cpu").generate("Flat is", max_tokens=4, logit_bias={token: 100, banned: -100})
+    assert expected.token_ids == [token] * 4
+    assert capsys.readouterr().out == expected.text + "\n"
+
+
 def test_chat_flag_uses_the_template(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from atlas.llm import LLM
 
@@ -104,6 +117,9 @@ def one_error_line(code: int, err: str) -> str:
         (["--presence-penalty", "3"], "--presence-penalty"),
         (["--repetition-penalty", "0"], "--repetition-penalty"),
         (["--min-p", "1.5"], "--min-p"),
+        (["--logit-bias", "7"], "--logit-bias"),
+        (["--logit-bias", "7=1000", "--device", "cpu"], "logit_bias of token 7 must be a number in [-100, 100]"),
+        (["--logit-bias", "600=1", "--device", "cpu"], "logit_bias token id 600 is outside the vocabulary"),
         (["--max-seq-len", "2049", "--device", "cpu"], "max_seq_len 2049 exceeds the model's context of 2048"),
     ],
 )

@@ -59,20 +59,25 @@ def test_chain_feeds_device_ids_with_host_fed_tokens(demo_gpu: Any, rng: np.rand
 
 
 def test_host_picks_feed_the_chain(demo_gpu: Any, rng: np.random.Generator) -> None:
-    """Penalties pick on the host from the logits read back: each pick is the penalized argmax of
-    its step's GPU logits, and the id uploaded for the next step gives the same tokens as feeding
+    """Penalties and logit_bias pick on the host from the logits read back: each pick is the biased,
+    penalized argmax of its step's GPU logits, and the id uploaded for the next step gives the same tokens as feeding
     the ids from the host with decode(int)."""
-    from atlas.sampling import Penalties, host_argmax
+    from atlas.sampling import Penalties, apply_logit_bias, host_argmax
 
     engine = demo_gpu.parts.engine
     prompt = rng.integers(0, demo_gpu.parts.spec.vocab_size, size=int(rng.integers(2, 30))).tolist()
-    sampling = SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=2.0)
+    vocab = demo_gpu.parts.spec.vocab_size
+    banned = np.argsort(engine.backend.to_numpy(engine.prefill(prompt))[0])[-4:]  # the first step's top 4
+    engine.reset()
+    nudged = np.setdiff1d(rng.choice(vocab, 16, replace=False), banned)
+    bias = tuple(sorted([(int(t), -100.0) for t in banned] + [(int(t), float(rng.uniform(-8, 8))) for t in nudged]))
+    sampling = SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=2.0, logit_bias=bias)
     mirror, penalties = Penalties(prompt), Penalties(prompt)
 
     logits = engine.prefill(prompt)
     chained: list[int] = []
     for position in range(len(prompt), len(prompt) + STEPS):
-        expected = host_argmax(mirror.apply(engine.backend.to_numpy(logits)[0], sampling))
+        expected = host_argmax(mirror.apply(apply_logit_bias(engine.backend.to_numpy(logits)[0], sampling), sampling))
         token, token_t = engine.pick_tensor(logits, sampling, rng, penalties)
         assert token == expected, f"step {len(chained)}: host pick {token}, penalized argmax {expected}"
         mirror.add(token)

@@ -1,5 +1,5 @@
-"""min_p and the presence / frequency / repetition penalties (picked on the host): the penalty
-formula against a direct one, each greedy pick the argmax of the teacher-forced logits penalized by
+"""min_p, logit_bias and the presence / frequency / repetition penalties (picked on the host): the
+penalty formula against a direct one, logit_bias against the teacher-forced logits plus the bias, each greedy pick the argmax of the teacher-forced logits penalized by
 the tokens before it, sampled picks inside the min_p set, the same tokens from generate() and
 stream(), penalized greedy requests on a speculative engine as on a plain one."""
 
@@ -123,3 +123,48 @@ def test_min_tokens_holds_off_the_end() -> None:
         assert "".join(llm.stream(prompt, max_tokens=60, min_tokens=30, temperature=temperature, seed=2)) == held.text
     with pytest.raises(AtlasError, match="min_tokens"):
         llm.generate(prompt, max_tokens=4, min_tokens=-1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logit_bias_moves_picks(rng: np.random.Generator, temperature: float) -> None:
+    """-100 on each step's top token and a random nudge elsewhere: every greedy pick is the argmax
+    of the teacher-forced logits plus the bias (never a banned token); sampled picks avoid the
+    banned ones; generate() and stream() agree."""
+    llm = LLM(device="cpu", prompt_cache=0)
+    prompt = rng.integers(0, VOCAB, int(rng.integers(3, 30))).tolist()
+    plain = llm.generate(prompt, max_tokens=12)
+    banned = sorted(set(plain.token_ids))
+    nudged = rng.choice(np.setdiff1d(np.arange(VOCAB), banned), 8, replace=False).tolist()
+    bias = {**{t: -100.0 for t in banned}, **{t: float(rng.uniform(-5, 5)) for t in nudged}}
+    result = llm.generate(prompt, max_tokens=12, temperature=temperature, seed=5, logit_bias=bias)
+    assert not set(result.token_ids) & set(banned)
+    assert "".join(llm.stream(prompt, max_tokens=12, temperature=temperature, seed=5, logit_bias=bias)) == result.text
+    if temperature:
+        return
+    forced = np.asarray(llm.parts.engine.logits(prompt + result.token_ids))[len(prompt) - 1 :]  # [N+1, V]
+    for i, token in enumerate(result.token_ids):
+        z = forced[i].astype(np.float64)
+        z[list(bias)] += list(bias.values())
+        assert z[token] >= z.max() - TIE * np.abs(z).max(), f"step {i}: not the biased argmax"
+
+
+def test_logit_bias_forces_a_token(rng: np.random.Generator) -> None:
+    """+100 on one token (given as JSON's string key) makes it every pick."""
+    token = int(rng.integers(0, VOCAB))
+    result = LLM(device="cpu").generate("Flat is", max_tokens=5, logit_bias={str(token): 100})
+    assert result.token_ids == [token] * 5
+    assert SamplingParams(logit_bias=((token, 1.0),)).on_host
+
+
+@pytest.mark.parametrize(("bias", "message"), [
+    ({5: 101}, r"logit_bias of token 5 must be a number in \[-100, 100\]"),
+    ({5: float("nan")}, "logit_bias of token 5"),
+    ({5: "1"}, "logit_bias of token 5"),
+    ({"x": 1}, "logit_bias keys must be token ids"),
+    ({-3: 1}, "logit_bias keys must be token ids"),
+    ({VOCAB: 1}, rf"logit_bias token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)"),
+    ([5, 1], "logit_bias must be a mapping"),
+])
+def test_bad_logit_bias_is_one_line(bias: object, message: str) -> None:
+    with pytest.raises(AtlasError, match=message):
+        LLM(device="cpu").generate("Flat is", max_tokens=2, logit_bias=bias)  # type: ignore[arg-type]

@@ -257,6 +257,19 @@ def test_penalties_and_min_p(served: Served, rng: np.random.Generator) -> None:
     assert answer.choices[0].text == want.text
 
 
+def test_logit_bias(served: Served, rng: np.random.Generator) -> None:
+    """OpenAI's logit_bias ({"token id": bias}) gives what the in-process model gives with it."""
+    prompt = random_prompt(rng)
+    plain = served.reference.generate(prompt, max_tokens=10)
+    bias = {str(t): -100 for t in set(plain.token_ids)} | {str(int(rng.integers(0, 512))): float(rng.uniform(1, 8))}
+    temperature = float(rng.choice([0.0, 0.7]))
+    answer = served.client().completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=10, temperature=temperature,
+                                                seed=3, logit_bias=bias)
+    want = served.reference.generate(prompt, max_tokens=10, temperature=temperature, seed=3,
+                                     logit_bias={int(k): v for k, v in bias.items()})
+    assert answer.choices[0].text == want.text != plain.text
+
+
 @pytest.mark.parametrize(("max_tokens", "stream"), [(0, False), (1, False), (3, True)])
 def test_echo_scores_the_prompt(served: Served, rng: np.random.Generator, max_tokens: int, stream: bool) -> None:
     """lm-evaluation-harness's loglikelihood request: echo + logprobs (max_tokens 0 or 1): the
@@ -504,6 +517,11 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("ignore_eos not bool", {**GOOD, "ignore_eos": 1}, "ignore_eos"),
     ("min_tokens negative", {**GOOD, "min_tokens": -1}, "min_tokens"),
     ("json mode", {**GOOD, "response_format": {"type": "json_object"}}, "response_format"),
+    ("logit_bias not an object", {**GOOD, "logit_bias": [1, 2]}, "logit_bias"),
+    ("logit_bias key not an id", {**GOOD, "logit_bias": {"hello": 1}}, "logit_bias"),
+    ("logit_bias beyond 100", {**GOOD, "logit_bias": {"5": 150}}, "logit_bias"),
+    ("logit_bias string value", {**GOOD, "logit_bias": {"5": "1"}}, "logit_bias"),
+    ("logit_bias beyond the vocabulary", {**GOOD, "logit_bias": {"1000000": 1}}, "logit_bias"),
     ("audio out", {**GOOD, "modalities": ["text", "audio"]}, "modalities"),
     ("presence_penalty beyond 2", {**GOOD, "presence_penalty": 2.5}, "presence_penalty"),
     ("frequency_penalty string", {**GOOD, "frequency_penalty": "high"}, "frequency_penalty"),

@@ -22,7 +22,8 @@ from .models import load_model
 from .prompt_cache import PromptCache, Resume, ResumeFilter
 from .safetensors import Checkpoint
 from .sampling import (
-    Penalties, TokenLogprob, check_logprobs, check_sampling, choose_token, host_argmax, is_int, token_logprob,
+    Penalties, TokenLogprob, apply_logit_bias, check_logit_bias_ids, check_logprobs, check_sampling, choose_token,
+    host_argmax, is_int, token_logprob,
 )
 from .snapshot import DeltaNetSnapshot
 
@@ -305,7 +306,9 @@ class Engine:
 
     @staticmethod
     def _host_pick(row: np.ndarray, sampling: SamplingParams, rng: np.random.Generator, penalties: Penalties | None) -> int:
-        """The token from logits [V] on the host: penalized, then argmax or the reference sampler."""
+        """The token from logits [V] on the host: biased, penalized, then argmax or the reference sampler."""
+        if sampling.logit_bias:
+            row = apply_logit_bias(row, sampling)
         if penalties is not None:
             row = penalties.apply(row, sampling)
         return host_argmax(row) if sampling.temperature == 0 else choose_token(row, sampling, float(rng.random()))
@@ -329,6 +332,7 @@ class Engine:
 
     def run(self, request: GenerationRequest) -> GenerationStats:
         check_sampling(request.sampling)
+        check_logit_bias_ids(request.sampling, self.spec.vocab_size)
         self.check_ids(request.prompt_ids, max(request.max_tokens - 1, 0))  # the last token is not fed
         stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
         if request.max_tokens == 0 and request.prompt_logprobs is None:

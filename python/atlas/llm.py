@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from os import PathLike, fspath
 from pathlib import Path
@@ -49,6 +49,7 @@ class SamplingExtras:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0  # vLLM's: no eos (or stop id) before this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, bias in [-100, 100]) pairs
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class LLM:
         """Generate from a text prompt or prompt token ids; greedy when temperature is 0.
         `on_text` receives the text pieces as they complete; `options`: generate_options()'s
         (max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, min_p,
-        presence_penalty, frequency_penalty, repetition_penalty, min_tokens, stop)."""
+        presence_penalty, frequency_penalty, repetition_penalty, min_tokens, stop, logit_bias)."""
         opts = generate_options(**options)
         return self.generate_with(self.prepare(prompt, opts), opts, on_text)
 
@@ -257,7 +258,10 @@ class LLM:
     def prepare(self, prompt: str | list[int], opts: GenerateOptions) -> list[int]:
         """Check the options and encode the prompt: every input error surfaces here, before any
         token is generated."""
+        from .sampling import check_logit_bias_ids
+
         check_options(opts)
+        check_logit_bias_ids(sampling_params(opts), self.parts.spec.vocab_size)
         prompt_ids = encode_prompt(self.parts.tokenizer, prompt, opts.chat)
         vocab = self.parts.spec.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
@@ -363,14 +367,20 @@ def generate_options(
     repetition_penalty: float = 1.0,
     min_tokens: int = 0,
     stop: str | list[str] | None = None,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. logprobs (0..20): each token's
     log-probability and that many most likely alternatives (the model's distribution before
     temperature, top-k and top-p); prompt_logprobs: the same for the prompt's tokens after the first
     (scoring a text: max_tokens may then be 0); min_p, the penalties, min_tokens: as vLLM's
     (atlas.backends.base.SamplingParams); stop: strings that end the text, never part of it (the
-    token that completes one is the last generated). Values are checked by LLM.prepare."""
-    extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens)
+    token that completes one is the last generated); logit_bias: token id -> a bias in [-100, 100]
+    added to its logit before the penalties and sampling (OpenAI's; -100 bans a token, +100 all but
+    forces it). Values are checked by LLM.prepare."""
+    from .sampling import logit_bias_pairs
+
+    extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
+                            logit_bias_pairs(logit_bias))
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
                            stop_strings(stop))
 
@@ -405,7 +415,7 @@ def check_options(opts: GenerateOptions) -> None:
     if seed is not None and (not is_int(seed) or seed < 0):
         raise AtlasError(f"seed must be a non-negative integer, got {seed!r}")
     reals = {"temperature": opts.temperature, "top_p": opts.top_p, **asdict(opts.extras)}
-    del reals["min_tokens"]  # an integer: check_sampling says so
+    del reals["min_tokens"], reals["logit_bias"]  # an integer and pairs: check_sampling checks them
     for name, value in reals.items():
         if not is_real(value):
             raise AtlasError(f"{name} must be a number, got {value!r}")
@@ -417,9 +427,10 @@ def check_options(opts: GenerateOptions) -> None:
 def sampling_params(opts: GenerateOptions) -> SamplingParams:
     from .backends.base import SamplingParams
 
-    extra = {name: float(value) for name, value in asdict(opts.extras).items() if name != "min_tokens"}
+    extra = {name: float(value) for name, value in asdict(opts.extras).items()
+             if name not in ("min_tokens", "logit_bias")}
     return SamplingParams(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p),
-                          min_tokens=opts.extras.min_tokens, **extra)
+                          min_tokens=opts.extras.min_tokens, logit_bias=opts.extras.logit_bias, **extra)
 
 
 def check_length(spec: ModelSpec, engine: EngineLike, prompt_tokens: int, max_tokens: int) -> None:

@@ -22,6 +22,22 @@ from .llm import SamplingExtras
 if TYPE_CHECKING:
     from .llm import LLM, GenerationResult
 
+
+class LogitBiasEntry(click.ParamType):
+    """--logit-bias TOKEN_ID=BIAS -> (id, bias); the range and the vocabulary are checked with
+    the other sampling settings."""
+
+    name = "TOKEN_ID=BIAS"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, float]:
+        if isinstance(value, tuple):
+            return value  # type: ignore[return-value]
+        token, _, bias = str(value).partition("=")
+        try:
+            return int(token), float(bias)
+        except ValueError:
+            self.fail(f"{value!r} is not TOKEN_ID=BIAS (e.g. 151645=-100)", param, ctx)
+
 @dataclass(frozen=True)
 class RunArgs:
     model: str | None
@@ -66,15 +82,21 @@ def prompt_text(args: RunArgs) -> str | None:
 def run(args: RunArgs) -> None:
     from .chat import converse
     from .config import load_spec
-    from .llm import DEFAULT_PROMPT_CACHE, GenerateOptions, encode_prompt
+    from .llm import DEFAULT_PROMPT_CACHE, GenerateOptions, check_options, encode_prompt, sampling_params
     from .resolve import resolve_model
+    from .sampling import check_logit_bias_ids
 
     args.engine.check()
     model_dir = resolve_model(args.model)
     prompt = prompt_text(args)
     if prompt is None and not args.interactive:
         prompt = default_prompt(model_dir, args.model)
-    load_spec(model_dir)  # config and prompt problems surface before the weights load
+    spec = load_spec(model_dir)  # config, sampling and prompt problems surface before the weights load
+    opts = GenerateOptions(
+        args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat, extras=args.extras
+    )
+    check_options(opts)
+    check_logit_bias_ids(sampling_params(opts), spec.vocab_size)
     tokenizer = args.engine.tokenizer(model_dir)
     if args.interactive and tokenizer.chat_template is None:
         raise AtlasError(f"{model_dir} has no chat template, which --interactive needs; run without it")
@@ -82,9 +104,6 @@ def run(args: RunArgs) -> None:
         encode_prompt(tokenizer, prompt, args.chat)
     engine = replace(args.engine, prompt_cache=DEFAULT_PROMPT_CACHE) if args.interactive else args.engine
     llm = engine.load(str(model_dir))
-    opts = GenerateOptions(
-        args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat, extras=args.extras
-    )
     announce(llm, args.engine)
     if args.interactive:
         converse(llm, opts, prompt, lambda result: stats_line(llm, result))
@@ -145,10 +164,13 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
               help="No end-of-sequence token before this many tokens.")
 @click.option("--repetition-penalty", type=click.FloatRange(0.0, 10.0, min_open=True), default=1.0, show_default=True,
               help="Prompt and generated tokens' logits divided by it when positive, multiplied when not; 1: off.")
+@click.option("--logit-bias", type=LogitBiasEntry(), multiple=True,
+              help="Add BIAS (-100..100; -100 bans the token) to TOKEN_ID's logit; repeatable.")
 @engine_options
 def command(**kwargs: object) -> None:
     """Run a model: stream generated text to stdout, then a stats line to stderr."""
     engine = EngineFlags.pop_from(kwargs)
+    kwargs["logit_bias"] = tuple(sorted(dict(kwargs["logit_bias"]).items()))  # type: ignore[call-overload]  # last wins
     extras = SamplingExtras(**{f.name: kwargs.pop(f.name) for f in fields(SamplingExtras)})  # type: ignore[arg-type]
     run(RunArgs(**kwargs, engine=engine, extras=extras))  # type: ignore[arg-type]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +14,7 @@ MAX_TOP_K = 2**31 - 1  # SampleParams.top_k is an int32; any top_k >= the vocabu
 MAX_LOGPROBS = 20  # alternatives listed per generated token (OpenAI's top_logprobs limit)
 MAX_PENALTY = 2.0  # presence / frequency penalty range, OpenAI's
 MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 bans or forces a token, smaller values nudge it
 
 
 def is_int(value: object) -> bool:
@@ -44,6 +46,41 @@ def check_sampling(params: SamplingParams) -> None:
         raise AtlasError(
             f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {params.repetition_penalty}"
         )
+    for token, bias in params.logit_bias:
+        if not is_int(token) or token < 0:
+            raise AtlasError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if not is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise AtlasError(f"logit_bias of token {token} must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+
+
+def logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as given (None, or a mapping of token id -> bias; JSON's string keys "42" too)
+    -> sorted (id, bias) pairs; their ranges are check_sampling's."""
+    if bias is None:
+        return ()
+    if not isinstance(bias, Mapping):
+        raise AtlasError(f"logit_bias must be a mapping of token id -> bias, got {bias!r}")
+    pairs = []
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not is_int(token):
+            raise AtlasError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        pairs.append((int(token), value))
+    return tuple(sorted(pairs))
+
+
+def check_logit_bias_ids(params: SamplingParams, vocab: int) -> None:
+    bad = [token for token, _ in params.logit_bias if token >= vocab]
+    if bad:
+        raise AtlasError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+
+def apply_logit_bias(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """logits [V] -> a float32 copy with each biased token's bias added."""
+    z = np.array(logits, dtype=np.float32)  # [V]
+    for token, bias in params.logit_bias:
+        z[token] += np.float32(bias)
+    return z
 
 
 class Penalties:

@@ -38,6 +38,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted, times its count, from the logit of every generated token
     repetition_penalty: float = 1.0  # 1 = off: a prompt or generated token's logit / r when > 0, else * r
     min_tokens: int = 0  # the tokens that end a generation cannot be picked before this many
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit, OpenAI's logit_bias
 
     @property
     def penalized(self) -> bool:
@@ -48,7 +49,7 @@ class SamplingParams:
     @property
     def on_host(self) -> bool:
         """Settings no backend op takes: the engine picks such tokens on the host."""
-        return self.penalized or self.min_p > 0
+        return self.penalized or self.min_p > 0 or bool(self.logit_bias)
 
 
 @dataclass

@@ -130,6 +130,7 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
     check_model(state, body.model)
     check_tools(state, body)
     check_stop_ids(state, body)
+    check_logit_bias_ids(state, body)
     inputs = await anyio.to_thread.run_sync(prepare_inputs, state, body)  # templates take a while
     reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None)
     runs = choice_runs(state, body, inputs)
@@ -213,6 +214,13 @@ def check_stop_ids(state: ServerState, body: GenerationBody) -> None:
     bad = [t for t in body.sampling.stop.token_ids if t >= vocab]
     if bad:
         raise RequestError(f"stop token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "stop_token_ids")
+
+
+def check_logit_bias_ids(state: ServerState, body: GenerationBody) -> None:
+    vocab = state.llm.parts.spec.vocab_size
+    bad = [token for token, _ in body.sampling.extras.logit_bias if token >= vocab]
+    if bad:
+        raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "logit_bias")
 
 
 def check_tools(state: ServerState, body: GenerationBody) -> None:

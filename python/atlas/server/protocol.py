@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..llm import SamplingExtras
-from ..sampling import MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, is_int
+from ..errors import AtlasError
+from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, is_int, logit_bias_pairs
 from .errors import RequestError
 from .stops import Stops
 from .tools import parse_tool_choice, parse_tools, template_tool_calls
@@ -26,7 +27,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
     "functions": (None, []),
-    "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}),  # JSON mode / schemas need constrained decoding
     "modalities": (None, ["text"]),
     "audio": (None,),
@@ -127,7 +127,24 @@ def parse_extras(body: dict[str, Any]) -> SamplingExtras:
     if not 0 < values["repetition_penalty"] <= MAX_REPETITION_PENALTY:
         raise RequestError(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
                            f"got {values['repetition_penalty']}", "repetition_penalty")
-    return SamplingExtras(**values, min_tokens=optional_int(body, "min_tokens", minimum=0) or 0)
+    return SamplingExtras(**values, min_tokens=optional_int(body, "min_tokens", minimum=0) or 0,
+                          logit_bias=parse_logit_bias(body.get("logit_bias")))
+
+
+def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"<token id>": bias in [-100, 100]} -> sorted (id, bias) pairs (the
+    ids are checked against the vocabulary when the request is prepared)."""
+    if not isinstance(value, dict) and value is not None:
+        raise RequestError('\'logit_bias\' must be an object of {"token id": bias}', "logit_bias")
+    try:
+        pairs = logit_bias_pairs(value)
+    except AtlasError as err:
+        raise RequestError(str(err), "logit_bias") from None
+    for token, bias in pairs:
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise RequestError(f"'logit_bias' of token {token} must be a number in "
+                               f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}", "logit_bias")
+    return tuple((token, float(bias)) for token, bias in pairs)
 
 
 def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
