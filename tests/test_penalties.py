@@ -164,6 +164,7 @@ def test_logit_bias_forces_a_token(rng: np.random.Generator) -> None:
     ({-3: 1}, "logit_bias keys must be token ids"),
     ({VOCAB: 1}, rf"logit_bias token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)"),
     ([5, 1], "logit_bias must be a mapping"),
+    ({5: 1.0, "5": "x"}, "logit_bias of token 5"),  # the same id twice: the later value is checked
 ])
 def test_bad_logit_bias_is_one_line(bias: object, message: str) -> None:
     with pytest.raises(AtlasError, match=message):

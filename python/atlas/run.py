@@ -38,6 +38,7 @@ class LogitBiasEntry(click.ParamType):
         except ValueError:
             self.fail(f"{value!r} is not TOKEN_ID=BIAS (e.g. 151645=-100)", param, ctx)
 
+
 @dataclass(frozen=True)
 class RunArgs:
     model: str | None

@@ -55,18 +55,18 @@ def check_sampling(params: SamplingParams) -> None:
 
 def logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
     """logit_bias as given (None, or a mapping of token id -> bias; JSON's string keys "42" too)
-    -> sorted (id, bias) pairs; their ranges are check_sampling's."""
+    -> (id, bias) pairs by id (of "5" and 5 the later wins); their ranges are check_sampling's."""
     if bias is None:
         return ()
     if not isinstance(bias, Mapping):
         raise AtlasError(f"logit_bias must be a mapping of token id -> bias, got {bias!r}")
-    pairs = []
+    by_id: dict[int, object] = {}
     for key, value in bias.items():
         token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
         if not is_int(token):
             raise AtlasError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
-        pairs.append((int(token), value))
-    return tuple(sorted(pairs))
+        by_id[int(token)] = value
+    return tuple(sorted(by_id.items(), key=lambda pair: pair[0]))  # type: ignore[arg-type]
 
 
 def check_logit_bias_ids(params: SamplingParams, vocab: int) -> None:
