@@ -79,6 +79,17 @@ def test_logit_bias_flag(capsys: pytest.CaptureFixture[str], rng: np.random.Gene
     assert capsys.readouterr().out == expected.text + "\n"
 
 
+def test_json_object_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from atlas.llm import LLM
+
+    capsys.readouterr()
+    assert main(["--prompt", "Flat is", "--max-tokens", "30", "--device", "cpu", "--json-object", "--temperature", "1",
+                 "--seed", "3"]) == 0
+    expected = LLM(device="cpu").generate("Flat is", max_tokens=30, json_object=True, temperature=1.0, seed=3)
+    assert expected.text.startswith("{")
+    assert capsys.readouterr().out == expected.text + "\n"
+
+
 def test_chat_flag_uses_the_template(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from atlas.llm import LLM
 

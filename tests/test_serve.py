@@ -257,6 +257,28 @@ def test_penalties_and_min_p(served: Served, rng: np.random.Generator) -> None:
     assert answer.choices[0].text == want.text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_mode(served: Served, rng: np.random.Generator, stream: bool) -> None:
+    """response_format json_object: the chat answer is the in-process model's JSON-mode answer,
+    a JSON object when it ends with "stop", and a prefix of one when cut at max_tokens."""
+    from atlas.json_mode import JsonPrefix
+
+    messages = [{"role": "user", "content": random_prompt(rng)}]
+    temperature = float(rng.choice([0.0, 0.8]))
+    answer = served.client().chat.completions.create(model=DEMO_NAME, messages=messages, max_tokens=40, seed=4,
+                                                     temperature=temperature, response_format={"type": "json_object"},
+                                                     stream=stream)
+    chunks = list(answer) if stream else [answer]
+    text = "".join((c.choices[0].delta.content if stream else c.choices[0].message.content) or ""
+                   for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    want = served.reference.chat(messages, max_tokens=40, seed=4, temperature=temperature, json_object=True)
+    assert (text, finish) == (want.text, want.finish_reason)
+    assert JsonPrefix().feed(text.encode())
+    if finish == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
 def test_logit_bias(served: Served, rng: np.random.Generator) -> None:
     """OpenAI's logit_bias ({"token id": bias}) gives what the in-process model gives with it."""
     prompt = random_prompt(rng)
@@ -516,7 +538,11 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("stop_token_ids beyond the vocabulary", {**GOOD, "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("ignore_eos not bool", {**GOOD, "ignore_eos": 1}, "ignore_eos"),
     ("min_tokens negative", {**GOOD, "min_tokens": -1}, "min_tokens"),
-    ("json mode", {**GOOD, "response_format": {"type": "json_object"}}, "response_format"),
+    ("json schema", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format"),
+    ("response_format unknown", {**GOOD, "response_format": {"type": "xml"}}, "response_format"),
+    ("response_format not an object", {**GOOD, "response_format": "json"}, "response_format"),
+    ("json mode with ignore_eos", {**GOOD, "response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
     ("logit_bias not an object", {**GOOD, "logit_bias": [1, 2]}, "logit_bias"),
     ("logit_bias key not an id", {**GOOD, "logit_bias": {"hello": 1}}, "logit_bias"),
     ("logit_bias beyond 100", {**GOOD, "logit_bias": {"5": 150}}, "logit_bias"),

@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,10 +22,13 @@ from .models import load_model
 from .prompt_cache import PromptCache, Resume, ResumeFilter
 from .safetensors import Checkpoint
 from .sampling import (
-    Penalties, TokenLogprob, apply_logit_bias, check_logit_bias_ids, check_logprobs, check_sampling, choose_token,
-    host_argmax, is_int, token_logprob,
+    Penalties, TokenLogprob, check_logit_bias_ids, check_logprobs, check_sampling, host_pick, is_int, pick_state,
+    token_logprob,
 )
 from .snapshot import DeltaNetSnapshot
+
+if TYPE_CHECKING:
+    from .json_mode import JsonConstraint
 
 
 PREFILL_CHUNK = 4096  # prompt tokens per forward: bounds a step's activations at any context length
@@ -72,6 +75,7 @@ class GenerationRequest:
     on_token: Callable[[int], bool | None] | None = None  # a true return ends the generation (a stop string)
     logprobs: int | None = None  # None: none; N: each token's log-probability and the N most likely
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none)
+    constraint: JsonConstraint | None = None  # JSON mode's recognizer (sampling.json_object)
 
     def __post_init__(self) -> None:
         """Every way into Engine.run builds one: bad values are one line here, not numpy's
@@ -306,12 +310,7 @@ class Engine:
 
     @staticmethod
     def _host_pick(row: np.ndarray, sampling: SamplingParams, rng: np.random.Generator, penalties: Penalties | None) -> int:
-        """The token from logits [V] on the host: biased, penalized, then argmax or the reference sampler."""
-        if sampling.logit_bias:
-            row = apply_logit_bias(row, sampling)
-        if penalties is not None:
-            row = penalties.apply(row, sampling)
-        return host_argmax(row) if sampling.temperature == 0 else choose_token(row, sampling, float(rng.random()))
+        return host_pick(row, sampling, float(rng.random()) if sampling.temperature else 0.0, penalties)
 
     def token_logprob(self, logits: Tensor, token: int, top: int) -> TokenLogprob:
         """The picked token's log-probability under logits [1, V] and the `top` most likely (the
@@ -338,7 +337,7 @@ class Engine:
         if request.max_tokens == 0 and request.prompt_logprobs is None:
             return stats
         rng = np.random.default_rng(request.seed)
-        penalties = Penalties(request.prompt_ids, request.eos_ids) if request.sampling.penalized else None
+        penalties = pick_state(request.prompt_ids, request.eos_ids, request.sampling, request.constraint)
         started = time.perf_counter()
         if request.prompt_logprobs is None:
             logits = self.prefill(request.prompt_ids)

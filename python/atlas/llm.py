@@ -14,6 +14,7 @@ from .kvcache.names import DEFAULT_LEVEL
 if TYPE_CHECKING:
     from .backends.base import SamplingParams
     from .sampling import TokenLogprob
+    from .json_mode import JsonConstraint
     from .kvcache.options import KVCacheOptions
     from .config import ModelSpec
     from .tokenizer import Tokenizer
@@ -64,6 +65,7 @@ class GenerateOptions:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens; allows max_tokens 0
     extras: SamplingExtras = field(default_factory=SamplingExtras)  # min_p, penalties
     stop: tuple[str, ...] = ()  # strings that end the text (never part of it)
+    json_object: bool = False  # JSON mode: the text is one JSON object (atlas.json_mode)
 
 
 class EngineLike(Protocol):
@@ -180,7 +182,8 @@ class LLM:
         """Generate from a text prompt or prompt token ids; greedy when temperature is 0.
         `on_text` receives the text pieces as they complete; `options`: generate_options()'s
         (max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, min_p,
-        presence_penalty, frequency_penalty, repetition_penalty, min_tokens, stop, logit_bias)."""
+        presence_penalty, frequency_penalty, repetition_penalty, min_tokens, stop, logit_bias,
+        json_object)."""
         opts = generate_options(**options)
         return self.generate_with(self.prepare(prompt, opts), opts, on_text)
 
@@ -203,7 +206,8 @@ class LLM:
 
         watch = on_text is not None or bool(opts.stop)
         request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, self.eos_ids(),
-                                    emit if watch else None, opts.logprobs, opts.prompt_logprobs)
+                                    emit if watch else None, opts.logprobs, opts.prompt_logprobs,
+                                    self.json_constraint(opts, self.eos_ids()))
         stats = self.parts.engine.run(request)
         if watch and (rest := "" if matcher.stopped else matcher.push(decoder.flush()) + matcher.flush()):
             pieces.append(rest)
@@ -247,7 +251,8 @@ class LLM:
             raise AtlasError("stream() yields text only; ask generate() for logprobs")
         prompt_ids = self.prepare(prompt, opts)
         decoder, matcher = self.parts.tokenizer.stream_decoder(), StopMatcher(opts.stop)
-        for token in iter_tokens(self.parts.engine, prompt_ids, opts, self.eos_ids()):
+        eos_ids = self.eos_ids()
+        for token in iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids, constraint=self.json_constraint(opts, eos_ids)):
             if piece := matcher.push(decoder.push(token)):
                 yield piece
             if matcher.stopped:
@@ -270,6 +275,14 @@ class LLM:
         check_length(self.parts.spec, self.parts.engine, len(prompt_ids), opts.max_tokens)
         return prompt_ids
 
+    def json_constraint(self, opts: GenerateOptions, end_ids: set[int]) -> JsonConstraint | None:
+        """JSON mode's per-generation state when opts ask for it (end_ids: what may end the object)."""
+        if not opts.json_object:
+            return None
+        from .json_mode import JsonConstraint
+
+        return JsonConstraint(self.parts.tokenizer.token_bytes, end_ids)
+
     def eos_ids(self) -> set[int]:
         """The config's eos ids (generation_config.json first); else the tokenizer's eos."""
         ids = set(self.parts.spec.eos_token_ids)
@@ -282,6 +295,7 @@ def iter_tokens(
     engine: EngineLike, prompt_ids: list[int], opts: GenerateOptions, eos_ids: set[int],
     scores: list[TokenLogprob] | None = None,
     prompt_scores: list[TokenLogprob | None] | None = None,
+    constraint: JsonConstraint | None = None,
 ) -> Iterator[int]:
     """Engine.generate's loop as a generator over the engine's step API (prefill, decode, pick),
     with the same seeded RNG draws, so stream() and generate() give the same tokens. With
@@ -298,10 +312,10 @@ def iter_tokens(
             if token in eos_ids or count == opts.max_tokens:
                 return
         return
-    from .sampling import Penalties
+    from .sampling import pick_state
 
     rng = np.random.default_rng(opts.seed)
-    penalties = Penalties(prompt_ids, eos_ids) if sampling.penalized else None
+    penalties = pick_state(prompt_ids, eos_ids, sampling, constraint)
     if opts.prompt_logprobs is None:
         logits = engine.prefill(prompt_ids)
     else:
@@ -368,6 +382,7 @@ def generate_options(
     min_tokens: int = 0,
     stop: str | list[str] | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    json_object: bool = False,
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. logprobs (0..20): each token's
     log-probability and that many most likely alternatives (the model's distribution before
@@ -376,13 +391,15 @@ def generate_options(
     (atlas.backends.base.SamplingParams); stop: strings that end the text, never part of it (the
     token that completes one is the last generated); logit_bias: token id -> a bias in [-100, 100]
     added to its logit before the penalties and sampling (OpenAI's; -100 bans a token, +100 all but
-    forces it). Values are checked by LLM.prepare."""
+    forces it); json_object: JSON mode, the text is one JSON object (OpenAI's response_format
+    json_object; it ends at the object's close, or is cut at max_tokens). Values are checked by
+    LLM.prepare."""
     from .sampling import logit_bias_pairs
 
     extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
                             logit_bias_pairs(logit_bias))
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
-                           stop_strings(stop))
+                           stop_strings(stop), json_object)
 
 
 def stop_strings(stop: object) -> tuple[str, ...]:
@@ -421,6 +438,8 @@ def check_options(opts: GenerateOptions) -> None:
             raise AtlasError(f"{name} must be a number, got {value!r}")
     if not is_int(opts.top_k):
         raise AtlasError(f"top_k must be an integer, got {opts.top_k!r}")
+    if not isinstance(opts.json_object, bool):
+        raise AtlasError(f"json_object must be True or False, got {opts.json_object!r}")
     check_sampling(sampling_params(opts))
 
 
@@ -430,7 +449,8 @@ def sampling_params(opts: GenerateOptions) -> SamplingParams:
     extra = {name: float(value) for name, value in asdict(opts.extras).items()
              if name not in ("min_tokens", "logit_bias")}
     return SamplingParams(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p),
-                          min_tokens=opts.extras.min_tokens, logit_bias=opts.extras.logit_bias, **extra)
+                          min_tokens=opts.extras.min_tokens, logit_bias=opts.extras.logit_bias,
+                          json_object=bool(opts.json_object), **extra)
 
 
 def check_length(spec: ModelSpec, engine: EngineLike, prompt_tokens: int, max_tokens: int) -> None:

@@ -51,6 +51,7 @@ class RunArgs:
     seed: int | None
     chat: bool
     interactive: bool
+    json_object: bool  # --json-object: JSON mode
     engine: EngineFlags
     extras: SamplingExtras
 
@@ -93,9 +94,8 @@ def run(args: RunArgs) -> None:
     if prompt is None and not args.interactive:
         prompt = default_prompt(model_dir, args.model)
     spec = load_spec(model_dir)  # config, sampling and prompt problems surface before the weights load
-    opts = GenerateOptions(
-        args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat, extras=args.extras
-    )
+    opts = GenerateOptions(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat,
+                           extras=args.extras, json_object=args.json_object)
     check_options(opts)
     check_logit_bias_ids(sampling_params(opts), spec.vocab_size)
     tokenizer = args.engine.tokenizer(model_dir)
@@ -165,6 +165,7 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
               help="No end-of-sequence token before this many tokens.")
 @click.option("--repetition-penalty", type=click.FloatRange(0.0, 10.0, min_open=True), default=1.0, show_default=True,
               help="Prompt and generated tokens' logits divided by it when positive, multiplied when not; 1: off.")
+@click.option("--json-object", is_flag=True, help="JSON mode: the output is one JSON object (cut at --max-tokens).")
 @click.option("--logit-bias", type=LogitBiasEntry(), multiple=True,
               help="Add BIAS (-100..100; -100 bans the token) to TOKEN_ID's logit; repeatable.")
 @engine_options

@@ -3,6 +3,7 @@ chat template (tokenizer_config.json or chat_template.jinja) rendered with sandb
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -79,6 +80,26 @@ class Tokenizer:
         except TypeError:  # tokenizers' answer to a str that is not valid Unicode
             raise AtlasError(f"the text is not valid Unicode ({unicode_problem(text)}); send UTF-8 text") from None
 
+    @functools.cached_property
+    def token_bytes(self) -> list[bytes | None]:
+        """Each id's bytes in decoded text (None: a special token, which decoded text leaves out).
+        Byte-level BPE (Qwen's) maps each token's characters back to bytes, so a token holding part
+        of a UTF-8 character has its exact bytes; other tokenizers decode each id alone."""
+        byte_level = type(self.backend.decoder).__name__ == "ByteLevel"
+        table = _byte_level_table()
+        added = self.backend.get_added_tokens_decoder()
+        out: list[bytes | None] = []
+        for token in range(self.vocab_size):
+            if token in added:
+                out.append(None if added[token].special else added[token].content.encode())
+            elif byte_level:
+                piece = self.backend.id_to_token(token) or ""
+                out.append(bytes(table[c] for c in piece) if all(c in table for c in piece) else None)
+            else:
+                text = self.backend.decode([token], skip_special_tokens=False)
+                out.append(None if REPLACEMENT_CHAR in text else text.encode())
+        return out
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -137,6 +158,17 @@ class StreamDecoder:
         current = self._decode(self.prefix_offset)
         self.prefix_offset = self.read_offset = len(self.ids)
         return current[len(emitted) :]
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's alphabet -> byte: printable Latin-1 bytes stand for themselves, the other
+    bytes, in order, for the characters from U+0100 on."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    table = {chr(b): b for b in kept}
+    shifted = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
 
 
 def first_line(err: BaseException) -> str:

@@ -27,7 +27,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),  # JSON mode / schemas need constrained decoding
     "modalities": (None, ["text"]),
     "audio": (None,),
 }
@@ -57,6 +56,7 @@ class GenerationBody:
     tools: list[dict[str, Any]] | None = None  # chat: function tools offered (tool_choice "auto")
     echo: bool = False  # completions: the prompt comes back in front of the completion
     n: int = 1  # choices, generated one after another
+    json_object: bool = False  # response_format {"type": "json_object"}: JSON mode
 
 
 def parse_body(body: Any, chat: bool) -> GenerationBody:
@@ -81,7 +81,27 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
         tools=offered_tools(body) if chat else None,
         echo=echo,
         n=n,
+        json_object=parse_response_format(body),
     )
+
+
+def parse_response_format(body: dict[str, Any]) -> bool:
+    """OpenAI's response_format: {"type": "text"} (the default) or {"type": "json_object"} (JSON
+    mode; True). json_schema would need schema-constrained decoding, which this server lacks."""
+    value = body.get("response_format")
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text":
+        return False
+    if kind == "json_schema":
+        raise RequestError("response_format json_schema is not supported; use {\"type\": \"json_object\"} "
+                           "(JSON mode) and describe the schema in the prompt", "response_format")
+    if kind != "json_object":
+        raise RequestError('\'response_format\' must be {"type": "text"} or {"type": "json_object"}', "response_format")
+    stops = body.get("stop_token_ids")
+    if body.get("ignore_eos") is True and not stops:
+        raise RequestError("JSON mode ends at the object's close with an end-of-sequence token; "
+                           "leave ignore_eos out", "ignore_eos")
+    return True
 
 
 def offered_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:

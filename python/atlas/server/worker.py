@@ -168,7 +168,8 @@ def generate(llm: LLM, job: Job) -> Finished:
     sent = 0  # scores already sent with a piece
     count = 0
     last_token = -1
-    for last_token in iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, scores, prompt_scores):
+    constraint = llm.json_constraint(job.opts, eos_ids)
+    for last_token in iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, scores, prompt_scores, constraint):
         if count == 0:
             job.first_token_at = time.perf_counter()
             if job.echo is not None:

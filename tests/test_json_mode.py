@@ -1,0 +1,192 @@
+"""JSON mode: the prefix recognizer against Python's json module on random documents and random
+damage to them, the pick among allowed tokens (greedy: the best allowed; sampled: only allowed
+ones), and generation on the demo model: every text is a prefix of a JSON object, a whole one when
+it ends with the end-of-sequence token, and each greedy token the most likely allowed one."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atlas import LLM
+from atlas.backends.base import SamplingParams
+from atlas.engine import GenerationRequest
+from atlas.errors import AtlasError
+from atlas.json_mode import MAX_INDENT, JsonConstraint, JsonPrefix
+from atlas.sampling import softmax_probs
+
+TIE = 1e-4  # relative logit gap under which float32 rounding may decide a pick
+DAMAGE_BYTES = b'{}[]:,"\\-+.0123456789eEtrufalsn\x01\x7f' + "é".encode()  # no whitespace (its rule is stricter than JSON's)
+
+
+def random_value(rng: np.random.Generator, depth: int) -> Any:
+    kind = int(rng.integers(0, 8 if depth < 4 else 5))
+    if kind == 0:
+        return int(rng.integers(-10**12, 10**12))
+    if kind == 1:
+        return float(rng.standard_normal() * 10.0 ** int(rng.integers(-30, 30)))
+    if kind == 2:
+        return [None, True, False][int(rng.integers(0, 3))]
+    if kind in (3, 4):
+        return random_text(rng)
+    if kind in (5, 6):
+        return random_object(rng, depth + 1)
+    return [random_value(rng, depth + 1) for _ in range(int(rng.integers(0, 4)))]
+
+
+def random_text(rng: np.random.Generator) -> str:
+    alphabet = 'ab "\\/\n\t\x00\x1fé€😀\u2028{}[],:'
+    return "".join(alphabet[int(i)] for i in rng.integers(0, len(alphabet), int(rng.integers(0, 8))))
+
+
+def random_object(rng: np.random.Generator, depth: int = 0) -> dict[str, Any]:
+    return {random_text(rng): random_value(rng, depth) for _ in range(int(rng.integers(0, 4)))}
+
+
+def dumps(rng: np.random.Generator, value: Any) -> bytes:
+    indent = [None, 0, 1, 2, 4, "\t"][int(rng.integers(0, 6))]
+    separators = [(",", ":"), (", " if indent is None else ",", ": ")][int(rng.integers(0, 2))]  # no " \n"
+    return json.dumps(value, indent=indent, separators=separators, ensure_ascii=bool(rng.integers(0, 2))).encode()
+
+
+def recognised(data: bytes) -> bool:
+    state = JsonPrefix()
+    return state.feed(data) and state.complete
+
+
+def python_accepts(data: bytes) -> bool:
+    def no_constant(name: str) -> None:
+        raise ValueError(name)  # NaN / Infinity are Python's extension, not JSON
+
+    try:
+        return isinstance(json.loads(data, parse_constant=no_constant), dict)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return False
+
+
+def test_every_prefix_of_a_json_object_is_accepted(rng: np.random.Generator) -> None:
+    for _ in range(300):
+        data = dumps(rng, random_object(rng))
+        state = JsonPrefix()
+        for i, byte in enumerate(data):
+            assert not state.complete, data[:i]
+            assert state.feed(bytes([byte])), f"rejected at byte {i}: {data[: i + 1]!r}"
+        assert state.complete, data
+
+
+def test_damaged_documents_agree_with_json_loads(rng: np.random.Generator) -> None:
+    """Insert, delete or replace one byte of a compact document: accepted as a whole object exactly
+    when Python's json accepts the result as one."""
+    differing = 0
+    for _ in range(2000):
+        data = bytearray(dumps(rng, random_object(rng)).replace(b" ", b"").replace(b"\n", b"").replace(b"\t", b""))
+        if not python_accepts(bytes(data)):
+            continue  # a string held a tab or newline: dropping it broke the document
+        at, byte = int(rng.integers(0, len(data) + 1)), DAMAGE_BYTES[int(rng.integers(0, len(DAMAGE_BYTES)))]
+        action = int(rng.integers(0, 3))
+        if action == 0:
+            data.insert(at, byte)
+        elif at < len(data):
+            data[at : at + 1] = b"" if action == 1 else bytes([byte])
+        differing += not python_accepts(bytes(data))
+        assert recognised(bytes(data)) == python_accepts(bytes(data)), bytes(data)
+    assert differing > 100  # the damage broke many documents: both sides were tested on bad input
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    (b" {}", False),  # the text starts with the object
+    (b"[1]", False), (b'"x"', False), (b"1", False),  # JSON, but not an object
+    (b"{}\n", False),  # nothing after the close
+    (b'{"a":\n' + b" " * MAX_INDENT + b"1}", True),
+    (b'{"a":\n' + b" " * (MAX_INDENT + 1) + b"1}", False),
+    (b'{"a":\n\n1}', False),  # one line break per run of whitespace
+    (b'{"a": \n1}', False),  # and it comes first
+    (b'{"a":"\xc3\xa9\xf0\x9f\x98\x80"}', True), (b'{"a":"\xc3"}', False), (b'{"a":"\x80"}', False),
+    (b'{"a":"\\u00e9\\n"}', True), (b'{"a":"\\x41"}', False), (b'{"a":"\\u00g9"}', False),
+    (b'{"a":-0.5e+3,"b":[true,false,null,{}]}', True), (b'{"a":01}', False), (b'{"a":1.}', False),
+    (b'{"a":-}', False), (b'{"a":tru}', False),
+])
+def test_examples(text: bytes, ok: bool) -> None:
+    assert recognised(text) == ok
+
+
+TOY_VOCAB = [b"{", b"}", b'"', b"a", b":", b"1", b" ", b"\n", b'{"', b'":', None, b""]  # None: special, b"": empty
+TOY_END = 10
+
+
+def test_greedy_takes_the_best_allowed_token(rng: np.random.Generator) -> None:
+    """On a toy vocabulary, from random states: the pick is the highest-logit token that continues
+    the JSON, never one that does not, and only the end id once the object is closed."""
+    for _ in range(200):
+        constraint = JsonConstraint(TOY_VOCAB, {TOY_END})
+        for _ in range(int(rng.integers(0, 8))):  # walk to a random state by random allowed tokens
+            allowed = [t for t in range(len(TOY_VOCAB)) if constraint.allows(t)]
+            if constraint.state.complete:
+                break
+            constraint.advance(int(rng.choice(allowed)))
+        logits = rng.standard_normal(len(TOY_VOCAB)).astype(np.float32)
+        allowed = [t for t in range(len(TOY_VOCAB)) if constraint.allows(t)]
+        best = max(allowed, key=lambda t: (logits[t], -t))
+        assert constraint.greedy(logits) == best
+        assert (allowed == [TOY_END]) == constraint.state.complete
+        assert all(TOY_VOCAB[t] for t in allowed if t != TOY_END)  # never a special or empty token
+        masked = constraint.mask(logits, softmax_probs(logits, 1.0))
+        assert set(np.flatnonzero(np.isfinite(masked))) <= set(allowed)
+
+
+def test_json_mode_needs_an_end_id() -> None:
+    with pytest.raises(AtlasError, match="end-of-sequence"):
+        JsonConstraint(TOY_VOCAB, set())
+
+
+def test_engine_without_the_tokenizer_refuses_json_mode() -> None:
+    engine = LLM(device="cpu").parts.engine
+    with pytest.raises(AtlasError, match="JSON mode needs the tokenizer"):
+        engine.run(GenerationRequest([5, 6, 7], 4, SamplingParams(json_object=True), None, {0}))
+
+
+@pytest.fixture(scope="module")
+def demo() -> LLM:
+    return LLM(device="cpu", prompt_cache=0)
+
+
+def check_json_text(result: Any, eos: set[int]) -> None:
+    assert JsonPrefix().feed(result.text.encode()), result.text
+    if result.finish_reason == "stop":
+        assert result.token_ids[-1] in eos
+        assert isinstance(json.loads(result.text), dict), result.text
+
+
+def test_greedy_json_on_the_demo(demo: LLM, rng: np.random.Generator) -> None:
+    """Each greedy token is the most likely allowed one under the teacher-forced logits."""
+    tokenizer, eos = demo.tokenizer, demo.eos_ids()
+    for _ in range(3):
+        prompt = rng.integers(3, 512, int(rng.integers(2, 20))).tolist()
+        result = demo.generate(prompt, max_tokens=24, json_object=True)
+        check_json_text(result, eos)
+        forced = np.asarray(demo.parts.engine.logits(prompt + result.token_ids))[len(prompt) - 1 :]  # [N+1, V]
+        constraint = JsonConstraint(tokenizer.token_bytes, eos)
+        for i, token in enumerate(result.token_ids):
+            allowed = np.array([constraint.allows(t) for t in range(forced.shape[1])])
+            z = np.where(allowed, forced[i], -np.inf)
+            assert allowed[token] and z[token] >= z.max() - TIE * np.abs(forced[i]).max(), f"step {i}"
+            constraint.advance(token)
+
+
+def test_sampled_json_on_the_demo(demo: LLM, rng: np.random.Generator) -> None:
+    """Sampled texts are JSON-object prefixes (whole objects when they stop), the same from
+    generate() and stream(); penalties and logit_bias combine with JSON mode."""
+    eos = demo.eos_ids()
+    stopped = 0
+    for seed in range(6):
+        prompt = rng.integers(3, 512, int(rng.integers(2, 20))).tolist()
+        options = {"max_tokens": 40, "temperature": 1.0, "seed": seed, "json_object": True,
+                   "presence_penalty": float(rng.uniform(0, 1)), "logit_bias": {int(rng.integers(3, 512)): 2.0}}
+        result = demo.generate(prompt, **options)
+        check_json_text(result, eos)
+        assert "".join(demo.stream(prompt, **options)) == result.text
+        stopped += result.finish_reason == "stop"
+    assert stopped, "no sampled object was closed: the end id is never allowed?"
