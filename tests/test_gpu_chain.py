@@ -90,3 +90,27 @@ def test_host_picks_feed_the_chain(demo_gpu: Any, rng: np.random.Generator) -> N
     for position in range(len(prompt), len(prompt) + STEPS - 1):
         host_fed.append(engine.pick_tensor(engine.decode(host_fed[-1], position), sampling, rng, fed)[0])
     assert host_fed == chained
+
+
+def test_json_mode_on_the_gpu(demo_gpu: Any, rng: np.random.Generator) -> None:
+    """JSON mode picks on the host from the GPU's logits: greedy, each token is the best one the
+    recognizer allows under that step's logits, and the text is a prefix of a JSON object (a whole
+    one when it stops)."""
+    import json
+
+    from atlas.json_mode import JsonConstraint
+
+    prompt = rng.integers(3, demo_gpu.parts.spec.vocab_size, size=int(rng.integers(2, 20))).tolist()
+    engine, eos = demo_gpu.parts.engine, demo_gpu.eos_ids()
+    result = demo_gpu.generate(prompt, max_tokens=STEPS, json_object=True)
+    engine.reset()
+    mirror = JsonConstraint(demo_gpu.tokenizer.token_bytes, eos)
+    logits = engine.prefill(prompt)
+    for position, token in enumerate(result.token_ids, start=len(prompt)):
+        row = engine.backend.to_numpy(logits)[0]  # [V]
+        assert token == mirror.greedy(row), f"step {position - len(prompt)}"
+        mirror.advance(token)
+        logits = engine.decode(token, position)
+    assert result.text.startswith("{")
+    if result.finish_reason == "stop":
+        assert isinstance(json.loads(result.text), dict)
