@@ -190,3 +190,14 @@ def test_sampled_json_on_the_demo(demo: LLM, rng: np.random.Generator) -> None:
         assert "".join(demo.stream(prompt, **options)) == result.text
         stopped += result.finish_reason == "stop"
     assert stopped, "no sampled object was closed: the end id is never allowed?"
+
+
+def test_the_close_ends_the_text_even_before_min_tokens(demo: LLM) -> None:
+    """min_tokens holds the end ids off, but a closed object admits nothing else: it ends there."""
+    eos = demo.eos_ids()
+    for seed in range(8):
+        result = demo.generate("Flat is", max_tokens=60, min_tokens=59, temperature=1.0, seed=seed, json_object=True)
+        check_json_text(result, eos)
+        if result.finish_reason == "stop":
+            return
+    pytest.fail("no sampled object was closed in 8 draws")

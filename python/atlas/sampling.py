@@ -104,7 +104,7 @@ def host_pick(row: np.ndarray, sampling: SamplingParams, uniform: float, penalti
         row = penalties.apply(row, sampling)
     constraint = penalties.constraint if penalties is not None else None
     if constraint is not None:
-        if sampling.temperature == 0:
+        if sampling.temperature == 0 or constraint.state.complete:  # closed: an end id, even before min_tokens
             return constraint.greedy(row)
         row = constraint.mask(row, softmax_probs(row, sampling.temperature))
     return host_argmax(row) if sampling.temperature == 0 else choose_token(row, sampling, uniform)
