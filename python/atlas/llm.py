@@ -204,17 +204,17 @@ class LLM:
                     on_text(piece)
             return matcher.stopped
 
-        watch = on_text is not None or bool(opts.stop)
-        request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, self.eos_ids(),
+        watch, eos_ids = on_text is not None or bool(opts.stop), self.eos_ids()
+        request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, eos_ids,
                                     emit if watch else None, opts.logprobs, opts.prompt_logprobs,
-                                    self.json_constraint(opts, self.eos_ids()))
+                                    self.json_constraint(opts, eos_ids))
         stats = self.parts.engine.run(request)
         if watch and (rest := "" if matcher.stopped else matcher.push(decoder.flush()) + matcher.flush()):
             pieces.append(rest)
             if on_text:
                 on_text(rest)
         token_ids = [int(t) for t in stats.token_ids]
-        stopped = matcher.stopped or (bool(token_ids) and token_ids[-1] in self.eos_ids())
+        stopped = matcher.stopped or (bool(token_ids) and token_ids[-1] in eos_ids)
         return GenerationResult(
             token_ids=token_ids,
             text="".join(pieces) if opts.stop else self.parts.tokenizer.decode(token_ids),

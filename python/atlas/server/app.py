@@ -217,10 +217,13 @@ def check_stop_ids(state: ServerState, body: GenerationBody) -> None:
 
 
 def check_logit_bias_ids(state: ServerState, body: GenerationBody) -> None:
-    vocab = state.llm.parts.spec.vocab_size
-    bad = [token for token, _ in body.sampling.extras.logit_bias if token >= vocab]
-    if bad:
-        raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "logit_bias")
+    from ..backends.base import SamplingParams
+    from ..sampling import check_logit_bias_ids as check_ids
+
+    try:
+        check_ids(SamplingParams(logit_bias=body.sampling.extras.logit_bias), state.llm.parts.spec.vocab_size)
+    except AtlasError as err:
+        raise RequestError(str(err), "logit_bias") from None
 
 
 def check_tools(state: ServerState, body: GenerationBody) -> None:
