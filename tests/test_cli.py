@@ -90,6 +90,33 @@ def test_json_object_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == expected.text + "\n"
 
 
+@pytest.mark.parametrize("inline", [False, True])
+def test_json_schema_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str], inline: bool) -> None:
+    """--json-schema takes a file or the schema's text; the output is what LLM gives with it."""
+    from atlas.llm import LLM
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    capsys.readouterr()
+    assert main(["--prompt", "Flat is", "--max-tokens", "30", "--device", "cpu",
+                 "--json-schema", json.dumps(schema) if inline else str(path)]) == 0
+    expected = LLM(device="cpu").generate("Flat is", max_tokens=30, json_schema=schema)
+    assert expected.text.startswith('{"n"') or expected.text.startswith("{\n")
+    assert capsys.readouterr().out == expected.text + "\n"
+
+
+@pytest.mark.parametrize(("value", "needle"), [
+    ('{"type": "string", "pattern": "a"}', "'pattern': regular expressions are not supported"),
+    ("{not json", "is not JSON"),
+    ("/nonexistent/schema.json", "cannot be read"),
+])
+def test_bad_json_schema_flag(capsys: pytest.CaptureFixture[str], value: str, needle: str) -> None:
+    assert main(["--prompt", "Flat is", "--device", "cpu", "--json-schema", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
 def test_chat_flag_uses_the_template(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from atlas.llm import LLM
 

@@ -92,19 +92,27 @@ def test_host_picks_feed_the_chain(demo_gpu: Any, rng: np.random.Generator) -> N
     assert host_fed == chained
 
 
-def test_json_mode_on_the_gpu(demo_gpu: Any, rng: np.random.Generator) -> None:
-    """JSON mode picks on the host from the GPU's logits: greedy, each token is the best one the
-    recognizer allows under that step's logits, and the text is a prefix of a JSON object (a whole
-    one when it stops)."""
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "words"], "properties": {
+    "n": {"type": "integer", "minimum": -50, "maximum": 50},
+    "words": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2}}}
+
+
+@pytest.mark.parametrize("schema", [None, SCHEMA], ids=["json_object", "json_schema"])
+def test_json_output_on_the_gpu(demo_gpu: Any, rng: np.random.Generator, schema: dict[str, Any] | None) -> None:
+    """JSON output picks on the host from the GPU's logits: greedy, each token is the best one the
+    matcher allows under that step's logits, and the text is a prefix of a JSON object (a whole
+    one, of the schema's shape, when it stops)."""
     import json
 
-    from atlas.json_mode import JsonConstraint
+    import jsonschema
+
+    from atlas.json_mode import JSON_OBJECT, JsonConstraint, schema_shape
 
     prompt = rng.integers(3, demo_gpu.parts.spec.vocab_size, size=int(rng.integers(2, 20))).tolist()
     engine, eos = demo_gpu.parts.engine, demo_gpu.eos_ids()
-    result = demo_gpu.generate(prompt, max_tokens=STEPS, json_object=True)
+    result = demo_gpu.generate(prompt, max_tokens=STEPS, json_object=schema is None, json_schema=schema)
     engine.reset()
-    mirror = JsonConstraint(demo_gpu.tokenizer.token_bytes, eos)
+    mirror = JsonConstraint(demo_gpu.tokenizer.token_bytes, eos, JSON_OBJECT if schema is None else schema_shape(schema))
     logits = engine.prefill(prompt)
     for position, token in enumerate(result.token_ids, start=len(prompt)):
         row = engine.backend.to_numpy(logits)[0]  # [V]
@@ -114,3 +122,4 @@ def test_json_mode_on_the_gpu(demo_gpu: Any, rng: np.random.Generator) -> None:
     assert result.text.startswith("{")
     if result.finish_reason == "stop":
         assert isinstance(json.loads(result.text), dict)
+        jsonschema.validate(json.loads(result.text), schema or {})

@@ -15,7 +15,8 @@ from atlas import LLM
 from atlas.backends.base import SamplingParams
 from atlas.engine import GenerationRequest
 from atlas.errors import AtlasError
-from atlas.json_mode import MAX_INDENT, JsonConstraint, JsonPrefix
+from atlas.json_match import ANY_OBJECT, MAX_INDENT, Matcher
+from atlas.json_mode import JsonConstraint
 from atlas.sampling import softmax_probs
 
 TIE = 1e-4  # relative logit gap under which float32 rounding may decide a pick
@@ -53,7 +54,7 @@ def dumps(rng: np.random.Generator, value: Any) -> bytes:
 
 
 def recognised(data: bytes) -> bool:
-    state = JsonPrefix()
+    state = Matcher(ANY_OBJECT)
     return state.feed(data) and state.complete
 
 
@@ -70,7 +71,7 @@ def python_accepts(data: bytes) -> bool:
 def test_every_prefix_of_a_json_object_is_accepted(rng: np.random.Generator) -> None:
     for _ in range(300):
         data = dumps(rng, random_object(rng))
-        state = JsonPrefix()
+        state = Matcher(ANY_OBJECT)
         for i, byte in enumerate(data):
             assert not state.complete, data[:i]
             assert state.feed(bytes([byte])), f"rejected at byte {i}: {data[: i + 1]!r}"
@@ -124,14 +125,14 @@ def test_greedy_takes_the_best_allowed_token(rng: np.random.Generator) -> None:
         constraint = JsonConstraint(TOY_VOCAB, {TOY_END})
         for _ in range(int(rng.integers(0, 8))):  # walk to a random state by random allowed tokens
             allowed = [t for t in range(len(TOY_VOCAB)) if constraint.allows(t)]
-            if constraint.state.complete:
+            if constraint.complete:
                 break
             constraint.advance(int(rng.choice(allowed)))
         logits = rng.standard_normal(len(TOY_VOCAB)).astype(np.float32)
         allowed = [t for t in range(len(TOY_VOCAB)) if constraint.allows(t)]
         best = max(allowed, key=lambda t: (logits[t], -t))
         assert constraint.greedy(logits) == best
-        assert (allowed == [TOY_END]) == constraint.state.complete
+        assert (allowed == [TOY_END]) == constraint.complete
         assert all(TOY_VOCAB[t] for t in allowed if t != TOY_END)  # never a special or empty token
         masked = constraint.mask(logits, softmax_probs(logits, 1.0))
         assert set(np.flatnonzero(np.isfinite(masked))) <= set(allowed)
@@ -144,8 +145,8 @@ def test_json_mode_needs_an_end_id() -> None:
 
 def test_engine_without_the_tokenizer_refuses_json_mode() -> None:
     engine = LLM(device="cpu").parts.engine
-    with pytest.raises(AtlasError, match="JSON mode needs the tokenizer"):
-        engine.run(GenerationRequest([5, 6, 7], 4, SamplingParams(json_object=True), None, {0}))
+    with pytest.raises(AtlasError, match="JSON output needs the tokenizer"):
+        engine.run(GenerationRequest([5, 6, 7], 4, SamplingParams(structured=True), None, {0}))
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +155,7 @@ def demo() -> LLM:
 
 
 def check_json_text(result: Any, eos: set[int]) -> None:
-    assert JsonPrefix().feed(result.text.encode()), result.text
+    assert Matcher(ANY_OBJECT).feed(result.text.encode()), result.text
     if result.finish_reason == "stop":
         assert result.token_ids[-1] in eos
         assert isinstance(json.loads(result.text), dict), result.text
@@ -167,13 +168,17 @@ def test_greedy_json_on_the_demo(demo: LLM, rng: np.random.Generator) -> None:
         prompt = rng.integers(3, 512, int(rng.integers(2, 20))).tolist()
         result = demo.generate(prompt, max_tokens=24, json_object=True)
         check_json_text(result, eos)
-        forced = np.asarray(demo.parts.engine.logits(prompt + result.token_ids))[len(prompt) - 1 :]  # [N+1, V]
-        constraint = JsonConstraint(tokenizer.token_bytes, eos)
-        for i, token in enumerate(result.token_ids):
-            allowed = np.array([constraint.allows(t) for t in range(forced.shape[1])])
-            z = np.where(allowed, forced[i], -np.inf)
-            assert allowed[token] and z[token] >= z.max() - TIE * np.abs(forced[i]).max(), f"step {i}"
-            constraint.advance(token)
+        assert_greedy_allowed(demo, prompt, result.token_ids, JsonConstraint(tokenizer.token_bytes, eos))
+
+
+def assert_greedy_allowed(llm: LLM, prompt: list[int], tokens: list[int], constraint: JsonConstraint) -> None:
+    """Each of `tokens` is the most likely token `constraint` allows under the teacher-forced logits."""
+    forced = np.asarray(llm.parts.engine.logits(prompt + tokens))[len(prompt) - 1 :]  # [N+1, V]
+    for i, token in enumerate(tokens):
+        allowed = np.array([constraint.allows(t) for t in range(forced.shape[1])])  # [V]
+        z = np.where(allowed, forced[i], -np.inf)  # [V]
+        assert allowed[token] and z[token] >= z.max() - TIE * np.abs(forced[i]).max(), f"step {i}"
+        constraint.advance(token)
 
 
 def test_sampled_json_on_the_demo(demo: LLM, rng: np.random.Generator) -> None:

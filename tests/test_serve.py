@@ -257,26 +257,59 @@ def test_penalties_and_min_p(served: Served, rng: np.random.Generator) -> None:
     assert answer.choices[0].text == want.text
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_json_mode(served: Served, rng: np.random.Generator, stream: bool) -> None:
-    """response_format json_object: the chat answer is the in-process model's JSON-mode answer,
-    a JSON object when it ends with "stop", and a prefix of one when cut at max_tokens."""
-    from atlas.json_mode import JsonPrefix
+POINT_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "x", "tags", "ok"], "properties": {
+    "name": {"type": "string", "maxLength": 6}, "x": {"type": "integer", "minimum": -100, "maximum": 100},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}, "ok": {"type": "boolean"}}}
+RESPONSE_FORMATS = {  # kind -> (response_format, LLM.chat option, the schema a stopped answer meets)
+    "json_object": ({"type": "json_object"}, {"json_object": True}, {"type": "object"}),
+    "json_schema": ({"type": "json_schema", "json_schema": {"name": "point", "schema": POINT_SCHEMA, "strict": True}},
+                    {"json_schema": POINT_SCHEMA}, POINT_SCHEMA),
+}
 
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kind", sorted(RESPONSE_FORMATS))
+def test_json_output(served: Served, rng: np.random.Generator, stream: bool, kind: str) -> None:
+    """response_format json_object / json_schema: the chat answer is the in-process model's answer
+    under the same constraint; one value of the shape (any object for json_object) when it ends
+    with "stop"."""
+    import jsonschema
+
+    response_format, option, schema = RESPONSE_FORMATS[kind]
     messages = [{"role": "user", "content": random_prompt(rng)}]
     temperature = float(rng.choice([0.0, 0.8]))
-    answer = served.client().chat.completions.create(model=DEMO_NAME, messages=messages, max_tokens=40, seed=4,
-                                                     temperature=temperature, response_format={"type": "json_object"},
+    answer = served.client().chat.completions.create(model=DEMO_NAME, messages=messages, max_tokens=60, seed=4,
+                                                     temperature=temperature, response_format=response_format,
                                                      stream=stream)
     chunks = list(answer) if stream else [answer]
     text = "".join((c.choices[0].delta.content if stream else c.choices[0].message.content) or ""
                    for c in chunks if c.choices)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1]
-    want = served.reference.chat(messages, max_tokens=40, seed=4, temperature=temperature, json_object=True)
+    want = served.reference.chat(messages, max_tokens=60, seed=4, temperature=temperature, **option)
     assert (text, finish) == (want.text, want.finish_reason)
-    assert JsonPrefix().feed(text.encode())
+    assert text.startswith("{")
     if finish == "stop":
-        assert isinstance(json.loads(text), dict)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_schema_from_a_pydantic_model(served: Served, rng: np.random.Generator) -> None:
+    """The openai client's parse() sends a pydantic model's strict schema and reads the answer back
+    into the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Point(BaseModel):
+        name: str = Field(max_length=6)
+        x: int = Field(ge=-100, le=100)
+        tags: list[Literal["a", "b"]] = Field(max_length=3)
+        ok: bool
+
+    messages = [{"role": "user", "content": random_prompt(rng)}]
+    completion = served.client().chat.completions.parse(model=DEMO_NAME, messages=messages, max_tokens=80,
+                                                        temperature=0, response_format=Point)
+    point = completion.choices[0].message.parsed
+    assert isinstance(point, Point) and -100 <= point.x <= 100 and len(point.name) <= 6
 
 
 def test_logit_bias(served: Served, rng: np.random.Generator) -> None:
@@ -538,8 +571,13 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("stop_token_ids beyond the vocabulary", {**GOOD, "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("ignore_eos not bool", {**GOOD, "ignore_eos": 1}, "ignore_eos"),
     ("min_tokens negative", {**GOOD, "min_tokens": -1}, "min_tokens"),
-    ("json schema", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     "response_format"),
+    ("json schema with a pattern", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "^a"}}}}, "response_format"),
+    ("json schema not a schema", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": [1]}}}, "response_format"),
+    ("json_schema missing", {**GOOD, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("json schema name not a string", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {
+        "name": 5, "schema": {}}}}, "response_format"),
     ("response_format unknown", {**GOOD, "response_format": {"type": "xml"}}, "response_format"),
     ("response_format not an object", {**GOOD, "response_format": "json"}, "response_format"),
     ("json mode with ignore_eos", {**GOOD, "response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),

@@ -66,6 +66,7 @@ class GenerateOptions:
     extras: SamplingExtras = field(default_factory=SamplingExtras)  # min_p, penalties
     stop: tuple[str, ...] = ()  # strings that end the text (never part of it)
     json_object: bool = False  # JSON mode: the text is one JSON object (atlas.json_mode)
+    json_schema: Any = field(default=None, hash=False)  # the text is one value this JSON schema admits
 
 
 class EngineLike(Protocol):
@@ -183,7 +184,7 @@ class LLM:
         `on_text` receives the text pieces as they complete; `options`: generate_options()'s
         (max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, min_p,
         presence_penalty, frequency_penalty, repetition_penalty, min_tokens, stop, logit_bias,
-        json_object)."""
+        json_object, json_schema)."""
         opts = generate_options(**options)
         return self.generate_with(self.prepare(prompt, opts), opts, on_text)
 
@@ -276,12 +277,13 @@ class LLM:
         return prompt_ids
 
     def json_constraint(self, opts: GenerateOptions, end_ids: set[int]) -> JsonConstraint | None:
-        """JSON mode's per-generation state when opts ask for it (end_ids: what may end the object)."""
-        if not opts.json_object:
+        """JSON output's per-generation state when opts ask for it (end_ids: what may end the value)."""
+        if not opts.json_object and opts.json_schema is None:
             return None
-        from .json_mode import JsonConstraint
+        from .json_mode import JSON_OBJECT, JsonConstraint, schema_shape
 
-        return JsonConstraint(self.parts.tokenizer.token_bytes, end_ids)
+        shape = JSON_OBJECT if opts.json_schema is None else schema_shape(opts.json_schema)
+        return JsonConstraint(self.parts.tokenizer.token_bytes, end_ids, shape)
 
     def eos_ids(self) -> set[int]:
         """The config's eos ids (generation_config.json first); else the tokenizer's eos."""
@@ -383,6 +385,7 @@ def generate_options(
     stop: str | list[str] | None = None,
     logit_bias: Mapping[int, float] | None = None,
     json_object: bool = False,
+    json_schema: Any = None,
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. logprobs (0..20): each token's
     log-probability and that many most likely alternatives (the model's distribution before
@@ -392,14 +395,15 @@ def generate_options(
     token that completes one is the last generated); logit_bias: token id -> a bias in [-100, 100]
     added to its logit before the penalties and sampling (OpenAI's; -100 bans a token, +100 all but
     forces it); json_object: JSON mode, the text is one JSON object (OpenAI's response_format
-    json_object; it ends at the object's close, or is cut at max_tokens). Values are checked by
-    LLM.prepare."""
+    json_object; it ends at the object's close, or is cut at max_tokens); json_schema: a JSON schema
+    (parsed), the text is one value it admits (OpenAI's response_format json_schema; the supported
+    keywords: atlas.json_schema). Values are checked by LLM.prepare."""
     from .sampling import logit_bias_pairs
 
     extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
                             logit_bias_pairs(logit_bias))
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
-                           stop_strings(stop), json_object)
+                           stop_strings(stop), json_object, json_schema)
 
 
 def stop_strings(stop: object) -> tuple[str, ...]:
@@ -440,6 +444,12 @@ def check_options(opts: GenerateOptions) -> None:
         raise AtlasError(f"top_k must be an integer, got {opts.top_k!r}")
     if not isinstance(opts.json_object, bool):
         raise AtlasError(f"json_object must be True or False, got {opts.json_object!r}")
+    if opts.json_schema is not None:
+        from .json_mode import schema_shape
+
+        if opts.json_object:
+            raise AtlasError("json_object and json_schema exclude each other: give one")
+        schema_shape(opts.json_schema)  # compiled (and kept) now: a schema it cannot follow fails here
     check_sampling(sampling_params(opts))
 
 
@@ -450,7 +460,7 @@ def sampling_params(opts: GenerateOptions) -> SamplingParams:
              if name not in ("min_tokens", "logit_bias")}
     return SamplingParams(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p),
                           min_tokens=opts.extras.min_tokens, logit_bias=opts.extras.logit_bias,
-                          json_object=bool(opts.json_object), **extra)
+                          structured=bool(opts.json_object) or opts.json_schema is not None, **extra)
 
 
 def check_length(spec: ModelSpec, engine: EngineLike, prompt_tokens: int, max_tokens: int) -> None:

@@ -5,10 +5,11 @@ Bad flags and bad models print one line on stderr and exit with code 2, never a 
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -52,6 +53,7 @@ class RunArgs:
     chat: bool
     interactive: bool
     json_object: bool  # --json-object: JSON mode
+    json_schema: str | None  # --json-schema: a schema file, or the schema's JSON text
     engine: EngineFlags
     extras: SamplingExtras
 
@@ -81,6 +83,22 @@ def prompt_text(args: RunArgs) -> str | None:
         raise AtlasError(f"--prompt-file {args.prompt_file} cannot be read ({err}); give a UTF-8 text file") from None
 
 
+def read_schema(arg: str | None) -> Any:
+    """--json-schema's schema: the JSON text itself when it starts with '{', else a file's."""
+    if arg is None:
+        return None
+    text = arg
+    if not arg.lstrip().startswith("{"):
+        try:
+            text = Path(arg).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise AtlasError(f"--json-schema {arg} cannot be read ({err}); give a JSON schema file or its text") from None
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise AtlasError(f"--json-schema {arg[:40]} is not JSON ({err}); give a JSON schema file or its text") from None
+
+
 def run(args: RunArgs) -> None:
     from .chat import converse
     from .config import load_spec
@@ -95,7 +113,7 @@ def run(args: RunArgs) -> None:
         prompt = default_prompt(model_dir, args.model)
     spec = load_spec(model_dir)  # config, sampling and prompt problems surface before the weights load
     opts = GenerateOptions(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat,
-                           extras=args.extras, json_object=args.json_object)
+                           extras=args.extras, json_object=args.json_object, json_schema=read_schema(args.json_schema))
     check_options(opts)
     check_logit_bias_ids(sampling_params(opts), spec.vocab_size)
     tokenizer = args.engine.tokenizer(model_dir)
@@ -166,6 +184,9 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 @click.option("--repetition-penalty", type=click.FloatRange(0.0, 10.0, min_open=True), default=1.0, show_default=True,
               help="Prompt and generated tokens' logits divided by it when positive, multiplied when not; 1: off.")
 @click.option("--json-object", is_flag=True, help="JSON mode: the output is one JSON object (cut at --max-tokens).")
+@click.option("--json-schema", metavar="FILE|JSON", default=None,
+              help="The output is one value this JSON schema admits (a file, or the schema's text; "
+                   "supported keywords: docs/structured-output.md).")
 @click.option("--logit-bias", type=LogitBiasEntry(), multiple=True,
               help="Add BIAS (-100..100; -100 bans the token) to TOKEN_ID's logit; repeatable.")
 @engine_options

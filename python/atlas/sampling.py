@@ -90,21 +90,21 @@ def apply_logit_bias(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 def pick_state(prompt_ids: list[int], end_ids: set[int], sampling: SamplingParams,
                constraint: JsonConstraint | None) -> Penalties | None:
     """What one sequence's host picks carry from token to token, if anything."""
-    if sampling.json_object and constraint is None:
-        raise AtlasError("JSON mode needs the tokenizer's token bytes: generate through atlas.LLM")
+    if sampling.structured and constraint is None:
+        raise AtlasError("JSON output needs the tokenizer's token bytes: generate through atlas.LLM")
     return Penalties(prompt_ids, end_ids, constraint) if sampling.penalized or constraint is not None else None
 
 
 def host_pick(row: np.ndarray, sampling: SamplingParams, uniform: float, penalties: Penalties | None) -> int:
     """The token from logits [V] on the host: biased, penalized, then argmax or the reference
-    sampler, among the tokens JSON mode allows when it is on."""
+    sampler, among the tokens JSON output allows when it is on."""
     if sampling.logit_bias:
         row = apply_logit_bias(row, sampling)
     if penalties is not None:
         row = penalties.apply(row, sampling)
     constraint = penalties.constraint if penalties is not None else None
     if constraint is not None:
-        if sampling.temperature == 0 or constraint.state.complete:  # closed: an end id, even before min_tokens
+        if sampling.temperature == 0 or constraint.complete:  # closed: an end id, even before min_tokens
             return constraint.greedy(row)
         row = constraint.mask(row, softmax_probs(row, sampling.temperature))
     return host_argmax(row) if sampling.temperature == 0 else choose_token(row, sampling, uniform)
@@ -113,12 +113,12 @@ def host_pick(row: np.ndarray, sampling: SamplingParams, uniform: float, penalti
 class Penalties:
     """What the penalties read while one sequence is generated: which tokens the prompt or the
     output holds (repetition_penalty) and how often each was generated (presence, frequency); and
-    JSON mode's constraint, advanced by each pick."""
+    the JSON output's constraint, advanced by each pick."""
 
     def __init__(self, prompt_ids: list[int], end_ids: set[int] | None = None, constraint: JsonConstraint | None = None) -> None:
         self.prompt_ids = np.unique(np.asarray(prompt_ids, dtype=np.int64))
         self.end_ids = np.array(sorted(end_ids or ()), dtype=np.int64)  # masked before min_tokens
-        self.constraint = constraint  # JSON mode: which tokens may come next
+        self.constraint = constraint  # JSON output: which tokens may come next
         self.generated: dict[int, int] = {}
         self.count = 0
         self.seen: np.ndarray | None = None  # [V] bool: in the prompt or generated (made at the first apply)

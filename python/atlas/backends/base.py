@@ -39,7 +39,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off: a prompt or generated token's logit / r when > 0, else * r
     min_tokens: int = 0  # the tokens that end a generation cannot be picked before this many
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit, OpenAI's logit_bias
-    json_object: bool = False  # JSON mode: picks keep the text a JSON object (atlas.json_mode)
+    structured: bool = False  # JSON mode or a JSON schema: picks keep the text JSON (atlas.json_mode)
 
     @property
     def penalized(self) -> bool:
@@ -50,7 +50,7 @@ class SamplingParams:
     @property
     def on_host(self) -> bool:
         """Settings no backend op takes: the engine picks such tokens on the host."""
-        return self.penalized or self.min_p > 0 or bool(self.logit_bias) or self.json_object
+        return self.penalized or self.min_p > 0 or bool(self.logit_bias) or self.structured
 
 
 @dataclass

@@ -283,7 +283,8 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
     if body.echo and (body.logprobs is not None or max_tokens == 0):
         prompt_logprobs = body.logprobs or 0
     return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed, logprobs=body.logprobs,
-                           prompt_logprobs=prompt_logprobs, extras=s.extras, json_object=body.json_object)
+                           prompt_logprobs=prompt_logprobs, extras=s.extras, json_object=body.json_object,
+                           json_schema=body.json_schema)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

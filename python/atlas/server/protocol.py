@@ -57,6 +57,7 @@ class GenerationBody:
     echo: bool = False  # completions: the prompt comes back in front of the completion
     n: int = 1  # choices, generated one after another
     json_object: bool = False  # response_format {"type": "json_object"}: JSON mode
+    json_schema: Any = None  # response_format {"type": "json_schema"}: the schema the text follows
 
 
 def parse_body(body: Any, chat: bool) -> GenerationBody:
@@ -81,27 +82,47 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
         tools=offered_tools(body) if chat else None,
         echo=echo,
         n=n,
-        json_object=parse_response_format(body),
+        **parse_response_format(body),
     )
 
 
-def parse_response_format(body: dict[str, Any]) -> bool:
-    """OpenAI's response_format: {"type": "text"} (the default) or {"type": "json_object"} (JSON
-    mode; True). json_schema would need schema-constrained decoding, which this server lacks."""
+def parse_response_format(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's response_format -> GenerationBody's json_object / json_schema: {"type": "text"} (the
+    default), {"type": "json_object"} (JSON mode) or {"type": "json_schema", "json_schema": {"name":
+    ..., "schema": {...}, "strict": ...}} (the schema is compiled here: one it cannot follow is a
+    400 before the request queues)."""
     value = body.get("response_format")
     kind = value.get("type") if isinstance(value, dict) else None
     if value is None or kind == "text":
-        return False
-    if kind == "json_schema":
-        raise RequestError("response_format json_schema is not supported; use {\"type\": \"json_object\"} "
-                           "(JSON mode) and describe the schema in the prompt", "response_format")
-    if kind != "json_object":
-        raise RequestError('\'response_format\' must be {"type": "text"} or {"type": "json_object"}', "response_format")
+        return {}
+    if kind not in ("json_object", "json_schema"):
+        raise RequestError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                           "{\"type\": \"json_schema\", \"json_schema\": {...}}", "response_format")
     stops = body.get("stop_token_ids")
     if body.get("ignore_eos") is True and not stops:
-        raise RequestError("JSON mode ends at the object's close with an end-of-sequence token; "
+        raise RequestError("JSON output ends at the value's close with an end-of-sequence token; "
                            "leave ignore_eos out", "ignore_eos")
-    return True
+    if kind == "json_object":
+        return {"json_object": True}
+    return {"json_schema": parse_json_schema(value.get("json_schema"))}
+
+
+def parse_json_schema(spec: Any) -> Any:
+    """response_format's json_schema object -> its schema (absent: any JSON value), compiled."""
+    from ..json_mode import schema_shape
+
+    if not isinstance(spec, dict):
+        raise RequestError('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}',
+                           "response_format")
+    for key, kind in (("name", str), ("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise RequestError(f"response_format json_schema's '{key}' must be a {kind.__name__}", "response_format")
+    schema = spec.get("schema", True)
+    try:
+        schema_shape(schema)
+    except AtlasError as err:
+        raise RequestError(str(err), "response_format") from None
+    return schema
 
 
 def offered_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -1,0 +1,535 @@
+"""A byte-level pushdown matcher of JSON texts of a given shape (RFC 8259 bytes, UTF-8 checked as
+strictly as Python's decoder). atlas.json_schema compiles a JSON schema into the nodes below;
+JSON mode's shape is ANY_OBJECT.
+
+A node is one kind of value; a frame is (node, its state); a stack is a linked list of frames,
+innermost first: (frame, outer stack or None). A container that expects a child value names the
+node it expects (`child`) and resumes (`accept`) when the child's frame ends. Alternatives (anyOf,
+a declared key or an undeclared one, a number that may end or go on) run side by side as separate
+stacks, so a Matcher holds a set of them. Transitions are cached per set of stacks, so a shape's
+matcher turns into a lazily built DFA over the bytes its tokens actually try.
+
+Whitespace between tokens is one optional line break and up to MAX_INDENT spaces or tabs
+(llama.cpp's JSON grammar's rule), so a model cannot stall in blank lines; none before or after
+the top-level value."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+MAX_INDENT = 20  # spaces or tabs in one run of whitespace (after its one optional line break)
+CACHE_LIMIT = 200_000  # cached transitions per shape before the cache starts over
+LINE_BREAKS = frozenset(b"\n\r")
+INDENT = frozenset(b" \t")
+ESCAPES = frozenset(b'"\\/bfnrtu')
+HEX = frozenset(b"0123456789abcdefABCDEF")
+DIGITS = frozenset(b"0123456789")
+QUOTE, BACKSLASH, COLON, COMMA = (ord(c) for c in '"\\:,')
+NO_SPACE = -1  # no whitespace yet in the current run (else 2 * indent + line break)
+
+State = Any  # hashable: stacks are deduplicated by their frames' states
+Stack = tuple  # ((node, state), outer stack | None)
+
+
+def space(run: int, byte: int) -> int | None:
+    """The run of whitespace after `byte`, None if the byte is not whitespace or breaks the rule."""
+    if byte in LINE_BREAKS:
+        return 1 if run == NO_SPACE else None  # the line break comes first, once
+    if byte not in INDENT:
+        return None
+    indent, line_break = (0, 0) if run == NO_SPACE else (run >> 1, run & 1)
+    return (indent + 1) << 1 | line_break if indent < MAX_INDENT else None
+
+
+class Node:
+    """One kind of JSON value. Subclasses are immutable once built and compare by identity."""
+
+    __slots__ = ()
+
+    def begin(self) -> State:
+        raise NotImplementedError
+
+    def step(self, state: State, byte: int) -> State | None:
+        """The state after this frame takes `byte`; None if the byte cannot come here."""
+        raise NotImplementedError
+
+    def child(self, state: State) -> Node | None:
+        """The value this frame waits for here (it may still take whitespace itself)."""
+        return None
+
+    def accept(self, state: State, child: Node, child_state: State) -> State:
+        """This frame's state once the child it waited for has ended in child_state."""
+        raise AssertionError(f"{type(self).__name__} has no children")
+
+    def final(self, state: State) -> bool:
+        """The value may end here."""
+        raise NotImplementedError
+
+    def open(self, state: State) -> bool:
+        """Some byte may still follow inside the value (False only where none can)."""
+        return True
+
+
+class Union(Node):
+    """Alternatives: anyOf, a type list, a $ref's target. Never a frame itself: each alternative
+    runs as its own stack. `options` may be filled after construction (recursive schemas)."""
+
+    __slots__ = ("options", "_flat")
+
+    def __init__(self, options: Sequence[Node] = ()) -> None:
+        self.options = tuple(options)
+        self._flat: tuple[Node, ...] | None = None
+
+    def flat(self) -> tuple[Node, ...]:
+        """The concrete nodes this union stands for; ValueError if it reaches itself through
+        unions alone (a schema that refers to itself without a container in between)."""
+        if self._flat is None:
+            found: dict[Node, None] = {}
+            self._collect(found, set())
+            self._flat = tuple(found)
+        return self._flat
+
+    def _collect(self, found: dict[Node, None], path: set[int]) -> None:
+        if id(self) in path:
+            raise ValueError("it refers to itself without an object or array in between")
+        path.add(id(self))
+        for option in self.options:
+            if isinstance(option, Union):
+                option._collect(found, path)
+            else:
+                found[option] = None
+        path.discard(id(self))
+
+
+def alternatives(node: Node) -> tuple[Node, ...]:
+    return node.flat() if isinstance(node, Union) else (node,)
+
+
+class Literal(Node):
+    """One of a few exact texts: a const or enum value, true / false / null, a declared key.
+    State: the bytes taken so far."""
+
+    __slots__ = ("options", "prefixes", "proper")
+
+    def __init__(self, options: Iterable[bytes]) -> None:
+        self.options = frozenset(options)
+        self.proper = frozenset(o[:i] for o in self.options for i in range(len(o)))  # may go on
+        self.prefixes = self.proper | self.options
+
+    def begin(self) -> State:
+        return b""
+
+    def step(self, state: bytes, byte: int) -> State | None:
+        taken = state + bytes((byte,))
+        return taken if taken in self.prefixes else None
+
+    def final(self, state: bytes) -> bool:
+        return state in self.options
+
+    def open(self, state: bytes) -> bool:
+        return state in self.proper
+
+
+def utf8_next(lead: int) -> tuple[int, int, int] | None:
+    """(continuation bytes due, range of the next one) after a lead byte; None for a byte that
+    cannot lead (a stray continuation, an overlong C0 / C1, F5 and above). The first
+    continuation's range excludes overlongs (E0, F0), surrogates (ED) and code points past
+    U+10FFFF (F4), as Python's decoder does."""
+    if lead < 0x80:
+        return 0, 0, 0
+    if lead < 0xC2 or lead > 0xF4:
+        return None
+    due = 1 if lead < 0xE0 else 2 if lead < 0xF0 else 3
+    low, high = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}.get(lead, (0x80, 0xBF))
+    return due, low, high
+
+
+class String(Node):
+    """A string of min_len..max_len characters (code points; an escape is one), other than the
+    `exclude` texts (raw bytes between the quotes; compared after decoding).
+    State: (phase: 0 before the quote, 1 inside, 2 closed; characters; escape; UTF-8 bytes due,
+    low, high; the raw bytes so far while they could still equal an excluded text, else None).
+    escape: 0 none, 1 after the backslash, 2..5 hex digits of \\u due + 1, 6 three due after a
+    'd' that must not start a surrogate (bounded strings refuse those: a pair is one character)."""
+
+    __slots__ = ("min_len", "max_len", "exclude", "track")
+
+    def __init__(self, min_len: int = 0, max_len: int | None = None, exclude: Iterable[str] = ()) -> None:
+        self.min_len, self.max_len = min_len, max_len
+        self.exclude = frozenset(exclude)
+        self.track = 12 * max((len(e) for e in self.exclude), default=0)  # a surrogate pair: 12 bytes a character
+
+    def begin(self) -> State:
+        return 0, 0, 0, (0, 0, 0), b"" if self.exclude else None
+
+    def step(self, state: State, byte: int) -> State | None:
+        phase, chars, escape, utf8, raw = state
+        if phase != 1:
+            return (1, 0, 0, utf8, raw) if phase == 0 and byte == QUOTE else None
+        if utf8[0]:
+            if not utf8[1] <= byte <= utf8[2]:
+                return None
+            return 1, chars, 0, (utf8[0] - 1, 0x80, 0xBF), self._raw(raw, byte)
+        if escape:
+            escape = self._escape(escape, byte)
+            return None if escape is None else (1, chars, escape, utf8, self._raw(raw, byte))
+        if byte == QUOTE:
+            return self._close(chars, raw)
+        if self.max_len is not None and chars >= self.max_len:
+            return None
+        if byte == BACKSLASH:
+            return 1, chars + 1, 1, utf8, self._raw(raw, byte)
+        if byte < 0x20:
+            return None
+        utf8 = utf8_next(byte)
+        return None if utf8 is None else (1, chars + 1, 0, utf8, self._raw(raw, byte))
+
+    def _escape(self, escape: int, byte: int) -> int | None:
+        if escape == 1:
+            return None if byte not in ESCAPES else 5 if byte == ord("u") else 0
+        if escape == 6:
+            return 3 if byte in b"01234567" else None
+        if byte not in HEX:
+            return None
+        bounded = self.min_len > 0 or self.max_len is not None
+        return 6 if escape == 5 and bounded and byte in b"dD" else escape - 1 if escape > 2 else 0
+
+    def _raw(self, raw: bytes | None, byte: int) -> bytes | None:
+        return None if raw is None or len(raw) >= self.track else raw + bytes((byte,))
+
+    def _close(self, chars: int, raw: bytes | None) -> State | None:
+        if chars < self.min_len or (raw is not None and self._excluded(raw)):
+            return None
+        return 2, chars, 0, (0, 0, 0), None
+
+    def _excluded(self, raw: bytes) -> bool:
+        try:
+            return json.loads(b'"' + raw + b'"') in self.exclude
+        except ValueError:  # a lone surrogate escape: no excluded text
+            return False
+
+    def final(self, state: State) -> bool:
+        return state[0] == 2
+
+    def open(self, state: State) -> bool:
+        return state[0] != 2
+
+
+def _number_step(phase: str, byte: int, integer: bool) -> str | None:
+    digit = byte in DIGITS
+    dot = byte == 0x2E and not integer
+    exp = byte in b"eE" and not integer
+    table = {
+        "start": "minus" if byte == 0x2D else "zero" if byte == 0x30 else "int" if digit else None,
+        "minus": "zero" if byte == 0x30 else "int" if digit else None,
+        "zero": "dot" if dot else "exp" if exp else None,
+        "int": "int" if digit else "dot" if dot else "exp" if exp else None,
+        "dot": "frac" if digit else None,
+        "frac": "frac" if digit else "exp" if exp else None,
+        "exp": "exp_digits" if digit else "exp_sign" if byte in b"+-" else None,
+        "exp_sign": "exp_digits" if digit else None,
+        "exp_digits": "exp_digits" if digit else None,
+    }
+    return table[phase]
+
+
+NUMBER_ENDS = frozenset({"zero", "int", "frac", "exp_digits"})
+
+
+def reachable(digits: int, exact: bool, low: int | None, high: int | None) -> bool:
+    """Some non-negative integer whose decimal starts with `digits`' (is exactly it when `exact`:
+    a leading zero) lies in [low, high] (None: unbounded)."""
+    low = 0 if low is None else max(low, 0)
+    if exact:
+        return low <= digits and (high is None or digits <= high)
+    if high is None:
+        return True  # digits * 10^k outgrows any low bound
+    scale = 1
+    while digits * scale <= high:  # with k more digits: [digits * 10^k, digits * 10^k + 10^k - 1]
+        if digits * scale + scale - 1 >= low:
+            return True
+        scale *= 10
+    return False
+
+
+class Number(Node):
+    """A JSON number, or an integer (no fraction or exponent) within [low, high] (None: open).
+    State: (phase, negative, the digits' value; 0 when unbounded)."""
+
+    __slots__ = ("integer", "low", "high")
+
+    def __init__(self, integer: bool = False, low: int | None = None, high: int | None = None) -> None:
+        self.integer, self.low, self.high = integer, low, high
+
+    def begin(self) -> State:
+        return "start", False, 0
+
+    @property
+    def bounded(self) -> bool:
+        return self.low is not None or self.high is not None
+
+    def step(self, state: State, byte: int) -> State | None:
+        phase, negative, value = state
+        nxt = _number_step(phase, byte, self.integer)
+        if nxt is None:
+            return None
+        if nxt == "minus":
+            return (nxt, True, 0) if self._viable(True, None) else None
+        if self.bounded and nxt in ("zero", "int"):
+            value = value * 10 + byte - 0x30
+            if not self._viable(negative, value, exact=nxt == "zero"):
+                return None
+        return nxt, negative, value
+
+    def _viable(self, negative: bool, value: int | None, exact: bool = False) -> bool:
+        """Some completion of the digits so far (value None: none yet) is within the bounds."""
+        low, high = (self.low, self.high) if not negative else (
+            None if self.high is None else -self.high, None if self.low is None else -self.low)
+        if value is None:  # after '-': any integer >= 1 (or 0 as "-0")
+            return high is None or high >= max(low or 0, 0)
+        return reachable(value, exact, low, high)
+
+    def final(self, state: State) -> bool:
+        phase, negative, value = state
+        if phase not in NUMBER_ENDS:
+            return False
+        signed = -value if negative else value
+        return (self.low is None or signed >= self.low) and (self.high is None or signed <= self.high)
+
+    def open(self, state: State) -> bool:
+        return not self.integer or any(self.step(state, byte) is not None for byte in b"-0123456789")
+
+
+class Object(Node):
+    """An object whose declared properties come in their declared order (each optional one may be
+    left out), then, where `extra` is set, any other keys with values of that shape.
+    State: (phase, at, whitespace run). at: declared properties passed (KEY phases), or the
+    property being written (COLON, VALUE; len(keys) for an undeclared key)."""
+
+    OPEN, FIRST, KEY, COLON, VALUE, NEXT, CLOSED = range(7)
+    __slots__ = ("keys", "values", "extra", "key_index", "key_nodes", "can_close", "extra_key")
+
+    def __init__(self, properties: Sequence[tuple[str, Node, bool]], extra: Node | None) -> None:
+        self.keys = tuple(json.dumps(name, ensure_ascii=False).encode() for name, _, _ in properties)
+        self.values = tuple(node for _, node, _ in properties)
+        self.extra = extra
+        self.key_index = {key: i for i, key in enumerate(self.keys)}
+        required = [req for _, _, req in properties]
+        n = len(properties)
+        self.can_close = tuple(not any(required[at:]) for at in range(n + 1))
+        self.extra_key = String(exclude=[name for name, _, _ in properties]) if extra is not None else None
+        self.key_nodes = tuple(self._keys_from(at, required) for at in range(n + 1))
+
+    def _keys_from(self, at: int, required: list[bool]) -> Node | None:
+        """The key that may come after `at` declared properties: the next declared one, or a later
+        one past optional ones; an undeclared key once no declared one is required."""
+        declared = []
+        for i in range(at, len(self.keys)):
+            declared.append(self.keys[i])
+            if required[i]:
+                break
+        options: list[Node] = [Literal(declared)] if declared else []
+        if self.extra_key is not None and self.can_close[at]:
+            options.append(self.extra_key)
+        return None if not options else options[0] if len(options) == 1 else Union(options)
+
+    def begin(self) -> State:
+        return self.OPEN, 0, NO_SPACE
+
+    def step(self, state: State, byte: int) -> State | None:
+        phase, at, run = state
+        if phase in (self.OPEN, self.CLOSED):
+            return (self.FIRST, 0, NO_SPACE) if phase == self.OPEN and byte == ord("{") else None
+        run = space(run, byte)
+        if run is not None:
+            return phase, at, run
+        if byte == ord("}") and (phase == self.NEXT or phase == self.FIRST) and self.can_close[at]:
+            return self.CLOSED, at, NO_SPACE
+        if phase == self.COLON and byte == COLON:
+            return self.VALUE, at, NO_SPACE
+        if phase == self.NEXT and byte == COMMA and self.key_nodes[at] is not None:
+            return self.KEY, at, NO_SPACE
+        return None
+
+    def child(self, state: State) -> Node | None:
+        phase, at, _ = state
+        if phase in (self.FIRST, self.KEY):
+            return self.key_nodes[at]
+        if phase == self.VALUE:
+            return self.values[at] if at < len(self.values) else self.extra
+        return None
+
+    def accept(self, state: State, child: Node, child_state: State) -> State:
+        phase, at, _ = state
+        if phase == self.VALUE:
+            return self.NEXT, min(at + 1, len(self.keys)), NO_SPACE
+        written = len(self.keys) if child is self.extra_key else self.key_index[child_state]
+        return self.COLON, written, NO_SPACE
+
+    def final(self, state: State) -> bool:
+        return state[0] == self.CLOSED
+
+    def open(self, state: State) -> bool:
+        return state[0] != self.CLOSED
+
+
+class Array(Node):
+    """An array: prefix items in order, then `items` (None: no more), min_items..max_items long.
+    State: (phase, items written, whitespace run)."""
+
+    OPEN, FIRST, VALUE, NEXT, CLOSED = range(5)
+    __slots__ = ("prefix", "items", "min_items", "max_items")
+
+    def __init__(self, prefix: Sequence[Node], items: Node | None, min_items: int = 0, max_items: int | None = None) -> None:
+        self.prefix, self.items = tuple(prefix), items
+        self.min_items = min_items
+        limit = None if items is not None else len(self.prefix)
+        self.max_items = limit if max_items is None else max_items if limit is None else min(max_items, limit)
+
+    def item(self, count: int) -> Node | None:
+        if self.max_items is not None and count >= self.max_items:
+            return None
+        return self.prefix[count] if count < len(self.prefix) else self.items
+
+    def begin(self) -> State:
+        return self.OPEN, 0, NO_SPACE
+
+    def step(self, state: State, byte: int) -> State | None:
+        phase, count, run = state
+        if phase in (self.OPEN, self.CLOSED):
+            return (self.FIRST, 0, NO_SPACE) if phase == self.OPEN and byte == ord("[") else None
+        run = space(run, byte)
+        if run is not None:
+            return phase, count, run
+        if byte == ord("]") and phase in (self.FIRST, self.NEXT) and count >= self.min_items:
+            return self.CLOSED, count, NO_SPACE
+        if phase == self.NEXT and byte == COMMA and self.item(count) is not None:
+            return self.VALUE, count, NO_SPACE
+        return None
+
+    def child(self, state: State) -> Node | None:
+        phase, count, _ = state
+        return self.item(count) if phase in (self.FIRST, self.VALUE) else None
+
+    def accept(self, state: State, child: Node, child_state: State) -> State:
+        return self.NEXT, state[1] + 1, NO_SPACE
+
+    def final(self, state: State) -> bool:
+        return state[0] == self.CLOSED
+
+    def open(self, state: State) -> bool:
+        return state[0] != self.CLOSED
+
+
+def any_value() -> Union:
+    """Any JSON value (objects with any keys, arrays of any values)."""
+    value = Union()
+    value.options = (Object((), value), Array((), value), String(), Number(), Literal((b"true", b"false", b"null")))
+    return value
+
+
+ANY_VALUE = any_value()
+ANY_OBJECT = Object((), ANY_VALUE)
+
+
+class Transitions:
+    """The shape's cached moves: set of stacks x byte -> set of stacks, and each set's ending."""
+
+    def __init__(self, root: Node) -> None:
+        self.start = frozenset(((node, node.begin()), None) for node in alternatives(root))
+        self.moves: dict[tuple[frozenset, int], frozenset] = {}
+        self.ends: dict[frozenset, tuple[bool, bool]] = {}
+        self.closures: dict[Stack, tuple[tuple[Stack, ...], bool]] = {}
+
+    def move(self, stacks: frozenset, byte: int) -> frozenset:
+        key = (stacks, byte)
+        found = self.moves.get(key)
+        if found is None:
+            if len(self.moves) > CACHE_LIMIT:
+                self.moves.clear()
+                self.closures.clear()
+            found = frozenset(self._step(stacks, byte))
+            self.moves[key] = found
+        return found
+
+    def _step(self, stacks: frozenset, byte: int) -> Iterable[Stack]:
+        for stack in stacks:
+            for (node, state), outer in self.closure(stack)[0]:
+                nxt = node.step(state, byte)
+                if nxt is not None:
+                    yield (node, nxt), outer
+
+    def ending(self, stacks: frozenset) -> tuple[bool, bool]:
+        """(the value may end here, it must: nothing else can follow)."""
+        found = self.ends.get(stacks)
+        if found is None:
+            closures = [self.closure(stack) for stack in stacks]
+            may = any(ends for _, ends in closures)
+            found = may, may and not any(movable for movable, _ in closures)
+            self.ends[stacks] = found
+        return found
+
+    def closure(self, stack: Stack) -> tuple[tuple[Stack, ...], bool]:
+        """The stacks reachable from `stack` without taking a byte (pushing the children frames
+        wait for, popping frames that may end) whose innermost frame may take one; and whether
+        the whole value may end here."""
+        found = self.closures.get(stack)
+        if found is not None:
+            return found
+        movable: list[Stack] = []
+        ends, todo, seen = False, [stack], set()
+        while todo:
+            current = todo.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            (node, state), outer = current
+            if node.open(state):
+                movable.append(current)
+            kid = node.child(state)
+            if kid is not None:
+                todo.extend(((alt, alt.begin()), current) for alt in alternatives(kid))
+            if node.final(state):
+                if outer is None:
+                    ends = True
+                else:
+                    (parent, parent_state), rest = outer
+                    todo.append(((parent, parent.accept(parent_state, node, state)), rest))
+        found = tuple(movable), ends
+        self.closures[stack] = found
+        return found
+
+
+class Matcher:
+    """Where a byte stream stands in a text of one shape; feed() says whether it still begins one.
+    Copies share the shape's transition cache."""
+
+    def __init__(self, root: Node | Transitions) -> None:
+        self.transitions = root if isinstance(root, Transitions) else Transitions(root)
+        self.stacks = self.transitions.start
+
+    def copy(self) -> Matcher:
+        twin = Matcher(self.transitions)
+        twin.stacks = self.stacks
+        return twin
+
+    def feed(self, data: bytes) -> bool:
+        """Take `data`; False (the state unchanged) if it cannot continue the text."""
+        stacks = self.stacks
+        for byte in data:
+            stacks = self.transitions.move(stacks, byte)
+            if not stacks:
+                return False
+        self.stacks = stacks
+        return True
+
+    @property
+    def can_end(self) -> bool:
+        return self.transitions.ending(self.stacks)[0]
+
+    @property
+    def complete(self) -> bool:
+        """The text is whole and nothing may follow it."""
+        return self.transitions.ending(self.stacks)[1]

@@ -1,0 +1,246 @@
+"""JSON schema -> the shape atlas.json_match matches (OpenAI's response_format json_schema, vLLM's
+guided JSON). Generation keeps to a subset of what the schema admits, so every text it ends is
+valid; anything the subset cannot honour is refused with one line naming the keyword and where.
+
+Supported: type (a name or a list), enum, const, anyOf, oneOf (generated as anyOf: alternatives
+that overlap could both match), allOf of one schema, $ref to a JSON pointer inside the document
+("#", "#/$defs/…"; recursion through objects or arrays), and per type:
+  object   properties (written in their declared order; an optional one may be left out),
+           required, additionalProperties (false / true / a schema; absent: none when properties
+           are declared, any otherwise),
+  array    items (a schema or false), prefixItems, minItems, maxItems,
+  string   minLength, maxLength (characters),
+  integer  minimum, maximum, exclusiveMinimum, exclusiveMaximum,
+  number, boolean, null.
+Annotations (title, description, default, examples, any keyword that does not validate) are ignored."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from .errors import AtlasError
+from .json_match import ANY_VALUE, Array, Literal, Node, Number, Object, String, Union
+
+# JSON Schema 2020-12's validation keywords (and draft 7's); any other keyword is an annotation
+# (title, description, default, $defs, ...), which no validator reads and generation ignores.
+VALIDATION = frozenset({
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "maxContains",
+    "minContains", "contains", "items", "prefixItems", "additionalItems", "unevaluatedItems", "maxProperties",
+    "minProperties", "required", "dependentRequired", "dependentSchemas", "dependencies", "properties",
+    "patternProperties", "additionalProperties", "unevaluatedProperties", "propertyNames", "if", "then", "else",
+    "not", "allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "$recursiveRef", "contentEncoding", "contentMediaType",
+})
+TYPE_KEYWORDS = {
+    "object": frozenset({"properties", "required", "additionalProperties"}),
+    "array": frozenset({"items", "prefixItems", "minItems", "maxItems"}),
+    "string": frozenset({"minLength", "maxLength"}),
+    "integer": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
+    "number": frozenset(),
+    "boolean": frozenset(),
+    "null": frozenset(),
+}
+COMBINERS = ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")
+HINTS = {
+    "pattern": "regular expressions are not supported",
+    "format": "string formats are not supported; describe the format in the prompt",
+    "minimum": "bounds are supported on integers only",
+    "maximum": "bounds are supported on integers only",
+    "exclusiveMinimum": "bounds are supported on integers only",
+    "exclusiveMaximum": "bounds are supported on integers only",
+}
+
+
+class SchemaError(AtlasError):
+    """A schema this generator cannot follow; the message names the place and the keyword."""
+
+
+def compile_schema(schema: Any) -> Node:
+    """The shape of the texts `schema` admits (a JSON schema as parsed JSON)."""
+    return SchemaCompiler(schema).root
+
+
+class SchemaCompiler:
+    def __init__(self, document: Any) -> None:
+        self.document = document
+        self.refs: dict[str, Union] = {}
+        self.root = self.node(document, "#")
+        for pointer, union in self.refs.items():
+            try:
+                union.flat()
+            except ValueError as err:
+                raise SchemaError(f"json schema: {pointer}: {err}") from None
+
+    def fail(self, where: str, problem: str) -> SchemaError:
+        return SchemaError(f"json schema: {where}: {problem}")
+
+    def node(self, schema: Any, where: str) -> Node:
+        if schema is True:
+            return ANY_VALUE
+        if not isinstance(schema, dict) or not all(isinstance(k, str) for k in schema):
+            raise self.fail(where, f"a schema must be an object (or true), got {json.dumps(schema)[:60]}")
+        keys = set(schema) & VALIDATION
+        combiner = next((k for k in COMBINERS if k in keys), None)
+        if combiner is not None:
+            return self.combined(schema, combiner, keys, where)
+        types = self.types(schema, keys, where)
+        if types is None:
+            return ANY_VALUE
+        nodes = [self.typed(schema, kind, f"{where}/type") for kind in types]
+        return nodes[0] if len(nodes) == 1 else Union(nodes)
+
+    def combined(self, schema: dict[str, Any], combiner: str, keys: set[str], where: str) -> Node:
+        if combiner in ("enum", "const"):
+            return self.literal(schema, keys, where)
+        others = keys - {combiner}
+        if others:
+            raise self.fail(where, f"'{sorted(others)[0]}' beside '{combiner}' is not supported; "
+                            f"move it into the {combiner} target")
+        value = schema[combiner]
+        if combiner == "$ref":
+            return self.ref(value, f"{where}/$ref")
+        if not isinstance(value, list) or not value:
+            raise self.fail(f"{where}/{combiner}", "must be a non-empty list of schemas")
+        if combiner == "allOf":
+            if len(value) != 1:
+                raise self.fail(f"{where}/allOf", "allOf of more than one schema is not supported")
+            return self.node(value[0], f"{where}/allOf/0")
+        return Union([self.node(item, f"{where}/{combiner}/{i}") for i, item in enumerate(value)])
+
+    def literal(self, schema: dict[str, Any], keys: set[str], where: str) -> Node:
+        extra = keys - {"enum", "const", "type"}
+        if extra or ("enum" in keys and "const" in keys):
+            raise self.fail(where, f"'{sorted(extra or {'const'})[0]}' beside 'enum' / 'const' is not supported")
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        if not isinstance(values, list) or not values:
+            raise self.fail(f"{where}/enum", "must be a non-empty list")
+        types = self.types(schema, {"type"} & keys, where)
+        kept = [v for v in values if types is None or any(json_type_matches(v, t) for t in types)]
+        if not kept:
+            raise self.fail(where, "no enum / const value has the schema's type")
+        try:
+            return Literal(json.dumps(v, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode() for v in kept)
+        except ValueError:
+            raise self.fail(where, "NaN and Infinity are not JSON values") from None
+
+    def types(self, schema: dict[str, Any], keys: set[str], where: str) -> list[str] | None:
+        """The types the schema names (inferred from its keywords when it names none; None: any)."""
+        declared = schema.get("type")
+        if declared is None:
+            inferred = [t for t, words in TYPE_KEYWORDS.items() if words & keys]
+            types = inferred or None
+        else:
+            types = [declared] if isinstance(declared, str) else declared
+            if not isinstance(types, list) or not types or not all(t in TYPE_KEYWORDS for t in types):
+                raise self.fail(f"{where}/type", f"must be one of {', '.join(TYPE_KEYWORDS)} or a list of them, "
+                                f"got {json.dumps(declared)}")
+        allowed = frozenset({"type"}).union(*(TYPE_KEYWORDS[t] for t in types or ()))
+        for key in sorted(keys - allowed):
+            reason = HINTS.get(key, f"it does not apply to type {'/'.join(types)}" if key in set().union(*TYPE_KEYWORDS.values())
+                               else "it is not supported")
+            raise self.fail(where, f"'{key}': {reason}")
+        return types
+
+    def typed(self, schema: dict[str, Any], kind: str, where: str) -> Node:
+        base = where.rsplit("/", 1)[0]
+        if kind == "object":
+            return self.object(schema, base)
+        if kind == "array":
+            return self.array(schema, base)
+        if kind == "string":
+            low, high = self.count(schema, "minLength", base), self.count(schema, "maxLength", base)
+            if high is not None and high < (low or 0):
+                raise self.fail(base, "maxLength is below minLength")
+            return String(low or 0, high)
+        if kind == "integer":
+            low, high = integer_bounds(schema)
+            if low is not None and high is not None and low > high:
+                raise self.fail(base, "no integer lies within the bounds")
+            return Number(integer=True, low=low, high=high)
+        if kind == "number":
+            return Number()
+        return Literal((b"true", b"false") if kind == "boolean" else (b"null",))
+
+    def object(self, schema: dict[str, Any], where: str) -> Node:
+        properties = schema.get("properties", {})
+        if not isinstance(properties, dict):
+            raise self.fail(f"{where}/properties", "must be an object of name -> schema")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise self.fail(f"{where}/required", "must be a list of property names")
+        missing = [r for r in required if r not in properties]
+        if missing:
+            raise self.fail(f"{where}/required", f"'{missing[0]}' is not in properties; declare it there")
+        additional = schema.get("additionalProperties", None if properties else True)
+        extra = None if additional in (None, False) else self.node(additional, f"{where}/additionalProperties")
+        declared = [(name, self.node(sub, f"{where}/properties/{escape_pointer(name)}"), name in required)
+                    for name, sub in properties.items()]
+        return Object(declared, extra)
+
+    def array(self, schema: dict[str, Any], where: str) -> Node:
+        prefix = schema.get("prefixItems", [])
+        if not isinstance(prefix, list):
+            raise self.fail(f"{where}/prefixItems", "must be a list of schemas")
+        nodes = [self.node(sub, f"{where}/prefixItems/{i}") for i, sub in enumerate(prefix)]
+        items_schema = schema.get("items", True)
+        items = None if items_schema is False else self.node(items_schema, f"{where}/items")
+        low, high = self.count(schema, "minItems", where) or 0, self.count(schema, "maxItems", where)
+        longest = high if items is not None else min(len(nodes), len(nodes) if high is None else high)
+        if longest is not None and longest < low:
+            raise self.fail(where, "no array length fits minItems, maxItems and the items")
+        return Array(nodes, items, low, high)
+
+    def count(self, schema: dict[str, Any], key: str, where: str) -> int | None:
+        value = schema.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise self.fail(f"{where}/{key}", f"must be an integer >= 0, got {json.dumps(value)}")
+        return value
+
+    def ref(self, pointer: Any, where: str) -> Node:
+        if not isinstance(pointer, str) or not pointer.startswith("#"):
+            raise self.fail(where, f"only references inside the schema (\"#/...\") are supported, got {json.dumps(pointer)}")
+        if pointer not in self.refs:
+            self.refs[pointer] = Union()  # filled below; a recursive reference finds it here
+            self.refs[pointer].options = (self.node(self.resolve(pointer, where), pointer),)
+        return self.refs[pointer]
+
+    def resolve(self, pointer: str, where: str) -> Any:
+        target = self.document
+        for part in pointer[1:].split("/")[1:] if pointer != "#" else []:
+            name = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and name in target:
+                target = target[name]
+            elif isinstance(target, list) and name.isdigit() and int(name) < len(target):
+                target = target[int(name)]
+            else:
+                raise self.fail(where, f"{pointer} points at nothing in the schema")
+        return target
+
+
+def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The integer range [low, high] (None: open) of minimum / maximum / their exclusive forms."""
+    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        value = schema.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+            raise SchemaError(f"json schema: '{key}' must be a finite number, got {json.dumps(value)}")
+    lows = [math.ceil(schema["minimum"])] if "minimum" in schema else []
+    lows += [math.floor(schema["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in schema else []
+    highs = [math.floor(schema["maximum"])] if "maximum" in schema else []
+    highs += [math.ceil(schema["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in schema else []
+    return (max(lows) if lows else None), (min(highs) if highs else None)
+
+
+def json_type_matches(value: Any, kind: str) -> bool:
+    checks = {
+        "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
+        "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool), "null": lambda v: v is None,
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    }
+    return checks[kind](value)
+
+
+def escape_pointer(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")

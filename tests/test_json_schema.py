@@ -1,0 +1,299 @@
+"""JSON schemas (atlas.json_schema, atlas.json_match) against the jsonschema package: every text a
+random walk over the allowed bytes ends is valid JSON the schema admits; documents written in the
+schema's property order are accepted exactly when jsonschema admits them; integer bounds and string
+lengths exactly; what the generator cannot honour is refused with one line."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+
+from atlas.json_match import Matcher, Number, reachable
+from atlas.json_schema import SchemaError, compile_schema
+from test_json_mode import assert_greedy_allowed
+
+ADDRESS = {"type": "object", "additionalProperties": False, "required": ["city", "zip"], "properties": {
+    "city": {"type": "string", "minLength": 1, "maxLength": 12},
+    "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+}}
+PERSON = {  # what pydantic writes: $defs, anyOf with null, titles and defaults
+    "$defs": {"Address": ADDRESS},
+    "title": "Person", "type": "object", "additionalProperties": False,
+    "required": ["name", "age", "tags", "kind"],
+    "properties": {
+        "name": {"title": "Name", "type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "score": {"type": "number", "default": 0.5},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+        "address": {"anyOf": [{"$ref": "#/$defs/Address"}, {"type": "null"}], "default": None},
+        "kind": {"const": "person"},
+        "ok": {"type": "boolean"},
+    },
+}
+TREE = {"$ref": "#/$defs/node", "$defs": {"node": {
+    "type": "object", "additionalProperties": False, "required": ["v"], "properties": {
+        "v": {"type": "integer", "exclusiveMinimum": -5, "exclusiveMaximum": 5},
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+    }}}}
+PAIR = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 3}], "items": False, "minItems": 1}
+SMALL_INT = {"type": ["integer", "null"], "minimum": -3, "maximum": 20}
+NUMBERS_BY_ID = {"type": "object", "required": ["id"], "properties": {"id": {"type": "integer"}},
+                 "additionalProperties": {"type": "number"}}
+ANYTHING: dict[str, Any] = {}
+SCHEMAS = {"person": PERSON, "tree": TREE, "pair": PAIR, "small_int": SMALL_INT, "numbers_by_id": NUMBERS_BY_ID,
+           "anything": ANYTHING}
+CLOSERS = b'}]"'  # drawn more often so that walks end
+
+
+def random_text(schema: dict[str, Any], rng: np.random.Generator, limit: int = 300) -> bytes | None:
+    """A random walk over the bytes the matcher allows, ending where it may (None past `limit`)."""
+    matcher, text = Matcher(compile_schema(schema)), bytearray()
+    while len(text) < limit:
+        if matcher.complete or (matcher.can_end and rng.random() < 0.3):
+            return bytes(text)
+        allowed = [b for b in range(256) if matcher.copy().feed(bytes((b,)))]
+        assert allowed, f"stuck after {bytes(text)!r}"
+        weights = np.array([8.0 if b in CLOSERS else 1.0 for b in allowed])
+        byte = allowed[int(rng.choice(len(allowed), p=weights / weights.sum()))]
+        assert matcher.feed(bytes((byte,)))
+        text.append(byte)
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_random_walks_end_in_valid_documents(name: str, rng: np.random.Generator) -> None:
+    schema, ended = SCHEMAS[name], 0
+    for _ in range(60):
+        text = random_text(schema, rng)
+        if text is None:
+            continue
+        ended += 1
+        value = json.loads(text)  # raises on anything that is not one JSON text
+        jsonschema.validate(value, schema)
+    assert ended >= 20, f"only {ended} of 60 walks ended"
+
+
+def recognised(schema: dict[str, Any], data: bytes) -> bool:
+    matcher = Matcher(compile_schema(schema))
+    return matcher.feed(data) and matcher.can_end
+
+
+def mutations(value: Any, rng: np.random.Generator) -> list[Any]:
+    """Copies of a document with one value replaced, one key dropped or one array item dropped."""
+    out = []
+    replacements: list[Any] = [None, True, 0, -7, 3, 99999, 10000, 151, 1.5, "", "a", "person", "x" * 13, [], ["a"], {}]
+    for _ in range(12):
+        copy = json.loads(json.dumps(value))
+        holder, key = pick_slot(copy, rng)
+        if holder is None:
+            continue
+        if rng.random() < 0.25:
+            del holder[key]
+        else:
+            holder[key] = replacements[int(rng.integers(0, len(replacements)))]
+        out.append(copy)
+    return out
+
+
+def pick_slot(value: Any, rng: np.random.Generator) -> tuple[Any, Any]:
+    slots: list[tuple[Any, Any]] = []
+
+    def walk(node: Any) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in list(items):
+            slots.append((node, key))
+            walk(child)
+
+    walk(value)
+    return slots[int(rng.integers(0, len(slots)))] if slots else (None, None)
+
+
+def admits(schema: dict[str, Any], value: Any) -> bool:
+    return jsonschema.Draft202012Validator(schema).is_valid(value)
+
+
+def writings(value: Any) -> list[bytes]:
+    """Three spellings of a document; none when it holds a float past JSON's range (9e999 reads
+    as inf, which JSON cannot write)."""
+    try:
+        return [json.dumps(value, indent=indent, separators=sep, ensure_ascii=False, allow_nan=False).encode()
+                for indent, sep in ((None, (",", ":")), (None, (", ", ": ")), (2, (",", ": ")))]
+    except ValueError:
+        return []
+
+
+@pytest.mark.parametrize("name", ["person", "tree", "pair"])
+def test_documents_in_property_order_are_accepted_exactly_when_valid(name: str, rng: np.random.Generator) -> None:
+    """Walks give valid documents; one-value changes to them give valid and invalid ones. Written
+    in the declared property order (the only order generation uses), each is accepted exactly when
+    jsonschema admits it."""
+    schema, invalid = SCHEMAS[name], 0
+    for _ in range(25):
+        text = random_text(schema, rng)
+        if text is None:
+            continue
+        for value in [json.loads(text), *mutations(json.loads(text), rng)]:
+            valid = admits(schema, value)
+            invalid += not valid
+            for data in writings(value):
+                assert recognised(schema, data) == valid, data
+    assert invalid > 20
+
+
+@pytest.mark.parametrize(("data", "ok"), [
+    (b'{"name":"Ann","age":3,"tags":["a"],"kind":"person"}', True),
+    (b'{"name":"Ann","age":3,"score":-1.5e3,"tags":["c","b"],"address":null,"kind":"person","ok":false}', True),
+    (b'{"name":"Ann","age":3,"tags":["a"],"address":{"city":"Oslo","zip":10001},"kind":"person"}', True),
+    (b'{"age":3,"name":"Ann","tags":["a"],"kind":"person"}', False),  # declared order only
+    (b'{"name":"Ann","age":3,"tags":["a"],"kind":"person","extra":1}', False),  # additionalProperties false
+    (b'{"name":"Ann","age":3,"tags":[],"kind":"person"}', False),  # minItems
+    (b'{"name":"Ann","age":3,"tags":["a","a","a","a"],"kind":"person"}', False),  # maxItems
+    (b'{"name":"Ann","age":3,"tags":["d"],"kind":"person"}', False),  # enum
+    (b'{"name":"Ann","age":151,"tags":["a"],"kind":"person"}', False),  # maximum
+    (b'{"name":"Ann","age":-1,"tags":["a"],"kind":"person"}', False),  # minimum
+    (b'{"name":"Ann","age":3.0,"tags":["a"],"kind":"person"}', False),  # integers are written without a fraction
+    (b'{"name":"Ann","age":3,"tags":["a"]}', False),  # required
+    (b'{"name":"Ann","age":3,"tags":["a"],"address":{"city":"","zip":10001},"kind":"person"}', False),  # minLength
+    (b'{"name":"Ann","age":3,"tags":["a"],"address":{"city":"Oslo","zip":9999},"kind":"person"}', False),
+])
+def test_person_examples(data: bytes, ok: bool) -> None:
+    assert recognised(PERSON, data) == ok
+    if ok:
+        jsonschema.validate(json.loads(data), PERSON)
+
+
+def test_a_top_level_number_may_end_or_go_on() -> None:
+    matcher = Matcher(compile_schema(SMALL_INT))
+    assert matcher.feed(b"1") and matcher.can_end and not matcher.complete  # "1" or "10".."19"
+    assert matcher.copy().feed(b"9") and not matcher.copy().feed(b"1234")
+    assert matcher.feed(b"2") and matcher.complete  # 12: any further digit passes 20
+
+
+def test_integer_bounds_agree_with_the_values(rng: np.random.Generator) -> None:
+    """Over random ranges (open ends too), each integer text in [-300, 300] and "-0" is whole
+    exactly when its value is in range, and every prefix of an in-range one is taken."""
+    for _ in range(40):
+        low, high = sorted(int(v) for v in rng.integers(-250, 250, 2))
+        low_or_none = None if rng.random() < 0.2 else low
+        high_or_none = None if rng.random() < 0.2 else high
+        node = Number(integer=True, low=low_or_none, high=high_or_none)
+        for value in [*range(-300, 301), "-0"]:
+            text = str(value).encode()
+            inside = (low_or_none is None or int(value) >= low_or_none) and (high_or_none is None or int(value) <= high_or_none)
+            matcher = Matcher(node)
+            took = matcher.feed(text)
+            assert (took and matcher.can_end) == inside, (low_or_none, high_or_none, text)
+            if inside:
+                assert all(Matcher(node).feed(text[:i]) for i in range(1, len(text)))
+
+
+def test_reachable_matches_a_search() -> None:
+    for digits in range(1, 60):
+        spelled = [v for v in range(801) if str(v).startswith(str(digits))]  # completions up to 800
+        for low in range(0, 700, 7):
+            for high in range(low, 800, 13):
+                found = any(low <= v <= high for v in spelled)
+                assert reachable(digits, False, low, high) == found, (digits, low, high)
+
+
+@pytest.mark.parametrize("bounds", [(0, 3), (2, 2), (1, None)])
+def test_string_lengths_count_characters(bounds: tuple[int, int | None], rng: np.random.Generator) -> None:
+    """Characters as Python counts them: multi-byte UTF-8 and escapes are one each."""
+    low, high = bounds
+    node = compile_schema({"type": "string", "minLength": low, **({"maxLength": high} if high is not None else {})})
+    alphabet = ["a", "é", "€", "😀", '\\"', "\\n", "\\u00e9", "\\\\"]
+    for _ in range(300):
+        body = "".join(alphabet[int(i)] for i in rng.integers(0, len(alphabet), int(rng.integers(0, 6))))
+        text = f'"{body}"'.encode()
+        chars = len(json.loads(text))
+        matcher = Matcher(node)
+        assert (matcher.feed(text) and matcher.can_end) == (chars >= low and (high is None or chars <= high)), text
+    assert not Matcher(node).feed(b'"\\ud83d')  # a surrogate pair would be two escapes but one character
+
+
+def test_undeclared_keys_never_repeat_a_declared_one() -> None:
+    """With additionalProperties, an undeclared key spelling a declared name (even with escapes)
+    is refused: its value would be checked against the declared schema."""
+    for data, ok in [(b'{"id":1,"x":2.5}', True), (b'{"id":1,"id":2.5}', False), (b'{"id":1,"\\u0069d":2.5}', False),
+                     (b'{"id":1,"idx":2}', True), (b'{"x":1}', False)]:
+        assert recognised(NUMBERS_BY_ID, data) == ok, data
+
+
+@pytest.mark.parametrize(("schema", "message"), [
+    ({"type": "string", "pattern": "^a"}, "'pattern': regular expressions are not supported"),
+    ({"type": "string", "format": "date"}, "'format'"),
+    ({"type": "number", "minimum": 0}, "bounds are supported on integers only"),
+    ({"type": "string", "minItems": 1}, "does not apply to type string"),
+    ({"allOf": [{"type": "string"}, {"maxLength": 2}]}, "allOf of more than one schema"),
+    ({"$ref": "other.json#/a"}, "only references inside the schema"),
+    ({"$ref": "#/$defs/missing"}, "points at nothing"),
+    ({"type": "object", "properties": {}, "required": ["a"]}, "'a' is not in properties"),
+    ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "no array length fits"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, "maxLength is below minLength"),
+    ({"type": "integer", "minimum": 3, "maximum": 2.5}, "no integer lies within the bounds"),
+    ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}, "refers to itself"),
+    ({"type": "stringy"}, "must be one of object"),
+    ({"type": "object", "not": {}}, "'not': it is not supported"),
+    ({"enum": []}, "non-empty list"),
+    ({"type": "integer", "enum": ["a"]}, "no enum / const value has the schema's type"),
+    ([1], "a schema must be an object"),
+])
+def test_unsupported_schemas_are_refused_with_one_line(schema: Any, message: str) -> None:
+    with pytest.raises(SchemaError, match="json schema: .*") as caught:
+        compile_schema(schema)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_annotations_are_ignored() -> None:
+    schema = {"type": "boolean", "title": "t", "description": "d", "x-vendor": {"pattern": "x"}, "examples": [True]}
+    assert recognised(schema, b"true") and not recognised(schema, b'"x"')
+
+
+# --- generation on the demo model --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo() -> Any:
+    from atlas import LLM
+
+    return LLM(device="cpu", prompt_cache=0)
+
+
+def test_greedy_schema_output_on_the_demo(demo: Any, rng: np.random.Generator) -> None:
+    """Each greedy token is the most likely token the schema allows under the teacher-forced
+    logits; a text that stops is a document the schema admits."""
+    from atlas.json_mode import JsonConstraint, schema_shape
+
+    tokenizer, eos = demo.tokenizer, demo.eos_ids()
+    for schema in (PERSON, PAIR):
+        prompt = rng.integers(3, 512, int(rng.integers(2, 20))).tolist()
+        result = demo.generate(prompt, max_tokens=60, json_schema=schema)
+        if result.finish_reason == "stop":
+            jsonschema.validate(json.loads(result.text), schema)
+        assert_greedy_allowed(demo, prompt, result.token_ids, JsonConstraint(tokenizer.token_bytes, eos, schema_shape(schema)))
+
+
+def test_sampled_schema_output_on_the_demo(demo: Any, rng: np.random.Generator) -> None:
+    """Sampled texts that stop are documents the schema admits; the same from generate() and
+    stream()."""
+    stopped = 0
+    for seed in range(6):
+        prompt = rng.integers(3, 512, int(rng.integers(2, 20))).tolist()
+        options = {"max_tokens": 80, "temperature": 1.0, "seed": seed, "json_schema": TREE, "top_p": 0.95}
+        result = demo.generate(prompt, **options)
+        assert "".join(demo.stream(prompt, **options)) == result.text
+        if result.finish_reason == "stop":
+            jsonschema.validate(json.loads(result.text), TREE)
+            stopped += 1
+    assert stopped, "no sampled document was closed"
+
+
+def test_generate_refuses_bad_schema_options(demo: Any) -> None:
+    from atlas.errors import AtlasError
+
+    with pytest.raises(SchemaError, match="'pattern'"):
+        demo.generate("Flat is", json_schema={"type": "string", "pattern": "x"})
+    with pytest.raises(AtlasError, match="exclude each other"):
+        demo.generate("Flat is", json_schema={}, json_object=True)
