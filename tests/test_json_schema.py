@@ -12,7 +12,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from atlas.json_match import Matcher, Number, reachable
+from atlas.json_match import ANY_OBJECT, AfterMarker, Matcher, Number, reachable
 from atlas.json_schema import SchemaError, compile_schema
 from test_json_mode import assert_greedy_allowed
 
@@ -253,6 +253,22 @@ def test_annotations_are_ignored() -> None:
     assert recognised(schema, b"true") and not recognised(schema, b'"x"')
 
 
+@pytest.mark.parametrize(("data", "ok"), [
+    (b"</think>{}", True), (b"thinking about {braces}</think>\n\n{}", True), (b"</thi</think>{}", True),
+    (b"<</think>\n{}", True), (b"</think></think>{}", False),  # the first marker ends the free text
+    (b"</think>\n\n\n\n{}", True), (b"</think>\n\n\n\n\n{}", False), (b"</think> {}", False),
+    (b"{}", False), (b"</think>", False), (b"</think>[]", False),
+])
+def test_json_after_a_marker(data: bytes, ok: bool, rng: np.random.Generator) -> None:
+    """Free text up to the first marker, up to four line breaks, then the value; fed whole or in
+    random pieces (the marker may be split across tokens)."""
+    for _ in range(5):
+        matcher = Matcher(AfterMarker(b"</think>", ANY_OBJECT))
+        cuts = sorted(int(c) for c in rng.integers(0, len(data) + 1, int(rng.integers(0, 5))))
+        fed = all(matcher.feed(data[a:b]) for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True))
+        assert (fed and matcher.complete) == ok, (data, cuts)
+
+
 # --- generation on the demo model --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo() -> Any:
@@ -264,7 +280,7 @@ def demo() -> Any:
 def test_greedy_schema_output_on_the_demo(demo: Any, rng: np.random.Generator) -> None:
     """Each greedy token is the most likely token the schema allows under the teacher-forced
     logits; a text that stops is a document the schema admits."""
-    from atlas.json_mode import JsonConstraint, schema_shape
+    from atlas.json_mode import JsonConstraint, output_shape
 
     tokenizer, eos = demo.tokenizer, demo.eos_ids()
     for schema in (PERSON, PAIR):
@@ -272,7 +288,7 @@ def test_greedy_schema_output_on_the_demo(demo: Any, rng: np.random.Generator) -
         result = demo.generate(prompt, max_tokens=60, json_schema=schema)
         if result.finish_reason == "stop":
             jsonschema.validate(json.loads(result.text), schema)
-        assert_greedy_allowed(demo, prompt, result.token_ids, JsonConstraint(tokenizer.token_bytes, eos, schema_shape(schema)))
+        assert_greedy_allowed(demo, prompt, result.token_ids, JsonConstraint(tokenizer.token_bytes, eos, output_shape(schema)))
 
 
 def test_sampled_schema_output_on_the_demo(demo: Any, rng: np.random.Generator) -> None:
@@ -297,3 +313,15 @@ def test_generate_refuses_bad_schema_options(demo: Any) -> None:
         demo.generate("Flat is", json_schema={"type": "string", "pattern": "x"})
     with pytest.raises(AtlasError, match="exclude each other"):
         demo.generate("Flat is", json_schema={}, json_object=True)
+
+
+def test_json_after_on_the_demo(demo: Any) -> None:
+    """json_after: the free text is the plain greedy text up to the marker; JSON follows it."""
+    plain = demo.generate("Beautiful", max_tokens=12).text
+    marker = plain[: plain.index(" is") + 3]  # the demo writes "Beautiful is better than ugly."
+    result = demo.generate("Beautiful", max_tokens=40, json_object=True, json_after=" is")
+    assert result.text.startswith(marker)
+    rest = result.text[len(marker) :].lstrip("\n")
+    assert rest.startswith("{") and len(result.text) - len(marker) - len(rest) <= 4
+    if result.finish_reason == "stop":
+        assert isinstance(json.loads(rest), dict)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,10 +100,12 @@ class CannedWorker:
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self.prompt = ""
+        self.opts: Any = None
         self.metrics = Metrics()
 
     async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...], echo: str | None = None) -> AsyncIterator[Any]:
         self.prompt = self.llm.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        self.opts = opts
         for piece in ANSWER:
             yield TextPiece(piece)
         yield Finished("stop", len(prompt_ids), len(ANSWER))
@@ -123,7 +125,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, CannedWorker,
 
 def ask(client: Any, **kw: Any) -> Any:
     messages = kw.pop("messages", [{"role": "user", "content": "Weather in Paris?"}])
-    return client.chat.completions.create(model=DEMO_NAME, messages=messages, max_tokens=40, **kw)
+    return client.chat.completions.create(model=DEMO_NAME, messages=messages, **{"max_tokens": 40, **kw})
 
 
 def test_tool_calls_whole(served: tuple[Any, CannedWorker, TestClient]) -> None:
@@ -167,7 +169,13 @@ def test_tool_choice_none_offers_nothing(served: tuple[Any, CannedWorker, TestCl
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
     ({"tools": {"get_weather": {}}}, "tools"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # nothing to call
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "any"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "^a"}}}}}], "tool_choice": "required"}, "tools"),
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
@@ -191,3 +199,95 @@ def test_odd_schemas_leave_parameters_as_text() -> None:
     odd = {"type": "function", "function": {"name": "get_weather", "parameters": {"properties": ["city", "days"]}}}
     calls = parse_calls(CALL, [odd])
     assert calls is not None and calls[0].arguments["days"] == "3" and calls[0].arguments["metric"] == "true"
+
+
+# --- forced calls: tool_choice "required" or a named function, generated as JSON -------------------
+BOUNDED = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"], "$defs": {"Days": {
+        "type": "integer", "minimum": 1, "maximum": 7}},
+    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"$ref": "#/$defs/Days"}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"], "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+FORCED_TOOLS = [BOUNDED, CLOCK]
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.fixture(scope="module")
+def generating(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, LLM]]:
+    """The app over a real engine (demo model, tools template), and a second model in-process."""
+    from atlas.server.worker import EngineWorker
+
+    model_dir = tmp_path_factory.mktemp("forced") / "demo"
+    shutil.copytree(DEMO_DIR, model_dir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    (model_dir / "chat_template.jinja").write_text(TOOLS_TEMPLATE, encoding="utf-8")
+    worker = EngineWorker(lambda: LLM(str(model_dir), device="cpu", prompt_cache=0))
+    llm = worker.start()
+    http = TestClient(create_app(ServerState(DEMO_NAME, worker, llm, tool_call_parser="qwen3_coder")))  # type: ignore[arg-type]
+    try:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0), \
+            LLM(str(model_dir), device="cpu", prompt_cache=0)
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("choice", "parallel"), [("required", True), ("required", False), (NAMED, True)],
+                         ids=["required", "required-one", "named"])
+def test_forced_calls(generating: tuple[Any, LLM], rng: np.random.Generator, choice: Any, parallel: bool, stream: bool) -> None:
+    """A forced call is the in-process model's answer under the call schema, read back into
+    tool_calls whose arguments the tool's parameters admit; finish_reason "tool_calls" for
+    required, "stop" for a named function (OpenAI's). parallel_tool_calls false: one call. (The
+    demo model never closes a list of calls by itself: with parallel calls it is cut at max_tokens,
+    and the text stays content.)"""
+    import jsonschema
+
+    from atlas.server.tools import ToolChoice, forced_call_schema
+
+    client, reference = generating
+    messages = [{"role": "user", "content": str(rng.choice(["Weather in Paris?", "What time is it?", "Flat is"]))}]
+    temperature = float(rng.choice([0.0, 0.9]))
+    answer = ask(client, messages=messages, tools=FORCED_TOOLS, tool_choice=choice, stream=stream, max_tokens=80,
+                 temperature=temperature, seed=7, parallel_tool_calls=parallel)
+    if stream:
+        chunks = [c for c in answer if c.choices]
+        deltas = [c.choices[0].delta for c in chunks]
+        content, finish = "".join(d.content or "" for d in deltas), chunks[-1].choices[0].finish_reason
+        calls = [t.function for d in deltas for t in d.tool_calls or []]
+    else:
+        message, finish = answer.choices[0].message, answer.choices[0].finish_reason
+        content, calls = message.content or "", [t.function for t in message.tool_calls or []]
+    forced = ToolChoice("required") if choice == "required" else ToolChoice("function", "get_time")
+    want = reference.chat(messages, template_kwargs={"tools": FORCED_TOOLS}, max_tokens=80, temperature=temperature,
+                          seed=7, json_schema=forced_call_schema(FORCED_TOOLS, forced, parallel))
+    try:
+        value = json.loads(want.text)
+    except ValueError:  # cut before the JSON ended: the text stays content
+        assert (content, calls, finish) == (want.text, [], "length")
+        return
+    expected = [("get_time", value)] if choice == NAMED else [(c["name"], c["arguments"]) for c in value]
+    assert parallel or len(expected) == 1
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == expected
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
+    for name, arguments in expected:
+        jsonschema.validate(arguments, schemas[name])
+    assert finish == ("stop" if choice == NAMED else "tool_calls")
+
+
+@pytest.mark.parametrize("opens", [True, False])
+def test_json_output_starts_after_the_reasoning_block(tmp_path: Path, opens: bool) -> None:
+    """Under --reasoning-parser, a prompt that opens a <think> block makes JSON output (a
+    response_format, a forced call) start after "</think>", as vLLM's structured output does."""
+    model_dir = tmp_path / "demo"
+    shutil.copytree(DEMO_DIR, model_dir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    template = TOOLS_TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<think>\n{% endif %}") if opens else TOOLS_TEMPLATE
+    (model_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
+    llm = LLM(str(model_dir), device="cpu")
+    worker = CannedWorker(llm)
+    http = TestClient(create_app(ServerState(DEMO_NAME, worker, llm, reasoning_parser="qwen3",  # type: ignore[arg-type]
+                                             tool_call_parser="qwen3_coder")))
+    request = {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    for extra in ({"response_format": {"type": "json_object"}}, {"tools": [CLOCK], "tool_choice": "required"}, {}):
+        assert http.post("/v1/chat/completions", json={**request, **extra}).status_code == 200
+        structured = worker.opts.json_object or worker.opts.json_schema is not None
+        assert structured == bool(extra)
+        assert worker.opts.json_after == ("</think>" if opens and extra else None)

@@ -423,6 +423,42 @@ class Array(Node):
         return state[0] != self.CLOSED
 
 
+class AfterMarker(Node):
+    """Free text up to the first `marker` (a reasoning block's end, "</think>"), up to MAX_GAP line
+    breaks, then `value`: structured output that starts once a thinking model has thought.
+    State: (phase, count): phase 0 in the free text, count the marker's bytes just seen; 1 in the
+    gap, count its line breaks; 2 the value written."""
+
+    MAX_GAP = 4
+    __slots__ = ("marker", "value")
+
+    def __init__(self, marker: bytes, value: Node) -> None:
+        self.marker, self.value = marker, value
+
+    def begin(self) -> State:
+        return 0, 0
+
+    def step(self, state: State, byte: int) -> State | None:
+        phase, count = state
+        if phase == 0:
+            seen = self.marker[:count] + bytes((byte,))
+            count = next(j for j in range(len(seen), -1, -1) if seen.endswith(self.marker[:j]))  # longest marker prefix seen last
+            return (1, 0) if count == len(self.marker) else (0, count)
+        return (1, count + 1) if phase == 1 and byte == 0x0A and count < self.MAX_GAP else None
+
+    def child(self, state: State) -> Node | None:
+        return self.value if state[0] == 1 else None
+
+    def accept(self, state: State, child: Node, child_state: State) -> State:
+        return 2, 0
+
+    def final(self, state: State) -> bool:
+        return state[0] == 2
+
+    def open(self, state: State) -> bool:
+        return state[0] != 2
+
+
 def any_value() -> Union:
     """Any JSON value (objects with any keys, arrays of any values)."""
     value = Union()

@@ -15,29 +15,32 @@ from typing import Any
 import numpy as np
 
 from .errors import AtlasError
-from .json_match import ANY_OBJECT, Matcher, Transitions
+from .json_match import ANY_OBJECT, AfterMarker, Matcher, Transitions
 from .json_schema import compile_schema
 
 GREEDY_CANDIDATES = 64  # the most likely tokens tried first; the full order only when none fits
 NEGLIGIBLE_MASS = 1e-6  # sampling: tokens are checked until the unchecked mass is below this share
 SORT_CHUNK = 256  # sampling: tokens put in order a chunk at a time (the walk mostly stops early)
-SCHEMA_SHAPES = 16  # compiled schemas kept with their transition caches (requests repeat schemas)
-
-JSON_OBJECT = Transitions(ANY_OBJECT)  # JSON mode's shape, shared by every generation
+SHAPES = 16  # compiled shapes kept with their transition caches (requests repeat schemas)
 
 
-@lru_cache(maxsize=SCHEMA_SHAPES)
-def _schema_shape(canonical: str) -> Transitions:
-    return Transitions(compile_schema(json.loads(canonical)))
+@lru_cache(maxsize=SHAPES)
+def _shape(canonical: str | None, after: str | None) -> Transitions:
+    value = ANY_OBJECT if canonical is None else compile_schema(json.loads(canonical))
+    return Transitions(value if after is None else AfterMarker(after.encode(), value))
 
 
-def schema_shape(schema: Any) -> Transitions:
-    """The compiled shape of a JSON schema (SchemaError: one line on what is not supported)."""
+def output_shape(schema: Any = None, after: str | None = None) -> Transitions:
+    """The shape JSON output keeps to: one value `schema` admits (None: JSON mode's object), after
+    free text up to `after` when given (a reasoning block's end). SchemaError: one line on what
+    the schema asks that generation cannot honour."""
+    if schema is None:
+        return _shape(None, after)
     try:
-        canonical = json.dumps(schema, sort_keys=True, allow_nan=False)
+        canonical = json.dumps(schema, allow_nan=False)  # key order kept: properties are written in it
     except (TypeError, ValueError) as err:
         raise AtlasError(f"json schema: not JSON ({err})") from None
-    return _schema_shape(canonical)
+    return _shape(canonical, after)
 
 
 class JsonConstraint:
@@ -45,13 +48,13 @@ class JsonConstraint:
     prefix of the shape's texts: JSON mode's object unless a schema's shape is given), and the
     pick among them."""
 
-    def __init__(self, token_bytes: Sequence[bytes | None], end_ids: set[int], shape: Transitions = JSON_OBJECT) -> None:
+    def __init__(self, token_bytes: Sequence[bytes | None], end_ids: set[int], shape: Transitions | None = None) -> None:
         if not end_ids:
             raise AtlasError("JSON output needs an end-of-sequence token to end the value; "
                              "the model has none (or ignore_eos is set)")
         self.token_bytes = token_bytes
         self.end_ids = end_ids
-        self.matcher = Matcher(shape)
+        self.matcher = Matcher(shape or output_shape())
 
     @property
     def complete(self) -> bool:

@@ -67,6 +67,7 @@ class GenerateOptions:
     stop: tuple[str, ...] = ()  # strings that end the text (never part of it)
     json_object: bool = False  # JSON mode: the text is one JSON object (atlas.json_mode)
     json_schema: Any = field(default=None, hash=False)  # the text is one value this JSON schema admits
+    json_after: str | None = None  # JSON output starts after this text (a reasoning block's end)
 
 
 class EngineLike(Protocol):
@@ -184,7 +185,7 @@ class LLM:
         `on_text` receives the text pieces as they complete; `options`: generate_options()'s
         (max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, min_p,
         presence_penalty, frequency_penalty, repetition_penalty, min_tokens, stop, logit_bias,
-        json_object, json_schema)."""
+        json_object, json_schema, json_after)."""
         opts = generate_options(**options)
         return self.generate_with(self.prepare(prompt, opts), opts, on_text)
 
@@ -280,9 +281,9 @@ class LLM:
         """JSON output's per-generation state when opts ask for it (end_ids: what may end the value)."""
         if not opts.json_object and opts.json_schema is None:
             return None
-        from .json_mode import JSON_OBJECT, JsonConstraint, schema_shape
+        from .json_mode import JsonConstraint, output_shape
 
-        shape = JSON_OBJECT if opts.json_schema is None else schema_shape(opts.json_schema)
+        shape = output_shape(opts.json_schema, opts.json_after)
         return JsonConstraint(self.parts.tokenizer.token_bytes, end_ids, shape)
 
     def eos_ids(self) -> set[int]:
@@ -386,6 +387,7 @@ def generate_options(
     logit_bias: Mapping[int, float] | None = None,
     json_object: bool = False,
     json_schema: Any = None,
+    json_after: str | None = None,
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. logprobs (0..20): each token's
     log-probability and that many most likely alternatives (the model's distribution before
@@ -397,13 +399,15 @@ def generate_options(
     forces it); json_object: JSON mode, the text is one JSON object (OpenAI's response_format
     json_object; it ends at the object's close, or is cut at max_tokens); json_schema: a JSON schema
     (parsed), the text is one value it admits (OpenAI's response_format json_schema; the supported
-    keywords: atlas.json_schema). Values are checked by LLM.prepare."""
+    keywords: atlas.json_schema); json_after: JSON output starts once the text holds this (e.g.
+    "</think>" when a thinking model's prompt opened its reasoning block; up to 4 line breaks may
+    follow it). Values are checked by LLM.prepare."""
     from .sampling import logit_bias_pairs
 
     extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
                             logit_bias_pairs(logit_bias))
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
-                           stop_strings(stop), json_object, json_schema)
+                           stop_strings(stop), json_object, json_schema, json_after)
 
 
 def stop_strings(stop: object) -> tuple[str, ...]:
@@ -445,11 +449,15 @@ def check_options(opts: GenerateOptions) -> None:
     if not isinstance(opts.json_object, bool):
         raise AtlasError(f"json_object must be True or False, got {opts.json_object!r}")
     if opts.json_schema is not None:
-        from .json_mode import schema_shape
+        from .json_mode import output_shape
 
         if opts.json_object:
             raise AtlasError("json_object and json_schema exclude each other: give one")
-        schema_shape(opts.json_schema)  # compiled (and kept) now: a schema it cannot follow fails here
+        output_shape(opts.json_schema)  # compiled (and kept) now: a schema it cannot follow fails here
+    if opts.json_after is not None and (not isinstance(opts.json_after, str) or not opts.json_after):
+        raise AtlasError(f"json_after must be a non-empty string, got {opts.json_after!r}")
+    if opts.json_after is not None and not opts.json_object and opts.json_schema is None:
+        raise AtlasError("json_after needs json_object or json_schema")
     check_sampling(sampling_params(opts))
 
 

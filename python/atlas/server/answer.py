@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .reasoning import Field, ReasoningSplitter
-from .tools import ToolCall, ToolCallStream
+from .tools import ForcedCallStream, ToolCall, ToolCallStream
 
 Part = tuple[Field, str]
 
@@ -14,7 +14,12 @@ Part = tuple[Field, str]
 @dataclass
 class AnswerShaper:
     reasoning: ReasoningSplitter | None = None
-    tools: ToolCallStream | None = None  # only content can hold tool calls
+    tools: ToolCallStream | ForcedCallStream | None = None  # only content can hold tool calls
+
+    @property
+    def calls_finish_reason(self) -> str:
+        """finish_reason of an answer that made tool calls."""
+        return self.tools.finish_reason if self.tools is not None else "tool_calls"
 
     def push(self, text: str) -> list[Part]:
         """Generated text -> the (field, text) parts that may be sent now."""

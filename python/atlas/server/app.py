@@ -25,9 +25,10 @@ from .auth import ApiKeyGate
 from .choices import ChoiceRun, collect_choices, stream_choices
 from .errors import RequestError, error_body, request_error_body
 from .protocol import GenerationBody, Prompt, TokenizeBody, parse_body, parse_detokenize, parse_tokenize
+from .reasoning import END as REASONING_END
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
-from .tools import ToolCallStream
+from .tools import ForcedCallStream, ToolCallStream
 from .worker import EngineWorker
 
 log = logging.getLogger("atlas.serve")
@@ -145,11 +146,17 @@ def answer_shaper(state: ServerState, body: GenerationBody, prompt_ids: list[int
     for chat requests with tools."""
     if body.messages is None or (state.reasoning_parser is None and not body.tools):
         return None
-    splitter = None
-    if state.reasoning_parser is not None:
-        tail = state.llm.tokenizer.decode(prompt_ids[-REASONING_TAIL_TOKENS:], skip_special_tokens=False)
-        splitter = ReasoningSplitter(prompt_opens_reasoning(tail))
-    return AnswerShaper(splitter, ToolCallStream(body.tools) if body.tools else None)
+    splitter = ReasoningSplitter(opens_reasoning(state, body, prompt_ids)) if state.reasoning_parser is not None else None
+    calls = ForcedCallStream(body.tool_choice) if body.tool_choice.forced else ToolCallStream(body.tools) if body.tools else None
+    return AnswerShaper(splitter, calls)
+
+
+def opens_reasoning(state: ServerState, body: GenerationBody, prompt_ids: list[int]) -> bool:
+    """A chat answer under --reasoning-parser that starts inside the block the prompt opened."""
+    if body.messages is None or state.reasoning_parser is None:
+        return False
+    tail = state.llm.tokenizer.decode(prompt_ids[-REASONING_TAIL_TOKENS:], skip_special_tokens=False)
+    return prompt_opens_reasoning(tail)
 
 
 @dataclass(frozen=True)
@@ -168,7 +175,7 @@ def prepare_inputs(state: ServerState, body: GenerationBody) -> list[PromptInput
     inputs = []
     for prompt in prompts:
         ids = encode(state.llm, body, prompt)
-        opts = generate_options(state, body, len(ids))
+        opts = generate_options(state, body, ids)
         try:
             state.llm.prepare(ids, opts)
         except AtlasError as err:
@@ -260,8 +267,11 @@ def encode(llm: LLM, body: GenerationBody, prompt: Prompt | None) -> list[int]:
     return ids
 
 
-def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: int) -> GenerateOptions:
-    """Every new token but the last takes a position after the prompt's."""
+def generate_options(state: ServerState, body: GenerationBody, prompt_ids: list[int]) -> GenerateOptions:
+    """Every new token but the last takes a position after the prompt's. JSON output in an answer
+    that starts inside a reasoning block starts after the block (as vLLM's structured output
+    under a reasoning parser)."""
+    prompt_tokens = len(prompt_ids)
     capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
     room = capacity - prompt_tokens + 1  # the most new tokens that fit
     prompt_param = "prompt" if body.prompts is not None else "messages"
@@ -282,9 +292,11 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
     prompt_logprobs = None  # echo with logprobs scores the prompt; max_tokens 0 runs only the prompt
     if body.echo and (body.logprobs is not None or max_tokens == 0):
         prompt_logprobs = body.logprobs or 0
+    structured = body.json_object or body.json_schema is not None
     return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed, logprobs=body.logprobs,
                            prompt_logprobs=prompt_logprobs, extras=s.extras, json_object=body.json_object,
-                           json_schema=body.json_schema)
+                           json_schema=body.json_schema,
+                           json_after=REASONING_END if structured and opens_reasoning(state, body, prompt_ids) else None)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -83,7 +83,8 @@ def finish_lines(reply: Reply, run: ChoiceRun, event: Finished) -> list[str]:
     lines = [sse(chunk(reply, {field: text}, index=run.index)) for field, text in parts]
     if calls:
         lines.append(sse(chunk(reply, {"tool_calls": [call.wire(i) for i, call in enumerate(calls)]}, index=run.index)))
-    lines.append(sse(chunk(reply, {}, "tool_calls" if calls else event.finish_reason, index=run.index)))
+    finish_reason = run.shaper.calls_finish_reason if calls and run.shaper else event.finish_reason
+    lines.append(sse(chunk(reply, {}, finish_reason, index=run.index)))
     return lines
 
 

@@ -13,7 +13,7 @@ from ..errors import AtlasError
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, is_int, logit_bias_pairs
 from .errors import RequestError
 from .stops import Stops
-from .tools import parse_tool_choice, parse_tools, template_tool_calls
+from .tools import ToolChoice, forced_call_schema, parse_tool_choice, parse_tools, template_tool_calls
 
 Prompt = str | list[int]
 Message = dict[str, Any]  # role, content (text), and tool_calls / tool_call_id / name where given
@@ -53,7 +53,8 @@ class GenerationBody:
     include_usage: bool
     logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
     template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables
-    tools: list[dict[str, Any]] | None = None  # chat: function tools offered (tool_choice "auto")
+    tools: list[dict[str, Any]] | None = None  # chat: function tools offered (tool_choice not "none")
+    tool_choice: ToolChoice = ToolChoice("none")  # "required" / a named function: json_schema forces the call
     echo: bool = False  # completions: the prompt comes back in front of the completion
     n: int = 1  # choices, generated one after another
     json_object: bool = False  # response_format {"type": "json_object"}: JSON mode
@@ -70,6 +71,8 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
     echo = optional_bool(body, "echo") or False
     if chat and echo:
         raise RequestError("'echo' is a /v1/completions field; leave it out of chat requests", "echo")
+    tools = parse_tools(body.get("tools")) if chat else None
+    choice = parse_tool_choice(body.get("tool_choice"), tools) if chat else ToolChoice("none")
     return GenerationBody(
         model=required_str(body, "model"),
         prompts=None if chat else parse_prompts(body.get("prompt")),
@@ -79,11 +82,28 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
         include_usage=stream and include_usage,
         logprobs=parse_logprobs(body, chat),
         template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")) if chat else None,
-        tools=offered_tools(body) if chat else None,
+        tools=tools if choice.mode != "none" else None,
+        tool_choice=choice,
         echo=echo,
         n=n,
-        **parse_response_format(body),
+        **(forced_call_format(body, tools, choice) if choice.forced else parse_response_format(body)),
     )
+
+
+def forced_call_format(body: dict[str, Any], tools: list[dict[str, Any]] | None, choice: ToolChoice) -> dict[str, Any]:
+    """tool_choice "required" or a named function: the call's JSON schema, compiled here."""
+    from ..json_mode import output_shape
+
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise RequestError("a forced tool call (tool_choice) and 'response_format' exclude each other; "
+                           "give one", "response_format")
+    assert tools
+    schema = forced_call_schema(tools, choice, optional_bool(body, "parallel_tool_calls") is not False)
+    try:
+        output_shape(schema)
+    except AtlasError as err:
+        raise RequestError(f"tools: a forced call follows the tools' parameters, but {err}", "tools") from None
+    return {"json_schema": schema}
 
 
 def parse_response_format(body: dict[str, Any]) -> dict[str, Any]:
@@ -109,7 +129,7 @@ def parse_response_format(body: dict[str, Any]) -> dict[str, Any]:
 
 def parse_json_schema(spec: Any) -> Any:
     """response_format's json_schema object -> its schema (absent: any JSON value), compiled."""
-    from ..json_mode import schema_shape
+    from ..json_mode import output_shape
 
     if not isinstance(spec, dict):
         raise RequestError('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}',
@@ -119,16 +139,10 @@ def parse_json_schema(spec: Any) -> Any:
             raise RequestError(f"response_format json_schema's '{key}' must be a {kind.__name__}", "response_format")
     schema = spec.get("schema", True)
     try:
-        schema_shape(schema)
+        output_shape(schema)
     except AtlasError as err:
         raise RequestError(str(err), "response_format") from None
     return schema
-
-
-def offered_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The tools the template describes: none under tool_choice "none"."""
-    tools = parse_tools(body.get("tools"))
-    return tools if parse_tool_choice(body.get("tool_choice"), tools) == "auto" else None
 
 
 def parse_sampling(body: dict[str, Any], echo: bool = False) -> SamplingFields:

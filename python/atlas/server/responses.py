@@ -65,7 +65,7 @@ def choice_body(
             message.update(fields)
             if calls:
                 message["tool_calls"] = [call.wire() for call in calls]
-                finish_reason = "tool_calls"
+                finish_reason = shaper.calls_finish_reason
         choice = {"index": index, "message": message, "logprobs": logprobs}
     else:
         choice = {"index": index, "text": text, "logprobs": logprobs}

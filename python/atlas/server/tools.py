@@ -14,7 +14,11 @@ Qwen3.5 / 3.6 (and Qwen3-Coder) write a call as XML, not JSON (vLLM's qwen3_code
 A parameter's text is converted by the type the tool's JSON schema gives it (a string stays text;
 numbers, booleans, objects and arrays are read as JSON, and kept as text when they do not parse).
 Text before the first <tool_call> is the message content; streamed, it goes out as it comes
-(holding back only what may begin the tag) and the calls follow in one delta at the end."""
+(holding back only what may begin the tag) and the calls follow in one delta at the end.
+
+tool_choice "required" or a named function forces a call the way vLLM does: the answer is
+generated as JSON under a schema built from the tools (atlas.json_schema), whatever the model's own
+call format, and read back into tool_calls (ForcedCallStream)."""
 
 from __future__ import annotations
 
@@ -31,7 +35,17 @@ PARSERS = ("qwen3_coder",)
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 CALL_RE = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
 PARAMETER_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
-TOOL_CHOICES = ("auto", "none")
+TOOL_CHOICES = ("auto", "none", "required")
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str  # "auto" (the model decides), "none", "required" (one call or more), "function" (that one)
+    name: str | None = None  # mode "function": the function called
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "function")
 
 
 @dataclass(frozen=True)
@@ -69,12 +83,54 @@ def parse_tools(value: Any) -> list[dict[str, Any]] | None:
     return value
 
 
-def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str:
-    """"auto" (the model decides) or "none" (no tools offered); forcing a call is not supported."""
+def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """OpenAI's tool_choice: "auto" (the default), "none", "required", or {"type": "function",
+    "function": {"name": ...}}; without tools, "none"."""
+    if isinstance(value, dict):
+        function = value.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if value.get("type") != "function" or not isinstance(name, str):
+            raise RequestError("'tool_choice' must be 'auto', 'none', 'required' or "
+                               "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        if not any(tool["function"]["name"] == name for tool in tools or []):
+            raise RequestError(f"tool_choice names the function {name!r}, which 'tools' does not offer", "tool_choice")
+        return ToolChoice("function", name)
     choice = "auto" if value is None else value
     if choice not in TOOL_CHOICES:
-        raise RequestError(f"'tool_choice' {choice!r} is not supported; use 'auto' or 'none'", "tool_choice")
-    return choice if tools else "none"
+        raise RequestError(f"'tool_choice' {choice!r} is not supported; use 'auto', 'none', 'required' "
+                           "or a named function", "tool_choice")
+    if choice == "required" and not tools:
+        raise RequestError("tool_choice 'required' needs 'tools'", "tool_choice")
+    return ToolChoice(choice if tools else "none")
+
+
+def forced_call_schema(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool = True) -> dict[str, Any]:
+    """The JSON a forced call is generated as: a named function's arguments object; for
+    "required", a list of {"name", "arguments"} calls of any offered tools (one call when not
+    `parallel`: OpenAI's parallel_tool_calls false)."""
+    parameters = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}}
+                  for t in tools}
+    if choice.mode == "function":
+        assert choice.name is not None
+        return parameters[choice.name]
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"], "properties": {
+        "name": {"const": name},
+        "arguments": rebase_refs(schema, f"#/items/anyOf/{i}/properties/arguments")}}
+        for i, (name, schema) in enumerate(parameters.items())]
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
+
+
+def rebase_refs(schema: Any, base: str) -> Any:
+    """A copy of `schema` whose "#..." references point into it where it sits at `base`."""
+    if isinstance(schema, list):
+        return [rebase_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: rebase_refs(value, base) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def template_tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
@@ -148,6 +204,8 @@ class ToolCallStream:
     """Content text in, content text out until a <tool_call> begins; then everything is kept for
     finish(), which returns (the content still held back, the calls or [] when they do not parse)."""
 
+    finish_reason = "tool_calls"  # of an answer that made calls
+
     def __init__(self, tools: list[dict[str, Any]]) -> None:
         self.tools = tools
         self.pending = ""
@@ -170,3 +228,28 @@ class ToolCallStream:
         text, self.pending = self.pending, ""
         calls = parse_calls(text, self.tools) if self.calling else None
         return ("", calls) if calls else (text, [])
+
+
+class ForcedCallStream:
+    """A forced call's JSON (forced_call_schema) in, nothing out as content; finish() reads the
+    calls, or returns the text as content when it was cut before its end (max_tokens)."""
+
+    def __init__(self, choice: ToolChoice) -> None:
+        self.choice = choice
+        self.pending = ""
+        self.finish_reason = "stop" if choice.mode == "function" else "tool_calls"  # OpenAI's, for each
+
+    def push(self, text: str) -> str:
+        self.pending += text
+        return ""
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        text, self.pending = self.pending, ""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text, []
+        if self.choice.mode == "function":
+            assert self.choice.name is not None
+            return "", [ToolCall(self.choice.name, value)]
+        return "", [ToolCall(call["name"], call["arguments"]) for call in value]
