@@ -224,8 +224,14 @@ def test_undeclared_keys_never_repeat_a_declared_one() -> None:
 
 
 @pytest.mark.parametrize(("schema", "message"), [
-    ({"type": "string", "pattern": "^a"}, "'pattern': regular expressions are not supported"),
-    ({"type": "string", "format": "date"}, "'format'"),
+    ({"type": "string", "pattern": "^(?=a)"}, "lookaround is not supported"),
+    ({"type": "string", "pattern": "(a)\\1"}, "backreferences are not supported"),
+    ({"type": "string", "pattern": "a\\bc"}, "word boundaries are not supported"),
+    ({"type": "string", "pattern": "a^b"}, "anchors are supported only at the start and end"),
+    ({"type": "string", "pattern": "^a{5}$", "maxLength": 3}, "no string of the allowed lengths"),
+    ({"type": "string", "pattern": "[b-a]"}, "out of order"),
+    ({"type": "string", "pattern": "(ab"}, "unbalanced parenthesis"),
+    ({"type": "string", "pattern": "^a", "format": "date"}, "'pattern' beside format 'date'"),
     ({"type": "number", "minimum": 0}, "bounds are supported on integers only"),
     ({"type": "string", "minItems": 1}, "does not apply to type string"),
     ({"allOf": [{"type": "string"}, {"maxLength": 2}]}, "allOf of more than one schema"),
@@ -246,6 +252,81 @@ def test_unsupported_schemas_are_refused_with_one_line(schema: Any, message: str
     with pytest.raises(SchemaError, match="json schema: .*") as caught:
         compile_schema(schema)
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+PATTERNS = [r"^[a-z]+\d{2,3}$", r"ab|cd", r"^(?:x|yz)*$", r"^\w+@\w+\.com$", r"[^abc]", r"^.{2,4}$", r"^\u00e9+$",
+            r"^(a|b)?c{2}$", r"^\s*\S+$", r"^[\d-]+$", r"\.", r"^(?<y>\d{4})-x$", r"^[^\d\s]{1,3}$", r"0$|^1", r"^$"]
+ALPHABET = ["a", "b", "c", "x", "y", "z", "0", "1", "9", "-", "@", ".", "é", "😀", " ", "\t", "_", "com"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_patterns_agree_with_python_re(pattern: str, rng: np.random.Generator) -> None:
+    """On strings of ASCII, é and an emoji (where ECMA and Python classes agree), written with and
+    without escapes, a string is taken exactly when re.search finds the pattern in it; random walks
+    end in strings it finds the pattern in."""
+    import re
+
+    node = compile_schema({"type": "string", "pattern": pattern})
+    for _ in range(20):
+        walked = random_text({"type": "string", "pattern": pattern}, rng, limit=60)
+        assert walked is None or re.search(pattern.replace("(?<", "(?P<"), json.loads(walked)), walked
+    for _ in range(300):
+        text = "".join(ALPHABET[int(i)] for i in rng.integers(0, len(ALPHABET), int(rng.integers(0, 7))))
+        ascii_only = bool(rng.integers(0, 2)) and all(ord(c) <= 0xFFFF for c in text)  # pairs: refused escapes
+        matcher = Matcher(node)
+        taken = matcher.feed(json.dumps(text, ensure_ascii=ascii_only).encode()) and matcher.can_end
+        expected = re.search(pattern.replace("(?<", "(?P<"), text) is not None  # Python spells named groups so
+        assert taken == expected, (pattern, text)
+
+
+@pytest.mark.parametrize(("pattern", "text", "ok"), [
+    (r"^\D$", "۷", False), (r"^[^\d]$", "۷", False), (r"^\D$", "a", True),  # U+06F7: a digit to Python, not ECMA
+    (r"^\d$", "۷", False), (r"^\w$", "é", False), (r"^[^\W]$", "é", False), (r"^\S$", "\ufeff", False),
+    (r"^\s$", "\u2003", True), (r"^\s$", "\ufeff", False),  # U+FEFF: a space to ECMA, not Python
+])
+def test_shorthands_keep_to_what_every_reading_admits(pattern: str, text: str, ok: bool) -> None:
+    """\\d, \\w, \\s mean ASCII to ECMA-262 and Unicode to Python / Rust: generated strings match under both."""
+    assert recognised({"type": "string", "pattern": pattern}, json.dumps(text, ensure_ascii=False).encode()) == ok
+
+
+@pytest.mark.parametrize(("pattern", "low", "high"), [
+    (r"^[a-z]+\d{2,3}$", 4, 6), (r"^(?:x|yz)*$", 3, 5), (r"b", 2, None), (r"^.{2,9}$", 0, 3), (r"^\S+$", 1, 2)])
+def test_patterns_with_lengths_never_stall(pattern: str, low: int, high: int | None, rng: np.random.Generator) -> None:
+    """Random walks under a pattern and length bounds always find a next byte and end in strings
+    jsonschema admits: a prefix is taken only while some way to finish it remains."""
+    schema = {"type": "string", "pattern": pattern, "minLength": low, **({"maxLength": high} if high is not None else {})}
+    for _ in range(40):
+        text = random_text(schema, rng, limit=80)
+        if text is not None:
+            jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize(("form", "good", "bad"), [
+    ("date", "2024-12-31", ["2024-02-30", "2024-13-01", "24-01-01"]),
+    ("time", "23:59:59.5+01:00", ["24:00:00Z", "12:00:00"]),
+    ("date-time", "2024-01-02T03:04:05Z", ["2024-01-02 03:04:05Z"]),
+    ("uuid", "123e4567-e89b-12d3-a456-426614174000", ["123e4567e89b12d3a456426614174000"]),
+    ("ipv4", "192.168.0.255", ["256.0.0.1", "1.2.3"]),
+    ("email", "a.b+c@d-e.org", ["a@b", ".a@b.c"]),
+    ("hostname", "a-b.example", ["-a.b", "a_b.c"]),
+    ("uri", "https://x.org/a?b=c", ["no scheme", "http://a b"]),
+])
+def test_formats(form: str, good: str, bad: list[str], rng: np.random.Generator) -> None:
+    """The formats generation follows: an example is taken, broken ones are not, and random walks
+    end in strings jsonschema's format checker admits (where it checks that format)."""
+    schema = {"type": "string", "format": form}
+    assert recognised(schema, json.dumps(good).encode())
+    for text in bad:
+        assert not recognised(schema, json.dumps(text).encode()), text
+    checker = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    for _ in range(10):
+        text = random_text(schema, rng, limit=120)
+        if text is not None:
+            assert checker.is_valid(json.loads(text)), text
+
+
+def test_unknown_formats_are_annotations() -> None:
+    assert recognised({"type": "string", "format": "color"}, b'"anything"')
 
 
 def test_annotations_are_ignored() -> None:
@@ -309,8 +390,8 @@ def test_sampled_schema_output_on_the_demo(demo: Any, rng: np.random.Generator) 
 def test_generate_refuses_bad_schema_options(demo: Any) -> None:
     from atlas.errors import AtlasError
 
-    with pytest.raises(SchemaError, match="'pattern'"):
-        demo.generate("Flat is", json_schema={"type": "string", "pattern": "x"})
+    with pytest.raises(SchemaError, match="lookaround"):
+        demo.generate("Flat is", json_schema={"type": "string", "pattern": "(?!x)"})
     with pytest.raises(AtlasError, match="exclude each other"):
         demo.generate("Flat is", json_schema={}, json_object=True)
 

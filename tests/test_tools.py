@@ -175,7 +175,7 @@ def test_tool_choice_none_offers_nothing(served: tuple[Any, CannedWorker, TestCl
     ({"tools": [WEATHER], "tool_choice": "any"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"type": "string", "pattern": "^a"}}}}}], "tool_choice": "required"}, "tools"),
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)"}}}}}], "tool_choice": "required"}, "tools"),
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),

@@ -19,6 +19,8 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .json_regex import Regex
+
 MAX_INDENT = 20  # spaces or tabs in one run of whitespace (after its one optional line break)
 CACHE_LIMIT = 200_000  # cached transitions per shape before the cache starts over
 LINE_BREAKS = frozenset(b"\n\r")
@@ -146,63 +148,116 @@ def utf8_next(lead: int) -> tuple[int, int, int] | None:
     return due, low, high
 
 
+SIMPLE_ESCAPES = {ord('"'): 0x22, ord("\\"): 0x5C, ord("/"): 0x2F, ord("b"): 0x08, ord("f"): 0x0C, ord("n"): 0x0A,
+                  ord("r"): 0x0D, ord("t"): 0x09}
+CONTINUATION_BITS = 6
+
+
+def utf8_span(bits: int, due: int, low: int, high: int) -> tuple[int, int]:
+    """The code points a UTF-8 character may still be: `bits` known, `due` continuation bytes to
+    come, the next one in [low, high] (the rest 80..BF)."""
+    rest = CONTINUATION_BITS * (due - 1)
+    return ((bits << 6 | low & 0x3F) << rest), ((bits << 6 | high & 0x3F) << rest) | ((1 << rest) - 1)
+
+
 class String(Node):
-    """A string of min_len..max_len characters (code points; an escape is one), other than the
-    `exclude` texts (raw bytes between the quotes; compared after decoding).
-    State: (phase: 0 before the quote, 1 inside, 2 closed; characters; escape; UTF-8 bytes due,
-    low, high; the raw bytes so far while they could still equal an excluded text, else None).
-    escape: 0 none, 1 after the backslash, 2..5 hex digits of \\u due + 1, 6 three due after a
-    'd' that must not start a surrogate (bounded strings refuse those: a pair is one character)."""
+    """A string of min_len..max_len characters (code points; an escape is one), matching `regex`
+    when given (atlas.json_regex; it then holds the length bounds), other than the `exclude` texts
+    (raw bytes between the quotes; compared after decoding).
+    State: (phase: 0 before the quote, 1 inside, 2 closed; characters so far, the one being
+    written included; escape; UTF-8 bytes due, next byte's low, high; the raw bytes while they
+    could still equal an excluded text, else None; the code point bits of the character being
+    written; the regex's states, None without one).
+    escape: 0 none, 1 after the backslash, 2..5 hex digits of \\u due + 1, 6 three due after a 'd'
+    that must not start a surrogate (bounded strings refuse those: a pair is one character)."""
 
-    __slots__ = ("min_len", "max_len", "exclude", "track")
+    __slots__ = ("min_len", "max_len", "exclude", "track", "regex", "bounded")
 
-    def __init__(self, min_len: int = 0, max_len: int | None = None, exclude: Iterable[str] = ()) -> None:
-        self.min_len, self.max_len = min_len, max_len
+    def __init__(self, min_len: int = 0, max_len: int | None = None, exclude: Iterable[str] = (),
+                 regex: Regex | None = None) -> None:
+        self.min_len, self.max_len, self.regex = min_len, max_len, regex
         self.exclude = frozenset(exclude)
         self.track = 12 * max((len(e) for e in self.exclude), default=0)  # a surrogate pair: 12 bytes a character
+        self.bounded = min_len > 0 or max_len is not None or regex is not None
 
     def begin(self) -> State:
-        return 0, 0, 0, (0, 0, 0), b"" if self.exclude else None
+        return 0, 0, 0, (0, 0, 0), b"" if self.exclude else None, 0, None if self.regex is None else self.regex.start
 
     def step(self, state: State, byte: int) -> State | None:
-        phase, chars, escape, utf8, raw = state
+        phase, chars, escape, utf8, raw, bits, rx = state
         if phase != 1:
-            return (1, 0, 0, utf8, raw) if phase == 0 and byte == QUOTE else None
+            return (1, *state[1:]) if phase == 0 and byte == QUOTE else None
+        raw = self._raw(raw, byte)
         if utf8[0]:
             if not utf8[1] <= byte <= utf8[2]:
                 return None
-            return 1, chars, 0, (utf8[0] - 1, 0x80, 0xBF), self._raw(raw, byte)
+            return self._char_part(chars, (utf8[0] - 1, 0x80, 0xBF), raw, bits << 6 | byte & 0x3F, rx)
         if escape:
-            escape = self._escape(escape, byte)
-            return None if escape is None else (1, chars, escape, utf8, self._raw(raw, byte))
+            return self._escape(state, byte, raw)
         if byte == QUOTE:
-            return self._close(chars, raw)
+            return self._close(chars, state[4], rx)
         if self.max_len is not None and chars >= self.max_len:
             return None
         if byte == BACKSLASH:
-            return 1, chars + 1, 1, utf8, self._raw(raw, byte)
+            return self._if_may(rx, 0, 0xFFFF, chars, (1, chars + 1, 1, utf8, raw, 0, rx))
         if byte < 0x20:
             return None
-        utf8 = utf8_next(byte)
-        return None if utf8 is None else (1, chars + 1, 0, utf8, self._raw(raw, byte))
-
-    def _escape(self, escape: int, byte: int) -> int | None:
-        if escape == 1:
-            return None if byte not in ESCAPES else 5 if byte == ord("u") else 0
-        if escape == 6:
-            return 3 if byte in b"01234567" else None
-        if byte not in HEX:
+        lead = utf8_next(byte)
+        if lead is None:
             return None
-        bounded = self.min_len > 0 or self.max_len is not None
-        return 6 if escape == 5 and bounded and byte in b"dD" else escape - 1 if escape > 2 else 0
+        if not lead[0]:
+            return self._char_done(chars + 1, raw, byte, rx)
+        return self._char_part(chars + 1, lead, raw, byte & (0x3F >> lead[0]), rx)
+
+    def _char_part(self, chars: int, utf8: tuple[int, int, int], raw: bytes | None, bits: int, rx: Any) -> State | None:
+        """A UTF-8 character with utf8[0] continuation bytes still due (none: it is whole)."""
+        if not utf8[0]:
+            return self._char_done(chars, raw, bits, rx)
+        return self._if_may(rx, *utf8_span(bits, *utf8), chars - 1, (1, chars, 0, utf8, raw, bits, rx))
+
+    def _escape(self, state: State, byte: int, raw: bytes | None) -> State | None:
+        _, chars, escape, utf8, _, bits, rx = state
+        if escape == 1:
+            if byte == ord("u"):
+                return 1, chars, 5, utf8, raw, 0, rx
+            return self._char_done(chars, raw, SIMPLE_ESCAPES[byte], rx) if byte in SIMPLE_ESCAPES else None
+        if escape == 6:  # after \ud in a bounded string: no surrogate
+            if byte not in b"01234567":
+                return None
+            escape = 3
+        elif byte not in HEX:
+            return None
+        elif escape == 5 and self.bounded and byte in b"dD":
+            escape = 6
+        else:
+            escape -= 1
+        bits = bits << 4 | int(chr(byte), 16)
+        if escape == 1:  # the four digits are in
+            return self._char_done(chars, raw, bits, rx)
+        due = escape - 1 if escape != 6 else 3
+        low, high = bits << 4 * due, (bits << 4 * due) | ((1 << 4 * due) - 1)
+        return self._if_may(rx, low, min(high, 0xD7FF) if escape == 6 else high, chars - 1,
+                            (1, chars, escape, utf8, raw, bits, rx))
+
+    def _if_may(self, rx: Any, low: int, high: int, before: int, state: State) -> State | None:
+        """state, if the regex may take a character in [low, high] after `before` characters."""
+        return state if rx is None or self.regex.may_take(rx, low, high, before) else None  # type: ignore[union-attr]
+
+    def _char_done(self, chars: int, raw: bytes | None, char: int, rx: Any) -> State | None:
+        if rx is not None:
+            rx = self.regex.step(rx, char, chars - 1)  # type: ignore[union-attr]
+            if rx is None:
+                return None
+        return 1, chars, 0, (0, 0, 0), raw, 0, rx
 
     def _raw(self, raw: bytes | None, byte: int) -> bytes | None:
         return None if raw is None or len(raw) >= self.track else raw + bytes((byte,))
 
-    def _close(self, chars: int, raw: bytes | None) -> State | None:
-        if chars < self.min_len or (raw is not None and self._excluded(raw)):
+    def _close(self, chars: int, raw: bytes | None, rx: Any) -> State | None:
+        whole = self.regex.ends(rx, chars) if self.regex is not None else chars >= self.min_len
+        if not whole or (raw is not None and self._excluded(raw)):
             return None
-        return 2, chars, 0, (0, 0, 0), None
+        return 2, chars, 0, (0, 0, 0), None, 0, None
 
     def _excluded(self, raw: bytes) -> bool:
         try:

@@ -9,7 +9,8 @@ that overlap could both match), allOf of one schema, $ref to a JSON pointer insi
            required, additionalProperties (false / true / a schema; absent: none when properties
            are declared, any otherwise),
   array    items (a schema or false), prefixItems, minItems, maxItems,
-  string   minLength, maxLength (characters),
+  string   minLength, maxLength (characters), pattern (atlas.json_regex's subset), format (FORMATS;
+           others are annotations),
   integer  minimum, maximum, exclusiveMinimum, exclusiveMaximum,
   number, boolean, null.
 Annotations (title, description, default, examples, any keyword that does not validate) are ignored."""
@@ -22,6 +23,24 @@ from typing import Any
 
 from .errors import AtlasError
 from .json_match import ANY_VALUE, Array, Literal, Node, Number, Object, String, Union
+from .json_regex import RegexError, compile_regex
+
+_OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+_DAY = r"((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8]))"
+_TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,6})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+# String formats written as patterns (each a subset of the format: dates skip 29 February);
+# other formats are annotations, as JSON schema makes them by default.
+FORMATS = {
+    "date": rf"^\d{{4}}-{_DAY}$",
+    "time": rf"^{_TIME}$",
+    "date-time": rf"^\d{{4}}-{_DAY}T{_TIME}$",
+    "uuid": r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
+    "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
+    "email": r"^[A-Za-z0-9_%+-]+(\.[A-Za-z0-9_%+-]+)*@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$",
+    "hostname": rf"^{_LABEL}(\.{_LABEL})*$",
+    "uri": r"^[A-Za-z][A-Za-z0-9+.-]*:[^\s\"<>\\^`{|}]+$",
+}
 
 # JSON Schema 2020-12's validation keywords (and draft 7's); any other keyword is an annotation
 # (title, description, default, $defs, ...), which no validator reads and generation ignores.
@@ -36,7 +55,7 @@ VALIDATION = frozenset({
 TYPE_KEYWORDS = {
     "object": frozenset({"properties", "required", "additionalProperties"}),
     "array": frozenset({"items", "prefixItems", "minItems", "maxItems"}),
-    "string": frozenset({"minLength", "maxLength"}),
+    "string": frozenset({"minLength", "maxLength", "pattern", "format"}),
     "integer": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
     "number": frozenset(),
     "boolean": frozenset(),
@@ -44,8 +63,6 @@ TYPE_KEYWORDS = {
 }
 COMBINERS = ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")
 HINTS = {
-    "pattern": "regular expressions are not supported",
-    "format": "string formats are not supported; describe the format in the prompt",
     "minimum": "bounds are supported on integers only",
     "maximum": "bounds are supported on integers only",
     "exclusiveMinimum": "bounds are supported on integers only",
@@ -150,10 +167,7 @@ class SchemaCompiler:
         if kind == "array":
             return self.array(schema, base)
         if kind == "string":
-            low, high = self.count(schema, "minLength", base), self.count(schema, "maxLength", base)
-            if high is not None and high < (low or 0):
-                raise self.fail(base, "maxLength is below minLength")
-            return String(low or 0, high)
+            return self.string(schema, base)
         if kind == "integer":
             low, high = integer_bounds(schema)
             if low is not None and high is not None and low > high:
@@ -162,6 +176,24 @@ class SchemaCompiler:
         if kind == "number":
             return Number()
         return Literal((b"true", b"false") if kind == "boolean" else (b"null",))
+
+    def string(self, schema: dict[str, Any], where: str) -> Node:
+        low, high = self.count(schema, "minLength", where) or 0, self.count(schema, "maxLength", where)
+        if high is not None and high < low:
+            raise self.fail(where, "maxLength is below minLength")
+        pattern, form = schema.get("pattern"), schema.get("format")
+        if pattern is not None and not isinstance(pattern, str):
+            raise self.fail(f"{where}/pattern", "must be a string")
+        if form in FORMATS:
+            if pattern is not None:
+                raise self.fail(where, f"'pattern' beside format {form!r} is not supported; give one")
+            pattern = FORMATS[form]
+        if pattern is None:
+            return String(low, high)
+        try:
+            return String(low, high, regex=compile_regex(pattern, low, high))
+        except RegexError as err:
+            raise self.fail(f"{where}/pattern", str(err)) from None
 
     def object(self, schema: dict[str, Any], where: str) -> Node:
         properties = schema.get("properties", {})

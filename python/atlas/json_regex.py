@@ -1,0 +1,376 @@
+"""Regular expressions of JSON schema's `pattern` (and of the string formats generation follows),
+compiled into an NFA over Unicode code points that atlas.json_match's String steps one character
+at a time, with the string's minLength / maxLength folded in: each state knows the lengths of the
+paths from it to the end, so a prefix is taken only while some way to finish it remains.
+
+The subset of ECMA-262 taken: literals and escapes (\\d \\D \\w \\W \\s \\S, \\t \\n \\r \\f \\v,
+\\xHH, \\uHHHH, escaped metacharacters), classes ([a-z_], [^...]), '.', groups ((...), (?:...),
+(?<name>...) and Python's (?P<name>...)), alternation, the quantifiers * + ? {n} {n,} {n,m} (lazy forms too: the language is
+the same), '^' / '$' at the start / end of a top-level alternative. A side not anchored matches
+anything (a pattern matches anywhere in the string, as JSON schema says). Refused (RegexError):
+backreferences, lookaround, \\b / \\B, anchors elsewhere, more than MAX_STATES states."""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from functools import cache
+
+MAX_CP = 0x10FFFF
+MAX_STATES = 4000
+Ranges = tuple[tuple[int, int], ...]  # sorted, disjoint, inclusive code point ranges
+
+DIGIT: Ranges = ((0x30, 0x39),)
+WORD: Ranges = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
+SPACE: Ranges = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+                 (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF))  # ECMA-262's \s
+LINE_ENDS: Ranges = ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))
+CONTROL_ESCAPES = {"t": 0x09, "n": 0x0A, "r": 0x0D, "f": 0x0C, "v": 0x0B, "0": 0x00}
+META = set("^$\\.*+?()[]{}|/-")
+
+
+class RegexError(ValueError):
+    pass
+
+
+def normalize(ranges: list[tuple[int, int]]) -> Ranges:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def complement(ranges: Ranges) -> Ranges:
+    out, start = [], 0
+    for lo, hi in ranges:
+        if lo > start:
+            out.append((start, lo - 1))
+        start = hi + 1
+    if start <= MAX_CP:
+        out.append((start, MAX_CP))
+    return tuple(out)
+
+
+def meets(ranges: Ranges, lo: int, hi: int) -> bool:
+    """Some code point of [lo, hi] is in ranges."""
+    at = bisect_right(ranges, (hi, MAX_CP + 1)) - 1  # the last range starting at or before hi
+    return at >= 0 and ranges[at][1] >= lo
+
+
+ANY: Ranges = ((0, MAX_CP),)
+DOT: Ranges = complement(LINE_ENDS)
+
+
+# AST: ("chars", Ranges) | ("cat", [nodes]) | ("alt", [nodes]) | ("rep", node, min, max | None)
+class Parser:
+    def __init__(self, text: str) -> None:
+        self.text, self.i = text, 0
+
+    def fail(self, problem: str) -> RegexError:
+        return RegexError(f"pattern {self.text!r} at {self.i}: {problem}")
+
+    def peek(self) -> str:
+        return self.text[self.i] if self.i < len(self.text) else ""
+
+    def take(self) -> str:
+        char = self.peek()
+        if not char:
+            raise self.fail("ends too early")
+        self.i += 1
+        return char
+
+    def top(self) -> tuple:
+        """The whole pattern; unanchored sides of each top-level alternative match anything."""
+        branches = []
+        while True:
+            start = self.peek() == "^"
+            self.i += start
+            parts = self.sequence(top=True)
+            end = self.peek() == "$"
+            self.i += end
+            loose = ("rep", ("chars", ANY), 0, None)
+            branches.append(("cat", ([] if start else [loose]) + parts + ([] if end else [loose])))
+            if self.peek() != "|":
+                break
+            self.i += 1
+        if self.i != len(self.text):
+            raise self.fail(f"unexpected {self.peek()!r}")
+        return ("alt", branches)
+
+    def sequence(self, top: bool = False) -> list:
+        parts = []
+        while self.peek() and self.peek() not in "|)" and not (top and self.peek() == "$" and self.text[self.i + 1 : self.i + 2] in ("", "|")):
+            parts.append(self.quantified(self.atom()))
+        return parts
+
+    def alternation(self) -> tuple:
+        branches = [("cat", self.sequence())]
+        while self.peek() == "|":
+            self.i += 1
+            branches.append(("cat", self.sequence()))
+        return ("alt", branches)
+
+    def atom(self) -> tuple:
+        char = self.take()
+        if char == "(":
+            return self.group()
+        if char == "[":
+            return ("chars", self.char_class())
+        if char == ".":
+            return ("chars", DOT)
+        if char == "\\":
+            return ("chars", self.escape(in_class=False))
+        if char in "^$":
+            raise self.fail("anchors are supported only at the start and end of the pattern")
+        if char in "*+?)":
+            raise self.fail(f"{char!r} has nothing to repeat")
+        return ("chars", ((ord(char), ord(char)),))
+
+    def group(self) -> tuple:
+        if self.text.startswith("?:", self.i):
+            self.i += 2
+        elif self.text.startswith(("?<", "?P<"), self.i) and self.text[self.i + 2 : self.i + 3] not in ("=", "!"):
+            close = self.text.find(">", self.i)
+            if close < 0:
+                raise self.fail("unterminated group name")
+            self.i = close + 1
+        elif self.peek() == "?":
+            raise self.fail("lookaround is not supported")
+        node = self.alternation()
+        if self.peek() != ")":
+            raise self.fail("unbalanced parenthesis")
+        self.i += 1
+        return node
+
+    def quantified(self, node: tuple) -> tuple:
+        char = self.peek()
+        if char in ("*", "+", "?"):
+            self.i += 1
+            low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[char]
+        elif char == "{" and (bounds := self.braces()) is not None:
+            low, high = bounds
+        else:
+            return node
+        if self.peek() == "?":  # lazy: the same language
+            self.i += 1
+        if self.peek() in ("*", "+", "?") or (self.peek() == "{" and self.braces(look=True) is not None):
+            raise self.fail("a quantifier cannot follow a quantifier")
+        return ("rep", node, low, high)
+
+    def braces(self, look: bool = False) -> tuple[int, int | None] | None:
+        """{n}, {n,} or {n,m} at the cursor (consumed unless look), else None (a literal '{')."""
+        close = self.text.find("}", self.i)
+        body = self.text[self.i + 1 : close] if close > 0 else ""
+        low, comma, high = body.partition(",")
+        if not low.isdigit() or (high and not high.isdigit()):
+            return None
+        if not look:
+            self.i = close + 1
+        bounds = int(low), (int(high) if high else None if comma else int(low))
+        if bounds[1] is not None and bounds[1] < bounds[0]:
+            raise self.fail("{n,m} with m < n")
+        return bounds
+
+    def char_class(self) -> Ranges:
+        negate = self.peek() == "^"
+        self.i += negate
+        ranges: list[tuple[int, int]] = []
+        while self.peek() != "]":
+            if not self.peek():
+                raise self.fail("unterminated character class")
+            lo_set = self.class_atom(negate)
+            if self.peek() == "-" and self.text[self.i + 1 : self.i + 2] not in ("]", ""):
+                self.i += 1
+                hi_set = self.class_atom(negate)
+                if len(lo_set) != 1 or len(hi_set) != 1 or lo_set[0][0] != lo_set[0][1] or hi_set[0][0] != hi_set[0][1]:
+                    raise self.fail("a class range needs single characters at both ends")
+                if hi_set[0][0] < lo_set[0][0]:
+                    raise self.fail("a class range out of order")
+                ranges.append((lo_set[0][0], hi_set[0][0]))
+            else:
+                ranges.extend(lo_set)
+        self.i += 1
+        out = normalize(ranges)
+        return complement(out) if negate else out
+
+    def class_atom(self, wide: bool) -> Ranges:
+        char = self.take()
+        if char == "\\":
+            return self.escape(in_class=True, wide=wide)
+        return ((ord(char), ord(char)),)
+
+    def escape(self, in_class: bool, wide: bool = False) -> Ranges:
+        """An escape's characters; wide: inside a negated class, whose complement must still be
+        within every reading (see shorthand)."""
+        char = self.take()
+        if char.lower() in "dws":
+            return shorthand(char.lower(), wide) if char.islower() else complement(shorthand(char.lower(), not wide))
+        if char in CONTROL_ESCAPES:
+            return ((CONTROL_ESCAPES[char],) * 2,)
+        if char in "xu":
+            digits = 2 if char == "x" else 4
+            text = self.text[self.i : self.i + digits]
+            if len(text) != digits or any(c not in "0123456789abcdefABCDEF" for c in text):
+                raise self.fail(f"\\{char} needs {digits} hex digits")
+            self.i += digits
+            return ((int(text, 16),) * 2,)
+        if char == "b" and in_class:
+            return ((0x08, 0x08),)
+        if char in "bB":
+            raise self.fail("word boundaries are not supported")
+        if char.isdigit():
+            raise self.fail("backreferences are not supported")
+        if char in META or not char.isalnum():
+            return ((ord(char), ord(char)),)
+        raise self.fail(f"unknown escape \\{char}")
+
+
+def shorthand(letter: str, wide: bool) -> Ranges:
+    """\\d, \\w or \\s. ECMA-262 reads them as ASCII digits / word characters and its own
+    spaces, Python's re and Rust's regex (jsonschema, pydantic) as Unicode classes. Generation
+    keeps to what every reading admits: the narrow set (both readings' intersection) where the
+    class is taken as it is, the wide set (their union) where it is complemented (\\D, [^\\d])."""
+    if not wide:
+        python_spaces = [(c, c) for low, high in SPACE for c in range(low, high + 1) if chr(c).isspace()]
+        return {"d": DIGIT, "w": WORD, "s": normalize(python_spaces)}[letter]
+    return normalize(list({"d": DIGIT, "w": WORD, "s": SPACE}[letter]) + list(unicode_class(letter)))
+
+
+@cache
+def unicode_class(letter: str) -> Ranges:
+    """Every code point Python's str methods count as a digit, word character or space."""
+    test = {"d": lambda c: c.isdigit() or c.isdecimal() or c.isnumeric(), "w": lambda c: c.isalnum() or c == "_",
+            "s": str.isspace}[letter]
+    ranges: list[tuple[int, int]] = []
+    for cp in range(MAX_CP + 1):
+        if test(chr(cp)):
+            if ranges and ranges[-1][1] == cp - 1:
+                ranges[-1] = (ranges[-1][0], cp)
+            else:
+                ranges.append((cp, cp))
+    return tuple(ranges)
+
+
+@dataclass
+class Regex:
+    """The NFA: char edges (ranges, target) and epsilon edges per state; `reach[s]`: a bitset of
+    the lengths (in characters) of the paths from s to the end, lengths >= `cap` in bit `cap`."""
+
+    edges: list[list[tuple[Ranges, int]]]
+    eps: list[list[int]]
+    accept: int
+    start: frozenset[int]
+    reach: list[int]
+    cap: int
+    min_len: int
+    max_len: int | None
+
+    def closure(self, states: set[int]) -> frozenset[int]:
+        todo, seen = list(states), set(states)
+        while todo:
+            for nxt in self.eps[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return frozenset(seen)
+
+    def fits(self, state: int, chars: int) -> bool:
+        """Some path from state ends the string within its length bounds (chars: written so far)."""
+        low = max(self.min_len - chars, 0)
+        high = self.cap if self.max_len is None else self.max_len - chars
+        if high < low:
+            return False
+        return bool(self.reach[state] >> low & ((1 << (high - low + 1)) - 1))
+
+    def may_take(self, states: frozenset[int], low: int, high: int, chars: int) -> bool:
+        """Some character in [low, high] may come next (chars: written before it)."""
+        return any(meets(ranges, low, high) and self.fits(nxt, chars + 1)
+                   for s in states for ranges, nxt in self.edges[s])
+
+    def step(self, states: frozenset[int], char: int, chars: int) -> frozenset[int] | None:
+        """The states after `char`, the (chars + 1)-th character; None if it cannot come."""
+        nxt = {t for s in states for ranges, t in self.edges[s] if meets(ranges, char, char)}
+        out = frozenset(s for s in self.closure(nxt) if self.fits(s, chars + 1))
+        return out or None
+
+    def ends(self, states: frozenset[int], chars: int) -> bool:
+        return self.accept in states and chars >= self.min_len and (self.max_len is None or chars <= self.max_len)
+
+
+def compile_regex(pattern: str, min_len: int = 0, max_len: int | None = None) -> Regex:
+    """RegexError: a pattern outside the subset, or one no string of the lengths matches."""
+    tree = Parser(pattern).top()
+    edges: list[list[tuple[Ranges, int]]] = []
+    eps: list[list[int]] = []
+
+    def new() -> int:
+        if len(edges) >= MAX_STATES:
+            raise RegexError(f"pattern {pattern!r} needs more than {MAX_STATES} states; simplify it")
+        edges.append([])
+        eps.append([])
+        return len(edges) - 1
+
+    def build(node: tuple, state: int) -> int:
+        kind = node[0]
+        if kind == "chars":
+            end = new()
+            edges[state].append((node[1], end))
+            return end
+        if kind == "cat":
+            for part in node[1]:
+                state = build(part, state)
+            return state
+        if kind == "alt":
+            end = new()
+            for branch in node[1]:
+                head = new()
+                eps[state].append(head)
+                eps[build(branch, head)].append(end)
+            return end
+        _, body, low, high = node
+        for _ in range(low):
+            state = build(body, state)
+        if high is None:
+            loop = new()
+            eps[state].append(loop)
+            eps[build(body, loop)].append(loop)
+            return loop
+        for _ in range(high - low):
+            end = new()
+            eps[state].append(end)
+            eps[build(body, state)].append(end)
+            state = end
+        return state
+
+    start = new()
+    accept = build(tree, start)
+    cap = (max_len + 1) if max_len is not None else min_len
+    reach = path_lengths(edges, eps, accept, cap)
+    regex = Regex(edges, eps, accept, frozenset(), reach, cap, min_len, max_len)
+    regex.start = frozenset(s for s in regex.closure({start}) if regex.fits(s, 0))
+    if not regex.start:
+        raise RegexError(f"no string of the allowed lengths matches the pattern {pattern!r}")
+    return regex
+
+
+def path_lengths(edges: list[list[tuple[Ranges, int]]], eps: list[list[int]], accept: int, cap: int) -> list[int]:
+    """Per state, the bitset of path lengths to `accept` (lengths >= cap saturate into bit cap)."""
+    full = (1 << (cap + 1)) - 1
+    reach = [0] * len(edges)
+    reach[accept] = 1
+    changed = True
+    while changed:
+        changed = False
+        for state in reversed(range(len(edges))):  # built forwards: later states are nearer the end
+            bits = reach[state]
+            for nxt in eps[state]:
+                bits |= reach[nxt]
+            for _, nxt in edges[state]:
+                shifted = reach[nxt] << 1
+                bits |= (shifted & full) | ((1 << cap) if shifted >> cap else 0)
+            if bits != reach[state]:
+                reach[state], changed = bits, True
+    return reach
