@@ -106,6 +106,20 @@ def test_json_schema_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str], in
     assert capsys.readouterr().out == expected.text + "\n"
 
 
+@pytest.mark.parametrize("flags", [["--choice", "better", "--choice", "worse"], ["--regex", "[a-z]{2,6}!"]])
+def test_regex_and_choice_flags(capsys: pytest.CaptureFixture[str], flags: list[str]) -> None:
+    import re
+
+    from atlas.llm import LLM
+
+    capsys.readouterr()
+    assert main(["--prompt", "Flat is", "--max-tokens", "12", "--device", "cpu", *flags]) == 0
+    option = {"choice": ["better", "worse"]} if flags[0] == "--choice" else {"regex": flags[1]}
+    expected = LLM(device="cpu").generate("Flat is", max_tokens=12, **option)
+    assert expected.text in ("better", "worse") or re.fullmatch("[a-z]{2,6}!", expected.text)
+    assert capsys.readouterr().out == expected.text + "\n"
+
+
 @pytest.mark.parametrize(("value", "needle"), [
     ('{"type": "string", "pattern": "(?=a)"}', "lookaround is not supported"),
     ("{not json", "is not JSON"),
@@ -113,6 +127,17 @@ def test_json_schema_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str], in
 ])
 def test_bad_json_schema_flag(capsys: pytest.CaptureFixture[str], value: str, needle: str) -> None:
     assert main(["--prompt", "Flat is", "--device", "cpu", "--json-schema", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--regex", "(?=a)"], "lookaround is not supported"),
+    (["--regex", "a", "--choice", "a"], "exclude each other"),
+    (["--json-object", "--choice", "a"], "exclude each other"),
+])
+def test_bad_output_format_flags(capsys: pytest.CaptureFixture[str], flags: list[str], needle: str) -> None:
+    assert main(["--prompt", "Flat is", "--device", "cpu", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
 

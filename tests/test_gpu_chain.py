@@ -106,13 +106,13 @@ def test_json_output_on_the_gpu(demo_gpu: Any, rng: np.random.Generator, schema:
 
     import jsonschema
 
-    from atlas.json_mode import JsonConstraint, output_shape
+    from atlas.json_mode import OutputConstraint, output_shape
 
     prompt = rng.integers(3, demo_gpu.parts.spec.vocab_size, size=int(rng.integers(2, 20))).tolist()
     engine, eos = demo_gpu.parts.engine, demo_gpu.eos_ids()
     result = demo_gpu.generate(prompt, max_tokens=STEPS, json_object=schema is None, json_schema=schema)
     engine.reset()
-    mirror = JsonConstraint(demo_gpu.tokenizer.token_bytes, eos, output_shape(schema))
+    mirror = OutputConstraint(demo_gpu.tokenizer.token_bytes, eos, output_shape(schema))
     logits = engine.prefill(prompt)
     for position, token in enumerate(result.token_ids, start=len(prompt)):
         row = engine.backend.to_numpy(logits)[0]  # [V]

@@ -16,7 +16,7 @@ from atlas.backends.base import SamplingParams
 from atlas.engine import GenerationRequest
 from atlas.errors import AtlasError
 from atlas.json_match import ANY_OBJECT, MAX_INDENT, Matcher
-from atlas.json_mode import JsonConstraint
+from atlas.json_mode import OutputConstraint
 from atlas.sampling import softmax_probs
 
 TIE = 1e-4  # relative logit gap under which float32 rounding may decide a pick
@@ -122,7 +122,7 @@ def test_greedy_takes_the_best_allowed_token(rng: np.random.Generator) -> None:
     """On a toy vocabulary, from random states: the pick is the highest-logit token that continues
     the JSON, never one that does not, and only the end id once the object is closed."""
     for _ in range(200):
-        constraint = JsonConstraint(TOY_VOCAB, {TOY_END})
+        constraint = OutputConstraint(TOY_VOCAB, {TOY_END})
         for _ in range(int(rng.integers(0, 8))):  # walk to a random state by random allowed tokens
             allowed = [t for t in range(len(TOY_VOCAB)) if constraint.allows(t)]
             if constraint.complete:
@@ -140,7 +140,7 @@ def test_greedy_takes_the_best_allowed_token(rng: np.random.Generator) -> None:
 
 def test_json_mode_needs_an_end_id() -> None:
     with pytest.raises(AtlasError, match="end-of-sequence"):
-        JsonConstraint(TOY_VOCAB, set())
+        OutputConstraint(TOY_VOCAB, set())
 
 
 def test_engine_without_the_tokenizer_refuses_json_mode() -> None:
@@ -168,10 +168,10 @@ def test_greedy_json_on_the_demo(demo: LLM, rng: np.random.Generator) -> None:
         prompt = rng.integers(3, 512, int(rng.integers(2, 20))).tolist()
         result = demo.generate(prompt, max_tokens=24, json_object=True)
         check_json_text(result, eos)
-        assert_greedy_allowed(demo, prompt, result.token_ids, JsonConstraint(tokenizer.token_bytes, eos))
+        assert_greedy_allowed(demo, prompt, result.token_ids, OutputConstraint(tokenizer.token_bytes, eos))
 
 
-def assert_greedy_allowed(llm: LLM, prompt: list[int], tokens: list[int], constraint: JsonConstraint) -> None:
+def assert_greedy_allowed(llm: LLM, prompt: list[int], tokens: list[int], constraint: OutputConstraint) -> None:
     """Each of `tokens` is the most likely token `constraint` allows under the teacher-forced logits."""
     forced = np.asarray(llm.parts.engine.logits(prompt + tokens))[len(prompt) - 1 :]  # [N+1, V]
     for i, token in enumerate(tokens):

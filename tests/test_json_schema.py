@@ -261,9 +261,9 @@ ALPHABET = ["a", "b", "c", "x", "y", "z", "0", "1", "9", "-", "@", ".", "é", "�
 
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_patterns_agree_with_python_re(pattern: str, rng: np.random.Generator) -> None:
-    """On strings of ASCII, é and an emoji (where ECMA and Python classes agree), written with and
-    without escapes, a string is taken exactly when re.search finds the pattern in it; random walks
-    end in strings it finds the pattern in."""
+    """On strings of ASCII, é and an emoji, written with and without escapes, a string is taken
+    exactly when re.search with ASCII classes (ECMA-262's) finds the pattern in it; random walks end
+    in strings re.search finds it in with Unicode classes too (jsonschema's reading)."""
     import re
 
     node = compile_schema({"type": "string", "pattern": pattern})
@@ -275,7 +275,7 @@ def test_patterns_agree_with_python_re(pattern: str, rng: np.random.Generator) -
         ascii_only = bool(rng.integers(0, 2)) and all(ord(c) <= 0xFFFF for c in text)  # pairs: refused escapes
         matcher = Matcher(node)
         taken = matcher.feed(json.dumps(text, ensure_ascii=ascii_only).encode()) and matcher.can_end
-        expected = re.search(pattern.replace("(?<", "(?P<"), text) is not None  # Python spells named groups so
+        expected = re.search(pattern.replace("(?<", "(?P<"), text, re.ASCII) is not None  # ECMA's classes; (?P<: Python's spelling
         assert taken == expected, (pattern, text)
 
 
@@ -361,7 +361,7 @@ def demo() -> Any:
 def test_greedy_schema_output_on_the_demo(demo: Any, rng: np.random.Generator) -> None:
     """Each greedy token is the most likely token the schema allows under the teacher-forced
     logits; a text that stops is a document the schema admits."""
-    from atlas.json_mode import JsonConstraint, output_shape
+    from atlas.json_mode import OutputConstraint, output_shape
 
     tokenizer, eos = demo.tokenizer, demo.eos_ids()
     for schema in (PERSON, PAIR):
@@ -369,7 +369,7 @@ def test_greedy_schema_output_on_the_demo(demo: Any, rng: np.random.Generator) -
         result = demo.generate(prompt, max_tokens=60, json_schema=schema)
         if result.finish_reason == "stop":
             jsonschema.validate(json.loads(result.text), schema)
-        assert_greedy_allowed(demo, prompt, result.token_ids, JsonConstraint(tokenizer.token_bytes, eos, output_shape(schema)))
+        assert_greedy_allowed(demo, prompt, result.token_ids, OutputConstraint(tokenizer.token_bytes, eos, output_shape(schema)))
 
 
 def test_sampled_schema_output_on_the_demo(demo: Any, rng: np.random.Generator) -> None:
@@ -396,13 +396,61 @@ def test_generate_refuses_bad_schema_options(demo: Any) -> None:
         demo.generate("Flat is", json_schema={}, json_object=True)
 
 
-def test_json_after_on_the_demo(demo: Any) -> None:
-    """json_after: the free text is the plain greedy text up to the marker; JSON follows it."""
+def test_output_after_on_the_demo(demo: Any) -> None:
+    """output_after: the free text is the plain greedy text up to the marker; JSON follows it."""
     plain = demo.generate("Beautiful", max_tokens=12).text
     marker = plain[: plain.index(" is") + 3]  # the demo writes "Beautiful is better than ugly."
-    result = demo.generate("Beautiful", max_tokens=40, json_object=True, json_after=" is")
+    result = demo.generate("Beautiful", max_tokens=40, json_object=True, output_after=" is")
     assert result.text.startswith(marker)
     rest = result.text[len(marker) :].lstrip("\n")
     assert rest.startswith("{") and len(result.text) - len(marker) - len(rest) <= 4
     if result.finish_reason == "stop":
         assert isinstance(json.loads(rest), dict)
+
+
+# --- regex and choice (vLLM's structured outputs) ------------------------------------------------
+@pytest.mark.parametrize(("pattern", "text", "ok"), [
+    (r"[a-z]{2,5} \d{1,3}", "abc 12", True), (r"[a-z]{2,5} \d{1,3}", "xabc 12y", False),  # the whole text
+    (r"(yes|no)!?", "no!", True), (r"é+|😀", "ééé", True), (r"é+|😀", "😀😀", False), (r".*", "", True),
+    (r"\w+\n\d", "a\n1", True), (r"[^\n]+", "a\nb", False),
+])
+def test_regex_texts(pattern: str, text: str, ok: bool) -> None:
+    """regex: raw text (no quotes, no escapes) that the pattern matches whole."""
+    from atlas.json_mode import OutputFormat
+
+    matcher = Matcher(OutputFormat("regex", pattern).shape())
+    assert (matcher.feed(text.encode()) and matcher.can_end) == ok
+    assert not Matcher(OutputFormat("regex", pattern).shape()).feed(b"\xc3\x28")  # broken UTF-8 never
+
+
+def test_regex_and_choice_on_the_demo(demo: Any, rng: np.random.Generator) -> None:
+    """Greedy under a regex or a choice: each token the best allowed one; a stopped text matches
+    the pattern whole or is one of the choices. Sampled texts keep to them too."""
+    import re
+
+    from atlas.json_mode import OutputConstraint, OutputFormat
+
+    tokenizer, eos = demo.tokenizer, demo.eos_ids()
+    choices = ["better", "worse than ugly", "é 😀"]
+    for kind, spec, check in (("regex", r"[a-z ]{3,12}\.", lambda t: re.fullmatch(r"[a-z ]{3,12}\.", t)),
+                              ("choice", choices, lambda t: t in choices)):
+        prompt = rng.integers(3, 512, int(rng.integers(2, 20))).tolist()
+        result = demo.generate(prompt, max_tokens=30, **{kind: spec})
+        assert result.finish_reason == "stop" and check(result.text), result.text
+        shape = OutputFormat.of(**{kind: spec}).shape()  # type: ignore[union-attr]
+        assert_greedy_allowed(demo, prompt, result.token_ids, OutputConstraint(tokenizer.token_bytes, eos, shape))
+        for seed in range(3):
+            sampled = demo.generate(prompt, max_tokens=30, temperature=1.0, seed=seed, **{kind: spec})
+            assert sampled.finish_reason == "length" or check(sampled.text), sampled.text
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"regex": "(?=a)"}, "lookaround"), ({"choice": []}, "non-empty list"), ({"choice": ["a", ""]}, "non-empty strings"),
+    ({"regex": 5}, "regex must be a string"), ({"regex": "a", "choice": ["a"]}, "exclude each other"),
+    ({"output_after": "x"}, "needs an output format"), ({"json_object": True, "output_after": ""}, "non-empty string"),
+])
+def test_bad_output_formats(demo: Any, options: dict[str, Any], message: str) -> None:
+    from atlas.errors import AtlasError
+
+    with pytest.raises(AtlasError, match=message):
+        demo.generate("Flat is", **options)

@@ -10,13 +10,14 @@ import http.client
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,36 +261,53 @@ def test_penalties_and_min_p(served: Served, rng: np.random.Generator) -> None:
 POINT_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "x", "tags", "ok"], "properties": {
     "name": {"type": "string", "maxLength": 6}, "x": {"type": "integer", "minimum": -100, "maximum": 100},
     "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}, "ok": {"type": "boolean"}}}
-RESPONSE_FORMATS = {  # kind -> (response_format, LLM.chat option, the schema a stopped answer meets)
-    "json_object": ({"type": "json_object"}, {"json_object": True}, {"type": "object"}),
-    "json_schema": ({"type": "json_schema", "json_schema": {"name": "point", "schema": POINT_SCHEMA, "strict": True}},
-                    {"json_schema": POINT_SCHEMA}, POINT_SCHEMA),
+CHOICES = ["better", "worse", "😀 now"]
+
+
+def schema_check(schema: dict[str, Any]) -> Callable[[str], None]:
+    def check(text: str) -> None:
+        import jsonschema
+
+        jsonschema.validate(json.loads(text), schema)
+
+    return check
+
+
+def choice_check(text: str) -> None:
+    assert text in CHOICES
+
+
+OUTPUT_FORMATS = {  # kind -> (request fields, LLM.chat option, what a stopped answer meets)
+    "json_object": ({"response_format": {"type": "json_object"}}, {"json_object": True}, schema_check({"type": "object"})),
+    "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "point", "schema": POINT_SCHEMA, "strict": True}}}, {"json_schema": POINT_SCHEMA}, schema_check(POINT_SCHEMA)),
+    "guided_json": ({"extra_body": {"guided_json": json.dumps(POINT_SCHEMA)}}, {"json_schema": POINT_SCHEMA},
+                    schema_check(POINT_SCHEMA)),
+    "guided_choice": ({"extra_body": {"guided_choice": CHOICES}}, {"choice": CHOICES}, choice_check),
+    "structured_outputs_regex": ({"extra_body": {"structured_outputs": {"regex": r"[a-z]{2,6}( [a-z]{2,6}){0,3}\."}}},
+                                 {"regex": r"[a-z]{2,6}( [a-z]{2,6}){0,3}\."},
+                                 lambda text: re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){0,3}\.", text) or pytest.fail(text)),
 }
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("kind", sorted(RESPONSE_FORMATS))
-def test_json_output(served: Served, rng: np.random.Generator, stream: bool, kind: str) -> None:
-    """response_format json_object / json_schema: the chat answer is the in-process model's answer
-    under the same constraint; one value of the shape (any object for json_object) when it ends
-    with "stop"."""
-    import jsonschema
-
-    response_format, option, schema = RESPONSE_FORMATS[kind]
+@pytest.mark.parametrize("kind", sorted(OUTPUT_FORMATS))
+def test_structured_output(served: Served, rng: np.random.Generator, stream: bool, kind: str) -> None:
+    """OpenAI's response_format and vLLM's guided_* / structured_outputs: the chat answer is the
+    in-process model's answer under the same format, and meets it when it ends with "stop"."""
+    fields, option, check = OUTPUT_FORMATS[kind]
     messages = [{"role": "user", "content": random_prompt(rng)}]
     temperature = float(rng.choice([0.0, 0.8]))
     answer = served.client().chat.completions.create(model=DEMO_NAME, messages=messages, max_tokens=60, seed=4,
-                                                     temperature=temperature, response_format=response_format,
-                                                     stream=stream)
+                                                     temperature=temperature, stream=stream, **fields)
     chunks = list(answer) if stream else [answer]
     text = "".join((c.choices[0].delta.content if stream else c.choices[0].message.content) or ""
                    for c in chunks if c.choices)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1]
     want = served.reference.chat(messages, max_tokens=60, seed=4, temperature=temperature, **option)
     assert (text, finish) == (want.text, want.finish_reason)
-    assert text.startswith("{")
     if finish == "stop":
-        jsonschema.validate(json.loads(text), schema)
+        check(text)
 
 
 def test_json_schema_from_a_pydantic_model(served: Served, rng: np.random.Generator) -> None:
@@ -579,6 +597,13 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("json schema not a schema", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": [1]}}}, "response_format"),
     ("json_schema missing", {**GOOD, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("guided_grammar", {**GOOD, "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ("guided_regex with lookaround", {**GOOD, "guided_regex": "(?=a)"}, "guided_regex"),
+    ("guided_choice empty", {**GOOD, "guided_choice": []}, "guided_choice"),
+    ("guided_json not JSON", {**GOOD, "guided_json": "{oops"}, "guided_json"),
+    ("structured_outputs grammar", {**GOOD, "structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
+    ("structured_outputs not an object", {**GOOD, "structured_outputs": "json"}, "structured_outputs"),
+    ("two output formats", {**GOOD, "response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
     ("json schema name not a string", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {
         "name": 5, "schema": {}}}}, "response_format"),
     ("response_format unknown", {**GOOD, "response_format": {"type": "xml"}}, "response_format"),

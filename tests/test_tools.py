@@ -173,6 +173,7 @@ def test_tool_choice_none_offers_nothing(served: tuple[Any, CannedWorker, TestCl
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "any"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)"}}}}}], "tool_choice": "required"}, "tools"),
@@ -288,6 +289,6 @@ def test_json_output_starts_after_the_reasoning_block(tmp_path: Path, opens: boo
     request = {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     for extra in ({"response_format": {"type": "json_object"}}, {"tools": [CLOCK], "tool_choice": "required"}, {}):
         assert http.post("/v1/chat/completions", json={**request, **extra}).status_code == 200
-        structured = worker.opts.json_object or worker.opts.json_schema is not None
-        assert structured == bool(extra)
-        assert worker.opts.json_after == ("</think>" if opens and extra else None)
+        output = worker.opts.output
+        assert (output is not None) == bool(extra)
+        assert (output and output.after) == ("</think>" if opens and extra else None)

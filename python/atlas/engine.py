@@ -28,7 +28,7 @@ from .sampling import (
 from .snapshot import DeltaNetSnapshot
 
 if TYPE_CHECKING:
-    from .json_mode import JsonConstraint
+    from .json_mode import OutputConstraint
 
 
 PREFILL_CHUNK = 4096  # prompt tokens per forward: bounds a step's activations at any context length
@@ -75,7 +75,7 @@ class GenerationRequest:
     on_token: Callable[[int], bool | None] | None = None  # a true return ends the generation (a stop string)
     logprobs: int | None = None  # None: none; N: each token's log-probability and the N most likely
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none)
-    constraint: JsonConstraint | None = None  # JSON mode's recognizer (sampling.json_object)
+    constraint: OutputConstraint | None = None  # structured output (sampling.structured)
 
     def __post_init__(self) -> None:
         """Every way into Engine.run builds one: bad values are one line here, not numpy's

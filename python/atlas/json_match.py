@@ -309,6 +309,42 @@ def reachable(digits: int, exact: bool, low: int | None, high: int | None) -> bo
     return False
 
 
+class Text(Node):
+    """Raw text (no quotes or escapes: the whole output) that `regex` matches (vLLM's regex).
+    State: (characters so far, the one being written included; UTF-8 bytes due, low, high; its
+    code point bits; the regex's states)."""
+
+    __slots__ = ("regex",)
+
+    def __init__(self, regex: Regex) -> None:
+        self.regex = regex
+
+    def begin(self) -> State:
+        return 0, (0, 0, 0), 0, self.regex.start
+
+    def step(self, state: State, byte: int) -> State | None:
+        chars, utf8, bits, rx = state
+        if utf8[0]:
+            if not utf8[1] <= byte <= utf8[2]:
+                return None
+            utf8, bits = (utf8[0] - 1, 0x80, 0xBF), bits << 6 | byte & 0x3F
+        else:
+            lead = utf8_next(byte)
+            if lead is None:
+                return None
+            chars, utf8, bits = chars + 1, lead, byte & (0x3F >> lead[0]) if lead[0] else byte
+        if utf8[0]:
+            return (chars, utf8, bits, rx) if self.regex.may_take(rx, *utf8_span(bits, *utf8), chars - 1) else None
+        rx = self.regex.step(rx, bits, chars - 1)
+        return None if rx is None else (chars, (0, 0, 0), 0, rx)
+
+    def final(self, state: State) -> bool:
+        return not state[1][0] and self.regex.ends(state[3], state[0])
+
+    def open(self, state: State) -> bool:
+        return state[1][0] > 0 or any(self.regex.edges[s] for s in state[3])
+
+
 class Number(Node):
     """A JSON number, or an integer (no fraction or exponent) within [low, high] (None: open).
     State: (phase, negative, the digits' value; 0 when unbounded)."""

@@ -1,56 +1,109 @@
-"""Structured output: JSON mode (OpenAI's response_format json_object: the text is one JSON object)
-and JSON schemas (json_schema: the text is one value the schema admits; atlas.json_schema). The
-byte-level matcher of atlas.json_match says which tokens may come next and the pick is made among
-those: greedy takes the most likely allowed token, sampling draws from the allowed tokens'
-distribution (top-k / top-p / min_p applied to it). Once the value is whole and nothing may follow
-it, only an end-of-sequence id may come."""
+"""Structured output: the text is one JSON object (OpenAI's response_format json_object), one value
+a JSON schema admits (json_schema; atlas.json_schema), a text a regular expression matches whole
+or one of a few texts (vLLM's regex and choice). The byte-level matcher of atlas.json_match says
+which tokens may come next and the pick is made among those: greedy takes the most likely allowed
+token, sampling draws from the allowed tokens' distribution (top-k / top-p / min_p applied to
+it). Once the text is whole and nothing may follow it, only an end-of-sequence id may come."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from .errors import AtlasError
-from .json_match import ANY_OBJECT, AfterMarker, Matcher, Transitions
+from .json_match import ANY_OBJECT, AfterMarker, Literal, Matcher, Node, Text, Transitions
+from .json_regex import RegexError, compile_regex
 from .json_schema import compile_schema
 
 GREEDY_CANDIDATES = 64  # the most likely tokens tried first; the full order only when none fits
 NEGLIGIBLE_MASS = 1e-6  # sampling: tokens are checked until the unchecked mass is below this share
 SORT_CHUNK = 256  # sampling: tokens put in order a chunk at a time (the walk mostly stops early)
 SHAPES = 16  # compiled shapes kept with their transition caches (requests repeat schemas)
+KINDS = ("json_object", "json_schema", "regex", "choice")
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """What the text must be. kind: "json_object", "json_schema" (spec: the schema, parsed),
+    "regex" (spec: a pattern the whole text matches, atlas.json_regex's subset), "choice" (spec:
+    a tuple of the texts it may be). after: the format starts once the text holds this, up to 4
+    line breaks later (a reasoning block's end, "</think>")."""
+
+    kind: str
+    spec: Any = field(default=None, compare=False)
+    after: str | None = None
+
+    @staticmethod
+    def of(json_object: object = False, json_schema: Any = None, regex: object = None, choice: object = None,
+           after: object = None) -> OutputFormat | None:
+        """From LLM.generate's keywords (at most one format); AtlasError on a malformed one."""
+        if not isinstance(json_object, bool):
+            raise AtlasError(f"json_object must be True or False, got {json_object!r}")
+        given = [(kind, spec) for kind, spec in zip(KINDS, (json_object or None, json_schema, regex, choice), strict=True)
+                 if spec is not None]
+        if len(given) > 1:
+            raise AtlasError(f"{given[0][0]} and {given[1][0]} exclude each other: give one output format")
+        if after is not None and (not isinstance(after, str) or not after):
+            raise AtlasError(f"output_after must be a non-empty string, got {after!r}")
+        if not given:
+            if after is not None:
+                raise AtlasError("output_after needs an output format (json_object, json_schema, regex or choice)")
+            return None
+        kind, spec = given[0]
+        if kind == "regex" and not isinstance(spec, str):
+            raise AtlasError(f"regex must be a string, got {spec!r}")
+        if kind == "choice":
+            if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) and c for c in spec):
+                raise AtlasError(f"choice must be a non-empty list of non-empty strings, got {spec!r}")
+            spec = tuple(spec)
+        return OutputFormat(kind, None if kind == "json_object" else spec, after)
+
+    def shape(self) -> Transitions:
+        """The compiled shape (kept for SHAPES formats); AtlasError: one line on what the format
+        asks that generation cannot honour."""
+        try:
+            canonical = json.dumps(self.spec, allow_nan=False)  # key order kept: properties are written in it
+        except (TypeError, ValueError) as err:
+            raise AtlasError(f"json schema: not JSON ({err})") from None
+        return _shape(self.kind, canonical, self.after)
 
 
 @lru_cache(maxsize=SHAPES)
-def _shape(canonical: str | None, after: str | None) -> Transitions:
-    value = ANY_OBJECT if canonical is None else compile_schema(json.loads(canonical))
+def _shape(kind: str, canonical: str, after: str | None) -> Transitions:
+    spec = json.loads(canonical)
+    value: Node
+    if kind == "json_object":
+        value = ANY_OBJECT
+    elif kind == "json_schema":
+        value = compile_schema(spec)
+    elif kind == "choice":
+        value = Literal(text.encode() for text in spec)
+    else:
+        try:
+            value = Text(compile_regex(spec, search=False))
+        except RegexError as err:
+            raise AtlasError(f"regex: {err}") from None
     return Transitions(value if after is None else AfterMarker(after.encode(), value))
 
 
 def output_shape(schema: Any = None, after: str | None = None) -> Transitions:
-    """The shape JSON output keeps to: one value `schema` admits (None: JSON mode's object), after
-    free text up to `after` when given (a reasoning block's end). SchemaError: one line on what
-    the schema asks that generation cannot honour."""
-    if schema is None:
-        return _shape(None, after)
-    try:
-        canonical = json.dumps(schema, allow_nan=False)  # key order kept: properties are written in it
-    except (TypeError, ValueError) as err:
-        raise AtlasError(f"json schema: not JSON ({err})") from None
-    return _shape(canonical, after)
+    """A JSON schema's shape (None: JSON mode's object)."""
+    return OutputFormat("json_object" if schema is None else "json_schema", schema, after).shape()
 
 
-class JsonConstraint:
+class OutputConstraint:
     """One generation's structured-output state: which tokens may come next (the text stays a
-    prefix of the shape's texts: JSON mode's object unless a schema's shape is given), and the
-    pick among them."""
+    prefix of the shape's texts: JSON mode's object unless another shape is given), and the pick
+    among them."""
 
     def __init__(self, token_bytes: Sequence[bytes | None], end_ids: set[int], shape: Transitions | None = None) -> None:
         if not end_ids:
-            raise AtlasError("JSON output needs an end-of-sequence token to end the value; "
+            raise AtlasError("structured output needs an end-of-sequence token to end the text; "
                              "the model has none (or ignore_eos is set)")
         self.token_bytes = token_bytes
         self.end_ids = end_ids
@@ -81,7 +134,7 @@ class JsonConstraint:
             for token in order():
                 if self.allows(int(token)):
                     return int(token)
-        raise AtlasError("structured output: no token of the vocabulary continues the JSON text")
+        raise AtlasError("structured output: no token of the vocabulary continues the text")
 
     def mask(self, logits: np.ndarray, probs: np.ndarray) -> np.ndarray:
         """logits [V] with every token that is not allowed at -inf. Tokens are checked from the most
@@ -97,7 +150,7 @@ class JsonConstraint:
                 masked[token] = logits[token]
                 allowed += float(probs[token])
         if not np.isfinite(masked).any():
-            raise AtlasError("structured output: no token of the vocabulary continues the JSON text")
+            raise AtlasError("structured output: no token of the vocabulary continues the text")
         return masked
 
 

@@ -82,8 +82,9 @@ class Parser:
         self.i += 1
         return char
 
-    def top(self) -> tuple:
-        """The whole pattern; unanchored sides of each top-level alternative match anything."""
+    def top(self, search: bool = True) -> tuple:
+        """The whole pattern; with `search`, unanchored sides of each top-level alternative match
+        anything (JSON schema's pattern), else the pattern matches the whole text (vLLM's regex)."""
         branches = []
         while True:
             start = self.peek() == "^"
@@ -92,7 +93,8 @@ class Parser:
             end = self.peek() == "$"
             self.i += end
             loose = ("rep", ("chars", ANY), 0, None)
-            branches.append(("cat", ([] if start else [loose]) + parts + ([] if end else [loose])))
+            head, tail = [] if start or not search else [loose], [] if end or not search else [loose]
+            branches.append(("cat", head + parts + tail))
             if self.peek() != "|":
                 break
             self.i += 1
@@ -300,9 +302,10 @@ class Regex:
         return self.accept in states and chars >= self.min_len and (self.max_len is None or chars <= self.max_len)
 
 
-def compile_regex(pattern: str, min_len: int = 0, max_len: int | None = None) -> Regex:
-    """RegexError: a pattern outside the subset, or one no string of the lengths matches."""
-    tree = Parser(pattern).top()
+def compile_regex(pattern: str, min_len: int = 0, max_len: int | None = None, search: bool = True) -> Regex:
+    """RegexError: a pattern outside the subset, or one no string of the lengths matches.
+    search: the pattern may match anywhere (JSON schema's reading), else the whole text."""
+    tree = Parser(pattern).top(search)
     edges: list[list[tuple[Ranges, int]]] = []
     eps: list[list[int]] = []
 

@@ -14,7 +14,7 @@ from .kvcache.names import DEFAULT_LEVEL
 if TYPE_CHECKING:
     from .backends.base import SamplingParams
     from .sampling import TokenLogprob
-    from .json_mode import JsonConstraint
+    from .json_mode import OutputConstraint, OutputFormat
     from .kvcache.options import KVCacheOptions
     from .config import ModelSpec
     from .tokenizer import Tokenizer
@@ -65,9 +65,7 @@ class GenerateOptions:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens; allows max_tokens 0
     extras: SamplingExtras = field(default_factory=SamplingExtras)  # min_p, penalties
     stop: tuple[str, ...] = ()  # strings that end the text (never part of it)
-    json_object: bool = False  # JSON mode: the text is one JSON object (atlas.json_mode)
-    json_schema: Any = field(default=None, hash=False)  # the text is one value this JSON schema admits
-    json_after: str | None = None  # JSON output starts after this text (a reasoning block's end)
+    output: OutputFormat | None = None  # structured output: JSON, a schema, a regex, a choice (atlas.json_mode)
 
 
 class EngineLike(Protocol):
@@ -185,7 +183,7 @@ class LLM:
         `on_text` receives the text pieces as they complete; `options`: generate_options()'s
         (max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, min_p,
         presence_penalty, frequency_penalty, repetition_penalty, min_tokens, stop, logit_bias,
-        json_object, json_schema, json_after)."""
+        json_object, json_schema, regex, choice, output_after)."""
         opts = generate_options(**options)
         return self.generate_with(self.prepare(prompt, opts), opts, on_text)
 
@@ -209,7 +207,7 @@ class LLM:
         watch, eos_ids = on_text is not None or bool(opts.stop), self.eos_ids()
         request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, eos_ids,
                                     emit if watch else None, opts.logprobs, opts.prompt_logprobs,
-                                    self.json_constraint(opts, eos_ids))
+                                    self.output_constraint(opts, eos_ids))
         stats = self.parts.engine.run(request)
         if watch and (rest := "" if matcher.stopped else matcher.push(decoder.flush()) + matcher.flush()):
             pieces.append(rest)
@@ -254,7 +252,7 @@ class LLM:
         prompt_ids = self.prepare(prompt, opts)
         decoder, matcher = self.parts.tokenizer.stream_decoder(), StopMatcher(opts.stop)
         eos_ids = self.eos_ids()
-        for token in iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids, constraint=self.json_constraint(opts, eos_ids)):
+        for token in iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids, constraint=self.output_constraint(opts, eos_ids)):
             if piece := matcher.push(decoder.push(token)):
                 yield piece
             if matcher.stopped:
@@ -277,14 +275,13 @@ class LLM:
         check_length(self.parts.spec, self.parts.engine, len(prompt_ids), opts.max_tokens)
         return prompt_ids
 
-    def json_constraint(self, opts: GenerateOptions, end_ids: set[int]) -> JsonConstraint | None:
-        """JSON output's per-generation state when opts ask for it (end_ids: what may end the value)."""
-        if not opts.json_object and opts.json_schema is None:
+    def output_constraint(self, opts: GenerateOptions, end_ids: set[int]) -> OutputConstraint | None:
+        """Structured output's per-generation state when opts ask for it (end_ids: what may end it)."""
+        if opts.output is None:
             return None
-        from .json_mode import JsonConstraint, output_shape
+        from .json_mode import OutputConstraint
 
-        shape = output_shape(opts.json_schema, opts.json_after)
-        return JsonConstraint(self.parts.tokenizer.token_bytes, end_ids, shape)
+        return OutputConstraint(self.parts.tokenizer.token_bytes, end_ids, opts.output.shape())
 
     def eos_ids(self) -> set[int]:
         """The config's eos ids (generation_config.json first); else the tokenizer's eos."""
@@ -298,7 +295,7 @@ def iter_tokens(
     engine: EngineLike, prompt_ids: list[int], opts: GenerateOptions, eos_ids: set[int],
     scores: list[TokenLogprob] | None = None,
     prompt_scores: list[TokenLogprob | None] | None = None,
-    constraint: JsonConstraint | None = None,
+    constraint: OutputConstraint | None = None,
 ) -> Iterator[int]:
     """Engine.generate's loop as a generator over the engine's step API (prefill, decode, pick),
     with the same seeded RNG draws, so stream() and generate() give the same tokens. With
@@ -387,7 +384,9 @@ def generate_options(
     logit_bias: Mapping[int, float] | None = None,
     json_object: bool = False,
     json_schema: Any = None,
-    json_after: str | None = None,
+    regex: str | None = None,
+    choice: list[str] | None = None,
+    output_after: str | None = None,
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. logprobs (0..20): each token's
     log-probability and that many most likely alternatives (the model's distribution before
@@ -399,15 +398,18 @@ def generate_options(
     forces it); json_object: JSON mode, the text is one JSON object (OpenAI's response_format
     json_object; it ends at the object's close, or is cut at max_tokens); json_schema: a JSON schema
     (parsed), the text is one value it admits (OpenAI's response_format json_schema; the supported
-    keywords: atlas.json_schema); json_after: JSON output starts once the text holds this (e.g.
-    "</think>" when a thinking model's prompt opened its reasoning block; up to 4 line breaks may
-    follow it). Values are checked by LLM.prepare."""
+    keywords: atlas.json_schema); regex: the whole text matches this pattern; choice: the text is
+    one of these (vLLM's structured outputs); output_after: the format starts once the text holds
+    this (e.g. "</think>" when a thinking model's prompt opened its reasoning block; up to 4 line
+    breaks may follow it). Values are checked by LLM.prepare."""
+    from .json_mode import OutputFormat
     from .sampling import logit_bias_pairs
 
+    output = OutputFormat.of(json_object, json_schema, regex, choice, output_after)
     extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
                             logit_bias_pairs(logit_bias))
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
-                           stop_strings(stop), json_object, json_schema, json_after)
+                           stop_strings(stop), output)
 
 
 def stop_strings(stop: object) -> tuple[str, ...]:
@@ -446,18 +448,8 @@ def check_options(opts: GenerateOptions) -> None:
             raise AtlasError(f"{name} must be a number, got {value!r}")
     if not is_int(opts.top_k):
         raise AtlasError(f"top_k must be an integer, got {opts.top_k!r}")
-    if not isinstance(opts.json_object, bool):
-        raise AtlasError(f"json_object must be True or False, got {opts.json_object!r}")
-    if opts.json_schema is not None:
-        from .json_mode import output_shape
-
-        if opts.json_object:
-            raise AtlasError("json_object and json_schema exclude each other: give one")
-        output_shape(opts.json_schema)  # compiled (and kept) now: a schema it cannot follow fails here
-    if opts.json_after is not None and (not isinstance(opts.json_after, str) or not opts.json_after):
-        raise AtlasError(f"json_after must be a non-empty string, got {opts.json_after!r}")
-    if opts.json_after is not None and not opts.json_object and opts.json_schema is None:
-        raise AtlasError("json_after needs json_object or json_schema")
+    if opts.output is not None:
+        opts.output.shape()  # compiled (and kept) now: a format generation cannot follow fails here
     check_sampling(sampling_params(opts))
 
 
@@ -468,7 +460,7 @@ def sampling_params(opts: GenerateOptions) -> SamplingParams:
              if name not in ("min_tokens", "logit_bias")}
     return SamplingParams(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p),
                           min_tokens=opts.extras.min_tokens, logit_bias=opts.extras.logit_bias,
-                          structured=bool(opts.json_object) or opts.json_schema is not None, **extra)
+                          structured=opts.output is not None, **extra)
 
 
 def check_length(spec: ModelSpec, engine: EngineLike, prompt_tokens: int, max_tokens: int) -> None:

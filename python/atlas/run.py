@@ -54,6 +54,8 @@ class RunArgs:
     interactive: bool
     json_object: bool  # --json-object: JSON mode
     json_schema: str | None  # --json-schema: a schema file, or the schema's JSON text
+    regex: str | None  # --regex: the whole output matches it
+    choice: tuple[str, ...]  # --choice (repeated): the output is one of these
     engine: EngineFlags
     extras: SamplingExtras
 
@@ -102,6 +104,7 @@ def read_schema(arg: str | None) -> Any:
 def run(args: RunArgs) -> None:
     from .chat import converse
     from .config import load_spec
+    from .json_mode import OutputFormat
     from .llm import DEFAULT_PROMPT_CACHE, GenerateOptions, check_options, encode_prompt, sampling_params
     from .resolve import resolve_model
     from .sampling import check_logit_bias_ids
@@ -112,8 +115,9 @@ def run(args: RunArgs) -> None:
     if prompt is None and not args.interactive:
         prompt = default_prompt(model_dir, args.model)
     spec = load_spec(model_dir)  # config, sampling and prompt problems surface before the weights load
+    output = OutputFormat.of(args.json_object, read_schema(args.json_schema), args.regex, args.choice or None)
     opts = GenerateOptions(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat,
-                           extras=args.extras, json_object=args.json_object, json_schema=read_schema(args.json_schema))
+                           extras=args.extras, output=output)
     check_options(opts)
     check_logit_bias_ids(sampling_params(opts), spec.vocab_size)
     tokenizer = args.engine.tokenizer(model_dir)
@@ -187,6 +191,8 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 @click.option("--json-schema", metavar="FILE|JSON", default=None,
               help="The output is one value this JSON schema admits (a file, or the schema's text; "
                    "supported keywords: docs/structured-output.md).")
+@click.option("--regex", default=None, help="The whole output matches this regular expression (an ECMA-262 subset).")
+@click.option("--choice", multiple=True, help="The output is one of these texts; repeat the option for each.")
 @click.option("--logit-bias", type=LogitBiasEntry(), multiple=True,
               help="Add BIAS (-100..100; -100 bans the token) to TOKEN_ID's logit; repeatable.")
 @engine_options

@@ -12,7 +12,7 @@ from .backends.base import SamplingParams
 from .errors import AtlasError
 
 if TYPE_CHECKING:
-    from .json_mode import JsonConstraint
+    from .json_mode import OutputConstraint
 
 MAX_TOP_K = 2**31 - 1  # SampleParams.top_k is an int32; any top_k >= the vocabulary keeps all
 MAX_LOGPROBS = 20  # alternatives listed per generated token (OpenAI's top_logprobs limit)
@@ -88,7 +88,7 @@ def apply_logit_bias(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def pick_state(prompt_ids: list[int], end_ids: set[int], sampling: SamplingParams,
-               constraint: JsonConstraint | None) -> Penalties | None:
+               constraint: OutputConstraint | None) -> Penalties | None:
     """What one sequence's host picks carry from token to token, if anything."""
     if sampling.structured and constraint is None:
         raise AtlasError("JSON output needs the tokenizer's token bytes: generate through atlas.LLM")
@@ -115,7 +115,7 @@ class Penalties:
     output holds (repetition_penalty) and how often each was generated (presence, frequency); and
     the JSON output's constraint, advanced by each pick."""
 
-    def __init__(self, prompt_ids: list[int], end_ids: set[int] | None = None, constraint: JsonConstraint | None = None) -> None:
+    def __init__(self, prompt_ids: list[int], end_ids: set[int] | None = None, constraint: OutputConstraint | None = None) -> None:
         self.prompt_ids = np.unique(np.asarray(prompt_ids, dtype=np.int64))
         self.end_ids = np.array(sorted(end_ids or ()), dtype=np.int64)  # masked before min_tokens
         self.constraint = constraint  # JSON output: which tokens may come next

@@ -292,11 +292,11 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_ids: list[
     prompt_logprobs = None  # echo with logprobs scores the prompt; max_tokens 0 runs only the prompt
     if body.echo and (body.logprobs is not None or max_tokens == 0):
         prompt_logprobs = body.logprobs or 0
-    structured = body.json_object or body.json_schema is not None
+    output = body.output
+    if output is not None and opens_reasoning(state, body, prompt_ids):
+        output = replace(output, after=REASONING_END)
     return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed, logprobs=body.logprobs,
-                           prompt_logprobs=prompt_logprobs, extras=s.extras, json_object=body.json_object,
-                           json_schema=body.json_schema,
-                           json_after=REASONING_END if structured and opens_reasoning(state, body, prompt_ids) else None)
+                           prompt_logprobs=prompt_logprobs, extras=s.extras, output=output)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -13,7 +13,9 @@ from ..errors import AtlasError
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, is_int, logit_bias_pairs
 from .errors import RequestError
 from .stops import Stops
-from .tools import ToolChoice, forced_call_schema, parse_tool_choice, parse_tools, template_tool_calls
+from ..json_mode import OutputFormat
+from .formats import parse_output_format
+from .tools import ToolChoice, parse_tool_choice, parse_tools, template_tool_calls
 
 Prompt = str | list[int]
 Message = dict[str, Any]  # role, content (text), and tool_calls / tool_call_id / name where given
@@ -54,11 +56,10 @@ class GenerationBody:
     logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
     template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables
     tools: list[dict[str, Any]] | None = None  # chat: function tools offered (tool_choice not "none")
-    tool_choice: ToolChoice = ToolChoice("none")  # "required" / a named function: json_schema forces the call
+    tool_choice: ToolChoice = ToolChoice("none")  # "required" / a named function: `output` forces the call
     echo: bool = False  # completions: the prompt comes back in front of the completion
     n: int = 1  # choices, generated one after another
-    json_object: bool = False  # response_format {"type": "json_object"}: JSON mode
-    json_schema: Any = None  # response_format {"type": "json_schema"}: the schema the text follows
+    output: OutputFormat | None = None  # response_format, vLLM's structured outputs, a forced call (formats.py)
 
 
 def parse_body(body: Any, chat: bool) -> GenerationBody:
@@ -86,63 +87,8 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
         tool_choice=choice,
         echo=echo,
         n=n,
-        **(forced_call_format(body, tools, choice) if choice.forced else parse_response_format(body)),
+        output=parse_output_format(body, tools, choice),
     )
-
-
-def forced_call_format(body: dict[str, Any], tools: list[dict[str, Any]] | None, choice: ToolChoice) -> dict[str, Any]:
-    """tool_choice "required" or a named function: the call's JSON schema, compiled here."""
-    from ..json_mode import output_shape
-
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise RequestError("a forced tool call (tool_choice) and 'response_format' exclude each other; "
-                           "give one", "response_format")
-    assert tools
-    schema = forced_call_schema(tools, choice, optional_bool(body, "parallel_tool_calls") is not False)
-    try:
-        output_shape(schema)
-    except AtlasError as err:
-        raise RequestError(f"tools: a forced call follows the tools' parameters, but {err}", "tools") from None
-    return {"json_schema": schema}
-
-
-def parse_response_format(body: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's response_format -> GenerationBody's json_object / json_schema: {"type": "text"} (the
-    default), {"type": "json_object"} (JSON mode) or {"type": "json_schema", "json_schema": {"name":
-    ..., "schema": {...}, "strict": ...}} (the schema is compiled here: one it cannot follow is a
-    400 before the request queues)."""
-    value = body.get("response_format")
-    kind = value.get("type") if isinstance(value, dict) else None
-    if value is None or kind == "text":
-        return {}
-    if kind not in ("json_object", "json_schema"):
-        raise RequestError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                           "{\"type\": \"json_schema\", \"json_schema\": {...}}", "response_format")
-    stops = body.get("stop_token_ids")
-    if body.get("ignore_eos") is True and not stops:
-        raise RequestError("JSON output ends at the value's close with an end-of-sequence token; "
-                           "leave ignore_eos out", "ignore_eos")
-    if kind == "json_object":
-        return {"json_object": True}
-    return {"json_schema": parse_json_schema(value.get("json_schema"))}
-
-
-def parse_json_schema(spec: Any) -> Any:
-    """response_format's json_schema object -> its schema (absent: any JSON value), compiled."""
-    from ..json_mode import output_shape
-
-    if not isinstance(spec, dict):
-        raise RequestError('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}',
-                           "response_format")
-    for key, kind in (("name", str), ("description", str), ("strict", bool)):
-        if spec.get(key) is not None and not isinstance(spec[key], kind):
-            raise RequestError(f"response_format json_schema's '{key}' must be a {kind.__name__}", "response_format")
-    schema = spec.get("schema", True)
-    try:
-        output_shape(schema)
-    except AtlasError as err:
-        raise RequestError(str(err), "response_format") from None
-    return schema
 
 
 def parse_sampling(body: dict[str, Any], echo: bool = False) -> SamplingFields:

@@ -168,7 +168,7 @@ def generate(llm: LLM, job: Job) -> Finished:
     sent = 0  # scores already sent with a piece
     count = 0
     last_token = -1
-    constraint = llm.json_constraint(job.opts, eos_ids)
+    constraint = llm.output_constraint(job.opts, eos_ids)
     for last_token in iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, scores, prompt_scores, constraint):
         if count == 0:
             job.first_token_at = time.perf_counter()

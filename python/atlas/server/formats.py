@@ -1,0 +1,100 @@
+"""A request's structured output -> one atlas.json_mode.OutputFormat, compiled here so that a
+format generation cannot follow is a 400 before the request queues. Sources, at most one per
+request: OpenAI's response_format ({"type": "text" | "json_object" | "json_schema"}), vLLM's
+structured_outputs ({"json" | "regex" | "choice" | "json_object": ...}) and its older guided_json /
+guided_regex / guided_choice fields, and a forced tool call (tool_choice "required" or a named
+function, tools.forced_call_schema)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..errors import AtlasError
+from ..json_mode import OutputFormat
+from .errors import RequestError
+from .tools import ToolChoice, forced_call_schema
+
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}  # vLLM's older fields
+STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "json_object": "json_object"}
+REFUSED = {"guided_grammar": "context-free grammars are not supported; use guided_json, guided_regex or guided_choice"}
+
+
+def parse_output_format(body: dict[str, Any], tools: list[dict[str, Any]] | None, choice: ToolChoice) -> OutputFormat | None:
+    """The request's one output format, compiled (None: plain text)."""
+    for name, reason in REFUSED.items():
+        if body.get(name) is not None:
+            raise RequestError(f"'{name}': {reason}", name)
+    given = [*response_format(body), *vllm_formats(body)]
+    if choice.forced:
+        assert tools
+        parallel = body.get("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise RequestError("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+        given.append(("tools", OutputFormat("json_schema", forced_call_schema(tools, choice, parallel))))
+    if len(given) > 1:
+        first, second = (name if name != "tools" else "tool_choice" for name, _ in given[:2])
+        raise RequestError(f"'{first}' and '{second}' each set the output format; give one", first)
+    if not given:
+        return None
+    param, output = given[0]
+    try:
+        output.shape()
+    except AtlasError as err:
+        reason = f"a forced call follows the tools' parameters, but {err}" if param == "tools" else str(err)
+        raise RequestError(reason, param) from None
+    if body.get("ignore_eos") is True and not body.get("stop_token_ids"):
+        raise RequestError("structured output ends with an end-of-sequence token; leave ignore_eos out", "ignore_eos")
+    return output
+
+
+def response_format(body: dict[str, Any]) -> list[tuple[str, OutputFormat]]:
+    """OpenAI's response_format: {"type": "text"} (the default), {"type": "json_object"} (JSON mode)
+    or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}."""
+    value = body.get("response_format")
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text":
+        return []
+    if kind == "json_object":
+        return [("response_format", OutputFormat("json_object"))]
+    if kind != "json_schema":
+        raise RequestError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                           "{\"type\": \"json_schema\", \"json_schema\": {...}}", "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise RequestError('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}',
+                           "response_format")
+    for key, kind_ in (("name", str), ("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind_):
+            raise RequestError(f"response_format json_schema's '{key}' must be a {kind_.__name__}", "response_format")
+    return [("response_format", OutputFormat("json_schema", spec.get("schema", True)))]
+
+
+def vllm_formats(body: dict[str, Any]) -> list[tuple[str, OutputFormat]]:
+    """vLLM's structured_outputs object and guided_* fields (a JSON schema may come as its text)."""
+    found = [(name, output_format(kind, body[name], name)) for name, kind in GUIDED.items() if body.get(name) is not None]
+    value = body.get("structured_outputs")
+    if value is None:
+        return found
+    if not isinstance(value, dict):
+        raise RequestError("'structured_outputs' must be an object such as {\"json\": {...}}", "structured_outputs")
+    unknown = sorted(set(value) - set(STRUCTURED))
+    if unknown:
+        raise RequestError(f"structured_outputs '{unknown[0]}' is not supported; use json, regex, choice or "
+                           "json_object", "structured_outputs")
+    return found + [("structured_outputs", output_format(kind, value[key], "structured_outputs"))
+                    for key, kind in STRUCTURED.items() if value.get(key) not in (None, False)]
+
+
+def output_format(kind: str, spec: Any, param: str) -> OutputFormat:
+    if kind == "json_schema" and isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError as err:
+            raise RequestError(f"'{param}' is not a JSON schema ({err})", param) from None
+    try:
+        made = OutputFormat.of(**{kind: spec})
+    except AtlasError as err:
+        raise RequestError(str(err), param) from None
+    assert made is not None
+    return made
