@@ -106,7 +106,7 @@ def test_json_output_on_the_gpu(demo_gpu: Any, rng: np.random.Generator, schema:
 
     import jsonschema
 
-    from atlas.json_mode import OutputConstraint, output_shape
+    from atlas.structured import OutputConstraint, output_shape
 
     prompt = rng.integers(3, demo_gpu.parts.spec.vocab_size, size=int(rng.integers(2, 20))).tolist()
     engine, eos = demo_gpu.parts.engine, demo_gpu.eos_ids()

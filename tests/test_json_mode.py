@@ -16,7 +16,7 @@ from atlas.backends.base import SamplingParams
 from atlas.engine import GenerationRequest
 from atlas.errors import AtlasError
 from atlas.json_match import ANY_OBJECT, MAX_INDENT, Matcher
-from atlas.json_mode import OutputConstraint
+from atlas.structured import OutputConstraint
 from atlas.sampling import softmax_probs
 
 TIE = 1e-4  # relative logit gap under which float32 rounding may decide a pick

@@ -361,7 +361,7 @@ def demo() -> Any:
 def test_greedy_schema_output_on_the_demo(demo: Any, rng: np.random.Generator) -> None:
     """Each greedy token is the most likely token the schema allows under the teacher-forced
     logits; a text that stops is a document the schema admits."""
-    from atlas.json_mode import OutputConstraint, output_shape
+    from atlas.structured import OutputConstraint, output_shape
 
     tokenizer, eos = demo.tokenizer, demo.eos_ids()
     for schema in (PERSON, PAIR):
@@ -416,7 +416,7 @@ def test_output_after_on_the_demo(demo: Any) -> None:
 ])
 def test_regex_texts(pattern: str, text: str, ok: bool) -> None:
     """regex: raw text (no quotes, no escapes) that the pattern matches whole."""
-    from atlas.json_mode import OutputFormat
+    from atlas.structured import OutputFormat
 
     matcher = Matcher(OutputFormat("regex", pattern).shape())
     assert (matcher.feed(text.encode()) and matcher.can_end) == ok
@@ -428,7 +428,7 @@ def test_regex_and_choice_on_the_demo(demo: Any, rng: np.random.Generator) -> No
     the pattern whole or is one of the choices. Sampled texts keep to them too."""
     import re
 
-    from atlas.json_mode import OutputConstraint, OutputFormat
+    from atlas.structured import OutputConstraint, OutputFormat
 
     tokenizer, eos = demo.tokenizer, demo.eos_ids()
     choices = ["better", "worse than ugly", "é 😀"]

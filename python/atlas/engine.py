@@ -28,7 +28,7 @@ from .sampling import (
 from .snapshot import DeltaNetSnapshot
 
 if TYPE_CHECKING:
-    from .json_mode import OutputConstraint
+    from .structured import OutputConstraint
 
 
 PREFILL_CHUNK = 4096  # prompt tokens per forward: bounds a step's activations at any context length

@@ -14,7 +14,7 @@ from .kvcache.names import DEFAULT_LEVEL
 if TYPE_CHECKING:
     from .backends.base import SamplingParams
     from .sampling import TokenLogprob
-    from .json_mode import OutputConstraint, OutputFormat
+    from .structured import OutputConstraint, OutputFormat
     from .kvcache.options import KVCacheOptions
     from .config import ModelSpec
     from .tokenizer import Tokenizer
@@ -65,7 +65,7 @@ class GenerateOptions:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens; allows max_tokens 0
     extras: SamplingExtras = field(default_factory=SamplingExtras)  # min_p, penalties
     stop: tuple[str, ...] = ()  # strings that end the text (never part of it)
-    output: OutputFormat | None = None  # structured output: JSON, a schema, a regex, a choice (atlas.json_mode)
+    output: OutputFormat | None = None  # structured output: JSON, a schema, a regex, a choice (atlas.structured)
 
 
 class EngineLike(Protocol):
@@ -279,7 +279,7 @@ class LLM:
         """Structured output's per-generation state when opts ask for it (end_ids: what may end it)."""
         if opts.output is None:
             return None
-        from .json_mode import OutputConstraint
+        from .structured import OutputConstraint
 
         return OutputConstraint(self.parts.tokenizer.token_bytes, end_ids, opts.output.shape())
 
@@ -402,7 +402,7 @@ def generate_options(
     one of these (vLLM's structured outputs); output_after: the format starts once the text holds
     this (e.g. "</think>" when a thinking model's prompt opened its reasoning block; up to 4 line
     breaks may follow it). Values are checked by LLM.prepare."""
-    from .json_mode import OutputFormat
+    from .structured import OutputFormat
     from .sampling import logit_bias_pairs
 
     output = OutputFormat.of(json_object, json_schema, regex, choice, output_after)

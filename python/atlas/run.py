@@ -104,7 +104,7 @@ def read_schema(arg: str | None) -> Any:
 def run(args: RunArgs) -> None:
     from .chat import converse
     from .config import load_spec
-    from .json_mode import OutputFormat
+    from .structured import OutputFormat
     from .llm import DEFAULT_PROMPT_CACHE, GenerateOptions, check_options, encode_prompt, sampling_params
     from .resolve import resolve_model
     from .sampling import check_logit_bias_ids

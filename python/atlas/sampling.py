@@ -12,7 +12,7 @@ from .backends.base import SamplingParams
 from .errors import AtlasError
 
 if TYPE_CHECKING:
-    from .json_mode import OutputConstraint
+    from .structured import OutputConstraint
 
 MAX_TOP_K = 2**31 - 1  # SampleParams.top_k is an int32; any top_k >= the vocabulary keeps all
 MAX_LOGPROBS = 20  # alternatives listed per generated token (OpenAI's top_logprobs limit)

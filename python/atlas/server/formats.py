@@ -1,4 +1,4 @@
-"""A request's structured output -> one atlas.json_mode.OutputFormat, compiled here so that a
+"""A request's structured output -> one atlas.structured.OutputFormat, compiled here so that a
 format generation cannot follow is a 400 before the request queues. Sources, at most one per
 request: OpenAI's response_format ({"type": "text" | "json_object" | "json_schema"}), vLLM's
 structured_outputs ({"json" | "regex" | "choice" | "json_object": ...}) and its older guided_json /
@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from ..errors import AtlasError
-from ..json_mode import OutputFormat
+from ..structured import OutputFormat
 from .errors import RequestError
 from .tools import ToolChoice, forced_call_schema
 

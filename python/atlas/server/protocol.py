@@ -13,7 +13,7 @@ from ..errors import AtlasError
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, is_int, logit_bias_pairs
 from .errors import RequestError
 from .stops import Stops
-from ..json_mode import OutputFormat
+from ..structured import OutputFormat
 from .formats import parse_output_format
 from .tools import ToolChoice, parse_tool_choice, parse_tools, template_tool_calls
 
