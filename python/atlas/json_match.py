@@ -160,6 +160,29 @@ def utf8_span(bits: int, due: int, low: int, high: int) -> tuple[int, int]:
     return ((bits << 6 | low & 0x3F) << rest), ((bits << 6 | high & 0x3F) << rest) | ((1 << rest) - 1)
 
 
+def utf8_byte(regex: Regex | None, chars: int, utf8: tuple[int, int, int], bits: int, rx: Any, byte: int) -> tuple | None:
+    """One raw byte of a UTF-8 character, stepped through `regex` when given: (characters, the one
+    being written included; UTF-8 bytes due, low, high; its code point bits; the regex's states),
+    or None. A lead or middle byte is taken only while some character it may become can come."""
+    if utf8[0]:
+        if not utf8[1] <= byte <= utf8[2]:
+            return None
+        utf8, bits = (utf8[0] - 1, 0x80, 0xBF), bits << 6 | byte & 0x3F
+    else:
+        lead = utf8_next(byte)
+        if lead is None:
+            return None
+        chars, utf8, bits = chars + 1, lead, byte & (0x3F >> lead[0]) if lead[0] else byte
+    if utf8[0]:
+        may = regex is None or regex.may_take(rx, *utf8_span(bits, *utf8), chars - 1)
+        return (chars, utf8, bits, rx) if may else None
+    if regex is not None:
+        rx = regex.step(rx, bits, chars - 1)
+        if rx is None:
+            return None
+    return chars, (0, 0, 0), 0, rx
+
+
 class String(Node):
     """A string of min_len..max_len characters (code points; an escape is one), matching `regex`
     when given (atlas.json_regex; it then holds the length bounds), other than the `exclude` texts
@@ -189,9 +212,7 @@ class String(Node):
             return (1, *state[1:]) if phase == 0 and byte == QUOTE else None
         raw = self._raw(raw, byte)
         if utf8[0]:
-            if not utf8[1] <= byte <= utf8[2]:
-                return None
-            return self._char_part(chars, (utf8[0] - 1, 0x80, 0xBF), raw, bits << 6 | byte & 0x3F, rx)
+            return self._moved(utf8_byte(self.regex, chars, utf8, bits, rx, byte), raw)
         if escape:
             return self._escape(state, byte, raw)
         if byte == QUOTE:
@@ -202,18 +223,12 @@ class String(Node):
             return self._if_may(rx, 0, 0xFFFF, chars, (1, chars + 1, 1, utf8, raw, 0, rx))
         if byte < 0x20:
             return None
-        lead = utf8_next(byte)
-        if lead is None:
-            return None
-        if not lead[0]:
-            return self._char_done(chars + 1, raw, byte, rx)
-        return self._char_part(chars + 1, lead, raw, byte & (0x3F >> lead[0]), rx)
+        return self._moved(utf8_byte(self.regex, chars, utf8, bits, rx, byte), raw)
 
-    def _char_part(self, chars: int, utf8: tuple[int, int, int], raw: bytes | None, bits: int, rx: Any) -> State | None:
-        """A UTF-8 character with utf8[0] continuation bytes still due (none: it is whole)."""
-        if not utf8[0]:
-            return self._char_done(chars, raw, bits, rx)
-        return self._if_may(rx, *utf8_span(bits, *utf8), chars - 1, (1, chars, 0, utf8, raw, bits, rx))
+    @staticmethod
+    def _moved(moved: tuple | None, raw: bytes | None) -> State | None:
+        """utf8_byte's result inside the string's state."""
+        return None if moved is None else (1, moved[0], 0, moved[1], raw, moved[2], moved[3])
 
     def _escape(self, state: State, byte: int, raw: bytes | None) -> State | None:
         _, chars, escape, utf8, _, bits, rx = state
@@ -323,20 +338,7 @@ class Text(Node):
         return 0, (0, 0, 0), 0, self.regex.start
 
     def step(self, state: State, byte: int) -> State | None:
-        chars, utf8, bits, rx = state
-        if utf8[0]:
-            if not utf8[1] <= byte <= utf8[2]:
-                return None
-            utf8, bits = (utf8[0] - 1, 0x80, 0xBF), bits << 6 | byte & 0x3F
-        else:
-            lead = utf8_next(byte)
-            if lead is None:
-                return None
-            chars, utf8, bits = chars + 1, lead, byte & (0x3F >> lead[0]) if lead[0] else byte
-        if utf8[0]:
-            return (chars, utf8, bits, rx) if self.regex.may_take(rx, *utf8_span(bits, *utf8), chars - 1) else None
-        rx = self.regex.step(rx, bits, chars - 1)
-        return None if rx is None else (chars, (0, 0, 0), 0, rx)
+        return utf8_byte(self.regex, *state, byte)
 
     def final(self, state: State) -> bool:
         return not state[1][0] and self.regex.ends(state[3], state[0])
