@@ -138,6 +138,39 @@ def test_greedy_takes_the_best_allowed_token(rng: np.random.Generator) -> None:
         assert set(np.flatnonzero(np.isfinite(masked))) <= set(allowed)
 
 
+def test_sampled_mask_stops_early_without_changing_the_filtered_set(demo: LLM, rng: np.random.Generator) -> None:
+    """With top_k or min_p, the walk over the vocabulary stops where the filters would drop every
+    later token: what the sampler keeps is what it keeps from the full allowed set."""
+    from atlas.sampling import top_k_mask
+
+    tokenizer = demo.tokenizer
+    for _ in range(30):
+        constraint = walked_constraint(tokenizer.token_bytes, rng)
+        logits = (rng.standard_normal(len(tokenizer.token_bytes)) * rng.uniform(1, 6)).astype(np.float32)
+        probs = softmax_probs(logits, 1.0)
+        top_k, min_p = [(1, 0.0), (3, 0.0), (20, 0.05), (0, 0.05), (0, 0.3), (3, 0.3)][int(rng.integers(0, 6))]
+        full = np.array([constraint.allows(t) for t in range(logits.size)])  # [V]
+
+        def kept(allowed: np.ndarray) -> set[int]:
+            p = softmax_probs(np.where(allowed, logits, -np.inf).astype(np.float32), 1.0)  # [V]
+            keep = top_k_mask(p, top_k) & (p >= np.float32(min_p) * p.max()) & allowed
+            return set(np.flatnonzero(keep).tolist())
+
+        fast = np.isfinite(constraint.mask(logits, probs, top_k, min_p))
+        assert kept(fast) == kept(full)
+
+
+def walked_constraint(token_bytes: list[bytes | None], rng: np.random.Generator) -> OutputConstraint:
+    """A constraint walked to a random state by random allowed tokens."""
+    constraint = OutputConstraint(token_bytes, {0})
+    for _ in range(int(rng.integers(0, 6))):
+        allowed = [t for t in range(1, len(token_bytes)) if constraint.allows(t)]
+        if not allowed:
+            break
+        constraint.advance(int(rng.choice(allowed)))
+    return constraint
+
+
 def test_json_mode_needs_an_end_id() -> None:
     with pytest.raises(AtlasError, match="end-of-sequence"):
         OutputConstraint(TOY_VOCAB, set())

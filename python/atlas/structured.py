@@ -136,19 +136,25 @@ class OutputConstraint:
                     return int(token)
         raise AtlasError("structured output: no token of the vocabulary continues the text")
 
-    def mask(self, logits: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    def mask(self, logits: np.ndarray, probs: np.ndarray, top_k: int = 0, min_p: float = 0.0) -> np.ndarray:
         """logits [V] with every token that is not allowed at -inf. Tokens are checked from the most
         likely (probs [V]) until the unchecked ones hold under NEGLIGIBLE_MASS of the allowed mass;
-        those are left out too."""
+        those are left out too. The walk also stops where the sampler's filters on the allowed
+        tokens would drop every later one: past the top_k-th allowed token (and its ties), below
+        min_p x the most likely allowed one."""
         masked = np.full(logits.shape, -np.inf, dtype=np.float32)  # [V]
         checked = allowed = 0.0
+        count, floor = 0, 0.0  # allowed tokens so far; the p below which none can be kept
         for token in descending(probs):
-            if allowed > 0 and 1.0 - checked < NEGLIGIBLE_MASS * allowed:
+            p = float(probs[token])
+            if (allowed > 0 and 1.0 - checked < NEGLIGIBLE_MASS * allowed) or (count and p < floor):
                 break
-            checked += float(probs[token])
+            checked += p
             if self.allows(int(token)):
                 masked[token] = logits[token]
-                allowed += float(probs[token])
+                allowed += p
+                count += 1
+                floor = max(min_p * p * (1 - 1e-5) if count == 1 else floor, p if count == top_k else floor)  # slack: float rounding
         if not np.isfinite(masked).any():
             raise AtlasError("structured output: no token of the vocabulary continues the text")
         return masked
