@@ -128,6 +128,21 @@ def test_generation_config_eos_wins(tmp_path: Path, rng: np.random.Generator) ->
     assert fallback.eos_token_ids == tuple(text["eos_token_id"])
 
 
+def test_generation_config_sampling_defaults(tmp_path: Path, rng: np.random.Generator) -> None:
+    """Qwen's recommended sampling (generation_config.json) is read and range-checked; other keys
+    (do_sample, eos) are not sampling defaults."""
+    text = random_text_config(rng)
+    recommended = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0, "eos_token_id": 1}
+    spec = load_spec(write_config(tmp_path / "a", text, recommended))
+    assert dict(spec.sampling_defaults) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0}
+    assert dict(load_spec(write_config(tmp_path / "b", text, {"top_k": -1})).sampling_defaults) == {"top_k": 0}
+    assert load_spec(write_config(tmp_path / "c", text)).sampling_defaults == ()
+    for i, (key, value) in enumerate([("top_p", 0), ("temperature", -1), ("top_k", 1.5), ("repetition_penalty", 11),
+                                      ("min_p", "low")]):
+        write_config(tmp_path / f"bad{i}", text, {key: value})
+        expect_error(tmp_path / f"bad{i}", "generation_config.json", f"'{key}'")
+
+
 def test_dtype_from_either_key(tmp_path: Path, rng: np.random.Generator) -> None:
     text = random_text_config(rng)
     assert load_spec(write_config(tmp_path / "a", {**text, "dtype": "float32"})).torch_dtype == "float32"

@@ -333,6 +333,29 @@ def test_json_schema_from_a_pydantic_model(served: Served, rng: np.random.Genera
     assert isinstance(point.day, datetime.date)
 
 
+def test_sampling_defaults_from_the_generation_config(rng: np.random.Generator) -> None:
+    """--generation-config auto: fields a request leaves out (or sends as null) take the model's
+    recommended values; fields it sends win."""
+    from starlette.testclient import TestClient
+
+    defaults = {"temperature": 0.7, "top_k": 3.0, "top_p": 0.9}
+    worker = EngineWorker(lambda: LLM(None, device="cpu", prompt_cache=0))
+    llm = worker.start()
+    try:
+        http = TestClient(create_app(ServerState(DEMO_NAME, worker, llm, sampling_defaults=defaults)))
+        reference = LLM(None, device="cpu", prompt_cache=0)
+        prompt = random_prompt(rng)
+        for sent, want in [({"seed": 3}, {"temperature": 0.7, "top_k": 3, "top_p": 0.9, "seed": 3}),
+                           ({"seed": 3, "top_k": None}, {"temperature": 0.7, "top_k": 3, "top_p": 0.9, "seed": 3}),
+                           ({"temperature": 0}, {}),
+                           ({"seed": 5, "top_p": 1.0, "top_k": 0}, {"temperature": 0.7, "seed": 5})]:
+            answer = http.post("/v1/completions", json={"model": DEMO_NAME, "prompt": prompt, "max_tokens": 12, **sent})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == reference.generate(prompt, max_tokens=12, **want).text, sent
+    finally:
+        worker.stop()
+
+
 def test_logit_bias(served: Served, rng: np.random.Generator) -> None:
     """OpenAI's logit_bias ({"token id": bias}) gives what the in-process model gives with it."""
     prompt = random_prompt(rng)

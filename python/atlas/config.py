@@ -52,6 +52,19 @@ class ModelSpec:
     torch_dtype: str = "bfloat16"  # dtype named by the checkpoint ("dtype" or "torch_dtype")
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    # generation_config.json's recommended sampling: (name, value) among SAMPLING_DEFAULT_RANGES' names
+    sampling_defaults: tuple[tuple[str, float], ...] = field(default=())
+
+
+# generation_config.json sampling keys vLLM's --generation-config auto reads: key -> (low, high,
+# low bound open); top_k is an integer (0 or -1: off).
+SAMPLING_DEFAULT_RANGES: dict[str, tuple[float, float, bool]] = {
+    "temperature": (0.0, float("inf"), False),
+    "top_p": (0.0, 1.0, True),
+    "top_k": (-1, 2**31 - 1, False),
+    "min_p": (0.0, 1.0, False),
+    "repetition_penalty": (0.0, 10.0, True),
+}
 
 
 # Defaults of transformers 5 Qwen3_5MoeTextConfig, used where config.json omits a field.
@@ -223,6 +236,7 @@ def spec_from_config(
         norm_topk_prob=True,
         hidden_act=read_hidden_act(text),
         eos_token_ids=read_eos_ids(top, text, generation, generation_source),
+        sampling_defaults=read_sampling_defaults(generation, generation_source or source.with_name("generation_config.json")),
         torch_dtype=read_dtype(top, text),
         bos_token_id=text.optional_int("bos_token_id"),
         pad_token_id=text.optional_int("pad_token_id"),
@@ -311,6 +325,22 @@ def read_eos_ids(
         source = generation_source or top.source.with_name("generation_config.json")
         return FieldReader(generation, source).int_list("eos_token_id")
     return text.int_list("eos_token_id") or top.int_list("eos_token_id")
+
+
+def read_sampling_defaults(generation: dict[str, Any] | None, source: Path) -> tuple[tuple[str, float], ...]:
+    """The sampling settings generation_config.json recommends (Qwen3.6's: temperature, top_p,
+    top_k), each checked against its range."""
+    if generation is None:
+        return ()
+    reader, found = FieldReader(generation, source), []
+    for key, (low, high, low_open) in SAMPLING_DEFAULT_RANGES.items():
+        if not reader.has(key):
+            continue
+        value = reader.int(key) if key == "top_k" else reader.float(key)
+        if value < low or value > high or (low_open and value == low):
+            raise reader.fail(key, f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}")
+        found.append((key, float(max(value, 0)) if key == "top_k" else value))
+    return tuple(found)
 
 
 def read_dtype(top: FieldReader, text: FieldReader) -> str:

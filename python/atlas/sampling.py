@@ -106,7 +106,7 @@ def host_pick(row: np.ndarray, sampling: SamplingParams, uniform: float, penalti
     if constraint is not None:
         if sampling.temperature == 0 or constraint.complete:  # closed: an end id, even before min_tokens
             return constraint.greedy(row)
-        row = constraint.mask(row, softmax_probs(row, sampling.temperature), sampling.top_k, sampling.min_p)
+        row = constraint.mask(row, sampling.temperature, sampling.top_k, sampling.min_p)
     return host_argmax(row) if sampling.temperature == 0 else choose_token(row, sampling, uniform)
 
 

@@ -42,6 +42,7 @@ class ServeArgs:
     reasoning_parser: str | None
     tool_call_parser: str | None
     api_key: str | None
+    generation_config: str  # "auto": requests' sampling defaults from generation_config.json; "vllm": none
     engine: EngineFlags
 
 
@@ -97,7 +98,12 @@ def serve(args: ServeArgs) -> None:
         click.echo(f"atlas.serve: model {name} ({model_dir}), device {llm.device}", err=True)
         click.echo(f"atlas.serve: {engine_summary(llm)}", err=True)
         parsers = {"reasoning_parser": args.reasoning_parser, "tool_call_parser": args.tool_call_parser}
-        app = create_app(ServerState(name, worker, llm, **parsers, api_key=args.api_key))
+        defaults = dict(llm.parts.spec.sampling_defaults) if args.generation_config == "auto" else {}
+        if defaults:
+            listed = ", ".join(f"{k} {v:g}" for k, v in defaults.items())
+            click.echo(f"atlas.serve: sampling defaults from generation_config.json: {listed} "
+                       "(requests override them; --generation-config vllm: none)", err=True)
+        app = create_app(ServerState(name, worker, llm, **parsers, api_key=args.api_key, sampling_defaults=defaults))
         config = uvicorn.Config(
             app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
         )
@@ -128,8 +134,13 @@ def serve(args: ServeArgs) -> None:
 )
 @click.option(
     "--tool-call-parser", type=click.Choice(TOOL_PARSERS), default=None,
-    help="Chat requests may carry tools (tool_choice auto / none); the answer's calls come back as tool_calls "
-    "(qwen3_coder: the XML calls of Qwen3.5 / 3.6 and Qwen3-Coder).",
+    help="Chat requests may carry tools (tool_choice auto / none / required / a function); the answer's calls come "
+    "back as tool_calls (qwen3_coder: the XML calls of Qwen3.5 / 3.6 and Qwen3-Coder).",
+)
+@click.option(
+    "--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
+    help="auto: sampling fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty) take the "
+    "model's generation_config.json values, as vLLM's default; vllm: OpenAI's defaults.",
 )
 @click.option(
     "--prompt-cache", type=click.IntRange(0, MAX_PROMPT_CACHE), default=DEFAULT_PROMPT_CACHE, show_default=True,

@@ -23,6 +23,7 @@ from .json_schema import compile_schema
 GREEDY_CANDIDATES = 64  # the most likely tokens tried first; the full order only when none fits
 NEGLIGIBLE_MASS = 1e-6  # sampling: tokens are checked until the unchecked mass is below this share
 SORT_CHUNK = 256  # sampling: tokens put in order a chunk at a time (the walk mostly stops early)
+FLOOR_SLACK = 1e-5  # the walk goes a little past the filters' cut: the sampler's float32 may round a tie in
 SHAPES = 16  # compiled shapes kept with their transition caches (requests repeat schemas)
 KINDS = ("json_object", "json_schema", "regex", "choice")
 
@@ -136,34 +137,39 @@ class OutputConstraint:
                     return int(token)
         raise AtlasError("structured output: no token of the vocabulary continues the text")
 
-    def mask(self, logits: np.ndarray, probs: np.ndarray, top_k: int = 0, min_p: float = 0.0) -> np.ndarray:
+    def mask(self, logits: np.ndarray, temperature: float, top_k: int = 0, min_p: float = 0.0) -> np.ndarray:
         """logits [V] with every token that is not allowed at -inf. Tokens are checked from the most
-        likely (probs [V]) until the unchecked ones hold under NEGLIGIBLE_MASS of the allowed mass;
-        those are left out too. The walk also stops where the sampler's filters on the allowed
-        tokens would drop every later one: past the top_k-th allowed token (and its ties), below
-        min_p x the most likely allowed one."""
+        likely until the unchecked ones hold under NEGLIGIBLE_MASS of the allowed mass; those are
+        left out too. The walk also stops where the sampler's filters on the allowed tokens would
+        drop every later one: past the top_k-th allowed token (and its ties), below min_p x the most
+        likely allowed one. Weights are float64 exp((logit - max) / temperature): the allowed
+        tokens may lie far below the most likely ones, where float32 probabilities underflow."""
+        z = np.where(np.isnan(logits), -np.inf, logits).astype(np.float64) / temperature  # [V]
+        probs = np.exp(z - z.max())  # [V] unnormalised
         masked = np.full(logits.shape, -np.inf, dtype=np.float32)  # [V]
-        checked = allowed = 0.0
+        allowed = 0.0
         count, floor = 0, 0.0  # allowed tokens so far; the p below which none can be kept
-        for token in descending(probs):
-            p = float(probs[token])
-            if (allowed > 0 and 1.0 - checked < NEGLIGIBLE_MASS * allowed) or (count and p < floor):
+        for token, p, after in descending(probs):
+            if (allowed > 0 and p + after < NEGLIGIBLE_MASS * allowed) or (count and p < floor):
                 break
-            checked += p
-            if self.allows(int(token)):
+            if self.allows(token):
                 masked[token] = logits[token]
                 allowed += p
                 count += 1
-                floor = max(min_p * p * (1 - 1e-5) if count == 1 else floor, p if count == top_k else floor)  # slack: float rounding
+                if count == 1:
+                    floor = max(floor, min_p * p * (1 - FLOOR_SLACK))
+                if count == top_k:
+                    floor = max(floor, p * (1 - FLOOR_SLACK))
         if not np.isfinite(masked).any():
             raise AtlasError("structured output: no token of the vocabulary continues the text")
         return masked
 
 
-def descending(probs: np.ndarray) -> Iterator[int]:
-    """Token ids of probs [V] from the most likely, put in order a chunk at a time (SORT_CHUNK,
-    then four times as many each time: a peaked distribution costs one partial sort, a flat one
-    a few)."""
+def descending(probs: np.ndarray) -> Iterator[tuple[int, float, float]]:
+    """(token id, its weight, the weight of all tokens after it) from the most likely, put in
+    order a chunk at a time (SORT_CHUNK, then four times as many each time: a peaked distribution
+    costs one partial sort, a flat one a few). The weight after is summed, not subtracted from a
+    total, so it stays exact where it is tiny beside the total."""
     rest, chunk = np.arange(probs.size), SORT_CHUNK  # [R] not yet ordered
     while rest.size:
         if rest.size > chunk:
@@ -171,5 +177,8 @@ def descending(probs: np.ndarray) -> Iterator[int]:
             head, rest = rest[part], np.delete(rest, part)
         else:
             head, rest = rest, rest[:0]
-        yield from (int(t) for t in head[np.argsort(-probs[head], kind="stable")])
+        head = head[np.argsort(-probs[head], kind="stable")]  # [C]
+        weights = probs[head]  # [C]
+        after = float(probs[rest].sum()) + np.concatenate((np.cumsum(weights[::-1])[::-1][1:], [0.0]))  # [C]
+        yield from zip(head.tolist(), weights.tolist(), after.tolist())
         chunk *= 4

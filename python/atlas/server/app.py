@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import anyio
@@ -45,6 +45,7 @@ class ServerState:
     reasoning_parser: str | None = None  # "qwen3": chat answers' <think> block goes to reasoning_content
     tool_call_parser: str | None = None  # "qwen3_coder": chat requests may carry tools; calls parsed
     api_key: str | None = None  # /v1/* requests must send "Authorization: Bearer <api_key>"
+    sampling_defaults: dict[str, float] = field(default_factory=dict)  # for fields a request leaves out
 
 
 class EventStreamResponse(StreamingResponse):
@@ -127,7 +128,7 @@ def model_card(state: ServerState) -> dict[str, object]:
 
 
 async def generation(request: Request, state: ServerState, chat: bool) -> Response:
-    body = parse_body(await read_json(request), chat)
+    body = parse_body(await read_json(request), chat, state.sampling_defaults)
     check_model(state, body.model)
     check_tools(state, body)
     check_stop_ids(state, body)

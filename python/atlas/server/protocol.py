@@ -5,6 +5,7 @@ optional extras are, but fields whose non-default value we cannot honour are ref
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,9 +63,11 @@ class GenerationBody:
     output: OutputFormat | None = None  # response_format, vLLM's structured outputs, a forced call (formats.py)
 
 
-def parse_body(body: Any, chat: bool) -> GenerationBody:
+def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = None) -> GenerationBody:
+    """defaults: sampling fields a request leaves out take these (the model's generation_config)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    body = with_defaults(body, defaults or {})
     check_unsupported(body)
     n = optional_int(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
     stream = optional_bool(body, "stream") or False
@@ -89,6 +92,13 @@ def parse_body(body: Any, chat: bool) -> GenerationBody:
         n=n,
         output=parse_output_format(body, tools, choice),
     )
+
+
+def with_defaults(body: dict[str, Any], defaults: Mapping[str, float]) -> dict[str, Any]:
+    """The request's fields over the defaults (a field sent as null takes its default)."""
+    merged: dict[str, Any] = {key: int(value) if key == "top_k" else value for key, value in defaults.items()}
+    merged.update((key, value) for key, value in body.items() if value is not None or key not in defaults)
+    return merged
 
 
 def parse_sampling(body: dict[str, Any], echo: bool = False) -> SamplingFields:
