@@ -180,7 +180,7 @@ def test_json_mode_needs_an_end_id() -> None:
 
 def test_engine_without_the_tokenizer_refuses_json_mode() -> None:
     engine = LLM(device="cpu").parts.engine
-    with pytest.raises(AtlasError, match="JSON output needs the tokenizer"):
+    with pytest.raises(AtlasError, match="structured output needs the tokenizer"):
         engine.run(GenerationRequest([5, 6, 7], 4, SamplingParams(structured=True), None, {0}))
 
 

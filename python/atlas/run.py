@@ -104,10 +104,10 @@ def read_schema(arg: str | None) -> Any:
 def run(args: RunArgs) -> None:
     from .chat import converse
     from .config import load_spec
-    from .structured import OutputFormat
     from .llm import DEFAULT_PROMPT_CACHE, GenerateOptions, check_options, encode_prompt, sampling_params
     from .resolve import resolve_model
     from .sampling import check_logit_bias_ids
+    from .structured import OutputFormat
 
     args.engine.check()
     model_dir = resolve_model(args.model)

@@ -91,13 +91,13 @@ def pick_state(prompt_ids: list[int], end_ids: set[int], sampling: SamplingParam
                constraint: OutputConstraint | None) -> Penalties | None:
     """What one sequence's host picks carry from token to token, if anything."""
     if sampling.structured and constraint is None:
-        raise AtlasError("JSON output needs the tokenizer's token bytes: generate through atlas.LLM")
+        raise AtlasError("structured output needs the tokenizer's token bytes: generate through atlas.LLM")
     return Penalties(prompt_ids, end_ids, constraint) if sampling.penalized or constraint is not None else None
 
 
 def host_pick(row: np.ndarray, sampling: SamplingParams, uniform: float, penalties: Penalties | None) -> int:
     """The token from logits [V] on the host: biased, penalized, then argmax or the reference
-    sampler, among the tokens JSON output allows when it is on."""
+    sampler, among the tokens structured output allows when it is on."""
     if sampling.logit_bias:
         row = apply_logit_bias(row, sampling)
     if penalties is not None:
@@ -113,12 +113,12 @@ def host_pick(row: np.ndarray, sampling: SamplingParams, uniform: float, penalti
 class Penalties:
     """What the penalties read while one sequence is generated: which tokens the prompt or the
     output holds (repetition_penalty) and how often each was generated (presence, frequency); and
-    the JSON output's constraint, advanced by each pick."""
+    the structured output constraint, advanced by each pick."""
 
     def __init__(self, prompt_ids: list[int], end_ids: set[int] | None = None, constraint: OutputConstraint | None = None) -> None:
         self.prompt_ids = np.unique(np.asarray(prompt_ids, dtype=np.int64))
         self.end_ids = np.array(sorted(end_ids or ()), dtype=np.int64)  # masked before min_tokens
-        self.constraint = constraint  # JSON output: which tokens may come next
+        self.constraint = constraint  # structured output: which tokens may come next
         self.generated: dict[int, int] = {}
         self.count = 0
         self.seen: np.ndarray | None = None  # [V] bool: in the prompt or generated (made at the first apply)

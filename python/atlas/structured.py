@@ -144,8 +144,10 @@ class OutputConstraint:
         drop every later one: past the top_k-th allowed token (and its ties), below min_p x the most
         likely allowed one. Weights are float64 exp((logit - max) / temperature): the allowed
         tokens may lie far below the most likely ones, where float32 probabilities underflow."""
-        z = np.where(np.isnan(logits), -np.inf, logits).astype(np.float64) / temperature  # [V]
-        probs = np.exp(z - z.max())  # [V] unnormalised
+        z = np.where(np.isnan(logits), -np.inf, logits).astype(np.float64)  # [V]
+        top, t = z.max(), max(temperature, float(np.finfo(np.float32).tiny))  # softmax_probs' guards
+        with np.errstate(invalid="ignore", over="ignore"):
+            probs = np.exp(np.where(z == top, 0.0, (z - top) / t))  # [V] unnormalised, the maxima 1
         masked = np.full(logits.shape, -np.inf, dtype=np.float32)  # [V]
         allowed = 0.0
         count, floor = 0, 0.0  # allowed tokens so far; the p below which none can be kept

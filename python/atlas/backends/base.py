@@ -39,7 +39,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off: a prompt or generated token's logit / r when > 0, else * r
     min_tokens: int = 0  # the tokens that end a generation cannot be picked before this many
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit, OpenAI's logit_bias
-    structured: bool = False  # JSON mode or a JSON schema: picks keep the text JSON (atlas.structured)
+    structured: bool = False  # structured output: picks keep to a JSON / schema / regex / choice shape (atlas.structured)
 
     @property
     def penalized(self) -> bool:

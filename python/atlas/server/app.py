@@ -269,7 +269,7 @@ def encode(llm: LLM, body: GenerationBody, prompt: Prompt | None) -> list[int]:
 
 
 def generate_options(state: ServerState, body: GenerationBody, prompt_ids: list[int]) -> GenerateOptions:
-    """Every new token but the last takes a position after the prompt's. JSON output in an answer
+    """Every new token but the last takes a position after the prompt's. Structured output in an answer
     that starts inside a reasoning block starts after the block (as vLLM's structured output
     under a reasoning parser)."""
     prompt_tokens = len(prompt_ids)
