@@ -26,11 +26,11 @@ def parse_output_format(body: dict[str, Any], tools: list[dict[str, Any]] | None
         if body.get(name) is not None:
             raise RequestError(f"'{name}': {reason}", name)
     given = [*response_format(body), *vllm_formats(body)]
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise RequestError("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
     if choice.forced:
         assert tools
-        parallel = body.get("parallel_tool_calls", True)
-        if not isinstance(parallel, bool):
-            raise RequestError("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
         given.append(("tools", OutputFormat("json_schema", forced_call_schema(tools, choice, parallel))))
     if len(given) > 1:
         first, second = (name if name != "tools" else "tool_choice" for name, _ in given[:2])
