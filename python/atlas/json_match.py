@@ -22,7 +22,7 @@ from typing import Any
 from .json_regex import Regex
 
 MAX_INDENT = 20  # spaces or tabs in one run of whitespace (after its one optional line break)
-CACHE_LIMIT = 200_000  # cached transitions per shape before the cache starts over
+CACHE_LIMIT = 50_000  # cached moves per shape before the cache starts over (~420 B each: ~20 MB a shape)
 LINE_BREAKS = frozenset(b"\n\r")
 INDENT = frozenset(b" \t")
 ESCAPES = frozenset(b'"\\/bfnrtu')
@@ -579,6 +579,7 @@ class Transitions:
             if len(self.moves) > CACHE_LIMIT:
                 self.moves.clear()
                 self.closures.clear()
+                self.ends.clear()
             found = frozenset(self._step(stacks, byte))
             self.moves[key] = found
         return found
