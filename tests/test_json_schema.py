@@ -45,8 +45,14 @@ SMALL_INT = {"type": ["integer", "null"], "minimum": -3, "maximum": 20}
 NUMBERS_BY_ID = {"type": "object", "required": ["id"], "properties": {"id": {"type": "integer"}},
                  "additionalProperties": {"type": "number"}}
 ANYTHING: dict[str, Any] = {}
+PET = {"oneOf": [  # a pydantic discriminated union: each object requires its own const
+    {"type": "object", "additionalProperties": False, "required": ["kind", "lives"],
+     "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer", "minimum": 0, "maximum": 9}}},
+    {"type": "object", "additionalProperties": False, "required": ["kind"],
+     "properties": {"kind": {"enum": ["dog", "wolf"]}, "name": {"type": "string", "maxLength": 4}}},
+    {"type": "string", "maxLength": 3}, {"enum": [1, 2]}, {"type": "null"}]}
 SCHEMAS = {"person": PERSON, "tree": TREE, "pair": PAIR, "small_int": SMALL_INT, "numbers_by_id": NUMBERS_BY_ID,
-           "anything": ANYTHING}
+           "anything": ANYTHING, "pet": PET}
 CLOSERS = b'}]"'  # drawn more often so that walks end
 
 
@@ -84,13 +90,16 @@ def recognised(schema: dict[str, Any], data: bytes) -> bool:
 
 
 def mutations(value: Any, rng: np.random.Generator) -> list[Any]:
-    """Copies of a document with one value replaced, one key dropped or one array item dropped."""
+    """Copies of a document with one value replaced (the whole document too), one key dropped or
+    one array item dropped."""
     out = []
-    replacements: list[Any] = [None, True, 0, -7, 3, 99999, 10000, 151, 1.5, "", "a", "person", "x" * 13, [], ["a"], {}]
+    replacements: list[Any] = [None, True, 0, -7, 3, 99999, 10000, 151, 1.5, "", "a", "person", "x" * 13, [], ["a"], {},
+                               {"kind": "cat"}, {"kind": "dog", "lives": 3}]
     for _ in range(12):
         copy = json.loads(json.dumps(value))
         holder, key = pick_slot(copy, rng)
-        if holder is None:
+        if holder is None or rng.random() < 0.1:
+            out.append(replacements[int(rng.integers(0, len(replacements)))])
             continue
         if rng.random() < 0.25:
             del holder[key]
@@ -127,7 +136,7 @@ def writings(value: Any) -> list[bytes]:
         return []
 
 
-@pytest.mark.parametrize("name", ["person", "tree", "pair"])
+@pytest.mark.parametrize("name", ["person", "tree", "pair", "pet"])
 def test_documents_in_property_order_are_accepted_exactly_when_valid(name: str, rng: np.random.Generator) -> None:
     """Walks give valid documents; one-value changes to them give valid and invalid ones. Written
     in the declared property order (the only order generation uses), each is accepted exactly when
@@ -245,6 +254,9 @@ def test_undeclared_keys_never_repeat_a_declared_one() -> None:
     ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}, "refers to itself"),
     ({"type": "stringy"}, "must be one of object"),
     ({"type": "object", "not": {}}, "'not': it is not supported"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "a value could match two of"),
+    ({"oneOf": [{"enum": [1, 2]}, {"const": 2.0}]}, "a value could match two of"),
+    ({"oneOf": [PET["oneOf"][0], {"type": "object"}]}, "a value could match two of"),
     ({"enum": []}, "non-empty list"),
     ({"type": "integer", "enum": ["a"]}, "no enum / const value has the schema's type"),
     ([1], "a schema must be an object"),

@@ -402,7 +402,7 @@ class Object(Node):
     property being written (COLON, VALUE; len(keys) for an undeclared key)."""
 
     OPEN, FIRST, KEY, COLON, VALUE, NEXT, CLOSED = range(7)
-    __slots__ = ("keys", "values", "extra", "key_index", "key_nodes", "can_close", "extra_key")
+    __slots__ = ("keys", "values", "required", "extra", "key_index", "key_nodes", "can_close", "extra_key")
 
     def __init__(self, properties: Sequence[tuple[str, Node, bool]], extra: Node | None) -> None:
         self.keys = tuple(json.dumps(name, ensure_ascii=False).encode() for name, _, _ in properties)
@@ -410,6 +410,7 @@ class Object(Node):
         self.extra = extra
         self.key_index = {key: i for i, key in enumerate(self.keys)}
         required = [req for _, _, req in properties]
+        self.required = tuple(required)
         n = len(properties)
         self.can_close = tuple(not any(required[at:]) for at in range(n + 1))
         self.extra_key = String(exclude=[name for name, _, _ in properties]) if extra is not None else None

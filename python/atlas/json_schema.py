@@ -2,8 +2,9 @@
 guided JSON). Generation keeps to a subset of what the schema admits, so every text it ends is
 valid; anything the subset cannot honour is refused with one line naming the keyword and where.
 
-Supported: type (a name or a list), enum, const, anyOf, oneOf (generated as anyOf: alternatives
-that overlap could both match), allOf of one schema, $ref to a JSON pointer inside the document
+Supported: type (a name or a list), enum, const, anyOf, oneOf (when no value can match two of its
+alternatives: their JSON types differ, or their objects share a required property whose const /
+enum values differ, as a pydantic discriminated union's do), allOf of one schema, $ref to a JSON pointer inside the document
 ("#", "#/$defs/…"; recursion through objects or arrays), and per type:
   object   properties (written in their declared order; an optional one may be left out),
            required, additionalProperties (false / true / a schema; absent: none when properties
@@ -22,7 +23,7 @@ import math
 from typing import Any
 
 from .errors import AtlasError
-from .json_match import ANY_VALUE, Array, Literal, Node, Number, Object, String, Union
+from .json_match import ANY_VALUE, Array, Literal, Node, Number, Object, String, Union, alternatives
 from .json_regex import RegexError, compile_regex
 
 _OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
@@ -124,7 +125,11 @@ class SchemaCompiler:
             if len(value) != 1:
                 raise self.fail(f"{where}/allOf", "allOf of more than one schema is not supported")
             return self.node(value[0], f"{where}/allOf/0")
-        return Union([self.node(item, f"{where}/{combiner}/{i}") for i, item in enumerate(value)])
+        options = [self.node(item, f"{where}/{combiner}/{i}") for i, item in enumerate(value)]
+        if combiner == "oneOf" and not all(disjoint(a, b) for i, a in enumerate(options) for b in options[i + 1 :]):
+            raise self.fail(f"{where}/oneOf", "alternatives a value could match two of (which oneOf forbids) are not "
+                            "supported; use anyOf, or give the objects a required const property that differs")
+        return Union(options)
 
     def literal(self, schema: dict[str, Any], keys: set[str], where: str) -> Node:
         extra = keys - {"enum", "const", "type"}
@@ -249,6 +254,62 @@ class SchemaCompiler:
             else:
                 raise self.fail(where, f"{pointer} points at nothing in the schema")
         return target
+
+
+def disjoint(a: Node, b: Node) -> bool:
+    """No JSON value matches both shapes (provably: False when unsure)."""
+    if all(isinstance(x, Literal) for x in (*alternatives(a), *alternatives(b))):
+        return not literal_values(a) & literal_values(b)
+    shared = kinds(a) & kinds(b)
+    if "?" in shared or shared - {"object"}:
+        return False
+    return all(discriminated(x, y) for x in alternatives(a) for y in alternatives(b)
+               if isinstance(x, Object) and isinstance(y, Object))
+
+
+def kinds(node: Node) -> set[str]:
+    """The JSON types a shape's values may have ("?": not known yet, a reference being compiled)."""
+    if isinstance(node, Union) and not node.options:
+        return {"?"}
+    out: set[str] = set()
+    for alt in alternatives(node):
+        if isinstance(alt, Literal):
+            out |= {json_kind(json.loads(text)) for text in alt.options}
+        else:
+            out.add({Object: "object", Array: "array", String: "string", Number: "number"}.get(type(alt), "?"))
+    return out
+
+
+def discriminated(x: Object, y: Object) -> bool:
+    """Some property both objects require takes values from disjoint const / enum sets."""
+    for key, value, needed in zip(x.keys, x.values, x.required, strict=True):
+        if needed and key in y.key_index and y.required[y.key_index[key]]:
+            other = y.values[y.key_index[key]]
+            if all(isinstance(v, Literal) for v in (*alternatives(value), *alternatives(other))) and \
+                    not literal_values(value) & literal_values(other):
+                return True
+    return False
+
+
+def literal_values(node: Node) -> set[str]:
+    """A const / enum shape's values, spelled so that values JSON schema counts equal (1 and 1.0)
+    are spelled alike."""
+    return {json.dumps(numbers_as_floats(json.loads(text)), sort_keys=True)
+            for alt in alternatives(node) for text in alt.options}  # type: ignore[attr-defined]
+
+
+def numbers_as_floats(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: numbers_as_floats(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [numbers_as_floats(item) for item in value]
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    return {dict: "object", list: "array", str: "string", type(None): "null"}.get(type(value), "number")
 
 
 def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
