@@ -395,13 +395,44 @@ class Number(Node):
         return not self.integer or any(self.step(state, byte) is not None for byte in b"-0123456789")
 
 
-class Object(Node):
+class Container(Node):
+    """An object or array: its opening bracket, whitespace between its tokens (space()), and
+    its close; subclasses step the structural bytes in between. State: (phase, a count, the
+    whitespace run)."""
+
+    OPEN, FIRST = 0, 1
+    CLOSED: int
+    OPENER: int
+    __slots__ = ()
+
+    def begin(self) -> State:
+        return self.OPEN, 0, NO_SPACE
+
+    def step(self, state: State, byte: int) -> State | None:
+        phase, count, run = state
+        if phase in (self.OPEN, self.CLOSED):
+            return (self.FIRST, 0, NO_SPACE) if phase == self.OPEN and byte == self.OPENER else None
+        run = space(run, byte)
+        return (phase, count, run) if run is not None else self.structural(phase, count, byte)
+
+    def structural(self, phase: int, count: int, byte: int) -> State | None:
+        raise NotImplementedError
+
+    def final(self, state: State) -> bool:
+        return state[0] == self.CLOSED
+
+    def open(self, state: State) -> bool:
+        return state[0] != self.CLOSED
+
+
+class Object(Container):
     """An object whose declared properties come in their declared order (each optional one may be
     left out), then, where `extra` is set, any other keys with values of that shape.
     State: (phase, at, whitespace run). at: declared properties passed (KEY phases), or the
     property being written (COLON, VALUE; len(keys) for an undeclared key)."""
 
     OPEN, FIRST, KEY, COLON, VALUE, NEXT, CLOSED = range(7)
+    OPENER = ord("{")
     __slots__ = ("keys", "values", "required", "extra", "key_index", "key_nodes", "can_close", "extra_key")
 
     def __init__(self, properties: Sequence[tuple[str, Node, bool]], extra: Node | None) -> None:
@@ -429,16 +460,7 @@ class Object(Node):
             options.append(self.extra_key)
         return None if not options else options[0] if len(options) == 1 else Union(options)
 
-    def begin(self) -> State:
-        return self.OPEN, 0, NO_SPACE
-
-    def step(self, state: State, byte: int) -> State | None:
-        phase, at, run = state
-        if phase in (self.OPEN, self.CLOSED):
-            return (self.FIRST, 0, NO_SPACE) if phase == self.OPEN and byte == ord("{") else None
-        run = space(run, byte)
-        if run is not None:
-            return phase, at, run
+    def structural(self, phase: int, at: int, byte: int) -> State | None:
         if byte == ord("}") and (phase == self.NEXT or phase == self.FIRST) and self.can_close[at]:
             return self.CLOSED, at, NO_SPACE
         if phase == self.COLON and byte == COLON:
@@ -462,18 +484,13 @@ class Object(Node):
         written = len(self.keys) if child is self.extra_key else self.key_index[child_state]
         return self.COLON, written, NO_SPACE
 
-    def final(self, state: State) -> bool:
-        return state[0] == self.CLOSED
 
-    def open(self, state: State) -> bool:
-        return state[0] != self.CLOSED
-
-
-class Array(Node):
+class Array(Container):
     """An array: prefix items in order, then `items` (None: no more), min_items..max_items long.
     State: (phase, items written, whitespace run)."""
 
     OPEN, FIRST, VALUE, NEXT, CLOSED = range(5)
+    OPENER = ord("[")
     __slots__ = ("prefix", "items", "min_items", "max_items")
 
     def __init__(self, prefix: Sequence[Node], items: Node | None, min_items: int = 0, max_items: int | None = None) -> None:
@@ -487,16 +504,7 @@ class Array(Node):
             return None
         return self.prefix[count] if count < len(self.prefix) else self.items
 
-    def begin(self) -> State:
-        return self.OPEN, 0, NO_SPACE
-
-    def step(self, state: State, byte: int) -> State | None:
-        phase, count, run = state
-        if phase in (self.OPEN, self.CLOSED):
-            return (self.FIRST, 0, NO_SPACE) if phase == self.OPEN and byte == ord("[") else None
-        run = space(run, byte)
-        if run is not None:
-            return phase, count, run
+    def structural(self, phase: int, count: int, byte: int) -> State | None:
         if byte == ord("]") and phase in (self.FIRST, self.NEXT) and count >= self.min_items:
             return self.CLOSED, count, NO_SPACE
         if phase == self.NEXT and byte == COMMA and self.item(count) is not None:
@@ -509,12 +517,6 @@ class Array(Node):
 
     def accept(self, state: State, child: Node, child_state: State) -> State:
         return self.NEXT, state[1] + 1, NO_SPACE
-
-    def final(self, state: State) -> bool:
-        return state[0] == self.CLOSED
-
-    def open(self, state: State) -> bool:
-        return state[0] != self.CLOSED
 
 
 class AfterMarker(Node):

@@ -142,12 +142,12 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
     return JSONResponse(answer) if answer is not None else Response(status_code=499)
 
 
-def answer_shaper(state: ServerState, body: GenerationBody, prompt_ids: list[int]) -> AnswerShaper | None:
-    """For chat answers under --reasoning-parser (opened when the prompt ends inside a block) and
-    for chat requests with tools."""
+def answer_shaper(state: ServerState, body: GenerationBody, opened: bool) -> AnswerShaper | None:
+    """For chat answers under --reasoning-parser (opened: the prompt ends inside a block) and for
+    chat requests with tools."""
     if body.messages is None or (state.reasoning_parser is None and not body.tools):
         return None
-    splitter = ReasoningSplitter(opens_reasoning(state, body, prompt_ids)) if state.reasoning_parser is not None else None
+    splitter = ReasoningSplitter(opened) if state.reasoning_parser is not None else None
     calls = ForcedCallStream(body.tool_choice) if body.tool_choice.forced else ToolCallStream(body.tools) if body.tools else None
     return AnswerShaper(splitter, calls)
 
@@ -167,6 +167,7 @@ class PromptInput:
     ids: list[int]
     opts: GenerateOptions
     echo: str | None  # the text sent back under echo
+    opened: bool  # the answer starts inside the reasoning block the prompt opened (opens_reasoning)
 
 
 def prepare_inputs(state: ServerState, body: GenerationBody) -> list[PromptInput]:
@@ -176,13 +177,14 @@ def prepare_inputs(state: ServerState, body: GenerationBody) -> list[PromptInput
     inputs = []
     for prompt in prompts:
         ids = encode(state.llm, body, prompt)
-        opts = generate_options(state, body, ids)
+        opened = opens_reasoning(state, body, ids)
+        opts = generate_options(state, body, len(ids), opened)
         try:
             state.llm.prepare(ids, opts)
         except AtlasError as err:
             raise RequestError(str(err), "prompt" if prompt is not None else "messages") from None
         echo = (prompt if isinstance(prompt, str) else state.llm.tokenizer.decode(ids)) if body.echo else None
-        inputs.append(PromptInput(ids, opts, echo))
+        inputs.append(PromptInput(ids, opts, echo, opened))
     return inputs
 
 
@@ -195,7 +197,7 @@ def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInp
             index = p * body.n + j
             seeded = replace(prompt.opts, seed=None if prompt.opts.seed is None else prompt.opts.seed + index)
             events = state.worker.events(prompt.ids, seeded, body.sampling.stop, prompt.echo)
-            runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt.ids)))
+            runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt.opened)))
     return runs
 
 
@@ -268,11 +270,10 @@ def encode(llm: LLM, body: GenerationBody, prompt: Prompt | None) -> list[int]:
     return ids
 
 
-def generate_options(state: ServerState, body: GenerationBody, prompt_ids: list[int]) -> GenerateOptions:
-    """Every new token but the last takes a position after the prompt's. Structured output in an answer
-    that starts inside a reasoning block starts after the block (as vLLM's structured output
-    under a reasoning parser)."""
-    prompt_tokens = len(prompt_ids)
+def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: int, opened: bool) -> GenerateOptions:
+    """Every new token but the last takes a position after the prompt's. Structured output in an
+    answer that starts inside a reasoning block (opened) starts after the block (as vLLM's
+    structured output under a reasoning parser)."""
     capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
     room = capacity - prompt_tokens + 1  # the most new tokens that fit
     prompt_param = "prompt" if body.prompts is not None else "messages"
@@ -294,7 +295,7 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_ids: list[
     if body.echo and (body.logprobs is not None or max_tokens == 0):
         prompt_logprobs = body.logprobs or 0
     output = body.output
-    if output is not None and opens_reasoning(state, body, prompt_ids):
+    if output is not None and opened:
         output = replace(output, after=REASONING_END)
     return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed, logprobs=body.logprobs,
                            prompt_logprobs=prompt_logprobs, extras=s.extras, output=output)
