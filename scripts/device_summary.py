@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-RESULT_KEYS = ("prefill_tok_s", "decode_tok_s", "decode_bytes_per_token", "decode_gb_s", "copy_gb_s",
+RESULT_KEYS = ("prefill_tok_s", "decode_tok_s", "decode_sampled_tok_s", "decode_bytes_per_token", "decode_gb_s", "copy_gb_s",
                "roofline_pct", "transformers", "speedup_vs_transformers", "notes")
 
 

@@ -329,7 +329,7 @@ def test_decode_bench_writes_its_json_in_every_mode(mode: str, tmp_path: Path, r
 
     tok_s = float(rng.uniform(50, 500))
     run = SimpleNamespace(load_s=1.0, prefill_tok_s={"512": 3 * tok_s, "2048": 2 * tok_s}, decode_tok_s=tok_s,
-                          decode_tokens=256)
+                          decode_tokens=256, decode_sampled_tok_s=tok_s / 2)
     monkeypatch.setattr(decode, "run_atlas", lambda spec, rng, timed_prefill=True: (run, 4.0e12, "stand-in"))
     monkeypatch.setattr(decode, "run_prefill_forms", lambda spec, rng: {"prefill_attention": "simt", "prefill_tok_s_by_form": {"simt": tok_s}})
     monkeypatch.setattr(decode, "run_transformers",

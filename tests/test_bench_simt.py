@@ -42,7 +42,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for switch in FORM_SWITCHES:
         monkeypatch.delenv(switch, raising=False)
     for name, value in (("PREFILL_LENGTHS", (4, 8)), ("DECODE_CONTEXT", 8), ("DECODE_TOKENS", 3),
-                        ("WARMUP_TOKENS", 4), ("COPY_BYTES", 1 << 20)):
+                        ("SAMPLED_TOKENS", 3), ("WARMUP_TOKENS", 4), ("COPY_BYTES", 1 << 20)):
         monkeypatch.setattr(bench_decode, name, value)
     monkeypatch.setattr(bench_quant, "MOE_TOKENS", 4)
     monkeypatch.setattr(quant_moe, "REPEATS", 1)
@@ -64,6 +64,7 @@ def check_decode_result(r: dict[str, Any]) -> None:
     assert r["model"] == f"qwen3.6-35b-a3b dims, {LAYERS} layers, synthetic weights"
     assert "host SIMT emulator" in r["device"]
     assert math.isfinite(r["decode_tok_s"]) and r["decode_tok_s"] > 0
+    assert math.isfinite(r["decode_sampled_tok_s"]) and r["decode_sampled_tok_s"] > 0
     assert r["decode_tokens"] == bench_decode.DECODE_TOKENS - 1
     parts = r["decode_bytes_per_token"]
     assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
@@ -98,7 +99,7 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
     device_summary.merge_variants(variants, out / "variants.json")
     lines = "\n".join(device_summary.report(out))
     assert "unreadable" not in lines, lines
-    for expected in ("decode_tok_s: ", "roofline_pct: ", "copy_gb_s: ", "fused decode (fused DeltaNet, fused router): ",
+    for expected in ("decode_tok_s: ", "decode_sampled_tok_s: ", "roofline_pct: ", "copy_gb_s: ", "fused decode (fused DeltaNet, fused router): ",
                      'prefill tok/s by attention form: {"mma": '):
         assert expected in lines, lines
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from atlas.backends.base import KVCache, SamplingParams
+from atlas.backends.base import KVCache, PenaltyOperands, SamplingParams
 from atlas.backends.cuda import ops_dense
 from atlas.backends.cuda.tensor import DeviceTensor
 
@@ -64,6 +64,10 @@ def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Gen
         ops_dense.attention(rt, f(t, hq, d), f(t, hkv, d), f(t, hkv, d), KVCache(*caches), _tensor(rt, "i32", t), d**-0.5)
     ops_dense.argmax(rt, f(tokens, v))
     ops_dense.sample(rt, f(1, v), SamplingParams(0.8, 20, 0.9), float(rng.random()))
+    i32 = lambda *s: _tensor(rt, "i32", *s)  # noqa: E731
+    for bias in (None, f(v)):
+        ops_dense.penalize(rt, f(1, v), PenaltyOperands(i32(v), i32(v), bias), SamplingParams(presence_penalty=1.5), True)
+    ops_dense.count_token(rt, i32(v), i32(1))
     return {"tokens": tokens, "prefill": prefill, "capacity": capacity, "n": n}
 
 
@@ -115,6 +119,8 @@ def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
                 assert launch.grid[0] == p.rows
             elif launch.kernel == "atlas_argmax_partial":
                 assert launch.grid[0] * p.chunk >= p.vocab and launch.grid[1] == p.rows
+            elif launch.kernel == "atlas_penalize":
+                assert launch.grid[0] * launch.block[0] >= p.vocab == dims["vocab_size"]
 
 
 def test_bad_inputs_are_refused(rng: np.random.Generator) -> None:

@@ -4,6 +4,8 @@ as the host-fed loop decode(int)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -58,11 +60,12 @@ def test_chain_feeds_device_ids_with_host_fed_tokens(demo_gpu: Any, rng: np.rand
     assert writes == [1] * STEPS, f"host-to-device writes per step {writes}: only the position should go up"
 
 
-def test_host_picks_feed_the_chain(demo_gpu: Any, rng: np.random.Generator) -> None:
-    """Penalties and logit_bias pick on the host from the logits read back: each pick is the biased,
-    penalized argmax of its step's GPU logits, and the id uploaded for the next step gives the same tokens as feeding
-    the ids from the host with decode(int)."""
-    from atlas.sampling import Penalties, apply_logit_bias, host_argmax
+def test_penalized_picks_stay_on_the_device(demo_gpu: Any, rng: np.random.Generator) -> None:
+    """Penalties and logit_bias are applied and counted on the GPU: each pick is the biased,
+    penalized argmax of its step's GPU logits (written out on the host from the logits read back
+    for the check), only the id comes back (no read wider than one id while generating), and the
+    id picked on the device gives the same tokens as feeding the ids from the host with decode(int)."""
+    from atlas.sampling import PROMPT_TOKEN, Penalties, host_argmax, penalize_row
 
     engine = demo_gpu.parts.engine
     prompt = rng.integers(0, demo_gpu.parts.spec.vocab_size, size=int(rng.integers(2, 30))).tolist()
@@ -72,15 +75,20 @@ def test_host_picks_feed_the_chain(demo_gpu: Any, rng: np.random.Generator) -> N
     nudged = np.setdiff1d(rng.choice(vocab, 16, replace=False), banned)
     bias = tuple(sorted([(int(t), -100.0) for t in banned] + [(int(t), float(rng.uniform(-8, 8))) for t in nudged]))
     sampling = SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=2.0, logit_bias=bias)
-    mirror, penalties = Penalties(prompt), Penalties(prompt)
+    counts, flags, dense_bias = np.zeros(vocab, np.int32), np.zeros(vocab, np.int32), np.zeros(vocab, np.float32)
+    flags[prompt] = PROMPT_TOKEN
+    dense_bias[[t for t, _ in bias]] = [b for _, b in bias]
 
     logits = engine.prefill(prompt)
+    penalties = Penalties(prompt)
     chained: list[int] = []
     for position in range(len(prompt), len(prompt) + STEPS):
-        expected = host_argmax(mirror.apply(apply_logit_bias(engine.backend.to_numpy(logits)[0], sampling), sampling))
-        token, token_t = engine.pick_tensor(logits, sampling, rng, penalties)
-        assert token == expected, f"step {len(chained)}: host pick {token}, penalized argmax {expected}"
-        mirror.add(token)
+        expected = host_argmax(penalize_row(engine.backend.to_numpy(logits)[0], counts, flags, dense_bias, sampling, False))
+        with counting_reads(engine.backend) as reads:
+            token, token_t = engine.pick_tensor(logits, sampling, rng, penalties)
+        assert max(reads) == 1, f"step {len(chained)}: read back {reads} elements, not just the id"
+        assert token == expected, f"step {len(chained)}: device pick {token}, penalized argmax {expected}"
+        counts[token] += 1
         chained.append(token)
         logits = engine.decode_tensor(token_t, position, token)
 
@@ -90,6 +98,23 @@ def test_host_picks_feed_the_chain(demo_gpu: Any, rng: np.random.Generator) -> N
     for position in range(len(prompt), len(prompt) + STEPS - 1):
         host_fed.append(engine.pick_tensor(engine.decode(host_fed[-1], position), sampling, rng, fed)[0])
     assert host_fed == chained
+
+
+@contextmanager
+def counting_reads(backend: Any) -> Iterator[list[int]]:
+    """The number of elements of each tensor the backend reads back to the host inside the block."""
+    sizes: list[int] = []
+    to_numpy = backend.to_numpy
+
+    def counted(t: Any) -> np.ndarray:
+        sizes.append(int(np.prod(t.shape)))
+        return to_numpy(t)
+
+    backend.to_numpy = counted
+    try:
+        yield sizes
+    finally:
+        del backend.to_numpy  # the class's method again
 
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "words"], "properties": {

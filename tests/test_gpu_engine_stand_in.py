@@ -61,10 +61,10 @@ def test_demo_greedy_and_passes_every_draw(stand_in: None, rng: np.random.Genera
         test_gpu_model.test_prompt_in_passes_on_the_gpu(demo_gpu, rng)
 
 
-def test_host_picks_gpu_test_passes(stand_in: None, rng: np.random.Generator) -> None:
+def test_penalized_picks_gpu_test_passes(stand_in: None, rng: np.random.Generator) -> None:
     demo_gpu = test_gpu_model.gpu_llm()
     for _ in range(3):
-        test_gpu_chain.test_host_picks_feed_the_chain(demo_gpu, rng)
+        test_gpu_chain.test_penalized_picks_stay_on_the_device(demo_gpu, rng)
 
 
 @pytest.mark.parametrize("cut", ["end", "tail"])

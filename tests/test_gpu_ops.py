@@ -401,7 +401,8 @@ def test_argmax_lowest_index_on_ties(env: Env, rng: np.random.Generator, tokens:
 def test_sample_matches_reference(env: Env, rng: np.random.Generator) -> None:
     v = env.d("vocab_size")
     settings = [SamplingParams(0.7, 0, 1.0), SamplingParams(1.0, 40, 1.0), SamplingParams(1.0, 0, 0.9),
-                SamplingParams(1.5, 50, 0.5), SamplingParams(0.8, 1, 1.0), SamplingParams(1.0, 0, 0.05)]
+                SamplingParams(1.5, 50, 0.5), SamplingParams(0.8, 1, 1.0), SamplingParams(1.0, 0, 0.05),
+                SamplingParams(1.0, 0, 1.0, min_p=0.02), SamplingParams(0.7, 20, 0.95, min_p=0.1)]
     for params in settings:
         for _ in range(3):
             logits = normal(rng, 1, v, scale=4)
@@ -430,7 +431,8 @@ def within_rounding_of_draw(logits: np.ndarray, params: SamplingParams, uniform:
     from atlas.sampling import softmax_probs, top_k_mask, top_p_mask
 
     probs = softmax_probs(logits, params.temperature)  # [V]
-    keep = top_p_mask(probs, top_k_mask(probs, params.top_k), params.top_p)
+    keep = top_k_mask(probs, params.top_k) & (probs >= np.float32(params.min_p) * probs.max())
+    keep = top_p_mask(probs, keep, params.top_p)
     kept = np.where(keep, probs, 0.0).astype(np.float64)  # [V]
     cumulative = np.cumsum(kept)  # [V]
     tolerance = SAMPLE_TOLERANCE * cumulative[-1]
@@ -440,6 +442,40 @@ def within_rounding_of_draw(logits: np.ndarray, params: SamplingParams, uniform:
     if not keep[token]:  # a tie at the top-k / top-p cut decided by rounding
         return bool(probs[token] >= kept[keep].min() * (1 - SAMPLE_TOLERANCE))
     return bool(cumulative[token] - kept[token] - tolerance <= target <= cumulative[token] + tolerance)
+
+
+def test_penalize_matches_reference_bit_for_bit(env: Env, rng: np.random.Generator) -> None:
+    """penalize does penalize_row's float32 steps (no FMA contraction: exact equality), into
+    poisoned scratch, with and without logit_bias and the ending ids' mask; +-inf and NaN logits
+    pass through as on the host. Then count_token adds a pick to the device counts."""
+    from atlas.backends.base import PenaltyOperands
+    from atlas.sampling import END_TOKEN, PROMPT_TOKEN, penalize_row
+
+    v = env.d("vocab_size")
+    logits = normal(rng, 1, v, scale=4)  # [1, V]
+    logits[0, rng.choice(v, 3, replace=False)] = [np.inf, -np.inf, np.nan]
+    counts = np.bincount(rng.choice(v, 60), minlength=v).astype(np.int32)  # [V]
+    flags = np.zeros(v, dtype=np.int32)  # [V]
+    flags[rng.choice(v, 200)] |= PROMPT_TOKEN
+    flags[rng.choice(v, 3)] |= END_TOKEN
+    bias = np.zeros(v, dtype=np.float32)  # [V]
+    bias[rng.choice(v, 20, replace=False)] = rng.uniform(-100, 100, 20).astype(np.float32)
+    device = PenaltyOperands(env.gpu.upload(counts, "i32"), env.gpu.upload(flags, "i32"), env.gpu.upload(bias, "f32"))
+    cases = [(SamplingParams(presence_penalty=1.5), False, False),
+             (SamplingParams(repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=-0.4, min_tokens=1), True, True),
+             (SamplingParams(repetition_penalty=0.77, frequency_penalty=-1.9, logit_bias=((1, 1.0),)), False, True)]
+    for params, mask_ends, biased in cases:
+        operands = device if biased else PenaltyOperands(device.counts, device.flags, None)
+        env.gpu.rt.reset_step()
+        env.gpu.rt.poison_scratch()
+        got = env.gpu.to_numpy(env.gpu.penalize(env.gpu.upload(logits, "f32"), operands, params, mask_ends))
+        want = penalize_row(logits[0], counts, flags, bias if biased else None, params, mask_ends)
+        assert got.shape == (1, v), params
+        np.testing.assert_array_equal(got[0], want, err_msg=f"{params} mask_ends={mask_ends}")
+    token = int(rng.integers(0, v))
+    env.gpu.count_token(device.counts, env.gpu.upload(np.array([token], dtype=np.int32), "i32"))
+    counts[token] += 1
+    np.testing.assert_array_equal(env.gpu.to_numpy(device.counts), counts)
 
 
 def test_sample_extremes_match_reference(env: Env, rng: np.random.Generator) -> None:

@@ -455,6 +455,8 @@ def emulate_sample(logits: np.ndarray, params: SamplingParams, uniform: float) -
     floor = 0.0
     if 0 < params.top_k < probs.size:
         floor = _bisect(probs, float(params.top_k), 0.0, False, pmax)
+    if params.min_p > 0:
+        floor = max(floor, float(np.float32(params.min_p) * pmax))  # SampleParams.min_p is f32
     top_p = np.float32(params.top_p)
     if top_p < 1.0:
         kept = _tally(probs, 0.0, floor, True)
@@ -467,7 +469,9 @@ def emulate_sample(logits: np.ndarray, params: SamplingParams, uniform: float) -
 
 def test_sort_free_sample_equals_the_reference_choice(rng: np.random.Generator) -> None:
     settings = [SamplingParams(0.7, 0, 1.0), SamplingParams(1.0, 40, 1.0), SamplingParams(1.0, 0, 0.9),
-                SamplingParams(1.5, 50, 0.5), SamplingParams(0.8, 1, 1.0), SamplingParams(1.0, 0, 0.05)]
+                SamplingParams(1.5, 50, 0.5), SamplingParams(0.8, 1, 1.0), SamplingParams(1.0, 0, 0.05),
+                SamplingParams(1.0, 0, 1.0, min_p=0.05), SamplingParams(0.7, 20, 0.95, min_p=0.2),
+                SamplingParams(1.0, 0, 1.0, min_p=1.0)]
     for params in settings:
         for _ in range(4):
             logits = (rng.standard_normal(3000) * 4).astype(np.float32)

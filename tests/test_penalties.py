@@ -1,10 +1,11 @@
-"""min_p, logit_bias and the presence / frequency / repetition penalties (picked on the host): the
-penalty formula against a direct one, logit_bias against the teacher-forced logits plus the bias, each greedy pick the argmax of the teacher-forced logits penalized by
+"""min_p, logit_bias and the presence / frequency / repetition penalties (Backend.penalize and
+sample): the penalty formula against a direct one, logit_bias against the teacher-forced logits plus the bias, each greedy pick the argmax of the teacher-forced logits penalized by
 the tokens before it, sampled picks inside the min_p set, the same tokens from generate() and
 stream(), penalized greedy requests on a speculative engine as on a plain one."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from atlas import LLM
 from atlas.backends.base import SamplingParams
+from atlas.backends.numpy_backend import NumpyBackend
 from atlas.engine import GenerationRequest
 from atlas.errors import AtlasError
 from atlas.sampling import Penalties, softmax_probs
@@ -43,15 +45,38 @@ def random_params(rng: np.random.Generator, temperature: float = 0.0) -> Samplin
 
 
 def test_penalty_formula(rng: np.random.Generator) -> None:
+    """Penalties.apply (the backend's penalize) against the penalties written out token by token,
+    with logit_bias and the ending ids held off before min_tokens; picks counted both before the
+    operands exist and after (count_token on the backend's counts)."""
     prompt = rng.integers(0, 50, 20).tolist()
     generated = rng.integers(0, 50, 30).tolist()
-    params = random_params(rng)
-    state = Penalties(prompt)
-    for t in generated:
+    ends = {int(rng.integers(0, 64)), 63}
+    bias = {int(t): float(rng.uniform(-5, 5)) for t in rng.choice(64, 6, replace=False)}
+    params = replace(random_params(rng), logit_bias=tuple(sorted(bias.items())), min_tokens=len(generated) + 1)
+    backend, state = NumpyBackend(), Penalties(prompt, ends)
+    row = rng.standard_normal(64).astype(np.float32) * 3  # [V]
+    for t in generated[:10]:
         state.add(t)
-    row = rng.standard_normal(64).astype(np.float32) * 3
-    np.testing.assert_allclose(state.apply(row, params), penalized(row, prompt, generated, params), rtol=1e-6, atol=1e-6)
-    assert not SamplingParams().on_host and SamplingParams(min_p=0.1).on_host and not SamplingParams(min_p=0.1).penalized
+    state.apply(backend, row[None], params)
+    for t in generated[10:]:
+        state.add(t, np.array([t], dtype=np.int32))
+    biased = row.astype(np.float64)
+    biased[list(bias)] += list(bias.values())
+    want = penalized(biased, prompt, generated, params)
+    got = state.apply(backend, row[None], params)[0]
+    assert np.all(got[sorted(ends)] == -np.inf)
+    live = np.setdiff1d(np.arange(64), sorted(ends))
+    np.testing.assert_allclose(got[live], want[live], rtol=1e-5, atol=1e-5)
+    state.add(int(live[0]))  # min_tokens reached: the ending ids come back
+    assert np.all(np.isfinite(state.apply(backend, row[None], params)[0]))
+
+
+def test_only_structured_output_picks_on_the_host() -> None:
+    assert SamplingParams(min_p=0.1, presence_penalty=1.0, logit_bias=((3, 1.0),)).on_host is False
+    assert SamplingParams(structured=True).on_host
+    assert SamplingParams(logit_bias=((3, 1.0),)).adjusts_logits and SamplingParams(min_tokens=2).adjusts_logits
+    assert not SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.1).adjusts_logits
+    assert SamplingParams(min_p=0.1).raw_greedy and not SamplingParams(repetition_penalty=1.1).raw_greedy
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -153,7 +178,6 @@ def test_logit_bias_forces_a_token(rng: np.random.Generator) -> None:
     token = int(rng.integers(0, VOCAB))
     result = LLM(device="cpu").generate("Flat is", max_tokens=5, logit_bias={str(token): 100})
     assert result.token_ids == [token] * 5
-    assert SamplingParams(logit_bias=((token, 1.0),)).on_host
 
 
 @pytest.mark.parametrize(("bias", "message"), [

@@ -293,24 +293,25 @@ class Engine:
         self, logits: Tensor, sampling: SamplingParams, rng: np.random.Generator, penalties: Penalties | None = None
     ) -> tuple[int, Tensor]:
         """The chosen id read back (to stream it) and the backend tensor [1] i32 holding it (to feed
-        decode_tensor without a host round trip). Settings the backend's ops do not take (penalties,
-        min_p) are applied on the host to the logits read back; `penalties` records the pick."""
+        decode_tensor without a host round trip). Penalties and logit_bias change the logits on the
+        backend first (`penalties` carries the history and records the pick; a fresh one, without
+        history, when None); only structured output reads the logits back to pick on the host."""
+        if penalties is None and sampling.adjusts_logits:
+            penalties = Penalties([])
+        uniform = float(rng.random()) if sampling.temperature else 0.0
+        if penalties is not None and sampling.adjusts_logits:
+            logits = penalties.apply(self.backend, logits, sampling)  # [1, V]
         if sampling.on_host:
-            token = self._host_pick(self.backend.to_numpy(logits)[0], sampling, rng, penalties)
+            if penalties is None or penalties.constraint is None:
+                raise AtlasError("structured output needs its constraint: generate through atlas.LLM")
+            token = host_pick(self.backend.to_numpy(logits)[0], sampling, uniform, penalties.constraint)
             token_t = self.backend.upload(np.array([token], dtype=np.int32), "i32")
-        elif sampling.temperature == 0:
-            token_t = self.backend.argmax(logits)
-            token = int(self.backend.to_numpy(token_t)[0])
         else:
-            token_t = self.backend.sample(logits, sampling, float(rng.random()))
+            token_t = self.backend.argmax(logits) if sampling.temperature == 0 else self.backend.sample(logits, sampling, uniform)
             token = int(self.backend.to_numpy(token_t)[0])
         if penalties is not None:
-            penalties.add(token)
+            penalties.add(token, token_t)
         return token, token_t
-
-    @staticmethod
-    def _host_pick(row: np.ndarray, sampling: SamplingParams, rng: np.random.Generator, penalties: Penalties | None) -> int:
-        return host_pick(row, sampling, float(rng.random()) if sampling.temperature else 0.0, penalties)
 
     def token_logprob(self, logits: Tensor, token: int, top: int) -> TokenLogprob:
         """The picked token's log-probability under logits [1, V] and the `top` most likely (the

@@ -42,7 +42,7 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class SamplingExtras:
-    """min_p and the penalties: the sampling settings the engine applies on the host (their meaning:
+    """min_p, the penalties, min_tokens and logit_bias (their meaning:
     atlas.backends.base.SamplingParams)."""
 
     min_p: float = 0.0
@@ -306,7 +306,7 @@ def iter_tokens(
     sampling = sampling_params(opts)
     speculative = getattr(engine, "speculative_tokens", None)  # atlas.speculative: plain greedy only
     scored = opts.logprobs is not None or opts.prompt_logprobs is not None
-    if speculative is not None and sampling.temperature == 0 and not scored and not sampling.on_host:
+    if speculative is not None and sampling.raw_greedy and not scored:
         for count, token in enumerate(speculative(prompt_ids, opts.max_tokens), start=1):
             yield token
             if token in eos_ids or count == opts.max_tokens:

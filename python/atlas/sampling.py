@@ -1,4 +1,5 @@
-"""Host-side sampling helpers shared by backends: the reference token choice and parameter checks."""
+"""Sampling rules shared by the backends: the reference token choice and penalties (the numpy
+backend's ops, what the CUDA kernels must equal), the checks, and what one generation's picks carry."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .backends.base import SamplingParams
+from .backends.base import Backend, PenaltyOperands, SamplingParams, Tensor
 from .errors import AtlasError
 
 if TYPE_CHECKING:
@@ -79,80 +80,91 @@ def check_logit_bias_ids(params: SamplingParams, vocab: int) -> None:
         raise AtlasError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
 
-def apply_logit_bias(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """logits [V] -> a float32 copy with each biased token's bias added."""
-    z = np.array(logits, dtype=np.float32)  # [V]
-    for token, bias in params.logit_bias:
-        z[token] += np.float32(bias)
-    return z
+PROMPT_TOKEN = 1  # PenaltyOperands.flags bits (sampling.cuh kPromptToken, kEndToken)
+END_TOKEN = 2
 
 
 def pick_state(prompt_ids: list[int], end_ids: set[int], sampling: SamplingParams,
                constraint: OutputConstraint | None) -> Penalties | None:
-    """What one sequence's host picks carry from token to token, if anything."""
+    """What one sequence's picks carry from token to token, if anything."""
     if sampling.structured and constraint is None:
         raise AtlasError("structured output needs the tokenizer's token bytes: generate through atlas.LLM")
-    return Penalties(prompt_ids, end_ids, constraint) if sampling.penalized or constraint is not None else None
+    return Penalties(prompt_ids, end_ids, constraint) if sampling.adjusts_logits or constraint is not None else None
 
 
-def host_pick(row: np.ndarray, sampling: SamplingParams, uniform: float, penalties: Penalties | None) -> int:
-    """The token from logits [V] on the host: biased, penalized, then argmax or the reference
-    sampler, among the tokens structured output allows when it is on."""
-    if sampling.logit_bias:
-        row = apply_logit_bias(row, sampling)
-    if penalties is not None:
-        row = penalties.apply(row, sampling)
-    constraint = penalties.constraint if penalties is not None else None
-    if constraint is not None:
-        if sampling.temperature == 0 or constraint.complete:  # closed: an end id, even before min_tokens
-            return constraint.greedy(row)
-        row = constraint.mask(row, sampling.temperature, sampling.top_k, sampling.min_p)
-    return host_argmax(row) if sampling.temperature == 0 else choose_token(row, sampling, uniform)
+def host_pick(row: np.ndarray, sampling: SamplingParams, uniform: float, constraint: OutputConstraint) -> int:
+    """Structured output's token from (penalized) logits [V] on the host: the best allowed token
+    when greedy or once the shape is complete (an end id, even before min_tokens), else the
+    reference sampler over the allowed tokens."""
+    if sampling.temperature == 0 or constraint.complete:
+        return constraint.greedy(row)
+    return choose_token(constraint.mask(row, sampling.temperature, sampling.top_k, sampling.min_p), sampling, uniform)
+
+
+def penalize_row(logits: np.ndarray, counts: np.ndarray, flags: np.ndarray, bias: np.ndarray | None,
+                 params: SamplingParams, mask_ends: bool) -> np.ndarray:
+    """Backend.penalize on one row: logits, counts, flags [V] (bias [V] or None) -> a float32 copy."""
+    z = np.array(logits, dtype=np.float32)  # [V]
+    if bias is not None:
+        z += bias
+    if mask_ends:
+        z[(flags & END_TOKEN) != 0] = -np.inf
+    generated = counts > 0  # [V]
+    if params.repetition_penalty != 1:
+        r = np.float32(params.repetition_penalty)
+        with np.errstate(invalid="ignore"):  # inf / r and NaN compare as the kernel's
+            z = np.where(generated | ((flags & PROMPT_TOKEN) != 0), np.where(z > 0, z / r, z * r), z)  # [V]
+    subtract = np.float32(params.frequency_penalty) * counts[generated].astype(np.float32) + np.float32(params.presence_penalty)
+    z[generated] -= subtract  # [G]
+    return z
 
 
 class Penalties:
-    """What the penalties read while one sequence is generated: which tokens the prompt or the
-    output holds (repetition_penalty) and how often each was generated (presence, frequency); and
-    the structured output constraint, advanced by each pick."""
+    """What one sequence's picks carry: its penalty operands on the backend (made at the first
+    pick, the vocabulary being the logits' width: which tokens the prompt holds, which end a
+    generation, logit_bias; each pick is then counted there, so nothing but the id crosses) and
+    the structured-output constraint, advanced by each pick."""
 
     def __init__(self, prompt_ids: list[int], end_ids: set[int] | None = None, constraint: OutputConstraint | None = None) -> None:
         self.prompt_ids = np.unique(np.asarray(prompt_ids, dtype=np.int64))
         self.end_ids = np.array(sorted(end_ids or ()), dtype=np.int64)  # masked before min_tokens
         self.constraint = constraint  # structured output: which tokens may come next
-        self.generated: dict[int, int] = {}
-        self.count = 0
-        self.seen: np.ndarray | None = None  # [V] bool: in the prompt or generated (made at the first apply)
+        self.generated: list[int] = []  # picks made before the operands exist are counted into them
+        self.backend: Backend | None = None
+        self.operands: PenaltyOperands | None = None
 
-    def add(self, token: int) -> None:
+    @property
+    def count(self) -> int:
+        return len(self.generated)
+
+    def add(self, token: int, token_t: Tensor | None = None) -> None:
+        """Record a pick; `token_t` its [1] i32 tensor on the backend (uploaded when None)."""
         if self.constraint is not None:
             self.constraint.advance(token)
-        self.generated[token] = self.generated.get(token, 0) + 1
-        self.count += 1
-        if self.seen is not None and token < self.seen.size:
-            self.seen[token] = True
+        self.generated.append(token)
+        if self.operands is not None and self.backend is not None:
+            if token_t is None:
+                token_t = self.backend.upload(np.array([token], dtype=np.int32), "i32")
+            self.backend.count_token(self.operands.counts, token_t)
 
-    def apply(self, logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-        """logits [V] -> penalized float32 copy: repetition first, then presence and frequency
-        (vLLM's order); before min_tokens, the ending ids at -inf. O(V + generated distinct) a
-        token, whatever the prompt's length."""
-        z = np.array(logits, dtype=np.float32)  # [V]
-        if self.count < params.min_tokens:
-            z[self.end_ids[self.end_ids < z.size]] = -np.inf
-        if params.repetition_penalty != 1:
-            r = np.float32(params.repetition_penalty)
-            z = np.where(self._seen(z.size), np.where(z > 0, z / r, z * r), z)  # [V]
-        if self.generated:
-            ids = np.fromiter(self.generated, dtype=np.int64)  # [G]
-            counts = np.fromiter(self.generated.values(), dtype=np.float32)  # [G]
-            z[ids] -= np.float32(params.frequency_penalty) * counts + np.float32(params.presence_penalty)
-        return z
+    def apply(self, backend: Backend, logits: Tensor, params: SamplingParams) -> Tensor:
+        """logits [1, V] on `backend` -> the penalized, biased [1, V] there (Backend.penalize)."""
+        if self.operands is None or self.backend is not backend:
+            self.backend, self.operands = backend, self.operands_on(backend, int(logits.shape[-1]), params)
+        return backend.penalize(logits, self.operands, params, self.count < params.min_tokens)
 
-    def _seen(self, size: int) -> np.ndarray:
-        if self.seen is None:
-            self.seen = np.zeros(size, dtype=bool)  # [V]
-            self.seen[self.prompt_ids[self.prompt_ids < size]] = True
-            self.seen[[t for t in self.generated if t < size]] = True
-        return self.seen
+    def operands_on(self, backend: Backend, vocab: int, params: SamplingParams) -> PenaltyOperands:
+        counts = np.bincount(np.asarray(self.generated, dtype=np.int64), minlength=vocab)[:vocab]  # [V]
+        flags = np.zeros(vocab, dtype=np.int32)  # [V]
+        flags[self.prompt_ids[self.prompt_ids < vocab]] |= PROMPT_TOKEN
+        flags[self.end_ids[self.end_ids < vocab]] |= END_TOKEN
+        bias = None
+        if params.logit_bias:
+            bias = np.zeros(vocab, dtype=np.float32)  # [V]
+            for token, value in params.logit_bias:
+                bias[token] += np.float32(value)
+            bias = backend.upload(bias, "f32")
+        return PenaltyOperands(backend.upload(counts.astype(np.int32), "i32"), backend.upload(flags, "i32"), bias)
 
 
 def host_argmax(logits: np.ndarray) -> int:
@@ -224,8 +236,8 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
 
 
 def choose_token(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
-    """The reference token choice of `Backend.sample` for one row of logits [V]; min_p (host
-    picks only) keeps tokens with p >= min_p * the largest p before top_p sees them."""
+    """The reference token choice of `Backend.sample` for one row of logits [V]; min_p keeps the
+    tokens with p >= min_p * the largest p before top_p sees them."""
     probs = softmax_probs(logits, params.temperature)  # [V]
     keep = top_k_mask(probs, params.top_k)
     if params.min_p > 0:

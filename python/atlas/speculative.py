@@ -115,9 +115,8 @@ class SpeculativeEngine(Engine):
 
     # --- generation ---------------------------------------------------------------------------
     def run(self, request: GenerationRequest) -> GenerationStats:
-        plain = request.sampling.temperature != 0 or request.sampling.on_host or request.logprobs is not None \
-            or request.prompt_logprobs is not None
-        if plain or request.max_tokens <= 0:  # logprobs and host picks read every position's logits back
+        plain = not request.sampling.raw_greedy or request.logprobs is not None or request.prompt_logprobs is not None
+        if plain or request.max_tokens <= 0:  # logprobs read every position's logits back
             return super().run(request)
         check_sampling(request.sampling)
         self.check_ids(request.prompt_ids, request.max_tokens - 1)  # the last token is not fed

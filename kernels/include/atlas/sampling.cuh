@@ -6,7 +6,13 @@
 //     written once to a scratch row; the top_k-th largest p and the top_p threshold are found by
 //     bisection over the bit patterns of non-negative floats (their order is the integer order),
 //     counting / summing over the row per step; masses are summed in double like the reference.
-//     The final draw is a block-wide prefix sum in index order.
+//     The final draw is a block-wide prefix sum in index order. min_p raises the keep threshold
+//     to min_p * the largest p before top_p sees the kept mass.
+//   penalize: one thread per vocabulary entry, atlas.sampling.penalize_row's float32 steps in its
+//     order (logit_bias, the ending ids before min_tokens, repetition, presence + frequency), with
+//     explicit round-to-nearest intrinsics so no multiply-add is contracted into an FMA the
+//     reference does not do. count_token adds the pick just made to the counts, so the history
+//     stays on the device and only the token id crosses to the host.
 #pragma once
 
 #include <cfloat>
@@ -204,6 +210,7 @@ __device__ void sample(const SampleParams& p) {
   const float pmax = sample_softmax(p, scratch);
   float floor = 0.0f;
   if (p.top_k > 0 && p.top_k < p.vocab) floor = sample_bisect<false>(p, static_cast<double>(p.top_k), 0.0f, pmax);
+  if (p.min_p > 0.0f) floor = fmaxf(floor, __fmul_rn(p.min_p, pmax));
   if (p.top_p < 1.0f) {
     const double kept = sample_tally<true>(p, 0.0f, floor);
     floor = fmaxf(floor, sample_bisect<true>(p, static_cast<double>(p.top_p) * kept, floor, pmax));
@@ -211,6 +218,33 @@ __device__ void sample(const SampleParams& p) {
   const double total = sample_tally<true>(p, 0.0f, floor);
   const int token = sample_draw(p, floor, static_cast<double>(p.uniform) * total);
   if (threadIdx.x == 0) static_cast<int32_t*>(p.out)[0] = min(token, p.vocab - 1);
+}
+
+// ---- penalize -------------------------------------------------------------------------------
+
+constexpr int kPenalizeThreads = 256;
+constexpr int32_t kPromptToken = 1;  // PenalizeParams.flags bits (atlas.sampling.PROMPT_TOKEN, END_TOKEN)
+constexpr int32_t kEndToken = 2;
+
+__device__ void penalize(const PenalizeParams& p) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= p.vocab) return;
+  const int32_t count = static_cast<const int32_t*>(p.counts)[i];
+  const int32_t flags = static_cast<const int32_t*>(p.flags)[i];
+  float z = static_cast<const float*>(p.logits)[i];
+  if (p.bias != nullptr) z = __fadd_rn(z, static_cast<const float*>(p.bias)[i]);
+  if (p.mask_ends != 0 && (flags & kEndToken) != 0) z = -INFINITY;
+  if (p.repetition != 1.0f && ((flags & kPromptToken) != 0 || count > 0)) {
+    z = z > 0.0f ? __fdiv_rn(z, p.repetition) : __fmul_rn(z, p.repetition);
+  }
+  if (count > 0) z = __fsub_rn(z, __fadd_rn(__fmul_rn(p.frequency, static_cast<float>(count)), p.presence));
+  static_cast<float*>(p.out)[i] = z;
+}
+
+__device__ void count_token(const CountTokenParams& p) {
+  if (threadIdx.x != 0) return;
+  const int32_t token = *static_cast<const int32_t*>(p.token);
+  if (token >= 0 && token < p.vocab) static_cast<int32_t*>(p.counts)[token] += 1;
 }
 
 }  // namespace atlas

@@ -27,8 +27,9 @@ StorageDType = Literal["f32", "bf16", "i32"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Host-side sampling settings; temperature 0 means greedy. Backends' argmax / sample take the
-    first three; the rest (`on_host`) the engine applies to the logits read back (atlas.sampling)."""
+    """Sampling settings; temperature 0 means greedy. Backends' `sample` takes temperature, top_k,
+    top_p and min_p; `penalize` the penalties, min_tokens and logit_bias (`adjusts_logits`); only
+    structured output (`on_host`) picks on the host from logits read back (atlas.sampling)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -48,9 +49,19 @@ class SamplingParams:
             or self.min_tokens > 0
 
     @property
+    def adjusts_logits(self) -> bool:
+        """The logits change before the pick (Backend.penalize): penalties, min_tokens, logit_bias."""
+        return self.penalized or bool(self.logit_bias)
+
+    @property
+    def raw_greedy(self) -> bool:
+        """The argmax of the model's own logits: what speculative decoding's verify passes take."""
+        return self.temperature == 0 and not self.adjusts_logits and not self.structured
+
+    @property
     def on_host(self) -> bool:
-        """Settings no backend op takes: the engine picks such tokens on the host."""
-        return self.penalized or self.min_p > 0 or bool(self.logit_bias) or self.structured
+        """Structured output: each pick reads the (penalized) logits back and asks the matcher."""
+        return self.structured
 
 
 @dataclass
@@ -60,6 +71,15 @@ class KVCache:
 
     k: Tensor  # [S, Hkv, D]
     v: Tensor  # [S, Hkv, D]
+
+
+@dataclass(frozen=True)
+class PenaltyOperands:
+    """One generation's penalty state on the backend (atlas.sampling.Penalties makes it)."""
+
+    counts: Tensor  # [V] i32: times each token was generated (Backend.count_token adds a pick)
+    flags: Tensor  # [V] i32: PROMPT_TOKEN | END_TOKEN bits (atlas.sampling)
+    bias: Tensor | None  # [V] f32 logit_bias, None without one
 
 
 @dataclass(frozen=True)
@@ -216,7 +236,19 @@ class Backend(Protocol):
         (ties with it kept; top_k 0 keeps all); of those, keep the tokens whose p is >= t where t is
         the largest threshold such that the kept mass sum(p >= t) reaches top_p * kept mass
         (ties kept); then with c the cumulative sum of the kept p in index order, return the first
-        index with c > uniform * c[-1]. `uniform` in [0, 1) comes from the caller's seeded RNG."""
+        index with c > uniform * c[-1]. `uniform` in [0, 1) comes from the caller's seeded RNG.
+        min_p > 0 also drops the tokens whose p is below min_p * the largest p, before top_p."""
+
+    def penalize(self, logits: Tensor, operands: PenaltyOperands, params: SamplingParams, mask_ends: bool) -> Tensor:
+        """logits [1, V] -> a new [1, V] (logits untouched: logprobs read them) with, in vLLM's
+        order: params.logit_bias added (operands.bias); with `mask_ends` (fewer than min_tokens
+        generated) the END_TOKEN ids at -inf; repetition_penalty r on every PROMPT_TOKEN or
+        generated token (z / r when z > 0, else z * r); presence_penalty + frequency_penalty *
+        count subtracted from each generated token's. float32 steps exactly as
+        atlas.sampling.penalize_row (no fused multiply-add)."""
+
+    def count_token(self, counts: Tensor, token: Tensor) -> None:
+        """counts [V] i32 += 1 at token [1] i32 (the pick just made, still on the device)."""
 
     # --- execution ----------------------------------------------------------------------------
     def make_decode_step(self, step: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..quant.stored import QuantizedWeight
-from ..sampling import choose_token
+from ..sampling import choose_token, penalize_row
 from .base import (
     DeltaNetInputs,
     DeltaNetOperands,
     KVCache,
+    PenaltyOperands,
     SamplingParams,
     StorageDType,
     Tensor,
@@ -309,6 +310,13 @@ class NumpyBackend:
 
     def sample(self, logits: Tensor, params: SamplingParams, uniform: float) -> Tensor:
         return np.array([choose_token(logits[0], params, uniform)], dtype=np.int32)
+
+    def penalize(self, logits: Tensor, operands: PenaltyOperands, params: SamplingParams, mask_ends: bool) -> Tensor:
+        row = penalize_row(logits[0], operands.counts, operands.flags, operands.bias, params, mask_ends)
+        return row[None]  # [1, V]
+
+    def count_token(self, counts: Tensor, token: Tensor) -> None:
+        counts[int(token[0])] += 1
 
     # --- execution ----------------------------------------------------------------------------
     def make_decode_step(self, step: DecodeStep) -> DecodeStep:

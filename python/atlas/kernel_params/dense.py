@@ -176,6 +176,35 @@ class SampleParams(ctypes.Structure):
         ("temperature", c_f32),  # > 0
         ("top_p", c_f32),  # (0, 1]
         ("uniform", c_f32),  # [0, 1)
+        ("min_p", c_f32),  # [0, 1]; 0 = off
+    ]
+
+
+class PenalizeParams(ctypes.Structure):
+    """atlas_penalize (grid ceil(vocab / 256)): out = logits with logit_bias, the ending ids'
+    mask, repetition, presence and frequency penalties applied (atlas.sampling.penalize_row)."""
+
+    _fields_ = [
+        ("logits", c_ptr),  # [vocab] f32
+        ("out", c_ptr),  # [vocab] f32
+        ("counts", c_ptr),  # [vocab] i32: times each token was generated
+        ("flags", c_ptr),  # [vocab] i32: 1 in the prompt, 2 ends a generation
+        ("bias", c_ptr),  # [vocab] f32 logit_bias, or null
+        ("vocab", c_i32),
+        ("mask_ends", c_i32),  # 1: the ending ids at -inf (fewer than min_tokens generated)
+        ("repetition", c_f32),  # > 0; 1 = off
+        ("presence", c_f32),
+        ("frequency", c_f32),
+    ]
+
+
+class CountTokenParams(ctypes.Structure):
+    """atlas_count_token (one warp): counts[*token] += 1 for a token inside [0, vocab)."""
+
+    _fields_ = [
+        ("counts", c_ptr),  # [vocab] i32
+        ("token", c_ptr),  # [1] i32
+        ("vocab", c_i32),
     ]
 
 
@@ -192,4 +221,6 @@ ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (
     AttentionCombineParams,
     ArgmaxParams,
     SampleParams,
+    PenalizeParams,
+    CountTokenParams,
 )

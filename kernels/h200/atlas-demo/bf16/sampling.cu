@@ -12,3 +12,11 @@ extern "C" __global__ void __launch_bounds__(atlas::kArgmaxThreads) atlas_argmax
 extern "C" __global__ void __launch_bounds__(atlas::kSampleThreads) atlas_sample(const SampleParams p) {
   atlas::sample(p);
 }
+
+extern "C" __global__ void __launch_bounds__(atlas::kPenalizeThreads) atlas_penalize(const PenalizeParams p) {
+  atlas::penalize(p);
+}
+
+extern "C" __global__ void __launch_bounds__(32) atlas_count_token(const CountTokenParams p) {
+  atlas::count_token(p);
+}

@@ -15,6 +15,7 @@ from ..base import (
     DeltaNetInputs,
     DeltaNetOperands,
     KVCache,
+    PenaltyOperands,
     SamplingParams,
     StorageDType,
     check_split_widths,
@@ -232,6 +233,13 @@ class CudaBackend:
 
     def sample(self, logits: DeviceTensor, params: SamplingParams, uniform: float) -> DeviceTensor:
         return ops_dense.sample(self.rt, logits, params, uniform)
+
+    def penalize(self, logits: DeviceTensor, operands: PenaltyOperands, params: SamplingParams,
+                 mask_ends: bool) -> DeviceTensor:
+        return ops_dense.penalize(self.rt, logits, operands, params, mask_ends)
+
+    def count_token(self, counts: DeviceTensor, token: DeviceTensor) -> None:
+        ops_dense.count_token(self.rt, counts, token)
 
     # --- execution ----------------------------------------------------------------------------
     def make_decode_step(self, step: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

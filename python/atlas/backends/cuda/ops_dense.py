@@ -19,7 +19,7 @@ from ..base import SamplingParams
 from .ops_common import INT32_MAX, FormSwitch, ceil_div as _ceil_div, expect as _expect
 
 if TYPE_CHECKING:
-    from ..base import KVCache
+    from ..base import KVCache, PenaltyOperands
     from .runtime import CudaRuntime
     from .tensor import DeviceTensor
 
@@ -71,6 +71,7 @@ PREFILL_ATTENTION_SWITCH = FormSwitch(PREFILL_ATTENTION_ENV, "prefill attention 
 ARGMAX_THREADS = 256  # sampling.cuh kArgmaxThreads
 ARGMAX_CHUNK = 2048
 SAMPLE_THREADS = 1024  # sampling.cuh kSampleThreads
+PENALIZE_THREADS = 256  # sampling.cuh kPenalizeThreads
 
 
 def _expect_dtype(op: str, name: str, t: DeviceTensor, *allowed: str) -> None:
@@ -402,6 +403,34 @@ def sample(rt: CudaRuntime, logits: DeviceTensor, params: SamplingParams, unifor
     out = rt.empty((1,), "i32")
     probs = rt.empty((vocab,), "f32")
     launch = kp.SampleParams(logits=logits.ptr, probs=probs.ptr, out=out.ptr, vocab=vocab, top_k=params.top_k,
-                             temperature=params.temperature, top_p=params.top_p, uniform=uniform)
+                             temperature=params.temperature, top_p=params.top_p, uniform=uniform,
+                             min_p=params.min_p)
     rt.launch("atlas_sample", (1, 1, 1), (SAMPLE_THREADS, 1, 1), launch)
     return out
+
+
+def penalize(rt: CudaRuntime, logits: DeviceTensor, operands: PenaltyOperands, params: SamplingParams,
+             mask_ends: bool) -> DeviceTensor:
+    """Launched per token (the counts change), like sample: not part of the captured graph."""
+    vocab = logits.shape[-1]
+    _expect(logits.numel == vocab, f"penalize: logits {logits.shape}, expected one row [1, V]")
+    _expect_dtype("penalize", "logits", logits, "f32")
+    for name in ("counts", "flags"):
+        tensor = getattr(operands, name)
+        _expect(tensor.shape == (vocab,) and tensor.dtype == "i32", f"penalize: {name} {tensor.shape} {tensor.dtype}, expected ({vocab},) i32")
+    bias = operands.bias
+    _expect(bias is None or (bias.shape == (vocab,) and bias.dtype == "f32"), f"penalize: bias must be ({vocab},) f32")
+    out = rt.empty(tuple(logits.shape), "f32")
+    launch = kp.PenalizeParams(logits=logits.ptr, out=out.ptr, counts=operands.counts.ptr, flags=operands.flags.ptr,
+                               bias=None if bias is None else bias.ptr, vocab=vocab, mask_ends=int(mask_ends),
+                               repetition=params.repetition_penalty, presence=params.presence_penalty,
+                               frequency=params.frequency_penalty)
+    rt.launch("atlas_penalize", (_ceil_div(vocab, PENALIZE_THREADS), 1, 1), (PENALIZE_THREADS, 1, 1), launch)
+    return out
+
+
+def count_token(rt: CudaRuntime, counts: DeviceTensor, token: DeviceTensor) -> None:
+    _expect(counts.dtype == "i32" and token.dtype == "i32" and token.numel == 1,
+            f"count_token: counts {counts.shape} {counts.dtype}, token {token.shape} {token.dtype}")
+    launch = kp.CountTokenParams(counts=counts.ptr, token=token.ptr, vocab=counts.numel)
+    rt.launch("atlas_count_token", (1, 1, 1), (32, 1, 1), launch)
