@@ -1,11 +1,12 @@
 """JSON schemas (atlas.json_schema, atlas.json_match) against the jsonschema package: every text a
 random walk over the allowed bytes ends is valid JSON the schema admits; documents written in the
-schema's property order are accepted exactly when jsonschema admits them; integer bounds and string
-lengths exactly; what the generator cannot honour is refused with one line."""
+schema's property order are accepted exactly when jsonschema admits them; integer and decimal bounds
+and string lengths exactly; what the generator cannot honour is refused with one line."""
 
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")  # in the test extras; the GPU machine may lack it (and only collects this file)
 
 from atlas.json_match import ANY_OBJECT, AfterMarker, Matcher, Number, reachable  # noqa: E402
+from atlas.json_number import DecimalRange, Interval  # noqa: E402
 from atlas.json_schema import SchemaError, compile_schema  # noqa: E402
 from test_json_mode import assert_greedy_allowed  # noqa: E402
 
@@ -44,6 +46,11 @@ PAIR = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string",
 SMALL_INT = {"type": ["integer", "null"], "minimum": -3, "maximum": 20}
 NUMBERS_BY_ID = {"type": "object", "required": ["id"], "properties": {"id": {"type": "integer"}},
                  "additionalProperties": {"type": "number"}}
+MEASURE = {"type": "object", "additionalProperties": False, "required": ["p", "t"], "properties": {  # pydantic's confloat
+    "p": {"type": "number", "minimum": 0, "maximum": 1},
+    "t": {"type": "number", "exclusiveMinimum": -2.5, "exclusiveMaximum": 0.125},
+    "w": {"type": ["number", "null"], "minimum": 0.001, "exclusiveMaximum": 150},
+}}
 ANYTHING: dict[str, Any] = {}
 PET = {"oneOf": [  # a pydantic discriminated union: each object requires its own const
     {"type": "object", "additionalProperties": False, "required": ["kind", "lives"],
@@ -52,7 +59,7 @@ PET = {"oneOf": [  # a pydantic discriminated union: each object requires its ow
      "properties": {"kind": {"enum": ["dog", "wolf"]}, "name": {"type": "string", "maxLength": 4}}},
     {"type": "string", "maxLength": 3}, {"enum": [1, 2]}, {"type": "null"}]}
 SCHEMAS = {"person": PERSON, "tree": TREE, "pair": PAIR, "small_int": SMALL_INT, "numbers_by_id": NUMBERS_BY_ID,
-           "anything": ANYTHING, "pet": PET}
+           "anything": ANYTHING, "pet": PET, "measure": MEASURE}
 CLOSERS = b'}]"'  # drawn more often so that walks end
 
 
@@ -136,7 +143,7 @@ def writings(value: Any) -> list[bytes]:
         return []
 
 
-@pytest.mark.parametrize("name", ["person", "tree", "pair", "pet"])
+@pytest.mark.parametrize("name", ["person", "tree", "pair", "pet", "measure"])
 def test_documents_in_property_order_are_accepted_exactly_when_valid(name: str, rng: np.random.Generator) -> None:
     """Walks give valid documents; one-value changes to them give valid and invalid ones. Written
     in the declared property order (the only order generation uses), each is accepted exactly when
@@ -201,6 +208,33 @@ def test_integer_bounds_agree_with_the_values(rng: np.random.Generator) -> None:
                 assert all(Matcher(node).feed(text[:i]) for i in range(1, len(text)))
 
 
+def test_decimal_bounds_agree_with_the_values(rng: np.random.Generator) -> None:
+    """Over random intervals (open or closed ends, or none), each decimal text with up to three
+    fraction digits in [-30, 30] (and "-0", "0.000") is whole exactly when its value is inside,
+    every prefix of an inside one is taken, and no exponent is."""
+    grid = [Fraction(int(v), 100) for v in range(-3000, 3001, 7)]
+    for _ in range(30):
+        low, high = sorted(rng.choice(grid, 2, replace=False))
+        interval = Interval(None if rng.random() < 0.2 else low, None if rng.random() < 0.2 else high,
+                            bool(rng.random() < 0.5), bool(rng.random() < 0.5))
+        node = DecimalRange(interval)
+        values = [Fraction(int(v), 1000) for v in rng.integers(-30000, 30001, 150)] + [low, high, low - Fraction(1, 1000)]
+        for text in [*(decimal_text(v, rng) for v in values), "-0", "0.000"]:
+            inside = interval.holds(Fraction(text))
+            matcher = Matcher(node)
+            assert (matcher.feed(text.encode()) and matcher.can_end) == inside, (interval, text)
+            if inside:
+                assert all(Matcher(node).feed(text[:i].encode()) for i in range(1, len(text)))
+                assert not Matcher(node).feed(f"{text}e0".encode())
+
+
+def decimal_text(value: Fraction, rng: np.random.Generator) -> str:
+    """`value` (a multiple of 1/1000) with 0..3 more trailing zeros than it needs."""
+    text = f"{float(value):.3f}".rstrip("0").rstrip(".")
+    zeros = int(rng.integers(0, 3))
+    return text + ("." if "." not in text and zeros else "") + "0" * zeros
+
+
 def test_reachable_matches_a_search() -> None:
     for digits in range(1, 60):
         spelled = [v for v in range(801) if str(v).startswith(str(digits))]  # completions up to 800
@@ -242,7 +276,8 @@ def test_undeclared_keys_never_repeat_a_declared_one() -> None:
     ({"type": "string", "pattern": "[b-a]"}, "out of order"),
     ({"type": "string", "pattern": "(ab"}, "unbalanced parenthesis"),
     ({"type": "string", "pattern": "^a", "format": "date"}, "'pattern' beside format 'date'"),
-    ({"type": "number", "minimum": 0}, "bounds are supported on integers only"),
+    ({"type": "number", "minimum": 2, "exclusiveMaximum": 2}, "no number lies within the bounds"),
+    ({"type": "number", "maximum": "1"}, "'maximum' must be a finite number"),
     ({"type": "string", "minItems": 1}, "does not apply to type string"),
     ({"allOf": [{"type": "string"}, {"maxLength": 2}]}, "allOf of more than one schema"),
     ({"$ref": "other.json#/a"}, "only references inside the schema"),
@@ -377,7 +412,7 @@ def test_greedy_schema_output_on_the_demo(demo: Any, rng: np.random.Generator) -
     from atlas.structured import OutputConstraint, output_shape
 
     tokenizer, eos = demo.tokenizer, demo.eos_ids()
-    for schema in (PERSON, PAIR):
+    for schema in (PERSON, PAIR, MEASURE):
         prompt = rng.integers(3, 512, int(rng.integers(2, 20))).tolist()
         result = demo.generate(prompt, max_tokens=60, json_schema=schema)
         if result.finish_reason == "stop":

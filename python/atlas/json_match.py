@@ -287,7 +287,7 @@ class String(Node):
         return state[0] != 2
 
 
-def _number_step(phase: str, byte: int, integer: bool) -> str | None:
+def number_step(phase: str, byte: int, integer: bool) -> str | None:
     digit = byte in DIGITS
     dot = byte == 0x2E and not integer
     exp = byte in b"eE" and not integer
@@ -365,7 +365,7 @@ class Number(Node):
 
     def step(self, state: State, byte: int) -> State | None:
         phase, negative, value = state
-        nxt = _number_step(phase, byte, self.integer)
+        nxt = number_step(phase, byte, self.integer)
         if nxt is None:
             return None
         if nxt == "minus":

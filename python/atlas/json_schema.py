@@ -13,17 +13,20 @@ enum values differ, as a pydantic discriminated union's do), allOf of one schema
   string   minLength, maxLength (characters), pattern (atlas.json_regex's subset), format (FORMATS;
            others are annotations),
   integer  minimum, maximum, exclusiveMinimum, exclusiveMaximum,
-  number, boolean, null.
+  number   the same bounds (then written as a plain decimal, no exponent: atlas.json_number),
+  boolean, null.
 Annotations (title, description, default, examples, any keyword that does not validate) are ignored."""
 
 from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 from typing import Any
 
 from .errors import AtlasError
 from .json_match import ANY_VALUE, Array, Literal, Node, Number, Object, String, Union, alternatives
+from .json_number import DecimalRange, Interval
 from .json_regex import RegexError, compile_regex
 
 _OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
@@ -58,17 +61,11 @@ TYPE_KEYWORDS = {
     "array": frozenset({"items", "prefixItems", "minItems", "maxItems"}),
     "string": frozenset({"minLength", "maxLength", "pattern", "format"}),
     "integer": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
-    "number": frozenset(),
+    "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
     "boolean": frozenset(),
     "null": frozenset(),
 }
 COMBINERS = ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")
-HINTS = {
-    "minimum": "bounds are supported on integers only",
-    "maximum": "bounds are supported on integers only",
-    "exclusiveMinimum": "bounds are supported on integers only",
-    "exclusiveMaximum": "bounds are supported on integers only",
-}
 
 
 class SchemaError(AtlasError):
@@ -160,8 +157,8 @@ class SchemaCompiler:
                                 f"got {json.dumps(declared)}")
         allowed = frozenset({"type"}).union(*(TYPE_KEYWORDS[t] for t in types or ()))
         for key in sorted(keys - allowed):
-            reason = HINTS.get(key, f"it does not apply to type {'/'.join(types)}" if key in set().union(*TYPE_KEYWORDS.values())
-                               else "it is not supported")
+            typed = key in set().union(*TYPE_KEYWORDS.values())
+            reason = f"it does not apply to type {'/'.join(types)}" if typed else "it is not supported"
             raise self.fail(where, f"'{key}': {reason}")
         return types
 
@@ -179,7 +176,10 @@ class SchemaCompiler:
                 raise self.fail(base, "no integer lies within the bounds")
             return Number(integer=True, low=low, high=high)
         if kind == "number":
-            return Number()
+            interval = number_bounds(schema)
+            if interval.empty():
+                raise self.fail(base, "no number lies within the bounds")
+            return Number() if interval == Interval() else DecimalRange(interval)
         return Literal((b"true", b"false") if kind == "boolean" else (b"null",))
 
     def string(self, schema: dict[str, Any], where: str) -> Node:
@@ -312,12 +312,31 @@ def json_kind(value: Any) -> str:
     return {dict: "object", list: "array", str: "string", type(None): "null"}.get(type(value), "number")
 
 
-def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
-    """The integer range [low, high] (None: open) of minimum / maximum / their exclusive forms."""
+def check_bounds(schema: dict[str, Any]) -> None:
     for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         value = schema.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
             raise SchemaError(f"json schema: '{key}' must be a finite number, got {json.dumps(value)}")
+
+
+def number_bounds(schema: dict[str, Any]) -> Interval:
+    """The interval of minimum / maximum / their exclusive forms (the tightest of each side),
+    each bound the decimal its JSON text shows (repr of the parsed float)."""
+    check_bounds(schema)
+    exact = {key: Fraction(repr(schema[key])) for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+             if key in schema}
+    lows = [(exact["minimum"], False)] if "minimum" in exact else []
+    lows += [(exact["exclusiveMinimum"], True)] if "exclusiveMinimum" in exact else []
+    highs = [(exact["maximum"], False)] if "maximum" in exact else []
+    highs += [(exact["exclusiveMaximum"], True)] if "exclusiveMaximum" in exact else []
+    low = max(lows, key=lambda bound: (bound[0], bound[1]), default=(None, False))  # equal: the open one is tighter
+    high = min(highs, key=lambda bound: (bound[0], not bound[1]), default=(None, False))
+    return Interval(low[0], high[0], low[1], high[1])
+
+
+def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The integer range [low, high] (None: open) of minimum / maximum / their exclusive forms."""
+    check_bounds(schema)
     lows = [math.ceil(schema["minimum"])] if "minimum" in schema else []
     lows += [math.floor(schema["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in schema else []
     highs = [math.floor(schema["maximum"])] if "maximum" in schema else []
