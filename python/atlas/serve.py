@@ -1,7 +1,8 @@
 """`python -m atlas.serve`: an OpenAI-compatible HTTP server for one model.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions (`stream: true` as server-sent events),
-/health. The engine flags (--device, --spec-k / --no-spec, --kv-cache-dtype,
+/v1/responses (OpenAI's Responses API, server/responses_api.py), /health, /metrics, /tokenize,
+/detokenize. The engine flags (--device, --spec-k / --no-spec, --kv-cache-dtype,
 --kv-high-precision-layers, --max-seq-len) are atlas.run's (engine_flags.py); --prompt-cache is
 the server's (atlas.prompt_cache). Bad flags, models or addresses
 print one line on stderr and exit with code 2.

@@ -28,6 +28,7 @@ from .protocol import GenerationBody, Prompt, TokenizeBody, parse_body, parse_de
 from .reasoning import END as REASONING_END
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
+from .responses_api import ResponseMeta, chat_request, renamed, stream_response, whole_response
 from .tools import ForcedCallStream, ToolCallStream
 from .worker import EngineWorker
 
@@ -70,6 +71,9 @@ def create_app(state: ServerState) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         return await generation(request, state, chat=True)
 
+    async def responses(request: Request) -> Response:
+        return await responses_generation(request, state)
+
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model_card(state)]})
 
@@ -103,6 +107,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
     ]
     handlers = {RequestError: on_request_error, HTTPException: on_http_error, Exception: on_crash}
     middleware = [Middleware(ApiKeyGate, key=state.api_key)] if state.api_key else []
@@ -129,16 +134,37 @@ def model_card(state: ServerState) -> dict[str, object]:
 
 async def generation(request: Request, state: ServerState, chat: bool) -> Response:
     body = parse_body(await read_json(request), chat, state.sampling_defaults)
+    runs = await checked_runs(state, body)
+    reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None)
+    if body.stream:
+        return EventStreamResponse(stream_choices(reply, runs, body.include_usage, body.n))
+    answer = await unless_disconnected(request, collect_choices(reply, runs, body.n))
+    return JSONResponse(answer) if answer is not None else Response(status_code=499)
+
+
+async def checked_runs(state: ServerState, body: GenerationBody) -> list[ChoiceRun]:
+    """The request's choices, every prompt encoded and checked before any runs."""
     check_model(state, body.model)
     check_tools(state, body)
     check_stop_ids(state, body)
     check_logit_bias_ids(state, body)
     inputs = await anyio.to_thread.run_sync(prepare_inputs, state, body)  # templates take a while
-    reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None)
-    runs = choice_runs(state, body, inputs)
+    return choice_runs(state, body, inputs)
+
+
+async def responses_generation(request: Request, state: ServerState) -> Response:
+    """/v1/responses: the request as a chat request, its one answer as a response object."""
+    raw = await read_json(request)
+    try:
+        body = parse_body(chat_request(raw), True, state.sampling_defaults)
+        run = (await checked_runs(state, body))[0]
+    except RequestError as err:
+        raise renamed(err) from None
+    assert isinstance(raw, dict)  # chat_request refused anything else
+    meta = ResponseMeta(state.model_name, raw)
     if body.stream:
-        return EventStreamResponse(stream_choices(reply, runs, body.include_usage, body.n))
-    answer = await unless_disconnected(request, collect_choices(reply, runs, body.n))
+        return EventStreamResponse(stream_response(meta, run.events, run.shaper))
+    answer = await unless_disconnected(request, whole_response(meta, run.events, run.shaper))
     return JSONResponse(answer) if answer is not None else Response(status_code=499)
 
 

@@ -1,0 +1,332 @@
+"""OpenAI's Responses API (POST /v1/responses) over the chat-completions machinery: a request is
+translated into a chat request (input items -> messages, instructions -> a system message,
+text.format -> response_format, function tools), generated like one, and its answer written as
+output items (reasoning under --reasoning-parser, the message, function calls), whole or as the
+API's typed server-sent events. Nothing is stored: previous_response_id and background are
+refused with one line."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from .answer import AnswerShaper
+from .errors import RequestError
+from .tools import ToolCall
+from .worker import Event, Finished, TextPiece
+
+PASSED_THROUGH = ("model", "temperature", "top_p", "stream", "tool_choice", "parallel_tool_calls", "seed", "top_k",
+                  "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logit_bias",
+                  "min_tokens", "chat_template_kwargs")  # vLLM takes its sampling extras here too
+REFUSED = {"previous_response_id": "nothing is stored here: send the whole conversation in 'input'",
+           "background": "background responses are not supported: leave 'background' out",
+           "conversation": "nothing is stored here: send the whole conversation in 'input'"}
+RENAMED_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def chat_request(body: Any) -> dict[str, Any]:
+    """A Responses request -> the equivalent /v1/chat/completions body."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    for key, why in REFUSED.items():
+        if body.get(key) not in (None, False):
+            raise RequestError(f"'{key}': {why}", key)
+    chat: dict[str, Any] = {key: body[key] for key in PASSED_THROUGH if key in body}
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise RequestError("'instructions' must be a string", "instructions")
+    chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + input_messages(body.get("input"))
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    if body.get("tools") is not None:
+        chat["tools"] = function_tools(body["tools"])
+    if isinstance(body.get("tool_choice"), dict):
+        chat["tool_choice"] = named_choice(body["tool_choice"])
+    if body.get("text") is not None:
+        chat["response_format"] = text_format(body["text"])
+    return chat
+
+
+def renamed(err: RequestError) -> RequestError:
+    """A chat request's error named with the Responses parameter it came from."""
+    param = err.param
+    for chat_name, name in RENAMED_PARAMS.items():
+        if param is not None and (param == chat_name or param.startswith(f"{chat_name}[") or param.startswith(f"{chat_name}.")):
+            param = name + param[len(chat_name):]
+    message = err.message.replace("'messages'", "'input'").replace("max_tokens", "max_output_tokens")
+    return RequestError(message.replace("response_format", "text.format"), param, err.code, err.status)
+
+
+def input_messages(value: Any) -> list[dict[str, Any]]:
+    """`input`: a string (one user message) or a list of items: messages (role + content: a string
+    or input_text / output_text parts), function_call and function_call_output items; reasoning
+    items are dropped (the chat template rebuilds the turns)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise RequestError("'input' must be a string or a non-empty list of input items", "input")
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise RequestError(f"input[{i}] must be an object", f"input[{i}]")
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(input_message(item, i))
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:
+                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+                raise RequestError(f"input[{i}] (function_call_output) needs string 'call_id' and 'output'", f"input[{i}]")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        elif kind != "reasoning":
+            raise RequestError(f"input[{i}]: items of type {kind!r} are not supported (text messages, "
+                               "function_call and function_call_output are)", f"input[{i}].type")
+    return messages
+
+
+def input_message(item: dict[str, Any], index: int) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise RequestError(f"input[{index}].role must be user, system, developer or assistant", f"input[{index}].role")
+    content = item.get("content")
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") in ("input_text", "output_text")]
+        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+            raise RequestError(f"input[{index}].content must be a string or input_text / output_text parts "
+                               "(only text is supported)", f"input[{index}].content")
+        content = "".join(texts)
+    elif not isinstance(content, str):
+        raise RequestError(f"input[{index}].content must be a string or a list of text parts", f"input[{index}].content")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def function_tools(value: Any) -> list[dict[str, Any]]:
+    """Responses' flat {"type": "function", "name", "description", "parameters"} -> chat's nested form."""
+    if not isinstance(value, list):
+        raise RequestError("'tools' must be a list of function tools", "tools")
+    tools = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise RequestError(f"tools[{i}]: only function tools are supported, got {kind!r}", f"tools[{i}]")
+        function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def named_choice(value: dict[str, Any]) -> dict[str, Any]:
+    if value.get("type") != "function" or not isinstance(value.get("name"), str):
+        raise RequestError("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+                           "tool_choice")
+    return {"type": "function", "function": {"name": value["name"]}}
+
+
+def text_format(value: Any) -> dict[str, Any]:
+    """`text`: {"format": {"type": "text" | "json_object"} or {"type": "json_schema", "name",
+    "schema", "strict"}} -> response_format."""
+    form = value.get("format") if isinstance(value, dict) else None
+    if form is None:
+        return {"type": "text"}
+    if not isinstance(form, dict):
+        raise RequestError("'text.format' must be an object with a 'type'", "text.format")
+    if form.get("type") != "json_schema":
+        return form
+    return {"type": "json_schema", "json_schema": {key: form[key] for key in ("name", "schema", "strict") if key in form}}
+
+
+# --- the answer --------------------------------------------------------------------------------
+@dataclass
+class ResponseMeta:
+    """What every response body of one request shares, and its running sequence of events."""
+
+    model: str
+    request: dict[str, Any]  # the Responses request, whose settings the response echoes
+    id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    sequence: int = 0
+
+    def body(self, status: str, output: list[dict[str, Any]], finished: Finished | None = None) -> dict[str, Any]:
+        r = self.request
+        body: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "model": self.model,
+            "output": output, "error": None, "incomplete_details": None, "instructions": r.get("instructions"),
+            "max_output_tokens": r.get("max_output_tokens"), "temperature": r.get("temperature"),
+            "top_p": r.get("top_p"), "tools": r.get("tools") or [], "tool_choice": r.get("tool_choice", "auto"),
+            "parallel_tool_calls": r.get("parallel_tool_calls", True), "text": r.get("text") or {"format": {"type": "text"}},
+            "metadata": r.get("metadata") or {}, "store": False, "usage": None,
+        }
+        if finished is not None:
+            body["usage"] = usage(finished)
+            if finished.finish_reason == "length":
+                body["incomplete_details"] = {"reason": "max_output_tokens"}
+        return body
+
+    def event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def usage(finished: Finished) -> dict[str, Any]:
+    return {"input_tokens": finished.prompt_tokens, "input_tokens_details": {"cached_tokens": finished.cached_tokens},
+            "output_tokens": finished.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": finished.prompt_tokens + finished.completion_tokens}
+
+
+def status_of(finished: Finished) -> str:
+    return "incomplete" if finished.finish_reason == "length" else "completed"
+
+
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id or f"rs_{uuid.uuid4().hex}", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if text else []}
+
+
+def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    parts = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+            "content": parts}
+
+
+def call_item(call: ToolCall, arguments: str | None = None, status: str = "completed") -> dict[str, Any]:
+    text = json.dumps(call.arguments, ensure_ascii=False) if arguments is None else arguments
+    return {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.name,
+            "arguments": text, "status": status}
+
+
+def output_items(text: str, shaper: AnswerShaper | None) -> list[dict[str, Any]]:
+    """A whole answer -> its output items: reasoning, the message (when it has text), calls."""
+    if shaper is None:
+        return [message_item(text)]
+    fields, calls = shaper.whole(text)
+    items = [reasoning_item(fields["reasoning_content"] or "")] if "reasoning_content" in fields else []
+    if fields["content"] or not calls:
+        items.append(message_item(fields["content"] or ""))
+    return items + [call_item(call) for call in calls]
+
+
+async def whole_response(meta: ResponseMeta, events: AsyncGenerator[Event, None], shaper: AnswerShaper | None) -> dict[str, Any]:
+    pieces: list[str] = []
+    async with aclosing(events):
+        async for event in events:
+            if isinstance(event, TextPiece):
+                pieces.append(event.text)
+            elif isinstance(event, Finished):
+                return meta.body(status_of(event), output_items("".join(pieces), shaper), event)
+            else:
+                raise RequestError(event.message, status=500)
+    raise RequestError("the engine stopped before finishing", status=500)
+
+
+@dataclass
+class OpenItem:
+    """The reasoning or message item a stream is writing."""
+
+    kind: str  # "reasoning" | "message"
+    id: str
+    index: int  # output_index
+    text: list[str] = field(default_factory=list)
+
+
+class ResponseStream:
+    """A generation's text -> the Responses API's events, items opened and closed as the shaper
+    moves between the reasoning block and the answer; calls and the final response at the end."""
+
+    def __init__(self, meta: ResponseMeta, shaper: AnswerShaper | None) -> None:
+        self.meta, self.shaper = meta, shaper
+        self.done: list[dict[str, Any]] = []  # output items written
+        self.open: OpenItem | None = None
+
+    def start(self) -> list[str]:
+        pending = self.meta.body("in_progress", [])
+        return [self.meta.event("response.created", response=pending), self.meta.event("response.in_progress", response=pending)]
+
+    def push(self, text: str) -> list[str]:
+        parts = self.shaper.push(text) if self.shaper is not None else [("content", text)]
+        return [line for kind, part in parts for line in self.part(kind, part)]
+
+    def part(self, kind: str, text: str) -> list[str]:
+        item = "reasoning" if kind == "reasoning_content" else "message"
+        lines = [] if self.open is not None and self.open.kind == item else [*self.close(), *self.begin(item)]
+        assert self.open is not None
+        self.open.text.append(text)
+        event = "response.reasoning_text.delta" if item == "reasoning" else "response.output_text.delta"
+        extra = {} if item == "reasoning" else {"logprobs": []}
+        lines.append(self.meta.event(event, item_id=self.open.id, output_index=self.open.index, content_index=0,
+                                     delta=text, **extra))
+        return lines
+
+    def begin(self, kind: str) -> list[str]:
+        self.open = OpenItem(kind, f"{'rs' if kind == 'reasoning' else 'msg'}_{uuid.uuid4().hex}", len(self.done))
+        item = (reasoning_item if kind == "reasoning" else message_item)("", "in_progress", self.open.id)
+        return [self.meta.event("response.output_item.added", output_index=self.open.index, item=item),
+                self.meta.event("response.content_part.added", item_id=self.open.id, output_index=self.open.index,
+                                content_index=0, part=content_part(kind, ""))]
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        opened, self.open = self.open, None
+        text = "".join(opened.text)
+        item = (reasoning_item if opened.kind == "reasoning" else message_item)(text, "completed", opened.id)
+        done = "response.reasoning_text.done" if opened.kind == "reasoning" else "response.output_text.done"
+        where = {"item_id": opened.id, "output_index": opened.index}
+        self.done.append(item)
+        return [self.meta.event(done, **where, content_index=0, text=text),
+                self.meta.event("response.content_part.done", **where, content_index=0, part=content_part(opened.kind, text)),
+                self.meta.event("response.output_item.done", output_index=opened.index, item=item)]
+
+    def finish(self, finished: Finished) -> list[str]:
+        parts, calls = self.shaper.finish() if self.shaper is not None else ([], [])
+        lines = [line for kind, part in parts for line in self.part(kind, part)]
+        if not self.done and self.open is None and not calls:
+            lines += self.begin("message")  # an empty answer is still one (empty) message
+        lines += self.close()
+        for call in calls:
+            lines += self.call_lines(call)
+        status = status_of(finished)
+        final = "response.completed" if status == "completed" else "response.incomplete"
+        return [*lines, self.meta.event(final, response=self.meta.body(status, self.done, finished))]
+
+    def call_lines(self, call: ToolCall) -> list[str]:
+        index, item = len(self.done), call_item(call)
+        where = {"item_id": item["id"], "output_index": index}
+        self.done.append(item)
+        return [self.meta.event("response.output_item.added", output_index=index, item=call_item(call, "", "in_progress")),
+                self.meta.event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
+                self.meta.event("response.function_call_arguments.done", **where, arguments=item["arguments"]),
+                self.meta.event("response.output_item.done", output_index=index, item=item)]
+
+
+def content_part(kind: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text} if kind == "reasoning" else \
+        {"type": "output_text", "text": text, "annotations": []}
+
+
+async def stream_response(meta: ResponseMeta, events: AsyncGenerator[Event, None],
+                          shaper: AnswerShaper | None) -> AsyncGenerator[str, None]:
+    stream = ResponseStream(meta, shaper)
+    for line in stream.start():
+        yield line
+    async with aclosing(events):
+        async for event in events:
+            if isinstance(event, TextPiece):
+                for line in stream.push(event.text):
+                    yield line
+            elif isinstance(event, Finished):
+                for line in stream.finish(event):
+                    yield line
+                return
+            else:
+                yield meta.event("error", code="server_error", message=event.message, param=None)
+                return

@@ -1,0 +1,202 @@
+"""POST /v1/responses through the official openai client: the answer is the chat answer to the same
+conversation (input items, instructions), whole and streamed as the API's typed events; structured
+output through text.format; function tools out (function_call items) and back in
+(function_call_output items); reasoning items under --reasoning-parser; every bad request one 400
+naming the Responses parameter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai client is in the test extra: pip install '.[test]'")
+pytest.importorskip("starlette")
+from starlette.testclient import TestClient  # noqa: E402
+
+from atlas import LLM  # noqa: E402
+from atlas.demo import DEMO_DIR, DEMO_NAME  # noqa: E402
+from atlas.server.app import ServerState, create_app  # noqa: E402
+from atlas.server.worker import EngineWorker  # noqa: E402
+from test_reasoning import THINKING_TEMPLATE  # noqa: E402
+from test_reasoning import CannedWorker as ThinkingWorker  # noqa: E402
+from test_tools import CALL_ARGS, TOOLS_TEMPLATE, WEATHER, CannedWorker  # noqa: E402
+
+FLAT_WEATHER = {"type": "function", **WEATHER["function"]}  # the Responses API's flat tool form
+
+
+def client_over(app: Any) -> Any:
+    http = TestClient(app)
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0), http
+
+
+@pytest.fixture(scope="module")
+def generating() -> Iterator[tuple[Any, Any, LLM]]:
+    """The app over a real engine (the demo model), its raw HTTP client, and a second model in-process."""
+    worker = EngineWorker(lambda: LLM(device="cpu", prompt_cache=0))
+    llm = worker.start()
+    client, http = client_over(create_app(ServerState(DEMO_NAME, worker, llm)))  # type: ignore[arg-type]
+    try:
+        yield client, http, LLM(device="cpu", prompt_cache=0)
+    finally:
+        worker.stop()
+
+
+def chat_answer(reference: LLM, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, str, int, int]:
+    """(text, status, input tokens, output tokens) of the same conversation as a chat, in process."""
+    result = reference.chat(messages, max_tokens=max_tokens)
+    status = "incomplete" if result.finish_reason == "length" else "completed"
+    return result.text, status, len(reference.tokenizer.encode_chat(messages)), len(result.token_ids)
+
+
+def conversation(rng: np.random.Generator) -> tuple[Any, str | None, list[dict[str, str]]]:
+    """A Responses input (a string, or items with text parts and a developer turn), the
+    instructions, and the chat messages they stand for."""
+    words = ["Beautiful is better", "Flat is", "Simple is better than", "Errors should never"]
+    prompt = str(rng.choice(words))
+    if rng.random() < 0.5:
+        return prompt, None, [{"role": "user", "content": prompt}]
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": prompt}]}]
+    return items, "Zen only.", [{"role": "system", "content": "Zen only."}, {"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": prompt}]
+
+
+def test_response_is_the_chat_answer(generating: tuple[Any, Any, LLM], rng: np.random.Generator) -> None:
+    client, _, reference = generating
+    for _ in range(3):
+        given, instructions, messages = conversation(rng)
+        max_tokens = int(rng.integers(1, 60))
+        text, status, prompt_tokens, count = chat_answer(reference, messages, max_tokens)
+        response = client.responses.create(model=DEMO_NAME, input=given, instructions=instructions,
+                                           max_output_tokens=max_tokens, temperature=0)
+        assert response.object == "response" and response.id.startswith("resp_")
+        assert response.status == status and response.output_text == text
+        [item] = response.output
+        assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+        assert (response.usage.input_tokens, response.usage.output_tokens) == (prompt_tokens, count)
+        assert (response.incomplete_details is not None) == (status == "incomplete")
+
+
+def test_streamed_response_events(generating: tuple[Any, Any, LLM], rng: np.random.Generator) -> None:
+    client, _, reference = generating
+    given, instructions, messages = conversation(rng)
+    max_tokens = int(rng.integers(1, 60))
+    text, status, _, count = chat_answer(reference, messages, max_tokens)
+    events = list(client.responses.create(model=DEMO_NAME, input=given, instructions=instructions,
+                                          max_output_tokens=max_tokens, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{status}"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == count
+    assert events[-4].text == text  # output_text.done carries the whole text
+
+
+def test_text_format_json_schema(generating: tuple[Any, Any, LLM], rng: np.random.Generator) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    client, _, _ = generating
+    schema = {"type": "object", "additionalProperties": False, "required": ["n", "score"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                             "score": {"type": "number", "minimum": 0, "maximum": 1}}}
+    closed = 0
+    for seed in range(3):
+        response = client.responses.create(
+            model=DEMO_NAME, input="Flat is", max_output_tokens=40, temperature=0.8, extra_body={"seed": seed},
+            text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}})
+        if response.status == "completed":
+            jsonschema.validate(json.loads(response.output_text), schema)
+            closed += 1
+    assert closed, "no answer closed its JSON in 40 tokens"
+
+
+@pytest.fixture(scope="module")
+def canned_tools(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, CannedWorker]:
+    model_dir = tmp_path_factory.mktemp("responses_tools") / "demo"
+    shutil.copytree(DEMO_DIR, model_dir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    (model_dir / "chat_template.jinja").write_text(TOOLS_TEMPLATE, encoding="utf-8")
+    llm = LLM(str(model_dir), device="cpu")
+    worker = CannedWorker(llm)
+    client, _ = client_over(create_app(ServerState(DEMO_NAME, worker, llm, tool_call_parser="qwen3_coder")))  # type: ignore[arg-type]
+    return client, worker
+
+
+def test_function_calls(canned_tools: tuple[Any, CannedWorker]) -> None:
+    """The canned answer's text, then its call, as items; the same streamed."""
+    client, worker = canned_tools
+    response = client.responses.create(model=DEMO_NAME, input="Weather in Paris?", tools=[FLAT_WEATHER])
+    assert "TOOL get_weather" in worker.prompt
+    message, call = response.output
+    assert message.type == "message" and message.content[0].text == "Let me check.\n"
+    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == CALL_ARGS
+    events = list(client.responses.create(model=DEMO_NAME, input="Weather in Paris?", tools=[FLAT_WEATHER], stream=True))
+    [done] = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert json.loads(done) == CALL_ARGS
+    assert [i.type for i in events[-1].response.output] == ["message", "function_call"]
+
+
+def test_function_call_outputs_reach_the_template(canned_tools: tuple[Any, CannedWorker]) -> None:
+    client, worker = canned_tools
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_7", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_7", "output": "sunny, 21 C"}]
+    client.responses.create(model=DEMO_NAME, input=items, tools=[FLAT_WEATHER])
+    assert "<parameter=city>Paris</parameter>" in worker.prompt and "<|im_start|>tool\nsunny, 21 C" in worker.prompt
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    model_dir = tmp_path_factory.mktemp("responses_thinking") / "demo"
+    shutil.copytree(DEMO_DIR, model_dir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    (model_dir / "chat_template.jinja").write_text(THINKING_TEMPLATE, encoding="utf-8")
+    llm = LLM(str(model_dir), device="cpu")
+    client, _ = client_over(create_app(ServerState(DEMO_NAME, ThinkingWorker(), llm, reasoning_parser="qwen3")))  # type: ignore[arg-type]
+    return client
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_item(thinking: Any, stream: bool) -> None:
+    answer = thinking.responses.create(model=DEMO_NAME, input="hi", stream=stream)
+    if stream:
+        events = list(answer)
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "plan it"
+        answer = events[-1].response
+    reasoning, message = answer.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "plan it"
+    assert message.type == "message" and answer.output_text == "The answer."
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": []}, "input"),
+    ({"input": 3}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
+    ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call_output", "call_id": 7, "output": "x"}]}, "input[0]"),
+    ({"input": "hi", "max_output_tokens": "ten"}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 10**9}, "max_output_tokens"),
+    ({"input": "hi", "instructions": ["a"]}, "instructions"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": "hi", "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}}, "text.format"),
+    ({"input": "hi", "temperature": -1}, "temperature"),
+    ({"input": "hi", "model": "gpt-x"}, "model"),
+])
+def test_bad_requests(generating: tuple[Any, Any, LLM], body: dict[str, Any], param: str) -> None:
+    _, http, _ = generating
+    answer = http.post("/v1/responses", json={"model": DEMO_NAME, **body})
+    assert answer.status_code in (400, 404), answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and "\n" not in error["message"], error
+    assert http.post("/v1/responses", content=b"{not json").status_code == 400
