@@ -90,14 +90,9 @@ THINKING_TEMPLATE = (  # the demo's ChatML with Qwen3's generation prompt: a <th
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> TestClient:
-    import shutil
+    from _demo_copy import demo_copy
 
-    from atlas.demo import DEMO_DIR
-
-    model_dir = tmp_path_factory.mktemp("thinking") / "demo"
-    shutil.copytree(DEMO_DIR, model_dir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    (model_dir / "chat_template.jinja").write_text(THINKING_TEMPLATE, encoding="utf-8")
-    llm = LLM(str(model_dir), device="cpu")
+    llm = LLM(str(demo_copy(tmp_path_factory.mktemp("thinking") / "demo", THINKING_TEMPLATE)), device="cpu")
     return TestClient(create_app(ServerState(DEMO_NAME, CannedWorker(), llm, reasoning_parser="qwen3")))  # type: ignore[arg-type]
 
 

@@ -7,7 +7,6 @@ naming the Responses parameter."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ pytest.importorskip("starlette")
 from starlette.testclient import TestClient  # noqa: E402
 
 from atlas import LLM  # noqa: E402
-from atlas.demo import DEMO_DIR, DEMO_NAME  # noqa: E402
+from _demo_copy import demo_copy  # noqa: E402
+from atlas.demo import DEMO_NAME  # noqa: E402
 from atlas.server.app import ServerState, create_app  # noqa: E402
 from atlas.server.worker import EngineWorker  # noqa: E402
 from test_reasoning import THINKING_TEMPLATE  # noqa: E402
@@ -121,10 +121,7 @@ def test_text_format_json_schema(generating: tuple[Any, Any, LLM], rng: np.rando
 
 @pytest.fixture(scope="module")
 def canned_tools(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, CannedWorker]:
-    model_dir = tmp_path_factory.mktemp("responses_tools") / "demo"
-    shutil.copytree(DEMO_DIR, model_dir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    (model_dir / "chat_template.jinja").write_text(TOOLS_TEMPLATE, encoding="utf-8")
-    llm = LLM(str(model_dir), device="cpu")
+    llm = LLM(str(demo_copy(tmp_path_factory.mktemp("responses_tools") / "demo", TOOLS_TEMPLATE)), device="cpu")
     worker = CannedWorker(llm)
     client, _ = client_over(create_app(ServerState(DEMO_NAME, worker, llm, tool_call_parser="qwen3_coder")))  # type: ignore[arg-type]
     return client, worker
@@ -155,10 +152,7 @@ def test_function_call_outputs_reach_the_template(canned_tools: tuple[Any, Canne
 
 @pytest.fixture(scope="module")
 def thinking(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    model_dir = tmp_path_factory.mktemp("responses_thinking") / "demo"
-    shutil.copytree(DEMO_DIR, model_dir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    (model_dir / "chat_template.jinja").write_text(THINKING_TEMPLATE, encoding="utf-8")
-    llm = LLM(str(model_dir), device="cpu")
+    llm = LLM(str(demo_copy(tmp_path_factory.mktemp("responses_thinking") / "demo", THINKING_TEMPLATE)), device="cpu")
     client, _ = client_over(create_app(ServerState(DEMO_NAME, ThinkingWorker(), llm, reasoning_parser="qwen3")))  # type: ignore[arg-type]
     return client
 

@@ -16,10 +16,11 @@ import torch
 
 from _checkpoints import TinyModel, random_value, write_checkpoint
 from _conditioning import MAX_DRAWS, well_conditioned
+from _demo_copy import demo_copy
 from atlas.backends.base import SamplingParams
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.config import ModelSpec, load_spec
-from atlas.demo import DEMO_DIR, DEMO_PROMPT
+from atlas.demo import DEMO_PROMPT
 from atlas.engine import Engine, GenerationStats
 from atlas.errors import AtlasError
 from atlas.safetensors import Checkpoint
@@ -80,8 +81,7 @@ def new_seed() -> int:
 
 @pytest.fixture(scope="module")
 def demo_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("demo") / "demo-mtp"
-    shutil.copytree(DEMO_DIR, path, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    path = demo_copy(tmp_path_factory.mktemp("demo") / "demo-mtp")
     add_mtp_head(path, new_seed(), fused=True)
     return path
 

@@ -6,7 +6,6 @@ both the whole and the streamed answer (canned engine output through the starlet
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -75,7 +74,8 @@ pytest.importorskip("starlette")
 from starlette.testclient import TestClient  # noqa: E402
 
 from atlas import LLM  # noqa: E402
-from atlas.demo import DEMO_DIR, DEMO_NAME  # noqa: E402
+from _demo_copy import demo_copy  # noqa: E402
+from atlas.demo import DEMO_NAME  # noqa: E402
 from atlas.server.app import ServerState, create_app  # noqa: E402
 from atlas.server.metrics import Metrics  # noqa: E402
 from atlas.server.worker import Finished, TextPiece  # noqa: E402
@@ -113,10 +113,7 @@ class CannedWorker:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, CannedWorker, TestClient]:
-    model_dir = tmp_path_factory.mktemp("tools") / "demo"
-    shutil.copytree(DEMO_DIR, model_dir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    (model_dir / "chat_template.jinja").write_text(TOOLS_TEMPLATE, encoding="utf-8")
-    llm = LLM(str(model_dir), device="cpu")
+    llm = LLM(str(demo_copy(tmp_path_factory.mktemp("tools") / "demo", TOOLS_TEMPLATE)), device="cpu")
     worker = CannedWorker(llm)
     http = TestClient(create_app(ServerState(DEMO_NAME, worker, llm, tool_call_parser="qwen3_coder")))  # type: ignore[arg-type]
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
@@ -218,9 +215,7 @@ def generating(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, 
     """The app over a real engine (demo model, tools template), and a second model in-process."""
     from atlas.server.worker import EngineWorker
 
-    model_dir = tmp_path_factory.mktemp("forced") / "demo"
-    shutil.copytree(DEMO_DIR, model_dir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    (model_dir / "chat_template.jinja").write_text(TOOLS_TEMPLATE, encoding="utf-8")
+    model_dir = demo_copy(tmp_path_factory.mktemp("forced") / "demo", TOOLS_TEMPLATE)
     worker = EngineWorker(lambda: LLM(str(model_dir), device="cpu", prompt_cache=0))
     llm = worker.start()
     http = TestClient(create_app(ServerState(DEMO_NAME, worker, llm, tool_call_parser="qwen3_coder")))  # type: ignore[arg-type]
@@ -278,11 +273,8 @@ def test_forced_calls(generating: tuple[Any, LLM], rng: np.random.Generator, cho
 def test_json_output_starts_after_the_reasoning_block(tmp_path: Path, opens: bool) -> None:
     """Under --reasoning-parser, a prompt that opens a <think> block makes JSON output (a
     response_format, a forced call) start after "</think>", as vLLM's structured output does."""
-    model_dir = tmp_path / "demo"
-    shutil.copytree(DEMO_DIR, model_dir, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     template = TOOLS_TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<think>\n{% endif %}") if opens else TOOLS_TEMPLATE
-    (model_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
-    llm = LLM(str(model_dir), device="cpu")
+    llm = LLM(str(demo_copy(tmp_path / "demo", template)), device="cpu")
     worker = CannedWorker(llm)
     http = TestClient(create_app(ServerState(DEMO_NAME, worker, llm, reasoning_parser="qwen3",  # type: ignore[arg-type]
                                              tool_call_parser="qwen3_coder")))
