@@ -70,6 +70,27 @@ def test_token_id_prompt_equals_text_prompt(tiny: LLM, rng: np.random.Generator)
     assert by_ids.token_ids == by_text.token_ids
 
 
+def test_a_batch_is_each_prompt_alone(tiny: LLM, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A list of prompts (texts, token ids) or of conversations gives each one's result as if it
+    ran alone, in order; a bad prompt anywhere in it fails before any runs."""
+    prompts: list[str | list[int]] = [random_prompt(rng) for _ in range(3)]
+    prompts.append(tiny.tokenizer.encode(random_prompt(rng)))
+    options = {"max_tokens": 8, "temperature": 0.9, "seed": int(rng.integers(0, 2**31))}
+    batch = tiny.generate(prompts, **options)
+    assert [r.token_ids for r in batch] == [tiny.generate(p, **options).token_ids for p in prompts]
+    conversations = [[{"role": "user", "content": p}] for p in prompts[:2] if isinstance(p, str)]
+    assert [r.text for r in tiny.chat(conversations, max_tokens=5)] == [tiny.chat(c, max_tokens=5).text for c in conversations]
+    runs: list[object] = []
+    monkeypatch.setattr(tiny.parts.engine, "run", lambda request: runs.append(request))
+    with pytest.raises(AtlasError, match="outside the vocabulary"):
+        tiny.generate([prompts[0], [1, tiny.parts.spec.vocab_size]], max_tokens=2)
+    assert runs == []
+    with pytest.raises(AtlasError, match="on_text"):
+        tiny.generate(prompts, max_tokens=2, on_text=print)
+    with pytest.raises(AtlasError, match="one prompt"):
+        list(tiny.stream(prompts, max_tokens=2))
+
+
 def test_seed_makes_sampling_reproducible(tiny: LLM, rng: np.random.Generator) -> None:
     prompt = random_prompt(rng)
     seed = int(rng.integers(0, 2**31))
@@ -178,7 +199,7 @@ def test_bad_prompts(tiny: LLM) -> None:
     (None, "text or a list of token ids, got NoneType"),
     ({"text": "x"}, "text or a list of token ids, got dict"),
     (b"Flat", "text or a list of token ids, got bytes"),
-    (["Flat", "is"], "token ids must be integers, got 'Flat'"),
+    (["Flat", 3], "token ids must be integers, got 'Flat'"),
     ([1, 2.5], "token ids must be integers, got 2.5"),
     ([True, 2], "token ids must be integers, got True"),
     ("Flat \ud800 is", "not valid Unicode (surrogates not allowed U+D800 at character 5)"),

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from os import PathLike, fspath
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL
@@ -176,16 +177,36 @@ class LLM:
     def model_dir(self) -> Path:
         return self.parts.model_dir
 
+    @overload
+    def generate(self, prompt: str | list[int], *, on_text: Callable[[str], None] | None = None,
+                 **options: Any) -> GenerationResult: ...
+
+    @overload
+    def generate(self, prompt: Sequence[str | list[int]], *, on_text: None = None,
+                 **options: Any) -> list[GenerationResult]: ...
+
     def generate(
-        self, prompt: str | list[int], *, on_text: Callable[[str], None] | None = None, **options: Any
-    ) -> GenerationResult:
-        """Generate from a text prompt or prompt token ids; greedy when temperature is 0.
-        `on_text` receives the text pieces as they complete; `options`: generate_options()'s
-        (max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, min_p,
-        presence_penalty, frequency_penalty, repetition_penalty, min_tokens, stop, logit_bias,
-        json_object, json_schema, regex, choice, output_after)."""
+        self, prompt: str | list[int] | Sequence[str | list[int]], *, on_text: Callable[[str], None] | None = None,
+        **options: Any,
+    ) -> GenerationResult | list[GenerationResult]:
+        """Generate from a text prompt or prompt token ids; greedy when temperature is 0. A list of
+        prompts (texts or token-id lists, as vLLM's LLM.generate takes) is a batch: every prompt
+        is checked first, then each is generated in turn as if alone (the same seed for each),
+        and the results come back in order. `on_text` receives one prompt's text pieces as they
+        complete; `options`: generate_options()'s (max_tokens, temperature, top_k, top_p, seed,
+        chat, logprobs, prompt_logprobs, min_p, presence_penalty, frequency_penalty,
+        repetition_penalty, min_tokens, stop, logit_bias, json_object, json_schema, regex, choice,
+        output_after)."""
         opts = generate_options(**options)
-        return self.generate_with(self.prepare(prompt, opts), opts, on_text)
+        if not is_batch(prompt):
+            return self.generate_with(self.prepare(prompt, opts), opts, on_text)  # type: ignore[arg-type]
+        if on_text is not None:
+            raise AtlasError("on_text streams one prompt's text; give one prompt, or leave on_text out for a batch")
+        prepared = [self.prepare(p, opts) for p in prompt]
+        from tqdm import tqdm
+
+        batch = tqdm(prepared, desc="prompts", unit="prompt", file=sys.stderr, leave=False, disable=len(prepared) < 2)
+        return [self.generate_with(ids, opts, None) for ids in batch]
 
     def generate_with(
         self, prompt_ids: list[int], opts: GenerateOptions, on_text: Callable[[str], None] | None
@@ -230,15 +251,29 @@ class LLM:
             prompt_logprobs=list(stats.prompt_logprobs) if opts.prompt_logprobs is not None else None,
         )
 
+    @overload
+    def chat(self, messages: list[dict[str, Any]], *, template_kwargs: dict[str, Any] | None = None,
+             **options: Any) -> GenerationResult: ...
+
+    @overload
+    def chat(self, messages: list[list[dict[str, Any]]], *, template_kwargs: dict[str, Any] | None = None,
+             **options: Any) -> list[GenerationResult]: ...
+
     def chat(
-        self, messages: list[dict[str, Any]], *, template_kwargs: dict[str, Any] | None = None, **options: Any
-    ) -> GenerationResult:
+        self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], *,
+        template_kwargs: dict[str, Any] | None = None, **options: Any,
+    ) -> GenerationResult | list[GenerationResult]:
         """The assistant's next turn after `messages` ({"role", "content"} dicts, as vLLM's
-        LLM.chat takes them), rendered with the model's chat template (`template_kwargs`: extra
-        template variables, e.g. enable_thinking=False); `options` are generate()'s."""
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise AtlasError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        return self.generate(self.tokenizer.encode_chat(messages, template_kwargs=template_kwargs), **options)
+        LLM.chat takes them; a list of such conversations is a batch, as generate()'s), rendered
+        with the model's chat template (`template_kwargs`: extra template variables, e.g.
+        enable_thinking=False); `options` are generate()'s."""
+        batch = isinstance(messages, list) and bool(messages) and all(isinstance(c, list) for c in messages)
+        conversations = messages if batch else [messages]
+        for conversation in conversations:
+            if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
+                raise AtlasError("messages must be a list of {'role': ..., 'content': ...} dicts (or a list of such lists)")
+        prompts = [self.tokenizer.encode_chat(c, template_kwargs=template_kwargs) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, **options) if batch else self.generate(prompts[0], **options)
 
     def stream(self, prompt: str | list[int], **options: Any) -> Iterator[str]:
         """Yield text pieces as they are generated (options: generate()'s; logprobs are generate()'s
@@ -249,6 +284,8 @@ class LLM:
         opts = generate_options(**options)
         if opts.logprobs is not None or opts.prompt_logprobs is not None:
             raise AtlasError("stream() yields text only; ask generate() for logprobs")
+        if is_batch(prompt):
+            raise AtlasError("stream() takes one prompt; give a list of prompts to generate()")
         prompt_ids = self.prepare(prompt, opts)
         decoder, matcher = self.parts.tokenizer.stream_decoder(), StopMatcher(opts.stop)
         eos_ids = self.eos_ids()
@@ -334,6 +371,11 @@ def iter_tokens(
         logits = engine.decode_tensor(token_t, position, token)
         token, token_t = engine.pick_tensor(logits, sampling, rng, penalties)
         position += 1
+
+
+def is_batch(prompt: object) -> bool:
+    """A list of prompts (texts or token-id lists), not one prompt's token ids."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(p, (str, list, tuple)) for p in prompt)
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int], chat: bool) -> list[int]:
