@@ -442,7 +442,8 @@ def _bisect(probs: np.ndarray, goal: float, floor: float, mass: bool, pmax: np.f
     return float(np.uint32(lo).view(np.float32))
 
 
-def emulate_sample(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
+def sample_probs(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.float32]:
+    """sample_softmax: probs [V] f32 and the largest p."""
     temperature = np.float32(params.temperature)  # SampleParams.temperature is f32
     temperature = temperature if temperature > np.finfo(np.float32).tiny else np.finfo(np.float32).tiny
     z = np.where(np.isnan(logits), np.float32(-np.inf), logits)  # sample_logit
@@ -450,8 +451,45 @@ def emulate_sample(logits: np.ndarray, params: SamplingParams, uniform: float) -
     with np.errstate(invalid="ignore", over="ignore"):
         e = np.where(z == zmax, np.float32(1), np.exp((z - zmax) / temperature)).astype(np.float32)
     total = e.sum(dtype=np.float32)
-    probs = (e / total).astype(np.float32)  # sample_softmax
-    pmax = np.float32(1) / total
+    return (e / total).astype(np.float32), np.float32(1) / total
+
+
+SAMPLE_THREADS = 1024  # sampling.cuh kSampleThreads
+SAMPLE_CANDIDATES = 4096  # kSampleCandidates
+
+
+def emulate_fast_sample(logits: np.ndarray, params: SamplingParams, uniform: float) -> int | None:
+    """sample's fast path (None where the full path runs): the bound from the threads' own largest
+    p and min_p, the entries >= it in index order, the same bisections and draw over them alone."""
+    probs, pmax = sample_probs(logits, params)
+    by_k = 0 < params.top_k < probs.size and params.top_k <= SAMPLE_THREADS
+    if not by_k and not params.min_p > 0:
+        return None
+    bound = float(np.float32(params.min_p) * pmax) if params.min_p > 0 else 0.0
+    if by_k:
+        maxima = np.zeros(SAMPLE_THREADS, dtype=np.float32)  # a thread without entries reports 0
+        np.maximum.at(maxima, np.arange(probs.size) % SAMPLE_THREADS, probs)
+        bound = max(bound, float(np.sort(maxima)[::-1][params.top_k - 1]))
+    kept_index = np.nonzero(probs >= bound)[0]
+    if kept_index.size > SAMPLE_CANDIDATES:
+        return None
+    candidates = probs[kept_index]
+    floor = 0.0
+    if by_k and kept_index.size >= params.top_k:
+        floor = _bisect(candidates, float(params.top_k), 0.0, False, pmax)
+    if params.min_p > 0:
+        floor = max(floor, float(np.float32(params.min_p) * pmax))
+    top_p = np.float32(params.top_p)
+    if top_p < 1.0:
+        floor = max(floor, _bisect(candidates, float(top_p) * _tally(candidates, 0.0, floor, True), floor, True, pmax))
+    masses = np.where(candidates >= floor, candidates, 0).astype(np.float64)
+    target = float(np.float32(uniform)) * _tally(candidates, 0.0, floor, True)
+    above = np.nonzero((masses > 0) & (np.cumsum(masses) > target))[0]
+    return int(kept_index[above[0] if above.size else np.nonzero(masses > 0)[0][-1]])
+
+
+def emulate_sample(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
+    probs, pmax = sample_probs(logits, params)
     floor = 0.0
     if 0 < params.top_k < probs.size:
         floor = _bisect(probs, float(params.top_k), 0.0, False, pmax)
@@ -478,6 +516,24 @@ def test_sort_free_sample_equals_the_reference_choice(rng: np.random.Generator) 
             logits[rng.integers(0, 3000, 5)] = logits.max()  # ties at the top
             uniform = float(rng.random())
             assert emulate_sample(logits, params, uniform) == choose_token(logits, params, uniform), params
+            assert emulate_fast_sample(logits, params, uniform) in (None, choose_token(logits, params, uniform)), params
+
+
+def test_fast_sample_path_keeps_the_full_paths_thresholds(rng: np.random.Generator) -> None:
+    """Over a Qwen-sized row: the fast path runs for top_k and min_p settings (not for plain
+    top_p, nor when the bound leaves more entries than the buffer holds: a flat row) and picks
+    the reference's token."""
+    vocab = 248_320
+    for params, flat, runs in [(SamplingParams(1.0, 20, 0.95, presence_penalty=1.5), False, True),
+                               (SamplingParams(0.6, 20, 0.95), False, True), (SamplingParams(0.7, 1000, 1.0), False, True),
+                               (SamplingParams(1.0, 0, 1.0, min_p=0.05), False, True), (SamplingParams(0.7, 0, 0.8), False, False),
+                               (SamplingParams(1.0, 20, 0.95), True, False), (SamplingParams(1.0, 2000, 1.0), False, False)]:
+        logits = np.zeros(vocab, dtype=np.float32) if flat else (rng.standard_normal(vocab) * 3).astype(np.float32)
+        uniform = float(rng.random())
+        fast = emulate_fast_sample(logits, params, uniform)
+        assert (fast is not None) == runs, params
+        if runs:
+            assert fast == choose_token(logits, params, uniform), params
 
 
 

@@ -111,13 +111,14 @@ __device__ __forceinline__ double block_sum_f64(double value) {
 // probs[i] = exp((z[i] - max z) / T) / sum, sampling.py's float32 order of operations: subtracting
 // first keeps a tiny T from overflowing. z is the logit with NaN read as -inf; the maxima (+inf
 // included) get exp(0) = 1, so sum >= 1 (an all -inf row is uniform). T below FLT_MIN (a launch
-// parameter that rounded to 0 or a denormal) is FLT_MIN. Returns the largest p, 1 / sum.
+// parameter that rounded to 0 or a denormal) is FLT_MIN. Returns the largest p, 1 / sum, and in
+// thread_max the largest p among the entries this thread normalised.
 __device__ __forceinline__ float sample_logit(const float* logits, int i) {
   const float v = logits[i];
   return isnan(v) ? -INFINITY : v;
 }
 
-__device__ float sample_softmax(const SampleParams& p, float* scratch) {
+__device__ float sample_softmax(const SampleParams& p, float* scratch, float& thread_max) {
   const float* logits = static_cast<const float*>(p.logits);
   float* probs = static_cast<float*>(p.probs);
   const float temperature = p.temperature > FLT_MIN ? p.temperature : FLT_MIN;
@@ -132,7 +133,11 @@ __device__ float sample_softmax(const SampleParams& p, float* scratch) {
     partial += e;
   }
   const float total = block_sum(partial, scratch);
-  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) probs[i] /= total;  // same thread wrote it
+  thread_max = 0.0f;  // a thread without entries reports 0, which bounds nothing
+  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
+    probs[i] /= total;  // same thread wrote it
+    thread_max = fmaxf(thread_max, probs[i]);
+  }
   __syncthreads();
   return 1.0f / total;
 }
@@ -204,10 +209,159 @@ __device__ int sample_draw(const SampleParams& p, float floor, double target) {
   return last;
 }
 
+// ---- sample, fast path: top_k <= the block's threads, or min_p ------------------------------------
+// The keep threshold is at least `bound`: the top_k-th largest of the threads' own largest p (each
+// of the top_k threads above it holds an entry >= it, so at least top_k entries are) and min_p *
+// the largest p. The entries >= bound (the top-n of the row) are gathered in index order into
+// shared memory by one pass; when they fit, one warp finds the thresholds by the same bisections
+// over them alone and draws, instead of ~60 passes over the whole row.
+constexpr int kSampleCandidates = 4096;
+
+struct SampleCandidates {
+  float p[kSampleCandidates];
+  int index[kSampleCandidates];
+  int count;  // of entries >= the bound; past kSampleCandidates only the count is kept
+};
+
+// -1 when no setting bounds the threshold (the full path runs).
+__device__ float sample_lower_bound(const SampleParams& p, float thread_max, float pmax) {
+  __shared__ float maxima[kSampleThreads];
+  __shared__ float kth;
+  const bool by_k = p.top_k > 0 && p.top_k < p.vocab && p.top_k <= static_cast<int>(blockDim.x);
+  if (!by_k && !(p.min_p > 0.0f)) return -1.0f;
+  float bound = p.min_p > 0.0f ? __fmul_rn(p.min_p, pmax) : 0.0f;
+  if (!by_k) return bound;
+  maxima[threadIdx.x] = thread_max;
+  __syncthreads();
+  int rank = 0;  // descending, ties by thread: exactly one thread has rank top_k - 1
+  for (int j = 0; j < static_cast<int>(blockDim.x); ++j) {
+    const float other = maxima[j];
+    rank += other > thread_max || (other == thread_max && j < static_cast<int>(threadIdx.x));
+  }
+  if (rank == p.top_k - 1) kth = thread_max;
+  __syncthreads();
+  return fmaxf(bound, kth);
+}
+
+// Gathers the entries >= bound in index order (a block scan per chunk of blockDim entries);
+// returns how many there are (the gather stops once they overflow the buffer).
+__device__ int sample_gather(const SampleParams& p, float bound, SampleCandidates& c) {
+  __shared__ int warp_counts[kWarpSize];
+  const float* probs = static_cast<const float*>(p.probs);
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int warps = static_cast<int>(blockDim.x) / kWarpSize;
+  int running = 0;
+  for (int base = 0; base < p.vocab && running <= kSampleCandidates; base += blockDim.x) {
+    const int i = base + threadIdx.x;
+    const float v = i < p.vocab ? probs[i] : 0.0f;
+    const int keep = i < p.vocab && v >= bound;
+    int inclusive = keep;
+#pragma unroll
+    for (int offset = 1; offset < kWarpSize; offset *= 2) {
+      const int up = __shfl_up_sync(kFullMask, inclusive, offset);
+      if (lane >= offset) inclusive += up;
+    }
+    if (lane == kWarpSize - 1) warp_counts[warp] = inclusive;
+    __syncthreads();
+    int before = running;
+    for (int w = 0; w < warp; ++w) before += warp_counts[w];
+    const int slot = before + inclusive - keep;
+    if (keep && slot < kSampleCandidates) {
+      c.p[slot] = v;
+      c.index[slot] = i;
+    }
+    for (int w = 0; w < warps; ++w) running += warp_counts[w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) c.count = running;
+  __syncthreads();
+  return running;  // the same in every thread
+}
+
+// Over the first n candidates, one warp: the number (or, kMass, the double mass) of p >= threshold
+// among p >= floor, in every lane.
+template <bool kMass>
+__device__ double candidate_tally(const SampleCandidates& c, int n, float threshold, float floor) {
+  double partial = 0.0;
+  for (int j = threadIdx.x % kWarpSize; j < n; j += kWarpSize) {
+    const float v = c.p[j];
+    if (v >= threshold && v >= floor) partial += kMass ? static_cast<double>(v) : 1.0;
+  }
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) partial += __shfl_xor_sync(kFullMask, partial, offset);
+  return partial;
+}
+
+// sample_bisect over the candidates: the largest float t in [0, pmax] with tally(t) >= goal.
+template <bool kMass>
+__device__ float candidate_bisect(const SampleCandidates& c, int n, double goal, float floor, float pmax) {
+  uint32_t lo = 0u;
+  uint32_t hi = __float_as_uint(pmax) + 1u;
+  while (hi - lo > 1u) {
+    const uint32_t mid = lo + (hi - lo) / 2u;
+    if (candidate_tally<kMass>(c, n, __uint_as_float(mid), floor) >= goal) lo = mid; else hi = mid;
+  }
+  return __uint_as_float(lo);
+}
+
+// The first candidate (index order) whose running kept mass exceeds target, else the last kept.
+__device__ int candidate_draw(const SampleCandidates& c, int n, float floor, double target) {
+  const int lane = threadIdx.x % kWarpSize;
+  double running = 0.0;
+  int last_kept = c.index[0];
+  for (int base = 0; base < n; base += kWarpSize) {
+    const int j = base + lane;
+    const double mass = j < n && c.p[j] >= floor ? static_cast<double>(c.p[j]) : 0.0;
+    double inclusive = mass;
+#pragma unroll
+    for (int offset = 1; offset < kWarpSize; offset *= 2) {
+      const double up = __shfl_up_sync(kFullMask, inclusive, offset);
+      if (lane >= offset) inclusive += up;
+    }
+    int found = mass > 0.0 && running + inclusive > target ? lane : kWarpSize;
+    int kept = mass > 0.0 ? lane : -1;
+#pragma unroll
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+      found = min(found, __shfl_xor_sync(kFullMask, found, offset));
+      kept = max(kept, __shfl_xor_sync(kFullMask, kept, offset));
+    }
+    if (found < kWarpSize) return c.index[base + found];
+    if (kept >= 0) last_kept = c.index[base + kept];
+    running += __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
+  }
+  return last_kept;
+}
+
+// The full path's thresholds and draw over the candidates (warp 0; the entries below the bound
+// are below every threshold it finds).
+__device__ void sample_candidates(const SampleParams& p, const SampleCandidates& c, float pmax) {
+  const int n = c.count;
+  float floor = 0.0f;
+  if (p.top_k > 0 && p.top_k < p.vocab && n >= p.top_k) {
+    floor = candidate_bisect<false>(c, n, static_cast<double>(p.top_k), 0.0f, pmax);
+  }  // fewer than top_k candidates: the bound is min_p's, above the top_k-th p
+  if (p.min_p > 0.0f) floor = fmaxf(floor, __fmul_rn(p.min_p, pmax));
+  if (p.top_p < 1.0f) {
+    const double kept = candidate_tally<true>(c, n, 0.0f, floor);
+    floor = fmaxf(floor, candidate_bisect<true>(c, n, static_cast<double>(p.top_p) * kept, floor, pmax));
+  }
+  const double total = candidate_tally<true>(c, n, 0.0f, floor);
+  const int token = candidate_draw(c, n, floor, static_cast<double>(p.uniform) * total);
+  if (threadIdx.x == 0) static_cast<int32_t*>(p.out)[0] = min(token, p.vocab - 1);
+}
+
 __device__ void sample(const SampleParams& p) {
   __shared__ float scratch[kWarpSize];
+  __shared__ SampleCandidates candidates;
   if (p.vocab <= 0) return;
-  const float pmax = sample_softmax(p, scratch);
+  float thread_max;
+  const float pmax = sample_softmax(p, scratch, thread_max);
+  const float bound = sample_lower_bound(p, thread_max, pmax);
+  if (bound >= 0.0f && sample_gather(p, bound, candidates) <= kSampleCandidates) {
+    if (threadIdx.x < kWarpSize) sample_candidates(p, candidates, pmax);
+    return;
+  }
   float floor = 0.0f;
   if (p.top_k > 0 && p.top_k < p.vocab) floor = sample_bisect<false>(p, static_cast<double>(p.top_k), 0.0f, pmax);
   if (p.min_p > 0.0f) floor = fmaxf(floor, __fmul_rn(p.min_p, pmax));

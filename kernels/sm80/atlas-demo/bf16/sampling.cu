@@ -9,7 +9,9 @@ extern "C" __global__ void __launch_bounds__(atlas::kArgmaxThreads) atlas_argmax
   atlas::argmax_final(p);
 }
 
-extern "C" __global__ void __launch_bounds__(atlas::kSampleThreads) atlas_sample(const SampleParams p) {
+// One block per draw: minBlocks 1 lets ptxas use the 64 registers a 1024-thread block may have
+// (for sm_90a it otherwise plans two resident blocks, 32 registers, and spills the fast path).
+extern "C" __global__ void __launch_bounds__(atlas::kSampleThreads, 1) atlas_sample(const SampleParams p) {
   atlas::sample(p);
 }
 
