@@ -478,6 +478,28 @@ def test_penalize_matches_reference_bit_for_bit(env: Env, rng: np.random.Generat
     np.testing.assert_array_equal(env.gpu.to_numpy(device.counts), counts)
 
 
+@pytest.mark.parametrize("k", [1, 64, 256])
+def test_top_ids_match_reference(env: Env, rng: np.random.Generator, k: int) -> None:
+    """The k largest logits' ids in order (ties the lower id first, NaN never) into a poisoned
+    output; a flat row (every logit tied) lists everything on the demo and nothing past the
+    kernel's 4096 candidates. (k near 1024 over a 248K row would crowd the candidates: the
+    structured pick asks for 64.)"""
+    v = env.d("vocab_size")
+    logits = normal(rng, 1, v, scale=4)  # [1, V]
+    top = np.argsort(logits[0])[-max(k, 8):]
+    logits[0, rng.choice(top, 4, replace=False)] = logits[0].max()  # ties at the top
+    logits[0, rng.choice(v, 5, replace=False)] = np.nan
+    for row in (logits, np.zeros_like(logits)):
+        env.gpu.rt.reset_step()
+        env.gpu.rt.poison_scratch()
+        got = env.gpu.to_numpy(env.gpu.top_ids(env.gpu.upload(row, "f32"), min(k, v)))
+        want = env.ref.top_ids(row, min(k, v))
+        if row is logits or v <= 4096:
+            np.testing.assert_array_equal(got, want)
+        else:
+            assert np.all(got == -1), got[:8]
+
+
 def test_sample_extremes_match_reference(env: Env, rng: np.random.Generator) -> None:
     """Temperatures whose logits / T overflow (1e-30 on large logits), round to a float32 denormal
     (1e-45) or to 0 (1e-60); top_p that rounds to 0; NaN and +inf logits: the reference's token,

@@ -304,7 +304,7 @@ class Engine:
         if sampling.on_host:
             if penalties is None or penalties.constraint is None:
                 raise AtlasError("structured output needs its constraint: generate through atlas.LLM")
-            token = host_pick(self.backend.to_numpy(logits)[0], sampling, uniform, penalties.constraint)
+            token = self._structured_pick(logits, sampling, uniform, penalties.constraint)
             token_t = self.backend.upload(np.array([token], dtype=np.int32), "i32")
         else:
             token_t = self.backend.argmax(logits) if sampling.temperature == 0 else self.backend.sample(logits, sampling, uniform)
@@ -312,6 +312,18 @@ class Engine:
         if penalties is not None:
             penalties.add(token, token_t)
         return token, token_t
+
+    def _structured_pick(self, logits: Tensor, sampling: SamplingParams, uniform: float,
+                         constraint: OutputConstraint) -> int:
+        """A greedy pick (or a complete shape's end) tries the backend's most likely ids first, so
+        a GPU reads back 64 ids, not the row; the row only when none of them is allowed."""
+        from .structured import GREEDY_CANDIDATES
+
+        if sampling.temperature == 0 or constraint.complete:
+            token = constraint.first_allowed(self.backend.to_numpy(self.backend.top_ids(logits, GREEDY_CANDIDATES)))
+            if token is not None:
+                return token
+        return host_pick(self.backend.to_numpy(logits)[0], sampling, uniform, constraint)
 
     def token_logprob(self, logits: Tensor, token: int, top: int) -> TokenLogprob:
         """The picked token's log-probability under logits [1, V] and the `top` most likely (the

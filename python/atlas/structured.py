@@ -126,6 +126,16 @@ class OutputConstraint:
             data = self.token_bytes[token]
             assert data and self.matcher.feed(data), f"token {token} was not allowed"
 
+    def first_allowed(self, ids: np.ndarray) -> int | None:
+        """The first allowed token of ids (most likely first, -1 ends the list), if any: greedy()
+        from a backend's top_ids without reading the row back."""
+        for token in ids.tolist():
+            if token < 0:
+                break
+            if self.allows(token):
+                return int(token)
+        return None
+
     def greedy(self, logits: np.ndarray) -> int:
         """The most likely allowed token of logits [V] (NaN never; ties: the lower id)."""
         z = np.where(np.isnan(logits), -np.inf, logits)  # [V]

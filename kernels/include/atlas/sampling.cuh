@@ -218,44 +218,49 @@ __device__ int sample_draw(const SampleParams& p, float floor, double target) {
 constexpr int kSampleCandidates = 4096;
 
 struct SampleCandidates {
-  float p[kSampleCandidates];
+  float value[kSampleCandidates];  // p (sample) or the logit (top_ids)
   int index[kSampleCandidates];
   int count;  // of entries >= the bound; past kSampleCandidates only the count is kept
 };
 
-// -1 when no setting bounds the threshold (the full path runs).
-__device__ float sample_lower_bound(const SampleParams& p, float thread_max, float pmax) {
+// The k-th largest (k in 1..blockDim.x) of the threads' `mine`, in every thread: each thread's rank
+// (descending, ties by thread) is counted over all the others, and exactly one has rank k - 1.
+__device__ float block_kth_largest(float mine, int k) {
   __shared__ float maxima[kSampleThreads];
   __shared__ float kth;
-  const bool by_k = p.top_k > 0 && p.top_k < p.vocab && p.top_k <= static_cast<int>(blockDim.x);
-  if (!by_k && !(p.min_p > 0.0f)) return -1.0f;
-  float bound = p.min_p > 0.0f ? __fmul_rn(p.min_p, pmax) : 0.0f;
-  if (!by_k) return bound;
-  maxima[threadIdx.x] = thread_max;
+  maxima[threadIdx.x] = mine;
   __syncthreads();
-  int rank = 0;  // descending, ties by thread: exactly one thread has rank top_k - 1
+  int rank = 0;
   for (int j = 0; j < static_cast<int>(blockDim.x); ++j) {
     const float other = maxima[j];
-    rank += other > thread_max || (other == thread_max && j < static_cast<int>(threadIdx.x));
+    rank += other > mine || (other == mine && j < static_cast<int>(threadIdx.x));
   }
-  if (rank == p.top_k - 1) kth = thread_max;
+  if (rank == k - 1) kth = mine;
   __syncthreads();
-  return fmaxf(bound, kth);
+  return kth;
 }
 
-// Gathers the entries >= bound in index order (a block scan per chunk of blockDim entries);
-// returns how many there are (the gather stops once they overflow the buffer).
-__device__ int sample_gather(const SampleParams& p, float bound, SampleCandidates& c) {
+// -1 when no setting bounds the threshold (the full path runs).
+__device__ float sample_lower_bound(const SampleParams& p, float thread_max, float pmax) {
+  const bool by_k = p.top_k > 0 && p.top_k < p.vocab && p.top_k <= static_cast<int>(blockDim.x);
+  if (!by_k && !(p.min_p > 0.0f)) return -1.0f;
+  const float bound = p.min_p > 0.0f ? __fmul_rn(p.min_p, pmax) : 0.0f;
+  return by_k ? fmaxf(bound, block_kth_largest(thread_max, p.top_k)) : bound;
+}
+
+// Gathers the entries of values[0..n) that are >= bound (never NaN) in index order, a block scan
+// per chunk of blockDim entries; returns how many there are (the gather stops once they overflow
+// the buffer), the same in every thread.
+__device__ int gather_at_least(const float* values, int n, float bound, SampleCandidates& c) {
   __shared__ int warp_counts[kWarpSize];
-  const float* probs = static_cast<const float*>(p.probs);
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   const int warps = static_cast<int>(blockDim.x) / kWarpSize;
   int running = 0;
-  for (int base = 0; base < p.vocab && running <= kSampleCandidates; base += blockDim.x) {
+  for (int base = 0; base < n && running <= kSampleCandidates; base += blockDim.x) {
     const int i = base + threadIdx.x;
-    const float v = i < p.vocab ? probs[i] : 0.0f;
-    const int keep = i < p.vocab && v >= bound;
+    const float v = i < n ? values[i] : 0.0f;
+    const int keep = i < n && v >= bound;
     int inclusive = keep;
 #pragma unroll
     for (int offset = 1; offset < kWarpSize; offset *= 2) {
@@ -268,7 +273,7 @@ __device__ int sample_gather(const SampleParams& p, float bound, SampleCandidate
     for (int w = 0; w < warp; ++w) before += warp_counts[w];
     const int slot = before + inclusive - keep;
     if (keep && slot < kSampleCandidates) {
-      c.p[slot] = v;
+      c.value[slot] = v;
       c.index[slot] = i;
     }
     for (int w = 0; w < warps; ++w) running += warp_counts[w];
@@ -276,7 +281,7 @@ __device__ int sample_gather(const SampleParams& p, float bound, SampleCandidate
   }
   if (threadIdx.x == 0) c.count = running;
   __syncthreads();
-  return running;  // the same in every thread
+  return running;
 }
 
 // Over the first n candidates, one warp: the number (or, kMass, the double mass) of p >= threshold
@@ -285,7 +290,7 @@ template <bool kMass>
 __device__ double candidate_tally(const SampleCandidates& c, int n, float threshold, float floor) {
   double partial = 0.0;
   for (int j = threadIdx.x % kWarpSize; j < n; j += kWarpSize) {
-    const float v = c.p[j];
+    const float v = c.value[j];
     if (v >= threshold && v >= floor) partial += kMass ? static_cast<double>(v) : 1.0;
   }
 #pragma unroll
@@ -312,7 +317,7 @@ __device__ int candidate_draw(const SampleCandidates& c, int n, float floor, dou
   int last_kept = c.index[0];
   for (int base = 0; base < n; base += kWarpSize) {
     const int j = base + lane;
-    const double mass = j < n && c.p[j] >= floor ? static_cast<double>(c.p[j]) : 0.0;
+    const double mass = j < n && c.value[j] >= floor ? static_cast<double>(c.value[j]) : 0.0;
     double inclusive = mass;
 #pragma unroll
     for (int offset = 1; offset < kWarpSize; offset *= 2) {
@@ -358,7 +363,7 @@ __device__ void sample(const SampleParams& p) {
   float thread_max;
   const float pmax = sample_softmax(p, scratch, thread_max);
   const float bound = sample_lower_bound(p, thread_max, pmax);
-  if (bound >= 0.0f && sample_gather(p, bound, candidates) <= kSampleCandidates) {
+  if (bound >= 0.0f && gather_at_least(static_cast<const float*>(p.probs), p.vocab, bound, candidates) <= kSampleCandidates) {
     if (threadIdx.x < kWarpSize) sample_candidates(p, candidates, pmax);
     return;
   }
@@ -393,6 +398,32 @@ __device__ void penalize(const PenalizeParams& p) {
   }
   if (count > 0) z = __fsub_rn(z, __fadd_rn(__fmul_rn(p.frequency, static_cast<float>(count)), p.presence));
   static_cast<float*>(p.out)[i] = z;
+}
+
+// ---- top_ids ----------------------------------------------------------------------------------
+// The ids of the k (<= the block's threads) largest logits, descending, ties the lower id first,
+// NaN never: the k-th largest of the threads' own largest logit bounds them from below (as in
+// sample's fast path), the entries above it are gathered, and each finds its slot by its rank
+// among them. Slots past the candidates, or all of them when the gather overflows, are -1.
+__device__ void top_ids(const TopIdsParams& p) {
+  __shared__ SampleCandidates c;
+  const float* logits = static_cast<const float*>(p.logits);
+  int32_t* ids = static_cast<int32_t*>(p.ids);
+  float mine = -INFINITY;
+  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
+    const float v = logits[i];
+    if (!isnan(v)) mine = fmaxf(mine, v);
+  }
+  const int n = gather_at_least(logits, p.vocab, block_kth_largest(mine, p.k), c);
+  for (int slot = threadIdx.x; slot < p.k; slot += blockDim.x) ids[slot] = -1;
+  __syncthreads();  // the -1s land before the ranked ids overwrite them
+  if (n > kSampleCandidates) return;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const float v = c.value[j];
+    int rank = 0;
+    for (int m = 0; m < n; ++m) rank += c.value[m] > v || (c.value[m] == v && c.index[m] < c.index[j]);
+    if (rank < p.k) ids[rank] = c.index[j];
+  }
 }
 
 __device__ void count_token(const CountTokenParams& p) {

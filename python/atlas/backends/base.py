@@ -250,6 +250,11 @@ class Backend(Protocol):
     def count_token(self, counts: Tensor, token: Tensor) -> None:
         """counts [V] i32 += 1 at token [1] i32 (the pick just made, still on the device)."""
 
+    def top_ids(self, logits: Tensor, k: int) -> Tensor:
+        """logits [1, V] -> [k] i32: the ids of the k (1..1024) largest logits, descending, ties
+        the lower id first, NaN never; -1 past what the backend lists (the CUDA kernel lists none
+        when more than 4096 logits crowd the top: the caller reads the row instead)."""
+
     # --- execution ----------------------------------------------------------------------------
     def make_decode_step(self, step: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
         """Wrap the engine's decode step `step(ids [1] i32, positions [1] i32) -> out`. The

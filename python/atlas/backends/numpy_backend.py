@@ -318,6 +318,15 @@ class NumpyBackend:
     def count_token(self, counts: Tensor, token: Tensor) -> None:
         counts[int(token[0])] += 1
 
+    def top_ids(self, logits: Tensor, k: int) -> Tensor:
+        row = logits[0]  # [V]
+        listed = np.flatnonzero(~np.isnan(row))  # [V'] NaN never
+        if listed.size > k:  # those >= the k-th largest (its ties too), then their order
+            kth = np.partition(row[listed], listed.size - k)[listed.size - k]
+            listed = listed[row[listed] >= kth]
+        order = listed[np.lexsort((listed, -row[listed]))][:k]  # descending, ties the lower id first
+        return np.concatenate([order, np.full(k - order.size, -1)]).astype(np.int32)  # [k]
+
     # --- execution ----------------------------------------------------------------------------
     def make_decode_step(self, step: DecodeStep) -> DecodeStep:
         return step

@@ -198,6 +198,17 @@ class PenalizeParams(ctypes.Structure):
     ]
 
 
+class TopIdsParams(ctypes.Structure):
+    """atlas_top_ids (one block of 1024): the ids of the k largest logits, descending."""
+
+    _fields_ = [
+        ("logits", c_ptr),  # [vocab] f32
+        ("ids", c_ptr),  # [k] i32: -1 past what it lists
+        ("vocab", c_i32),
+        ("k", c_i32),  # 1..1024
+    ]
+
+
 class CountTokenParams(ctypes.Structure):
     """atlas_count_token (one warp): counts[*token] += 1 for a token inside [0, vocab)."""
 
@@ -223,4 +234,5 @@ ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (
     SampleParams,
     PenalizeParams,
     CountTokenParams,
+    TopIdsParams,
 )

@@ -22,3 +22,7 @@ extern "C" __global__ void __launch_bounds__(atlas::kPenalizeThreads) atlas_pena
 extern "C" __global__ void __launch_bounds__(32) atlas_count_token(const CountTokenParams p) {
   atlas::count_token(p);
 }
+
+extern "C" __global__ void __launch_bounds__(atlas::kSampleThreads, 1) atlas_top_ids(const TopIdsParams p) {
+  atlas::top_ids(p);
+}

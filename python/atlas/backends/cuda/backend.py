@@ -241,6 +241,9 @@ class CudaBackend:
     def count_token(self, counts: DeviceTensor, token: DeviceTensor) -> None:
         ops_dense.count_token(self.rt, counts, token)
 
+    def top_ids(self, logits: DeviceTensor, k: int) -> DeviceTensor:
+        return ops_dense.top_ids(self.rt, logits, k)
+
     # --- execution ----------------------------------------------------------------------------
     def make_decode_step(self, step: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         if not self.use_graphs:

@@ -429,6 +429,17 @@ def penalize(rt: CudaRuntime, logits: DeviceTensor, operands: PenaltyOperands, p
     return out
 
 
+def top_ids(rt: CudaRuntime, logits: DeviceTensor, k: int) -> DeviceTensor:
+    vocab = logits.shape[-1]
+    _expect(logits.numel == vocab, f"top_ids: logits {logits.shape}, expected one row [1, V]")
+    _expect_dtype("top_ids", "logits", logits, "f32")
+    _expect(1 <= k <= SAMPLE_THREADS, f"top_ids: k {k} outside 1..{SAMPLE_THREADS}")
+    out = rt.empty((k,), "i32")
+    launch = kp.TopIdsParams(logits=logits.ptr, ids=out.ptr, vocab=vocab, k=k)
+    rt.launch("atlas_top_ids", (1, 1, 1), (SAMPLE_THREADS, 1, 1), launch)
+    return out
+
+
 def count_token(rt: CudaRuntime, counts: DeviceTensor, token: DeviceTensor) -> None:
     _expect(counts.dtype == "i32" and token.dtype == "i32" and token.numel == 1,
             f"count_token: counts {counts.shape} {counts.dtype}, token {token.shape} {token.dtype}")
