@@ -13,7 +13,7 @@ import pytest
 from atlas import LLM
 from atlas.engine import GenerationRequest
 from atlas.errors import AtlasError
-from atlas.sampling import token_logprob
+from atlas.sampling import token_logprob, top_order
 from atlas.speculative import SpecStats
 from test_speculative import GREEDY, NO_EOS, plain_engine, spec_engine
 from test_speculative import demo_mtp as demo_mtp  # noqa: F401  (the module-scoped fixture)
@@ -98,3 +98,14 @@ def test_max_tokens_zero_needs_prompt_logprobs() -> None:
     with pytest.raises(AtlasError, match="max_tokens must be an integer >= 1"):
         LLM(device="cpu").generate("Flat is", max_tokens=0)
     assert LLM(device="cpu").generate("Flat is", max_tokens=0, prompt_logprobs=0).token_ids == []
+
+
+def test_top_order_is_the_full_sorts_head(rng: np.random.Generator) -> None:
+    """The alternatives come from the values at or above the top-th largest, not a sort of the
+    row; the order is still the full sort's (largest first, ties the lower id first)."""
+    for _ in range(300):
+        values = rng.integers(-5, 5, int(rng.integers(1, 300))).astype(np.float64)  # many ties
+        if rng.random() < 0.3:
+            values[rng.integers(0, values.size, 3)] = -np.inf
+        top = int(rng.integers(0, values.size + 3))
+        np.testing.assert_array_equal(top_order(values, top), np.lexsort((np.arange(values.size), -values))[:top])

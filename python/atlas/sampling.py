@@ -231,8 +231,19 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     z = np.where(np.isnan(logits), -np.inf, logits).astype(np.float64)  # [V]
     peak = z.max()
     logprobs = z - (peak + np.log(np.exp(z - peak).sum())) if np.isfinite(peak) else np.full_like(z, -np.log(z.size))
-    order = np.lexsort((np.arange(z.size), -logprobs))[:top]  # [top]
+    order = top_order(logprobs, top)  # [top]
     return TokenLogprob(token, float(logprobs[token]), tuple((int(i), float(logprobs[i])) for i in order))
+
+
+def top_order(values: np.ndarray, top: int) -> np.ndarray:
+    """The ids of the `top` largest values [V], largest first, ties the lower id first: the
+    values at or above the top-th largest (its ties too) sorted, not the whole row."""
+    if top <= 0:
+        return np.zeros(0, dtype=np.int64)
+    ids = np.arange(values.size)  # [V]
+    if top < values.size:
+        ids = np.flatnonzero(values >= np.partition(values, values.size - top)[values.size - top])  # [>= top]
+    return ids[np.lexsort((ids, -values[ids]))][:top]
 
 
 def choose_token(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:

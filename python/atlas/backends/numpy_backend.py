@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..quant.stored import QuantizedWeight
-from ..sampling import choose_token, penalize_row
+from ..sampling import choose_token, penalize_row, top_order
 from .base import (
     DeltaNetInputs,
     DeltaNetOperands,
@@ -321,10 +321,7 @@ class NumpyBackend:
     def top_ids(self, logits: Tensor, k: int) -> Tensor:
         row = logits[0]  # [V]
         listed = np.flatnonzero(~np.isnan(row))  # [V'] NaN never
-        if listed.size > k:  # those >= the k-th largest (its ties too), then their order
-            kth = np.partition(row[listed], listed.size - k)[listed.size - k]
-            listed = listed[row[listed] >= kth]
-        order = listed[np.lexsort((listed, -row[listed]))][:k]  # descending, ties the lower id first
+        order = listed[top_order(row[listed].astype(np.float64), k)]  # descending, ties the lower id first
         return np.concatenate([order, np.full(k - order.size, -1)]).astype(np.int32)  # [k]
 
     # --- execution ----------------------------------------------------------------------------
