@@ -69,6 +69,7 @@ def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Gen
         ops_dense.penalize(rt, f(1, v), PenaltyOperands(i32(v), i32(v), bias), SamplingParams(presence_penalty=1.5), True)
     ops_dense.count_token(rt, i32(v), i32(1))
     ops_dense.top_ids(rt, f(1, v), int(rng.integers(1, 1025)))
+    ops_dense.logprob_rows(rt, f(tokens, v), i32(tokens), int(rng.integers(0, 21)))
     return {"tokens": tokens, "prefill": prefill, "capacity": capacity, "n": n}
 
 

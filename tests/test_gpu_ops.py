@@ -500,6 +500,30 @@ def test_top_ids_match_reference(env: Env, rng: np.random.Generator, k: int) -> 
             assert np.all(got == -1), got[:8]
 
 
+@pytest.mark.parametrize("top", [0, 5, 20])
+def test_logprob_rows_match_reference(env: Env, rng: np.random.Generator, top: int) -> None:
+    """Per row: the log-sum-exp (double, as hi + lo) within 1e-12 of the numpy op's, the token's
+    logit and the top ids and logits exactly, into poisoned outputs; a row with NaN and +-inf
+    logits and an all -inf row too."""
+    v, rows = env.d("vocab_size"), 5
+    logits = normal(rng, rows, v, scale=4)  # [R, V]
+    logits[1, rng.choice(v, 6, replace=False)] = [np.nan, np.nan, -np.inf, -np.inf, np.inf, logits[1].max()]
+    logits[2] = -np.inf
+    tokens = rng.integers(0, v, rows).astype(np.int32)
+    env.gpu.rt.reset_step()
+    env.gpu.rt.poison_scratch()
+    got = env.gpu.logprob_rows(env.gpu.upload(logits, "f32"), env.gpu.upload(tokens, "i32"), top)
+    want = env.ref.logprob_rows(logits, tokens, top)
+    lse_got, lse_want = (env.gpu.to_numpy(got.lse).astype(np.float64), want.lse.astype(np.float64))
+    np.testing.assert_array_equal(np.isfinite(lse_got[:, 0]), np.isfinite(lse_want[:, 0]))
+    finite = np.isfinite(lse_want[:, 0])
+    np.testing.assert_allclose(lse_got[finite].sum(-1), lse_want[finite].sum(-1), rtol=1e-12)
+    np.testing.assert_array_equal(env.gpu.to_numpy(got.picked), want.picked)
+    listed = finite & np.isfinite(logits).any(-1)
+    np.testing.assert_array_equal(env.gpu.to_numpy(got.ids)[listed], want.ids[listed])
+    np.testing.assert_array_equal(env.gpu.to_numpy(got.values)[listed], want.values[listed])
+
+
 def test_sample_extremes_match_reference(env: Env, rng: np.random.Generator) -> None:
     """Temperatures whose logits / T overflow (1e-30 on large logits), round to a float32 denormal
     (1e-45) or to 0 (1e-60); top_p that rounds to 0; NaN and +inf logits: the reference's token,

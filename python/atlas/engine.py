@@ -190,15 +190,15 @@ class Engine:
         self, hidden: Tensor, positions: Tensor, prompt_ids: list[int], span: tuple[int, int], top: int
     ) -> list[TokenLogprob]:
         """A pass's rows start..stop-1 (hidden [n, H]) score the prompt tokens after them, in blocks
-        of SCORE_ROWS rows (a block's logits [rows, V] are read back)."""
+        of SCORE_ROWS rows."""
         start, stop = span
         end = min(stop, len(prompt_ids) - 1)  # row p scores token p + 1
         scored: list[TokenLogprob] = []
         for a in range(start, end, SCORE_ROWS):
             b = min(a + SCORE_ROWS, end)
             rows = self.backend.embedding(hidden, self.backend.upload(np.arange(a - start, b - start, dtype=np.int32), "i32"))
-            logits = self.backend.to_numpy(self.model.logits(Step(self.backend, positions), rows))  # [b - a, V]
-            scored += [token_logprob(row, prompt_ids[p + 1], top) for p, row in zip(range(a, b), logits)]
+            logits = self.model.logits(Step(self.backend, positions), rows)  # [b - a, V]
+            scored += self.score_rows(logits, prompt_ids[a + 1 : b + 1], top)
         return scored
 
     def resume(self, prompt_ids: list[int], usable: ResumeFilter | None = None) -> Resume:
@@ -326,9 +326,25 @@ class Engine:
         return host_pick(self.backend.to_numpy(logits)[0], sampling, uniform, constraint)
 
     def token_logprob(self, logits: Tensor, token: int, top: int) -> TokenLogprob:
-        """The picked token's log-probability under logits [1, V] and the `top` most likely (the
-        row read back: a GPU pays a V-float copy per token, only when asked)."""
-        return token_logprob(self.backend.to_numpy(logits)[0], token, top)
+        """The picked token's log-probability under logits [1, V] and the `top` most likely."""
+        return self.score_rows(logits, [token], top)[0]
+
+    def score_rows(self, logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+        """Each row of logits [R, V] scoring its token (sampling.token_logprob's values) from
+        Backend.logprob_rows, so a GPU reads back a few floats a row; a row it cannot summarise
+        (its peak not finite, or fewer than `top` ids listed) is read back whole."""
+        summary = self.backend.logprob_rows(logits, self.backend.upload(np.array(tokens, dtype=np.int32), "i32"), top)
+        lse, picked, ids, values = (self.backend.to_numpy(t) for t in (summary.lse, summary.picked, summary.ids, summary.values))
+        scored, whole = [], None
+        for r, token in enumerate(tokens):
+            if not np.isfinite(lse[r, 0]) or (top and ids[r].min() < 0):
+                whole = self.backend.to_numpy(logits) if whole is None else whole  # [R, V]
+                scored.append(token_logprob(whole[r], token, top))
+                continue
+            shift = float(lse[r, 0]) + float(lse[r, 1])
+            alternatives = tuple((int(i), float(v) - shift) for i, v in zip(ids[r], values[r]))
+            scored.append(TokenLogprob(token, float(picked[r]) - shift, alternatives))
+        return scored
 
     def generate(
         self,

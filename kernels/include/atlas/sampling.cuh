@@ -400,29 +400,73 @@ __device__ void penalize(const PenalizeParams& p) {
   static_cast<float*>(p.out)[i] = z;
 }
 
-// ---- top_ids ----------------------------------------------------------------------------------
-// The ids of the k (<= the block's threads) largest logits, descending, ties the lower id first,
-// NaN never: the k-th largest of the threads' own largest logit bounds them from below (as in
-// sample's fast path), the entries above it are gathered, and each finds its slot by its rank
-// among them. Slots past the candidates, or all of them when the gather overflows, are -1.
-__device__ void top_ids(const TopIdsParams& p) {
+// ---- top_ids, logprob_rows ------------------------------------------------------------------
+// The ids of the k (<= the block's threads) largest logits of a row, descending, ties the lower id
+// first, NaN never: the k-th largest of the threads' own largest logit bounds them from below (as
+// in sample's fast path), the entries above it are gathered, and each finds its slot by its rank
+// among them (values, when given, get the logits). Slots past the candidates, or all of them when
+// the gather overflows, are -1.
+__device__ void top_of_row(const float* logits, int vocab, int k, int32_t* ids, float* values) {
   __shared__ SampleCandidates c;
-  const float* logits = static_cast<const float*>(p.logits);
-  int32_t* ids = static_cast<int32_t*>(p.ids);
   float mine = -INFINITY;
-  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
     const float v = logits[i];
     if (!isnan(v)) mine = fmaxf(mine, v);
   }
-  const int n = gather_at_least(logits, p.vocab, block_kth_largest(mine, p.k), c);
-  for (int slot = threadIdx.x; slot < p.k; slot += blockDim.x) ids[slot] = -1;
+  const int n = gather_at_least(logits, vocab, block_kth_largest(mine, k), c);
+  for (int slot = threadIdx.x; slot < k; slot += blockDim.x) ids[slot] = -1;
   __syncthreads();  // the -1s land before the ranked ids overwrite them
   if (n > kSampleCandidates) return;
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
     const float v = c.value[j];
     int rank = 0;
     for (int m = 0; m < n; ++m) rank += c.value[m] > v || (c.value[m] == v && c.index[m] < c.index[j]);
-    if (rank < p.k) ids[rank] = c.index[j];
+    if (rank < k) {
+      ids[rank] = c.index[j];
+      if (values != nullptr) values[rank] = v;
+    }
+  }
+}
+
+__device__ void top_ids(const TopIdsParams& p) {
+  top_of_row(static_cast<const float*>(p.logits), p.vocab, p.k, static_cast<int32_t*>(p.ids), nullptr);
+}
+
+// One block per row: log-sum-exp of the row in double (atlas.sampling.token_logprob's
+// peak + log(sum(exp(z - peak))), NaN read as -inf) as float hi + lo, the logit of the row's token,
+// and its top k logits; the host forms the log-probabilities. A row whose peak is not finite
+// reports it in hi (the host reads that row instead).
+__device__ void logprob_rows(const LogprobParams& p) {
+  __shared__ float scratch[kWarpSize];
+  const int row = blockIdx.x;
+  if (row >= p.rows) return;
+  const float* logits = static_cast<const float*>(p.logits) + static_cast<int64_t>(row) * p.vocab;
+  float mine = -INFINITY;
+  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
+    const float v = logits[i];
+    if (!isnan(v)) mine = fmaxf(mine, v);
+  }
+  const float peak = block_max(mine, scratch);
+  double partial = 0.0;
+  if (isfinite(peak)) {
+    for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
+      const float v = logits[i];
+      if (!isnan(v)) partial += exp(static_cast<double>(v) - static_cast<double>(peak));
+    }
+  }
+  const double total = block_sum_f64(partial);
+  if (threadIdx.x == 0) {
+    const double lse = isfinite(peak) ? static_cast<double>(peak) + log(total) : static_cast<double>(peak);
+    const float hi = static_cast<float>(lse);
+    float* out = static_cast<float*>(p.lse) + 2 * row;
+    out[0] = hi;
+    out[1] = isfinite(hi) ? static_cast<float>(lse - static_cast<double>(hi)) : 0.0f;
+    const float picked = logits[static_cast<const int32_t*>(p.tokens)[row]];
+    static_cast<float*>(p.picked)[row] = isnan(picked) ? -INFINITY : picked;
+  }
+  if (p.k > 0) {
+    top_of_row(logits, p.vocab, p.k, static_cast<int32_t*>(p.ids) + row * p.k,
+               static_cast<float*>(p.values) + row * p.k);
   }
 }
 

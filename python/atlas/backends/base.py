@@ -83,6 +83,16 @@ class PenaltyOperands:
 
 
 @dataclass(frozen=True)
+class LogprobTensors:
+    """Backend.logprob_rows' answer for [R] rows: what their token log-probabilities need."""
+
+    lse: Tensor  # [R, 2] f32: each row's log-sum-exp as hi + lo (hi not finite: the row's peak is not)
+    picked: Tensor  # [R] f32: the logit of the row's token (NaN as -inf)
+    ids: Tensor  # [R, k] i32: the k largest logits' ids (top_ids' order; -1 past what is listed)
+    values: Tensor  # [R, k] f32: their logits
+
+
+@dataclass(frozen=True)
 class DeltaNetInputs:
     """One step's inputs of a Gated DeltaNet layer (parts of its fused input projection)."""
 
@@ -249,6 +259,11 @@ class Backend(Protocol):
 
     def count_token(self, counts: Tensor, token: Tensor) -> None:
         """counts [V] i32 += 1 at token [1] i32 (the pick just made, still on the device)."""
+
+    def logprob_rows(self, logits: Tensor, tokens: Tensor, top: int) -> LogprobTensors:
+        """logits [R, V], tokens [R] i32, top 0..1024 -> what atlas.sampling.token_logprob needs of
+        each row, in a few floats (log-sum-exp in double, the token's logit, the top ids and
+        logits), so a GPU reads back those instead of the rows."""
 
     def top_ids(self, logits: Tensor, k: int) -> Tensor:
         """logits [1, V] -> [k] i32: the ids of the k (1..1024) largest logits, descending, ties

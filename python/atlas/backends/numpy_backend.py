@@ -13,6 +13,7 @@ from .base import (
     DeltaNetInputs,
     DeltaNetOperands,
     KVCache,
+    LogprobTensors,
     PenaltyOperands,
     SamplingParams,
     StorageDType,
@@ -317,6 +318,18 @@ class NumpyBackend:
 
     def count_token(self, counts: Tensor, token: Tensor) -> None:
         counts[int(token[0])] += 1
+
+    def logprob_rows(self, logits: Tensor, tokens: Tensor, top: int) -> LogprobTensors:
+        z = np.where(np.isnan(logits), -np.inf, logits).astype(np.float64)  # [R, V]
+        peak = z.max(axis=-1)  # [R]
+        finite = np.isfinite(peak)
+        with np.errstate(invalid="ignore", over="ignore"):  # rows whose peak is not finite: reported as it
+            lse = np.where(finite, peak + np.log(np.exp(z - peak[:, None]).sum(-1)), peak)  # [R]
+            hi = lse.astype(np.float32)  # [R]
+            lo = np.where(np.isfinite(hi), lse - hi.astype(np.float64), 0.0).astype(np.float32)  # [R]
+        ids = np.stack([self.top_ids(row[None], top) for row in logits]) if top else np.zeros((len(logits), 0), np.int32)
+        values = np.take_along_axis(logits, np.maximum(ids, 0), axis=-1).astype(np.float32)  # [R, k]
+        return LogprobTensors(np.stack([hi, lo], -1), z[np.arange(len(z)), tokens].astype(np.float32), ids, values)
 
     def top_ids(self, logits: Tensor, k: int) -> Tensor:
         row = logits[0]  # [V]

@@ -209,6 +209,22 @@ class TopIdsParams(ctypes.Structure):
     ]
 
 
+class LogprobParams(ctypes.Structure):
+    """atlas_logprob_rows (a block of 1024 per row): what a row's token log-probabilities need."""
+
+    _fields_ = [
+        ("logits", c_ptr),  # [rows, vocab] f32
+        ("tokens", c_ptr),  # [rows] i32: the token each row scores (in 0..vocab-1)
+        ("lse", c_ptr),  # [rows, 2] f32: log-sum-exp as hi + lo
+        ("picked", c_ptr),  # [rows] f32: the token's logit (NaN as -inf)
+        ("ids", c_ptr),  # [rows, k] i32: the top k ids, -1 past what is listed
+        ("values", c_ptr),  # [rows, k] f32: their logits
+        ("rows", c_i32),
+        ("vocab", c_i32),
+        ("k", c_i32),  # 0..1024
+    ]
+
+
 class CountTokenParams(ctypes.Structure):
     """atlas_count_token (one warp): counts[*token] += 1 for a token inside [0, vocab)."""
 
@@ -235,4 +251,5 @@ ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (
     PenalizeParams,
     CountTokenParams,
     TopIdsParams,
+    LogprobParams,
 )

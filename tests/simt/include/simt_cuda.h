@@ -125,6 +125,7 @@ inline float rsqrtf(float a) { return 1.0f / std::sqrt(a); }
 inline float __expf(float a) { return std::exp(a); }
 inline float __frcp_rn(float a) { return 1.0f / a; }
 
+using std::isfinite;
 using std::isinf;
 using std::isnan;
 using std::max;

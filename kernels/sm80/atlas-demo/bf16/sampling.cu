@@ -26,3 +26,7 @@ extern "C" __global__ void __launch_bounds__(32) atlas_count_token(const CountTo
 extern "C" __global__ void __launch_bounds__(atlas::kSampleThreads, 1) atlas_top_ids(const TopIdsParams p) {
   atlas::top_ids(p);
 }
+
+extern "C" __global__ void __launch_bounds__(atlas::kSampleThreads, 1) atlas_logprob_rows(const LogprobParams p) {
+  atlas::logprob_rows(p);
+}

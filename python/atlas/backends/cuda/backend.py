@@ -15,6 +15,7 @@ from ..base import (
     DeltaNetInputs,
     DeltaNetOperands,
     KVCache,
+    LogprobTensors,
     PenaltyOperands,
     SamplingParams,
     StorageDType,
@@ -243,6 +244,9 @@ class CudaBackend:
 
     def top_ids(self, logits: DeviceTensor, k: int) -> DeviceTensor:
         return ops_dense.top_ids(self.rt, logits, k)
+
+    def logprob_rows(self, logits: DeviceTensor, tokens: DeviceTensor, top: int) -> LogprobTensors:
+        return ops_dense.logprob_rows(self.rt, logits, tokens, top)
 
     # --- execution ----------------------------------------------------------------------------
     def make_decode_step(self, step: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

@@ -15,7 +15,7 @@ from atlas.errors import AtlasError
 from atlas.kernel_params import dense as kp
 from atlas.sampling import check_sampling
 
-from ..base import SamplingParams
+from ..base import LogprobTensors, SamplingParams
 from .ops_common import INT32_MAX, FormSwitch, ceil_div as _ceil_div, expect as _expect
 
 if TYPE_CHECKING:
@@ -437,6 +437,20 @@ def top_ids(rt: CudaRuntime, logits: DeviceTensor, k: int) -> DeviceTensor:
     out = rt.empty((k,), "i32")
     launch = kp.TopIdsParams(logits=logits.ptr, ids=out.ptr, vocab=vocab, k=k)
     rt.launch("atlas_top_ids", (1, 1, 1), (SAMPLE_THREADS, 1, 1), launch)
+    return out
+
+
+def logprob_rows(rt: CudaRuntime, logits: DeviceTensor, tokens: DeviceTensor, top: int) -> LogprobTensors:
+    vocab = logits.shape[-1]
+    rows = logits.numel // vocab if vocab else 0
+    _expect_dtype("logprob_rows", "logits", logits, "f32")
+    _expect(tokens.dtype == "i32" and tokens.numel == rows, f"logprob_rows: tokens {tokens.shape} for {rows} rows")
+    _expect(0 <= top <= SAMPLE_THREADS and rows > 0, f"logprob_rows: top {top} outside 0..{SAMPLE_THREADS}")
+    out = LogprobTensors(rt.empty((rows, 2), "f32"), rt.empty((rows,), "f32"), rt.empty((rows, top), "i32"),
+                         rt.empty((rows, top), "f32"))
+    launch = kp.LogprobParams(logits=logits.ptr, tokens=tokens.ptr, lse=out.lse.ptr, picked=out.picked.ptr,
+                              ids=out.ids.ptr, values=out.values.ptr, rows=rows, vocab=vocab, k=top)
+    rt.launch("atlas_logprob_rows", (rows, 1, 1), (SAMPLE_THREADS, 1, 1), launch)
     return out
 
 
