@@ -93,6 +93,18 @@ __device__ void argmax_final(const ArgmaxParams& p) {
 
 // ---- sample ----------------------------------------------------------------------------------
 
+// This lane's inclusive prefix sum over the warp's values, in lane order.
+template <class T>
+__device__ __forceinline__ T warp_inclusive_sum(T value) {
+  const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    const T up = __shfl_up_sync(kFullMask, value, offset);
+    if (lane >= offset) value += up;
+  }
+  return value;
+}
+
 __device__ __forceinline__ double block_sum_f64(double value) {
   __shared__ double scratch[kWarpSize];
   const int lane = threadIdx.x % kWarpSize;
@@ -183,12 +195,7 @@ __device__ int sample_draw(const SampleParams& p, float floor, double target) {
     const float v = i < p.vocab ? probs[i] : 0.0f;
     const double mass = v >= floor ? static_cast<double>(v) : 0.0;
     if (mass > 0.0) last_kept = i;
-    double inclusive = mass;
-#pragma unroll
-    for (int offset = 1; offset < kWarpSize; offset *= 2) {
-      const double up = __shfl_up_sync(kFullMask, inclusive, offset);
-      if (lane >= offset) inclusive += up;
-    }
+    const double inclusive = warp_inclusive_sum(mass);
     if (lane == kWarpSize - 1) warp_totals[warp] = inclusive;
     __syncthreads();
     double before = running;
@@ -261,12 +268,7 @@ __device__ int gather_at_least(const float* values, int n, float bound, SampleCa
     const int i = base + threadIdx.x;
     const float v = i < n ? values[i] : 0.0f;
     const int keep = i < n && v >= bound;
-    int inclusive = keep;
-#pragma unroll
-    for (int offset = 1; offset < kWarpSize; offset *= 2) {
-      const int up = __shfl_up_sync(kFullMask, inclusive, offset);
-      if (lane >= offset) inclusive += up;
-    }
+    const int inclusive = warp_inclusive_sum(keep);
     if (lane == kWarpSize - 1) warp_counts[warp] = inclusive;
     __syncthreads();
     int before = running;
@@ -318,12 +320,7 @@ __device__ int candidate_draw(const SampleCandidates& c, int n, float floor, dou
   for (int base = 0; base < n; base += kWarpSize) {
     const int j = base + lane;
     const double mass = j < n && c.value[j] >= floor ? static_cast<double>(c.value[j]) : 0.0;
-    double inclusive = mass;
-#pragma unroll
-    for (int offset = 1; offset < kWarpSize; offset *= 2) {
-      const double up = __shfl_up_sync(kFullMask, inclusive, offset);
-      if (lane >= offset) inclusive += up;
-    }
+    const double inclusive = warp_inclusive_sum(mass);
     int found = mass > 0.0 && running + inclusive > target ? lane : kWarpSize;
     int kept = mass > 0.0 ? lane : -1;
 #pragma unroll
