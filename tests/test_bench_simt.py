@@ -64,7 +64,6 @@ def check_decode_result(r: dict[str, Any]) -> None:
     assert r["model"] == f"qwen3.6-35b-a3b dims, {LAYERS} layers, synthetic weights"
     assert "host SIMT emulator" in r["device"]
     assert math.isfinite(r["decode_tok_s"]) and r["decode_tok_s"] > 0
-    assert math.isfinite(r["decode_sampled_tok_s"]) and r["decode_sampled_tok_s"] > 0
     assert r["decode_tokens"] == bench_decode.DECODE_TOKENS - 1
     parts = r["decode_bytes_per_token"]
     assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
@@ -76,6 +75,7 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
     out.mkdir(), variants.mkdir()
     main = run_decode_bench(emulated, out / "results.json")
     check_decode_result(main)
+    assert math.isfinite(main["decode_sampled_tok_s"]) and main["decode_sampled_tok_s"] > 0
     assert_rates(main["prefill_tok_s"], {"4", "8"})
     assert main["kernel_forms"]["ATLAS_GEMM"] == "mma"
     # No CUDA torch here: the comparison is attempted and its failure recorded, not raised.
