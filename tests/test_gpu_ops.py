@@ -481,8 +481,8 @@ def test_penalize_matches_reference_bit_for_bit(env: Env, rng: np.random.Generat
 @pytest.mark.parametrize("k", [1, 64, 256])
 def test_top_ids_match_reference(env: Env, rng: np.random.Generator, k: int) -> None:
     """The k largest logits' ids in order (ties the lower id first, NaN never) into a poisoned
-    output; a flat row (every logit tied) lists everything on the demo and nothing past the
-    kernel's 4096 candidates. (k near 1024 over a 248K row would crowd the candidates: the
+    output; a flat row (every logit tied) lists everything on the demo, and at the Qwen3.6
+    vocabulary nothing (past the kernel's 4096 candidates) or everything. (k near 1024 over a 248K row would crowd the candidates: the
     structured pick asks for 64.)"""
     v = env.d("vocab_size")
     logits = normal(rng, 1, v, scale=4)  # [1, V]
@@ -496,8 +496,8 @@ def test_top_ids_match_reference(env: Env, rng: np.random.Generator, k: int) -> 
         want = env.ref.top_ids(row, min(k, v))
         if row is logits or v <= 4096:
             np.testing.assert_array_equal(got, want)
-        else:
-            assert np.all(got == -1), got[:8]
+        else:  # the kernel lists none (its buffer would overflow); a backend may list them all
+            assert np.all(got == -1) or np.array_equal(got, want), got[:8]
 
 
 @pytest.mark.parametrize("top", [0, 5, 20])
