@@ -524,6 +524,23 @@ def test_logprob_rows_match_reference(env: Env, rng: np.random.Generator, top: i
     np.testing.assert_array_equal(env.gpu.to_numpy(got.values)[listed], want.values[listed])
 
 
+def test_sample_top_p_alone_matches_reference(env: Env, rng: np.random.Generator) -> None:
+    """top_p without top_k / min_p: a peaked row (the gathered candidates carry the top_p mass), a
+    row whose mass sits in a long, nearly flat tail (the candidates fit but carry too little, so the
+    full path runs) and a flat row (too many candidates): the reference's token each time."""
+    v = env.d("vocab_size")
+    for kind in ("peaked", "tail", "flat"):
+        for _ in range(3):
+            if kind == "peaked":
+                logits = normal(rng, 1, v, scale=4)
+            elif kind == "tail":
+                logits = normal(rng, 1, v, scale=0.01)
+                logits[0, rng.choice(v, size=max(1, v // 250), replace=False)] += 2.0
+            else:
+                logits = np.zeros((1, v), dtype=np.float32)
+            check_sample(env, logits, SamplingParams(0.6 if kind == "peaked" else 1.0, 0, 0.9), float(rng.random()), kind)
+
+
 def test_sample_extremes_match_reference(env: Env, rng: np.random.Generator) -> None:
     """Temperatures whose logits / T overflow (1e-30 on large logits), round to a float32 denormal
     (1e-45) or to 0 (1e-60); top_p that rounds to 0; NaN and +inf logits: the reference's token,

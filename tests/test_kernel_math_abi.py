@@ -456,32 +456,46 @@ def sample_probs(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray
 
 SAMPLE_THREADS = 1024  # sampling.cuh kSampleThreads
 SAMPLE_CANDIDATES = 4096  # kSampleCandidates
+TOP_P_BOUND_RANK = 896  # kTopPBoundRank
+
+
+def kth_thread_max(probs: np.ndarray, k: int) -> float:
+    """block_kth_largest over the threads' own largest p (a thread without entries reports 0)."""
+    maxima = np.zeros(SAMPLE_THREADS, dtype=np.float32)
+    np.maximum.at(maxima, np.arange(probs.size) % SAMPLE_THREADS, probs)
+    return float(np.sort(maxima)[::-1][k - 1])
 
 
 def emulate_fast_sample(logits: np.ndarray, params: SamplingParams, uniform: float) -> int | None:
     """sample's fast path (None where the full path runs): the bound from the threads' own largest
-    p and min_p, the entries >= it in index order, the same bisections and draw over them alone."""
+    p and min_p, or for top_p alone a guessed bound the candidates' mass must confirm; the entries
+    >= it in index order, the same bisections and draw over them alone."""
     probs, pmax = sample_probs(logits, params)
     by_k = 0 < params.top_k < probs.size and params.top_k <= SAMPLE_THREADS
-    if not by_k and not params.min_p > 0:
+    certain = by_k or params.min_p > 0
+    top_p = np.float32(params.top_p)
+    if not certain and not top_p < 1.0:
         return None
     bound = float(np.float32(params.min_p) * pmax) if params.min_p > 0 else 0.0
     if by_k:
-        maxima = np.zeros(SAMPLE_THREADS, dtype=np.float32)  # a thread without entries reports 0
-        np.maximum.at(maxima, np.arange(probs.size) % SAMPLE_THREADS, probs)
-        bound = max(bound, float(np.sort(maxima)[::-1][params.top_k - 1]))
+        bound = max(bound, kth_thread_max(probs, params.top_k))
+    if not certain:
+        bound = kth_thread_max(probs, TOP_P_BOUND_RANK)
     kept_index = np.nonzero(probs >= bound)[0]
     if kept_index.size > SAMPLE_CANDIDATES:
         return None
     candidates = probs[kept_index]
+    row_mass = _tally(probs, 0.0, 0.0, True)
+    if not certain and _tally(candidates, 0.0, 0.0, True) < float(top_p) * row_mass:
+        return None
     floor = 0.0
     if by_k and kept_index.size >= params.top_k:
         floor = _bisect(candidates, float(params.top_k), 0.0, False, pmax)
     if params.min_p > 0:
         floor = max(floor, float(np.float32(params.min_p) * pmax))
-    top_p = np.float32(params.top_p)
     if top_p < 1.0:
-        floor = max(floor, _bisect(candidates, float(top_p) * _tally(candidates, 0.0, floor, True), floor, True, pmax))
+        kept = _tally(candidates, 0.0, floor, True) if certain else row_mass
+        floor = max(floor, _bisect(candidates, float(top_p) * kept, floor, True, pmax))
     masses = np.where(candidates >= floor, candidates, 0).astype(np.float64)
     target = float(np.float32(uniform)) * _tally(candidates, 0.0, floor, True)
     above = np.nonzero((masses > 0) & (np.cumsum(masses) > target))[0]
@@ -520,21 +534,30 @@ def test_sort_free_sample_equals_the_reference_choice(rng: np.random.Generator) 
 
 
 def test_fast_sample_path_keeps_the_full_paths_thresholds(rng: np.random.Generator) -> None:
-    """Over a Qwen-sized row: the fast path runs for top_k and min_p settings (not for plain
-    top_p, nor when the bound leaves more entries than the buffer holds: a flat row) and picks
-    the reference's token."""
+    """Over a Qwen-sized row: the fast path runs for top_k, min_p and top_p settings and picks the
+    reference's token; it does not for plain temperature sampling (nothing cuts the row), when the
+    bound leaves more entries than the buffer holds (a flat row), nor for top_p alone when the
+    entries above the guessed bound carry less than top_p of the mass (a long, nearly flat tail)."""
     vocab = 248_320
-    for params, flat, runs in [(SamplingParams(1.0, 20, 0.95, presence_penalty=1.5), False, True),
-                               (SamplingParams(0.6, 20, 0.95), False, True), (SamplingParams(0.7, 200, 1.0), False, True),
-                               (SamplingParams(1.0, 0, 1.0, min_p=0.05), False, True), (SamplingParams(0.7, 0, 0.8), False, False),
-                               (SamplingParams(1.0, 20, 0.95), True, False), (SamplingParams(1.0, 2000, 1.0), False, False)]:
-        logits = np.zeros(vocab, dtype=np.float32) if flat else (rng.standard_normal(vocab) * 3).astype(np.float32)
-        uniform = float(rng.random())
-        fast = emulate_fast_sample(logits, params, uniform)
-        assert (fast is not None) == runs, params
-        if runs:
-            assert fast == choose_token(logits, params, uniform), params
-
+    peaked = (rng.standard_normal(vocab) * 3).astype(np.float32)
+    tail = (rng.standard_normal(vocab) * 0.01).astype(np.float32)  # [V] the mass is in the tail
+    tail[rng.choice(vocab, 1000, replace=False)] += 2.0
+    cases = [(SamplingParams(1.0, 20, 0.95, presence_penalty=1.5), peaked, True),
+             (SamplingParams(0.6, 20, 0.95), peaked, True), (SamplingParams(0.7, 200, 1.0), peaked, True),
+             (SamplingParams(1.0, 0, 1.0, min_p=0.05), peaked, True), (SamplingParams(0.6, 0, 0.8), peaked, True),
+             (SamplingParams(0.6, 0, 0.95), peaked, True), (SamplingParams(1.0, 0, 1e-9), peaked, True),
+             (SamplingParams(1.0, 0, 0.95), peaked, False),  # at T 1 the top 95 % spans ~20K entries
+             (SamplingParams(1.0, 0, 1.0), peaked, False), (SamplingParams(1.0, 20, 0.95), np.zeros_like(peaked), False),
+             (SamplingParams(1.0, 0, 0.9), np.zeros_like(peaked), False), (SamplingParams(1.0, 0, 0.9), tail, False),
+             (SamplingParams(1.0, 2000, 1.0), peaked, False)]
+    for params, logits, runs in cases:
+        for _ in range(2):
+            uniform = float(rng.random())
+            fast = emulate_fast_sample(logits, params, uniform)
+            assert (fast is not None) == runs, params
+            if runs:
+                assert fast == choose_token(logits, params, uniform), params
+            assert emulate_sample(logits, params, uniform) == choose_token(logits, params, uniform), params
 
 
 def test_sort_free_sample_extremes_equal_the_reference_choice(rng: np.random.Generator) -> None:

@@ -7,7 +7,8 @@
 //     bisection over the bit patterns of non-negative floats (their order is the integer order),
 //     counting / summing over the row per step; masses are summed in double like the reference.
 //     The final draw is a block-wide prefix sum in index order. min_p raises the keep threshold
-//     to min_p * the largest p before top_p sees the kept mass.
+//     to min_p * the largest p before top_p sees the kept mass. With top_k, min_p or top_p the
+//     thresholds are usually found over the few thousand largest p alone (the fast path below).
 //   penalize: one thread per vocabulary entry, atlas.sampling.penalize_row's float32 steps in its
 //     order (logit_bias, the ending ids before min_tokens, repetition, presence + frequency), with
 //     explicit round-to-nearest intrinsics so no multiply-add is contracted into an FMA the
@@ -216,13 +217,17 @@ __device__ int sample_draw(const SampleParams& p, float floor, double target) {
   return last;
 }
 
-// ---- sample, fast path: top_k <= the block's threads, or min_p ------------------------------------
+// ---- sample, fast path: top_k <= the block's threads, min_p, or top_p alone ------------------------
 // The keep threshold is at least `bound`: the top_k-th largest of the threads' own largest p (each
 // of the top_k threads above it holds an entry >= it, so at least top_k entries are) and min_p *
 // the largest p. The entries >= bound (the top-n of the row) are gathered in index order into
 // shared memory by one pass; when they fit, one warp finds the thresholds by the same bisections
 // over them alone and draws, instead of ~60 passes over the whole row.
+// top_p alone bounds nothing by itself: the bound is then a guess (the kTopPBoundRank-th largest
+// thread maximum: ~2K entries of an i.i.d. 248K row) that holds only when the entries above it
+// carry at least top_p of the row's mass, which is checked; a flat row takes the full path.
 constexpr int kSampleCandidates = 4096;
+constexpr int kTopPBoundRank = 896;
 
 struct SampleCandidates {
   float value[kSampleCandidates];  // p (sample) or the logit (top_ids)
@@ -247,12 +252,24 @@ __device__ float block_kth_largest(float mine, int k) {
   return kth;
 }
 
-// -1 when no setting bounds the threshold (the full path runs).
+__device__ __forceinline__ bool bounded_by_top_k(const SampleParams& p) {
+  return p.top_k > 0 && p.top_k < p.vocab && p.top_k <= static_cast<int>(blockDim.x);
+}
+
+// Whether top_k or min_p keeps a set whose smallest p the bound cannot exceed; otherwise top_p is
+// the only cut and the bound is a guess the candidates' mass must confirm.
+__device__ __forceinline__ bool bound_is_certain(const SampleParams& p) {
+  return bounded_by_top_k(p) || p.min_p > 0.0f;
+}
+
+// -1 when no setting cuts the row (the full path runs: it is ~5 passes then).
 __device__ float sample_lower_bound(const SampleParams& p, float thread_max, float pmax) {
-  const bool by_k = p.top_k > 0 && p.top_k < p.vocab && p.top_k <= static_cast<int>(blockDim.x);
-  if (!by_k && !(p.min_p > 0.0f)) return -1.0f;
+  if (!bound_is_certain(p)) {
+    const int rank = min(kTopPBoundRank, static_cast<int>(blockDim.x));
+    return p.top_p < 1.0f ? block_kth_largest(thread_max, rank) : -1.0f;
+  }
   const float bound = p.min_p > 0.0f ? __fmul_rn(p.min_p, pmax) : 0.0f;
-  return by_k ? fmaxf(bound, block_kth_largest(thread_max, p.top_k)) : bound;
+  return bounded_by_top_k(p) ? fmaxf(bound, block_kth_largest(thread_max, p.top_k)) : bound;
 }
 
 // Gathers the entries of values[0..n) that are >= bound (never NaN) in index order, a block scan
@@ -336,8 +353,8 @@ __device__ int candidate_draw(const SampleCandidates& c, int n, float floor, dou
 }
 
 // The full path's thresholds and draw over the candidates (warp 0; the entries below the bound
-// are below every threshold it finds).
-__device__ void sample_candidates(const SampleParams& p, const SampleCandidates& c, float pmax) {
+// are below every threshold it finds). row_mass: the whole row's, top_p's base when it cuts alone.
+__device__ void sample_candidates(const SampleParams& p, const SampleCandidates& c, float pmax, double row_mass) {
   const int n = c.count;
   float floor = 0.0f;
   if (p.top_k > 0 && p.top_k < p.vocab && n >= p.top_k) {
@@ -345,7 +362,7 @@ __device__ void sample_candidates(const SampleParams& p, const SampleCandidates&
   }  // fewer than top_k candidates: the bound is min_p's, above the top_k-th p
   if (p.min_p > 0.0f) floor = fmaxf(floor, __fmul_rn(p.min_p, pmax));
   if (p.top_p < 1.0f) {
-    const double kept = candidate_tally<true>(c, n, 0.0f, floor);
+    const double kept = bound_is_certain(p) ? candidate_tally<true>(c, n, 0.0f, floor) : row_mass;
     floor = fmaxf(floor, candidate_bisect<true>(c, n, static_cast<double>(p.top_p) * kept, floor, pmax));
   }
   const double total = candidate_tally<true>(c, n, 0.0f, floor);
@@ -360,9 +377,15 @@ __device__ void sample(const SampleParams& p) {
   float thread_max;
   const float pmax = sample_softmax(p, scratch, thread_max);
   const float bound = sample_lower_bound(p, thread_max, pmax);
-  if (bound >= 0.0f && gather_at_least(static_cast<const float*>(p.probs), p.vocab, bound, candidates) <= kSampleCandidates) {
-    if (threadIdx.x < kWarpSize) sample_candidates(p, candidates, pmax);
-    return;
+  const float* probs = static_cast<const float*>(p.probs);
+  if (bound >= 0.0f && gather_at_least(probs, p.vocab, bound, candidates) <= kSampleCandidates) {
+    const double row_mass = bound_is_certain(p) ? 0.0 : sample_tally<true>(p, 0.0f, 0.0f);
+    // Every warp sums the candidates in the same order, so all take the same branch.
+    const double top_p_goal = static_cast<double>(p.top_p) * row_mass;
+    if (bound_is_certain(p) || candidate_tally<true>(candidates, candidates.count, 0.0f, 0.0f) >= top_p_goal) {
+      if (threadIdx.x < kWarpSize) sample_candidates(p, candidates, pmax, row_mass);
+      return;
+    }
   }
   float floor = 0.0f;
   if (p.top_k > 0 && p.top_k < p.vocab) floor = sample_bisect<false>(p, static_cast<double>(p.top_k), 0.0f, pmax);
