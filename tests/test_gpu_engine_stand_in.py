@@ -99,6 +99,7 @@ def test_demo_recites_with_a_quantized_cache(stand_in: None, level: str) -> None
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_gpu_tests_pass(stand_in: None, demo_mtp: Path, k: int, rng: np.random.Generator) -> None:  # noqa: F811
     test_speculative.test_gpu_greedy_unchanged(demo_mtp, k, rng)
+    test_speculative.test_gpu_sampled_unchanged(demo_mtp, k, rng)
     test_speculative.test_gpu_rollback_under_chosen_acceptance(demo_mtp, rng)
     test_speculative.test_gpu_speculation_resumes_from_the_prompt_cache(demo_mtp, rng)
 

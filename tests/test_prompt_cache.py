@@ -187,23 +187,27 @@ def head_rows(e: SpeculativeEngine, positions: int) -> list[np.ndarray]:
     return [np.asarray(e.mtp_cache.k[:positions], np.float32), np.asarray(e.mtp_cache.v[:positions], np.float32)]
 
 
-@pytest.mark.parametrize("first_sampled", [False, True])
-def test_speculative_resume_keeps_the_head_rows(demo_mtp: Path, rng: np.random.Generator, first_sampled: bool) -> None:
-    """Greedy output with speculation and the cache equals plain greedy; after a greedy first turn
-    the second resumes at the end checkpoint with the head's rows as a fresh prefill writes them
-    (after a sampled first turn the head's rows were not written, so it runs in full)."""
+@pytest.mark.parametrize("first_turn", ["greedy", "sampled", "scored"])
+def test_speculative_resume_keeps_the_head_rows(demo_mtp: Path, rng: np.random.Generator, first_turn: str) -> None:
+    """Greedy output with speculation and the cache equals plain greedy; after a greedy or a
+    sampled first turn (both speculate) the second resumes at the end checkpoint with the head's
+    rows as a fresh prefill writes them (after a turn that asked for logprobs, which decodes
+    without the head, its rows were not written, so the second runs in full)."""
+    from atlas.engine import GenerationRequest
+
     cached, fresh, plain = spec_engine(demo_mtp, 4), spec_engine(demo_mtp, 0), engine(0, demo_mtp)
-    sampling = SamplingParams(temperature=0.7) if first_sampled else GREEDY
+    sampling = GREEDY if first_turn == "greedy" else SamplingParams(temperature=0.7)
     for _ in range(MAX_DRAWS):
         first = ids(rng, 140)
-        gen = cached.generate(first, NEW_TOKENS, sampling, 1, NO_EOS).token_ids
+        request = GenerationRequest(first, NEW_TOKENS, sampling, 1, NO_EOS, logprobs=1 if first_turn == "scored" else None)
+        gen = cached.run(request).token_ids
         second = first + [gen[0] ^ 1] + ids(rng, 9)  # the head's row 139 must read the new token 140
         want = plain.generate(second, 12, GREEDY, None, NO_EOS).token_ids
         if well_conditioned(demo_mtp, second, want):
             break
     got = cached.generate(second, 12, GREEDY, None, NO_EOS)
     assert got.token_ids == want
-    assert got.cached_tokens == (0 if first_sampled else len(first))  # the live state has no head row
+    assert got.cached_tokens == (0 if first_turn == "scored" else len(first))  # the live state has no head row
     cursor, want_cursor = cached._prefill(second), fresh._prefill(second)  # type: ignore[attr-defined]
     assert cached._draft(cursor, 2) == fresh._draft(want_cursor, 2)  # type: ignore[attr-defined]
     for g, w in zip(head_rows(cached, len(second)), head_rows(fresh, len(second)), strict=True):

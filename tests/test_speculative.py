@@ -1,6 +1,7 @@
 """MTP speculative decoding: greedy output with speculation equals greedy output without, for
 K = 1, 2, 3, on the demo model and on random tiny checkpoints extended with a random MTP head;
-the rollback under every acceptance pattern; loading, --no-spec and the CLI flags."""
+sampled output (penalties, logit_bias, min_tokens, structured output) equals plain decoding's with
+the same seed; the rollback under every acceptance pattern; loading, --no-spec and the CLI flags."""
 
 from __future__ import annotations
 
@@ -222,12 +223,78 @@ def test_pre_norm_hidden_source(demo_mtp: Path) -> None:
     assert greedy(spec_engine(demo_mtp, 2, hidden_source="pre_norm"), prompt, 24).token_ids == expected
 
 
-def test_sampling_decodes_without_speculation(demo_mtp: Path, rng: np.random.Generator) -> None:
+SAMPLED = [
+    SamplingParams(temperature=0.9, top_k=20),
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=0.6, top_k=20, top_p=0.95, presence_penalty=1.5),
+    SamplingParams(temperature=1.2, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5),
+    SamplingParams(presence_penalty=2.0),  # penalized greedy
+]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("sampling", SAMPLED, ids=range(len(SAMPLED)))
+def test_sampled_output_unchanged(demo_mtp: Path, k: int, sampling: SamplingParams, rng: np.random.Generator) -> None:
+    """Each emitted token is the main model's pick with plain decoding's random draw: the same
+    seed gives plain decoding's tokens (the random head's drafts are mostly rejected; accepted
+    ones: test_sampled_rollback_under_chosen_acceptance)."""
     prompt, seed = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT), int(rng.integers(1 << 30))
-    sampling = SamplingParams(temperature=0.9, top_k=20)
-    expected = plain_engine(demo_mtp).generate(prompt, 20, sampling, seed, NO_EOS).token_ids
-    stats = spec_engine(demo_mtp, 2).generate(prompt, 20, sampling, seed, NO_EOS)
-    assert stats.token_ids == expected and getattr(stats, "drafted", 0) == 0
+    expected = plain_engine(demo_mtp).generate(prompt, 40, sampling, seed, NO_EOS).token_ids
+    stats = spec_engine(demo_mtp, k).generate(prompt, 40, sampling, seed, NO_EOS)
+    assert isinstance(stats, SpecStats) and stats.drafted > 0
+    assert stats.token_ids == expected
+    check_rounds(stats, 40)
+
+
+def test_sampled_min_tokens_and_logit_bias(demo_mtp: Path, rng: np.random.Generator) -> None:
+    """The ending ids masked before min_tokens counts the emitted tokens, not the drafts; a banned
+    token is never emitted although the head (which sees no logit_bias) may draft it."""
+    prompt, seed = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT), int(rng.integers(1 << 30))
+    free = plain_engine(demo_mtp).generate(prompt, 30, SamplingParams(temperature=0.7), seed, NO_EOS).token_ids
+    end, banned = free[5], free[2]  # a token that would end it early, one it would pick
+    sampling = SamplingParams(temperature=0.7, min_tokens=12, logit_bias=((banned, -100.0),))
+    expected = plain_engine(demo_mtp).generate(prompt, 30, sampling, seed, {end}).token_ids
+    stats = spec_engine(demo_mtp, 3).generate(prompt, 30, sampling, seed, {end})
+    assert stats.token_ids == expected and stats.drafted > 0
+    assert banned not in stats.token_ids and end not in stats.token_ids[:11]
+
+
+@pytest.mark.parametrize("p_wrong", [0.35, 1.0])
+def test_sampled_rollback_under_chosen_acceptance(demo_mtp: Path, p_wrong: float, rng: np.random.Generator) -> None:
+    """Drafts from the plain sampled continuation with chosen tokens corrupted: the output stays
+    plain decoding's and exactly the drafts before the first corrupted one are accepted (a
+    rejected row's pick is the plain one: its draw was not spent on the draft)."""
+    prompt, seed = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT), int(rng.integers(1 << 30))
+    vocab, max_tokens = load_spec(demo_mtp).vocab_size, 33
+    sampling = SamplingParams(temperature=1.0, top_k=40, presence_penalty=0.5)
+    expected = plain_engine(demo_mtp).generate(prompt, max_tokens, sampling, seed, NO_EOS).token_ids
+    engine = spec_engine(demo_mtp, 3)
+    want = {"drafted": 0, "accepted": 0}
+
+    def draft(cursor: Cursor, k: int) -> list[int]:
+        emitted = cursor.position - len(prompt) + 1
+        truth = expected[emitted : emitted + k]
+        wrong = (rng.random(k) < p_wrong).tolist()
+        want["drafted"] += k
+        want["accepted"] += wrong.index(True) if True in wrong else k
+        return [(t + 1) % vocab if w else t for t, w in zip(truth, wrong, strict=True)]
+
+    engine._draft = draft  # type: ignore[method-assign]
+    stats = engine.generate(prompt, max_tokens, sampling, seed, NO_EOS)
+    assert stats.token_ids == expected
+    assert (stats.drafted, stats.accepted) == (want["drafted"], want["accepted"])
+    check_rounds(stats, max_tokens)
+
+
+def test_logprobs_decode_without_speculation(demo_mtp: Path, rng: np.random.Generator) -> None:
+    from atlas.engine import GenerationRequest
+
+    prompt, seed = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT), int(rng.integers(1 << 30))
+    request = GenerationRequest(prompt, 20, SamplingParams(temperature=0.9, top_k=20), seed, NO_EOS, logprobs=2)
+    expected = plain_engine(demo_mtp).run(request)
+    stats = spec_engine(demo_mtp, 2).run(request)
+    assert stats.token_ids == expected.token_ids and getattr(stats, "drafted", 0) == 0
+    assert [s.logprob for s in stats.logprobs] == pytest.approx([s.logprob for s in expected.logprobs])
 
 
 def test_stops_at_eos(demo_mtp: Path) -> None:
@@ -294,6 +361,20 @@ def test_stream_speculates_and_equals_generate(demo_mtp: Path) -> None:
     assert result.spec_drafted > 0 and result.spec_rounds > 0
     assert "".join(llm.stream(DEMO_PROMPT, max_tokens=25)) == result.text
     assert LLM(str(demo_mtp), "cpu", spec_k=0).generate(DEMO_PROMPT, max_tokens=25).text == result.text
+
+
+def test_sampled_structured_stream_speculates_and_equals_plain(demo_mtp: Path, rng: np.random.Generator) -> None:
+    """JSON mode, sampled with a seed: stream() and generate() speculate (the constraint advances
+    by the emitted tokens only) and give the plain engine's text."""
+    from atlas.llm import LLM
+
+    seed = int(rng.integers(1 << 30))
+    opts = {"max_tokens": 30, "temperature": 0.8, "top_k": 30, "seed": seed, "json_object": True}
+    spec, plain = LLM(str(demo_mtp), "cpu", spec_k=3), LLM(str(demo_mtp), "cpu", spec_k=0)
+    result = spec.generate(DEMO_PROMPT, **opts)
+    assert result.spec_drafted > 0
+    assert result.text == plain.generate(DEMO_PROMPT, **opts).text
+    assert "".join(spec.stream(DEMO_PROMPT, **opts)) == result.text
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -379,6 +460,20 @@ def test_gpu_greedy_unchanged(demo_mtp: Path, k: int, rng: np.random.Generator) 
         want = plain.generate(prompt, max_tokens=48).token_ids  # type: ignore[attr-defined]
         result = spec.generate(prompt, max_tokens=48)  # type: ignore[attr-defined]
         assert result.token_ids == want and result.spec_drafted > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 3])
+def test_gpu_sampled_unchanged(demo_mtp: Path, k: int, rng: np.random.Generator) -> None:
+    """Sampled with penalties on the CUDA backend: the verify pass's rows (copied out of the
+    [K+1, V] logits) are penalized, sampled and counted on the device one by one, and a seed
+    gives plain decoding's tokens on the same GPU."""
+    plain, spec = cuda_llm(demo_mtp, 0), cuda_llm(demo_mtp, k)
+    opts = {"max_tokens": 48, "temperature": 0.8, "top_k": 20, "presence_penalty": 0.5,
+            "seed": int(rng.integers(1 << 30))}
+    want = plain.generate(DEMO_PROMPT, **opts).token_ids  # type: ignore[attr-defined]
+    result = spec.generate(DEMO_PROMPT, **opts)  # type: ignore[attr-defined]
+    assert result.token_ids == want and result.spec_drafted > 0
 
 
 @pytest.mark.gpu

@@ -111,7 +111,7 @@ ENGINE_OPTIONS = (
     click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
     click.option(
         "--spec-k", type=click.IntRange(1, 3), default=None,
-        help="MTP speculative decoding: draft this many tokens per pass (default 2 when the checkpoint has the MTP head; greedy only).",
+        help="MTP speculative decoding: draft this many tokens per pass (default 2 when the checkpoint has the MTP head).",
     ),
     click.option("--no-spec", is_flag=True, help="No speculative decoding; the MTP head is not loaded."),
     click.option(

@@ -92,7 +92,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     engine: EngineLike
     device: str  # which backend runs and why, e.g. "cpu (numpy ...; cuda unavailable: ...)"
-    speculation: str = "off"  # e.g. "MTP k=2 (greedy requests)" or why it is off
+    speculation: str = "off"  # e.g. "MTP k=2" or why it is off
 
 
 def load_model(
@@ -340,19 +340,21 @@ def iter_tokens(
     with opts.prompt_logprobs, the prompt's go to `prompt_scores` before the first token."""
     import numpy as np
 
+    from .sampling import pick_state
+
     sampling = sampling_params(opts)
-    speculative = getattr(engine, "speculative_tokens", None)  # atlas.speculative: plain greedy only
-    scored = opts.logprobs is not None or opts.prompt_logprobs is not None
-    if speculative is not None and sampling.raw_greedy and not scored:
-        for count, token in enumerate(speculative(prompt_ids, opts.max_tokens), start=1):
+    rng = np.random.default_rng(opts.seed)
+    penalties = pick_state(prompt_ids, eos_ids, sampling, constraint)
+    speculative = getattr(engine, "speculative_tokens", None)  # atlas.speculative: not when scoring
+    if speculative is not None and opts.logprobs is None and opts.prompt_logprobs is None and opts.max_tokens > 0:
+        from .speculative import Picks
+
+        picks = Picks(sampling, rng, penalties)
+        for count, token in enumerate(speculative(prompt_ids, opts.max_tokens, picks=picks), start=1):
             yield token
             if token in eos_ids or count == opts.max_tokens:
                 return
         return
-    from .sampling import pick_state
-
-    rng = np.random.default_rng(opts.seed)
-    penalties = pick_state(prompt_ids, eos_ids, sampling, constraint)
     if opts.prompt_logprobs is None:
         logits = engine.prefill(prompt_ids)
     else:

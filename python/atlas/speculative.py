@@ -1,6 +1,15 @@
-"""MTP speculative decoding (greedy): the MTP head drafts K tokens, the main model verifies
-them in one prefill-style pass over K+1 positions, the longest matching prefix is kept plus the
-main model's own next token (the bonus), so the output equals plain greedy decoding.
+"""MTP speculative decoding: the MTP head drafts K tokens (its argmax), the main model verifies
+them in one prefill-style pass over K+1 positions, the longest prefix the main model's own picks
+agree with is kept plus the main model's pick after it (the bonus), so the output equals plain
+decoding's.
+
+Sampled requests too. The main model's rows are picked in order as plain decoding picks (the
+same penalties, structured-output mask and one random draw per pick), up to the first pick that
+differs from its draft. Each emitted token is thus a draw from the main model's distribution
+after the tokens before it, with the same draw plain decoding would make there: with a seed the
+output is plain decoding's token for token (a draft is kept with probability p(draft), which is
+speculative sampling's rule min(1, p/q) for a draft distribution q that is one-hot on the draft,
+and a rejected row's pick is a draw from p without the draft, the residual max(0, p - q)).
 
 Rollback on rejection. The KV caches of full-attention layers (main and MTP) need none: a row is
 only read after the step that owns its position wrote it, so rows past the accepted prefix are
@@ -24,7 +33,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .backends.base import Backend, Tensor
+import numpy as np
+
+from .backends.base import Backend, SamplingParams, Tensor
 from .backends.run_plan import DEFAULT_MAX_SEQ_LEN, RunPlan
 from .config import ModelSpec
 from .engine import Engine, GenerationRequest, GenerationStats
@@ -32,7 +43,7 @@ from .errors import AtlasError
 from .layers.step import Step
 from .prompt_cache import StateCheckpoint
 from .safetensors import Checkpoint
-from .sampling import check_sampling
+from .sampling import Penalties, check_logit_bias_ids, check_sampling, pick_state
 from .snapshot import DeltaNetSnapshot, persist
 
 DEFAULT_SPEC_K = 2
@@ -66,6 +77,25 @@ class Cursor:
     mtp_last: int  # the row whose output drafts the token after `token`
 
 
+@dataclass
+class Picks:
+    """How one request's tokens are chosen: its settings, random draws and pick state (penalty
+    history, structured-output constraint), as Engine.run would carry them."""
+
+    sampling: SamplingParams
+    rng: np.random.Generator
+    penalties: Penalties | None = None
+
+    @classmethod
+    def of(cls, request: GenerationRequest) -> Picks:
+        state = pick_state(request.prompt_ids, request.eos_ids, request.sampling, request.constraint)
+        return cls(request.sampling, np.random.default_rng(request.seed), state)
+
+    @classmethod
+    def greedy(cls) -> Picks:
+        return cls(SamplingParams(), np.random.default_rng(0))  # argmax: no draws
+
+
 def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
     """How many drafts match the main model's greedy tokens (greedy[i] follows drafts[:i])."""
     count = 0
@@ -75,8 +105,8 @@ def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
 
 
 class SpeculativeEngine(Engine):
-    """An Engine that decodes greedy requests with the MTP head; sampled or penalized requests and
-    requests for logprobs decode as usual."""
+    """An Engine that decodes with the MTP head; requests for logprobs decode as usual (they score
+    every emitted token's row)."""
 
     def __init__(
         self,
@@ -107,22 +137,23 @@ class SpeculativeEngine(Engine):
         self.mtp_rows = 0  # the head's KV rows 0.. that hold its inputs for the live sequence
 
     def prefill(self, prompt_ids: list[int]) -> Tensor:
-        """The plain path's prefill (sampled requests): the head's rows past the resume point are
-        not written, so they no longer match."""
+        """The plain path's prefill (requests for logprobs): the head's rows past the resume point
+        are not written, so they no longer match."""
         logits = super().prefill(prompt_ids)
         self.mtp_rows = min(self.mtp_rows, self.prompt_cache.last_hit)
         return logits
 
     # --- generation ---------------------------------------------------------------------------
     def run(self, request: GenerationRequest) -> GenerationStats:
-        plain = not request.sampling.raw_greedy or request.logprobs is not None or request.prompt_logprobs is not None
-        if plain or request.max_tokens <= 0:  # logprobs read every position's logits back
+        scored = request.logprobs is not None or request.prompt_logprobs is not None
+        if scored or request.max_tokens <= 0:
             return super().run(request)
         check_sampling(request.sampling)
+        check_logit_bias_ids(request.sampling, self.spec.vocab_size)
         self.check_ids(request.prompt_ids, request.max_tokens - 1)  # the last token is not fed
         stats = SpecStats(prompt_tokens=len(request.prompt_ids), spec_k=self.spec_k)
         started = time.perf_counter()
-        for token in self.speculative_tokens(request.prompt_ids, request.max_tokens, stats):
+        for token in self.speculative_tokens(request.prompt_ids, request.max_tokens, stats, Picks.of(request)):
             if not stats.token_ids:
                 stats.prefill_seconds = time.perf_counter() - started
                 started = time.perf_counter()
@@ -133,17 +164,19 @@ class SpeculativeEngine(Engine):
         return stats
 
     def speculative_tokens(
-        self, prompt_ids: list[int], max_tokens: int, stats: SpecStats | None = None
+        self, prompt_ids: list[int], max_tokens: int, stats: SpecStats | None = None, picks: Picks | None = None
     ) -> Iterator[int]:
-        """Greedy tokens after the prompt, at most max_tokens; the caller stops at eos."""
+        """The tokens after the prompt (greedy when `picks` is None), at most max_tokens; the
+        caller stops at eos."""
         stats = stats if stats is not None else SpecStats(spec_k=self.spec_k)
-        cursor = self._prefill(prompt_ids)
+        picks = picks if picks is not None else Picks.greedy()
+        cursor = self._prefill(prompt_ids, picks)
         yield cursor.token
         emitted = 1
         while emitted < max_tokens:
             k = min(self.spec_k, max_tokens - emitted - 1, self.max_seq_len - cursor.position - 1)
             drafts = self._draft(cursor, k) if k > 0 else []
-            cursor, accepted = self._verify(cursor, drafts)
+            cursor, accepted = self._verify(cursor, drafts, picks)
             stats.rounds += 1
             stats.drafted += len(drafts)
             stats.accepted += accepted
@@ -172,14 +205,28 @@ class SpeculativeEngine(Engine):
         out = self.model.forward(step, ids, self.states)
         return out, captured[name]
 
-    def _greedy(self, hidden: Tensor, positions: Tensor) -> list[int]:
+    def _targets(self, hidden: Tensor, positions: Tensor, picks: Picks, drafts: list[int], skip: int = 0) -> list[int]:
+        """The main model's picks over rows skip.. of hidden [T, H] (row skip+i follows drafts[:i]):
+        the drafts it agrees with, then its own pick after them. Raw greedy: one argmax over all
+        rows; otherwise Engine.pick_tensor row by row, stopping at the first disagreement, so only
+        emitted tokens are picked (each with its random draw, counted in the penalty history)."""
         logits = self.model.logits(Step(self.backend, positions, self.dump), hidden)  # [T, V]
-        return [int(t) for t in self.backend.to_numpy(self.backend.argmax(logits))]
+        if picks.sampling.raw_greedy:
+            greedy = [int(t) for t in self.backend.to_numpy(self.backend.argmax(logits))][skip:]
+            return greedy[: accepted_prefix(drafts, greedy) + 1]
+        chosen: list[int] = []
+        for i in range(len(drafts) + 1):
+            row = logits if int(logits.shape[0]) == 1 else self._row(logits, skip + i)  # [1, V]
+            chosen.append(self.pick_tensor(row, picks.sampling, picks.rng, picks.penalties)[0])
+            if i == len(drafts) or chosen[-1] != drafts[i]:
+                break
+        return chosen
 
-    def _prefill(self, prompt_ids: list[int]) -> Cursor:
+    def _prefill(self, prompt_ids: list[int], picks: Picks | None = None) -> Cursor:
         """The prompt in passes after what the prompt cache holds; the head takes each pass's rows
         but the last at once (their next tokens are known), the last pass's with the first draft."""
         self.check_ids(prompt_ids, 0)
+        picks = picks if picks is not None else Picks.greedy()
         resume = self.resume(prompt_ids, self._head_ready)
         n = len(prompt_ids)
         if resume.checkpoint is not None:
@@ -187,7 +234,7 @@ class SpeculativeEngine(Engine):
             head_input = persist(self.backend, resume.checkpoint.head_input)  # [1, H] the head's row start-1
             if resume.start == n:  # all of the prompt was a checkpoint's
                 _, positions = self._ids(prompt_ids[-1:], n - 1)
-                token = self._greedy(resume.checkpoint.hidden, positions)[0]
+                token = self._targets(resume.checkpoint.hidden, positions, picks, [])[0]
                 return Cursor(n, token, [], n - 1, [token], head_input, 0)
             self._head_rows(prompt_ids, resume.start - 1, resume.start, head_input)
         for start, stop, positions, out, mtp_in in self.prompt_forwards(prompt_ids, resume.start, self._main_forward):
@@ -195,7 +242,7 @@ class SpeculativeEngine(Engine):
                 self._head_rows(prompt_ids, start, stop, persist(self.backend, mtp_in))
         mtp_hidden = persist(self.backend, mtp_in)
         last = stop - start - 1
-        token = self._greedy(self._row(out, last), positions)[0]
+        token = self._targets(self._row(out, last), positions, picks, [])[0]
         return Cursor(n, token, [], start, [*prompt_ids[start + 1 :], token], mtp_hidden, last)
 
     def _head_rows(self, prompt_ids: list[int], start: int, stop: int, hidden: Tensor) -> None:
@@ -205,7 +252,7 @@ class SpeculativeEngine(Engine):
         self.mtp_rows = stop
 
     def _head_ready(self, start: int, checkpoint: StateCheckpoint | None) -> bool:
-        """Whether a greedy prefill can resume at `start`: the head's rows before start-1 hold this
+        """Whether a speculative prefill can resume at `start`: the head's rows before start-1 hold this
         prefix's inputs, and the checkpoint has the row start-1 reads (the live states have not)."""
         return checkpoint is not None and checkpoint.has_head_input and self.mtp_rows >= start - 1
 
@@ -227,7 +274,7 @@ class SpeculativeEngine(Engine):
                 hidden = self.head.forward(Step(self.backend, positions), ids, hidden, self.mtp_cache)
         return drafts
 
-    def _verify(self, cursor: Cursor, drafts: list[int]) -> tuple[Cursor, int]:
+    def _verify(self, cursor: Cursor, drafts: list[int], picks: Picks) -> tuple[Cursor, int]:
         """One main-model pass over [*replay, token, *drafts]; keep the agreeing prefix, roll back
         the rest (the restored state then lacks the accepted tokens: the next cursor's replay)."""
         replayed = len(cursor.replay)
@@ -239,8 +286,8 @@ class SpeculativeEngine(Engine):
         with self.prompt_cache.feeding(fed, start):
             out, mtp_in = self._main_forward(ids, positions)  # [R+K+1, H] each
         mtp_hidden = persist(self.backend, mtp_in)
-        greedy = self._greedy(out, positions)[replayed:]  # [K+1]: the rows after token and each draft
-        accepted = accepted_prefix(drafts, greedy)
+        chosen = self._targets(out, positions, picks, drafts, replayed)  # the rows after token and each kept draft
+        accepted = len(chosen) - 1
         replay: list[int] = []
         if accepted < len(drafts):
             self.restore_states(self.snapshot)
@@ -250,7 +297,7 @@ class SpeculativeEngine(Engine):
                 with self.prompt_cache.feeding(replay, start):
                     self.forward(*self._ids(replay, start))
                 replay = []
-        bonus = greedy[accepted]
+        bonus = chosen[accepted]
         pending = [*fed[1 : replayed + accepted + 1], bonus]
         pending += [bonus] * (len(fed) - len(pending))  # padding rows: outputs unused, cache rows rewritten later
         position = cursor.position + accepted + 1
@@ -285,7 +332,7 @@ def build_engine(
         return Engine(spec, checkpoint, backend, **caches), reason
     k = DEFAULT_SPEC_K if spec_k is None else spec_k
     engine = SpeculativeEngine(spec, checkpoint, backend, k, **caches)
-    return engine, f"MTP k={k} (greedy requests)"
+    return engine, f"MTP k={k}"
 
 
 def spec_k_from_flags(spec_k: int | None, no_spec: bool) -> int | None:
