@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from atlas import LLM
+from atlas.backends.base import SamplingParams
 from atlas.engine import GenerationRequest
 from atlas.errors import AtlasError
 from atlas.sampling import token_logprob, top_order
@@ -64,14 +65,30 @@ def test_bad_logprobs_is_one_line(bad: object) -> None:
         LLM(device="cpu").generate("Flat is", max_tokens=2, logprobs=bad)  # type: ignore[arg-type]
 
 
-def test_speculative_engine_scores_on_the_plain_path(demo_mtp: Path, rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("sampled", [False, True])
+def test_speculative_engine_scores_the_verified_rows(demo_mtp: Path, rng: np.random.Generator, sampled: bool) -> None:
+    """Logprobs with speculation: each emitted token scored on its verify-pass row, as the plain
+    engine scores it on its decode step (the same tokens, log-probabilities and alternatives)."""
     model_dir = demo_mtp
     prompt = rng.integers(0, VOCAB, 20).tolist()
-    stats = spec_engine(model_dir, 2).run(GenerationRequest(prompt, 12, GREEDY, None, NO_EOS, logprobs=2))
-    assert not isinstance(stats, SpecStats) and len(stats.logprobs) == 12
-    want = plain_engine(model_dir).run(GenerationRequest(prompt, 12, GREEDY, None, NO_EOS, logprobs=2))
+    sampling = SamplingParams(temperature=0.9, top_k=20) if sampled else GREEDY
+    request = GenerationRequest(prompt, 12, sampling, int(rng.integers(1 << 30)), NO_EOS, logprobs=2)
+    stats = spec_engine(model_dir, 2).run(request)
+    assert isinstance(stats, SpecStats) and stats.drafted > 0 and len(stats.logprobs) == 12
+    want = plain_engine(model_dir).run(request)
     assert stats.token_ids == want.token_ids
+    assert [s.token for s in stats.logprobs] == stats.token_ids
     assert [s.logprob for s in stats.logprobs] == pytest.approx([s.logprob for s in want.logprobs], abs=1e-5)
+    for got, expected in zip(stats.logprobs, want.logprobs, strict=True):
+        assert [i for i, _ in got.top] == [i for i, _ in expected.top]
+
+
+def test_speculative_engine_scores_the_prompt_on_the_plain_path(demo_mtp: Path, rng: np.random.Generator) -> None:
+    prompt = rng.integers(0, VOCAB, 20).tolist()
+    request = GenerationRequest(prompt, 6, GREEDY, None, NO_EOS, prompt_logprobs=1)
+    stats = spec_engine(demo_mtp, 2).run(request)
+    assert not isinstance(stats, SpecStats) and len(stats.prompt_logprobs) == 20
+    assert stats.token_ids == plain_engine(demo_mtp).run(request).token_ids
 
 
 @pytest.mark.parametrize("chunk", [4096, 37])

@@ -191,15 +191,16 @@ def head_rows(e: SpeculativeEngine, positions: int) -> list[np.ndarray]:
 def test_speculative_resume_keeps_the_head_rows(demo_mtp: Path, rng: np.random.Generator, first_turn: str) -> None:
     """Greedy output with speculation and the cache equals plain greedy; after a greedy or a
     sampled first turn (both speculate) the second resumes at the end checkpoint with the head's
-    rows as a fresh prefill writes them (after a turn that asked for logprobs, which decodes
-    without the head, its rows were not written, so the second runs in full)."""
+    rows as a fresh prefill writes them (after a turn that asked for prompt logprobs, which
+    decodes without the head, its rows were not written, so the second runs in full)."""
     from atlas.engine import GenerationRequest
 
     cached, fresh, plain = spec_engine(demo_mtp, 4), spec_engine(demo_mtp, 0), engine(0, demo_mtp)
     sampling = GREEDY if first_turn == "greedy" else SamplingParams(temperature=0.7)
     for _ in range(MAX_DRAWS):
         first = ids(rng, 140)
-        request = GenerationRequest(first, NEW_TOKENS, sampling, 1, NO_EOS, logprobs=1 if first_turn == "scored" else None)
+        request = GenerationRequest(first, NEW_TOKENS, sampling, 1, NO_EOS,
+                                    prompt_logprobs=1 if first_turn == "scored" else None)
         gen = cached.run(request).token_ids
         second = first + [gen[0] ^ 1] + ids(rng, 9)  # the head's row 139 must read the new token 140
         want = plain.generate(second, 12, GREEDY, None, NO_EOS).token_ids

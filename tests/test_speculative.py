@@ -286,15 +286,15 @@ def test_sampled_rollback_under_chosen_acceptance(demo_mtp: Path, p_wrong: float
     check_rounds(stats, max_tokens)
 
 
-def test_logprobs_decode_without_speculation(demo_mtp: Path, rng: np.random.Generator) -> None:
+def test_prompt_logprobs_decode_without_speculation(demo_mtp: Path, rng: np.random.Generator) -> None:
     from atlas.engine import GenerationRequest
 
     prompt, seed = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT), int(rng.integers(1 << 30))
-    request = GenerationRequest(prompt, 20, SamplingParams(temperature=0.9, top_k=20), seed, NO_EOS, logprobs=2)
+    request = GenerationRequest(prompt, 20, SamplingParams(temperature=0.9, top_k=20), seed, NO_EOS, prompt_logprobs=2)
     expected = plain_engine(demo_mtp).run(request)
     stats = spec_engine(demo_mtp, 2).run(request)
     assert stats.token_ids == expected.token_ids and getattr(stats, "drafted", 0) == 0
-    assert [s.logprob for s in stats.logprobs] == pytest.approx([s.logprob for s in expected.logprobs])
+    assert [s and s.logprob for s in stats.prompt_logprobs] == pytest.approx([s and s.logprob for s in expected.prompt_logprobs])
 
 
 def test_stops_at_eos(demo_mtp: Path) -> None:
@@ -375,6 +375,26 @@ def test_sampled_structured_stream_speculates_and_equals_plain(demo_mtp: Path, r
     assert result.spec_drafted > 0
     assert result.text == plain.generate(DEMO_PROMPT, **opts).text
     assert "".join(spec.stream(DEMO_PROMPT, **opts)) == result.text
+
+
+def test_stream_with_logprobs_speculates_and_equals_plain(demo_mtp: Path, rng: np.random.Generator) -> None:
+    """stream() with logprobs on a speculative engine: each token's score is there before the
+    token, equal to the plain engine's."""
+    from atlas.llm import LLM, GenerateOptions, iter_tokens
+
+    spec, plain = LLM(str(demo_mtp), "cpu", spec_k=2), LLM(str(demo_mtp), "cpu", spec_k=0)
+    prompt = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT)
+    opts = GenerateOptions(max_tokens=16, temperature=0.7, seed=int(rng.integers(1 << 30)), logprobs=3)
+    runs = []
+    for llm in (spec, plain):
+        scores: list = []
+        tokens = []
+        for token in iter_tokens(llm.parts.engine, prompt, opts, set(), scores):
+            tokens.append(token)
+            assert len(scores) == len(tokens) and scores[-1].token == token
+        runs.append((tokens, [s.logprob for s in scores]))
+    assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 16
+    assert runs[0][1] == pytest.approx(runs[1][1], abs=1e-5)
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -465,15 +485,17 @@ def test_gpu_greedy_unchanged(demo_mtp: Path, k: int, rng: np.random.Generator) 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 3])
 def test_gpu_sampled_unchanged(demo_mtp: Path, k: int, rng: np.random.Generator) -> None:
-    """Sampled with penalties on the CUDA backend: the verify pass's rows (copied out of the
-    [K+1, V] logits) are penalized, sampled and counted on the device one by one, and a seed
-    gives plain decoding's tokens on the same GPU."""
+    """Sampled with penalties and logprobs on the CUDA backend: the verify pass's rows (copied
+    out of the [K+1, V] logits) are penalized, sampled and counted on the device one by one, and
+    scored; a seed gives plain decoding's tokens and scores on the same GPU."""
     plain, spec = cuda_llm(demo_mtp, 0), cuda_llm(demo_mtp, k)
     opts = {"max_tokens": 48, "temperature": 0.8, "top_k": 20, "presence_penalty": 0.5,
-            "seed": int(rng.integers(1 << 30))}
-    want = plain.generate(DEMO_PROMPT, **opts).token_ids  # type: ignore[attr-defined]
+            "seed": int(rng.integers(1 << 30)), "logprobs": 2}
+    want = plain.generate(DEMO_PROMPT, **opts)  # type: ignore[attr-defined]
     result = spec.generate(DEMO_PROMPT, **opts)  # type: ignore[attr-defined]
-    assert result.token_ids == want and result.spec_drafted > 0
+    assert result.token_ids == want.token_ids and result.spec_drafted > 0
+    got_scores, want_scores = ([s.logprob for s in r.logprobs] for r in (result, want))
+    assert got_scores == pytest.approx(want_scores, abs=1e-2)  # bf16 steps of 1 and K + 1 rows
 
 
 @pytest.mark.gpu

@@ -387,11 +387,13 @@ class Engine:
         stats.decode_seconds = time.perf_counter() - started
         return stats
 
-    def _accept(self, token: int, logits: Tensor, stats: GenerationStats, request: GenerationRequest) -> bool:
-        """Record a token picked from logits [1, V]; False when it ends the generation."""
+    def _accept(self, token: int, logits: Tensor | None, stats: GenerationStats, request: GenerationRequest,
+                score: TokenLogprob | None = None) -> bool:
+        """Record a token picked from logits [1, V] (with logprobs: scored there, unless `score` is
+        given); False when it ends the generation."""
         stats.token_ids.append(token)
         if request.logprobs is not None:
-            stats.logprobs.append(self.token_logprob(logits, token, request.logprobs))
+            stats.logprobs.append(score if score is not None else self.token_logprob(logits, token, request.logprobs))
         if request.on_token is not None and request.on_token(token):
             return False
         return token not in request.eos_ids

@@ -345,12 +345,14 @@ def iter_tokens(
     sampling = sampling_params(opts)
     rng = np.random.default_rng(opts.seed)
     penalties = pick_state(prompt_ids, eos_ids, sampling, constraint)
-    speculative = getattr(engine, "speculative_tokens", None)  # atlas.speculative: not when scoring
-    if speculative is not None and opts.logprobs is None and opts.prompt_logprobs is None and opts.max_tokens > 0:
+    speculative = getattr(engine, "speculative_tokens", None)  # atlas.speculative: not for prompt logprobs
+    if speculative is not None and opts.prompt_logprobs is None and opts.max_tokens > 0:
         from .speculative import Picks
 
-        picks = Picks(sampling, rng, penalties)
+        picks = Picks(sampling, rng, penalties, opts.logprobs)
         for count, token in enumerate(speculative(prompt_ids, opts.max_tokens, picks=picks), start=1):
+            if opts.logprobs is not None and scores is not None:
+                scores.append(picks.scores[count - 1])
             yield token
             if token in eos_ids or count == opts.max_tokens:
                 return

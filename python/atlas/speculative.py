@@ -3,7 +3,8 @@ them in one prefill-style pass over K+1 positions, the longest prefix the main m
 agree with is kept plus the main model's pick after it (the bonus), so the output equals plain
 decoding's.
 
-Sampled requests too. The main model's rows are picked in order as plain decoding picks (the
+Sampled requests too (and requests for logprobs: the emitted tokens' rows are scored in the
+verify pass; prompt logprobs decode without speculation). The main model's rows are picked in order as plain decoding picks (the
 same penalties, structured-output mask and one random draw per pick), up to the first pick that
 differs from its draft. Each emitted token is thus a draw from the main model's distribution
 after the tokens before it, with the same draw plain decoding would make there: with a seed the
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -43,7 +44,7 @@ from .errors import AtlasError
 from .layers.step import Step
 from .prompt_cache import StateCheckpoint
 from .safetensors import Checkpoint
-from .sampling import Penalties, check_logit_bias_ids, check_sampling, pick_state
+from .sampling import Penalties, TokenLogprob, check_logit_bias_ids, check_sampling, pick_state
 from .snapshot import DeltaNetSnapshot, persist
 
 DEFAULT_SPEC_K = 2
@@ -85,11 +86,13 @@ class Picks:
     sampling: SamplingParams
     rng: np.random.Generator
     penalties: Penalties | None = None
+    logprobs: int | None = None  # score each pick, listing this many alternatives
+    scores: list[TokenLogprob] = field(default_factory=list)  # one per pick, in order
 
     @classmethod
     def of(cls, request: GenerationRequest) -> Picks:
         state = pick_state(request.prompt_ids, request.eos_ids, request.sampling, request.constraint)
-        return cls(request.sampling, np.random.default_rng(request.seed), state)
+        return cls(request.sampling, np.random.default_rng(request.seed), state, request.logprobs)
 
     @classmethod
     def greedy(cls) -> Picks:
@@ -105,8 +108,8 @@ def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
 
 
 class SpeculativeEngine(Engine):
-    """An Engine that decodes with the MTP head; requests for logprobs decode as usual (they score
-    every emitted token's row)."""
+    """An Engine that decodes with the MTP head; requests for prompt logprobs decode as usual
+    (they score every prompt row in a fresh prefill)."""
 
     def __init__(
         self,
@@ -145,19 +148,20 @@ class SpeculativeEngine(Engine):
 
     # --- generation ---------------------------------------------------------------------------
     def run(self, request: GenerationRequest) -> GenerationStats:
-        scored = request.logprobs is not None or request.prompt_logprobs is not None
-        if scored or request.max_tokens <= 0:
+        if request.prompt_logprobs is not None or request.max_tokens <= 0:
             return super().run(request)
         check_sampling(request.sampling)
         check_logit_bias_ids(request.sampling, self.spec.vocab_size)
         self.check_ids(request.prompt_ids, request.max_tokens - 1)  # the last token is not fed
         stats = SpecStats(prompt_tokens=len(request.prompt_ids), spec_k=self.spec_k)
         started = time.perf_counter()
-        for token in self.speculative_tokens(request.prompt_ids, request.max_tokens, stats, Picks.of(request)):
+        picks = Picks.of(request)
+        for index, token in enumerate(self.speculative_tokens(request.prompt_ids, request.max_tokens, stats, picks)):
             if not stats.token_ids:
                 stats.prefill_seconds = time.perf_counter() - started
                 started = time.perf_counter()
-            if not self._accept(token, None, stats, request) or len(stats.token_ids) >= request.max_tokens:
+            score = picks.scores[index] if picks.logprobs is not None else None
+            if not self._accept(token, None, stats, request, score) or len(stats.token_ids) >= request.max_tokens:
                 break
         stats.decode_seconds = time.perf_counter() - started
         stats.cached_tokens = self.prompt_cache.last_hit
@@ -209,17 +213,23 @@ class SpeculativeEngine(Engine):
         """The main model's picks over rows skip.. of hidden [T, H] (row skip+i follows drafts[:i]):
         the drafts it agrees with, then its own pick after them. Raw greedy: one argmax over all
         rows; otherwise Engine.pick_tensor row by row, stopping at the first disagreement, so only
-        emitted tokens are picked (each with its random draw, counted in the penalty history)."""
+        emitted tokens are picked (each with its random draw, counted in the penalty history).
+        With picks.logprobs the picked rows' raw logits are scored into picks.scores."""
         logits = self.model.logits(Step(self.backend, positions, self.dump), hidden)  # [T, V]
         if picks.sampling.raw_greedy:
             greedy = [int(t) for t in self.backend.to_numpy(self.backend.argmax(logits))][skip:]
-            return greedy[: accepted_prefix(drafts, greedy) + 1]
-        chosen: list[int] = []
-        for i in range(len(drafts) + 1):
-            row = logits if int(logits.shape[0]) == 1 else self._row(logits, skip + i)  # [1, V]
-            chosen.append(self.pick_tensor(row, picks.sampling, picks.rng, picks.penalties)[0])
-            if i == len(drafts) or chosen[-1] != drafts[i]:
-                break
+            chosen = greedy[: accepted_prefix(drafts, greedy) + 1]
+        else:
+            chosen = []
+            for i in range(len(drafts) + 1):
+                row = logits if int(logits.shape[0]) == 1 else self._row(logits, skip + i)  # [1, V]
+                chosen.append(self.pick_tensor(row, picks.sampling, picks.rng, picks.penalties)[0])
+                if i == len(drafts) or chosen[-1] != drafts[i]:
+                    break
+        if picks.logprobs is not None:
+            rows = self.backend.upload(np.arange(skip, skip + len(chosen), dtype=np.int32), "i32")
+            picked = logits if int(logits.shape[0]) == len(chosen) else self.backend.embedding(logits, rows)  # [N, V]
+            picks.scores += self.score_rows(picked, chosen, picks.logprobs)
         return chosen
 
     def _prefill(self, prompt_ids: list[int], picks: Picks | None = None) -> Cursor:
