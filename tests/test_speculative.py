@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
@@ -169,6 +170,24 @@ def test_prompt_in_passes_speculates_as_in_one(demo_mtp: Path, rng: np.random.Ge
 
 
 # --- rollback under chosen acceptance patterns --------------------------------------------------------
+def corrupted_drafts(expected: list[int], prompt_len: int, vocab: int, p_wrong: float,
+                     rng: np.random.Generator) -> tuple[Callable[[Cursor, int], list[int]], dict[str, int]]:
+    """A stand-in for SpeculativeEngine._draft: the true continuation `expected` with each draft
+    corrupted with probability p_wrong; and the drafts made and those the engine must accept
+    (the ones before the first corrupted one in each pass), counted as it drafts."""
+    want = {"drafted": 0, "accepted": 0}
+
+    def draft(cursor: Cursor, k: int) -> list[int]:
+        emitted = cursor.position - prompt_len + 1
+        truth = expected[emitted : emitted + k]
+        wrong = (rng.random(k) < p_wrong).tolist()
+        want["drafted"] += k
+        want["accepted"] += wrong.index(True) if True in wrong else k
+        return [(t + 1) % vocab if w else t for t, w in zip(truth, wrong, strict=True)]
+
+    return draft, want
+
+
 @pytest.mark.parametrize("p_wrong", [0.0, 0.35, 1.0])
 def test_rollback_under_every_acceptance_pattern(demo_mtp: Path, p_wrong: float, rng: np.random.Generator) -> None:
     """Drafts taken from the true greedy continuation with chosen tokens corrupted: the output
@@ -177,17 +196,7 @@ def test_rollback_under_every_acceptance_pattern(demo_mtp: Path, p_wrong: float,
     vocab, max_tokens = load_spec(demo_mtp).vocab_size, 33
     expected = greedy(plain_engine(demo_mtp), prompt, max_tokens).token_ids
     engine = spec_engine(demo_mtp, 3)
-    want = {"drafted": 0, "accepted": 0}
-
-    def draft(cursor: Cursor, k: int) -> list[int]:
-        emitted = cursor.position - len(prompt) + 1
-        truth = expected[emitted : emitted + k]
-        wrong = (rng.random(k) < p_wrong).tolist()
-        want["drafted"] += k
-        want["accepted"] += wrong.index(True) if True in wrong else k
-        return [(t + 1) % vocab if w else t for t, w in zip(truth, wrong, strict=True)]
-
-    engine._draft = draft  # type: ignore[method-assign]
+    engine._draft, want = corrupted_drafts(expected, len(prompt), vocab, p_wrong, rng)  # type: ignore[method-assign]
     passes: list[int] = []  # tokens of every main-model forward
     forward = engine.forward
 
@@ -269,17 +278,7 @@ def test_sampled_rollback_under_chosen_acceptance(demo_mtp: Path, p_wrong: float
     sampling = SamplingParams(temperature=1.0, top_k=40, presence_penalty=0.5)
     expected = plain_engine(demo_mtp).generate(prompt, max_tokens, sampling, seed, NO_EOS).token_ids
     engine = spec_engine(demo_mtp, 3)
-    want = {"drafted": 0, "accepted": 0}
-
-    def draft(cursor: Cursor, k: int) -> list[int]:
-        emitted = cursor.position - len(prompt) + 1
-        truth = expected[emitted : emitted + k]
-        wrong = (rng.random(k) < p_wrong).tolist()
-        want["drafted"] += k
-        want["accepted"] += wrong.index(True) if True in wrong else k
-        return [(t + 1) % vocab if w else t for t, w in zip(truth, wrong, strict=True)]
-
-    engine._draft = draft  # type: ignore[method-assign]
+    engine._draft, want = corrupted_drafts(expected, len(prompt), vocab, p_wrong, rng)  # type: ignore[method-assign]
     stats = engine.generate(prompt, max_tokens, sampling, seed, NO_EOS)
     assert stats.token_ids == expected
     assert (stats.drafted, stats.accepted) == (want["drafted"], want["accepted"])
