@@ -500,11 +500,11 @@ def test_top_ids_match_reference(env: Env, rng: np.random.Generator, k: int) -> 
             assert np.all(got == -1) or np.array_equal(got, want), got[:8]
 
 
-@pytest.mark.parametrize("top", [0, 5, 20])
-def test_logprob_rows_match_reference(env: Env, rng: np.random.Generator, top: int) -> None:
-    """Per row: the log-sum-exp (double, as hi + lo) within 1e-12 of the numpy op's, the token's
-    logit and the top ids and logits exactly, into poisoned outputs; a row with NaN and +-inf
-    logits and an all -inf row too."""
+@pytest.mark.parametrize("top, temperature", [(0, 1.0), (5, 1.0), (20, 1.0), (256, 0.6)])
+def test_logprob_rows_match_reference(env: Env, rng: np.random.Generator, top: int, temperature: float) -> None:
+    """Per row: the log-sum-exp of logits / T (double, as hi + lo) within 1e-12 of the numpy op's,
+    the token's logit and the top ids and logits exactly, into poisoned outputs; a row with NaN
+    and +-inf logits and an all -inf row too. T 0.6 with 256 ids: structured output's summary."""
     v, rows = env.d("vocab_size"), 5
     logits = normal(rng, rows, v, scale=4)  # [R, V]
     logits[1, rng.choice(v, 6, replace=False)] = [np.nan, np.nan, -np.inf, -np.inf, np.inf, logits[1].max()]
@@ -512,8 +512,8 @@ def test_logprob_rows_match_reference(env: Env, rng: np.random.Generator, top: i
     tokens = rng.integers(0, v, rows).astype(np.int32)
     env.gpu.rt.reset_step()
     env.gpu.rt.poison_scratch()
-    got = env.gpu.logprob_rows(env.gpu.upload(logits, "f32"), env.gpu.upload(tokens, "i32"), top)
-    want = env.ref.logprob_rows(logits, tokens, top)
+    got = env.gpu.logprob_rows(env.gpu.upload(logits, "f32"), env.gpu.upload(tokens, "i32"), top, temperature)
+    want = env.ref.logprob_rows(logits, tokens, top, temperature)
     lse_got, lse_want = (env.gpu.to_numpy(got.lse).astype(np.float64), want.lse.astype(np.float64))
     np.testing.assert_array_equal(np.isfinite(lse_got[:, 0]), np.isfinite(lse_want[:, 0]))
     finite = np.isfinite(lse_want[:, 0])

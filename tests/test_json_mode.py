@@ -162,6 +162,51 @@ def test_sampled_mask_stops_early_without_changing_the_filtered_set(demo: LLM, r
         assert weight[whole & ~fast].sum() <= 2 * NEGLIGIBLE_MASS * weight[whole].sum(), np.flatnonzero(whole & ~fast)
 
 
+LISTED_SETTINGS = [SamplingParams(1.0), SamplingParams(0.7, 20, 0.95), SamplingParams(0.3, 0, 0.9),
+                   SamplingParams(1.5, 0, 1.0, min_p=0.05), SamplingParams(0.7, 20, 0.8, min_p=0.1)]
+
+
+def test_sampled_pick_from_the_listed_row_is_the_row_pick(demo: LLM, rng: np.random.Generator) -> None:
+    """sample_listed (the walk over the backend's 256 most likely ids and the row's log-sum-exp at
+    the temperature, the sampler over the allowed ones alone) picks host_pick's token from the
+    whole row, up to float32 rounding of the draw. It declines (None) only where the walk would
+    leave the list: the mass rule alone rarely ends it inside (the unchecked tail must be under
+    1e-6 of the allowed mass), min_p's floor mostly does."""
+    from atlas.backends.numpy_backend import NumpyBackend
+    from atlas.sampling import host_pick
+    from atlas.structured import SAMPLE_CANDIDATES, ListedRow
+
+    backend, tokenizer = NumpyBackend(), demo.tokenizer
+    settled = {True: 0, False: 0}  # by whether min_p is set
+    for trial in range(80):
+        constraint = walked_constraint(tokenizer.token_bytes, rng)
+        logits = (rng.standard_normal(len(tokenizer.token_bytes)) * [1.0, 4.0][trial % 2]).astype(np.float32)  # [V]
+        sampling = LISTED_SETTINGS[trial % len(LISTED_SETTINGS)]
+        summary = backend.logprob_rows(logits[None], np.zeros(1, np.int32), SAMPLE_CANDIDATES, sampling.temperature)
+        listed = ListedRow(summary.ids[0], summary.values[0], float(summary.lse[0].astype(np.float64).sum()), logits.size)
+        for uniform in rng.random(4).tolist():
+            got = constraint.sample_listed(listed, sampling, uniform)
+            if got is None:
+                continue
+            settled[sampling.min_p > 0] += 1
+            want = host_pick(logits, sampling, uniform, constraint)
+            assert got == want or within_draw_rounding(constraint, logits, sampling, uniform, got), (sampling, uniform)
+    assert settled[True] >= 16 and sum(settled.values()) >= 32, settled  # of 128 and 320 draws (~40 and ~75 seen)
+
+
+def within_draw_rounding(constraint: OutputConstraint, logits: np.ndarray, sampling: SamplingParams,
+                         uniform: float, token: int) -> bool:
+    """Whether host_pick would choose `token` for a draw off by 1e-6 of the kept mass."""
+    from atlas.sampling import top_k_mask, top_p_mask
+
+    probs = softmax_probs(constraint.mask(logits, sampling.temperature, sampling.top_k, sampling.min_p), sampling.temperature)
+    keep = top_p_mask(probs, top_k_mask(probs, sampling.top_k) & (probs >= np.float32(sampling.min_p) * probs.max()), sampling.top_p)
+    cumulative = np.cumsum(np.where(keep, probs, 0.0).astype(np.float64))  # [V]
+    slack, target = 1e-6 * cumulative[-1], uniform * cumulative[-1]
+    low = cumulative[token] - np.float64(probs[token]) if keep[token] else np.inf
+    return bool(keep[token] and low - slack <= target <= cumulative[token] + slack)
+
+
 def walked_constraint(token_bytes: list[bytes | None], rng: np.random.Generator) -> OutputConstraint:
     """A constraint walked to a random state by random allowed tokens."""
     constraint = OutputConstraint(token_bytes, {0})
@@ -218,6 +263,23 @@ def test_greedy_json_reads_back_ids_not_rows(demo: LLM, rng: np.random.Generator
     result = demo.generate(prompt, max_tokens=24, regex=r'\{"note": "[^"\\]{10,60}"\}')
     assert set(reads) <= {64, vocab} and reads.count(64) == len(result.token_ids)
     assert reads.count(vocab) <= 0.75 * len(result.token_ids), reads  # 0.46 at most over 40 draws
+
+
+def test_sampled_json_reads_back_a_summary_not_rows(demo: LLM, rng: np.random.Generator,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled structured pick reads the backend's summary of the row (256 ids and logits, the
+    log-sum-exp) and the row only when the walk would leave that list: with top_k 20 (Qwen's
+    recommended setting), fewer rows than tokens (inside a string nearly every token is allowed,
+    so the walk ends at the 20th)."""
+    backend, vocab = demo.parts.engine.backend, demo.parts.spec.vocab_size
+    reads: list[int] = []
+    to_numpy = backend.to_numpy
+    monkeypatch.setattr(backend, "to_numpy", lambda t: (reads.append(int(np.prod(t.shape))), to_numpy(t))[1])
+    prompt = rng.integers(3, 512, int(rng.integers(2, 20))).tolist()
+    result = demo.generate(prompt, max_tokens=24, temperature=0.7, top_k=20, seed=int(rng.integers(1 << 30)),
+                           regex=r'\{"note": "[^"\\]{10,60}"\}')
+    assert set(reads) <= {1, 2, 256, vocab} and reads.count(256) == 2 * len(result.token_ids)  # ids, values
+    assert reads.count(vocab) <= 0.5 * len(result.token_ids), reads
 
 
 def assert_greedy_allowed(llm: LLM, prompt: list[int], tokens: list[int], constraint: OutputConstraint) -> None:

@@ -315,14 +315,23 @@ class Engine:
 
     def _structured_pick(self, logits: Tensor, sampling: SamplingParams, uniform: float,
                          constraint: OutputConstraint) -> int:
-        """A greedy pick (or a complete shape's end) tries the backend's most likely ids first, so
-        a GPU reads back 64 ids, not the row; the row only when none of them is allowed."""
-        from .structured import GREEDY_CANDIDATES
+        """A greedy pick (or a complete shape's end) tries the backend's most likely ids first; a
+        sampled one walks the backend's summary of the row (the most likely ids and logits, the
+        log-sum-exp at the temperature). So a GPU reads back at most a few KB, and the row only
+        when neither settles the pick."""
+        from .structured import GREEDY_CANDIDATES, SAMPLE_CANDIDATES, ListedRow
 
         if sampling.temperature == 0 or constraint.complete:
             token = constraint.first_allowed(self.backend.to_numpy(self.backend.top_ids(logits, GREEDY_CANDIDATES)))
-            if token is not None:
-                return token
+        else:
+            vocab = int(logits.shape[-1])
+            row_zero = self.backend.upload(np.zeros(1, dtype=np.int32), "i32")
+            summary = self.backend.logprob_rows(logits, row_zero, min(SAMPLE_CANDIDATES, vocab), sampling.temperature)
+            lse = self.backend.to_numpy(summary.lse)[0].astype(np.float64)  # hi, lo
+            ids, values = self.backend.to_numpy(summary.ids)[0], self.backend.to_numpy(summary.values)[0]
+            token = constraint.sample_listed(ListedRow(ids, values, float(lse[0] + lse[1]), vocab), sampling, uniform)
+        if token is not None:
+            return token
         return host_pick(self.backend.to_numpy(logits)[0], sampling, uniform, constraint)
 
     def token_logprob(self, logits: Tensor, token: int, top: int) -> TokenLogprob:

@@ -8,19 +8,22 @@ it). Once the text is whole and nothing may follow it, only an end-of-sequence i
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
+from .backends.base import SamplingParams
 from .errors import AtlasError
+from .sampling import choose_token
 from .json_match import ANY_OBJECT, AfterMarker, Literal, Matcher, Node, Text, Transitions
 from .json_regex import RegexError, compile_regex
 from .json_schema import compile_schema
 
 GREEDY_CANDIDATES = 64  # the most likely tokens tried first; the full order only when none fits
+SAMPLE_CANDIDATES = 256  # sampling walks these most likely tokens first (the device lists them) before the row
 NEGLIGIBLE_MASS = 1e-6  # sampling: tokens are checked until the unchecked mass is below this share
 SORT_CHUNK = 256  # sampling: tokens put in order a chunk at a time (the walk mostly stops early)
 FLOOR_SLACK = 1e-5  # the walk goes a little past the filters' cut: the sampler's float32 may round a tie in
@@ -158,23 +161,64 @@ class OutputConstraint:
         top, t = z.max(), max(temperature, float(np.finfo(np.float32).tiny))  # softmax_probs' guards
         with np.errstate(invalid="ignore", over="ignore"):
             probs = np.exp(np.where(z == top, 0.0, (z - top) / t))  # [V] unnormalised, the maxima 1
-        masked = np.full(logits.shape, -np.inf, dtype=np.float32)  # [V]
-        allowed = 0.0
-        count, floor = 0, 0.0  # allowed tokens so far; the p below which none can be kept
-        for token, p, after in descending(probs):
-            if (allowed > 0 and p + after < NEGLIGIBLE_MASS * allowed) or (count and p < floor):
-                break
-            if self.allows(token):
-                masked[token] = logits[token]
-                allowed += p
-                count += 1
-                if count == 1:
-                    floor = max(floor, min_p * p * (1 - FLOOR_SLACK))
-                if count == top_k:
-                    floor = max(floor, p * (1 - FLOOR_SLACK))
-        if not np.isfinite(masked).any():
+        allowed, _ = self.walk(descending(probs), top_k, min_p)
+        if not allowed:
             raise AtlasError("structured output: no token of the vocabulary continues the text")
+        masked = np.full(logits.shape, -np.inf, dtype=np.float32)  # [V]
+        masked[allowed] = logits[allowed]
         return masked
+
+    def walk(self, order: Iterable[tuple[int, float, float]], top_k: int, min_p: float) -> tuple[list[int], bool]:
+        """mask()'s walk over (token, weight, weight of all tokens after it), most likely first:
+        the allowed tokens it keeps, and whether one of its rules ended it (else the order ran out)."""
+        allowed: list[int] = []
+        mass, floor = 0.0, 0.0  # allowed weight so far; the weight below which none can be kept
+        for token, p, after in order:
+            if (mass > 0 and p + after < NEGLIGIBLE_MASS * mass) or (allowed and p < floor):
+                return allowed, True
+            if self.allows(token):
+                allowed.append(token)
+                mass += p
+                if len(allowed) == 1:
+                    floor = max(floor, min_p * p * (1 - FLOOR_SLACK))
+                if len(allowed) == top_k:
+                    floor = max(floor, p * (1 - FLOOR_SLACK))
+        return allowed, False
+
+    def sample_listed(self, listed: ListedRow, sampling: SamplingParams, uniform: float) -> int | None:
+        """host_pick's sampled choice from a backend's summary of the row instead of the row:
+        mask()'s walk over the listed most likely tokens, whose weights and the weight after each
+        come from their logits and the row's log-sum-exp at the temperature, then the reference
+        sampler over the allowed ones alone (in id order, as over the masked row). None when the
+        walk would go past the list (the caller reads the row)."""
+        ids = listed.ids[listed.ids >= 0]  # [N] descending
+        if ids.size == 0 or not np.isfinite(listed.lse):
+            return None
+        t = max(sampling.temperature, float(np.finfo(np.float32).tiny))
+        values = listed.values[: ids.size].astype(np.float64)  # [N] their logits, the first the peak
+        weights = np.exp((values - values[0]) / t)  # [N] as mask()'s, the peak's 1
+        total = float(np.exp(listed.lse - values[0] / t))  # the whole row's weight
+        after = np.maximum(total - np.cumsum(weights), 0.0)  # [N]
+        order = zip(ids.tolist(), weights.tolist(), after.tolist())
+        allowed, ended = self.walk(order, sampling.top_k, sampling.min_p)
+        if not allowed or not (ended or ids.size == listed.vocab):
+            return None
+        chosen = sorted(allowed)  # the sampler draws in id order, as over the masked row
+        logit_of = dict(zip(ids.tolist(), listed.values[: ids.size].tolist()))
+        row = np.array([logit_of[token] for token in chosen], dtype=np.float32)  # [A]
+        return chosen[choose_token(row, sampling, uniform)]
+
+
+@dataclass(frozen=True)
+class ListedRow:
+    """A backend's summary of one row of logits (Backend.logprob_rows at the sampling temperature):
+    its most likely ids, descending (-1 past what is listed), their logits, the log-sum-exp of the
+    row / T (double), and the row's width."""
+
+    ids: np.ndarray  # [N] i32
+    values: np.ndarray  # [N] f32
+    lse: float
+    vocab: int
 
 
 def descending(probs: np.ndarray) -> Iterator[tuple[int, float, float]]:

@@ -452,10 +452,11 @@ __device__ void top_ids(const TopIdsParams& p) {
   top_of_row(static_cast<const float*>(p.logits), p.vocab, p.k, static_cast<int32_t*>(p.ids), nullptr);
 }
 
-// One block per row: log-sum-exp of the row in double (atlas.sampling.token_logprob's
-// peak + log(sum(exp(z - peak))), NaN read as -inf) as float hi + lo, the logit of the row's token,
-// and its top k logits; the host forms the log-probabilities. A row whose peak is not finite
-// reports it in hi (the host reads that row instead).
+// One block per row: log-sum-exp of the row / T in double (atlas.sampling.token_logprob's
+// peak + log(sum(exp(z - peak))) at T = 1, NaN read as -inf) as float hi + lo, the logit of the
+// row's token, and its top k logits; the host forms the log-probabilities (T = 1) or structured
+// output's weights at the sampling temperature. A row whose peak is not finite reports it in hi
+// (the host reads that row instead).
 __device__ void logprob_rows(const LogprobParams& p) {
   __shared__ float scratch[kWarpSize];
   const int row = blockIdx.x;
@@ -467,16 +468,18 @@ __device__ void logprob_rows(const LogprobParams& p) {
     if (!isnan(v)) mine = fmaxf(mine, v);
   }
   const float peak = block_max(mine, scratch);
+  const double temperature = p.temperature > FLT_MIN ? static_cast<double>(p.temperature) : static_cast<double>(FLT_MIN);
   double partial = 0.0;
   if (isfinite(peak)) {
     for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
       const float v = logits[i];
-      if (!isnan(v)) partial += exp(static_cast<double>(v) - static_cast<double>(peak));
+      if (!isnan(v)) partial += exp((static_cast<double>(v) - static_cast<double>(peak)) / temperature);
     }
   }
   const double total = block_sum_f64(partial);
   if (threadIdx.x == 0) {
-    const double lse = isfinite(peak) ? static_cast<double>(peak) + log(total) : static_cast<double>(peak);
+    const double top = static_cast<double>(peak) / temperature;
+    const double lse = isfinite(peak) ? top + log(total) : static_cast<double>(peak);
     const float hi = static_cast<float>(lse);
     float* out = static_cast<float*>(p.lse) + 2 * row;
     out[0] = hi;

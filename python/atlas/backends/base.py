@@ -260,10 +260,11 @@ class Backend(Protocol):
     def count_token(self, counts: Tensor, token: Tensor) -> None:
         """counts [V] i32 += 1 at token [1] i32 (the pick just made, still on the device)."""
 
-    def logprob_rows(self, logits: Tensor, tokens: Tensor, top: int) -> LogprobTensors:
+    def logprob_rows(self, logits: Tensor, tokens: Tensor, top: int, temperature: float = 1.0) -> LogprobTensors:
         """logits [R, V], tokens [R] i32, top 0..1024 -> what atlas.sampling.token_logprob needs of
         each row, in a few floats (log-sum-exp in double, the token's logit, the top ids and
-        logits), so a GPU reads back those instead of the rows."""
+        logits), so a GPU reads back those instead of the rows. The log-sum-exp is of logits /
+        temperature (below float32's smallest normal: that), peak / T + log(sum(exp((z - peak) / T)))."""
 
     def top_ids(self, logits: Tensor, k: int) -> Tensor:
         """logits [1, V] -> [k] i32: the ids of the k (1..1024) largest logits, descending, ties

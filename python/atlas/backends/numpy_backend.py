@@ -319,12 +319,14 @@ class NumpyBackend:
     def count_token(self, counts: Tensor, token: Tensor) -> None:
         counts[int(token[0])] += 1
 
-    def logprob_rows(self, logits: Tensor, tokens: Tensor, top: int) -> LogprobTensors:
+    def logprob_rows(self, logits: Tensor, tokens: Tensor, top: int, temperature: float = 1.0) -> LogprobTensors:
         z = np.where(np.isnan(logits), -np.inf, logits).astype(np.float64)  # [R, V]
         peak = z.max(axis=-1)  # [R]
         finite = np.isfinite(peak)
+        t = max(float(np.float32(temperature)), float(np.finfo(np.float32).tiny))  # LogprobParams.temperature is f32
         with np.errstate(invalid="ignore", over="ignore"):  # rows whose peak is not finite: reported as it
-            lse = np.where(finite, peak + np.log(np.exp(z - peak[:, None]).sum(-1)), peak)  # [R]
+            total = np.exp((z - peak[:, None]) / t).sum(-1)  # [R]
+            lse = np.where(finite, peak / t + np.log(total), peak)  # [R]
             hi = lse.astype(np.float32)  # [R]
             lo = np.where(np.isfinite(hi), lse - hi.astype(np.float64), 0.0).astype(np.float32)  # [R]
         ids = np.stack([self.top_ids(row[None], top) for row in logits]) if top else np.zeros((len(logits), 0), np.int32)

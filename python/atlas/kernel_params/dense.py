@@ -222,6 +222,7 @@ class LogprobParams(ctypes.Structure):
         ("rows", c_i32),
         ("vocab", c_i32),
         ("k", c_i32),  # 0..1024
+        ("temperature", c_f32),  # the log-sum-exp is of logits / temperature (below FLT_MIN: FLT_MIN)
     ]
 
 

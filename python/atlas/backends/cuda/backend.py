@@ -245,8 +245,8 @@ class CudaBackend:
     def top_ids(self, logits: DeviceTensor, k: int) -> DeviceTensor:
         return ops_dense.top_ids(self.rt, logits, k)
 
-    def logprob_rows(self, logits: DeviceTensor, tokens: DeviceTensor, top: int) -> LogprobTensors:
-        return ops_dense.logprob_rows(self.rt, logits, tokens, top)
+    def logprob_rows(self, logits: DeviceTensor, tokens: DeviceTensor, top: int, temperature: float = 1.0) -> LogprobTensors:
+        return ops_dense.logprob_rows(self.rt, logits, tokens, top, temperature)
 
     # --- execution ----------------------------------------------------------------------------
     def make_decode_step(self, step: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

@@ -440,7 +440,8 @@ def top_ids(rt: CudaRuntime, logits: DeviceTensor, k: int) -> DeviceTensor:
     return out
 
 
-def logprob_rows(rt: CudaRuntime, logits: DeviceTensor, tokens: DeviceTensor, top: int) -> LogprobTensors:
+def logprob_rows(rt: CudaRuntime, logits: DeviceTensor, tokens: DeviceTensor, top: int,
+                 temperature: float = 1.0) -> LogprobTensors:
     vocab = logits.shape[-1]
     rows = logits.numel // vocab if vocab else 0
     _expect_dtype("logprob_rows", "logits", logits, "f32")
@@ -449,7 +450,8 @@ def logprob_rows(rt: CudaRuntime, logits: DeviceTensor, tokens: DeviceTensor, to
     out = LogprobTensors(rt.empty((rows, 2), "f32"), rt.empty((rows,), "f32"), rt.empty((rows, top), "i32"),
                          rt.empty((rows, top), "f32"))
     launch = kp.LogprobParams(logits=logits.ptr, tokens=tokens.ptr, lse=out.lse.ptr, picked=out.picked.ptr,
-                              ids=out.ids.ptr, values=out.values.ptr, rows=rows, vocab=vocab, k=top)
+                              ids=out.ids.ptr, values=out.values.ptr, rows=rows, vocab=vocab, k=top,
+                              temperature=temperature)
     rt.launch("atlas_logprob_rows", (rows, 1, 1), (SAMPLE_THREADS, 1, 1), launch)
     return out
 
