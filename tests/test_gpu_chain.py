@@ -148,3 +148,35 @@ def test_json_output_on_the_gpu(demo_gpu: Any, rng: np.random.Generator, schema:
         assert isinstance(json.loads(result.text), dict)
         whole = Matcher(output_shape(schema))  # the device has no jsonschema: test_json_schema checks the matcher
         assert whole.feed(result.text.encode()) and whole.can_end
+
+
+def test_sampled_json_picks_from_the_device_summary(demo_gpu: Any, rng: np.random.Generator) -> None:
+    """Sampled JSON (top_k 20) on the GPU: each pick is made from the device's summary of the row
+    (logprob_rows at the temperature: 256 ids and logits) when the walk ends inside it, and is
+    then host_pick's token from the GPU's whole row up to float32 rounding of the draw; over a
+    generation most picks read no row, and the text is a JSON-object prefix."""
+    from atlas.sampling import Penalties, host_pick
+    from atlas.structured import OutputConstraint
+    from test_json_mode import within_draw_rounding
+
+    engine, eos, vocab = demo_gpu.parts.engine, demo_gpu.eos_ids(), demo_gpu.parts.spec.vocab_size
+    sampling = SamplingParams(temperature=0.7, top_k=20, structured=True)
+    prompt = rng.integers(3, vocab, size=int(rng.integers(2, 20))).tolist()
+    penalties = Penalties(prompt, eos, OutputConstraint(demo_gpu.tokenizer.token_bytes, eos))
+    mirror = OutputConstraint(demo_gpu.tokenizer.token_bytes, eos)
+    logits, row_reads, text = engine.prefill(prompt), 0, b""
+    for position in range(len(prompt), len(prompt) + STEPS):
+        row = engine.backend.to_numpy(logits)[0]  # [V] for the check, read before the pick
+        draw = np.random.default_rng(position)
+        uniform = float(np.random.default_rng(position).random())
+        with counting_reads(engine.backend) as reads:
+            token, token_t = engine.pick_tensor(logits, sampling, draw, penalties)
+        row_reads += reads.count(vocab)
+        want = host_pick(row, sampling, uniform, mirror)
+        assert token == want or within_draw_rounding(mirror, row, sampling, uniform, token), f"step {position}"
+        mirror.advance(token)
+        if token in eos:
+            break
+        text += demo_gpu.tokenizer.token_bytes[token]
+        logits = engine.decode_tensor(token_t, position, token)
+    assert text.startswith(b"{") and row_reads <= 0.5 * STEPS

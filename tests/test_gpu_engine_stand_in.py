@@ -67,6 +67,12 @@ def test_penalized_picks_gpu_test_passes(stand_in: None, rng: np.random.Generato
         test_gpu_chain.test_penalized_picks_stay_on_the_device(demo_gpu, rng)
 
 
+def test_sampled_json_gpu_test_passes(stand_in: None, rng: np.random.Generator) -> None:
+    demo_gpu = test_gpu_model.gpu_llm()
+    for _ in range(5):
+        test_gpu_chain.test_sampled_json_picks_from_the_device_summary(demo_gpu, rng)
+
+
 @pytest.mark.parametrize("cut", ["end", "tail"])
 def test_prompt_cache_gpu_test_passes(stand_in: None, rng: np.random.Generator, cut: str) -> None:
     demo_gpu = test_gpu_model.gpu_llm()
