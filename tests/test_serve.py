@@ -277,6 +277,23 @@ def choice_check(text: str) -> None:
     assert text in CHOICES
 
 
+# words in nested parentheses: context-free, checked below without the matcher
+PAREN_GRAMMAR = r"""
+root ::= item ("," " "? item){0,3} "."   # up to four items
+item ::= [a-z]{2,6} | "(" item ")"
+"""
+
+
+def paren_check(text: str) -> None:
+    assert text.endswith("."), text
+    items = re.split(r", ?", text[:-1])
+    assert 1 <= len(items) <= 4, text
+    for item in items:
+        depth = len(item) - len(item.lstrip("("))
+        core = item[depth : len(item) - depth]
+        assert item == "(" * depth + core + ")" * depth and re.fullmatch(r"[a-z]{2,6}", core), text
+
+
 OUTPUT_FORMATS = {  # kind -> (request fields, LLM.chat option, what a stopped answer meets)
     "json_object": ({"response_format": {"type": "json_object"}}, {"json_object": True}, schema_check({"type": "object"})),
     "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {
@@ -287,6 +304,8 @@ OUTPUT_FORMATS = {  # kind -> (request fields, LLM.chat option, what a stopped a
     "structured_outputs_regex": ({"extra_body": {"structured_outputs": {"regex": r"[a-z]{2,6}( [a-z]{2,6}){0,3}\."}}},
                                  {"regex": r"[a-z]{2,6}( [a-z]{2,6}){0,3}\."},
                                  lambda text: re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){0,3}\.", text) or pytest.fail(text)),
+    "guided_grammar": ({"extra_body": {"guided_grammar": PAREN_GRAMMAR}}, {"grammar": PAREN_GRAMMAR}, paren_check),
+    "llama_cpp_grammar": ({"extra_body": {"grammar": PAREN_GRAMMAR}}, {"grammar": PAREN_GRAMMAR}, paren_check),
 }
 
 
@@ -620,11 +639,14 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("json schema not a schema", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": [1]}}}, "response_format"),
     ("json_schema missing", {**GOOD, "response_format": {"type": "json_schema"}}, "response_format"),
-    ("guided_grammar", {**GOOD, "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ("guided_grammar single-quoted", {**GOOD, "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ("grammar left-recursive", {**GOOD, "grammar": 'root ::= root "a" | "b"'}, "grammar"),
+    ("grammar not a string", {**GOOD, "grammar": {"root": "a"}}, "grammar"),
     ("guided_regex with lookaround", {**GOOD, "guided_regex": "(?=a)"}, "guided_regex"),
     ("guided_choice empty", {**GOOD, "guided_choice": []}, "guided_choice"),
     ("guided_json not JSON", {**GOOD, "guided_json": "{oops"}, "guided_json"),
-    ("structured_outputs grammar", {**GOOD, "structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
+    ("structured_outputs grammar undefined rule", {**GOOD, "structured_outputs": {"grammar": "root ::= a"}},
+     "structured_outputs"),
     ("structured_outputs not an object", {**GOOD, "structured_outputs": "json"}, "structured_outputs"),
     ("two output formats", {**GOOD, "response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
     ("json schema name not a string", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {

@@ -338,7 +338,12 @@ class Text(Node):
         return 0, (0, 0, 0), 0, self.regex.start
 
     def step(self, state: State, byte: int) -> State | None:
-        return utf8_byte(self.regex, *state, byte)
+        nxt = utf8_byte(self.regex, *state, byte)
+        if nxt is not None and self.regex.max_len is None and nxt[0] > self.regex.min_len + 1:
+            # past min_len an unbounded regex no longer tells counts apart: one state per place
+            # in the regex, so the shape's transitions cache (a DFA) repeats instead of growing
+            nxt = (self.regex.min_len + 1, *nxt[1:])
+        return nxt
 
     def final(self, state: State) -> bool:
         return not state[1][0] and self.regex.ends(state[3], state[0])

@@ -305,13 +305,18 @@ class Regex:
 def compile_regex(pattern: str, min_len: int = 0, max_len: int | None = None, search: bool = True) -> Regex:
     """RegexError: a pattern outside the subset, or one no string of the lengths matches.
     search: the pattern may match anywhere (JSON schema's reading), else the whole text."""
-    tree = Parser(pattern).top(search)
+    return compile_tree(Parser(pattern).top(search), f"pattern {pattern!r}", min_len, max_len)
+
+
+def compile_tree(tree: tuple, label: str, min_len: int = 0, max_len: int | None = None) -> Regex:
+    """The NFA of a parsed pattern (the Parser's AST; atlas.gbnf builds them too); `label` names
+    it in errors."""
     edges: list[list[tuple[Ranges, int]]] = []
     eps: list[list[int]] = []
 
     def new() -> int:
         if len(edges) >= MAX_STATES:
-            raise RegexError(f"pattern {pattern!r} needs more than {MAX_STATES} states; simplify it")
+            raise RegexError(f"{label} needs more than {MAX_STATES} states; simplify it")
         edges.append([])
         eps.append([])
         return len(edges) - 1
@@ -355,7 +360,7 @@ def compile_regex(pattern: str, min_len: int = 0, max_len: int | None = None, se
     regex = Regex(edges, eps, accept, frozenset(), reach, cap, min_len, max_len)
     regex.start = frozenset(s for s in regex.closure({start}) if regex.fits(s, 0))
     if not regex.start:
-        raise RegexError(f"no string of the allowed lengths matches the pattern {pattern!r}")
+        raise RegexError(f"no string of the allowed lengths matches the {label}")
     return regex
 
 

@@ -196,7 +196,7 @@ class LLM:
         complete; `options`: generate_options()'s (max_tokens, temperature, top_k, top_p, seed,
         chat, logprobs, prompt_logprobs, min_p, presence_penalty, frequency_penalty,
         repetition_penalty, min_tokens, stop, logit_bias, json_object, json_schema, regex, choice,
-        output_after)."""
+        grammar, output_after)."""
         opts = generate_options(**options)
         if not is_batch(prompt):
             return self.generate_with(self.prepare(prompt, opts), opts, on_text)  # type: ignore[arg-type]
@@ -432,6 +432,7 @@ def generate_options(
     json_schema: Any = None,
     regex: str | None = None,
     choice: list[str] | None = None,
+    grammar: str | None = None,
     output_after: str | None = None,
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. logprobs (0..20): each token's
@@ -445,13 +446,14 @@ def generate_options(
     json_object; it ends at the object's close, or is cut at max_tokens); json_schema: a JSON schema
     (parsed), the text is one value it admits (OpenAI's response_format json_schema; the supported
     keywords: atlas.json_schema); regex: the whole text matches this pattern; choice: the text is
-    one of these (vLLM's structured outputs); output_after: the format starts once the text holds
+    one of these (vLLM's structured outputs); grammar: GBNF rules (llama.cpp's) whose root derives
+    the whole text (atlas.gbnf); output_after: the format starts once the text holds
     this (e.g. "</think>" when a thinking model's prompt opened its reasoning block; up to 4 line
     breaks may follow it). Values are checked by LLM.prepare."""
     from .structured import OutputFormat
     from .sampling import logit_bias_pairs
 
-    output = OutputFormat.of(json_object, json_schema, regex, choice, output_after)
+    output = OutputFormat.of(json_object, json_schema, regex, choice, output_after, grammar)
     extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
                             logit_bias_pairs(logit_bias))
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,

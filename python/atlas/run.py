@@ -56,6 +56,8 @@ class RunArgs:
     json_schema: str | None  # --json-schema: a schema file, or the schema's JSON text
     regex: str | None  # --regex: the whole output matches it
     choice: tuple[str, ...]  # --choice (repeated): the output is one of these
+    grammar: str | None  # --grammar: GBNF rules whose root derives the output
+    grammar_file: str | None  # --grammar-file: the same from a file
     engine: EngineFlags
     extras: SamplingExtras
 
@@ -101,6 +103,18 @@ def read_schema(arg: str | None) -> Any:
         raise AtlasError(f"--json-schema {arg[:40]} is not JSON ({err}); give a JSON schema file or its text") from None
 
 
+def read_grammar(args: RunArgs) -> str | None:
+    """--grammar's text, or --grammar-file's (UTF-8)."""
+    if args.grammar_file is None:
+        return args.grammar
+    if args.grammar is not None:
+        raise AtlasError("--grammar and --grammar-file exclude each other; give one of them")
+    try:
+        return Path(args.grammar_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise AtlasError(f"--grammar-file {args.grammar_file} cannot be read ({err}); give a GBNF text file") from None
+
+
 def run(args: RunArgs) -> None:
     from .chat import converse
     from .config import load_spec
@@ -115,7 +129,8 @@ def run(args: RunArgs) -> None:
     if prompt is None and not args.interactive:
         prompt = default_prompt(model_dir, args.model)
     spec = load_spec(model_dir)  # config, sampling and prompt problems surface before the weights load
-    output = OutputFormat.of(args.json_object, read_schema(args.json_schema), args.regex, args.choice or None)
+    output = OutputFormat.of(args.json_object, read_schema(args.json_schema), args.regex, args.choice or None,
+                             grammar=read_grammar(args))
     opts = GenerateOptions(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat,
                            extras=args.extras, output=output)
     check_options(opts)
@@ -193,6 +208,9 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
                    "supported keywords: docs/structured-output.md).")
 @click.option("--regex", default=None, help="The whole output matches this regular expression (an ECMA-262 subset).")
 @click.option("--choice", multiple=True, help="The output is one of these texts; repeat the option for each.")
+@click.option("--grammar", default=None,
+              help="The output is what this GBNF grammar's root rule derives (llama.cpp's syntax; docs/structured-output.md).")
+@click.option("--grammar-file", metavar="FILE", default=None, help="--grammar's rules from a file (e.g. a .gbnf).")
 @click.option("--logit-bias", type=LogitBiasEntry(), multiple=True,
               help="Add BIAS (-100..100; -100 bans the token) to TOKEN_ID's logit; repeatable.")
 @engine_options

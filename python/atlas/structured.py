@@ -1,6 +1,7 @@
 """Structured output: the text is one JSON object (OpenAI's response_format json_object), one value
-a JSON schema admits (json_schema; atlas.json_schema), a text a regular expression matches whole
-or one of a few texts (vLLM's regex and choice). The byte-level matcher of atlas.json_match says
+a JSON schema admits (json_schema; atlas.json_schema), a text a regular expression matches whole,
+one of a few texts (vLLM's regex and choice) or one a GBNF grammar derives (llama.cpp's grammar,
+vLLM's guided_grammar; atlas.gbnf). The byte-level matcher of atlas.json_match says
 which tokens may come next and the pick is made among those: greedy takes the most likely allowed
 token, sampling draws from the allowed tokens' distribution (top-k / top-p / min_p applied to
 it). Once the text is whole and nothing may follow it, only an end-of-sequence id may come."""
@@ -17,6 +18,7 @@ import numpy as np
 
 from .backends.base import SamplingParams
 from .errors import AtlasError
+from .gbnf import compile_grammar
 from .sampling import choose_token
 from .json_match import ANY_OBJECT, AfterMarker, Literal, Matcher, Node, Text, Transitions
 from .json_regex import RegexError, compile_regex
@@ -28,14 +30,15 @@ NEGLIGIBLE_MASS = 1e-6  # sampling: tokens are checked until the unchecked mass 
 SORT_CHUNK = 256  # sampling: tokens put in order a chunk at a time (the walk mostly stops early)
 FLOOR_SLACK = 1e-5  # the walk goes a little past the filters' cut: the sampler's float32 may round a tie in
 SHAPES = 16  # compiled shapes kept with their transition caches (requests repeat schemas)
-KINDS = ("json_object", "json_schema", "regex", "choice")
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
 class OutputFormat:
     """What the text must be. kind: "json_object", "json_schema" (spec: the schema, parsed),
     "regex" (spec: a pattern the whole text matches, atlas.json_regex's subset), "choice" (spec:
-    a tuple of the texts it may be). after: the format starts once the text holds this, up to 4
+    a tuple of the texts it may be), "grammar" (spec: GBNF rules whose root derives the whole
+    text, atlas.gbnf). after: the format starts once the text holds this, up to 4
     line breaks later (a reasoning block's end, "</think>")."""
 
     kind: str
@@ -44,23 +47,23 @@ class OutputFormat:
 
     @staticmethod
     def of(json_object: object = False, json_schema: Any = None, regex: object = None, choice: object = None,
-           after: object = None) -> OutputFormat | None:
+           after: object = None, grammar: object = None) -> OutputFormat | None:
         """From LLM.generate's keywords (at most one format); AtlasError on a malformed one."""
         if not isinstance(json_object, bool):
             raise AtlasError(f"json_object must be True or False, got {json_object!r}")
-        given = [(kind, spec) for kind, spec in zip(KINDS, (json_object or None, json_schema, regex, choice), strict=True)
-                 if spec is not None]
+        specs = (json_object or None, json_schema, regex, choice, grammar)
+        given = [(kind, spec) for kind, spec in zip(KINDS, specs, strict=True) if spec is not None]
         if len(given) > 1:
             raise AtlasError(f"{given[0][0]} and {given[1][0]} exclude each other: give one output format")
         if after is not None and (not isinstance(after, str) or not after):
             raise AtlasError(f"output_after must be a non-empty string, got {after!r}")
         if not given:
             if after is not None:
-                raise AtlasError("output_after needs an output format (json_object, json_schema, regex or choice)")
+                raise AtlasError("output_after needs an output format (json_object, json_schema, regex, choice or grammar)")
             return None
         kind, spec = given[0]
-        if kind == "regex" and not isinstance(spec, str):
-            raise AtlasError(f"regex must be a string, got {spec!r}")
+        if kind in ("regex", "grammar") and not isinstance(spec, str):
+            raise AtlasError(f"{kind} must be a string, got {spec!r}")
         if kind == "choice":
             if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) and c for c in spec):
                 raise AtlasError(f"choice must be a non-empty list of non-empty strings, got {spec!r}")
@@ -87,6 +90,8 @@ def _shape(kind: str, canonical: str, after: str | None) -> Transitions:
         value = compile_schema(spec)
     elif kind == "choice":
         value = Literal(text.encode() for text in spec)
+    elif kind == "grammar":
+        value = compile_grammar(spec)
     else:
         try:
             value = Text(compile_regex(spec, search=False))

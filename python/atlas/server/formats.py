@@ -1,9 +1,10 @@
 """A request's structured output -> one atlas.structured.OutputFormat, compiled here so that a
 format generation cannot follow is a 400 before the request queues. Sources, at most one per
 request: OpenAI's response_format ({"type": "text" | "json_object" | "json_schema"}), vLLM's
-structured_outputs ({"json" | "regex" | "choice" | "json_object": ...}) and its older guided_json /
-guided_regex / guided_choice fields, and a forced tool call (tool_choice "required" or a named
-function, tools.forced_call_schema)."""
+structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) and its older
+guided_json / guided_regex / guided_choice / guided_grammar fields, llama.cpp's grammar (GBNF, as
+guided_grammar), and a forced tool call (tool_choice "required" or a named function,
+tools.forced_call_schema)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,14 @@ from ..structured import OutputFormat
 from .errors import RequestError
 from .tools import ToolChoice, forced_call_schema
 
-GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}  # vLLM's older fields
-STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "json_object": "json_object"}
-REFUSED = {"guided_grammar": "context-free grammars are not supported; use guided_json, guided_regex or guided_choice"}
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",  # vLLM's older fields
+          "guided_grammar": "grammar", "grammar": "grammar"}  # the last: llama.cpp's
+STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+              "json_object": "json_object"}
 
 
 def parse_output_format(body: dict[str, Any], tools: list[dict[str, Any]] | None, choice: ToolChoice) -> OutputFormat | None:
     """The request's one output format, compiled (None: plain text)."""
-    for name, reason in REFUSED.items():
-        if body.get(name) is not None:
-            raise RequestError(f"'{name}': {reason}", name)
     given = [*response_format(body), *vllm_formats(body)]
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
@@ -80,8 +79,8 @@ def vllm_formats(body: dict[str, Any]) -> list[tuple[str, OutputFormat]]:
         raise RequestError("'structured_outputs' must be an object such as {\"json\": {...}}", "structured_outputs")
     unknown = sorted(set(value) - set(STRUCTURED))
     if unknown:
-        raise RequestError(f"structured_outputs '{unknown[0]}' is not supported; use json, regex, choice or "
-                           "json_object", "structured_outputs")
+        raise RequestError(f"structured_outputs '{unknown[0]}' is not supported; use json, regex, choice, grammar "
+                           "or json_object", "structured_outputs")
     return found + [("structured_outputs", output_format(kind, value[key], "structured_outputs"))
                     for key, kind in STRUCTURED.items() if value.get(key) not in (None, False)]
 

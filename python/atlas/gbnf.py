@@ -1,0 +1,397 @@
+"""Context-free grammars in llama.cpp's GBNF (its `--grammar` / `grammar` field, vLLM's
+guided_grammar / structured_outputs grammar): the whole output is one `root` the grammar derives.
+
+    root   ::= answer "."
+    answer ::= "yes" | "no" | [0-9]+ ( "," [0-9]+ )*   # comments run to the line's end
+
+Syntax (llama.cpp's): rules `name ::= alternatives`, one per line (a rule goes on over line breaks
+inside parentheses and after `|`); names of letters, digits, `-` and `_`; items are "literals",
+[classes] and [^negated classes] of code points (escapes \\t \\n \\r \\\\ \\" \\[ \\] \\- \\xHH
+\\uHHHH \\UHHHHHHHH), `.` (any character), rule names and ( groups ), each optionally repeated by
+* + ? {m} {m,} {m,n} {,n}.
+
+Compilation: what does not reach a recursive rule is regular and becomes one NFA over code points
+(atlas.json_regex.compile_tree) in a json_match.Text node; recursive rules become pushdown nodes
+(Union of alternatives, Sequence, Repeat) whose regular runs are Text nodes again. A rule that
+may reach itself before taking a character (left recursion) is refused, as llama.cpp does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import AtlasError
+from .json_match import Node, State, Text, Union
+from .json_regex import ANY, MAX_CP, RegexError, Ranges, compile_tree, complement, normalize
+
+# AST: ("lit", str) | ("chars", Ranges) | ("ref", name) | ("seq", [items]) | ("alt", [seqs])
+#      | ("rep", item, min, max | None)
+Ast = tuple
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+ESCAPES = {"t": 0x09, "n": 0x0A, "r": 0x0D, "\\": 0x5C, '"': 0x22, "[": 0x5B, "]": 0x5D, "-": 0x2D}
+HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+MAX_REPEAT = 1000  # {m,n} bounds: a larger count is refused
+
+
+class GrammarError(AtlasError):
+    pass
+
+
+class Sequence(Node):
+    """Items one after another. State: how many have ended."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: tuple[Node, ...]) -> None:
+        self.items = items
+
+    def begin(self) -> State:
+        return 0
+
+    def step(self, state: State, byte: int) -> State | None:
+        return None
+
+    def child(self, state: State) -> Node | None:
+        return self.items[state] if state < len(self.items) else None
+
+    def accept(self, state: State, child: Node, child_state: State) -> State:
+        return state + 1
+
+    def final(self, state: State) -> bool:
+        return state == len(self.items)
+
+    def open(self, state: State) -> bool:
+        return False
+
+
+class Repeat(Node):
+    """`item` low..high times (high None: no bound). State: the count, kept at `low` once there
+    when unbounded, so an item that may be empty cannot make states without end."""
+
+    __slots__ = ("item", "low", "high")
+
+    def __init__(self, item: Node, low: int, high: int | None) -> None:
+        self.item, self.low, self.high = item, low, high
+
+    def begin(self) -> State:
+        return 0
+
+    def step(self, state: State, byte: int) -> State | None:
+        return None
+
+    def child(self, state: State) -> Node | None:
+        return self.item if self.high is None or state < self.high else None
+
+    def accept(self, state: State, child: Node, child_state: State) -> State:
+        return min(state + 1, self.low) if self.high is None else state + 1
+
+    def final(self, state: State) -> bool:
+        return state >= self.low
+
+    def open(self, state: State) -> bool:
+        return False
+
+
+# --- parsing -------------------------------------------------------------------------------------
+class Parser:
+    def __init__(self, text: str) -> None:
+        self.text, self.i = text, 0
+
+    def fail(self, problem: str) -> GrammarError:
+        line = self.text.count("\n", 0, self.i) + 1
+        column = self.i - (self.text.rfind("\n", 0, self.i) + 1) + 1
+        return GrammarError(f"grammar line {line}, column {column}: {problem}")
+
+    def peek(self, ahead: int = 0) -> str:
+        at = self.i + ahead
+        return self.text[at] if at < len(self.text) else ""
+
+    def space(self, newlines: bool) -> None:
+        """Skips blanks and comments (and line breaks when `newlines`)."""
+        while self.peek():
+            char = self.peek()
+            if char == "#":
+                end = self.text.find("\n", self.i)
+                self.i = len(self.text) if end < 0 else end
+            elif char in " \t" or (newlines and char in "\r\n"):
+                self.i += 1
+            else:
+                return
+
+    def rules(self) -> dict[str, Ast]:
+        found: dict[str, Ast] = {}
+        self.space(True)
+        while self.peek():
+            start = self.i
+            name = self.name()
+            if name in found:
+                self.i = start
+                raise self.fail(f"rule {name!r} is defined twice")
+            self.space(False)
+            if not self.text.startswith("::=", self.i):
+                raise self.fail(f"expected '::=' after the rule name {name!r}")
+            self.i += 3
+            self.space(True)
+            found[name] = self.alternatives(nested=False)
+            if self.peek() not in ("", "\n", "\r"):
+                raise self.fail(f"unexpected {self.peek()!r}")
+            self.space(True)
+        return found
+
+    def name(self) -> str:
+        start = self.i
+        while self.peek() and self.peek() in NAME_CHARS:
+            self.i += 1
+        if self.i == start:
+            raise self.fail("expected a rule name" if self.peek() else "the grammar ends too early")
+        return self.text[start : self.i]
+
+    def alternatives(self, nested: bool) -> Ast:
+        options = [self.sequence(nested)]
+        while self.peek() == "|":
+            self.i += 1
+            self.space(True)
+            options.append(self.sequence(nested))
+        return options[0] if len(options) == 1 else ("alt", options)
+
+    def sequence(self, nested: bool) -> Ast:
+        items = []
+        while self.peek() and self.peek() not in "|)\r\n":
+            items.append(self.repeated(self.primary()))
+            self.space(nested)
+        return items[0] if len(items) == 1 else ("seq", items)
+
+    def primary(self) -> Ast:
+        char = self.peek()
+        if char == '"':
+            self.i += 1
+            chars = []
+            while self.peek() != '"':
+                if not self.peek():
+                    raise self.fail("unterminated literal")
+                chars.append(chr(self.char()))
+            self.i += 1
+            return ("lit", "".join(chars))
+        if char == "[":
+            return ("chars", self.char_class())
+        if char == ".":
+            self.i += 1
+            return ("chars", ANY)
+        if char == "(":
+            self.i += 1
+            self.space(True)
+            inner = self.alternatives(nested=True)
+            if self.peek() != ")":
+                raise self.fail("expected ')'")
+            self.i += 1
+            return inner
+        if char in NAME_CHARS:
+            return ("ref", self.name())
+        raise self.fail(f"unexpected {char!r}" if char else "the grammar ends too early")
+
+    def char_class(self) -> Ranges:
+        self.i += 1
+        negated = self.peek() == "^"
+        self.i += negated
+        ranges = []
+        while self.peek() != "]":
+            if not self.peek():
+                raise self.fail("unterminated character class")
+            low = self.char()
+            high = low
+            if self.peek() == "-" and self.peek(1) not in ("]", ""):
+                self.i += 1
+                high = self.char()
+                if high < low:
+                    raise self.fail(f"the range {chr(low)!r}-{chr(high)!r} runs backwards")
+            ranges.append((low, high))
+        self.i += 1
+        found = normalize(ranges)
+        return complement(found) if negated else found
+
+    def char(self) -> int:
+        """One code point of a literal or class, escapes decoded."""
+        char = self.peek()
+        self.i += 1
+        if char != "\\":
+            return ord(char)
+        code = self.peek()
+        self.i += 1
+        if code in ESCAPES:
+            return ESCAPES[code]
+        if code in HEX_ESCAPES:
+            digits = self.text[self.i : self.i + HEX_ESCAPES[code]]
+            if len(digits) != HEX_ESCAPES[code] or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                raise self.fail(f"\\{code} needs {HEX_ESCAPES[code]} hex digits")
+            self.i += len(digits)
+            value = int(digits, 16)
+            if value > MAX_CP or 0xD800 <= value <= 0xDFFF:
+                raise self.fail(f"\\{code}{digits} is not a character")
+            return value
+        raise self.fail(f"unknown escape \\{code}" if code else "the grammar ends too early")
+
+    def repeated(self, item: Ast) -> Ast:
+        char = self.peek()
+        if char in ("*", "+", "?"):
+            self.i += 1
+            return ("rep", item, int(char == "+"), 1 if char == "?" else None)
+        if char != "{":
+            return item
+        close = self.text.find("}", self.i)
+        body = self.text[self.i + 1 : close] if close > 0 else ""
+        low_text, comma, high_text = body.partition(",")
+        try:
+            low = int(low_text.strip() or "0")
+            high = (int(high_text) if high_text.strip() else None) if comma else low
+        except ValueError:
+            raise self.fail("a repetition is {m}, {m,}, {m,n} or {,n} with whole numbers") from None
+        if low < 0 or (high is not None and (high < low or high > MAX_REPEAT)) or low > MAX_REPEAT:
+            raise self.fail(f"the repetition {{{body}}} must have 0 <= m <= n <= {MAX_REPEAT}")
+        self.i = close + 1
+        return ("rep", item, low, high)
+
+
+# --- compiling -----------------------------------------------------------------------------------
+def refs(ast: Ast) -> set[str]:
+    kind = ast[0]
+    if kind == "ref":
+        return {ast[1]}
+    if kind in ("seq", "alt"):
+        return set().union(*(refs(part) for part in ast[1]))
+    return refs(ast[1]) if kind == "rep" else set()
+
+
+def nullable_rules(rules: dict[str, Ast]) -> set[str]:
+    """The rules that derive the empty text (a fixpoint)."""
+    found: set[str] = set()
+    while True:
+        more = {name for name, ast in rules.items() if name not in found and nullable(ast, found)}
+        if not more:
+            return found
+        found |= more
+
+
+def nullable(ast: Ast, empty_rules: set[str]) -> bool:
+    kind = ast[0]
+    if kind == "lit":
+        return not ast[1]
+    if kind == "chars":
+        return False
+    if kind == "ref":
+        return ast[1] in empty_rules
+    if kind == "seq":
+        return all(nullable(part, empty_rules) for part in ast[1])
+    if kind == "alt":
+        return any(nullable(part, empty_rules) for part in ast[1])
+    return ast[2] == 0 or nullable(ast[1], empty_rules)
+
+
+def first_refs(ast: Ast, empty_rules: set[str]) -> set[str]:
+    """The rules `ast` may enter before taking a character."""
+    kind = ast[0]
+    if kind == "ref":
+        return {ast[1]}
+    if kind == "alt":
+        return set().union(*(first_refs(part, empty_rules) for part in ast[1]))
+    if kind == "rep":
+        return first_refs(ast[1], empty_rules)
+    if kind != "seq":
+        return set()
+    found: set[str] = set()
+    for part in ast[1]:
+        found |= first_refs(part, empty_rules)
+        if not nullable(part, empty_rules):
+            break
+    return found
+
+
+def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The names reachable from start in one or more steps."""
+    seen: set[str] = set()
+    todo = list(graph[start])
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(graph[name])
+    return seen
+
+
+@dataclass
+class Compiler:
+    rules: dict[str, Ast]
+    recursive: set[str] = field(default_factory=set)  # rules on a cycle or reaching one: pushdown nodes
+    nodes: dict[str, Union] = field(default_factory=dict)
+
+    def node(self, ast: Ast) -> Node:
+        """ast as a matcher node: one Text where it is regular, else pushdown nodes."""
+        if not (refs(ast) & self.recursive):
+            return self.text(ast)
+        kind = ast[0]
+        if kind == "ref":
+            return self.rule(ast[1])
+        if kind == "alt":
+            return Union([self.node(part) for part in ast[1]])
+        if kind == "rep":
+            return Repeat(self.node(ast[1]), ast[2], ast[3])
+        items: list[Node] = []
+        run: list[Ast] = []  # regular items in a row: one Text
+        for part in ast[1]:
+            if refs(part) & self.recursive:
+                items += [self.text(("seq", run))] if run else []
+                items.append(self.node(part))
+                run = []
+            else:
+                run.append(part)
+        items += [self.text(("seq", run))] if run else []
+        return Sequence(tuple(items))
+
+    def rule(self, name: str) -> Union:
+        if name not in self.nodes:
+            self.nodes[name] = Union()  # filled after: the rule may refer to itself
+            self.nodes[name].options = (self.node(self.rules[name]),)
+        return self.nodes[name]
+
+    def text(self, ast: Ast) -> Text:
+        try:
+            return Text(compile_tree(self.tree(ast), "grammar"))
+        except RegexError as err:
+            raise GrammarError(f"grammar: {err}") from None
+
+    def tree(self, ast: Ast) -> tuple:
+        """ast, regular, as a json_regex AST (rules inlined)."""
+        kind = ast[0]
+        if kind == "lit":
+            return ("cat", [("chars", ((ord(c), ord(c)),)) for c in ast[1]])
+        if kind == "chars":
+            return ast
+        if kind == "ref":
+            return self.tree(self.rules[ast[1]])
+        if kind == "seq":
+            return ("cat", [self.tree(part) for part in ast[1]])
+        if kind == "alt":
+            return ("alt", [("cat", [self.tree(part)]) for part in ast[1]])
+        return ("rep", self.tree(ast[1]), ast[2], ast[3])
+
+
+def compile_grammar(text: str) -> Node:
+    """The root rule's node; GrammarError (one line naming the place) on a malformed grammar,
+    an undefined rule, no root, or left recursion."""
+    if not isinstance(text, str) or not text.strip():
+        raise GrammarError("grammar must be a non-empty string of GBNF rules with a root rule")
+    rules = Parser(text).rules()
+    for name, ast in rules.items():
+        missing = sorted(refs(ast) - set(rules))
+        if missing:
+            raise GrammarError(f"grammar: rule {name!r} uses {missing[0]!r}, which is not defined")
+    if "root" not in rules:
+        raise GrammarError("grammar: there is no root rule (root ::= ...), where the output starts")
+    empty_rules = nullable_rules(rules)
+    left = {name: first_refs(ast, empty_rules) for name, ast in rules.items()}
+    for name in rules:
+        if name in reaches(left, name):
+            raise GrammarError(f"grammar: rule {name!r} is left-recursive (it reaches itself before a "
+                               "character); rewrite it with repetition, e.g. a ::= b (\",\" b)*")
+    graph = {name: refs(ast) for name, ast in rules.items()}
+    cyclic = {name for name in rules if name in reaches(graph, name)}
+    recursive = {name for name in rules if name in cyclic or reaches(graph, name) & cyclic}
+    return Compiler(rules, recursive).node(("ref", "root"))

@@ -1,0 +1,237 @@
+"""GBNF grammars (atlas.gbnf): the matcher against independent oracles (Python's json on random and
+damaged documents, Python's re on a regular grammar, a brute-force checker of a recursive one on
+every short string), the syntax, the one-line errors (left recursion among them), and generation
+on the demo model through LLM, the CLI and OutputFormat."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atlas import LLM
+from atlas.errors import AtlasError
+from atlas.gbnf import GrammarError, compile_grammar
+from atlas.json_match import Matcher, Transitions
+from test_json_mode import DAMAGE_BYTES, dumps, python_accepts, random_object
+
+JSON_GRAMMAR = r"""
+# RFC 8259 objects, written for this test
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null")
+object ::= "{" ws ( member ( "," ws member )* )? "}"
+member ::= string ws ":" ws value ws
+array  ::= "[" ws ( value ws ( "," ws value ws )* )? "]"
+string ::= "\"" ( [^"\\\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
+number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
+ws     ::= [ \t\n\r]*
+"""
+
+
+def accepts(shape: Transitions, data: bytes) -> bool:
+    """The whole of data is a text the grammar derives."""
+    matcher = Matcher(shape)
+    return matcher.feed(data) and matcher.can_end
+
+
+def begins(shape: Transitions, data: bytes) -> bool:
+    return Matcher(shape).feed(data)
+
+
+@pytest.fixture(scope="module")
+def json_shape() -> Transitions:
+    return Transitions(compile_grammar(JSON_GRAMMAR))
+
+
+def test_json_grammar_accepts_what_json_loads_accepts(json_shape: Transitions, rng: np.random.Generator) -> None:
+    """Random documents (indented or not) and one-byte damage to compact ones: accepted whole exactly
+    when Python's json reads one object; every prefix of a good document begins one."""
+    differing = 0
+    for _ in range(300):
+        data = dumps(rng, random_object(rng))
+        assert accepts(json_shape, data), data
+        cut = int(rng.integers(0, len(data)))
+        assert begins(json_shape, data[:cut]), data[:cut]
+        damaged = bytearray(data)
+        at, byte = int(rng.integers(0, len(damaged) + 1)), DAMAGE_BYTES[int(rng.integers(0, len(DAMAGE_BYTES)))]
+        action = int(rng.integers(0, 3))
+        if action == 0:
+            damaged.insert(at, byte)
+        elif at < len(damaged):
+            damaged[at : at + 1] = b"" if action == 1 else bytes([byte])
+        differing += not python_accepts(bytes(damaged))
+        assert accepts(json_shape, bytes(damaged)) == python_accepts(bytes(damaged)), bytes(damaged)
+    assert differing > 30
+
+
+def test_regular_grammar_matches_as_python_re(rng: np.random.Generator) -> None:
+    """A grammar without recursion (one NFA) against the same language in Python's re, on random
+    strings over its alphabet: whole matches, and prefixes that some match extends."""
+    grammar = r"""
+    root  ::= word ( sep word ){0,2} end?
+    word  ::= [a-c]+ | "x" [0-9]{2,3}
+    sep   ::= "-" | "--"
+    end   ::= "!" | "?"
+    """
+    pattern = re.compile(r"(?:[a-c]+|x[0-9]{2,3})(?:(?:-|--)(?:[a-c]+|x[0-9]{2,3})){0,2}[!?]?")
+    shape = Transitions(compile_grammar(grammar))
+    alphabet = "abcx019-!?"
+    for _ in range(3000):
+        text = "".join(alphabet[int(i)] for i in rng.integers(0, len(alphabet), int(rng.integers(0, 12))))
+        assert accepts(shape, text.encode()) == bool(pattern.fullmatch(text)), text
+
+
+def balanced(text: str) -> bool:
+    """The language of NESTED below, checked by hand: items "a" or a parenthesised list of items
+    separated by "+", with at least one item in each list."""
+    def item(at: int) -> int | None:
+        if text[at : at + 1] == "a":
+            return at + 1
+        if text[at : at + 1] != "(":
+            return None
+        end = items(at + 1)
+        return end + 1 if end is not None and text[end : end + 1] == ")" else None
+
+    def items(at: int) -> int | None:
+        end = item(at)
+        while end is not None and text[end : end + 1] == "+":
+            end = item(end + 1)
+        return end
+
+    return items(0) == len(text)
+
+
+NESTED = r"""
+root  ::= items
+items ::= item ( "+" item )*
+item  ::= "a" | "(" items ")"
+"""
+
+
+def test_recursive_grammar_on_every_short_string() -> None:
+    """Every string of up to 7 characters over ( ) a +: accepted exactly when the hand-written
+    checker accepts it, and (up to 4 characters) begun exactly when some accepted string of up
+    to 9 extends it (depth d needs "a" and d closes: at most 5 more)."""
+    shape = Transitions(compile_grammar(NESTED))
+    words = ["".join(w) for n in range(8) for w in itertools.product("()a+", repeat=n)]
+    longer = ["".join(w) for n in range(10) for w in itertools.product("()a+", repeat=n)]
+    prefixes = {w[:i] for w in longer if balanced(w) for i in range(len(w) + 1)}
+    for word in words:
+        assert accepts(shape, word.encode()) == balanced(word), word
+        if len(word) <= 4:
+            assert begins(shape, word.encode()) == (word in prefixes), word
+
+
+def test_unicode_escapes_classes_and_any_character() -> None:
+    shape = Transitions(compile_grammar(r'root ::= "\u00e9\x41" [\U0001F600-\U0001F64F]+ . [^a-z\n]'))
+    assert accepts(shape, "éA😀😃xZ".encode())
+    assert accepts(shape, "éA😀\n1".encode())  # "." takes a line break too
+    assert not accepts(shape, "éA😀xz".encode()) and not accepts(shape, "éAxxZ".encode())
+    assert begins(shape, b"\xc3\xa9A\xf0\x9f\x98")  # an emoji's first three bytes
+    assert not begins(shape, b"\xc3\xa9A\xe2")  # no code point of the class starts with E2
+
+
+def test_repetition_bounds_and_empty_items() -> None:
+    """{m}, {m,}, {m,n}, {,n}, and an item that may be empty repeated without bound (its count
+    stays finite: the matcher must not loop)."""
+    cases = {
+        'root ::= "a"{3}': (["aaa"], ["aa", "aaaa"]),
+        'root ::= "a"{2,}': (["aa", "aaaaaaa"], ["a"]),
+        'root ::= "a"{1,3} "b"': (["ab", "aaab"], ["b", "aaaab"]),
+        'root ::= "a"{,2}': (["", "a", "aa"], ["aaa"]),
+        'root ::= ("a"?)* "b"': (["b", "ab", "aaab"], ["a", "ba"]),
+        'root ::= x* "b"\nx ::= "a" | ""': (["b", "aab"], ["ba"]),
+    }
+    for grammar, (good, bad) in cases.items():
+        shape = Transitions(compile_grammar(grammar))
+        assert all(accepts(shape, w.encode()) for w in good), grammar
+        assert not any(accepts(shape, w.encode()) for w in bad), grammar
+
+
+def test_rules_span_lines_inside_parentheses_and_after_bars() -> None:
+    grammar = 'root ::= ( "a"\n  | "b" ) | # a comment\n  "c" x\n\nx ::= "!"  # another\n'
+    shape = Transitions(compile_grammar(grammar))
+    assert [w for w in ("a", "b", "c!", "c", "ab") if accepts(shape, w.encode())] == ["a", "b", "c!"]
+
+
+@pytest.mark.parametrize(("grammar", "message"), [
+    ("", "non-empty"),
+    ('answer ::= "yes"', "no root rule"),
+    ("root ::= item", "'item', which is not defined"),
+    ('root ::= "a"\nroot ::= "b"', "line 2, column 1: rule 'root' is defined twice"),
+    ("root = \"a\"", "line 1, column 6: expected '::='"),
+    ('root ::= "abc', "unterminated literal"),
+    ("root ::= [a-", "unterminated character class"),
+    ("root ::= [z-a]", "runs backwards"),
+    ("root ::= ( \"a\"", "expected ')'"),
+    ('root ::= "\\q"', "unknown escape \\q"),
+    ('root ::= "\\u12"', "\\u needs 4 hex digits"),
+    ('root ::= "\\UDEADBEEF"', "is not a character"),
+    ('root ::= "a"{3,2}', "0 <= m <= n"),
+    ('root ::= "a"{x}', "whole numbers"),
+    ("root ::= 'a'", "line 1, column 10: unexpected \"'\""),
+    ('root ::= root "a" | "b"', "'root' is left-recursive"),
+    ('root ::= x "!"\nx ::= y "a" | "b"\ny ::= x', "left-recursive"),
+    ('root ::= z root "a" | "b"\nz ::= "c"?', "'root' is left-recursive"),  # through an empty prefix
+    ('root ::= "a" ")"\n)', "line 2, column 1: expected a rule name"),
+    ('root ::= "a"\n  | "b"', "line 2, column 3: expected a rule name"),  # a rule's line ends it, as in llama.cpp
+])
+def test_errors_are_one_line(grammar: str, message: str) -> None:
+    with pytest.raises(GrammarError) as caught:
+        compile_grammar(grammar)
+    text = str(caught.value)
+    assert message in text and "\n" not in text, text
+    assert isinstance(caught.value, AtlasError)
+
+
+def test_right_recursion_and_nesting_compile() -> None:
+    shape = Transitions(compile_grammar('root ::= "a" root | "b"'))
+    assert accepts(shape, b"aaab") and not accepts(shape, b"aaa")
+
+
+# --- generation ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo() -> LLM:
+    return LLM(device="cpu", prompt_cache=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generation_follows_a_recursive_grammar(demo: LLM, rng: np.random.Generator, temperature: float) -> None:
+    """Every generated text is a prefix of one the hand-written checker accepts (a whole one when
+    it stops), greedy and sampled, stream() as generate()."""
+    for _ in range(3):
+        options = {"max_tokens": 30, "temperature": temperature, "seed": int(rng.integers(1 << 30)), "grammar": NESTED}
+        result = demo.generate(str(rng.choice(["Flat is", "(a+", "Beautiful"])), **options)
+        text = result.text
+        assert text in {w[: len(text)] for w in [text + tail for tail in completions(text)] if balanced(w)}, text
+        if result.finish_reason == "stop":
+            assert balanced(text), text
+        assert "".join(demo.stream("Flat is", **options)) == demo.generate("Flat is", **options).text
+
+
+def completions(text: str) -> list[str]:
+    """Short tails that may finish `text` in NESTED's language: closing parentheses after an a."""
+    depth = text.count("(") - text.count(")")
+    need = "" if text and text[-1] in "a)" else "a"
+    return [need + ")" * max(depth, 0)]
+
+
+def test_output_format_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from atlas.run import main
+    from atlas.structured import OutputFormat
+
+    with pytest.raises(AtlasError, match="regex and grammar exclude each other"):
+        OutputFormat.of(regex="a", grammar='root ::= "a"')
+    with pytest.raises(AtlasError, match="grammar must be a string"):
+        OutputFormat.of(grammar=["root ::= a"])
+    path = tmp_path / "yes.gbnf"
+    path.write_text('root ::= ("yes" | "no") "!"\n', encoding="utf-8")
+    assert main(["--device", "cpu", "--max-tokens", "8", "--grammar-file", str(path)]) == 0
+    assert capsys.readouterr().out.strip() in ("yes!", "no!")
+    assert main(["--device", "cpu", "--grammar", "root ::= x"]) == 2
+    assert "rule 'root' uses 'x'" in capsys.readouterr().err
+    assert main(["--device", "cpu", "--grammar", "root ::= \"a\"", "--grammar-file", str(path)]) == 2
+    assert "exclude each other" in capsys.readouterr().err
