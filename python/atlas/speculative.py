@@ -4,9 +4,9 @@ agree with is kept plus the main model's pick after it (the bonus), so the outpu
 decoding's.
 
 Sampled requests too (and requests for logprobs: the emitted tokens' rows are scored in the
-verify pass; prompt logprobs decode without speculation). The main model's rows are picked in order as plain decoding picks (the
-same penalties, structured-output mask and one random draw per pick), up to the first pick that
-differs from its draft. Each emitted token is thus a draw from the main model's distribution
+verify pass; prompt logprobs decode without speculation). The main model's rows are picked in
+order as plain decoding picks (the same penalties, structured-output mask and one random draw
+per pick), up to the first pick that differs from its draft. Each emitted token is thus a draw from the main model's distribution
 after the tokens before it, with the same draw plain decoding would make there: with a seed the
 output is plain decoding's token for token (a draft is kept with probability p(draft), which is
 speculative sampling's rule min(1, p/q) for a draft distribution q that is one-hot on the draft,
@@ -140,8 +140,8 @@ class SpeculativeEngine(Engine):
         self.mtp_rows = 0  # the head's KV rows 0.. that hold its inputs for the live sequence
 
     def prefill(self, prompt_ids: list[int]) -> Tensor:
-        """The plain path's prefill (requests for logprobs): the head's rows past the resume point
-        are not written, so they no longer match."""
+        """The plain path's prefill (requests for prompt logprobs): the head's rows past the resume
+        point are not written, so they no longer match."""
         logits = super().prefill(prompt_ids)
         self.mtp_rows = min(self.mtp_rows, self.prompt_cache.last_hit)
         return logits
@@ -262,8 +262,8 @@ class SpeculativeEngine(Engine):
         self.mtp_rows = stop
 
     def _head_ready(self, start: int, checkpoint: StateCheckpoint | None) -> bool:
-        """Whether a speculative prefill can resume at `start`: the head's rows before start-1 hold this
-        prefix's inputs, and the checkpoint has the row start-1 reads (the live states have not)."""
+        """Whether a speculative prefill can resume at `start`: the head's rows before start-1 hold
+        this prefix's inputs, and the checkpoint has the row start-1 reads (the live states have not)."""
         return checkpoint is not None and checkpoint.has_head_input and self.mtp_rows >= start - 1
 
     def _draft(self, cursor: Cursor, k: int) -> list[int]:

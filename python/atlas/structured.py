@@ -59,7 +59,8 @@ class OutputFormat:
             raise AtlasError(f"output_after must be a non-empty string, got {after!r}")
         if not given:
             if after is not None:
-                raise AtlasError("output_after needs an output format (json_object, json_schema, regex, choice or grammar)")
+                raise AtlasError("output_after needs an output format "
+                                 "(json_object, json_schema, regex, choice or grammar)")
             return None
         kind, spec = given[0]
         if kind in ("regex", "grammar") and not isinstance(spec, str):
