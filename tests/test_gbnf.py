@@ -151,6 +151,17 @@ def test_repetition_bounds_and_empty_items() -> None:
         assert not any(accepts(shape, w.encode()) for w in bad), grammar
 
 
+def test_regular_parts_too_large_for_one_nfa_are_split() -> None:
+    """A bounded repetition or a literal past json_regex.MAX_STATES states becomes Repeat /
+    Literal nodes instead of being refused."""
+    shape = Transitions(compile_grammar('root ::= ("abcde" [0-9]){2,1000} "."'))
+    assert accepts(shape, b"abcde1" * 1000 + b".") and not accepts(shape, b"abcde1" * 1001 + b".")
+    assert not accepts(shape, b"abcde1.") and accepts(shape, b"abcde1abcde2.")
+    long = "xy" * 2500
+    shape = Transitions(compile_grammar(f'root ::= "{long}" [a-z]'))
+    assert accepts(shape, (long + "q").encode()) and not accepts(shape, long.encode())
+
+
 def test_rules_span_lines_inside_parentheses_and_after_bars() -> None:
     grammar = 'root ::= ( "a"\n  | "b" ) | # a comment\n  "c" x\n\nx ::= "!"  # another\n'
     shape = Transitions(compile_grammar(grammar))
@@ -171,6 +182,7 @@ def test_rules_span_lines_inside_parentheses_and_after_bars() -> None:
     ('root ::= "\\u12"', "\\u needs 4 hex digits"),
     ('root ::= "\\UDEADBEEF"', "is not a character"),
     ('root ::= "a"{3,2}', "0 <= m <= n"),
+    ("root ::= [^\\x00-\\U0010FFFF]", "matches no character"),
     ('root ::= "a"{x}', "whole numbers"),
     ("root ::= 'a'", "line 1, column 10: unexpected \"'\""),
     ('root ::= root "a" | "b"', "'root' is left-recursive"),

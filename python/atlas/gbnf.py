@@ -12,7 +12,8 @@ inside parentheses and after `|`); names of letters, digits, `-` and `_`; items 
 
 Compilation: what does not reach a recursive rule is regular and becomes one NFA over code points
 (atlas.json_regex.compile_tree) in a json_match.Text node; recursive rules become pushdown nodes
-(Union of alternatives, Sequence, Repeat) whose regular runs are Text nodes again. A rule that
+(Union of alternatives, Sequence, Repeat) whose regular runs are Text nodes again. A regular part
+too large for one NFA (json_regex.MAX_STATES) is split the same way. A rule that
 may reach itself before taking a character (left recursion) is refused, as llama.cpp does."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import AtlasError
-from .json_match import Node, State, Text, Union
+from .json_match import Literal, Node, State, Text, Union
 from .json_regex import ANY, MAX_CP, RegexError, Ranges, compile_tree, complement, normalize
 
 # AST: ("lit", str) | ("chars", Ranges) | ("ref", name) | ("seq", [items]) | ("alt", [seqs])
@@ -204,9 +205,12 @@ class Parser:
                 if high < low:
                     raise self.fail(f"the range {chr(low)!r}-{chr(high)!r} runs backwards")
             ranges.append((low, high))
-        self.i += 1
         found = normalize(ranges)
-        return complement(found) if negated else found
+        found = complement(found) if negated else found
+        if not found:
+            raise self.fail("the character class matches no character")
+        self.i += 1
+        return found
 
     def char(self) -> int:
         """One code point of a literal or class, escapes decoded."""
@@ -323,26 +327,33 @@ class Compiler:
     nodes: dict[str, Union] = field(default_factory=dict)
 
     def node(self, ast: Ast) -> Node:
-        """ast as a matcher node: one Text where it is regular, else pushdown nodes."""
-        if not (refs(ast) & self.recursive):
-            return self.text(ast)
+        """ast as a matcher node: one Text where it is regular (and its NFA not too large), else
+        pushdown nodes."""
+        regular = not (refs(ast) & self.recursive)
+        if regular:
+            made = self.text(ast)
+            if made is not None:
+                return made
         kind = ast[0]
+        if kind == "lit":  # a literal too long for one NFA: its exact bytes
+            return Literal((ast[1].encode(),))
         if kind == "ref":
             return self.rule(ast[1])
         if kind == "alt":
             return Union([self.node(part) for part in ast[1]])
         if kind == "rep":
             return Repeat(self.node(ast[1]), ast[2], ast[3])
+        if regular:  # a sequence too large for one NFA: item by item
+            return Sequence(tuple(self.node(part) for part in ast[1]))
         items: list[Node] = []
-        run: list[Ast] = []  # regular items in a row: one Text
-        for part in ast[1]:
-            if refs(part) & self.recursive:
-                items += [self.text(("seq", run))] if run else []
-                items.append(self.node(part))
-                run = []
-            else:
+        run: list[Ast] = []  # regular items in a row: one node
+        for part in [*ast[1], None]:
+            if part is not None and not (refs(part) & self.recursive):
                 run.append(part)
-        items += [self.text(("seq", run))] if run else []
+                continue
+            items += [self.node(("seq", run))] if run else []
+            items += [self.node(part)] if part is not None else []
+            run = []
         return Sequence(tuple(items))
 
     def rule(self, name: str) -> Union:
@@ -351,11 +362,12 @@ class Compiler:
             self.nodes[name].options = (self.node(self.rules[name]),)
         return self.nodes[name]
 
-    def text(self, ast: Ast) -> Text:
+    def text(self, ast: Ast) -> Text | None:
+        """The regular ast's NFA in a Text node; None when it needs more than MAX_STATES states."""
         try:
             return Text(compile_tree(self.tree(ast), "grammar"))
-        except RegexError as err:
-            raise GrammarError(f"grammar: {err}") from None
+        except RegexError:
+            return None
 
     def tree(self, ast: Ast) -> tuple:
         """ast, regular, as a json_regex AST (rules inlined)."""
