@@ -162,6 +162,33 @@ def test_regular_parts_too_large_for_one_nfa_are_split() -> None:
     assert accepts(shape, (long + "q").encode()) and not accepts(shape, long.encode())
 
 
+SCHEMA_STYLE = r"""
+root ::= "[" space item ("," space item){1,3} "]" space
+item ::= "{" space "\"name\"" space ":" space name "," space "\"age\"" space ":" space age "}" space
+name ::= "\"" char{1,12} "\"" space
+age ::= ([0-9] | [1-8] [0-9] | [9] [0-9] | "1" ([0-4] [0-9] | [5] "0")) space
+char ::= [^"\\\x7F\x00-\x1F] | [\\] (["\\bfnrt] | "u" [0-9a-fA-F]{4})
+space ::= | " " | "\n" [ \t]{0,20}
+"""
+
+
+def test_grammar_in_the_style_json_schema_converters_write(rng: np.random.Generator) -> None:
+    """An empty first alternative, escaped quotes and backslashes in literals and classes, bounded
+    repetitions: the documents Python's json writes for random data of the shape are accepted,
+    and ones outside it (an age past 150, a name too long, one item) are not."""
+    import json
+
+    shape = Transitions(compile_grammar(SCHEMA_STYLE))
+    for _ in range(200):
+        items = [{"name": "".join(rng.choice(list('ab"\\é\n'), int(rng.integers(1, 6)))), "age": int(rng.integers(0, 151))}
+                 for _ in range(int(rng.integers(2, 5)))]
+        text = json.dumps(items, indent=int(rng.integers(0, 3)) or None)
+        assert accepts(shape, text.encode()), text
+    for bad in ('[{"name": "a", "age": 151}, {"name": "b", "age": 1}]', '[{"name": "a", "age": 1}]',
+                '[{"name": "abcdefghijklm", "age": 1}, {"name": "b", "age": 1}]'):
+        assert not accepts(shape, bad.encode()), bad
+
+
 def test_rules_span_lines_inside_parentheses_and_after_bars() -> None:
     grammar = 'root ::= ( "a"\n  | "b" ) | # a comment\n  "c" x\n\nx ::= "!"  # another\n'
     shape = Transitions(compile_grammar(grammar))
