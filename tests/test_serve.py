@@ -306,6 +306,10 @@ OUTPUT_FORMATS = {  # kind -> (request fields, LLM.chat option, what a stopped a
                                  lambda text: re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){0,3}\.", text) or pytest.fail(text)),
     "guided_grammar": ({"extra_body": {"guided_grammar": PAREN_GRAMMAR}}, {"grammar": PAREN_GRAMMAR}, paren_check),
     "llama_cpp_grammar": ({"extra_body": {"grammar": PAREN_GRAMMAR}}, {"grammar": PAREN_GRAMMAR}, paren_check),
+    "llama_cpp_json_schema": ({"extra_body": {"json_schema": POINT_SCHEMA}}, {"json_schema": POINT_SCHEMA},
+                              schema_check(POINT_SCHEMA)),
+    "llama_cpp_json_object_schema": ({"response_format": {"type": "json_object", "schema": POINT_SCHEMA}},
+                                     {"json_schema": POINT_SCHEMA}, schema_check(POINT_SCHEMA)),
 }
 
 

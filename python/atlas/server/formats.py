@@ -3,7 +3,8 @@ format generation cannot follow is a 400 before the request queues. Sources, at 
 request: OpenAI's response_format ({"type": "text" | "json_object" | "json_schema"}), vLLM's
 structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) and its older
 guided_json / guided_regex / guided_choice / guided_grammar fields, llama.cpp's grammar (GBNF, as
-guided_grammar), and a forced tool call (tool_choice "required" or a named function,
+guided_grammar) and json_schema fields and its response_format {"type": "json_object", "schema":
+{...}}, and a forced tool call (tool_choice "required" or a named function,
 tools.forced_call_schema)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .errors import RequestError
 from .tools import ToolChoice, forced_call_schema
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",  # vLLM's older fields
-          "guided_grammar": "grammar", "grammar": "grammar"}  # the last: llama.cpp's
+          "guided_grammar": "grammar", "grammar": "grammar", "json_schema": "json_schema"}  # the last two: llama.cpp's
 STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
               "json_object": "json_object"}
 
@@ -54,8 +55,10 @@ def response_format(body: dict[str, Any]) -> list[tuple[str, OutputFormat]]:
     kind = value.get("type") if isinstance(value, dict) else None
     if value is None or kind == "text":
         return []
-    if kind == "json_object":
-        return [("response_format", OutputFormat("json_object"))]
+    if kind == "json_object":  # llama.cpp's form may carry a schema
+        schema = value.get("schema")
+        made = OutputFormat("json_object") if schema is None else OutputFormat("json_schema", schema)
+        return [("response_format", made)]
     if kind != "json_schema":
         raise RequestError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
                            "{\"type\": \"json_schema\", \"json_schema\": {...}}", "response_format")
