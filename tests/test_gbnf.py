@@ -226,6 +226,15 @@ def test_errors_are_one_line(grammar: str, message: str) -> None:
     assert isinstance(caught.value, AtlasError)
 
 
+def test_nesting_past_the_parsers_depth_is_one_line() -> None:
+    from atlas.structured import OutputFormat
+
+    output = OutputFormat.of(grammar="root ::= " + "(" * 3000 + '"a"' + ")" * 3000)
+    assert output is not None
+    with pytest.raises(AtlasError, match="grammar: nested too deeply to compile; flatten it"):
+        output.shape()
+
+
 def test_right_recursion_and_nesting_compile() -> None:
     shape = Transitions(compile_grammar('root ::= "a" root | "b"'))
     assert accepts(shape, b"aaab") and not accepts(shape, b"aaa")

@@ -646,6 +646,8 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("guided_grammar single-quoted", {**GOOD, "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
     ("grammar left-recursive", {**GOOD, "grammar": 'root ::= root "a" | "b"'}, "grammar"),
     ("grammar not a string", {**GOOD, "grammar": {"root": "a"}}, "grammar"),
+    ("grammar nested too deeply", {**GOOD, "grammar": "root ::= " + "(" * 3000 + '"a"' + ")" * 3000}, "grammar"),
+    ("guided_regex nested too deeply", {**GOOD, "guided_regex": "(" * 3000 + "a" + ")" * 3000}, "guided_regex"),
     ("guided_regex with lookaround", {**GOOD, "guided_regex": "(?=a)"}, "guided_regex"),
     ("guided_choice empty", {**GOOD, "guided_choice": []}, "guided_choice"),
     ("guided_json not JSON", {**GOOD, "guided_json": "{oops"}, "guided_json"),

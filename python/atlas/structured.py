@@ -78,7 +78,12 @@ class OutputFormat:
             canonical = json.dumps(self.spec, allow_nan=False)  # key order kept: properties are written in it
         except (TypeError, ValueError) as err:
             raise AtlasError(f"json schema: not JSON ({err})") from None
-        return _shape(self.kind, canonical, self.after)
+        except RecursionError:
+            raise AtlasError("json schema: nested too deeply to read; flatten it") from None
+        try:
+            return _shape(self.kind, canonical, self.after)
+        except RecursionError:  # the parsers and compilers recurse over the nesting
+            raise AtlasError(f"{self.kind.replace('_', ' ')}: nested too deeply to compile; flatten it") from None
 
 
 @lru_cache(maxsize=SHAPES)
