@@ -50,12 +50,19 @@ class Routed:
 
 
 def routed(rng: np.random.Generator, model: str, tokens: int, shared: bool) -> Routed:
+    """Drawn again until some token has the same ids in the stand-in and both references: the
+    rule checks only such tokens' routed weights (a near-tie reorders the others), so with none a
+    wrong weight would pass unseen (Qwen3.6's 256 experts reorder all 3 tokens in ~1 % of draws)."""
     d = load_registry().models[model].constants
     e, k, h = int(d["num_experts"]), int(d["num_experts_per_tok"]), int(d["hidden_size"])
-    x, w = test_gpu_ops.normal(rng, tokens, h), test_gpu_ops.weight(rng, e + int(shared), h) * 4
-    case = test_gpu_ops.RouterCase(x, w, k, True, shared_expert=shared)
-    ids, weights = StandInBackend().router(x, test_gpu_ops.bf16_round(w), k, True, shared_expert=shared)
-    return Routed(case, ids, weights)
+    for _ in range(DRAWS):
+        x, w = test_gpu_ops.normal(rng, tokens, h), test_gpu_ops.weight(rng, e + int(shared), h) * 4
+        case = test_gpu_ops.RouterCase(x, w, k, True, shared_expert=shared)
+        ids, weights = StandInBackend().router(x, test_gpu_ops.bf16_round(w), k, True, shared_expert=shared)
+        ids16, ids32 = case.reference(test_gpu_ops.bf16_round(w))[0], case.reference(w)[0]
+        if ((ids == ids16).all(-1) & (ids16 == ids32).all(-1)).any():
+            return Routed(case, ids, weights)
+    pytest.fail(f"no draw in {DRAWS} kept a token's experts in order in both references")
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -65,7 +72,7 @@ def test_rule_rejects_wrong_weights(model: str, rng: np.random.Generator) -> Non
         test_gpu_ops.check_router_weights(model, r.case, r.ids, r.weights)
         k = r.case.top_k
         off = r.weights.copy()
-        off[:, 0] *= np.float32(1.02)  # the top weight 2 % off
+        off[:, 0] *= np.float32(1.05)  # the top weight 5 % off (2 % sat ~1.6x the bound: rarely inside it)
         with pytest.raises(AssertionError, match="routed weights"):
             test_gpu_ops.check_router_weights(model, r.case, r.ids, off)
         unnormalised = r.weights.copy()
