@@ -194,6 +194,22 @@ def test_sampled_pick_from_the_listed_row_is_the_row_pick(demo: LLM, rng: np.ran
     assert settled[True] >= 16 and sum(settled.values()) >= 32, settled  # of 128 and 320 draws (~40 and ~75 seen)
 
 
+def test_only_banned_tokens_allowed_is_one_line_on_both_paths() -> None:
+    """Every allowed token at -inf (banned by logit_bias, say): the listed walk declines and the
+    row's walk says no token continues the text, instead of drawing from a uniform row."""
+    from atlas.backends.numpy_backend import NumpyBackend
+    from atlas.structured import ListedRow
+
+    constraint = OutputConstraint(TOY_VOCAB, {TOY_END})
+    logits = np.ones(len(TOY_VOCAB), dtype=np.float32)  # [V]
+    logits[[t for t in range(len(TOY_VOCAB)) if constraint.allows(t)]] = -np.inf
+    summary = NumpyBackend().logprob_rows(logits[None], np.zeros(1, np.int32), len(TOY_VOCAB), 1.0)
+    listed = ListedRow(summary.ids[0], summary.values[0], float(summary.lse[0].astype(np.float64).sum()), logits.size)
+    assert constraint.sample_listed(listed, SamplingParams(1.0), 0.5) is None
+    with pytest.raises(AtlasError, match="no token of the vocabulary continues the text"):
+        constraint.mask(logits, 1.0)
+
+
 def within_draw_rounding(constraint: OutputConstraint, logits: np.ndarray, sampling: SamplingParams,
                          uniform: float, token: int) -> bool:
     """Whether host_pick would choose `token` for a draw off by 1e-6 of the kept mass."""

@@ -173,10 +173,10 @@ class OutputConstraint:
         with np.errstate(invalid="ignore", over="ignore"):
             probs = np.exp(np.where(z == top, 0.0, (z - top) / t))  # [V] unnormalised, the maxima 1
         allowed, _ = self.walk(descending(probs), top_k, min_p)
-        if not allowed:
-            raise AtlasError("structured output: no token of the vocabulary continues the text")
         masked = np.full(logits.shape, -np.inf, dtype=np.float32)  # [V]
         masked[allowed] = logits[allowed]
+        if not np.isfinite(masked).any():  # none allowed, or only ones at -inf (NaN reads as -inf)
+            raise AtlasError("structured output: no token of the vocabulary continues the text")
         return masked
 
     def walk(self, order: Iterable[tuple[int, float, float]], top_k: int, min_p: float) -> tuple[list[int], bool]:
@@ -212,11 +212,11 @@ class OutputConstraint:
         after = np.maximum(total - np.cumsum(weights), 0.0)  # [N]
         order = zip(ids.tolist(), weights.tolist(), after.tolist())
         allowed, ended = self.walk(order, sampling.top_k, sampling.min_p)
-        if not allowed or not (ended or ids.size == listed.vocab):
-            return None
         chosen = sorted(allowed)  # the sampler draws in id order, as over the masked row
         logit_of = dict(zip(ids.tolist(), listed.values[: ids.size].tolist()))
         row = np.array([logit_of[token] for token in chosen], dtype=np.float32)  # [A]
+        if not (ended or ids.size == listed.vocab) or not np.isfinite(row).any():
+            return None  # past the list, or nothing finite allowed: mask() decides (and says so)
         return chosen[choose_token(row, sampling, uniform)]
 
 
