@@ -490,6 +490,20 @@ def test_metrics_count_requests_and_tokens(served: Served, rng: np.random.Genera
     for histogram in ("atlas_queue_seconds", "atlas_time_to_first_token_seconds", "atlas_request_run_seconds"):
         assert delta[f"{histogram}_count"] == 2 and delta[f'{histogram}_bucket{{le="+Inf"}}'] == 2
     assert after["atlas_requests_running"] == 0 and after["atlas_requests_waiting"] == 0
+    for counter in ("atlas_spec_verify_passes_total", "atlas_spec_draft_tokens_total", "atlas_spec_accepted_tokens_total"):
+        assert delta[counter] == 0  # the demo has no MTP head
+
+
+def test_metrics_sum_the_speculation_of_each_request() -> None:
+    from atlas.server.metrics import Metrics, RequestRecord, SpecCounts
+
+    metrics = Metrics()
+    for counts in (SpecCounts(3, 6, 2), SpecCounts(), SpecCounts(1, 2, 2)):
+        metrics.started()
+        metrics.record(RequestRecord("finished", spec=counts))
+    lines = set(metrics.render(0).splitlines())
+    assert {"atlas_spec_verify_passes_total 4", "atlas_spec_draft_tokens_total 8",
+            "atlas_spec_accepted_tokens_total 4"} <= lines
 
 
 def test_batch_of_prompts(served: Served, rng: np.random.Generator) -> None:

@@ -376,6 +376,22 @@ def test_sampled_structured_stream_speculates_and_equals_plain(demo_mtp: Path, r
     assert "".join(spec.stream(DEMO_PROMPT, **opts)) == result.text
 
 
+def test_iter_tokens_counts_the_speculation_it_runs(demo_mtp: Path, rng: np.random.Generator) -> None:
+    """The server's loop (llm.iter_tokens) reports verify passes and drafts in the SpecStats it is
+    given (what /metrics counts), with generate()'s tokens."""
+    from atlas.llm import LLM, GenerateOptions, iter_tokens
+
+    llm = LLM(str(demo_mtp), "cpu", spec_k=3)
+    prompt = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT)
+    opts = GenerateOptions(max_tokens=20, temperature=0.8, seed=int(rng.integers(1 << 30)))
+    stats = SpecStats()
+    tokens = list(iter_tokens(llm.parts.engine, prompt, opts, set(), spec_stats=stats))
+    result = llm.generate(prompt, max_tokens=20, temperature=0.8, seed=opts.seed)
+    assert tokens == result.token_ids
+    assert (stats.rounds, stats.drafted, stats.accepted) == (result.spec_rounds, result.spec_drafted, result.spec_accepted)
+    assert stats.rounds > 0 and stats.drafted > 0
+
+
 def test_stream_with_logprobs_speculates_and_equals_plain(demo_mtp: Path, rng: np.random.Generator) -> None:
     """stream() with logprobs on a speculative engine: each token's score is there before the
     token, equal to the plain engine's."""

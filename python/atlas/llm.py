@@ -333,11 +333,14 @@ def iter_tokens(
     scores: list[TokenLogprob] | None = None,
     prompt_scores: list[TokenLogprob | None] | None = None,
     constraint: OutputConstraint | None = None,
+    spec_stats: Any = None,
 ) -> Iterator[int]:
     """Engine.generate's loop as a generator over the engine's step API (prefill, decode, pick),
     with the same seeded RNG draws, so stream() and generate() give the same tokens. With
     opts.logprobs, each token's TokenLogprob is appended to `scores` before the token is yielded;
-    with opts.prompt_logprobs, the prompt's go to `prompt_scores` before the first token."""
+    with opts.prompt_logprobs, the prompt's go to `prompt_scores` before the first token. A
+    speculative engine counts its verify passes and drafts into `spec_stats` (a
+    speculative.SpecStats) when given."""
     import numpy as np
 
     from .sampling import pick_state
@@ -350,7 +353,7 @@ def iter_tokens(
         from .speculative import Picks
 
         picks = Picks(sampling, rng, penalties, opts.logprobs)
-        for count, token in enumerate(speculative(prompt_ids, opts.max_tokens, picks=picks), start=1):
+        for count, token in enumerate(speculative(prompt_ids, opts.max_tokens, spec_stats, picks), start=1):
             if opts.logprobs is not None and scores is not None:
                 scores.append(picks.scores[count - 1])
             yield token

@@ -1,6 +1,7 @@
 """GET /metrics: the server's counters in Prometheus' text format (as vLLM's and llama.cpp's
-servers expose theirs): requests by outcome, prompt / cached / generated tokens, histograms of
-queue time, time to first token and request time, and the requests waiting and running now."""
+servers expose theirs): requests by outcome, prompt / cached / generated tokens, MTP speculation's
+verify passes, drafted and accepted tokens (vLLM's spec_decode counters), histograms of queue
+time, time to first token and request time, and the requests waiting and running now."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from dataclasses import dataclass, field
 
 BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 OUTCOMES = ("finished", "failed", "cancelled")
+SPEC_COUNTERS = {"passes": ("atlas_spec_verify_passes_total", "verify passes of the main model"),
+                 "drafted": ("atlas_spec_draft_tokens_total", "tokens the head drafted"),
+                 "accepted": ("atlas_spec_accepted_tokens_total", "drafted tokens the main model kept")}
 
 
 @dataclass
@@ -33,6 +37,15 @@ class Histogram:
 
 
 @dataclass(frozen=True)
+class SpecCounts:
+    """One request's MTP speculation (all 0 when it did not speculate)."""
+
+    passes: int = 0  # verify passes of the main model
+    drafted: int = 0  # tokens the head proposed
+    accepted: int = 0  # of those, the ones the main model kept
+
+
+@dataclass(frozen=True)
 class RequestRecord:
     """One request as the engine thread saw it."""
 
@@ -43,6 +56,7 @@ class RequestRecord:
     queue_s: float = 0.0
     first_token_s: float | None = None  # from the start of its run; None: no token
     run_s: float = 0.0
+    spec: SpecCounts = SpecCounts()
 
 
 class Metrics:
@@ -52,6 +66,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests = dict.fromkeys(OUTCOMES, 0)
         self.tokens = {"prompt": 0, "cached": 0, "generated": 0}
+        self.spec = {"passes": 0, "drafted": 0, "accepted": 0}
         self.queue = Histogram("atlas_queue_seconds", "Time a request waited for the engine.")
         self.first_token = Histogram("atlas_time_to_first_token_seconds", "From the start of a request's run to its first token.")
         self.run = Histogram("atlas_request_run_seconds", "Time the engine spent on a request.")
@@ -68,6 +83,8 @@ class Metrics:
             self.tokens["prompt"] += request.prompt_tokens
             self.tokens["cached"] += request.cached_tokens
             self.tokens["generated"] += request.generated_tokens
+            for kind in self.spec:
+                self.spec[kind] += getattr(request.spec, kind)
             self.queue.observe(request.queue_s)
             self.run.observe(request.run_s)
             if request.first_token_s is not None:
@@ -81,6 +98,8 @@ class Metrics:
                 name = f"atlas_{kind}_tokens_total"
                 lines += [f"# HELP {name} Tokens: {kind} (cached: prompt tokens the prompt cache held).",
                           f"# TYPE {name} counter", f"{name} {value}"]
+            for kind, (name, what) in SPEC_COUNTERS.items():
+                lines += [f"# HELP {name} MTP speculation: {what}.", f"# TYPE {name} counter", f"{name} {self.spec[kind]}"]
             for name, value in (("atlas_requests_waiting", waiting), ("atlas_requests_running", self.running)):
                 lines += [f"# HELP {name} Requests {name.rsplit('_', 1)[1]} now.", f"# TYPE {name} gauge", f"{name} {value}"]
             for histogram in (self.queue, self.first_token, self.run):

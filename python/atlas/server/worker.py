@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from ..errors import AtlasError
 from ..llm import LLM, GenerateOptions, iter_tokens
 from ..sampling import TokenLogprob
-from .metrics import Metrics, RequestRecord
+from ..speculative import SpecStats
+from .metrics import Metrics, RequestRecord, SpecCounts
 from ..stop_strings import StopMatcher
 from .stops import Stops
 
@@ -44,6 +45,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens the prompt cache held
+    spec: SpecCounts = SpecCounts()  # MTP speculation, when it ran
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,9 @@ def generate(llm: LLM, job: Job) -> Finished:
     count = 0
     last_token = -1
     constraint = llm.output_constraint(job.opts, eos_ids)
-    for last_token in iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, scores, prompt_scores, constraint):
+    spec = SpecStats()
+    tokens = iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, scores, prompt_scores, constraint, spec)
+    for last_token in tokens:
         if count == 0:
             job.first_token_at = time.perf_counter()
             if job.echo is not None:
@@ -188,7 +192,8 @@ def generate(llm: LLM, job: Job) -> Finished:
     stopped = matcher.stopped or last_token in eos_ids
     cache = getattr(llm.parts.engine, "prompt_cache", None)
     cached = cache.last_hit if cache is not None and count else 0
-    return Finished("stop" if stopped else "length", len(job.prompt_ids), count, cached)
+    spec_counts = SpecCounts(spec.rounds, spec.drafted, spec.accepted)
+    return Finished("stop" if stopped else "length", len(job.prompt_ids), count, cached, spec_counts)
 
 
 def scored(llm: LLM, scores: list[TokenLogprob]) -> tuple[ScoredToken, ...]:
@@ -216,4 +221,5 @@ def request_record(job: Job, finished: Finished | None, started: float) -> Reque
     if finished is None:
         return RequestRecord("failed", **timing)
     outcome = "cancelled" if job.cancelled.is_set() else "finished"
-    return RequestRecord(outcome, finished.prompt_tokens, finished.cached_tokens, finished.completion_tokens, **timing)
+    return RequestRecord(outcome, finished.prompt_tokens, finished.cached_tokens, finished.completion_tokens,
+                         spec=finished.spec, **timing)
