@@ -180,3 +180,25 @@ def test_sampled_json_picks_from_the_device_summary(demo_gpu: Any, rng: np.rando
         text += demo_gpu.tokenizer.token_bytes[token]
         logits = engine.decode_tensor(token_t, position, token)
     assert text.startswith(b"{") and row_reads <= 0.5 * STEPS
+
+
+def test_logprobs_and_prompt_logprobs_on_the_gpu(demo_gpu: Any, rng: np.random.Generator) -> None:
+    """Token and prompt logprobs from the device's summaries (logprob_rows over views of the
+    prefill's hidden rows and the decode steps' logits) are the numpy backend's on a stretch of
+    the demo's text, to within the GPU's bf16 rounding: each picked token's log-probability within
+    0.05 + 5 %, the same most likely alternative wherever numpy's top two are 0.05 apart."""
+    from atlas import LLM
+    from test_gpu_model import demo_text_excerpt
+
+    cpu = LLM(device="cpu")
+    prompt = demo_text_excerpt(cpu, rng, 20, 80)
+    options = {"max_tokens": 8, "temperature": 0.0, "logprobs": 3, "prompt_logprobs": 2}
+    got, want = demo_gpu.generate(prompt, **options), cpu.generate(prompt, **options)
+    assert got.token_ids == want.token_ids
+    assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(prompt)
+    pairs = [*zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True),
+             *zip(got.logprobs, want.logprobs, strict=True)]
+    for position, (g, w) in enumerate(pairs):
+        assert g.token == w.token and abs(g.logprob - w.logprob) <= 0.05 + 0.05 * abs(w.logprob), f"row {position}"
+        if w.top[0][1] - w.top[1][1] > 0.05:
+            assert g.top[0][0] == w.top[0][0], f"row {position}"

@@ -67,6 +67,12 @@ def test_penalized_picks_gpu_test_passes(stand_in: None, rng: np.random.Generato
         test_gpu_chain.test_penalized_picks_stay_on_the_device(demo_gpu, rng)
 
 
+def test_logprobs_gpu_test_passes(stand_in: None, rng: np.random.Generator) -> None:
+    demo_gpu = test_gpu_model.gpu_llm()
+    for _ in range(10):
+        test_gpu_chain.test_logprobs_and_prompt_logprobs_on_the_gpu(demo_gpu, rng)
+
+
 def test_sampled_json_gpu_test_passes(stand_in: None, rng: np.random.Generator) -> None:
     demo_gpu = test_gpu_model.gpu_llm()
     for _ in range(5):

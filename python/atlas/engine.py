@@ -129,13 +129,13 @@ class Engine:
         return self.model.forward(step, ids, self.states)
 
     def _last_logits(self, ids: Tensor, positions: Tensor) -> Tensor:
-        """Logits of the last token only [1, V] (the row is gathered with the embedding op)."""
+        """Logits of the last token only [1, V]."""
         hidden = self.forward(ids, positions)  # [T, H]
         return self.model.logits(Step(self.backend, positions, self.dump), self._row(hidden, ids.shape[0] - 1))
 
     def _row(self, t: Tensor, row: int) -> Tensor:
-        """t [T, H] -> its row `row` [1, H]."""
-        return self.backend.embedding(t, self.backend.upload(np.array([row], dtype=np.int32), "i32"))
+        """t [T, H] -> its row `row` [1, H] (a view on the backend: valid while t is)."""
+        return self.backend.rows(t, row, row + 1)
 
     def _decode_step(self, ids: Tensor, positions: Tensor) -> Tensor:
         step = Step(self.backend, positions, None)
@@ -196,7 +196,7 @@ class Engine:
         scored: list[TokenLogprob] = []
         for a in range(start, end, SCORE_ROWS):
             b = min(a + SCORE_ROWS, end)
-            rows = self.backend.embedding(hidden, self.backend.upload(np.arange(a - start, b - start, dtype=np.int32), "i32"))
+            rows = self.backend.rows(hidden, a - start, b - start)  # [b - a, H]
             logits = self.model.logits(Step(self.backend, positions), rows)  # [b - a, V]
             scored += self.score_rows(logits, prompt_ids[a + 1 : b + 1], top)
         return scored

@@ -6,11 +6,12 @@ decoding's.
 Sampled requests too (and requests for logprobs: the emitted tokens' rows are scored in the
 verify pass; prompt logprobs decode without speculation). The main model's rows are picked in
 order as plain decoding picks (the same penalties, structured-output mask and one random draw
-per pick), up to the first pick that differs from its draft. Each emitted token is thus a draw from the main model's distribution
-after the tokens before it, with the same draw plain decoding would make there: with a seed the
-output is plain decoding's token for token (a draft is kept with probability p(draft), which is
-speculative sampling's rule min(1, p/q) for a draft distribution q that is one-hot on the draft,
-and a rejected row's pick is a draw from p without the draft, the residual max(0, p - q)).
+per pick), up to the first pick that differs from its draft. Each emitted token is thus a draw
+from the main model's distribution after the tokens before it, with the same draw plain decoding
+would make there: with a seed the output is plain decoding's token for token (a draft is kept
+with probability p(draft), which is speculative sampling's rule min(1, p/q) for a draft
+distribution q that is one-hot on the draft, and a rejected row's pick is a draw from p without
+the draft, the residual max(0, p - q)).
 
 Rollback on rejection. The KV caches of full-attention layers (main and MTP) need none: a row is
 only read after the step that owns its position wrote it, so rows past the accepted prefix are
@@ -222,13 +223,12 @@ class SpeculativeEngine(Engine):
         else:
             chosen = []
             for i in range(len(drafts) + 1):
-                row = logits if int(logits.shape[0]) == 1 else self._row(logits, skip + i)  # [1, V]
+                row = self._row(logits, skip + i)  # [1, V]
                 chosen.append(self.pick_tensor(row, picks.sampling, picks.rng, picks.penalties)[0])
                 if i == len(drafts) or chosen[-1] != drafts[i]:
                     break
         if picks.logprobs is not None:
-            rows = self.backend.upload(np.arange(skip, skip + len(chosen), dtype=np.int32), "i32")
-            picked = logits if int(logits.shape[0]) == len(chosen) else self.backend.embedding(logits, rows)  # [N, V]
+            picked = self.backend.rows(logits, skip, skip + len(chosen))  # [N, V]
             picks.scores += self.score_rows(picked, chosen, picks.logprobs)
         return chosen
 

@@ -145,6 +145,10 @@ class Backend(Protocol):
     def to_numpy(self, t: Tensor) -> np.ndarray:
         """Float data as float32, integer data as int32."""
 
+    def rows(self, t: Tensor, start: int, stop: int) -> Tensor:
+        """t [T, ...] -> its rows start..stop-1 [stop - start, ...], a view (no copy, no read-back;
+        valid while t is)."""
+
     # --- dense ops ----------------------------------------------------------------------------
     def embedding(self, table: Tensor, ids: Tensor) -> Tensor:
         """table [V, H], ids [T] i32 -> [T, H]."""

@@ -191,6 +191,9 @@ class NumpyBackend:
         array = dense(t) if isinstance(t, (HostMatrix, HostQuantized)) else np.asarray(t)
         return array.astype(np.int32 if np.issubdtype(array.dtype, np.integer) else np.float32)
 
+    def rows(self, t: Tensor, start: int, stop: int) -> Tensor:
+        return t[start:stop]
+
     # --- dense ops ----------------------------------------------------------------------------
     def embedding(self, table: Tensor, ids: Tensor) -> Tensor:
         if isinstance(table, HostMatrix):

@@ -73,6 +73,9 @@ class CudaBackend:
     def to_numpy(self, t: DeviceTensor) -> np.ndarray:
         return from_storage(self.rt.read(t), t.dtype)
 
+    def rows(self, t: DeviceTensor, start: int, stop: int) -> DeviceTensor:
+        return t.rows(start, stop)
+
     def copy(self, dst: DeviceTensor, src: DeviceTensor) -> None:
         """dst[...] = src, device to device in stream order (speculative decoding's state
         snapshots and the hidden states it carries across steps)."""
@@ -94,8 +97,8 @@ class CudaBackend:
     # --- dense ops ----------------------------------------------------------------------------
     def embedding(self, table: DeviceTensor, ids: DeviceTensor) -> DeviceTensor:
         """A lookup in the weight table starts a forward pass, so it begins the step (arena
-        reset). The engine also gathers rows of an f32 step tensor with this op (the last
-        prompt token's hidden state): that is a device row copy, outside any captured graph."""
+        reset). An f32 table (a step tensor: the engine takes its rows with `rows`, a view) is
+        gathered by device row copies, outside any captured graph."""
         if table.dtype == "f32":
             return self._gather_rows(table, ids)
         if table.owner is not None:
