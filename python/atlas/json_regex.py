@@ -308,9 +308,34 @@ def compile_regex(pattern: str, min_len: int = 0, max_len: int | None = None, se
     return compile_tree(Parser(pattern).top(search), f"pattern {pattern!r}", min_len, max_len)
 
 
+@dataclass(frozen=True)
+class Nfa:
+    """Char edges (ranges, target) and epsilon edges per state, before the lengths are folded in."""
+
+    edges: list[list[tuple[Ranges, int]]]
+    eps: list[list[int]]
+    start: int
+    accept: int
+
+
 def compile_tree(tree: tuple, label: str, min_len: int = 0, max_len: int | None = None) -> Regex:
     """The NFA of a parsed pattern (the Parser's AST; atlas.gbnf builds them too); `label` names
     it in errors."""
+    return finish(build_nfa(tree, label), label, min_len, max_len)
+
+
+def compile_patterns(patterns: list[str], min_len: int = 0, max_len: int | None = None) -> Regex:
+    """Strings every pattern matches (each as JSON schema reads it: anywhere in the string), the
+    product of their NFAs: a schema's pattern beside a format's."""
+    label = " and ".join(f"pattern {p!r}" for p in patterns)
+    nfas = [build_nfa(Parser(p).top(True), f"pattern {p!r}") for p in patterns]
+    product = nfas[0]
+    for nfa in nfas[1:]:
+        product = intersect(product, nfa, label)
+    return finish(product, label, min_len, max_len)
+
+
+def build_nfa(tree: tuple, label: str) -> Nfa:
     edges: list[list[tuple[Ranges, int]]] = []
     eps: list[list[int]] = []
 
@@ -354,11 +379,63 @@ def compile_tree(tree: tuple, label: str, min_len: int = 0, max_len: int | None 
         return state
 
     start = new()
-    accept = build(tree, start)
+    return Nfa(edges, eps, start, build(tree, start))
+
+
+def overlap(a: Ranges, b: Ranges) -> Ranges:
+    """The code points in both."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo <= hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tuple(out)
+
+
+def intersect(a: Nfa, b: Nfa, label: str) -> Nfa:
+    """The product NFA (states: pairs reached from the starts; a char edge where both take the
+    character, an epsilon edge where either moves alone): the strings both match."""
+    index: dict[tuple[int, int], int] = {}
+    edges: list[list[tuple[Ranges, int]]] = []
+    eps: list[list[int]] = []
+    todo: list[tuple[int, int]] = []
+
+    def state(pair: tuple[int, int]) -> int:
+        if pair not in index:
+            if len(edges) >= MAX_STATES:
+                raise RegexError(f"{label} together need more than {MAX_STATES} states; simplify them")
+            index[pair] = len(edges)
+            edges.append([])
+            eps.append([])
+            todo.append(pair)
+        return index[pair]
+
+    start = state((a.start, b.start))
+    while todo:
+        p, q = todo.pop()
+        here = index[(p, q)]
+        eps[here] += [state((nxt, q)) for nxt in a.eps[p]] + [state((p, nxt)) for nxt in b.eps[q]]
+        for ranges_a, to_a in a.edges[p]:
+            for ranges_b, to_b in b.edges[q]:
+                both = overlap(ranges_a, ranges_b)
+                if both:
+                    edges[here].append((both, state((to_a, to_b))))
+    accept = index.get((a.accept, b.accept))
+    if accept is None:
+        raise RegexError(f"no string matches {label}")
+    return Nfa(edges, eps, start, accept)
+
+
+def finish(nfa: Nfa, label: str, min_len: int, max_len: int | None) -> Regex:
+    """The Regex of an NFA with the length bounds folded in."""
     cap = (max_len + 1) if max_len is not None else min_len
-    reach = path_lengths(edges, eps, accept, cap)
-    regex = Regex(edges, eps, accept, frozenset(), reach, cap, min_len, max_len)
-    regex.start = frozenset(s for s in regex.closure({start}) if regex.fits(s, 0))
+    reach = path_lengths(nfa.edges, nfa.eps, nfa.accept, cap)
+    regex = Regex(nfa.edges, nfa.eps, nfa.accept, frozenset(), reach, cap, min_len, max_len)
+    regex.start = frozenset(s for s in regex.closure({nfa.start}) if regex.fits(s, 0))
     if not regex.start:
         raise RegexError(f"no string of the allowed lengths matches the {label}")
     return regex

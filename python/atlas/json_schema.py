@@ -27,7 +27,7 @@ from typing import Any
 from .errors import AtlasError
 from .json_match import ANY_VALUE, Array, Literal, Node, Number, Object, String, Union, alternatives
 from .json_number import DecimalRange, Interval
-from .json_regex import RegexError, compile_regex
+from .json_regex import RegexError, compile_patterns
 
 _OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
 _DAY = r"((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8]))"
@@ -189,16 +189,13 @@ class SchemaCompiler:
         pattern, form = schema.get("pattern"), schema.get("format")
         if pattern is not None and not isinstance(pattern, str):
             raise self.fail(f"{where}/pattern", "must be a string")
-        if form in FORMATS:
-            if pattern is not None:
-                raise self.fail(where, f"'pattern' beside format {form!r} is not supported; give one")
-            pattern = FORMATS[form]
-        if pattern is None:
+        patterns = [p for p in (pattern, FORMATS.get(form) if isinstance(form, str) else None) if p is not None]
+        if not patterns:
             return String(low, high)
-        try:
-            return String(low, high, regex=compile_regex(pattern, low, high))
+        try:  # a pattern beside a format: the strings both admit (the product of their NFAs)
+            return String(low, high, regex=compile_patterns(patterns, low, high))
         except RegexError as err:
-            raise self.fail(f"{where}/pattern", str(err)) from None
+            raise self.fail(f"{where}/pattern" if pattern is not None else where, str(err)) from None
 
     def object(self, schema: dict[str, Any], where: str) -> Node:
         properties = schema.get("properties", {})
