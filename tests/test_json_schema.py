@@ -241,8 +241,40 @@ def test_reachable_matches_a_search() -> None:
         spelled = [v for v in range(801) if str(v).startswith(str(digits))]  # completions up to 800
         for low in range(0, 700, 7):
             for high in range(low, 800, 13):
-                found = any(low <= v <= high for v in spelled)
-                assert reachable(digits, False, low, high) == found, (digits, low, high)
+                for multiple in (1, 3, 7, 40):
+                    found = any(low <= v <= high and v % multiple == 0 for v in spelled)
+                    assert reachable(digits, False, low, high, multiple) == found, (digits, low, high, multiple)
+
+
+def test_multiples_agree_with_the_values(rng: np.random.Generator) -> None:
+    """multipleOf over random steps and ranges (open ends too): each integer text in [-300, 300]
+    and "-0" is whole exactly when it is an in-range multiple, every prefix of one is taken, and
+    random walks end in values jsonschema admits."""
+    for _ in range(30):
+        step = int(rng.integers(2, 40))
+        low, high = sorted(int(v) for v in rng.integers(-250, 250, 2))
+        schema: dict[str, Any] = {"type": str(rng.choice(["integer", "number"])), "multipleOf": step}
+        schema |= {} if rng.random() < 0.2 else {"minimum": low}
+        schema |= {} if rng.random() < 0.2 else {"maximum": high}
+        if "minimum" in schema and "maximum" in schema and not any(v % step == 0 for v in range(low, high + 1)):
+            continue
+        for value in [*range(-300, 301), "-0"]:
+            text = str(value).encode()
+            admitted = admits(schema, int(value))
+            assert recognised(schema, text) == admitted, (schema, text)
+            if admitted:
+                assert all(Matcher(compile_schema(schema)).feed(text[:i]) for i in range(1, len(text)))
+        for _ in range(5):
+            text = random_text(schema, rng, limit=40)
+            if text is not None:
+                jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize(("step", "value", "ok"), [(0.5, 3, True), (1.5, 6, True), (1.5, 4, False), (2.0, 4, True)])
+def test_fractional_steps_on_integers(step: float, value: int, ok: bool) -> None:
+    """An integer is a multiple of p / q exactly when it is one of p."""
+    schema = {"type": "integer", "multipleOf": step}
+    assert recognised(schema, str(value).encode()) == ok == admits(schema, value)
 
 
 @pytest.mark.parametrize("bounds", [(0, 3), (2, 2), (1, None)])
@@ -278,6 +310,9 @@ def test_undeclared_keys_never_repeat_a_declared_one() -> None:
     ({"type": "string", "pattern": "(ab"}, "unbalanced parenthesis"),
     ({"type": "string", "pattern": "^a", "format": "date"}, "no string matches pattern '^a' and pattern"),
     ({"type": "number", "minimum": 2, "exclusiveMaximum": 2}, "no number lies within the bounds"),
+    ({"type": "number", "multipleOf": 0.01}, "only whole steps are supported"),
+    ({"type": "integer", "multipleOf": 0}, "'multipleOf' must be a number > 0"),
+    ({"type": "integer", "multipleOf": 7, "minimum": 1, "maximum": 6}, "no multiple of 7 lies within the bounds"),
     ({"type": "number", "maximum": "1"}, "'maximum' must be a finite number"),
     ({"type": "string", "minItems": 1}, "does not apply to type string"),
     ({"allOf": [{"type": "string"}, {"maxLength": 2}]}, "allOf of more than one schema"),

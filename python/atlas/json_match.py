@@ -308,19 +308,21 @@ def number_step(phase: str, byte: int, integer: bool) -> str | None:
 NUMBER_ENDS = frozenset({"zero", "int", "frac", "exp_digits"})
 
 
-def reachable(digits: int, exact: bool, low: int | None, high: int | None) -> bool:
-    """Some non-negative integer whose decimal starts with `digits`' (is exactly it when `exact`:
-    a leading zero) lies in [low, high] (None: unbounded)."""
+def reachable(digits: int, exact: bool, low: int | None, high: int | None, multiple: int = 1) -> bool:
+    """Some non-negative multiple of `multiple` whose decimal starts with `digits`' (is exactly it
+    when `exact`: a leading zero) lies in [low, high] (None: unbounded)."""
     low = 0 if low is None else max(low, 0)
     if exact:
-        return low <= digits and (high is None or digits <= high)
-    if high is None:
+        return low <= digits and (high is None or digits <= high) and digits % multiple == 0
+    if high is None and multiple == 1:
         return True  # digits * 10^k outgrows any low bound
     scale = 1
-    while digits * scale <= high:  # with k more digits: [digits * 10^k, digits * 10^k + 10^k - 1]
-        if digits * scale + scale - 1 >= low:
+    while high is None or digits * scale <= high:  # with k more digits: [digits * 10^k, digits * 10^k + 10^k - 1]
+        first = max(digits * scale, low)
+        last = digits * scale + scale - 1 if high is None else min(digits * scale + scale - 1, high)
+        if -(-first // multiple) * multiple <= last:  # the first multiple from `first` on
             return True
-        scale *= 10
+        scale *= 10  # unbounded: ends once 10^k >= multiple past low (a multiple in every such span)
     return False
 
 
@@ -353,20 +355,22 @@ class Text(Node):
 
 
 class Number(Node):
-    """A JSON number, or an integer (no fraction or exponent) within [low, high] (None: open).
-    State: (phase, negative, the digits' value; 0 when unbounded)."""
+    """A JSON number, or an integer (no fraction or exponent) within [low, high] (None: open), a
+    multiple of `multiple`. State: (phase, negative, the digits' value; 0 when unconstrained)."""
 
-    __slots__ = ("integer", "low", "high")
+    __slots__ = ("integer", "low", "high", "multiple")
 
-    def __init__(self, integer: bool = False, low: int | None = None, high: int | None = None) -> None:
-        self.integer, self.low, self.high = integer, low, high
+    def __init__(self, integer: bool = False, low: int | None = None, high: int | None = None,
+                 multiple: int = 1) -> None:
+        self.integer, self.low, self.high, self.multiple = integer, low, high, multiple
 
     def begin(self) -> State:
         return "start", False, 0
 
     @property
-    def bounded(self) -> bool:
-        return self.low is not None or self.high is not None
+    def constrained(self) -> bool:
+        """Its digits' value matters (bounds or a step), so the state carries it."""
+        return self.low is not None or self.high is not None or self.multiple != 1
 
     def step(self, state: State, byte: int) -> State | None:
         phase, negative, value = state
@@ -375,7 +379,7 @@ class Number(Node):
             return None
         if nxt == "minus":
             return (nxt, True, 0) if self._viable(True, None) else None
-        if self.bounded and nxt in ("zero", "int"):
+        if self.constrained and nxt in ("zero", "int"):
             value = value * 10 + byte - 0x30
             if not self._viable(negative, value, exact=nxt == "zero"):
                 return None
@@ -387,14 +391,15 @@ class Number(Node):
             None if self.high is None else -self.high, None if self.low is None else -self.low)
         if value is None:  # after '-': any integer >= 1 (or 0 as "-0")
             return high is None or high >= max(low or 0, 0)
-        return reachable(value, exact, low, high)
+        return reachable(value, exact, low, high, self.multiple)
 
     def final(self, state: State) -> bool:
         phase, negative, value = state
         if phase not in NUMBER_ENDS:
             return False
         signed = -value if negative else value
-        return (self.low is None or signed >= self.low) and (self.high is None or signed <= self.high)
+        inside = (self.low is None or signed >= self.low) and (self.high is None or signed <= self.high)
+        return inside and value % self.multiple == 0
 
     def open(self, state: State) -> bool:
         return not self.integer or any(self.step(state, byte) is not None for byte in b"-0123456789")

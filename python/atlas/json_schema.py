@@ -11,9 +11,10 @@ enum values differ, as a pydantic discriminated union's do), allOf of one schema
            are declared, any otherwise),
   array    items (a schema or false), prefixItems, minItems, maxItems,
   string   minLength, maxLength (characters), pattern (atlas.json_regex's subset), format (FORMATS;
-           others are annotations),
-  integer  minimum, maximum, exclusiveMinimum, exclusiveMaximum,
-  number   the same bounds (then written as a plain decimal, no exponent: atlas.json_number),
+           others are annotations; beside a pattern, strings both admit),
+  integer  minimum, maximum, exclusiveMinimum, exclusiveMaximum, multipleOf,
+  number   the same bounds (then written as a plain decimal, no exponent: atlas.json_number); a
+           whole multipleOf (then written as an integer),
   boolean, null.
 Annotations (title, description, default, examples, any keyword that does not validate) are ignored."""
 
@@ -60,8 +61,8 @@ TYPE_KEYWORDS = {
     "object": frozenset({"properties", "required", "additionalProperties"}),
     "array": frozenset({"items", "prefixItems", "minItems", "maxItems"}),
     "string": frozenset({"minLength", "maxLength", "pattern", "format"}),
-    "integer": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
-    "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
+    "integer": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}),
+    "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}),
     "boolean": frozenset(),
     "null": frozenset(),
 }
@@ -170,17 +171,36 @@ class SchemaCompiler:
             return self.array(schema, base)
         if kind == "string":
             return self.string(schema, base)
-        if kind == "integer":
-            low, high = integer_bounds(schema)
-            if low is not None and high is not None and low > high:
-                raise self.fail(base, "no integer lies within the bounds")
-            return Number(integer=True, low=low, high=high)
+        if kind == "integer" or (kind == "number" and "multipleOf" in schema):
+            return self.integer(schema, kind, base)
         if kind == "number":
             interval = number_bounds(schema)
             if interval.empty():
                 raise self.fail(base, "no number lies within the bounds")
             return Number() if interval == Interval() else DecimalRange(interval)
         return Literal((b"true", b"false") if kind == "boolean" else (b"null",))
+
+    def integer(self, schema: dict[str, Any], kind: str, where: str) -> Node:
+        """An integer within the bounds, a multiple of multipleOf: for a step p / q (lowest terms)
+        the integers that are multiples are those of p. A number with a whole step is
+        written as an integer; a fractional step on numbers is refused (validators disagree on
+        which decimals are multiples of 0.1 in binary floating point)."""
+        low, high = integer_bounds(schema)
+        multiple = 1
+        if "multipleOf" in schema:
+            step = schema["multipleOf"]
+            if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step <= 0:
+                raise self.fail(where, "'multipleOf' must be a number > 0")
+            exact = Fraction(str(step)) if isinstance(step, float) else Fraction(step)
+            if kind == "number" and exact.denominator != 1:
+                raise self.fail(where, f"'multipleOf' {step} on type number: only whole steps are supported "
+                                "(or type integer)")
+            multiple = exact.numerator
+        first = None if low is None else -(-low // multiple) * multiple  # the first multiple from low on
+        if first is not None and high is not None and first > high:
+            raise self.fail(where, "no integer lies within the bounds" if multiple == 1 else
+                            f"no multiple of {multiple} lies within the bounds")
+        return Number(integer=True, low=low, high=high, multiple=multiple)
 
     def string(self, schema: dict[str, Any], where: str) -> Node:
         low, high = self.count(schema, "minLength", where) or 0, self.count(schema, "maxLength", where)
