@@ -16,7 +16,7 @@ from atlas import LLM
 from atlas.errors import AtlasError
 from atlas.gbnf import GrammarError, compile_grammar
 from atlas.json_match import Matcher, Transitions
-from test_json_mode import DAMAGE_BYTES, dumps, python_accepts, random_object
+from test_json_mode import damage, dumps, python_accepts, random_object
 
 JSON_GRAMMAR = r"""
 # RFC 8259 objects, written for this test
@@ -55,15 +55,9 @@ def test_json_grammar_accepts_what_json_loads_accepts(json_shape: Transitions, r
         assert accepts(json_shape, data), data
         cut = int(rng.integers(0, len(data)))
         assert begins(json_shape, data[:cut]), data[:cut]
-        damaged = bytearray(data)
-        at, byte = int(rng.integers(0, len(damaged) + 1)), DAMAGE_BYTES[int(rng.integers(0, len(DAMAGE_BYTES)))]
-        action = int(rng.integers(0, 3))
-        if action == 0:
-            damaged.insert(at, byte)
-        elif at < len(damaged):
-            damaged[at : at + 1] = b"" if action == 1 else bytes([byte])
-        differing += not python_accepts(bytes(damaged))
-        assert accepts(json_shape, bytes(damaged)) == python_accepts(bytes(damaged)), bytes(damaged)
+        damaged = damage(data, rng)
+        differing += not python_accepts(damaged)
+        assert accepts(json_shape, damaged) == python_accepts(damaged), damaged
     assert differing > 30
 
 
