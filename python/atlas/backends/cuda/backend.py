@@ -97,22 +97,10 @@ class CudaBackend:
     # --- dense ops ----------------------------------------------------------------------------
     def embedding(self, table: DeviceTensor, ids: DeviceTensor) -> DeviceTensor:
         """A lookup in the weight table starts a forward pass, so it begins the step (arena
-        reset). An f32 table (a step tensor: the engine takes its rows with `rows`, a view) is
-        gathered by device row copies, outside any captured graph."""
-        if table.dtype == "f32":
-            return self._gather_rows(table, ids)
+        reset); a table in the arena (a step tensor) is gathered without one."""
         if table.owner is not None:
             ids = self.begin_step(ids)
         return ops_dense.embedding(self.rt, table, ids)
-
-    def _gather_rows(self, table: DeviceTensor, ids: DeviceTensor) -> DeviceTensor:
-        rows = self.rt.read(ids).reshape(-1)
-        out = self.rt.empty((rows.shape[0], *table.shape[1:]), table.dtype)
-        for i, row in enumerate(rows.tolist()):
-            if not 0 <= row < table.shape[0]:
-                raise IndexError(f"row {row} outside a table of {table.shape[0]} rows")
-            self.rt.copy(out.rows(i, i + 1), table.rows(row, row + 1))
-        return out
 
     def rms_norm(self, x: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
         return ops_dense.rms_norm(self.rt, x, weight, eps)
