@@ -205,6 +205,7 @@ def test_rules_span_lines_inside_parentheses_and_after_bars() -> None:
     ('root ::= "a"{3,2}', "0 <= m <= n"),
     ("root ::= [^\\x00-\\U0010FFFF]", "matches no character"),
     ('root ::= "a"{x}', "whole numbers"),
+    ('root ::= "a"{2', "line 1, column 13: unterminated repetition"),
     ("root ::= 'a'", "line 1, column 10: unexpected \"'\""),
     ('root ::= root "a" | "b"', "'root' is left-recursive"),
     ('root ::= x "!"\nx ::= y "a" | "b"\ny ::= x', "left-recursive"),

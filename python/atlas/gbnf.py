@@ -241,7 +241,9 @@ class Parser:
         if char != "{":
             return item
         close = self.text.find("}", self.i)
-        body = self.text[self.i + 1 : close] if close > 0 else ""
+        if close < 0:
+            raise self.fail("unterminated repetition: '{' without '}'")
+        body = self.text[self.i + 1 : close]
         low_text, comma, high_text = body.partition(",")
         try:
             low = int(low_text.strip() or "0")
