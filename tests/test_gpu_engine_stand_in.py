@@ -9,8 +9,10 @@ far from a tie: random ids take the demo off its text, where the bf16-rounded pr
 logits by up to ~30 %); its random prompt is now an excerpt of the demo's text (0 of 150 draws
 diverged). test_prompt_in_passes_on_the_gpu's random-id prompt failed 2 of 450 draws (passes - one
 pass 2.8e-3 over a 1e-3 floor; passes 0.55 off, one pass 3.5e-3); with an excerpt of the demo's
-text and a 5e-3 floor 0 of 250 fail, and a 5 % error in later passes' attention fails 16 of 20. These tests compare whole greedy paths: an op 5 % off passes them (the
-op tests, tests/test_gpu_harness.py, are the ones that must catch it).
+text and a 5e-3 floor 0 of 250 fail, and a 5 % error in later passes' attention fails 16 of 20. These tests compare whole greedy paths: an op 5 % off passes them (even
+decode attention at half its output does); the op tests (tests/test_gpu_harness.py) and the
+model's op-by-op cross-check (test_cross_check.py: every intermediate within 2 % of numpy's, each
+layer isolated) are the ones that catch it, and a greedy difference names the first intermediate off.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 
 import test_compare
+import test_cross_check
 import test_dump
 import test_gpu_chain
 import test_gpu_kv
@@ -120,3 +123,26 @@ def test_speculative_gpu_tests_pass(stand_in: None, demo_mtp: Path, k: int, rng:
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_quantized_demo_follows_numpy(stand_in: None, fmt: str, tmp_path: Path) -> None:
     test_gpu_quant.test_quantized_demo_on_the_gpu_follows_numpy(fmt, tmp_path)
+
+
+def test_cross_check_gpu_test_passes(stand_in: None, capsys: pytest.CaptureFixture[str]) -> None:
+    test_cross_check.test_the_gpu_matches_numpy_op_by_op(capsys)
+
+
+class NegatedDecodeAttention(CudaRounding):
+    """Full attention's one-token (decode) output negated; prefill is right."""
+
+    def attention(self, q, k, v, cache, positions, scale):  # type: ignore[no-untyped-def]
+        out = super().attention(q, k, v, cache, positions, scale)
+        return -out if q.shape[0] == 1 else out
+
+
+def test_a_greedy_difference_names_the_op(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    """The greedy test's failure says which intermediate left numpy's first (test_gpu_model.first_op_off)."""
+    import atlas.backends as backends
+
+    monkeypatch.setattr(backends, "open_cuda_backend", lambda model_dir, spec, run: NegatedDecodeAttention())
+    monkeypatch.delenv("ATLAS_REQUIRE_GPU", raising=False)
+    with pytest.raises(pytest.fail.Exception) as failed:
+        test_gpu_model.test_greedy_gpu_equals_greedy_numpy_on_the_demo(test_gpu_model.gpu_llm(), rng)
+    assert "first intermediate off numpy's: layer.3.attn.core: relative error" in str(failed.value)

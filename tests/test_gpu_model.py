@@ -40,6 +40,8 @@ PASSES_FLOOR = 5e-3
 # of the 256 next tokens flipped for each of 9 prompts, at gaps up to 1.0e-2, and 4 of the 9 fell
 # under the former 99 % agreement over all positions. ~15 % of positions lie under 3e-2.
 QWEN_NEAR_TIE = 3e-2
+CROSS_CHECK_TOKENS = 28  # test_qwen_dims_each_op_matches_numpy: 24 prefilled (GEMMs), 4 decode steps
+CROSS_CHECK_DECODE_STEPS = 4
 
 
 def gpu_llm() -> Any:
@@ -74,7 +76,24 @@ def test_greedy_gpu_equals_greedy_numpy_on_the_demo(demo_gpu: Any, rng: np.rando
     for prompt in (*DEMO_PROMPTS, well_separated_prompt(cpu, rng)):
         want = cpu.generate(prompt, max_tokens=GREEDY_TOKENS, temperature=0.0).token_ids
         got = demo_gpu.generate(prompt, max_tokens=GREEDY_TOKENS, temperature=0.0).token_ids
-        assert got == want, f"prompt {prompt!r}: first difference at {_first_difference(got, want)}"
+        if got != want:
+            at = _first_difference(got, want)
+            pytest.fail(f"prompt {prompt!r}: first difference at {at}; {first_op_off(cpu, prompt, want[:at])}")
+
+
+def first_op_off(cpu: Any, prompt: str | list[int], path: list[int]) -> str:
+    """Where the GPU leaves numpy on the way to a differing token: the prompt prefilled and the
+    common path decoded on the GPU, each intermediate against the numpy backend's (cross_check)."""
+    from atlas.cross_check import DEFAULT_TOLERANCE, check_backend, first_flagged
+    from atlas.demo import DEMO_DIR
+    from atlas.llm import encode_prompt
+
+    ids = encode_prompt(cpu.tokenizer, prompt, False) + path
+    reports, _ = check_backend(DEMO_DIR, ATLAS_DEVICE, cpu.parts.spec, ids, decode_steps=len(path))
+    flagged = first_flagged(reports)
+    if flagged is None:
+        return "every intermediate on the way is within tolerance of numpy's (a near tie?)"
+    return f"first intermediate off numpy's: {flagged.name}: {flagged.reason(DEFAULT_TOLERANCE)}"
 
 
 def greedy_margin(cpu: Any, prompt: list[int]) -> float:
@@ -142,6 +161,23 @@ def test_prompt_in_passes_on_the_gpu(demo_gpu: Any, rng: np.random.Generator) ->
     # (one pass 3.5e-3; numpy's own passes 1.6e-6): off the demo's text a bf16 rounding moves the
     # last row's logits far. The prompt is an excerpt of the demo's text and the floor 5e-3.
     assert passes <= 2 * whole + PASSES_FLOOR, f"passes err {passes:.3e} vs one pass {whole:.3e}"
+
+
+def test_qwen_dims_each_op_matches_numpy(qwen4: tuple[Path, Any], rng: np.random.Generator) -> None:
+    """The 4-layer Qwen3.6-dims model on the GPU, a prompt prefilled (GEMMs) and decode steps
+    (GEMVs), every intermediate against the numpy backend's with each layer isolated."""
+    from atlas.config import load_spec
+    from atlas.cross_check import DEFAULT_TOLERANCE, check_backend, first_flagged, format_reports
+
+    model_dir, _ = qwen4
+    spec = load_spec(model_dir)
+    ids = rng.integers(0, spec.vocab_size, size=CROSS_CHECK_TOKENS).tolist()
+    reports, line = check_backend(model_dir, ATLAS_DEVICE, spec, ids, decode_steps=CROSS_CHECK_DECODE_STEPS)
+    assert line.startswith(ATLAS_DEVICE)
+    table = "\n".join(format_reports(reports))
+    print(table)
+    flagged = first_flagged(reports)
+    assert flagged is None, f"first flagged {flagged.name}: {flagged.reason(DEFAULT_TOLERANCE)}\n{table}"
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:

@@ -9,11 +9,15 @@ ratio or cosine falls outside [0.977, 1.021] is flagged.
 Exit 0: all layers pass; 1: a layer is flagged; 2: bad input (one line).
 
 `--reference DIR` runs transformers on another checkpoint (e.g. the original of a converted copy).
+
+`--against cpu` checks a backend against atlas' own numpy backend instead, every named
+intermediate with each layer isolated (atlas.cross_check): `--device cuda --against cpu` names the
+first op whose output is wrong, `--decode-steps N` runs the prompt's last N tokens as decode steps
+(the one-token kernels), `--tolerance` is the relative error allowed. No torch needed.
 """
 
 from __future__ import annotations
 
-import gc
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +28,7 @@ import numpy as np
 
 from .backends import DEVICES
 from .cli import run_command
+from .cross_check import DEFAULT_TOLERANCE, check_backend, first_flagged, format_reports, on_engine
 from .errors import AtlasError
 from .oracle_trace import LayerTrace, atlas_trace, oracle_device, transformers_trace
 from .run import MODEL_HELP, default_prompt
@@ -45,6 +50,9 @@ class CompareArgs:
     chat: bool
     oracle_device: str  # auto: atlas' device when torch sees it, else cpu
     layers: int | None  # compare the first N layers only (both models are cut)
+    against: str = "transformers"  # or cpu: atlas' numpy backend, intermediate by intermediate
+    decode_steps: int = 0  # --against cpu: the prompt's last N tokens as decode steps
+    tolerance: float = DEFAULT_TOLERANCE  # --against cpu: relative error allowed per intermediate
 
 
 @dataclass(frozen=True)
@@ -123,20 +131,13 @@ def logits_line(ours: LayerTrace, oracle: LayerTrace) -> str:
 
 
 def compare(args: CompareArgs) -> int:
-    from .config import load_spec
-    from .llm import encode_prompt
-    from .resolve import resolve_model
-    from .tokenizer import Tokenizer
-
-    oracle_device(args.oracle_device, "")  # torch missing or no GPU for it: say so before any load
-    model_dir = resolve_model(args.model)
-    reference_dir = model_dir if args.reference is None else resolve_model(args.reference)
-    full_spec = load_spec(model_dir)
-    check_same_shape(full_spec, load_spec(reference_dir), reference_dir)
-    spec = first_layers(full_spec, args.layers)
-    prompt = args.prompt if args.prompt is not None else default_prompt(model_dir, args.model)
-    ids = encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
-    ours, atlas_device = run_atlas(model_dir, args.device, ids, spec)
+    check_options(args)
+    if args.against == "transformers":
+        oracle_device(args.oracle_device, "")  # torch missing or no GPU for it: say so before any load
+    model_dir, reference_dir, spec, ids = prepare(args)
+    if args.against == "cpu":
+        return cross_check(args, (model_dir, reference_dir), spec, ids)
+    ours, atlas_device = on_engine(model_dir, args.device, spec, ids, lambda e: atlas_trace(e, ids, spec.num_hidden_layers))
     torch_device = oracle_device(args.oracle_device, atlas_device)
     oracle = transformers_trace(reference_dir, ids, spec.num_hidden_layers, torch_device)
     click.echo(f"atlas.compare: {len(ids)} prompt tokens; atlas {model_dir} on {atlas_device}")
@@ -153,19 +154,48 @@ def compare(args: CompareArgs) -> int:
     return FLAGGED_EXIT
 
 
-def run_atlas(model_dir: Path, device: str, ids: list[int], spec: ModelSpec) -> tuple[LayerTrace, str]:
-    """atlas' trace (plain engine: no MTP head) and the device line; the engine and its GPU memory
-    are released on return, before the float32 oracle loads."""
-    from .backends import create_backend
-    from .engine import Engine
-    from .safetensors import Checkpoint
+def check_options(args: CompareArgs) -> None:
+    if args.against == "transformers" and (args.decode_steps or args.tolerance != DEFAULT_TOLERANCE):
+        raise AtlasError("--decode-steps and --tolerance apply to --against cpu only; drop them or add --against cpu")
+    if args.against == "cpu" and args.oracle_device != "auto":
+        raise AtlasError("--oracle-device applies to --against transformers only; drop it")
+    if not 0 < args.tolerance < 1:
+        raise AtlasError(f"--tolerance must be in (0, 1) (a relative error), got {args.tolerance}")
 
-    backend, device_line = create_backend(device, model_dir, spec)
-    engine = Engine(spec, Checkpoint.open(model_dir), backend, max_seq_len=max(len(ids), 1))
-    trace = atlas_trace(engine, ids, spec.num_hidden_layers)
-    del engine, backend
-    gc.collect()
-    return trace, device_line
+
+def prepare(args: CompareArgs) -> tuple[Path, Path, ModelSpec, list[int]]:
+    """(model dir, reference dir, the spec cut to --layers, the prompt's ids)."""
+    from .config import load_spec
+    from .llm import encode_prompt
+    from .resolve import resolve_model
+    from .tokenizer import Tokenizer
+
+    model_dir = resolve_model(args.model)
+    reference_dir = model_dir if args.reference is None else resolve_model(args.reference)
+    full_spec = load_spec(model_dir)
+    check_same_shape(full_spec, load_spec(reference_dir), reference_dir)
+    prompt = args.prompt if args.prompt is not None else default_prompt(model_dir, args.model)
+    ids = encode_prompt(Tokenizer.open(model_dir), prompt, args.chat)
+    return model_dir, reference_dir, first_layers(full_spec, args.layers), ids
+
+
+def cross_check(args: CompareArgs, dirs: tuple[Path, Path], spec: ModelSpec, ids: list[int]) -> int:
+    """--against cpu: every intermediate of the checked backend against the numpy backend."""
+    model_dir, reference_dir = dirs
+    reports, device_line = check_backend(model_dir, args.device, spec, ids, decode_steps=args.decode_steps,
+                                         tolerance=args.tolerance, reference_dir=reference_dir)
+    split = len(ids) - args.decode_steps
+    click.echo(f"atlas.compare: {len(ids)} prompt tokens ({split} in one prefill pass, {args.decode_steps} decode steps); "
+               f"atlas {model_dir} on {device_line}")
+    click.echo(f"atlas.compare: reference numpy float32 {reference_dir}, each layer fed the checked run's input")
+    for line in format_reports(reports):
+        click.echo(line)
+    flagged = first_flagged(reports)
+    if flagged is None:
+        click.echo(f"PASS: every intermediate within relative error {args.tolerance:g}")
+        return 0
+    click.echo(f"FIRST FLAGGED: {flagged.name}: {flagged.reason(args.tolerance)}")
+    return FLAGGED_EXIT
 
 
 def first_layers(spec: ModelSpec, layers: int | None) -> ModelSpec:
@@ -201,8 +231,17 @@ def check_same_shape(spec: ModelSpec, reference: ModelSpec, reference_dir: Path)
 )
 @click.option("--layers", type=int, default=None, help="Compare only the first N layers (default: all).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option(
+    "--against", type=click.Choice(("transformers", "cpu")), default="transformers", show_default=True,
+    help="The reference: transformers float32 layer by layer, or atlas' numpy backend intermediate by intermediate.",
+)
+@click.option("--decode-steps", type=click.IntRange(min=0), default=0, show_default=True,
+              help="--against cpu: run the prompt's last N tokens as decode steps.")
+@click.option("--tolerance", type=float, default=DEFAULT_TOLERANCE, show_default=True,
+              help="--against cpu: relative error allowed per intermediate.")
 def command(**kwargs: object) -> int:
-    """Compare atlas with transformers (float32) layer by layer on one prompt."""
+    """Compare atlas with transformers (float32) layer by layer on one prompt, or (--against cpu) a
+    backend with the numpy backend, intermediate by intermediate."""
     return compare(CompareArgs(**kwargs))  # type: ignore[arg-type]
 
 

@@ -47,15 +47,27 @@ class CausalLM:
             else:
                 normed, residual = layer.input_norm.add(step, update, residual)
                 step.emit(f"layer.{i - 1}.out", residual)
-            step.emit(f"{name}.input_norm", normed)
-            mixed = step.emit(f"{name}.attn_out", layer.mixer(step, normed, states[i], f"{name}.attn"))
-            normed, residual = layer.post_norm.add(step, mixed, residual)
-            step.emit(f"{name}.post_norm", normed)
-            update = step.emit(f"{name}.mlp_out", layer.ffn(step, normed, f"{name}.mlp"))
+            update, residual = self._layer_body(step, i, step.emit(f"{name}.input_norm", normed), residual, states[i])
         assert update is not None, "a model has at least one layer"
         normed, residual = self.final_norm.add(step, update, residual)
         step.emit(f"layer.{len(self.layers) - 1}.out", residual)
         return step.emit("final_norm", normed)
+
+    def _layer_body(self, step: Step, i: int, normed: Tensor, residual: Tensor, state: Any) -> tuple[Tensor, Tensor]:
+        """Layer i after its input norm -> (the FFN's output [T, H], the residual it adds to [T, H])."""
+        layer, name = self.layers[i], f"layer.{i}"
+        mixed = step.emit(f"{name}.attn_out", layer.mixer(step, normed, state, f"{name}.attn"))
+        normed, residual = layer.post_norm.add(step, mixed, residual)
+        step.emit(f"{name}.post_norm", normed)
+        return step.emit(f"{name}.mlp_out", layer.ffn(step, normed, f"{name}.mlp")), residual
+
+    def run_layer(self, step: Step, i: int, residual: Tensor, state: Any) -> None:
+        """Layer i alone on a given residual stream [T, H] (its input, `layer.{i-1}.out` of some
+        run), emitting its intermediates and `layer.{i}.out`; atlas.cross_check isolates each
+        layer with it."""
+        normed = step.emit(f"layer.{i}.input_norm", self.layers[i].input_norm(step, residual))
+        update, residual = self._layer_body(step, i, normed, residual, state)
+        step.emit(f"layer.{i}.out", self.final_norm.add(step, update, residual)[1])
 
     def logits(self, step: Step, hidden: Tensor) -> Tensor:
         return step.emit("logits", self.lm_head(step, hidden))  # [T, V]

@@ -1,0 +1,236 @@
+"""atlas on one backend against the numpy reference backend, intermediate by intermediate, each
+layer isolated (`python -m atlas.compare --against cpu`).
+
+The checked run is the engine as it serves: the prompt in one prefill pass, then its last
+`decode_steps` tokens one decode step each (the T = 1 kernels; eager, since a dump is attached),
+every named intermediate captured (layers/__init__.py names them), rows in position order. The
+numpy backend then runs each layer alone on the checked run's input to that layer (`embed` for
+layer 0, `layer.{i-1}.out` after), all positions in one pass from a fresh state; the final norm
+and lm_head likewise. Each intermediate's error is therefore one layer's, not the sum of all the
+layers before it, and the first one past the tolerance names the op that is wrong.
+
+Expert choices: where the two runs chose different experts at a position and the checked run's
+choice is within twice its router-logit error of the reference's k-th logit (a near tie that
+rounding may flip), that position leaves the comparison of the routed output, the layer's MLP
+output and its residual out (`excluded` counts them); any other difference flags router_ids.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from .errors import AtlasError
+from .layers.step import Step
+
+if TYPE_CHECKING:
+    from .config import ModelSpec
+    from .engine import Engine
+
+R = TypeVar("R")
+
+DEFAULT_TOLERANCE = 0.02  # relative L2 error of one layer's intermediate (bf16 kernels: ~0.003)
+ROUTED_NAMES = ("router_ids", "router_weights", "routed")  # what a flipped expert choice changes
+TIE_MARGIN = 2.0  # a choice within this many router-logit errors of the boundary is a near tie
+
+
+@dataclass
+class Capture:
+    """A run's named intermediates: name -> {position: row}, names in the order first seen."""
+
+    rows: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
+    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # the current forward's
+
+    def __call__(self, name: str, array: np.ndarray) -> None:
+        if name == "positions":
+            self.positions = array
+            return
+        table = self.rows.setdefault(name, {})
+        if array.shape[0] == self.positions.shape[0]:
+            table.update(zip(self.positions.tolist(), array))
+        elif array.shape[0] == 1:  # the last row only (a prefill's logits)
+            table[int(self.positions[-1])] = array[0]
+        else:
+            raise AtlasError(f"intermediate {name} has {array.shape[0]} rows in a {self.positions.shape[0]}-token forward")
+
+    def stacked(self, name: str, positions: list[int]) -> np.ndarray:
+        """The rows of `name` at `positions` [len, ...]."""
+        return np.stack([self.rows[name][p] for p in positions])
+
+    def all_rows(self, name: str) -> np.ndarray:
+        """Every position 0..T-1 of `name` [T, ...] (a layer input must have all of them)."""
+        table = self.rows[name]
+        if sorted(table) != list(range(len(table))):
+            raise AtlasError(f"intermediate {name} is missing positions; it cannot feed the reference")
+        return self.stacked(name, list(range(len(table))))
+
+
+@dataclass(frozen=True)
+class NameReport:
+    name: str
+    shape: tuple[int, ...]  # rows compared first
+    rel_err: float  # ||checked - reference|| / ||reference|| (ids: the fraction of positions that differ)
+    max_abs: float
+    excluded: int  # positions left out (a near-tie expert choice)
+    flagged: bool
+    note: str = ""
+
+    def reason(self, tolerance: float) -> str:
+        return self.note or f"relative error {self.rel_err:.4g} > {tolerance:g}"
+
+
+def check_backend(model_dir: Path, device: str, spec: ModelSpec, ids: list[int], *, decode_steps: int = 0,
+                  tolerance: float = DEFAULT_TOLERANCE, reference_dir: Path | None = None) -> tuple[list[NameReport], str]:
+    """The checked run of `ids` on `device`, released, then the numpy backend on each layer
+    (of `reference_dir`'s checkpoint, default the same) -> (a report per intermediate, device line)."""
+    check_decode_steps(decode_steps, len(ids))  # before any weights load
+    checked, device_line = on_engine(model_dir, device, spec, ids, lambda e: checked_run(e, ids, decode_steps))
+    reference, _ = on_engine(reference_dir or model_dir, "cpu", spec, ids, lambda e: reference_run(e, ids, checked))
+    return compare_runs(checked, reference, tolerance), device_line
+
+
+def on_engine(model_dir: Path, device: str, spec: ModelSpec, ids: list[int], use: Callable[[Engine], R]) -> tuple[R, str]:
+    """use(an engine on `device` without the MTP head, sized for ids) and the device line; the
+    engine and its memory are released on return, before the next one loads."""
+    from .backends import create_backend
+    from .engine import Engine
+    from .safetensors import Checkpoint
+
+    backend, device_line = create_backend(device, model_dir, spec)
+    engine = Engine(spec, Checkpoint.open(model_dir), backend, max_seq_len=max(len(ids), 1))
+    result = use(engine)
+    del engine, backend
+    gc.collect()
+    return result, device_line
+
+
+@contextmanager
+def capturing(engine: Engine) -> Iterator[Capture]:
+    """Attach a Capture as the engine's dump for the duration (an ATLAS_DUMP hook keeps receiving)."""
+    capture, previous = Capture(), engine.dump
+
+    def hook(name: str, tensor: Any) -> None:
+        if previous is not None:
+            previous(name, tensor)
+        capture(name, engine.backend.to_numpy(tensor))
+
+    engine.dump = hook
+    try:
+        yield capture
+    finally:
+        engine.dump = previous
+
+
+def checked_run(engine: Engine, ids: list[int], decode_steps: int) -> Capture:
+    """The engine's prefill of ids[:-decode_steps] then one decode step per remaining token."""
+    check_decode_steps(decode_steps, len(ids))
+    split = len(ids) - decode_steps
+    with capturing(engine) as capture:
+        engine.prefill(ids[:split])
+        for position in range(split, len(ids)):
+            engine.decode(ids[position], position)
+    return capture
+
+
+def check_decode_steps(decode_steps: int, tokens: int) -> None:
+    if not 0 <= decode_steps < tokens:
+        raise AtlasError(f"--decode-steps must be in 0..{tokens - 1} for a {tokens}-token prompt, got {decode_steps}")
+
+
+def reference_run(engine: Engine, ids: list[int], checked: Capture) -> Capture:
+    """Each part of the model on the numpy `engine`, fed the checked run's input to it."""
+    be, model = engine.backend, engine.model
+    engine.reset()
+    positions = be.upload(np.arange(len(ids), dtype=np.int32), "i32")
+    reference = Capture(positions=np.arange(len(ids), dtype=np.int32))
+    step = Step(be, positions, lambda name, tensor: reference(name, be.to_numpy(tensor)))
+    step.emit("embed", model.embed(step, be.upload(np.asarray(ids, np.int32), "i32")))
+    for i in range(len(model.layers)):
+        layer_input = checked.all_rows("embed" if i == 0 else f"layer.{i - 1}.out")
+        model.run_layer(step, i, be.upload(layer_input, "f32"), engine.states[i])
+    last = checked.all_rows(f"layer.{len(model.layers) - 1}.out")
+    step.emit("final_norm", model.final_norm(step, be.upload(last, "f32")))
+    model.logits(step, be.upload(checked.all_rows("final_norm"), "f32"))
+    return reference
+
+
+def compare_runs(checked: Capture, reference: Capture, tolerance: float) -> list[NameReport]:
+    """One report per intermediate both runs have, in the checked run's order."""
+    reports: list[NameReport] = []
+    ties: dict[str, list[int]] = {}  # "layer.i.mlp" -> positions of near-tie expert flips
+    for name, table in checked.rows.items():
+        if name not in reference.rows:
+            continue
+        if name.endswith(".router_ids"):
+            report, ties[name.rpartition(".")[0]] = router_report(name, checked, reference)
+            reports.append(report)
+            continue
+        left_out = set(excluded_positions(name, ties))
+        positions = [p for p in sorted(table) if p in reference.rows[name] and p not in left_out]
+        ours, theirs = checked.stacked(name, positions), reference.stacked(name, positions)
+        reports.append(float_report(name, ours, theirs, len(left_out), tolerance))
+    return reports
+
+
+def excluded_positions(name: str, ties: dict[str, list[int]]) -> list[int]:
+    """Positions a near-tie expert flip changes in `name`: the layer's routed parts and sums."""
+    prefix, _, leaf = name.rpartition(".")
+    if leaf in ROUTED_NAMES:
+        return ties.get(prefix, [])
+    if leaf in ("mlp_out", "out"):
+        return ties.get(f"{prefix}.mlp", [])
+    return []
+
+
+def float_report(name: str, checked: np.ndarray, reference: np.ndarray, excluded: int, tolerance: float) -> NameReport:
+    diff = checked.astype(np.float64) - reference.astype(np.float64)
+    scale = float(np.linalg.norm(reference.astype(np.float64)))
+    error = float(np.linalg.norm(diff))
+    rel = error / scale if scale > 0 else (0.0 if error == 0 else float("inf"))
+    if not np.isfinite(checked).all():
+        return NameReport(name, checked.shape, float("inf"), float("inf"), excluded, True, "non-finite values")
+    max_abs = float(np.abs(diff).max()) if diff.size else 0.0
+    return NameReport(name, checked.shape, rel, max_abs, excluded, rel > tolerance)
+
+
+def router_report(name: str, checked: Capture, reference: Capture) -> tuple[NameReport, list[int]]:
+    """router_ids compared as sets per position -> (report, positions of near-tie flips)."""
+    logits_name = name.replace("router_ids", "router_logits")
+    positions = sorted(checked.rows[name])
+    ours, theirs = checked.stacked(name, positions), reference.stacked(name, positions)  # [T, k]
+    ref_logits = reference.stacked(logits_name, positions).astype(np.float64)  # [T, E]
+    our_logits = checked.stacked(logits_name, positions).astype(np.float64)
+    ties, wrong = [], []
+    for row, position in enumerate(positions):
+        if set(ours[row].tolist()) == set(theirs[row].tolist()):
+            continue
+        error = float(np.abs(our_logits[row] - ref_logits[row]).max())
+        boundary = np.sort(ref_logits[row])[::-1][ours.shape[1] - 1]  # the reference's k-th logit
+        near = ref_logits[row][ours[row]].min() >= boundary - TIE_MARGIN * error
+        (ties if near else wrong).append(position)
+    note = f"{len(ties)} near-tie flip(s)" if ties else ""
+    if wrong:
+        note = f"expert choice differs beyond a near tie at position(s) {wrong[:5]}"
+    differ = (len(ties) + len(wrong)) / max(len(positions), 1)
+    return NameReport(name, ours.shape, differ, 0.0, 0, bool(wrong), note), ties
+
+
+def first_flagged(reports: list[NameReport]) -> NameReport | None:
+    return next((r for r in reports if r.flagged), None)
+
+
+def format_reports(reports: list[NameReport]) -> list[str]:
+    width = max((len(r.name) for r in reports), default=4)
+    lines = [f"{'name':{width}s}  {'shape':16s}  {'rel_err':>9s}  {'max_abs':>9s}  excluded"]
+    for r in reports:
+        shape = "[" + ", ".join(map(str, r.shape)) + "]"
+        mark = "  <- outside" if r.flagged else ""
+        note = f"  {r.note}" if r.note else ""
+        lines.append(f"{r.name:{width}s}  {shape:16s}  {r.rel_err:9.6f}  {r.max_abs:9.3e}  {r.excluded:8d}{mark}{note}")
+    return lines

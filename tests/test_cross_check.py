@@ -1,0 +1,195 @@
+"""atlas.compare --against cpu (atlas.cross_check): a backend against the numpy backend, each layer
+isolated. The numpy backend passes against itself exactly, the CUDA stand-in (bf16 roundings) passes
+with visible errors, a deliberately broken op is named as the first flagged intermediate (a
+decode-only break only with --decode-steps), near-tie expert flips are left out and others flagged."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from _cuda_stand_in import CudaRounding
+from atlas.compare import main
+from atlas.cross_check import DEFAULT_TOLERANCE, Capture, compare_runs
+
+PROMPT = "Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex."
+ROW = re.compile(r"^(\S+)\s+\[([\d, ]+)\]\s+([\d.]+|inf)\s+(\S+)\s+(\d+)(\s+<- outside)?")
+
+
+def rows(out: str) -> dict[str, tuple[float, int, bool]]:
+    """name -> (rel_err, excluded, flagged) of each table row."""
+    return {m[1]: (float(m[3]), int(m[5]), m[6] is not None) for line in out.splitlines() if (m := ROW.match(line))}
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(["--against", "cpu", "--prompt", PROMPT, *argv])
+    return code, capsys.readouterr().out
+
+
+def use_backend(monkeypatch: pytest.MonkeyPatch, backend: type[CudaRounding]) -> None:
+    import atlas.backends as backends
+
+    monkeypatch.setattr(backends, "open_cuda_backend", lambda model_dir, spec, run: backend())
+    monkeypatch.delenv("ATLAS_REQUIRE_GPU", raising=False)
+
+
+def test_numpy_against_itself_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(["--device", "cpu", "--decode-steps", "3"], capsys)
+    assert code == 0, out
+    table = rows(out)
+    assert {"embed", "layer.0.attn.conv", "layer.3.attn.core", "layer.3.out", "final_norm", "logits"} <= set(table)
+    assert all(rel <= 1e-6 and not flagged for rel, _, flagged in table.values()), out
+    assert "PASS" in out and re.search(r"\(\d+ in one prefill pass, 3 decode steps\)", out), out
+
+
+def test_cuda_stand_in_passes_with_its_rounding(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    use_backend(monkeypatch, CudaRounding)
+    code, out = run(["--device", "cuda", "--decode-steps", "2"], capsys)
+    assert code == 0, out
+    table = rows(out)
+    assert max(rel for rel, _, _ in table.values()) > 1e-4, "the stand-in's bf16 roundings must show"
+    assert all(rel < DEFAULT_TOLERANCE and not flagged for rel, _, flagged in table.values()), out
+
+
+class BrokenAttention(CudaRounding):
+    def attention(self, q, k, v, cache, positions, scale):  # type: ignore[no-untyped-def]
+        return super().attention(q, k, v, cache, positions, scale * 1.5)
+
+
+class BrokenConvStep(CudaRounding):
+    """The one-token conv update (decode) reads a zero weight column; prefill is right."""
+
+    def causal_conv1d(self, x, weight, conv_state):  # type: ignore[no-untyped-def]
+        if x.shape[0] != 1:
+            return super().causal_conv1d(x, weight, conv_state)
+        damaged = np.array(self.to_numpy(weight), np.float32)
+        damaged[..., -1] = 0
+        return super().causal_conv1d(x, damaged, conv_state)
+
+
+class BrokenExperts(CudaRounding):
+    def moe_experts(self, x, ids, weights, gate_up, down):  # type: ignore[no-untyped-def]
+        return super().moe_experts(x, ids, weights * 1.2, gate_up, down)
+
+
+class BrokenRouter(CudaRounding):
+    """Chooses the least likely expert in the last slot: far from any tie."""
+
+    def router(self, x, weight, top_k, renormalize, *, shared_expert=False):  # type: ignore[no-untyped-def]
+        ids, weights = super().router(x, weight, top_k, renormalize, shared_expert=shared_expert)
+        logits = self.to_numpy(self.linear(x, weight))
+        ids = np.array(ids)
+        ids[:, top_k - 1] = logits[:, : weight.shape[0] - int(shared_expert)].argmin(axis=-1)
+        return ids, weights
+
+
+@pytest.mark.parametrize(
+    "backend, decode_steps, first",
+    [
+        (BrokenAttention, 0, "layer.3.attn.core"),
+        (BrokenConvStep, 2, "layer.0.attn.conv"),
+        (BrokenConvStep, 0, None),
+        (BrokenExperts, 1, "layer.0.mlp.routed"),
+        (BrokenRouter, 0, "layer.0.mlp.router_ids"),
+    ],
+    ids=["attention", "conv-step", "conv-step-prefill-only", "experts", "router"],
+)
+def test_a_broken_op_is_named(backend: type[CudaRounding], decode_steps: int, first: str | None,
+                              monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    use_backend(monkeypatch, backend)
+    code, out = run(["--device", "cuda", "--decode-steps", str(decode_steps)], capsys)
+    if first is None:
+        assert code == 0 and "PASS" in out, out
+        return
+    assert code == 1, out
+    flagged = [name for name, (_, _, bad) in rows(out).items() if bad]
+    assert flagged[0] == first, out
+    assert f"FIRST FLAGGED: {first}:" in out
+
+
+def router_capture(logits: np.ndarray, ids: np.ndarray, routed: np.ndarray) -> Capture:
+    capture = Capture(positions=np.arange(logits.shape[0], dtype=np.int32))
+    capture("layer.0.mlp.router_logits", logits)
+    capture("layer.0.mlp.router_ids", ids)
+    capture("layer.0.mlp.routed", routed)
+    capture("layer.0.mlp_out", routed)
+    return capture
+
+
+def test_near_tie_flips_are_left_out_and_others_flagged(rng: np.random.Generator) -> None:
+    T, E, H = 6, 16, 32
+    logits = rng.normal(size=(T, E)).astype(np.float32)  # [T, E]
+    ids = np.argsort(-logits, axis=-1)[:, :2].astype(np.int32)  # [T, 2]
+    routed = rng.normal(size=(T, H)).astype(np.float32)  # [T, H]
+
+    row = int(rng.integers(T))
+    second, third = np.argsort(-logits[row])[1:3]
+    logits[row, third] = logits[row, second] - 1e-4  # a near tie between the 2nd and 3rd expert
+    reference = router_capture(logits, ids, routed)
+    tied = logits.copy()
+    tied[row, third] += 2e-4  # the checked run's rounding moved it past the boundary
+    tied_ids = ids.copy()
+    tied_ids[row, 1] = third
+    moved = routed.copy()
+    moved[row] += 10.0  # a different expert: that row's output differs entirely
+    reports = {r.name: r for r in compare_runs(router_capture(tied, tied_ids, moved), reference, DEFAULT_TOLERANCE)}
+    assert not any(r.flagged for r in reports.values()), reports
+    assert reports["layer.0.mlp.routed"].excluded == 1 and reports["layer.0.mlp_out"].excluded == 1
+    assert "1 near-tie flip" in reports["layer.0.mlp.router_ids"].note
+
+    far_ids = ids.copy()
+    far_ids[row, 1] = np.argmin(logits[row])  # the least likely expert: no rounding explains it
+    reports = {r.name: r for r in compare_runs(router_capture(logits, far_ids, moved), reference, DEFAULT_TOLERANCE)}
+    assert reports["layer.0.mlp.router_ids"].flagged
+    assert reports["layer.0.mlp.routed"].flagged  # not left out: only near ties are
+
+
+def test_non_finite_values_are_flagged(rng: np.random.Generator) -> None:
+    values = rng.normal(size=(5, 8)).astype(np.float32)
+    reference, checked = Capture(positions=np.arange(5, dtype=np.int32)), Capture(positions=np.arange(5, dtype=np.int32))
+    reference("embed", values)
+    poisoned = values.copy()
+    poisoned[int(rng.integers(5)), int(rng.integers(8))] = np.nan
+    checked("embed", poisoned)
+    [report] = compare_runs(checked, reference, DEFAULT_TOLERANCE)
+    assert report.flagged and report.note == "non-finite values"
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--decode-steps", "2"], "--decode-steps and --tolerance apply to --against cpu only"),
+        (["--against", "cpu", "--oracle-device", "cpu"], "--oracle-device applies to --against transformers only"),
+        (["--against", "cpu", "--decode-steps", "400"], "--decode-steps must be in 0..3 for a 4-token prompt"),
+        (["--against", "cpu", "--tolerance", "0"], "--tolerance must be in (0, 1)"),
+    ],
+)
+def test_bad_options_are_one_line(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert "loading weights" not in err
+
+
+@pytest.mark.gpu
+def test_the_gpu_matches_numpy_op_by_op(capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo on the CUDA backend: prefill (GEMMs) and decode steps (GEMVs), every intermediate."""
+    import os
+
+    from atlas.backends import create_backend
+    from atlas.config import load_spec
+    from atlas.demo import DEMO_DIR
+    from atlas.errors import AtlasError
+
+    try:
+        create_backend("cuda", DEMO_DIR, load_spec(DEMO_DIR))
+    except (AtlasError, ImportError) as err:
+        if os.environ.get("ATLAS_REQUIRE_GPU") == "1":
+            raise
+        pytest.skip(f"no CUDA backend here: {err}")
+    code, out = run(["--device", "cuda", "--decode-steps", "3"], capsys)
+    print(out)
+    assert code == 0, out
+    assert "on cuda" in out
