@@ -88,11 +88,11 @@ OPTIN_TESTS="tests/test_gpu_router_fused.py tests/test_gpu_delta_decode.py tests
 stage ops 90 "$GPU_PYTEST --maxfail=40 --junitxml='$OUT/junit-ops.xml' $KERNEL_TESTS"
 stage optin 60 "$GPU_PYTEST --maxfail=40 --junitxml='$OUT/junit-optin.xml' $OPTIN_TESTS"
 
-stage model 110 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-model.xml' tests \
+stage model 125 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-model.xml' tests \
   $(for f in $KERNEL_TESTS $OPTIN_TESTS; do printf -- '--ignore=%s ' "$f"; done)"
 
 # Benchmarks size their --budget-s to the stage's (clipped) limit so they write their JSON in time.
-stage bench 130 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
+stage bench 115 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
 
 stage qbench 90 "cd /tmp && $PY '$REPO/bench/quant.py' --out '$OUT/qbench.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
 

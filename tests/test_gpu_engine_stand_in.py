@@ -146,3 +146,8 @@ def test_a_greedy_difference_names_the_op(monkeypatch: pytest.MonkeyPatch, rng: 
     with pytest.raises(pytest.fail.Exception) as failed:
         test_gpu_model.test_greedy_gpu_equals_greedy_numpy_on_the_demo(test_gpu_model.gpu_llm(), rng)
     assert "first intermediate off numpy's: layer.3.attn.core: relative error" in str(failed.value)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_quantized_demo_op_by_op_passes(stand_in: None, fmt: str, tmp_path: Path, rng: np.random.Generator) -> None:
+    test_gpu_quant.test_quantized_demo_on_the_gpu_op_by_op(fmt, tmp_path, rng)

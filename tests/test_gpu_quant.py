@@ -185,6 +185,38 @@ def test_quant_linear_zero_tail_rows(gpu: tuple[Any, str, dict[str, int]], rng: 
         check_bound(f"{fmt} ragged linear T={tokens}", out, x @ dense.T, bf16_round(x) @ bf16_round(dense).T)
 
 
+def demo_backend_or_skip(fmt: str) -> Any:
+    try:
+        from atlas.backends.cuda.select import open_backend_for_model
+
+        return open_backend_for_model("atlas-demo", fmt)
+    except (AtlasError, ImportError) as err:
+        if os.environ.get("ATLAS_REQUIRE_GPU_QUANT") == "1":
+            raise
+        pytest.skip(f"no CUDA backend with the atlas-demo/{fmt} tuple here: {err}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_demo_on_the_gpu_op_by_op(fmt: str, tmp_path: Any, rng: np.random.Generator) -> None:
+    """The quantized demo's kernels (prefill GEMMs, decode GEMVs, the grouped MoE) against the numpy
+    backend on the same checkpoint, every intermediate, each layer isolated (atlas.cross_check)."""
+    from atlas.config import load_spec
+    from atlas.cross_check import DEFAULT_TOLERANCE, check_backend, first_flagged, format_reports
+    from atlas.demo import DEMO_DIR
+    from atlas.quantize import QuantizeArgs, quantize
+
+    demo_backend_or_skip(fmt)
+    model_dir = quantize(QuantizeArgs(str(DEMO_DIR), fmt, tmp_path / fmt, 1 << 30))
+    spec = load_spec(model_dir)
+    ids = rng.integers(0, spec.vocab_size, size=int(rng.integers(12, 40))).tolist()
+    reports, line = check_backend(model_dir, "cuda", spec, ids, decode_steps=3)
+    assert line.startswith("cuda")
+    table = "\n".join(format_reports(reports))
+    print(table)
+    flagged = first_flagged(reports)
+    assert flagged is None, f"{fmt}: first flagged {flagged.name}: {flagged.reason(DEFAULT_TOLERANCE)}\n{table}"
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_demo_on_the_gpu_follows_numpy(fmt: str, tmp_path: Any) -> None:
     """The demo quantized by atlas.quantize, every quantized matrix uploaded packed: teacher-forced
@@ -196,14 +228,7 @@ def test_quantized_demo_on_the_gpu_follows_numpy(fmt: str, tmp_path: Any) -> Non
     from atlas.safetensors import Checkpoint
     from atlas.tokenizer import Tokenizer
 
-    try:
-        from atlas.backends.cuda.select import open_backend_for_model
-
-        backend = open_backend_for_model("atlas-demo", fmt)
-    except (AtlasError, ImportError) as err:
-        if os.environ.get("ATLAS_REQUIRE_GPU_QUANT") == "1":
-            raise
-        pytest.skip(f"no CUDA backend with the atlas-demo/{fmt} tuple here: {err}")
+    backend = demo_backend_or_skip(fmt)
     model_dir = quantize(QuantizeArgs(str(DEMO_DIR), fmt, tmp_path / fmt, 1 << 30))
     ids = Tokenizer.open(DEMO_DIR).encode(zen_of_python(), add_special_tokens=False)[:200]
 
