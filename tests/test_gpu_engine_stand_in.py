@@ -151,3 +151,8 @@ def test_a_greedy_difference_names_the_op(monkeypatch: pytest.MonkeyPatch, rng: 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_quantized_demo_op_by_op_passes(stand_in: None, fmt: str, tmp_path: Path, rng: np.random.Generator) -> None:
     test_gpu_quant.test_quantized_demo_on_the_gpu_op_by_op(fmt, tmp_path, rng)
+
+
+@pytest.mark.parametrize("level", ["nvfp4", "turbo3"])
+def test_quantized_cache_op_by_op_passes(stand_in: None, level: str, rng: np.random.Generator) -> None:
+    test_gpu_kv.test_demo_op_by_op_with_a_quantized_cache(level, rng)

@@ -107,6 +107,31 @@ def test_attention_through_each_level_matches_numpy(gpu: tuple[Any, dict[str, in
         start += tokens
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_demo_op_by_op_with_a_quantized_cache(level: str, rng: np.random.Generator) -> None:
+    """The demo's full-attention layer on each level, prefill and decode steps, every intermediate
+    against the numpy backend's on the same level, each op given the GPU's inputs (cross_check)."""
+    from atlas.backends import create_backend
+    from atlas.config import load_spec
+    from atlas.cross_check import DEFAULT_TOLERANCE, check_backend, first_flagged, format_reports
+    from atlas.demo import DEMO_DIR
+    from atlas.kvcache.options import KVCacheOptions
+
+    spec = load_spec(DEMO_DIR)
+    try:
+        create_backend("cuda", DEMO_DIR, spec)
+    except (AtlasError, ImportError) as err:
+        if os.environ.get("ATLAS_REQUIRE_GPU") == "1":
+            raise
+        pytest.skip(f"no CUDA backend here: {err}")
+    ids = rng.integers(0, spec.vocab_size, size=int(rng.integers(12, 60))).tolist()
+    reports, _ = check_backend(DEMO_DIR, "cuda", spec, ids, decode_steps=3, kv_cache=KVCacheOptions(level, 0))
+    table = "\n".join(format_reports(reports))
+    print(table)
+    flagged = first_flagged(reports)
+    assert flagged is None, f"{level}: first flagged {flagged.name}: {flagged.reason(DEFAULT_TOLERANCE)}\n{table}"
+
+
 @pytest.mark.parametrize("level", ["fp8", "turbo8"])
 def test_demo_recites_with_a_quantized_cache(level: str) -> None:
     from atlas import LLM

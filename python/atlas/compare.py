@@ -29,7 +29,10 @@ import numpy as np
 from .backends import DEVICES
 from .cli import run_command
 from .cross_check import DEFAULT_TOLERANCE, check_backend, first_flagged, format_reports, on_engine
+from .engine_flags import KV_CACHE_DTYPE, KV_HIGH_PRECISION_LAYERS
 from .errors import AtlasError
+from .kvcache.names import DEFAULT_LEVEL
+from .kvcache.options import KVCacheOptions
 from .oracle_trace import LayerTrace, atlas_trace, oracle_device, transformers_trace
 from .run import MODEL_HELP, default_prompt
 
@@ -53,6 +56,12 @@ class CompareArgs:
     against: str = "transformers"  # or cpu: atlas' numpy backend, intermediate by intermediate
     decode_steps: int = 0  # --against cpu: the prompt's last N tokens as decode steps
     tolerance: float = DEFAULT_TOLERANCE  # --against cpu: relative error allowed per intermediate
+    kv_cache_dtype: str = DEFAULT_LEVEL  # atlas' KV cache level (both atlas runs under --against cpu)
+    kv_high_precision_layers: str = "auto"
+
+    @property
+    def kv_cache(self) -> KVCacheOptions:
+        return KVCacheOptions(self.kv_cache_dtype, self.kv_high_precision_layers)
 
 
 @dataclass(frozen=True)
@@ -137,7 +146,8 @@ def compare(args: CompareArgs) -> int:
     model_dir, reference_dir, spec, ids = prepare(args)
     if args.against == "cpu":
         return cross_check(args, (model_dir, reference_dir), spec, ids)
-    ours, atlas_device = on_engine(model_dir, args.device, spec, ids, lambda e: atlas_trace(e, ids, spec.num_hidden_layers))
+    ours, atlas_device = on_engine(model_dir, args.device, spec, ids, lambda e: atlas_trace(e, ids, spec.num_hidden_layers),
+                                   kv_cache=args.kv_cache)
     torch_device = oracle_device(args.oracle_device, atlas_device)
     oracle = transformers_trace(reference_dir, ids, spec.num_hidden_layers, torch_device)
     click.echo(f"atlas.compare: {len(ids)} prompt tokens; atlas {model_dir} on {atlas_device}")
@@ -161,6 +171,7 @@ def check_options(args: CompareArgs) -> None:
         raise AtlasError("--oracle-device applies to --against transformers only; drop it")
     if not 0 < args.tolerance < 1:
         raise AtlasError(f"--tolerance must be in (0, 1) (a relative error), got {args.tolerance}")
+    args.kv_cache.check()
 
 
 def prepare(args: CompareArgs) -> tuple[Path, Path, ModelSpec, list[int]]:
@@ -183,7 +194,7 @@ def cross_check(args: CompareArgs, dirs: tuple[Path, Path], spec: ModelSpec, ids
     """--against cpu: every intermediate of the checked backend against the numpy backend."""
     model_dir, reference_dir = dirs
     reports, device_line = check_backend(model_dir, args.device, spec, ids, decode_steps=args.decode_steps,
-                                         tolerance=args.tolerance, reference_dir=reference_dir)
+                                         tolerance=args.tolerance, reference_dir=reference_dir, kv_cache=args.kv_cache)
     split = len(ids) - args.decode_steps
     click.echo(f"atlas.compare: {len(ids)} prompt tokens ({split} in one prefill pass, {args.decode_steps} decode steps); "
                f"atlas {model_dir} on {device_line}")
@@ -239,6 +250,8 @@ def check_same_shape(spec: ModelSpec, reference: ModelSpec, reference_dir: Path)
               help="--against cpu: run the prompt's last N tokens as decode steps.")
 @click.option("--tolerance", type=float, default=DEFAULT_TOLERANCE, show_default=True,
               help="--against cpu: relative error allowed per intermediate.")
+@KV_CACHE_DTYPE
+@KV_HIGH_PRECISION_LAYERS
 def command(**kwargs: object) -> int:
     """Compare atlas with transformers (float32) layer by layer on one prompt, or (--against cpu) a
     backend with the numpy backend, intermediate by intermediate."""

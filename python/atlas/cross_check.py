@@ -1,18 +1,20 @@
 """atlas on one backend against the numpy reference backend, intermediate by intermediate, each
-layer isolated (`python -m atlas.compare --against cpu`).
+op given the checked run's inputs (`python -m atlas.compare --against cpu`).
 
 The checked run is the engine as it serves: the prompt in one prefill pass, then its last
 `decode_steps` tokens one decode step each (the T = 1 kernels; eager, since a dump is attached),
 every named intermediate captured (layers/__init__.py names them), rows in position order. The
 numpy backend then runs each layer alone on the checked run's input to that layer (`embed` for
-layer 0, `layer.{i-1}.out` after), all positions in one pass from a fresh state; the final norm
-and lm_head likewise. Each intermediate's error is therefore one layer's, not the sum of all the
-layers before it, and the first one past the tolerance names the op that is wrong.
+layer 0, `layer.{i-1}.out` after), all positions in one pass from a fresh state, and inside the
+layer goes on from the checked run's value at every named intermediate (Step.feed): q, k and v
+into attention, the conv output into the delta rule, the router's ids and weights into the
+experts. The final norm and lm_head likewise. An intermediate's error is therefore that of the ops
+since the names before it, not the sum of everything upstream, and the first one past the
+tolerance names the op that is wrong.
 
-Expert choices: where the two runs chose different experts at a position and the checked run's
-choice is within twice its router-logit error of the reference's k-th logit (a near tie that
-rounding may flip), that position leaves the comparison of the routed output, the layer's MLP
-output and its residual out (`excluded` counts them); any other difference flags router_ids.
+Expert choices are compared as sets per position: a difference where the checked run's choice is
+within twice its router-logit error of the reference's k-th logit is a near tie that rounding may
+flip (noted), any other flags router_ids. Both runs' experts then see the checked run's choice.
 """
 
 from __future__ import annotations
@@ -20,23 +22,24 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from .backends.base import Backend, Tensor
 from .errors import AtlasError
 from .layers.step import Step
 
 if TYPE_CHECKING:
     from .config import ModelSpec
     from .engine import Engine
+    from .kvcache.options import KVCacheOptions
 
 R = TypeVar("R")
 
-DEFAULT_TOLERANCE = 0.02  # relative L2 error of one layer's intermediate (bf16 kernels: ~0.003)
-ROUTED_NAMES = ("router_ids", "router_weights", "routed")  # what a flipped expert choice changes
+DEFAULT_TOLERANCE = 0.02  # relative L2 error of an intermediate given its inputs (bf16 kernels: ~0.003)
 TIE_MARGIN = 2.0  # a choice within this many router-logit errors of the boundary is a near tie
 
 
@@ -77,7 +80,6 @@ class NameReport:
     shape: tuple[int, ...]  # rows compared first
     rel_err: float  # ||checked - reference|| / ||reference|| (ids: the fraction of positions that differ)
     max_abs: float
-    excluded: int  # positions left out (a near-tie expert choice)
     flagged: bool
     note: str = ""
 
@@ -86,24 +88,33 @@ class NameReport:
 
 
 def check_backend(model_dir: Path, device: str, spec: ModelSpec, ids: list[int], *, decode_steps: int = 0,
-                  tolerance: float = DEFAULT_TOLERANCE, reference_dir: Path | None = None) -> tuple[list[NameReport], str]:
+                  tolerance: float = DEFAULT_TOLERANCE, reference_dir: Path | None = None,
+                  kv_cache: KVCacheOptions | None = None) -> tuple[list[NameReport], str]:
     """The checked run of `ids` on `device`, released, then the numpy backend on each layer
-    (of `reference_dir`'s checkpoint, default the same) -> (a report per intermediate, device line)."""
+    (of `reference_dir`'s checkpoint, default the same; both with `kv_cache`'s levels) -> (a
+    report per intermediate, the device line)."""
     check_decode_steps(decode_steps, len(ids))  # before any weights load
-    checked, device_line = on_engine(model_dir, device, spec, ids, lambda e: checked_run(e, ids, decode_steps))
-    reference, _ = on_engine(reference_dir or model_dir, "cpu", spec, ids, lambda e: reference_run(e, ids, checked))
+    checked, device_line = on_engine(model_dir, device, spec, ids, lambda e: checked_run(e, ids, decode_steps),
+                                     kv_cache=kv_cache)
+    reference, _ = on_engine(reference_dir or model_dir, "cpu", spec, ids, lambda e: reference_run(e, ids, checked),
+                             kv_cache=kv_cache)
     return compare_runs(checked, reference, tolerance), device_line
 
 
-def on_engine(model_dir: Path, device: str, spec: ModelSpec, ids: list[int], use: Callable[[Engine], R]) -> tuple[R, str]:
-    """use(an engine on `device` without the MTP head, sized for ids) and the device line; the
-    engine and its memory are released on return, before the next one loads."""
+def on_engine(model_dir: Path, device: str, spec: ModelSpec, ids: list[int], use: Callable[[Engine], R], *,
+              kv_cache: KVCacheOptions | None = None) -> tuple[R, str]:
+    """use(an engine on `device` without the MTP head, sized for ids, its KV cache at `kv_cache`'s
+    levels) and the device line; the engine and its memory are released on return, before the
+    next one loads."""
     from .backends import create_backend
+    from .backends.run_plan import RunPlan
     from .engine import Engine
+    from .kvcache.options import KVCacheOptions
     from .safetensors import Checkpoint
 
-    backend, device_line = create_backend(device, model_dir, spec)
-    engine = Engine(spec, Checkpoint.open(model_dir), backend, max_seq_len=max(len(ids), 1))
+    plan = RunPlan(max_seq_len=max(len(ids), 1), kv_cache=kv_cache or KVCacheOptions(), load_mtp=False)
+    backend, device_line = create_backend(device, model_dir, spec, plan)
+    engine = Engine(spec, Checkpoint.open(model_dir), backend, max_seq_len=plan.max_seq_len, kv_cache=plan.kv_cache)
     result = use(engine)
     del engine, backend
     gc.collect()
@@ -144,7 +155,7 @@ def check_decode_steps(decode_steps: int, tokens: int) -> None:
 
 
 def reference_run(engine: Engine, ids: list[int], checked: Capture) -> Capture:
-    """Each part of the model on the numpy `engine`, fed the checked run's input to it."""
+    """Each part of the model on the numpy `engine`, fed the checked run's inputs to it."""
     be, model = engine.backend, engine.model
     engine.reset()
     positions = be.upload(np.arange(len(ids), dtype=np.int32), "i32")
@@ -153,54 +164,49 @@ def reference_run(engine: Engine, ids: list[int], checked: Capture) -> Capture:
     step.emit("embed", model.embed(step, be.upload(np.asarray(ids, np.int32), "i32")))
     for i in range(len(model.layers)):
         layer_input = checked.all_rows("embed" if i == 0 else f"layer.{i - 1}.out")
-        model.run_layer(step, i, be.upload(layer_input, "f32"), engine.states[i])
+        fed = replace(step, feed=layer_feed(be, checked, i))
+        model.run_layer(fed, i, be.upload(layer_input, "f32"), engine.states[i])
     last = checked.all_rows(f"layer.{len(model.layers) - 1}.out")
     step.emit("final_norm", model.final_norm(step, be.upload(last, "f32")))
     model.logits(step, be.upload(checked.all_rows("final_norm"), "f32"))
     return reference
 
 
+def layer_feed(be: Backend, checked: Capture, layer: int) -> dict[str, Tensor]:
+    """The checked run's intermediates inside layer `layer` (all but its output), on `be`."""
+    prefix = f"layer.{layer}."
+    names = [n for n in checked.rows if n.startswith(prefix) and n != f"{prefix}out"]
+    arrays = {name: checked.all_rows(name) for name in names}
+    return {name: be.upload(a, "i32" if a.dtype.kind in "iu" else "f32") for name, a in arrays.items()}
+
+
 def compare_runs(checked: Capture, reference: Capture, tolerance: float) -> list[NameReport]:
     """One report per intermediate both runs have, in the checked run's order."""
     reports: list[NameReport] = []
-    ties: dict[str, list[int]] = {}  # "layer.i.mlp" -> positions of near-tie expert flips
     for name, table in checked.rows.items():
         if name not in reference.rows:
             continue
         if name.endswith(".router_ids"):
-            report, ties[name.rpartition(".")[0]] = router_report(name, checked, reference)
-            reports.append(report)
+            reports.append(router_report(name, checked, reference))
             continue
-        left_out = set(excluded_positions(name, ties))
-        positions = [p for p in sorted(table) if p in reference.rows[name] and p not in left_out]
-        ours, theirs = checked.stacked(name, positions), reference.stacked(name, positions)
-        reports.append(float_report(name, ours, theirs, len(left_out), tolerance))
+        positions = [p for p in sorted(table) if p in reference.rows[name]]
+        reports.append(float_report(name, checked.stacked(name, positions), reference.stacked(name, positions), tolerance))
     return reports
 
 
-def excluded_positions(name: str, ties: dict[str, list[int]]) -> list[int]:
-    """Positions a near-tie expert flip changes in `name`: the layer's routed parts and sums."""
-    prefix, _, leaf = name.rpartition(".")
-    if leaf in ROUTED_NAMES:
-        return ties.get(prefix, [])
-    if leaf in ("mlp_out", "out"):
-        return ties.get(f"{prefix}.mlp", [])
-    return []
-
-
-def float_report(name: str, checked: np.ndarray, reference: np.ndarray, excluded: int, tolerance: float) -> NameReport:
+def float_report(name: str, checked: np.ndarray, reference: np.ndarray, tolerance: float) -> NameReport:
     diff = checked.astype(np.float64) - reference.astype(np.float64)
     scale = float(np.linalg.norm(reference.astype(np.float64)))
     error = float(np.linalg.norm(diff))
     rel = error / scale if scale > 0 else (0.0 if error == 0 else float("inf"))
     if not np.isfinite(checked).all():
-        return NameReport(name, checked.shape, float("inf"), float("inf"), excluded, True, "non-finite values")
+        return NameReport(name, checked.shape, float("inf"), float("inf"), True, "non-finite values")
     max_abs = float(np.abs(diff).max()) if diff.size else 0.0
-    return NameReport(name, checked.shape, rel, max_abs, excluded, rel > tolerance)
+    return NameReport(name, checked.shape, rel, max_abs, rel > tolerance)
 
 
-def router_report(name: str, checked: Capture, reference: Capture) -> tuple[NameReport, list[int]]:
-    """router_ids compared as sets per position -> (report, positions of near-tie flips)."""
+def router_report(name: str, checked: Capture, reference: Capture) -> NameReport:
+    """router_ids compared as sets per position; near-tie differences are noted, others flagged."""
     logits_name = name.replace("router_ids", "router_logits")
     positions = sorted(checked.rows[name])
     ours, theirs = checked.stacked(name, positions), reference.stacked(name, positions)  # [T, k]
@@ -218,7 +224,7 @@ def router_report(name: str, checked: Capture, reference: Capture) -> tuple[Name
     if wrong:
         note = f"expert choice differs beyond a near tie at position(s) {wrong[:5]}"
     differ = (len(ties) + len(wrong)) / max(len(positions), 1)
-    return NameReport(name, ours.shape, differ, 0.0, 0, bool(wrong), note), ties
+    return NameReport(name, ours.shape, differ, 0.0, bool(wrong), note)
 
 
 def first_flagged(reports: list[NameReport]) -> NameReport | None:
@@ -227,10 +233,10 @@ def first_flagged(reports: list[NameReport]) -> NameReport | None:
 
 def format_reports(reports: list[NameReport]) -> list[str]:
     width = max((len(r.name) for r in reports), default=4)
-    lines = [f"{'name':{width}s}  {'shape':16s}  {'rel_err':>9s}  {'max_abs':>9s}  excluded"]
+    lines = [f"{'name':{width}s}  {'shape':16s}  {'rel_err':>9s}  {'max_abs':>9s}"]
     for r in reports:
         shape = "[" + ", ".join(map(str, r.shape)) + "]"
         mark = "  <- outside" if r.flagged else ""
         note = f"  {r.note}" if r.note else ""
-        lines.append(f"{r.name:{width}s}  {shape:16s}  {r.rel_err:9.6f}  {r.max_abs:9.3e}  {r.excluded:8d}{mark}{note}")
+        lines.append(f"{r.name:{width}s}  {shape:16s}  {r.rel_err:9.6f}  {r.max_abs:9.3e}{mark}{note}")
     return lines

@@ -107,6 +107,14 @@ def high_precision_value(ctx: click.Context, param: click.Parameter, value: str)
     return value
 
 
+KV_CACHE_DTYPE = click.option(
+    "--kv-cache-dtype", type=click.Choice(LEVEL_NAMES), default=DEFAULT_LEVEL, show_default=True,
+    help="KV cache level of the full-attention layers (numpy and cuda backends).",
+)
+KV_HIGH_PRECISION_LAYERS = click.option(
+    "--kv-high-precision-layers", default="auto", show_default=True, callback=high_precision_value,
+    help="Full-attention layers kept bf16 at each end: auto (= 1: the first and the last) or N.",
+)
 ENGINE_OPTIONS = (
     click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
     click.option(
@@ -114,14 +122,8 @@ ENGINE_OPTIONS = (
         help="MTP speculative decoding: draft this many tokens per pass (default 2 when the checkpoint has the MTP head).",
     ),
     click.option("--no-spec", is_flag=True, help="No speculative decoding; the MTP head is not loaded."),
-    click.option(
-        "--kv-cache-dtype", type=click.Choice(LEVEL_NAMES), default=DEFAULT_LEVEL, show_default=True,
-        help="KV cache level of the full-attention layers (numpy and cuda backends).",
-    ),
-    click.option(
-        "--kv-high-precision-layers", default="auto", show_default=True, callback=high_precision_value,
-        help="Full-attention layers kept bf16 at each end: auto (= 1: the first and the last) or N.",
-    ),
+    KV_CACHE_DTYPE,
+    KV_HIGH_PRECISION_LAYERS,
     click.option(
         "--chat-template", type=click.Path(dir_okay=False), default=None,
         help="A jinja file used instead of the model's chat template (as vLLM's --chat-template).",

@@ -48,7 +48,7 @@ class Attention:
         v = v.reshape(tokens, d.num_kv_heads, d.head_dim)  # [T, Hkv, D]
         q = step.emit(f"{name}.q", self._norm_rope(step, q, w.q_norm))
         k = step.emit(f"{name}.k", self._norm_rope(step, k, w.k_norm))
-        step.emit(f"{name}.v", v)
+        v = step.emit(f"{name}.v", v)
         out = be.attention(q, k, v, cache, step.positions, d.head_dim**-0.5)  # [T, Hq, D]
         out = step.emit(f"{name}.core", out.reshape(tokens, d.num_heads * d.head_dim))
         gated = step.emit(f"{name}.gated", be.sigmoid_mul(out, gate))  # [T, Hq*D]

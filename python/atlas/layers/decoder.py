@@ -58,7 +58,7 @@ class CausalLM:
         layer, name = self.layers[i], f"layer.{i}"
         mixed = step.emit(f"{name}.attn_out", layer.mixer(step, normed, state, f"{name}.attn"))
         normed, residual = layer.post_norm.add(step, mixed, residual)
-        step.emit(f"{name}.post_norm", normed)
+        normed = step.emit(f"{name}.post_norm", normed)
         return step.emit(f"{name}.mlp_out", layer.ffn(step, normed, f"{name}.mlp")), residual
 
     def run_layer(self, step: Step, i: int, residual: Tensor, state: Any) -> None:

@@ -76,6 +76,5 @@ class GatedDeltaNet:
         """`gated_delta_net` as its three ops, emitting the conv output and the delta rule's."""
         be, op = step.backend, self.operands(state)
         mixed = step.emit(f"{name}.conv", be.causal_conv1d(x.mixed, op.conv_weight, op.conv_state))  # [T, C]
-        core = be.gated_delta_rule(mixed, x.a, x.b, op)
-        step.emit(f"{name}.core", core)  # [T, Hv, Dv]
+        core = step.emit(f"{name}.core", be.gated_delta_rule(mixed, x.a, x.b, op))  # [T, Hv, Dv]
         return be.gated_rms_norm(core, x.z, op.norm_weight, op.norm_eps)  # [T, Hv, Dv]
