@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from _checkpoints import TinyModel, write_checkpoint
+from _gpu import require_demo_cuda
 from atlas.compare import BAND, compare_layers, first_failure, main
 from atlas.oracle_trace import LayerTrace
 from runtime_checkpoint import train_tokenizer
@@ -172,17 +173,7 @@ def test_prompt_is_required_beyond_the_demo(tmp_path: Path, capsys: pytest.Captu
 @pytest.mark.gpu
 def test_demo_passes_on_the_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     """The CUDA backend against transformers fp32 (on the GPU when torch sees one)."""
-    from atlas.backends import create_backend
-    from atlas.config import load_spec
-    from atlas.demo import DEMO_DIR
-    from atlas.errors import AtlasError
-
-    try:
-        create_backend("cuda", DEMO_DIR, load_spec(DEMO_DIR))
-    except (AtlasError, ImportError) as err:
-        if os.environ.get("ATLAS_REQUIRE_GPU") == "1":
-            raise
-        pytest.skip(f"no CUDA backend here: {err}")
+    require_demo_cuda()
     code = main(["--device", "cuda"])
     out = capsys.readouterr().out
     assert code == 0, out

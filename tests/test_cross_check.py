@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from _cuda_stand_in import CudaRounding
+from _gpu import require_demo_cuda
 from atlas.compare import main
 from atlas.cross_check import DEFAULT_TOLERANCE, Capture, compare_runs
 
@@ -181,19 +182,7 @@ def test_bad_options_are_one_line(argv: list[str], needle: str, capsys: pytest.C
 @pytest.mark.gpu
 def test_the_gpu_matches_numpy_op_by_op(capsys: pytest.CaptureFixture[str]) -> None:
     """The demo on the CUDA backend: prefill (GEMMs) and decode steps (GEMVs), every intermediate."""
-    import os
-
-    from atlas.backends import create_backend
-    from atlas.config import load_spec
-    from atlas.demo import DEMO_DIR
-    from atlas.errors import AtlasError
-
-    try:
-        create_backend("cuda", DEMO_DIR, load_spec(DEMO_DIR))
-    except (AtlasError, ImportError) as err:
-        if os.environ.get("ATLAS_REQUIRE_GPU") == "1":
-            raise
-        pytest.skip(f"no CUDA backend here: {err}")
+    require_demo_cuda()
     code, out = run(["--device", "cuda", "--decode-steps", "3"], capsys)
     print(out)
     assert code == 0, out

@@ -18,6 +18,7 @@ from atlas.errors import AtlasError
 from atlas.kvcache.levels import get_level
 from atlas.kvcache.storage import QuantizedRows
 
+from _gpu import require_demo_cuda
 from test_gpu_ops import open_gpu_backend
 
 pytestmark = pytest.mark.gpu
@@ -111,19 +112,13 @@ def test_attention_through_each_level_matches_numpy(gpu: tuple[Any, dict[str, in
 def test_demo_op_by_op_with_a_quantized_cache(level: str, rng: np.random.Generator) -> None:
     """The demo's full-attention layer on each level, prefill and decode steps, every intermediate
     against the numpy backend's on the same level, each op given the GPU's inputs (cross_check)."""
-    from atlas.backends import create_backend
     from atlas.config import load_spec
     from atlas.cross_check import DEFAULT_TOLERANCE, check_backend, first_flagged, format_reports
     from atlas.demo import DEMO_DIR
     from atlas.kvcache.options import KVCacheOptions
 
+    require_demo_cuda()
     spec = load_spec(DEMO_DIR)
-    try:
-        create_backend("cuda", DEMO_DIR, spec)
-    except (AtlasError, ImportError) as err:
-        if os.environ.get("ATLAS_REQUIRE_GPU") == "1":
-            raise
-        pytest.skip(f"no CUDA backend here: {err}")
     ids = rng.integers(0, spec.vocab_size, size=int(rng.integers(12, 60))).tolist()
     reports, _ = check_backend(DEMO_DIR, "cuda", spec, ids, decode_steps=3, kv_cache=KVCacheOptions(level, 0))
     table = "\n".join(format_reports(reports))

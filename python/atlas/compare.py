@@ -153,15 +153,20 @@ def compare(args: CompareArgs) -> int:
     click.echo(f"atlas.compare: {len(ids)} prompt tokens; atlas {model_dir} on {atlas_device}")
     click.echo(f"atlas.compare: oracle transformers float32 {reference_dir} on {torch_device}")
     reports = compare_layers(ours, oracle, spec.layer_types, args.top_k)
-    for line in format_report(reports, args.top_k):
-        click.echo(line)
-    click.echo(logits_line(ours, oracle))
     failed = first_failure(reports)
-    if failed is None:
-        click.echo(f"PASS: every layer's norm ratio and cosine within [{BAND[0]}, {BAND[1]}]")
-        return 0
-    click.echo(f"FIRST FLAGGED LAYER: {failed.index} ({failed.kind}): {failed.reason()}")
-    return FLAGGED_EXIT
+    return verdict(
+        [*format_report(reports, args.top_k), logits_line(ours, oracle)],
+        None if failed is None else f"FIRST FLAGGED LAYER: {failed.index} ({failed.kind}): {failed.reason()}",
+        f"PASS: every layer's norm ratio and cosine within [{BAND[0]}, {BAND[1]}]",
+    )
+
+
+def verdict(table: list[str], failure: str | None, passed: str) -> int:
+    """Print the table and the verdict line -> the exit code."""
+    for line in table:
+        click.echo(line)
+    click.echo(passed if failure is None else failure)
+    return 0 if failure is None else FLAGGED_EXIT
 
 
 def check_options(args: CompareArgs) -> None:
@@ -198,15 +203,13 @@ def cross_check(args: CompareArgs, dirs: tuple[Path, Path], spec: ModelSpec, ids
     split = len(ids) - args.decode_steps
     click.echo(f"atlas.compare: {len(ids)} prompt tokens ({split} in one prefill pass, {args.decode_steps} decode steps); "
                f"atlas {model_dir} on {device_line}")
-    click.echo(f"atlas.compare: reference numpy float32 {reference_dir}, each layer fed the checked run's input")
-    for line in format_reports(reports):
-        click.echo(line)
+    click.echo(f"atlas.compare: reference numpy float32 {reference_dir}, each op fed the checked run's inputs")
     flagged = first_flagged(reports)
-    if flagged is None:
-        click.echo(f"PASS: every intermediate within relative error {args.tolerance:g}")
-        return 0
-    click.echo(f"FIRST FLAGGED: {flagged.name}: {flagged.reason(args.tolerance)}")
-    return FLAGGED_EXIT
+    return verdict(
+        format_reports(reports),
+        None if flagged is None else f"FIRST FLAGGED: {flagged.name}: {flagged.reason(args.tolerance)}",
+        f"PASS: every intermediate within relative error {args.tolerance:g}",
+    )
 
 
 def first_layers(spec: ModelSpec, layers: int | None) -> ModelSpec:
