@@ -11,9 +11,10 @@ Exit 0: all layers pass; 1: a layer is flagged; 2: bad input (one line).
 `--reference DIR` runs transformers on another checkpoint (e.g. the original of a converted copy).
 
 `--against cpu` checks a backend against atlas' own numpy backend instead, every named
-intermediate with each layer isolated (atlas.cross_check): `--device cuda --against cpu` names the
-first op whose output is wrong, `--decode-steps N` runs the prompt's last N tokens as decode steps
-(the one-token kernels), `--tolerance` is the relative error allowed. No torch needed.
+intermediate, each op given the checked run's inputs (atlas.cross_check): `--device cuda --against
+cpu` names the first op whose output is wrong, `--decode-steps N` runs the prompt's last N tokens as
+decode steps (the one-token kernels), `--tolerance` is the relative error allowed. No torch needed.
+`--kv-cache-dtype` / `--kv-high-precision-layers` set atlas' KV cache levels (both runs).
 """
 
 from __future__ import annotations
