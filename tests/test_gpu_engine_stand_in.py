@@ -156,3 +156,8 @@ def test_quantized_demo_op_by_op_passes(stand_in: None, fmt: str, tmp_path: Path
 @pytest.mark.parametrize("level", ["nvfp4", "turbo3"])
 def test_quantized_cache_op_by_op_passes(stand_in: None, level: str, rng: np.random.Generator) -> None:
     test_gpu_kv.test_demo_op_by_op_with_a_quantized_cache(level, rng)
+
+
+@pytest.mark.parametrize("tokens", [1, 12])
+def test_head_gpu_test_passes(stand_in: None, demo_mtp: Path, tokens: int, rng: np.random.Generator) -> None:  # noqa: F811
+    test_speculative.test_gpu_head_matches_numpy(demo_mtp, tokens, rng)

@@ -25,6 +25,7 @@ from atlas.config import ModelSpec, load_spec
 from atlas.demo import DEMO_PROMPT
 from atlas.engine import Engine, GenerationStats
 from atlas.errors import AtlasError
+from atlas.layers.step import Step
 from atlas.safetensors import Checkpoint
 from atlas.speculative import Cursor, SpeculativeEngine, SpecStats, build_engine
 from atlas.tokenizer import Tokenizer
@@ -101,6 +102,9 @@ def tiny_mtp(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     write_checkpoint(path, tiny, new_seed())
     add_mtp_head(path, new_seed(), fused=fused)
     return path
+
+
+HEAD_TOLERANCE = 2e-2  # the GPU head's logits against numpy's (its bf16 roundings: ~3e-3)
 
 
 def plain_engine(model_dir: Path, max_seq_len: int = 256) -> Engine:
@@ -436,7 +440,6 @@ def test_cli_spec_flags(demo_mtp: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_head_matches_transformers_layers(tmp_path: Path, rng: np.random.Generator) -> None:
     from safetensors.torch import load_file
 
-    from atlas.layers.step import Step
     from atlas.oracle_mtp import TorchMtpHead
 
     reference = write_checkpoint(tmp_path, TinyModel(vocab_size=96, layout="fused", num_hidden_layers=2), new_seed())
@@ -545,3 +548,26 @@ def test_gpu_rollback_under_chosen_acceptance(demo_mtp: Path, rng: np.random.Gen
     engine._draft = draft
     stats = greedy(engine, prompt, max_tokens)
     assert stats.token_ids == expected and 0 < stats.accepted < stats.drafted
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 3, 12])
+def test_gpu_head_matches_numpy(demo_mtp: Path, tokens: int, rng: np.random.Generator) -> None:
+    """The MTP head on the GPU (its own layer, fc over [embedding, hidden], lm_head) against the
+    numpy backend's head on the same fresh inputs: a wrong head never changes the output, only the
+    acceptance, so only this test sees it. One token is a draft step (GEMVs), more a replay (GEMMs)."""
+    gpu = cuda_llm(demo_mtp, 1).parts.engine  # type: ignore[attr-defined]
+    cpu = spec_engine(demo_mtp, 1)
+    ids = rng.integers(0, load_spec(demo_mtp).vocab_size, tokens).astype(np.int32)  # [T]
+    hidden = rng.standard_normal((tokens, cpu.spec.hidden_size)).astype(np.float32)  # [T, H]
+    logits = []
+    for engine in (cpu, gpu):
+        be = engine.backend
+        step = Step(be, be.upload(np.arange(tokens, dtype=np.int32), "i32"))
+        out = engine.head.forward(step, be.upload(ids, "i32"), be.upload(hidden, "f32"), engine.head.new_state(be, 16))
+        logits.append(be.to_numpy(engine.head.logits(step, out)).astype(np.float64))  # [T, V]
+    want, got = logits
+    assert np.isfinite(got).all()
+    error = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    print(f"head logits relative error {error:.3e} on {tokens} tokens")
+    assert error < HEAD_TOLERANCE, f"head logits relative error {error:.3e} on {tokens} tokens"
