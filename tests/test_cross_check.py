@@ -43,7 +43,10 @@ def test_numpy_against_itself_is_exact(capsys: pytest.CaptureFixture[str]) -> No
     table = rows(out)
     assert {"embed", "layer.0.attn.conv", "layer.3.attn.core", "layer.3.out", "final_norm", "logits"} <= set(table)
     assert all(rel <= 1e-6 and not flagged for rel, flagged in table.values()), out
-    assert "PASS" in out and re.search(r"\(\d+ in one prefill pass, 3 decode steps\)", out), out
+    assert "PASS" in out and re.search(r"\(\d+ in prefill passes of <= 4096, 3 decode steps\)", out), out
+    code, out = run(["--device", "cpu", "--decode-steps", "2", "--prefill-chunk", "5"], capsys)
+    assert code == 0 and "prefill passes of <= 5, 2 decode steps" in out, out
+    assert all(rel <= 1e-6 for rel, _ in rows(out).values()), out
 
 
 def test_cuda_stand_in_passes_with_its_rounding(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,6 +86,14 @@ class BrokenConvStep(CudaRounding):
         return super().causal_conv1d(x, damaged, conv_state)
 
 
+class BrokenLaterPasses(CudaRounding):
+    """A prefill pass after the first attends with the wrong scale (one pass, or decode, is right)."""
+
+    def attention(self, q, k, v, cache, positions, scale):  # type: ignore[no-untyped-def]
+        later = q.shape[0] > 1 and int(np.asarray(positions)[0]) > 0
+        return super().attention(q, k, v, cache, positions, scale * 1.5 if later else scale)
+
+
 class BrokenExperts(CudaRounding):
     def moe_experts(self, x, ids, weights, gate_up, down):  # type: ignore[no-untyped-def]
         return super().moe_experts(x, ids, weights * 1.2, gate_up, down)
@@ -100,20 +111,22 @@ class BrokenRouter(CudaRounding):
 
 
 @pytest.mark.parametrize(
-    "backend, decode_steps, first",
+    "backend, options, first",
     [
-        (BrokenAttention, 0, "layer.3.attn.core"),
-        (BrokenConvStep, 2, "layer.0.attn.conv"),
-        (BrokenConvStep, 0, None),
-        (BrokenExperts, 1, "layer.0.mlp.routed"),
-        (BrokenRouter, 0, "layer.0.mlp.router_ids"),
+        (BrokenAttention, [], "layer.3.attn.core"),
+        (BrokenConvStep, ["--decode-steps", "2"], "layer.0.attn.conv"),
+        (BrokenConvStep, [], None),
+        (BrokenLaterPasses, ["--prefill-chunk", "6"], "layer.3.attn.core"),
+        (BrokenLaterPasses, ["--decode-steps", "3"], None),
+        (BrokenExperts, ["--decode-steps", "1"], "layer.0.mlp.routed"),
+        (BrokenRouter, [], "layer.0.mlp.router_ids"),
     ],
-    ids=["attention", "conv-step", "conv-step-prefill-only", "experts", "router"],
+    ids=["attention", "conv-step", "conv-step-prefill-only", "later-passes", "later-passes-one-pass", "experts", "router"],
 )
-def test_a_broken_op_is_named(backend: type[CudaRounding], decode_steps: int, first: str | None,
+def test_a_broken_op_is_named(backend: type[CudaRounding], options: list[str], first: str | None,
                               monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     use_backend(monkeypatch, backend)
-    code, out = run(["--device", "cuda", "--decode-steps", str(decode_steps)], capsys)
+    code, out = run(["--device", "cuda", *options], capsys)
     if first is None:
         assert code == 0 and "PASS" in out, out
         return
@@ -166,7 +179,8 @@ def test_non_finite_values_are_flagged(rng: np.random.Generator) -> None:
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--decode-steps", "2"], "--decode-steps and --tolerance apply to --against cpu only"),
+        (["--decode-steps", "2"], "--decode-steps, --prefill-chunk and --tolerance apply to --against cpu only"),
+        (["--prefill-chunk", "2"], "--decode-steps, --prefill-chunk and --tolerance apply to --against cpu only"),
         (["--against", "cpu", "--oracle-device", "cpu"], "--oracle-device applies to --against transformers only"),
         (["--against", "cpu", "--decode-steps", "400"], "--decode-steps must be in 0..3 for a 4-token prompt"),
         (["--against", "cpu", "--tolerance", "0"], "--tolerance must be in (0, 1)"),
@@ -180,10 +194,12 @@ def test_bad_options_are_one_line(argv: list[str], needle: str, capsys: pytest.C
 
 
 @pytest.mark.gpu
-def test_the_gpu_matches_numpy_op_by_op(capsys: pytest.CaptureFixture[str]) -> None:
-    """The demo on the CUDA backend: prefill (GEMMs) and decode steps (GEMVs), every intermediate."""
+@pytest.mark.parametrize("passes", [[], ["--prefill-chunk", "7"]], ids=["one-pass", "passes-of-7"])
+def test_the_gpu_matches_numpy_op_by_op(passes: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo on the CUDA backend: prefill (GEMMs; in passes, later ones reading the cache and
+    states earlier ones left) and decode steps (GEMVs), every intermediate."""
     require_demo_cuda()
-    code, out = run(["--device", "cuda", "--decode-steps", "3"], capsys)
+    code, out = run(["--device", "cuda", "--decode-steps", "3", *passes], capsys)
     print(out)
     assert code == 0, out
     assert "on cuda" in out

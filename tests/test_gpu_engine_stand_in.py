@@ -125,8 +125,9 @@ def test_quantized_demo_follows_numpy(stand_in: None, fmt: str, tmp_path: Path) 
     test_gpu_quant.test_quantized_demo_on_the_gpu_follows_numpy(fmt, tmp_path)
 
 
-def test_cross_check_gpu_test_passes(stand_in: None, capsys: pytest.CaptureFixture[str]) -> None:
-    test_cross_check.test_the_gpu_matches_numpy_op_by_op(capsys)
+@pytest.mark.parametrize("passes", [[], ["--prefill-chunk", "7"]])
+def test_cross_check_gpu_test_passes(stand_in: None, passes: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    test_cross_check.test_the_gpu_matches_numpy_op_by_op(passes, capsys)
 
 
 class NegatedDecodeAttention(CudaRounding):

@@ -113,14 +113,14 @@ def test_demo_op_by_op_with_a_quantized_cache(level: str, rng: np.random.Generat
     """The demo's full-attention layer on each level, prefill and decode steps, every intermediate
     against the numpy backend's on the same level, each op given the GPU's inputs (cross_check)."""
     from atlas.config import load_spec
-    from atlas.cross_check import DEFAULT_TOLERANCE, check_backend, first_flagged, format_reports
+    from atlas.cross_check import DEFAULT_TOLERANCE, CheckedRun, check_backend, first_flagged, format_reports
     from atlas.demo import DEMO_DIR
     from atlas.kvcache.options import KVCacheOptions
 
     require_demo_cuda()
     spec = load_spec(DEMO_DIR)
     ids = rng.integers(0, spec.vocab_size, size=int(rng.integers(12, 60))).tolist()
-    reports, _ = check_backend(DEMO_DIR, "cuda", spec, ids, decode_steps=3, kv_cache=KVCacheOptions(level, 0))
+    reports, _ = check_backend(DEMO_DIR, "cuda", spec, ids, run=CheckedRun(3), kv_cache=KVCacheOptions(level, 0))
     table = "\n".join(format_reports(reports))
     print(table)
     flagged = first_flagged(reports)

@@ -84,12 +84,12 @@ def test_greedy_gpu_equals_greedy_numpy_on_the_demo(demo_gpu: Any, rng: np.rando
 def first_op_off(cpu: Any, prompt: str | list[int], path: list[int]) -> str:
     """Where the GPU leaves numpy on the way to a differing token: the prompt prefilled and the
     common path decoded on the GPU, each intermediate against the numpy backend's (cross_check)."""
-    from atlas.cross_check import DEFAULT_TOLERANCE, check_backend, first_flagged
+    from atlas.cross_check import DEFAULT_TOLERANCE, CheckedRun, check_backend, first_flagged
     from atlas.demo import DEMO_DIR
     from atlas.llm import encode_prompt
 
     ids = encode_prompt(cpu.tokenizer, prompt, False) + path
-    reports, _ = check_backend(DEMO_DIR, ATLAS_DEVICE, cpu.parts.spec, ids, decode_steps=len(path))
+    reports, _ = check_backend(DEMO_DIR, ATLAS_DEVICE, cpu.parts.spec, ids, run=CheckedRun(len(path)))
     flagged = first_flagged(reports)
     if flagged is None:
         return "every intermediate on the way is within tolerance of numpy's (a near tie?)"
@@ -167,12 +167,12 @@ def test_qwen_dims_each_op_matches_numpy(qwen4: tuple[Path, Any], rng: np.random
     """The 4-layer Qwen3.6-dims model on the GPU, a prompt prefilled (GEMMs) and decode steps
     (GEMVs), every intermediate against the numpy backend's with each layer isolated."""
     from atlas.config import load_spec
-    from atlas.cross_check import DEFAULT_TOLERANCE, check_backend, first_flagged, format_reports
+    from atlas.cross_check import DEFAULT_TOLERANCE, CheckedRun, check_backend, first_flagged, format_reports
 
     model_dir, _ = qwen4
     spec = load_spec(model_dir)
     ids = rng.integers(0, spec.vocab_size, size=CROSS_CHECK_TOKENS).tolist()
-    reports, line = check_backend(model_dir, ATLAS_DEVICE, spec, ids, decode_steps=CROSS_CHECK_DECODE_STEPS)
+    reports, line = check_backend(model_dir, ATLAS_DEVICE, spec, ids, run=CheckedRun(CROSS_CHECK_DECODE_STEPS))
     assert line.startswith(ATLAS_DEVICE)
     table = "\n".join(format_reports(reports))
     print(table)

@@ -201,7 +201,7 @@ def test_quantized_demo_on_the_gpu_op_by_op(fmt: str, tmp_path: Any, rng: np.ran
     """The quantized demo's kernels (prefill GEMMs, decode GEMVs, the grouped MoE) against the numpy
     backend on the same checkpoint, every intermediate, each layer isolated (atlas.cross_check)."""
     from atlas.config import load_spec
-    from atlas.cross_check import DEFAULT_TOLERANCE, check_backend, first_flagged, format_reports
+    from atlas.cross_check import DEFAULT_TOLERANCE, CheckedRun, check_backend, first_flagged, format_reports
     from atlas.demo import DEMO_DIR
     from atlas.quantize import QuantizeArgs, quantize
 
@@ -209,7 +209,7 @@ def test_quantized_demo_on_the_gpu_op_by_op(fmt: str, tmp_path: Any, rng: np.ran
     model_dir = quantize(QuantizeArgs(str(DEMO_DIR), fmt, tmp_path / fmt, 1 << 30))
     spec = load_spec(model_dir)
     ids = rng.integers(0, spec.vocab_size, size=int(rng.integers(12, 40))).tolist()
-    reports, line = check_backend(model_dir, "cuda", spec, ids, decode_steps=3)
+    reports, line = check_backend(model_dir, "cuda", spec, ids, run=CheckedRun(3))
     assert line.startswith("cuda")
     table = "\n".join(format_reports(reports))
     print(table)

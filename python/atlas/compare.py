@@ -13,7 +13,8 @@ Exit 0: all layers pass; 1: a layer is flagged; 2: bad input (one line).
 `--against cpu` checks a backend against atlas' own numpy backend instead, every named
 intermediate, each op given the checked run's inputs (atlas.cross_check): `--device cuda --against
 cpu` names the first op whose output is wrong, `--decode-steps N` runs the prompt's last N tokens as
-decode steps (the one-token kernels), `--tolerance` is the relative error allowed. No torch needed.
+decode steps (the one-token kernels), `--prefill-chunk N` prefills in passes of N tokens,
+`--tolerance` is the relative error allowed. No torch needed.
 `--kv-cache-dtype` / `--kv-high-precision-layers` set atlas' KV cache levels (both runs).
 """
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from .backends import DEVICES
 from .cli import run_command
-from .cross_check import DEFAULT_TOLERANCE, check_backend, first_flagged, format_reports, on_engine
+from .cross_check import DEFAULT_TOLERANCE, CheckedRun, check_backend, first_flagged, format_reports, on_engine
 from .engine_flags import KV_CACHE_DTYPE, KV_HIGH_PRECISION_LAYERS
 from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL
@@ -56,6 +57,7 @@ class CompareArgs:
     layers: int | None  # compare the first N layers only (both models are cut)
     against: str = "transformers"  # or cpu: atlas' numpy backend, intermediate by intermediate
     decode_steps: int = 0  # --against cpu: the prompt's last N tokens as decode steps
+    prefill_chunk: int | None = None  # --against cpu: prefill passes of at most N tokens
     tolerance: float = DEFAULT_TOLERANCE  # --against cpu: relative error allowed per intermediate
     kv_cache_dtype: str = DEFAULT_LEVEL  # atlas' KV cache level (both atlas runs under --against cpu)
     kv_high_precision_layers: str = "auto"
@@ -171,8 +173,10 @@ def verdict(table: list[str], failure: str | None, passed: str) -> int:
 
 
 def check_options(args: CompareArgs) -> None:
-    if args.against == "transformers" and (args.decode_steps or args.tolerance != DEFAULT_TOLERANCE):
-        raise AtlasError("--decode-steps and --tolerance apply to --against cpu only; drop them or add --against cpu")
+    if args.against == "transformers" and (args.decode_steps or args.prefill_chunk or args.tolerance != DEFAULT_TOLERANCE):
+        raise AtlasError(
+            "--decode-steps, --prefill-chunk and --tolerance apply to --against cpu only; drop them or add --against cpu"
+        )
     if args.against == "cpu" and args.oracle_device != "auto":
         raise AtlasError("--oracle-device applies to --against transformers only; drop it")
     if not 0 < args.tolerance < 1:
@@ -199,10 +203,14 @@ def prepare(args: CompareArgs) -> tuple[Path, Path, ModelSpec, list[int]]:
 def cross_check(args: CompareArgs, dirs: tuple[Path, Path], spec: ModelSpec, ids: list[int]) -> int:
     """--against cpu: every intermediate of the checked backend against the numpy backend."""
     model_dir, reference_dir = dirs
-    reports, device_line = check_backend(model_dir, args.device, spec, ids, decode_steps=args.decode_steps,
-                                         tolerance=args.tolerance, reference_dir=reference_dir, kv_cache=args.kv_cache)
+    run = CheckedRun(args.decode_steps, args.prefill_chunk)
+    reports, device_line = check_backend(model_dir, args.device, spec, ids, run=run, tolerance=args.tolerance,
+                                         reference_dir=reference_dir, kv_cache=args.kv_cache)
     split = len(ids) - args.decode_steps
-    click.echo(f"atlas.compare: {len(ids)} prompt tokens ({split} in one prefill pass, {args.decode_steps} decode steps); "
+    from .engine import PREFILL_CHUNK
+
+    passes = f"prefill passes of <= {args.prefill_chunk or PREFILL_CHUNK}"
+    click.echo(f"atlas.compare: {len(ids)} prompt tokens ({split} in {passes}, {args.decode_steps} decode steps); "
                f"atlas {model_dir} on {device_line}")
     click.echo(f"atlas.compare: reference numpy float32 {reference_dir}, each op fed the checked run's inputs")
     flagged = first_flagged(reports)
@@ -252,6 +260,8 @@ def check_same_shape(spec: ModelSpec, reference: ModelSpec, reference_dir: Path)
 )
 @click.option("--decode-steps", type=click.IntRange(min=0), default=0, show_default=True,
               help="--against cpu: run the prompt's last N tokens as decode steps.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=None,
+              help="--against cpu: prefill in passes of at most N tokens (default: one pass).")
 @click.option("--tolerance", type=float, default=DEFAULT_TOLERANCE, show_default=True,
               help="--against cpu: relative error allowed per intermediate.")
 @KV_CACHE_DTYPE

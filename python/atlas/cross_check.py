@@ -1,8 +1,9 @@
 """atlas on one backend against the numpy reference backend, intermediate by intermediate, each
 op given the checked run's inputs (`python -m atlas.compare --against cpu`).
 
-The checked run is the engine as it serves: the prompt in one prefill pass, then its last
-`decode_steps` tokens one decode step each (the T = 1 kernels; eager, since a dump is attached),
+The checked run is the engine as it serves: the prompt in prefill passes (one, or of
+`prefill_chunk` tokens each: later passes read the KV cache and DeltaNet states earlier ones left),
+then its last `decode_steps` tokens one decode step each (the T = 1 kernels; eager, since a dump is attached),
 every named intermediate captured (layers/__init__.py names them), rows in position order. The
 numpy backend then runs each layer alone on the checked run's input to that layer (`embed` for
 layer 0, `layer.{i-1}.out` after), all positions in one pass from a fresh state, and inside the
@@ -87,15 +88,29 @@ class NameReport:
         return self.note or f"relative error {self.rel_err:.4g} > {tolerance:g}"
 
 
-def check_backend(model_dir: Path, device: str, spec: ModelSpec, ids: list[int], *, decode_steps: int = 0,
+@dataclass(frozen=True)
+class CheckedRun:
+    """How the checked run feeds the prompt: the last `decode_steps` tokens as decode steps, the
+    rest in prefill passes of at most `prefill_chunk` tokens (None: the engine's default)."""
+
+    decode_steps: int = 0
+    prefill_chunk: int | None = None
+
+    def check(self, tokens: int) -> None:
+        if not 0 <= self.decode_steps < tokens:
+            raise AtlasError(f"--decode-steps must be in 0..{tokens - 1} for a {tokens}-token prompt, got {self.decode_steps}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise AtlasError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+
+
+def check_backend(model_dir: Path, device: str, spec: ModelSpec, ids: list[int], *, run: CheckedRun = CheckedRun(),
                   tolerance: float = DEFAULT_TOLERANCE, reference_dir: Path | None = None,
                   kv_cache: KVCacheOptions | None = None) -> tuple[list[NameReport], str]:
     """The checked run of `ids` on `device`, released, then the numpy backend on each layer
     (of `reference_dir`'s checkpoint, default the same; both with `kv_cache`'s levels) -> (a
     report per intermediate, the device line)."""
-    check_decode_steps(decode_steps, len(ids))  # before any weights load
-    checked, device_line = on_engine(model_dir, device, spec, ids, lambda e: checked_run(e, ids, decode_steps),
-                                     kv_cache=kv_cache)
+    run.check(len(ids))  # before any weights load
+    checked, device_line = on_engine(model_dir, device, spec, ids, lambda e: checked_run(e, ids, run), kv_cache=kv_cache)
     reference, _ = on_engine(reference_dir or model_dir, "cpu", spec, ids, lambda e: reference_run(e, ids, checked),
                              kv_cache=kv_cache)
     return compare_runs(checked, reference, tolerance), device_line
@@ -138,20 +153,20 @@ def capturing(engine: Engine) -> Iterator[Capture]:
         engine.dump = previous
 
 
-def checked_run(engine: Engine, ids: list[int], decode_steps: int) -> Capture:
+def checked_run(engine: Engine, ids: list[int], run: CheckedRun) -> Capture:
     """The engine's prefill of ids[:-decode_steps] then one decode step per remaining token."""
-    check_decode_steps(decode_steps, len(ids))
-    split = len(ids) - decode_steps
-    with capturing(engine) as capture:
-        engine.prefill(ids[:split])
-        for position in range(split, len(ids)):
-            engine.decode(ids[position], position)
+    run.check(len(ids))
+    split = len(ids) - run.decode_steps
+    default_chunk = engine.prefill_chunk
+    engine.prefill_chunk = run.prefill_chunk or default_chunk
+    try:
+        with capturing(engine) as capture:
+            engine.prefill(ids[:split])
+            for position in range(split, len(ids)):
+                engine.decode(ids[position], position)
+    finally:
+        engine.prefill_chunk = default_chunk
     return capture
-
-
-def check_decode_steps(decode_steps: int, tokens: int) -> None:
-    if not 0 <= decode_steps < tokens:
-        raise AtlasError(f"--decode-steps must be in 0..{tokens - 1} for a {tokens}-token prompt, got {decode_steps}")
 
 
 def reference_run(engine: Engine, ids: list[int], checked: Capture) -> Capture:
