@@ -183,7 +183,10 @@ def reference_run(engine: Engine, ids: list[int], checked: Capture) -> Capture:
         model.run_layer(fed, i, be.upload(layer_input, "f32"), engine.states[i])
     last = checked.all_rows(f"layer.{len(model.layers) - 1}.out")
     step.emit("final_norm", model.final_norm(step, be.upload(last, "f32")))
-    model.logits(step, be.upload(checked.all_rows("final_norm"), "f32"))
+    rows = sorted(checked.rows.get("logits", {}))  # the checked run's: the prompt's last row, each decode step's
+    if rows:
+        reference.positions = np.asarray(rows, np.int32)
+        model.logits(step, be.upload(checked.stacked("final_norm", rows), "f32"))  # [len(rows), V]
     return reference
 
 
