@@ -191,6 +191,12 @@ def test_bad_flags(flags: list[str], needle: str, capsys: pytest.CaptureFixture[
     assert needle in one_error_line(code, capsys.readouterr().err)
 
 
+def test_max_model_len_is_vllms_name_for_max_seq_len(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--max-model-len", "8", "--max-tokens", "20", "--device", "cpu"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "needs 23 positions but this model holds 8" in last, last
+
+
 def test_bad_models(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     assert "hf download Nobody/Nothing" in one_error_line(main(["--model", "Nobody/Nothing", "--prompt", "x"]), capsys.readouterr().err)

@@ -133,8 +133,8 @@ ENGINE_OPTIONS = (
         help="""Default chat-template variables as a JSON object, e.g. '{"enable_thinking": false}' (a request's own win).""",
     ),
     click.option(
-        "--max-seq-len", type=click.IntRange(min=1), default=None,
-        help="Context held in the KV cache: prompt + generated tokens (default 4096, at most the model's max_position_embeddings).",
+        "--max-seq-len", "--max-model-len", "max_seq_len", type=click.IntRange(min=1), default=None,
+        help="Context held in the KV cache: prompt + generated tokens (default 4096, at most the model's max_position_embeddings; --max-model-len is vLLM's name for it).",
     ),
 )  # fmt: skip
 
