@@ -379,6 +379,36 @@ def test_sampling_defaults_from_the_generation_config(rng: np.random.Generator) 
         worker.stop()
 
 
+def test_a_full_queue_turns_requests_away(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    """--max-waiting: a generation request finding that many waiting gets a 503 with Retry-After
+    (the openai client retries it) and counts as rejected; below the limit it runs."""
+    from starlette.testclient import TestClient
+
+    limit = int(rng.integers(1, 100))
+    worker = EngineWorker(lambda: LLM(None, device="cpu", prompt_cache=0))
+    llm = worker.start()
+    try:
+        http = TestClient(create_app(ServerState(DEMO_NAME, worker, llm, max_waiting=limit)))
+        request = {"model": DEMO_NAME, "prompt": random_prompt(rng), "max_tokens": 4}
+        monkeypatch.setattr(EngineWorker, "waiting", property(lambda self: limit))
+        for route, body in (("/v1/completions", request), ("/v1/chat/completions", chat_request(request))):
+            busy = http.post(route, json=body)
+            assert busy.status_code == 503 and busy.headers["Retry-After"] == "1", busy.text
+            error = busy.json()["error"]
+            assert error["type"] == "server_error" and error["code"] == "server_busy"
+            assert f"{limit} requests are waiting (--max-waiting {limit})" in error["message"]
+        assert "atlas_requests_rejected_total 2" in http.get("/metrics").text.splitlines()
+        monkeypatch.setattr(EngineWorker, "waiting", property(lambda self: limit - 1))
+        assert http.post("/v1/completions", json=request).status_code == 200
+    finally:
+        worker.stop()
+
+
+def chat_request(completion: dict[str, Any]) -> dict[str, Any]:
+    prompt = completion["prompt"]
+    return {k: v for k, v in completion.items() if k != "prompt"} | {"messages": [{"role": "user", "content": prompt}]}
+
+
 def test_logit_bias(served: Served, rng: np.random.Generator) -> None:
     """OpenAI's logit_bias ({"token id": bias}) gives what the in-process model gives with it."""
     prompt = random_prompt(rng)

@@ -3,8 +3,9 @@
 Routes: /v1/models, /v1/completions, /v1/chat/completions (`stream: true` as server-sent events),
 /v1/responses (OpenAI's Responses API, server/responses_api.py), /health, /metrics, /tokenize,
 /detokenize. The engine flags (--device, --spec-k / --no-spec, --kv-cache-dtype,
---kv-high-precision-layers, --max-seq-len) are atlas.run's (engine_flags.py); --prompt-cache is
-the server's (atlas.prompt_cache). Bad flags, models or addresses
+--kv-high-precision-layers, --max-seq-len) are atlas.run's (engine_flags.py); --prompt-cache
+(atlas.prompt_cache) and --max-waiting (the queue's bound: server/app.py check_room) are the
+server's. Bad flags, models or addresses
 print one line on stderr and exit with code 2.
 """
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 GRACEFUL_SHUTDOWN_S = 5
 LISTEN_BACKLOG = 2048  # uvicorn's default
+DEFAULT_MAX_WAITING = 64  # the next request waiting gets a 503: at batch 1 the queue drains one by one
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class ServeArgs:
     tool_call_parser: str | None
     api_key: str | None
     generation_config: str  # "auto": requests' sampling defaults from generation_config.json; "vllm": none
+    max_waiting: int  # generation requests queued behind the running one before a 503 (0: no limit)
     engine: EngineFlags
 
 
@@ -104,7 +107,8 @@ def serve(args: ServeArgs) -> None:
             listed = ", ".join(f"{k} {v:g}" for k, v in defaults.items())
             click.echo(f"atlas.serve: sampling defaults from generation_config.json: {listed} "
                        "(requests override them; --generation-config vllm: none)", err=True)
-        app = create_app(ServerState(name, worker, llm, **parsers, api_key=args.api_key, sampling_defaults=defaults))
+        app = create_app(ServerState(name, worker, llm, **parsers, api_key=args.api_key, sampling_defaults=defaults,
+                                     max_waiting=args.max_waiting))
         config = uvicorn.Config(
             app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
         )
@@ -147,6 +151,11 @@ def serve(args: ServeArgs) -> None:
     "--prompt-cache", type=click.IntRange(0, MAX_PROMPT_CACHE), default=DEFAULT_PROMPT_CACHE, show_default=True,
     help="Checkpoints of the prompt cache: a request whose prompt starts like an earlier one's (a chat's next turn) "
     "resumes after the shared tokens; each holds a copy of the DeltaNet states. 0: off.",
+)
+@click.option(
+    "--max-waiting", type=click.IntRange(min=0), default=DEFAULT_MAX_WAITING, show_default=True,
+    help="Generation requests that may wait behind the running one; one more gets a 503 with Retry-After "
+    "(the openai client retries it). 0: no limit.",
 )
 @engine_options
 def command(**kwargs: object) -> None:

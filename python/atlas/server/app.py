@@ -47,6 +47,7 @@ class ServerState:
     tool_call_parser: str | None = None  # "qwen3_coder": chat requests may carry tools; calls parsed
     api_key: str | None = None  # /v1/* requests must send "Authorization: Bearer <api_key>"
     sampling_defaults: dict[str, float] = field(default_factory=dict)  # for fields a request leaves out
+    max_waiting: int = 0  # a generation request finding this many waiting gets a 503 (0: no limit)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -145,6 +146,7 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
 async def checked_runs(state: ServerState, body: GenerationBody) -> list[ChoiceRun]:
     """The request's choices, every prompt encoded and checked before any runs."""
     check_model(state, body.model)
+    check_room(state)
     check_tools(state, body)
     check_stop_ids(state, body)
     check_logit_bias_ids(state, body)
@@ -225,6 +227,20 @@ def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInp
             events = state.worker.events(prompt.ids, seeded, body.sampling.stop, prompt.echo)
             runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt.opened)))
     return runs
+
+
+def check_room(state: ServerState) -> None:
+    """A request that would wait behind --max-waiting others is turned away now, with a 503 and
+    Retry-After (the openai client retries it), instead of waiting past every client's timeout."""
+    if not state.max_waiting:
+        return
+    waiting = state.worker.waiting
+    if waiting >= state.max_waiting:
+        state.worker.metrics.rejected()
+        raise RequestError(
+            f"the server is busy: {waiting} requests are waiting (--max-waiting {state.max_waiting}); retry later",
+            None, "server_busy", status=503,
+        )
 
 
 def check_model(state: ServerState, model: str) -> None:
@@ -351,7 +367,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
 
 async def on_request_error(request: Request, err: Exception) -> Response:
     assert isinstance(err, RequestError)
-    return JSONResponse(request_error_body(err), status_code=err.status)
+    return JSONResponse(request_error_body(err), status_code=err.status, headers=err.headers)
 
 
 async def on_http_error(request: Request, err: Exception) -> Response:

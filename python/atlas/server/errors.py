@@ -15,6 +15,13 @@ class RequestError(Exception):
         self.code = code
         self.status = status
 
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None  # the openai client waits that long
+
+
+RETRY_AFTER_S = 1
+
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

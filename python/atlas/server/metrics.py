@@ -71,6 +71,11 @@ class Metrics:
         self.first_token = Histogram("atlas_time_to_first_token_seconds", "From the start of a request's run to its first token.")
         self.run = Histogram("atlas_request_run_seconds", "Time the engine spent on a request.")
         self.running = 0
+        self.turned_away = 0  # generation requests refused with a 503 (--max-waiting)
+
+    def rejected(self) -> None:
+        with self._lock:
+            self.turned_away += 1
 
     def started(self) -> None:
         with self._lock:
@@ -94,6 +99,8 @@ class Metrics:
         with self._lock:
             lines = ["# HELP atlas_requests_total Requests the engine ran, by outcome.", "# TYPE atlas_requests_total counter"]
             lines += [f'atlas_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()]
+            lines += ["# HELP atlas_requests_rejected_total Requests turned away busy (503: --max-waiting waiting).",
+                      "# TYPE atlas_requests_rejected_total counter", f"atlas_requests_rejected_total {self.turned_away}"]
             for kind, value in self.tokens.items():
                 name = f"atlas_{kind}_tokens_total"
                 lines += [f"# HELP {name} Tokens: {kind} (cached: prompt tokens the prompt cache held).",
