@@ -153,6 +153,10 @@ def assert_still_serving(served: Served) -> None:
 def test_models_and_health(served: Served) -> None:
     assert [m.id for m in served.client().models.list()] == [DEMO_NAME]
     [card] = get_json(served.port, "/v1/models")["data"]
+    assert served.client().models.retrieve(DEMO_NAME).model_dump(exclude_unset=True) == card
+    with pytest.raises(openai.NotFoundError) as missing:
+        served.client().models.retrieve("gpt-4o")
+    assert missing.value.body["code"] == "model_not_found" and "'gpt-4o' is not served here" in missing.value.body["message"]
     assert card["max_model_len"] == min(served.llm.parts.engine.max_seq_len, served.llm.parts.spec.max_position_embeddings)
     health = get_json(served.port, "/health")
     assert health["status"] == "ok" and health["device"].startswith("cpu")

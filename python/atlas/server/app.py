@@ -78,6 +78,11 @@ def create_app(state: ServerState) -> Starlette:
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model_card(state)]})
 
+    async def model(request: Request) -> Response:
+        """The openai client's models.retrieve(id); another id is a 404 as OpenAI answers it."""
+        check_model(state, request.path_params["name"], status=404)
+        return JSONResponse(model_card(state))
+
     async def health(request: Request) -> Response:
         ok = state.worker.alive
         body = {"status": "ok" if ok else "engine stopped", **engine_settings(state.llm),
@@ -106,6 +111,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
@@ -243,11 +249,11 @@ def check_room(state: ServerState) -> None:
         )
 
 
-def check_model(state: ServerState, model: str) -> None:
+def check_model(state: ServerState, model: str, status: int = 400) -> None:
     if model != state.model_name:
         raise RequestError(
             f"model {model!r} is not served here; use {state.model_name!r} (see /v1/models)",
-            "model", "model_not_found",
+            "model", "model_not_found", status,
         )
 
 
