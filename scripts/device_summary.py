@@ -1,5 +1,6 @@
 """The JSON half of scripts/device_check.sh: merge the opt-in forms' bench runs into variants.json,
-and print the summary lines of what landed under $OUT (junit totals, bench/decode.py's
+and print the summary lines of what landed under $OUT (junit totals and each failing test with
+the first line of its message, bench/decode.py's
 results.json, variants.json, bench/quant.py's qbench.json). Files that are missing are left out,
 so a stage that timed out still leaves the summary of the others.
 
@@ -15,6 +16,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+LISTED_FAILURES = 15  # per junit file
+MESSAGE_CHARS = 200
 RESULT_KEYS = ("prefill_tok_s", "decode_tok_s", "decode_sampled_tok_s", "decode_bytes_per_token", "decode_gb_s", "copy_gb_s",
                "roofline_pct", "transformers", "speedup_vs_transformers", "notes")
 
@@ -25,11 +28,21 @@ def merge_variants(src: Path, out: Path) -> None:
         out.write_text(json.dumps(found, indent=1))
 
 
-def junit_line(path: Path) -> str:
+def junit_lines(path: Path) -> list[str]:
+    """The totals, then each failing test (at most LISTED_FAILURES) with its message's first line:
+    what went wrong shows in the call's output even before the files are read."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
     total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    return f"{path.name}: {total['tests']} tests, {total['failures']} failed, {total['errors']} errors, {total['skipped']} skipped"
+    lines = [f"{path.name}: {total['tests']} tests, {total['failures']} failed, {total['errors']} errors, {total['skipped']} skipped"]
+    failed = [(case, problem) for case in root.iter("testcase") for problem in case if problem.tag in ("failure", "error")]
+    for case, problem in failed[:LISTED_FAILURES]:
+        message = (problem.get("message") or problem.text or "").strip().splitlines() or [""]
+        test = f"{case.get('classname', '')}::{case.get('name', '')}"
+        lines.append(f"  {problem.tag.upper()} {test}: {message[0][:MESSAGE_CHARS]}")
+    if len(failed) > LISTED_FAILURES:
+        lines.append(f"  ... {len(failed) - LISTED_FAILURES} more in {path.name}")
+    return lines
 
 
 def decode_lines(r: dict[str, Any]) -> list[str]:
@@ -76,7 +89,7 @@ def report(out: Path) -> list[str]:
     lines = []
     for junit in sorted(out.glob("junit-*.xml")):
         try:
-            lines.append(junit_line(junit))
+            lines += junit_lines(junit)
         except ET.ParseError as err:  # pytest killed while writing it
             lines.append(f"{junit.name}: unreadable ({err})")
     for name, render in (("results.json", decode_lines), ("variants.json", variant_lines), ("qbench.json", qbench_lines)):

@@ -28,6 +28,23 @@ def test_junit_totals_over_suites(tmp_path: Path, rng: np.random.Generator) -> N
         f"junit-ops.xml: {total['tests']} tests, {total['failures']} failed, {total['errors']} errors, {total['skipped']} skipped"]
 
 
+def test_failing_tests_are_listed_with_their_first_message_line(tmp_path: Path, rng: np.random.Generator) -> None:
+    failing = int(rng.integers(1, device_summary.LISTED_FAILURES + 6))
+    cases = "".join(
+        f'<testcase classname="tests.test_gpu_ops" name="test_op[{i}]">'
+        f'<{"failure" if i % 2 else "error"} message="AssertionError: op {i} off&#10;second line">trace</{"failure" if i % 2 else "error"}>'
+        "</testcase>" for i in range(failing)
+    ) + '<testcase classname="tests.test_gpu_ops" name="test_fine"/>'
+    (tmp_path / "junit-ops.xml").write_text(f'<?xml version="1.0"?><testsuites><testsuite tests="{failing + 1}" '
+                                            f'failures="{failing}">{cases}</testsuite></testsuites>')
+    lines = device_summary.report(tmp_path)
+    listed = min(failing, device_summary.LISTED_FAILURES)
+    assert lines[1 : 1 + listed] == [
+        f"  {'FAILURE' if i % 2 else 'ERROR'} tests.test_gpu_ops::test_op[{i}]: AssertionError: op {i} off" for i in range(listed)]
+    more = failing - listed
+    assert lines[1 + listed :] == ([f"  ... {more} more in junit-ops.xml"] if more else [])
+
+
 def test_a_bad_file_is_named_and_the_others_still_print(tmp_path: Path) -> None:
     (tmp_path / "junit-model.xml").write_text('<?xml version="1.0"?><testsuites><testsuite tests="3"')  # killed mid-write
     (tmp_path / "results.json").write_text(json.dumps({"decode_tok_s": 412.5, "roofline_pct": 57.1}))
