@@ -770,6 +770,34 @@ def test_client_sees_bad_requests(served: Served) -> None:
     assert_still_serving(served)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_body_past_the_limit_is_a_413(served: Served, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator,
+                                        chunked: bool) -> None:
+    """Past MAX_BODY_BYTES the body is refused as it arrives (declared or streamed), never held."""
+    import atlas.server.app as app
+
+    limit = int(rng.integers(1000, 5000))
+    monkeypatch.setattr(app, "MAX_BODY_BYTES", limit)
+    body = json.dumps({**GOOD, "prompt": "x" * limit}).encode()
+    conn = http.client.HTTPConnection(HOST, served.port, timeout=TIMEOUT_S)
+    try:
+        if chunked:  # no Content-Length: the size shows only while the body streams in
+            pieces = (body[i : i + 512] for i in range(0, len(body), 512))
+            conn.request("POST", "/v1/completions", body=pieces, encode_chunked=True,
+                         headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+        else:
+            conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        status, answer = response.status, json.loads(response.read())
+    finally:
+        conn.close()
+    assert status == 413 and answer["error"]["code"] == "request_too_large", answer
+    assert f"exceeds {limit / 2**20:g} MiB" in answer["error"]["message"]
+    small = json.dumps({**GOOD, "prompt": "x" * (limit // 2)})
+    assert post(served.port, "/v1/completions", small)[0] == 200
+    assert_still_serving(served)
+
+
 def test_engine_fault_is_a_500_and_the_server_survives(served: Served) -> None:
     body = {"model": DEMO_NAME, "prompt": "Flat is", "max_tokens": 8, "temperature": 0}
     served.engine.fail = True

@@ -34,6 +34,7 @@ from .worker import EngineWorker
 
 log = logging.getLogger("atlas.serve")
 REASONING_TAIL_TOKENS = 32  # of the prompt, where a generation prompt would open a <think> block
+MAX_BODY_BYTES = 64 << 20  # a full Qwen3.6 context (262144 ids) in JSON is ~2.1 MB; a batch of 16, ~34 MB
 T = TypeVar("T")
 
 
@@ -291,13 +292,30 @@ def check_tools(state: ServerState, body: GenerationBody) -> None:
 
 
 async def read_json(request: Request) -> object:
-    raw = await request.body()
+    raw = await read_body(request)
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise RequestError(f"the request body is not valid JSON ({err})", code="invalid_json") from None
     except RecursionError:
         raise RequestError("the request body nests too deeply to parse", code="invalid_json") from None
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused with a 413 once it passes MAX_BODY_BYTES (by its Content-Length, or while
+    it streams in), so no request can make the server hold gigabytes."""
+    too_large = RequestError(f"the request body exceeds {MAX_BODY_BYTES / 2**20:g} MiB; send a shorter prompt",
+                             code="request_too_large", status=413)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def encode(llm: LLM, body: GenerationBody, prompt: Prompt | None) -> list[int]:
