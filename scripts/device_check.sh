@@ -78,6 +78,11 @@ stage info 20 "cd /tmp && $PY -m atlas.info --json && $PY -m atlas.info | head -
 
 stage demo 45 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --max-tokens 80"
 
+# The installed kernels op by op against numpy on the demo (bf16, in passes, each KV level, fp8,
+# nvfp4): a table a line per check, in this call's output (tests/test_verify.py's GPU test, left out
+# of the model stage below).
+stage verify 40 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.verify"
+
 GPU_PYTEST="ATLAS_TEST_INSTALLED=1 ATLAS_REQUIRE_GPU=1 ATLAS_REQUIRE_GPU_QUANT=1 ATLAS_CUDA_CHECK=1 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider -o junit_logging=system-out --continue-on-collection-errors"
 # Kernel-level tests first (they name the failing op): the default kernels, then the opt-in forms
 # (off until these pass), then everything else marked gpu.
@@ -89,7 +94,7 @@ stage ops 90 "$GPU_PYTEST --maxfail=40 --junitxml='$OUT/junit-ops.xml' $KERNEL_T
 stage optin 60 "$GPU_PYTEST --maxfail=40 --junitxml='$OUT/junit-optin.xml' $OPTIN_TESTS"
 
 stage model 125 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-model.xml' tests \
-  $(for f in $KERNEL_TESTS $OPTIN_TESTS; do printf -- '--ignore=%s ' "$f"; done)"
+  $(for f in $KERNEL_TESTS $OPTIN_TESTS tests/test_verify.py; do printf -- '--ignore=%s ' "$f"; done)"
 
 # Benchmarks size their --budget-s to the stage's (clipped) limit so they write their JSON in time.
 stage bench 115 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
