@@ -18,7 +18,7 @@ from atlas.errors import AtlasError
 from atlas.kvcache.levels import get_level
 from atlas.kvcache.storage import QuantizedRows
 
-from _gpu import require_demo_cuda
+from _gpu import assert_no_op_off, require_demo_cuda
 from test_gpu_ops import open_gpu_backend
 
 pytestmark = pytest.mark.gpu
@@ -113,7 +113,7 @@ def test_demo_op_by_op_with_a_quantized_cache(level: str, rng: np.random.Generat
     """The demo's full-attention layer on each level, prefill and decode steps, every intermediate
     against the numpy backend's on the same level, each op given the GPU's inputs (cross_check)."""
     from atlas.config import load_spec
-    from atlas.cross_check import DEFAULT_TOLERANCE, CheckedRun, check_backend, first_flagged, format_reports
+    from atlas.cross_check import CheckedRun, check_backend
     from atlas.demo import DEMO_DIR
     from atlas.kvcache.options import KVCacheOptions
 
@@ -121,10 +121,7 @@ def test_demo_op_by_op_with_a_quantized_cache(level: str, rng: np.random.Generat
     spec = load_spec(DEMO_DIR)
     ids = rng.integers(0, spec.vocab_size, size=int(rng.integers(12, 60))).tolist()
     reports, _ = check_backend(DEMO_DIR, "cuda", spec, ids, run=CheckedRun(3), kv_cache=KVCacheOptions(level, 0))
-    table = "\n".join(format_reports(reports))
-    print(table)
-    flagged = first_flagged(reports)
-    assert flagged is None, f"{level}: first flagged {flagged.name}: {flagged.reason(DEFAULT_TOLERANCE)}\n{table}"
+    assert_no_op_off(reports, f"{level}: ")
 
 
 @pytest.mark.parametrize("level", ["fp8", "turbo8"])
