@@ -53,6 +53,7 @@ def test_demo_model_tests_pass(stand_in: None, rng: np.random.Generator) -> None
     test_gpu_model.test_demo_recites_on_the_gpu(demo_gpu)
     test_gpu_model.test_greedy_gpu_equals_greedy_numpy_on_the_demo(demo_gpu, rng)
     test_gpu_model.test_graph_replay_equals_eager_decode(demo_gpu, rng)
+    test_gpu_model.test_graph_replay_logits_equal_eager(demo_gpu, rng)
     test_gpu_model.test_prompt_in_passes_on_the_gpu(demo_gpu, rng)
 
 

@@ -41,6 +41,8 @@ PASSES_FLOOR = 5e-3
 # of the 256 next tokens flipped for each of 9 prompts, at gaps up to 1.0e-2, and 4 of the 9 fell
 # under the former 99 % agreement over all positions. ~15 % of positions lie under 3e-2.
 QWEN_NEAR_TIE = 3e-2
+GRAPH_STEPS = 24
+GRAPH_RTOL = 1e-5  # graph replay against eager decoding, per step's logits
 CROSS_CHECK_TOKENS = 28  # test_qwen_dims_each_op_matches_numpy: 24 prefilled (GEMMs), 4 decode steps
 CROSS_CHECK_DECODE_STEPS = 4
 
@@ -136,6 +138,30 @@ def test_graph_replay_equals_eager_decode(demo_gpu: Any, rng: np.random.Generato
         finally:
             backend.use_graphs = True
     assert runs[True] == runs[False], f"first difference at {_first_difference(runs[True], runs[False])}"
+
+
+def test_graph_replay_logits_equal_eager(demo_gpu: Any, rng: np.random.Generator) -> None:
+    """Step by step, the logits of CUDA graph replay equal eager decoding's (the same kernels on the
+    same inputs: only an atomic's summation order may move the last bits), so a stale buffer or a
+    step captured with the wrong pointers shows at once, not only when it flips a greedy token."""
+    engine = demo_gpu.parts.engine
+    backend = engine.backend
+    vocab = demo_gpu.parts.spec.vocab_size
+    prompt = rng.integers(0, vocab, size=int(rng.integers(2, 30))).tolist()
+    fed = rng.integers(0, vocab, size=GRAPH_STEPS).tolist()  # teacher-forced: both runs see the same tokens
+    runs = {}
+    try:
+        for graphs in (True, False):
+            backend.use_graphs = graphs
+            engine.reset()  # a fresh decode step (captured again) and no prompt-cache checkpoint
+            logits = [backend.to_numpy(engine.prefill(prompt))]
+            logits += [backend.to_numpy(engine.decode(t, len(prompt) + i)) for i, t in enumerate(fed)]
+            runs[graphs] = np.concatenate(logits).astype(np.float64)  # [1 + GRAPH_STEPS, V]
+    finally:
+        backend.use_graphs = True
+    replayed, eager = runs[True], runs[False]
+    errors = np.linalg.norm(replayed - eager, axis=-1) / np.linalg.norm(eager, axis=-1)  # [1 + GRAPH_STEPS]
+    assert np.isfinite(replayed).all() and errors.max() <= GRAPH_RTOL, f"step errors {np.round(errors, 8).tolist()}"
 
 
 def test_prompt_in_passes_on_the_gpu(demo_gpu: Any, rng: np.random.Generator) -> None:
