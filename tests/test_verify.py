@@ -18,6 +18,7 @@ from atlas.verify import main
 from test_cross_check import BrokenLaterPasses
 
 DEMO_CHECKS = 9  # two bf16 forms, five KV levels, two quantized formats
+DEMO_VOCAB = 512
 
 
 def use_backend(monkeypatch: pytest.MonkeyPatch, make: object) -> None:
@@ -102,6 +103,27 @@ def test_an_own_checkpoint_is_checked_cut_to_its_first_layers(monkeypatch: pytes
     assert f"PASS: {DEMO_CHECKS + 1} checks" in out
 
 
+def test_a_wheel_without_the_demo_verifies_the_model_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A per-target wheel (one model's tuples): the demo's checks are skipped, --model's runs;
+    without --model the one line says what to do."""
+    from atlas.config import load_spec
+
+    def qwen_wheel(model_dir: Path, spec: object, run: object) -> CudaRounding:
+        if load_spec(model_dir).vocab_size == DEMO_VOCAB:
+            raise AtlasError("the installed wheel holds h200/qwen3.6-35b-a3b/bf16 only")
+        return CudaRounding()
+
+    use_backend(monkeypatch, qwen_wheel)
+    write_checkpoint(tmp_path, TinyModel(vocab_size=96), int.from_bytes(np.random.bytes(4), "little"))
+    assert main(["--model", str(tmp_path)]) == 0
+    found = results(capsys.readouterr().out)
+    assert found.pop(str(tmp_path)) == "PASS" and set(found.values()) == {"SKIPPED"} and len(found) == DEMO_CHECKS
+    assert main([]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--model M checks a checkpoint the wheel has kernels for)") and len(err.splitlines()) == 1
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--layers", "2"], "--layers cuts the checkpoint --model names"),
     (["--tolerance", "1.5"], "--tolerance must be in (0, 1)"),
@@ -120,8 +142,26 @@ def test_no_cuda_backend_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: py
     use_backend(monkeypatch, none)
     assert main([]) == 2
     captured = capsys.readouterr()
-    assert captured.err.strip() == "atlas.verify: error: no NVIDIA GPU is visible (cuInit: CUDA_ERROR_NO_DEVICE)"
-    assert captured.out == ""
+    err = captured.err.strip()
+    assert err.startswith("atlas.verify: error: no NVIDIA GPU is visible (cuInit: CUDA_ERROR_NO_DEVICE)"), err
+    assert len(err.splitlines()) == 1 and captured.out == ""
+
+
+def test_nothing_verified_is_not_a_pass(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first open (the probe) works, every check's does not: exit 2, not a PASS of nothing."""
+    opened = []
+
+    def once(model_dir: Path, spec: object, run: object) -> CudaRounding:
+        opened.append(model_dir)
+        if len(opened) > 1:
+            raise AtlasError("out of device memory for the weights")
+        return CudaRounding()
+
+    use_backend(monkeypatch, once)
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert set(results(captured.out).values()) == {"SKIPPED"}
+    assert "every check was skipped: nothing was verified" in captured.err
 
 
 @pytest.mark.gpu

@@ -5,7 +5,8 @@ On the embedded demo model: bf16 in one prefill pass and in passes of 7 tokens, 
 level, and the fp8 and nvfp4 formats (the demo quantized by atlas.quantize into a temporary
 directory); each check prefills a fresh random prompt and runs 3 decode steps. `--model M` adds the
 same check on a checkpoint of your own (its first `--layers` layers: the numpy reference holds them
-in host memory). A check whose tuple the wheel lacks is skipped with the reason.
+in host memory). A check whose tuple the wheel lacks is skipped with the reason: a per-target wheel
+without the demo's kernels verifies with `--model` alone.
 
 Exit 0: nothing flagged; 1: a check flagged an intermediate or failed; 2: no CUDA backend here,
 or bad input (one line).
@@ -124,7 +125,11 @@ def verify(model: str | None, layers: int | None, seed: int | None, tolerance: f
     own = None if model is None else resolve_model(model)
     if own is not None:
         first_layers(load_spec(own), layers)  # a bad --layers is one line before anything runs
-    _, device_line = create_backend("cuda", DEMO_DIR, load_spec(DEMO_DIR))  # no CUDA backend: one line, exit 2
+    try:  # no CUDA backend for what was asked (no GPU, no binding, no tuple): one line, exit 2
+        _, device_line = create_backend("cuda", own or DEMO_DIR, load_spec(own or DEMO_DIR))
+    except AtlasError as err:
+        hint = "" if own else " (atlas.verify checks the embedded demo; --model M checks a checkpoint the wheel has kernels for)"
+        raise AtlasError(f"{err}{hint}") from None
     seed = int(np.random.default_rng().integers(1 << 31)) if seed is None else seed
     click.echo(f"atlas.verify: {device_line}; seed {seed} (--seed {seed} draws the same prompts)")
     verifier = Verifier(np.random.default_rng(seed), tolerance)
@@ -137,6 +142,8 @@ def verify(model: str | None, layers: int | None, seed: int | None, tolerance: f
             click.echo(f"{outcome.status:8s} {outcome.name}: {outcome.detail}")
     bad = [o for o in verifier.outcomes if o.bad]
     skipped = sum(o.status == "SKIPPED" for o in verifier.outcomes)
+    if skipped == len(verifier.outcomes):
+        raise AtlasError("every check was skipped: nothing was verified (the reasons are above)")
     if bad:
         click.echo(f"FAILED: {len(bad)} of {len(verifier.outcomes)} checks ({skipped} skipped); first: {bad[0].name}")
         return 1
