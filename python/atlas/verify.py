@@ -74,17 +74,23 @@ class Verifier:
             create_backend("cuda", model_dir, spec)
         except AtlasError as err:
             return self.record(Outcome(check.name, "SKIPPED", str(err)))
+        except Exception as err:  # noqa: BLE001 - a driver fault fails this check, not the whole run
+            return self.record(failed(check.name, err))
         ids = self.rng.integers(0, spec.vocab_size, size=int(self.rng.integers(*PROMPT_TOKENS))).tolist()
         try:
             reports, _ = check_backend(model_dir, "cuda", spec, ids, run=check.run, tolerance=self.tolerance,
                                        kv_cache=check.kv_cache)
         except Exception as err:  # noqa: BLE001 - a kernel fault fails this check, not the whole run
-            return self.record(Outcome(check.name, "FAILED", f"{type(err).__name__}: {err}"))
+            return self.record(failed(check.name, err))
         return self.record(verdict(check.name, reports, self.tolerance))
 
     def record(self, outcome: Outcome) -> Outcome:
         self.outcomes.append(outcome)
         return outcome
+
+
+def failed(name: str, err: Exception) -> Outcome:
+    return Outcome(name, "FAILED", f"{type(err).__name__}: {' '.join(str(err).split())}")
 
 
 def verdict(name: str, reports: list[NameReport], tolerance: float) -> Outcome:
