@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 R = TypeVar("R")
 
-DEFAULT_TOLERANCE = 0.02  # relative L2 error of an intermediate given its inputs (bf16 kernels: ~0.003)
+DEFAULT_TOLERANCE = 0.02  # relative L2 error given the inputs (the kernels' bf16 roundings: ~0.003 emulated)
 TIE_MARGIN = 2.0  # a choice within this many router-logit errors of the boundary is a near tie
 
 
