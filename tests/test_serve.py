@@ -793,8 +793,8 @@ def test_a_body_past_the_limit_is_a_413(served: Served, monkeypatch: pytest.Monk
         conn.close()
     assert status == 413 and answer["error"]["code"] == "request_too_large", answer
     assert f"exceeds {limit / 2**20:g} MiB" in answer["error"]["message"]
-    small = json.dumps({**GOOD, "prompt": "x" * (limit // 2)})
-    assert post(served.port, "/v1/completions", small)[0] == 200
+    under = json.dumps({**GOOD, "prompt": " ".join(["Beautiful"] * (limit // 40))})  # ~limit / 4 bytes, few tokens
+    assert len(under) < limit and post(served.port, "/v1/completions", under)[0] == 200
     assert_still_serving(served)
 
 
