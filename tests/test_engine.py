@@ -15,7 +15,7 @@ from atlas.config import load_spec
 from atlas.engine import Engine
 from atlas.errors import AtlasError
 from atlas.safetensors import Checkpoint
-from atlas.sampling import choose_token
+from atlas.sampling import choose_token, draw_uniform
 
 TINY = TinyModel(vocab_size=96, num_experts=4)
 GREEDY = SamplingParams()
@@ -65,7 +65,7 @@ def test_first_sampled_token_uses_the_seeded_uniform(engine: Engine, prompt: lis
     params = SamplingParams(temperature=0.8, top_k=10, top_p=0.9)
     logits = engine.backend.to_numpy(engine.prefill(prompt))[0]
     for seed in range(5):
-        expected = choose_token(logits, params, float(np.random.default_rng(seed).random()))
+        expected = choose_token(logits, params, draw_uniform(np.random.default_rng(seed)))
         assert engine.generate(prompt, 1, params, seed, set()).token_ids == [expected]
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from atlas.backends.base import SamplingParams
+from atlas.sampling import draw_uniform
 from test_gpu_model import gpu_llm
 
 pytestmark = pytest.mark.gpu
@@ -168,7 +169,7 @@ def test_sampled_json_picks_from_the_device_summary(demo_gpu: Any, rng: np.rando
     for position in range(len(prompt), len(prompt) + STEPS):
         row = engine.backend.to_numpy(logits)[0]  # [V] for the check, read before the pick
         draw = np.random.default_rng(position)
-        uniform = float(np.random.default_rng(position).random())
+        uniform = draw_uniform(np.random.default_rng(position))
         with counting_reads(engine.backend) as reads:
             token, token_t = engine.pick_tensor(logits, sampling, draw, penalties)
         row_reads += reads.count(vocab)

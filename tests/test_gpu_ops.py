@@ -21,6 +21,7 @@ import pytest
 from atlas.backends.base import KVCache, SamplingParams
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.errors import AtlasError
+from atlas.sampling import draw_uniform
 
 from _operands import delta_rule_operands
 
@@ -406,7 +407,7 @@ def test_sample_matches_reference(env: Env, rng: np.random.Generator) -> None:
     for params in settings:
         for _ in range(3):
             logits = normal(rng, 1, v, scale=4)
-            check_sample(env, logits, params, float(rng.random()), "")
+            check_sample(env, logits, params, draw_uniform(rng), "")
 
 
 SAMPLE_TOLERANCE = 1e-6  # of the kept mass: the device's expf and sums move each CDF step by ~1e-7
@@ -538,7 +539,7 @@ def test_sample_top_p_alone_matches_reference(env: Env, rng: np.random.Generator
                 logits[0, rng.choice(v, size=max(1, v // 250), replace=False)] += 2.0
             else:
                 logits = np.zeros((1, v), dtype=np.float32)
-            check_sample(env, logits, SamplingParams(0.6 if kind == "peaked" else 1.0, 0, 0.9), float(rng.random()), kind)
+            check_sample(env, logits, SamplingParams(0.6 if kind == "peaked" else 1.0, 0, 0.9), draw_uniform(rng), kind)
 
 
 def test_sample_extremes_match_reference(env: Env, rng: np.random.Generator) -> None:
@@ -558,4 +559,4 @@ def test_sample_extremes_match_reference(env: Env, rng: np.random.Generator) -> 
                 logits *= 1e10
             elif kind in ("nan", "inf"):
                 logits[0, rng.choice(v, size=7, replace=False)] = np.nan if kind == "nan" else np.inf
-            check_sample(env, logits, params, float(rng.random()), kind)
+            check_sample(env, logits, params, draw_uniform(rng), kind)

@@ -14,7 +14,7 @@ import numpy as np
 
 from atlas.backends.base import KVCache, SamplingParams
 from atlas.backends.numpy_backend import DeltaInputs, NumpyBackend, delta_rule_recurrent, rope_cos_sin
-from atlas.sampling import choose_token
+from atlas.sampling import choose_token, draw_uniform
 
 
 def rope_angles_as_kernel(positions: np.ndarray, rotary_dim: int, theta: float) -> np.ndarray:
@@ -528,7 +528,7 @@ def test_sort_free_sample_equals_the_reference_choice(rng: np.random.Generator) 
         for _ in range(4):
             logits = (rng.standard_normal(3000) * 4).astype(np.float32)
             logits[rng.integers(0, 3000, 5)] = logits.max()  # ties at the top
-            uniform = float(rng.random())
+            uniform = draw_uniform(rng)  # a float32, as the engine draws it
             assert emulate_sample(logits, params, uniform) == choose_token(logits, params, uniform), params
             assert emulate_fast_sample(logits, params, uniform) in (None, choose_token(logits, params, uniform)), params
 
@@ -552,7 +552,7 @@ def test_fast_sample_path_keeps_the_full_paths_thresholds(rng: np.random.Generat
              (SamplingParams(1.0, 2000, 1.0), peaked, False)]
     for params, logits, runs in cases:
         for _ in range(2):
-            uniform = float(rng.random())
+            uniform = draw_uniform(rng)  # a float32, as the engine draws it
             fast = emulate_fast_sample(logits, params, uniform)
             assert (fast is not None) == runs, params
             if runs:
@@ -577,7 +577,7 @@ def test_sort_free_sample_extremes_equal_the_reference_choice(rng: np.random.Gen
                 logits[rng.choice(3000, size=7, replace=False)] = np.nan if kind == "nan" else np.inf
             elif kind == "dead":
                 logits[:] = -np.inf
-            uniform = float(rng.random())
+            uniform = draw_uniform(rng)  # a float32, as the engine draws it
             token = emulate_sample(logits, params, uniform)
             assert 0 <= token < 3000 and not np.isnan(logits[token])
             assert token == choose_token(logits, params, uniform), (params, kind)

@@ -22,8 +22,8 @@ from .models import load_model
 from .prompt_cache import PromptCache, Resume, ResumeFilter
 from .safetensors import Checkpoint
 from .sampling import (
-    Penalties, TokenLogprob, check_logit_bias_ids, check_logprobs, check_sampling, host_pick, is_int, pick_state,
-    token_logprob,
+    Penalties, TokenLogprob, check_logit_bias_ids, check_logprobs, check_sampling, draw_uniform, host_pick, is_int,
+    pick_state, token_logprob,
 )
 from .snapshot import DeltaNetSnapshot
 
@@ -298,7 +298,7 @@ class Engine:
         history, when None); only structured output reads the logits back to pick on the host."""
         if penalties is None and sampling.adjusts_logits:
             penalties = Penalties([])
-        uniform = float(rng.random()) if sampling.temperature else 0.0
+        uniform = draw_uniform(rng) if sampling.temperature else 0.0
         if penalties is not None and sampling.adjusts_logits:
             logits = penalties.apply(self.backend, logits, sampling)  # [1, V]
         if sampling.on_host:

@@ -20,6 +20,14 @@ MAX_LOGPROBS = 20  # alternatives listed per generated token (OpenAI's top_logpr
 MAX_PENALTY = 2.0  # presence / frequency penalty range, OpenAI's
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 bans or forces a token, smaller values nudge it
+UNIFORM_BITS = 24  # a draw's uniform is a float32 (the kernels' SampleParams.uniform): 24 bits in [0, 1)
+
+
+def draw_uniform(rng: np.random.Generator) -> float:
+    """A sampled pick's uniform in [0, 1), exactly a float32, so every backend draws with the same
+    value (a float64 draw rounded on the way to a kernel moved the target by up to 6e-8 of the
+    mass: across a token boundary now and then at Qwen's 248K entries)."""
+    return int(rng.integers(0, 1 << UNIFORM_BITS)) / (1 << UNIFORM_BITS)
 
 
 def is_int(value: object) -> bool:
