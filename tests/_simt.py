@@ -7,11 +7,13 @@ tiling and launch geometry; every barrier and warp collective (each CUDA thread 
 missing __syncthreads or __syncwarp gives a wrong answer or a deadlock report); cp.async groups
 (a copy lands at the wait that covers it); ldmatrix / mma.sync / wgmma fragment layouts and
 wgmma's swizzled descriptors (emulated from their PTX definitions, see tests/simt/include/simt_ptx.h);
+wgmma's asynchrony (its accumulators change at the wait_group, and shared memory it reads written
+before that wait fails the launch, as does an issue without wgmma.fence);
 out-of-bounds accesses past an allocation (guard page); launch limits (__launch_bounds__, the
 48 KiB dynamic shared memory default); the params structs' sizes; CUDA graph capture and replay
 (recorded launches, params copied at capture). What it does not check: timing, occupancy,
-registers and spills (ptxas does), races between blocks, the memory model, the asynchrony of
-wgmma (its reads happen at issue), the hardware e4m3 conversion (the host takes the kernels'
+registers and spills (ptxas does), races between blocks, the memory model, the async proxy
+(fence.proxy.async is a no-op here), the hardware e4m3 conversion (the host takes the kernels'
 portable path), and the device's own rounding of expf and friends.
 
 Use: ATLAS_SIMT=h200 (or gb10, sm80) python -m pytest -m gpu -k "not qwen" runs the gpu-marked

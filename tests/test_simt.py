@@ -49,9 +49,10 @@ class Device:
         self.driver.launch(LaunchArgs(function, (1, 1, 1), (threads, 1, 1), smem, None,
                                       ctypes.addressof(params), ctypes.sizeof(params), kernel))
 
-    def run(self, kernel: str, data: np.ndarray, out_like: np.ndarray, n: int = 0, threads: int = 32) -> np.ndarray:
+    def run(self, kernel: str, data: np.ndarray, out_like: np.ndarray, n: int = 0, threads: int = 32,
+            smem: int = 0) -> np.ndarray:
         in_ptr, out_ptr = self.put(data), self.driver.mem_alloc(out_like.nbytes)  # 0xFF bytes: f32 NaN
-        self.launch(kernel, threads, in_ptr, out_ptr, n)
+        self.launch(kernel, threads, in_ptr, out_ptr, n, smem)
         return self.get(out_ptr, out_like)
 
 
@@ -163,6 +164,29 @@ def test_cp_async_lands_at_the_wait(device: Device, rng: np.random.Generator) ->
     got = device.run("simt_cp_async", x, np.zeros(256, np.float32), n=128)
     assert np.isnan(got[:128]).all(), "shared memory held the copy before cp.async.wait_group"
     np.testing.assert_array_equal(got[128:], x)
+
+
+WGMMA_SMEM = (64 + 128) * 128  # the A and B tiles, 128-byte rows
+
+
+def test_wgmma_tile_equals_a_matrix_product(device: Device, rng: np.random.Generator) -> None:
+    """wgmma m64n128k16 from 128-byte-swizzled shared memory, D read back in the PTX ISA's
+    m64nNk16 f32 accumulator layout: D = A @ B^T."""
+    a_bits, b_bits = bf16_bits(rng, (64, 16)), bf16_bits(rng, (128, 16))
+    data = np.concatenate([a_bits.ravel(), b_bits.ravel()])
+    got = device.run("simt_wgmma_tile", data, np.zeros((64, 128), np.float32), threads=128, smem=WGMMA_SMEM)
+    want = bf16_values(a_bits).astype(np.float64) @ bf16_values(b_bits).astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("mode", "message"), [(1, "written between its issue and its wgmma.wait_group"),
+                                               (2, "without a wgmma.fence")])
+def test_wgmma_misuse_is_reported(device: Device, rng: np.random.Generator, mode: int, message: str) -> None:
+    """An operand written while its wgmma is in flight (the GPU may read it at any point up to the
+    wait) and an issue without the fence PTX requires are launch failures, not lucky results."""
+    data = np.concatenate([bf16_bits(rng, (64, 16)).ravel(), bf16_bits(rng, (128, 16)).ravel()])
+    with pytest.raises(CudaError, match=message):
+        device.run("simt_wgmma_tile", data, np.zeros((64, 128), np.float32), n=mode, threads=128, smem=WGMMA_SMEM)
 
 
 def test_graph_replays_the_captured_params(device: Device, rng: np.random.Generator) -> None:

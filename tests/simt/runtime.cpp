@@ -94,6 +94,9 @@ struct Fiber {
   unsigned long wait_value = 0;
   std::vector<PendingCopy> uncommitted;
   std::deque<std::vector<PendingCopy>> groups;
+  bool mma_fenced = false;  // a wgmma.fence since the thread's last wait
+  std::vector<AsyncMma> mma_uncommitted;
+  std::deque<std::vector<AsyncMma>> mma_groups;
   void* stack = nullptr;
 };
 
@@ -161,6 +164,7 @@ void finish_current() {
     f.groups.pop_front();
   }
   land(f.uncommitted);
+  if (!f.mma_uncommitted.empty() || !f.mma_groups.empty()) fail("a thread exited with a wgmma it never waited for");
   f.done = true;
   --block.live;
   warps[f.warp].live &= ~(1u << f.lane);
@@ -241,6 +245,9 @@ bool start_fibers(unsigned threads) {
     f.wait_on = nullptr;
     f.uncommitted.clear();
     f.groups.clear();
+    f.mma_fenced = false;
+    f.mma_uncommitted.clear();
+    f.mma_groups.clear();
     char* stack = static_cast<char*>(stack_for(f));
     if (!stack) return false;
     // The frame simt_switch pops: six callee-saved registers, then fiber_main as the return
@@ -361,6 +368,35 @@ void async_wait(int pending) {
     land(current->groups.front());
     current->groups.pop_front();
   }
+}
+
+// The wgmma instructions are .sync.aligned: the warp meets at each, which also lets the other
+// warps run between a thread's issue and its wait.
+void mma_fence() {
+  syncwarp(0xffffffffu);
+  current->mma_fenced = true;
+}
+
+void mma_issue(AsyncMma op) {
+  if (!current->mma_fenced) fail("a wgmma issued without a wgmma.fence since the thread's last wait");
+  syncwarp(0xffffffffu);
+  current->mma_uncommitted.push_back(std::move(op));
+}
+
+void mma_commit() {
+  syncwarp(0xffffffffu);
+  current->mma_groups.push_back(std::move(current->mma_uncommitted));
+  current->mma_uncommitted.clear();
+}
+
+void mma_wait(int pending) {
+  syncwarp(0xffffffffu);
+  if (!current->mma_uncommitted.empty()) fail("wgmma.wait_group with a wgmma issued but not committed");
+  while (static_cast<int>(current->mma_groups.size()) > pending) {
+    for (AsyncMma& op : current->mma_groups.front()) op();
+    current->mma_groups.pop_front();
+  }
+  current->mma_fenced = false;
 }
 
 }  // namespace simt

@@ -129,3 +129,39 @@ __device__ void read_unwritten_shared(const SelfTestParams& p) {
 extern "C" __global__ void __launch_bounds__(1024) simt_template_shared(const SelfTestParams p) {
   read_unwritten_shared<64>(p);
 }
+
+// One warpgroup: in = A (64x16) then B (128x16), bf16 row-major (B^T of the product: K-major),
+// staged in dynamic shared memory in the 128-byte swizzle layout gemm_wgmma.cuh uses; out = D
+// (64x128 f32, row-major) of one wgmma m64n128k16. n = 1 overwrites A after the issue and before
+// the wait (a race on the GPU); n = 2 issues without a wgmma.fence.
+__device__ __forceinline__ int swizzled_128(int row, int col) {
+  return row * 128 + (((col / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
+}
+
+__device__ __forceinline__ uint64_t swizzled_128_desc(uint32_t addr) {
+  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+extern "C" __global__ void __launch_bounds__(128) simt_wgmma_tile(const SelfTestParams p) {
+  ATLAS_DYNAMIC_SMEM(uint8_t, smem);
+  uint8_t* const a = smem;
+  uint8_t* const b = smem + 64 * 128;
+  const uint16_t* in = static_cast<const uint16_t*>(p.in);
+  for (int i = threadIdx.x; i < 64 * 16; i += 128)
+    *reinterpret_cast<uint16_t*>(a + swizzled_128(i / 16, i % 16)) = in[i];
+  for (int i = threadIdx.x; i < 128 * 16; i += 128)
+    *reinterpret_cast<uint16_t*>(b + swizzled_128(i / 16, i % 16)) = in[64 * 16 + i];
+  __syncthreads();
+  float d[atlas::kWgmmaN128Accum];
+  for (float& v : d) v = 0.0f;
+  if (p.n != 2) atlas::wgmma_fence();
+  atlas::wgmma_m64n128k16(d, swizzled_128_desc(atlas::smem_addr(a)), swizzled_128_desc(atlas::smem_addr(b)));
+  atlas::wgmma_commit();
+  if (p.n == 1 && threadIdx.x == 0) *reinterpret_cast<uint16_t*>(a) = 0x3f80;  // 1.0
+  atlas::wgmma_wait_all();
+  float* out = static_cast<float*>(p.out);
+  const int lane = threadIdx.x % 32;
+  const int row0 = (threadIdx.x / 32) * 16 + lane / 4;
+  for (int i = 0; i < atlas::kWgmmaN128Accum; ++i)
+    out[(row0 + 8 * ((i % 4) / 2)) * 128 + 8 * (i / 4) + 2 * (lane % 4) + i % 2] = d[i];
+}

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 
 #define ATLAS_SIMT_HOST 1
 
@@ -62,6 +63,15 @@ void* dynamic_smem();
 void async_copy(void* dst, const void* src, int bytes);
 void async_commit();
 void async_wait(int pending);
+
+// wgmma: an issued operation stays with its thread and is performed, in issue order, at the
+// wait_group that covers its group; a thread may issue only after a wgmma.fence since its last wait
+// (stricter than PTX, which asks for one where the accumulators were touched since).
+using AsyncMma = std::function<void()>;
+void mma_fence();
+void mma_issue(AsyncMma op);
+void mma_commit();
+void mma_wait(int pending);
 
 template <class T>
 T shuffle(unsigned mask, T value, int src_lane) {

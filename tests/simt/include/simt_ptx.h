@@ -123,10 +123,13 @@ __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
 }
 
 // ---- wgmma m64n128k16 (sm_90a), emulated per thread ----
-// Every read happens at issue, so the fences and the commit / wait pair have nothing to order.
-__device__ __forceinline__ void wgmma_fence() {}
-__device__ __forceinline__ void wgmma_commit() {}
-__device__ __forceinline__ void wgmma_wait_all() {}
+// As on the GPU the operation is asynchronous: the operands are read at issue and again when the
+// wait_group covering it performs it, and a difference fails the launch (shared memory a pending
+// wgmma reads was written before its wait); the accumulators change only at that wait, so a read
+// of them before it sees the old values.
+__device__ __forceinline__ void wgmma_fence() { simt::mma_fence(); }
+__device__ __forceinline__ void wgmma_commit() { simt::mma_commit(); }
+__device__ __forceinline__ void wgmma_wait_all() { simt::mma_wait(0); }
 __device__ __forceinline__ void fence_proxy_async() {}
 __device__ __forceinline__ void wgmma_fence_operands(float (&)[kWgmmaN128Accum]) {}
 
@@ -146,28 +149,45 @@ inline float wgmma_operand(uint64_t desc, int row, int k) {
   return bf16_half(bits, 0);
 }
 
+// The thread's 2 rows of A and 32 columns of B of one m64n128k16 (rows 16 w + lane / 4 (+ 8),
+// columns 8 (c / 2) + 2 (lane % 4) + c % 2), k in order.
+struct WgmmaOperands {
+  float rows[2][16];
+  float columns[kWgmmaN128Accum / 2][16];
+};
+
+inline WgmmaOperands wgmma_read(uint64_t desc_a, uint64_t desc_b, int warp, int lane) {
+  WgmmaOperands ops;
+  for (int k = 0; k < 16; ++k) {
+    for (int r = 0; r < 2; ++r) ops.rows[r][k] = wgmma_operand(desc_a, 16 * warp + lane / 4 + 8 * r, k);
+    for (int c = 0; c < kWgmmaN128Accum / 2; ++c)
+      ops.columns[c][k] = wgmma_operand(desc_b, 8 * (c / 2) + 2 * (lane % 4) + c % 2, k);
+  }
+  return ops;
+}
+
 }  // namespace simt_detail
 
 // d += A[64 x 16] @ B[128 x 16]^T. Warp w of the warpgroup holds D rows 16 w + lane / 4 (+ 8 for
-// i % 4 >= 2), columns 8 (i / 4) + 2 (lane % 4) + i % 2 (the m16n8 C layout per 8 columns). The
-// thread's 2 rows of A and 32 columns of B are read once; k is summed in order.
+// i % 4 >= 2), columns 8 (i / 4) + 2 (lane % 4) + i % 2 (the m16n8 C layout per 8 columns); k is
+// summed in order.
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[kWgmmaN128Accum], uint64_t desc_a, uint64_t desc_b) {
-  constexpr int kColumns = kWgmmaN128Accum / 2;
   const int lane = static_cast<int>(simt::lane_id());
   const int warp = static_cast<int>(threadIdx.x / 32) % 4;
-  float rows[2][16], columns[kColumns][16];
-  for (int k = 0; k < 16; ++k) {
-    for (int r = 0; r < 2; ++r) rows[r][k] = simt_detail::wgmma_operand(desc_a, 16 * warp + lane / 4 + 8 * r, k);
-    for (int c = 0; c < kColumns; ++c)
-      columns[c][k] = simt_detail::wgmma_operand(desc_b, 8 * (c / 2) + 2 * (lane % 4) + c % 2, k);
-  }
-  for (int i = 0; i < kWgmmaN128Accum; ++i) {
-    const float* row = rows[(i % 4) / 2];
-    const float* column = columns[2 * (i / 4) + i % 2];
-    float sum = 0.0f;
-    for (int k = 0; k < 16; ++k) sum += row[k] * column[k];
-    d[i] += sum;
-  }
+  const simt_detail::WgmmaOperands at_issue = simt_detail::wgmma_read(desc_a, desc_b, warp, lane);
+  float* acc = d;
+  simt::mma_issue([acc, desc_a, desc_b, warp, lane, at_issue]() {
+    const simt_detail::WgmmaOperands ops = simt_detail::wgmma_read(desc_a, desc_b, warp, lane);
+    if (std::memcmp(&ops, &at_issue, sizeof ops) != 0)
+      simt::fail("shared memory a wgmma reads was written between its issue and its wgmma.wait_group");
+    for (int i = 0; i < kWgmmaN128Accum; ++i) {
+      const float* row = ops.rows[(i % 4) / 2];
+      const float* column = ops.columns[2 * (i / 4) + i % 2];
+      float sum = 0.0f;
+      for (int k = 0; k < 16; ++k) sum += row[k] * column[k];
+      acc[i] += sum;
+    }
+  });
 }
 
 }  // namespace atlas
