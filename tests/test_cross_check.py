@@ -1,8 +1,9 @@
 """atlas.compare --against cpu (atlas.cross_check): a backend against the numpy backend, each op
 given the checked run's inputs. The numpy backend passes against itself exactly, the CUDA stand-in
 (bf16 roundings) passes with visible errors, with every KV cache level too, a deliberately broken op
-is named as the first flagged intermediate (a decode-only break only with --decode-steps), and
-near-tie expert flips are noted while other differences are flagged."""
+is named as the first flagged intermediate (a decode-only break only with --decode-steps; a fused
+DeltaNet decode op's output or the state it leaves at its output), and near-tie expert flips are
+noted while other differences are flagged."""
 
 from __future__ import annotations
 
@@ -110,6 +111,30 @@ class BrokenRouter(CudaRounding):
         return ids, weights
 
 
+class FusedDecode(CudaRounding):
+    """Runs a decode step's DeltaNet as one op, as the CUDA backend's opt-in fused kernel does."""
+
+    def fuses_gated_delta_net(self, tokens: int) -> bool:
+        return tokens == 1
+
+
+class BrokenFusedOutput(FusedDecode):
+    def gated_delta_net(self, x, layer):  # type: ignore[no-untyped-def]
+        out = super().gated_delta_net(x, layer)
+        return out * 1.1 if x.mixed.shape[0] == 1 else out
+
+
+class BrokenFusedState(FusedDecode):
+    """A fused step's output is right; the conv state it leaves is zeros. (The demo's DeltaNet
+    gates forget the recurrent state almost at once: damage to it barely shows a step later.)"""
+
+    def gated_delta_net(self, x, layer):  # type: ignore[no-untyped-def]
+        out = super().gated_delta_net(x, layer)
+        if x.mixed.shape[0] == 1:
+            layer.conv_state[...] = 0
+        return out
+
+
 @pytest.mark.parametrize(
     "backend, options, first",
     [
@@ -120,8 +145,13 @@ class BrokenRouter(CudaRounding):
         (BrokenLaterPasses, ["--decode-steps", "3"], None),
         (BrokenExperts, ["--decode-steps", "1"], "layer.0.mlp.routed"),
         (BrokenRouter, [], "layer.0.mlp.router_ids"),
+        (FusedDecode, ["--decode-steps", "3"], None),
+        (BrokenFusedOutput, ["--decode-steps", "1"], "layer.0.attn.gated_norm"),
+        (BrokenFusedState, ["--decode-steps", "1"], None),
+        (BrokenFusedState, ["--decode-steps", "2"], "layer.0.attn.gated_norm"),
     ],
-    ids=["attention", "conv-step", "conv-step-prefill-only", "later-passes", "later-passes-one-pass", "experts", "router"],
+    ids=["attention", "conv-step", "conv-step-prefill-only", "later-passes", "later-passes-one-pass", "experts", "router",
+         "fused-decode", "fused-output", "fused-state-one-step", "fused-state"],
 )
 def test_a_broken_op_is_named(backend: type[CudaRounding], options: list[str], first: str | None,
                               monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -219,6 +219,10 @@ class Backend(Protocol):
         gated_delta_rule, gated_rms_norm with x.z -> [T, Hv, Dv]; both states updated in place.
         A backend may fuse them (CUDA: one decode kernel for T == 1, opt-in) with the same result."""
 
+    def fuses_gated_delta_net(self, tokens: int) -> bool:
+        """True when `gated_delta_net` on `tokens` rows runs as one kernel, so the conv and delta
+        rule outputs are never written (a dump then shows the fused op's output only)."""
+
     # --- mixture of experts -------------------------------------------------------------------
     def router(
         self, x: Tensor, weight: Tensor, top_k: int, renormalize: bool, *, shared_expert: bool = False

@@ -277,6 +277,9 @@ class NumpyBackend:
     def gated_delta_net(self, x: DeltaNetInputs, layer: DeltaNetOperands) -> Tensor:
         return compose_gated_delta_net(self, x, layer)
 
+    def fuses_gated_delta_net(self, tokens: int) -> bool:
+        return False
+
     # --- mixture of experts -------------------------------------------------------------------
     def router(
         self, x: Tensor, weight: Tensor, top_k: int, renormalize: bool, *, shared_expert: bool = False

@@ -2,7 +2,8 @@
 
 Without a dump the conv, delta rule and gated norm run as one backend op (`gated_delta_net`: the
 CUDA backend may fuse a decode step into one kernel); with a dump attached as the three ops, so
-their intermediates (.conv, .core) can be emitted."""
+their intermediates (.conv, .core) can be emitted, except where the backend fuses: a dump then
+checks the kernel that serves, and has only its output (.gated_norm) for that step."""
 
 from __future__ import annotations
 
@@ -58,9 +59,10 @@ class GatedDeltaNet:
     def __call__(self, step: Step, x: Tensor, state: DeltaNetState, name: str) -> Tensor:
         be, d = step.backend, self.dims
         tokens = x.shape[0]
-        mixed, z, b, a = self.weights.in_proj(be, x)  # [T, C], [T, Hv*Dv], [T, Hv], [T, Hv]
+        parts = self.weights.in_proj(be, x)  # [T, C], [T, Hv*Dv], [T, Hv], [T, Hv]
+        mixed, z, b, a = (step.emit(f"{name}.{part}", t) for part, t in zip(("qkv", "z", "b", "a"), parts))
         inputs = DeltaNetInputs(mixed, z.reshape(tokens, d.num_v_heads, d.v_head_dim), a, b)
-        if step.dump is None:
+        if step.dump is None or be.fuses_gated_delta_net(tokens):
             normed = be.gated_delta_net(inputs, self.operands(state))  # [T, Hv, Dv]
         else:
             normed = self._dumped_core(step, inputs, state, name)

@@ -200,9 +200,12 @@ class CudaBackend:
     def gated_delta_net(self, x: DeltaNetInputs, layer: DeltaNetOperands) -> DeviceTensor:
         """Decode (T == 1) with `delta_net` "fused" (ATLAS_DELTANET_DECODE=fused): one kernel;
         otherwise the three kernels in a row."""
-        if self._delta_arrivals is not None and x.mixed.shape[0] == 1:
+        if self._delta_arrivals is not None and self.fuses_gated_delta_net(x.mixed.shape[0]):
             return ops_delta_decode.delta_net_decode(self.rt, x, layer, self._delta_arrivals)
         return compose_gated_delta_net(self, x, layer)
+
+    def fuses_gated_delta_net(self, tokens: int) -> bool:
+        return self._delta_arrivals is not None and tokens == 1
 
     # --- mixture of experts -------------------------------------------------------------------
     def router(self, x: DeviceTensor, weight: DeviceTensor, top_k: int, renormalize: bool, *,
