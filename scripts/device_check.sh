@@ -79,9 +79,12 @@ stage info 20 "cd /tmp && $PY -m atlas.info --json && $PY -m atlas.info | head -
 stage demo 45 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --max-tokens 80"
 
 # The installed kernels op by op against numpy on the demo (bf16, in passes, each KV level, fp8,
-# nvfp4): a table a line per check, in this call's output (tests/test_verify.py's GPU test, left out
-# of the model stage below).
-stage verify 40 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.verify"
+# nvfp4), with the opt-in forms (the fused DeltaNet decode kernel and router, wgmma, tensor-core
+# prefill attention) in the whole model: a table a line per check, in this call's output. The
+# default forms get the same check in the model stage (tests/test_cross_check.py) and the ops
+# stage (the op-by-op tests of test_gpu_quant.py, test_gpu_kv.py).
+OPT_IN_FORMS="ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused ATLAS_GEMM=wgmma ATLAS_PREFILL_ATTENTION=mma"
+stage verify 40 "cd /tmp && ATLAS_CUDA_CHECK=1 $OPT_IN_FORMS $PY -m atlas.verify"
 
 GPU_PYTEST="ATLAS_TEST_INSTALLED=1 ATLAS_REQUIRE_GPU=1 ATLAS_REQUIRE_GPU_QUANT=1 ATLAS_CUDA_CHECK=1 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider -o junit_logging=system-out --continue-on-collection-errors"
 # Kernel-level tests first (they name the failing op): the default kernels, then the opt-in forms
