@@ -11,6 +11,8 @@
 # results.json (bench/decode.py), qbench.json (bench/quant.py), variants.json (the opt-in forms'
 # bench runs), summary.txt. atlas.info's JSON is in log.txt.
 # A stage past its limit gets SIGINT first (pytest then still writes its junit file), SIGKILL 10 s later.
+# The test stages run through scripts/gpu_pytest.py: a kernel fault that loses the CUDA context fails
+# its test, and the tests after it go on in a new process.
 set -u -o pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -86,18 +88,24 @@ stage demo 45 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --ma
 OPT_IN_FORMS="ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused ATLAS_GEMM=wgmma ATLAS_PREFILL_ATTENTION=mma"
 stage verify 40 "cd /tmp && ATLAS_CUDA_CHECK=1 $OPT_IN_FORMS $PY -m atlas.verify"
 
-GPU_PYTEST="ATLAS_TEST_INSTALLED=1 ATLAS_REQUIRE_GPU=1 ATLAS_REQUIRE_GPU_QUANT=1 ATLAS_CUDA_CHECK=1 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider -o junit_logging=system-out --continue-on-collection-errors"
+# gpu_pytest JUNIT ARGS...: pytest over GPU tests; a sticky CUDA error (a kernel fault loses the
+# process's context) fails its test and the rest resume in a new process (scripts/gpu_pytest.py).
+gpu_pytest() {
+  echo "ATLAS_TEST_INSTALLED=1 ATLAS_REQUIRE_GPU=1 ATLAS_REQUIRE_GPU_QUANT=1 ATLAS_CUDA_CHECK=1 \
+    $PY '$REPO/scripts/gpu_pytest.py' --junitxml '$1' -- -m gpu -q -rfE -p no:cacheprovider -o junit_logging=system-out \
+    --continue-on-collection-errors ${*:2}"
+}
 # Kernel-level tests first (they name the failing op): the default kernels, then the opt-in forms
 # (off until these pass), then everything else marked gpu.
 KERNEL_TESTS="tests/test_gpu_ops.py tests/test_gpu_split_linear.py tests/test_gpu_moe_shared.py tests/test_gpu_chain.py \
   tests/test_gpu_quant.py tests/test_gpu_kv.py"
 OPTIN_TESTS="tests/test_gpu_router_fused.py tests/test_gpu_delta_decode.py tests/test_gpu_attention_mma.py \
   tests/test_gpu_gemm_wgmma.py tests/test_gpu_delta_chunked.py"
-stage ops 90 "$GPU_PYTEST --maxfail=40 --junitxml='$OUT/junit-ops.xml' $KERNEL_TESTS"
-stage optin 60 "$GPU_PYTEST --maxfail=40 --junitxml='$OUT/junit-optin.xml' $OPTIN_TESTS"
+stage ops 90 "$(gpu_pytest "$OUT/junit-ops.xml" --maxfail=40 $KERNEL_TESTS)"
+stage optin 60 "$(gpu_pytest "$OUT/junit-optin.xml" --maxfail=40 $OPTIN_TESTS)"
 
-stage model 125 "$GPU_PYTEST --maxfail=10 --durations=5 --junitxml='$OUT/junit-model.xml' tests \
-  $(for f in $KERNEL_TESTS $OPTIN_TESTS tests/test_verify.py; do printf -- '--ignore=%s ' "$f"; done)"
+stage model 125 "$(gpu_pytest "$OUT/junit-model.xml" --maxfail=10 --durations=5 tests \
+  $(for f in $KERNEL_TESTS $OPTIN_TESTS tests/test_verify.py; do printf -- '--ignore=%s ' "$f"; done))"
 
 # Benchmarks size their --budget-s to the stage's (clipped) limit so they write their JSON in time.
 stage bench 115 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"

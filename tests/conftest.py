@@ -20,6 +20,8 @@ if os.environ.get("ATLAS_TEST_INSTALLED") != "1":
     sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO))
 
+from _sticky import pytest_runtest_makereport  # noqa: E402,F401  (a hook: found here by its name)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU and an installed wheel with kernels")

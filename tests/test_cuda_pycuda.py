@@ -524,8 +524,10 @@ def test_launch_passes_the_params_struct_by_value(fake: Harness, rng: np.random.
                                         r"\(missing\) failed: cuModuleGetFunction failed: named symbol not found"):
         rt.launch("missing", (1, 1, 1), (32, 1, 1), params)
     with pytest.raises(CudaError, match=r"launch of atlas_fault grid=\(2, 1, 1\) block=\(64, 1, 1\) smem=0 "
-                                        r"failed: cuLaunchKernel failed: unspecified launch failure"):
+                                        r"failed: CUDA_ERROR_LAUNCH_FAILED \(cuLaunchKernel failed: "
+                                        r"unspecified launch failure\)") as fault:
         rt.launch("atlas_fault", (2, 1, 1), (64, 1, 1), params)
+    assert fault.value.sticky  # pycuda's words named as the driver result, which loses the context
 
 
 def test_events_time_the_kernels_between_them(fake: Harness, rng: np.random.Generator) -> None:

@@ -17,8 +17,36 @@ from atlas.errors import AtlasError
 Handle = Any
 
 
+# The results after which the CUDA context is unusable for the rest of the process ("leaves the
+# process in an inconsistent state", the driver API's reference): a kernel fault reported at the
+# next synchronising call. Value: the words of the driver's message for it (pycuda gives only those).
+STICKY_RESULTS = {
+    "CUDA_ERROR_ECC_UNCORRECTABLE": "uncorrectable ECC error",
+    "CUDA_ERROR_ILLEGAL_ADDRESS": "illegal memory access",
+    "CUDA_ERROR_LAUNCH_TIMEOUT": "launch timed out",
+    "CUDA_ERROR_HARDWARE_STACK_ERROR": "hardware stack error",
+    "CUDA_ERROR_ILLEGAL_INSTRUCTION": "illegal instruction",
+    "CUDA_ERROR_MISALIGNED_ADDRESS": "misaligned address",
+    "CUDA_ERROR_INVALID_ADDRESS_SPACE": "address space",
+    "CUDA_ERROR_INVALID_PC": "invalid program counter",
+    "CUDA_ERROR_LAUNCH_FAILED": "unspecified launch failure",
+}
+
+
 class CudaError(RuntimeError):
-    """A CUDA driver call failed (a bug or a broken device, not a user error)."""
+    """A CUDA driver call failed (a bug or a broken device, not a user error). The message names
+    the driver's result (CUDA_ERROR_...) where the binding gives it."""
+
+    @property
+    def sticky(self) -> bool:
+        """The context is lost: every later CUDA call of this process fails too."""
+        return any(result in str(self) for result in STICKY_RESULTS)
+
+
+def sticky_result(message: str) -> str | None:
+    """The STICKY_RESULTS name whose words a driver message (pycuda's) holds, or None."""
+    lowered = message.lower()
+    return next((name for name, words in STICKY_RESULTS.items() if words in lowered), None)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import numpy as np
 
 from atlas.errors import AtlasError
 
-from .driver import CudaError, DeviceInfo, Handle, LaunchArgs, no_such_device
+from .driver import CudaError, DeviceInfo, Handle, LaunchArgs, no_such_device, sticky_result
 
 MIN_VERSION = (2022, 1)
 NO_CAPTURE = "pycuda has no CUDA stream capture (no released version has graphs); decode runs without CUDA graphs"
@@ -79,7 +79,8 @@ class PycudaDriver:
         except self._cuda.MemoryError as err:  # memory.py recognises the driver's name for it
             raise CudaError(f"{name} failed: CUDA_ERROR_OUT_OF_MEMORY ({err})") from None
         except self._cuda.Error as err:
-            raise CudaError(f"{name} failed: {err}") from None
+            result = sticky_result(str(err))  # pycuda's message has the words, not the result's name
+            raise CudaError(f"{name} failed: {f'{result} ({err})' if result else err}") from None
 
     def release(self) -> None:
         """Free what is still allocated and pop the context (at exit; idempotent)."""
