@@ -10,15 +10,7 @@ from pathlib import Path
 
 import pytest
 
-
-def _sticky(error: BaseException | None) -> bool:
-    """A CudaError after which the CUDA context is lost (atlas.backends.cuda.driver), also as the
-    cause of another error."""
-    while error is not None:
-        if getattr(error, "sticky", False) is True:
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+from atlas.backends.cuda.driver import context_lost
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -27,7 +19,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     would fail the same way and bury the test that faulted. With ATLAS_STICKY_FILE set, the ids
     of the tests run so far go there, and scripts/gpu_pytest.py runs the rest in a new process."""
     yield
-    if call.excinfo is None or not _sticky(call.excinfo.value):
+    if call.excinfo is None or not context_lost(call.excinfo.value):
         return
     session = item.session
     session.shouldfail = f"sticky CUDA error in {item.nodeid}: this process's CUDA context is lost"

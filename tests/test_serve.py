@@ -857,6 +857,67 @@ def test_stopped_engine_answers_instead_of_hanging() -> None:
     event = asyncio.run(first_event())
     assert isinstance(event, Failed) and "engine thread has stopped" in event.message
 
+def test_a_lost_cuda_context_makes_the_server_unhealthy(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    """A kernel fault loses the GPU's context for good: the request that met it fails, /health
+    turns 503 naming it (an orchestrator restarts the server), and later requests fail at once with
+    a 503 instead of each meeting the same error on the device."""
+    from starlette.testclient import TestClient
+
+    import atlas.server.worker as worker_module
+    from atlas.backends.cuda.driver import CudaError
+
+    calls = []
+
+    def faulting(llm: LLM, job: object) -> None:
+        calls.append(job)
+        raise CudaError("cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS (an illegal memory access was encountered)")
+
+    worker = EngineWorker(lambda: LLM(None, device="cpu", prompt_cache=0))
+    llm = worker.start()
+    try:
+        http = TestClient(create_app(ServerState(DEMO_NAME, worker, llm)))
+        request = {"model": DEMO_NAME, "prompt": random_prompt(rng), "max_tokens": 4}
+        assert http.get("/health").status_code == 200
+        monkeypatch.setattr(worker_module, "generate", faulting)
+        first = http.post("/v1/completions", json=request)
+        assert first.status_code == 500 and "CUDA_ERROR_ILLEGAL_ADDRESS" in first.json()["error"]["message"]
+        health = http.get("/health")
+        assert health.status_code == 503 and "CUDA context is lost" in health.json()["status"], health.text
+        for route, body in (("/v1/completions", request), ("/v1/chat/completions", chat_request(request))):
+            later = http.post(route, json=body)
+            assert later.status_code == 503 and "restart the server" in later.json()["error"]["message"], later.text
+        assert len(calls) == 1
+    finally:
+        worker.stop()
+
+
+def test_an_ordinary_cuda_error_fails_only_its_request(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    from starlette.testclient import TestClient
+
+    import atlas.server.worker as worker_module
+    from atlas.backends.cuda.driver import CudaError
+
+    real = worker_module.generate
+    failures = iter([CudaError("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)")])
+
+    def once(llm: LLM, job: object) -> object:
+        if (err := next(failures, None)) is not None:
+            raise err
+        return real(llm, job)  # type: ignore[arg-type]
+
+    worker = EngineWorker(lambda: LLM(None, device="cpu", prompt_cache=0))
+    llm = worker.start()
+    try:
+        http = TestClient(create_app(ServerState(DEMO_NAME, worker, llm)))
+        monkeypatch.setattr(worker_module, "generate", once)
+        request = {"model": DEMO_NAME, "prompt": random_prompt(rng), "max_tokens": 4}
+        assert http.post("/v1/completions", json=request).status_code == 500
+        assert http.get("/health").status_code == 200
+        assert http.post("/v1/completions", json=request).status_code == 200
+    finally:
+        worker.stop()
+
+
 # --- concurrency and disconnects ---------------------------------------------------------------
 def test_eight_concurrent_clients(served: Served, rng: np.random.Generator) -> None:
     jobs = [(random_prompt(rng), int(rng.integers(20, 120)), i % 2 == 1, i % 4 >= 2) for i in range(8)]

@@ -86,7 +86,7 @@ def create_app(state: ServerState) -> Starlette:
 
     async def health(request: Request) -> Response:
         ok = state.worker.alive
-        body = {"status": "ok" if ok else "engine stopped", **engine_settings(state.llm),
+        body = {"status": "ok" if ok else state.worker.lost or "engine stopped", **engine_settings(state.llm),
                 "reasoning_parser": state.reasoning_parser or "off", "tool_call_parser": state.tool_call_parser or "off"}
         return JSONResponse(body, status_code=200 if ok else 503)
 

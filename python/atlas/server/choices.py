@@ -40,7 +40,7 @@ async def collect(reply: Reply, run: ChoiceRun) -> tuple[dict[str, Any], Finishe
             elif isinstance(event, Finished):
                 return choice_body(reply, run.index, pieces, event, run.shaper), event
             else:
-                raise RequestError(event.message, status=500)
+                raise RequestError(event.message, status=event.status)
     raise RequestError("the engine stopped before finishing", status=500)
 
 

@@ -224,7 +224,7 @@ async def whole_response(meta: ResponseMeta, events: AsyncGenerator[Event, None]
             elif isinstance(event, Finished):
                 return meta.body(status_of(event), output_items("".join(pieces), shaper), event)
             else:
-                raise RequestError(event.message, status=500)
+                raise RequestError(event.message, status=event.status)
     raise RequestError("the engine stopped before finishing", status=500)
 
 

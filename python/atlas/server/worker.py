@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from ..backends.cuda.driver import context_lost
 from ..errors import AtlasError
 from ..llm import LLM, GenerateOptions, iter_tokens
 from ..sampling import TokenLogprob
@@ -51,6 +52,7 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    status: int = 500  # 503: the engine cannot run any request again
 
 
 Event = TextPiece | Finished | Failed
@@ -79,6 +81,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._main, name="atlas-engine", daemon=True)
         self.llm: LLM | None = None
         self.metrics = Metrics()
+        self.lost: str | None = None  # why no generation can run again (the GPU's context is lost)
 
     @property
     def waiting(self) -> int:
@@ -100,7 +103,7 @@ class EngineWorker:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.llm is not None
+        return self._thread.is_alive() and self.llm is not None and self.lost is None
 
     async def events(
         self, prompt_ids: list[int], opts: GenerateOptions, stops: Stops, echo: str | None = None
@@ -117,6 +120,9 @@ class EngineWorker:
 
         if not self._thread.is_alive():  # nobody would ever take the job: answer instead of hanging
             yield Failed("the engine thread has stopped; restart the server")
+            return
+        if self.lost is not None:
+            yield Failed(self.lost, status=503)
             return
         job = Job(prompt_ids, opts, stops, emit, echo=echo)
         self._jobs.put(job)
@@ -146,6 +152,9 @@ class EngineWorker:
         """One job; its metrics are recorded before its last event, so a client that has its
         answer finds it counted."""
         assert self.llm is not None
+        if self.lost is not None:  # queued before the context was lost
+            job.emit(Failed(self.lost, status=503))
+            return
         self.metrics.started()
         started = time.perf_counter()
         try:
@@ -154,6 +163,9 @@ class EngineWorker:
             log.exception("generation failed")
             self.metrics.record(request_record(job, None, started))
             message = str(err) if isinstance(err, AtlasError) else f"{type(err).__name__}: {err}"
+            if context_lost(err):
+                self.lost = f"the GPU's CUDA context is lost ({message}); restart the server"
+                log.error("%s: /health answers 503 and every request fails until then", self.lost)
             job.emit(Failed(f"generation failed: {message}"))
             return
         self.metrics.record(request_record(job, finished, started))

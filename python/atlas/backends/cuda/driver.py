@@ -43,6 +43,16 @@ class CudaError(RuntimeError):
         return any(result in str(self) for result in STICKY_RESULTS)
 
 
+def context_lost(error: BaseException | None) -> bool:
+    """`error` is a sticky CudaError, or has one as its cause: no CUDA call of this process can
+    succeed again (a server should say it is unhealthy, a test run start a new process)."""
+    while error is not None:
+        if isinstance(error, CudaError) and error.sticky:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def sticky_result(message: str) -> str | None:
     """The STICKY_RESULTS name whose words a driver message (pycuda's) holds, or None."""
     lowered = message.lower()
