@@ -7,7 +7,9 @@ weights on the same GPU.
 
 Reports prefill tok/s (512 and 2048 prompt tokens), decode tok/s (256 tokens after a 1024-token
 prompt, greedy, the token id read back every step as a real generation does), bytes read per
-decode token, achieved GB/s and its share of the device-to-device copy bandwidth measured here.
+decode token, achieved GB/s and its share of the device-to-device copy bandwidth measured here,
+and where a decode step's time goes (bench/step_profile.py: device time by kernel beside the
+replayed step's).
 --prefill-only: prefill tok/s alone, once per prefill attention form (ATLAS_PREFILL_ATTENTION's
 first, then the others on the same loaded model), no decode and no transformers.
 --decode-only: decode tok/s alone (no prefill timing, no transformers); the device check runs it
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import step_profile  # noqa: E402
 import synthetic  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
@@ -137,6 +140,7 @@ class AtlasRun:
     decode_tokens: int
     load_s: float
     decode_sampled_tok_s: float  # with RECOMMENDED_SAMPLING, over SAMPLED_TOKENS
+    decode_profile: dict[str, Any]  # step_profile.profile_decode: device time by kernel
 
 
 def time_decode(engine: Any, prompt: list[int], tokens: int, sampling: Any = None) -> tuple[float, int]:
@@ -221,12 +225,15 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     log(f"decode at {DECODE_CONTEXT} context: {decode:.1f} tok/s over {steps} steps")
     sampled, _ = time_decode(engine, prompt[:DECODE_CONTEXT], SAMPLED_TOKENS, SamplingParams(**RECOMMENDED_SAMPLING))
     log(f"sampled decode (Qwen's recommended settings, penalties on the device): {sampled:.1f} tok/s")
+    token = backend.upload(np.array([prompt[0]], dtype=np.int32), "i32")
+    profile = step_profile.profile_decode(engine, token, DECODE_CONTEXT + SAMPLED_TOKENS, 1e6 / decode)
+    log(step_profile.summary_line(profile))
     del engine
     backend.rt.synchronize()
     gc.collect()
     backend.rt.pool.trim()
     backend.rt.arena.release()  # transformers needs the memory next
-    return AtlasRun(prefill, decode, steps, load_s, sampled), copy_bps, device
+    return AtlasRun(prefill, decode, steps, load_s, sampled, profile), copy_bps, device
 
 
 def run_transformers(config: dict[str, Any], rng: np.random.Generator, vocab: int) -> dict[str, Any]:
@@ -317,6 +324,7 @@ def atlas_result(spec: Any, rng: np.random.Generator, decode_only: bool) -> dict
         "prefill_tok_s": atlas_run.prefill_tok_s, "decode_tok_s": atlas_run.decode_tok_s,
         "decode_tokens": atlas_run.decode_tokens, "decode_context": DECODE_CONTEXT,
         "decode_sampled_tok_s": atlas_run.decode_sampled_tok_s, "decode_sampled": RECOMMENDED_SAMPLING,
+        "decode_profile": atlas_run.decode_profile,
         "decode_bytes_per_token": bytes_per_token, "decode_gb_s": achieved / 1e9,
         "copy_gb_s": copy_bps / 1e9, "roofline_pct": 100 * achieved / copy_bps,
         "roofline_tok_s": copy_bps / bytes_per_token["total"],

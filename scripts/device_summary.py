@@ -16,6 +16,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import step_profile  # noqa: E402  (its summary line)
+
 LISTED_FAILURES = 8  # per junit file: three files of them stay inside the call's 12,000-character output tail
 MESSAGE_CHARS = 160
 RESULT_KEYS = ("prefill_tok_s", "decode_tok_s", "decode_sampled_tok_s", "decode_bytes_per_token", "decode_gb_s", "copy_gb_s",
@@ -46,7 +49,10 @@ def junit_lines(path: Path) -> list[str]:
 
 
 def decode_lines(r: dict[str, Any]) -> list[str]:
-    return [f"{key}: {json.dumps(r[key])}" for key in RESULT_KEYS if key in r]
+    lines = [f"{key}: {json.dumps(r[key])}" for key in RESULT_KEYS if key in r]
+    if "decode_profile" in r:
+        lines.append(step_profile.summary_line(r["decode_profile"]))
+    return lines
 
 
 def variant_lines(r: dict[str, Any]) -> list[str]:

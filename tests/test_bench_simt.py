@@ -24,6 +24,7 @@ import decode as bench_decode  # noqa: E402
 import device_summary  # noqa: E402
 import quant as bench_quant  # noqa: E402
 import quant_moe  # noqa: E402
+import step_profile  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulator is built with g++")]
@@ -44,6 +45,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name, value in (("PREFILL_LENGTHS", (4, 8)), ("DECODE_CONTEXT", 8), ("DECODE_TOKENS", 3),
                         ("SAMPLED_TOKENS", 3), ("WARMUP_TOKENS", 4), ("COPY_BYTES", 1 << 20)):
         monkeypatch.setattr(bench_decode, name, value)
+    monkeypatch.setattr(step_profile, "QUEUE_BYTES", 1 << 16)
     monkeypatch.setattr(bench_quant, "MOE_TOKENS", 4)
     monkeypatch.setattr(quant_moe, "REPEATS", 1)
     return monkeypatch
@@ -68,6 +70,12 @@ def check_decode_result(r: dict[str, Any]) -> None:
     parts = r["decode_bytes_per_token"]
     assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
     assert r["roofline_pct"] == pytest.approx(100 * r["decode_gb_s"] / r["copy_gb_s"])
+    profile = r["decode_profile"]
+    kernels = profile["kernels"]
+    assert {"atlas_embedding_bf16", "atlas_gemv_t1", "atlas_attention_decode"} <= set(kernels), kernels
+    assert profile["launches_per_step"] == sum(k["launches"] for k in kernels.values()) >= 4 * 8  # 4 layers
+    assert profile["kernel_us_per_step"] > 0
+    assert list(kernels) == sorted(kernels, key=lambda k: -kernels[k]["us"])
 
 
 def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -100,6 +108,7 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
     lines = "\n".join(device_summary.report(out))
     assert "unreadable" not in lines, lines
     for expected in ("decode_tok_s: ", "decode_sampled_tok_s: ", "roofline_pct: ", "copy_gb_s: ", "fused decode (fused DeltaNet, fused router): ",
+                     "decode step: ",
                      'prefill tok/s by attention form: {"mma": '):
         assert expected in lines, lines
 

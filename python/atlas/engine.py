@@ -254,6 +254,13 @@ class Engine:
         with self.prompt_cache.feeding([token], position):
             return self._one_token_logits(ids, positions)
 
+    def eager_decode(self, ids: Tensor, position: int) -> Tensor:
+        """decode_tensor's step with its kernels launched one by one from the host, never a graph
+        replay (bench/step_profile.py times each launch). The prompt cache forgets the state."""
+        self.check_ids([0], position)
+        self.prompt_cache.forget()
+        return self._decode_step(ids, self.backend.upload(np.array([position], dtype=np.int32), "i32"))
+
     def _one_token_logits(self, ids: Tensor, positions: Tensor) -> Tensor:
         """ids, positions [1] i32 -> logits [1, V] through the backend's decode step (a CUDA graph
         replay), built on first use after a reset."""

@@ -1,0 +1,89 @@
+"""Where a decode step's device time goes: every kernel of an eager decode step timed between a
+pair of events, summed by kernel over a few steps, beside the graph-replayed step's own time. The
+difference is what launching costs (gaps between kernels, the pick and the token read back): the
+number that says whether fewer launches (fused forms) or faster kernels pay more.
+
+Eager launches are slower to issue than the device runs small kernels, so each profiled step
+queues behind a long device copy: the launches and events are all enqueued before the device
+reaches them, and an event pair brackets its kernel's run, not the host's launch latency."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+STEPS = 3
+QUEUE_COPIES = 16  # back-to-back copies of QUEUE_BYTES: ~7 ms on an H200, longer than enqueuing a step
+QUEUE_BYTES = 1 << 30
+TOP = 8  # kernels named in the summary line
+
+
+class TimedLaunches:
+    """Wraps rt.launch for the duration: an event before and after every launch."""
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+        self.records: list[tuple[str, Any, Any]] = []
+        self._launch = rt.launch
+
+    def __enter__(self) -> TimedLaunches:
+        driver, stream = self.rt.driver, self.rt.stream
+
+        def timed(kernel: str, grid: Any, block: Any, params: Any, smem: int = 0) -> None:
+            start, end = driver.event_create(), driver.event_create()
+            driver.event_record(start, stream)
+            self._launch(kernel, grid, block, params, smem)
+            driver.event_record(end, stream)
+            self.records.append((kernel, start, end))
+
+        self.rt.launch = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.rt.launch  # the class's method again
+
+    def by_kernel(self, steps: int) -> dict[str, dict[str, float]]:
+        """kernel -> launches and device microseconds per step, the slowest first."""
+        elapsed = self.rt.driver.event_elapsed_ms
+        totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        for kernel, start, end in self.records:
+            totals[kernel][0] += 1
+            totals[kernel][1] += 1e3 * elapsed(start, end)
+        rows = {k: {"launches": n / steps, "us": us / steps} for k, (n, us) in totals.items()}
+        return dict(sorted(rows.items(), key=lambda item: -item[1]["us"]))
+
+
+def queue_ahead(rt: Any, scratch: tuple[Any, Any], copies: int) -> None:
+    """Device copies that keep the stream busy while the host enqueues the step behind them."""
+    src, dst = scratch
+    for _ in range(copies):
+        rt.driver.memcpy_dtod(dst.ptr, src.ptr, src.nbytes, rt.stream)
+
+
+def profile_decode(engine: Any, token: Any, position: int, graph_step_us: float) -> dict[str, Any]:
+    """STEPS eager decode steps from `token` (a [1] i32 device tensor) at `position`: per kernel
+    launches and device time per step; their sum beside `graph_step_us` (a graph-replayed step,
+    pick and read-back included)."""
+    rt = engine.backend.rt
+    scratch = (rt.persistent((QUEUE_BYTES // 4,), "f32"), rt.persistent((QUEUE_BYTES // 4,), "f32"))
+    rt.memset_zero(scratch[0])
+    with TimedLaunches(rt) as timed:
+        for step in range(STEPS):
+            queue_ahead(rt, scratch, QUEUE_COPIES)
+            engine.eager_decode(token, position + step)
+            rt.synchronize()
+    kernels = timed.by_kernel(STEPS)
+    kernel_us = sum(row["us"] for row in kernels.values())
+    return {
+        "steps": STEPS, "launches_per_step": sum(row["launches"] for row in kernels.values()),
+        "kernel_us_per_step": kernel_us, "graph_step_us": graph_step_us,
+        "outside_kernels_us_per_step": graph_step_us - kernel_us,
+        "kernels": {k: {"launches": round(v["launches"], 2), "us": round(v["us"], 2)} for k, v in kernels.items()},
+    }
+
+
+def summary_line(profile: dict[str, Any]) -> str:
+    top = ", ".join(f"{k} {v['us']:.0f}" for k, v in list(profile["kernels"].items())[:TOP])
+    return (f"decode step: {profile['graph_step_us']:.0f} us replayed, {profile['kernel_us_per_step']:.0f} us in "
+            f"{profile['launches_per_step']:.0f} kernels, {profile['outside_kernels_us_per_step']:.0f} us outside "
+            f"them; by kernel (us): {top}")
