@@ -62,6 +62,8 @@ def variant_lines(r: dict[str, Any]) -> list[str]:
         forms = d.get("kernel_forms", {})
         lines.append(f"fused decode ({forms.get('ATLAS_DELTANET_DECODE')} DeltaNet, {forms.get('ATLAS_ROUTER')} router): "
                      f"{d['decode_tok_s']:.1f} tok/s, roofline {d['roofline_pct']:.1f}%")
+        if "decode_profile" in d:
+            lines.append(f"fused {step_profile.summary_line(d['decode_profile'])}")
     if "mma_prefill" in r:
         lines.append(f"prefill tok/s by attention form: {json.dumps(r['mma_prefill'].get('prefill_tok_s_by_form'))}")
     return lines

@@ -108,7 +108,7 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
     lines = "\n".join(device_summary.report(out))
     assert "unreadable" not in lines, lines
     for expected in ("decode_tok_s: ", "decode_sampled_tok_s: ", "roofline_pct: ", "copy_gb_s: ", "fused decode (fused DeltaNet, fused router): ",
-                     "decode step: ",
+                     "decode step: ", "fused decode step: ",
                      'prefill tok/s by attention form: {"mma": '):
         assert expected in lines, lines
 
