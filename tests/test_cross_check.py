@@ -8,6 +8,7 @@ noted while other differences are flagged."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from _cuda_stand_in import CudaRounding
 from _gpu import require_demo_cuda
 from atlas.compare import main
 from atlas.cross_check import DEFAULT_TOLERANCE, Capture, compare_runs
+from test_speculative import demo_mtp  # noqa: F401  (the demo with a random MTP head)
 
 PROMPT = "Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex."
 ROW = re.compile(r"^(\S+)\s+\[([\d, ]+)\]\s+([\d.]+|inf)\s+(\S+)(\s+<- outside)?")
@@ -166,6 +168,32 @@ def test_a_broken_op_is_named(backend: type[CudaRounding], options: list[str], f
     assert f"FIRST FLAGGED: {first}:" in out
 
 
+class BrokenHeadSum(CudaRounding):
+    """Sums the MTP head's two fc halves 10 % high (`add` serves the head alone)."""
+
+    def add(self, x, y):  # type: ignore[no-untyped-def]
+        return super().add(x, y) * np.float32(1.1)
+
+
+HEAD_NAMES = {"mtp.embed", "mtp.fc", "mtp.attn.q", "mtp.attn.core", "mtp.mlp.router_ids", "mtp.mlp.routed", "mtp.out"}
+
+
+@pytest.mark.parametrize("backend, first", [(CudaRounding, None), (BrokenHeadSum, "mtp.fc")], ids=["stand-in", "broken-sum"])
+def test_the_mtp_head_is_checked(backend: type[CudaRounding], first: str | None, demo_mtp: Path,  # noqa: F811
+                                 monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint with the MTP head: its intermediates follow the model's, teacher-forced on the
+    checked run (a prefill of the head's rows, then its one-row draft steps)."""
+    use_backend(monkeypatch, backend)
+    code, out = run(["--model", str(demo_mtp), "--device", "cuda", "--decode-steps", "2"], capsys)
+    table = rows(out)
+    assert HEAD_NAMES <= set(table), out
+    assert list(table).index("mtp.embed") > list(table).index("logits"), out
+    if first is None:
+        assert code == 0 and max(rel for name, (rel, _) in table.items() if name.startswith("mtp.")) > 1e-4, out
+        return
+    assert code == 1 and [name for name, (_, bad) in table.items() if bad][0] == first, out
+
+
 def router_capture(logits: np.ndarray, ids: np.ndarray) -> Capture:
     capture = Capture(positions=np.arange(logits.shape[0], dtype=np.int32))
     capture("layer.0.mlp.router_logits", logits)
@@ -233,3 +261,14 @@ def test_the_gpu_matches_numpy_op_by_op(passes: list[str], capsys: pytest.Captur
     print(out)
     assert code == 0, out
     assert "on cuda" in out
+
+
+@pytest.mark.gpu
+def test_the_gpu_head_matches_numpy_op_by_op(demo_mtp: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    """The demo with an MTP head on the CUDA backend: the head's intermediates too (its prefill
+    rows and its one-row draft steps)."""
+    require_demo_cuda()
+    code, out = run(["--model", str(demo_mtp), "--device", "cuda", "--decode-steps", "3"], capsys)
+    print(out)
+    assert code == 0, out
+    assert HEAD_NAMES <= set(rows(out)), out

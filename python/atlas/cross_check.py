@@ -15,6 +15,11 @@ therefore that of the ops since the names before it, not the sum of everything u
 first one past the tolerance names the op that is wrong. The error is the worst forward's (a
 prefill pass's rows together, a decode step's row alone).
 
+A checkpoint with the MTP head gets it checked too, teacher-forced on the checked run: head row i
+reads the token at i + 1 and the checked run's final_norm row i (as speculative decoding feeds it),
+all but the last `decode_steps` rows in one pass, then one row a step (its draft steps); numpy
+runs the head over every row fed the checked head's intermediates (mtp.*), as a layer's.
+
 Expert choices are compared as sets per position: a difference where the checked run's choice is
 within twice its router-logit error of the reference's k-th logit is a near tie that rounding may
 flip (noted), any other flags router_ids. Both runs' experts then see the checked run's choice.
@@ -39,6 +44,7 @@ if TYPE_CHECKING:
     from .config import ModelSpec
     from .engine import Engine
     from .kvcache.options import KVCacheOptions
+    from .layers.mtp import MtpHead
 
 R = TypeVar("R")
 
@@ -108,6 +114,7 @@ class CheckedRun:
 
     decode_steps: int = 0
     prefill_chunk: int | None = None
+    mtp: bool = True  # check the MTP head too, when the checkpoint has one
 
     def check(self, tokens: int) -> None:
         if not 0 <= self.decode_steps < tokens:
@@ -123,24 +130,40 @@ def check_backend(model_dir: Path, device: str, spec: ModelSpec, ids: list[int],
     (of `reference_dir`'s checkpoint, default the same; both with `kv_cache`'s levels) -> (a
     report per intermediate, the device line)."""
     run.check(len(ids))  # before any weights load
-    checked, device_line = on_engine(model_dir, device, spec, ids, lambda e: checked_run(e, ids, run), kv_cache=kv_cache)
-    reference, _ = on_engine(reference_dir or model_dir, "cpu", spec, ids, lambda e: reference_run(e, ids, checked),
-                             kv_cache=kv_cache)
-    return compare_runs(checked, reference, tolerance), device_line
+    head = run.mtp and len(ids) > 1 and has_head(model_dir)
+
+    def checked_runs(engine: Engine) -> tuple[Capture, Capture | None]:
+        checked = checked_run(engine, ids, run)
+        return checked, checked_head_run(engine, mtp_head(engine, model_dir), ids, checked, run) if head else None
+
+    def reference_runs(engine: Engine) -> tuple[Capture, Capture | None]:
+        reference = reference_run(engine, ids, checked)
+        if checked_head is None:
+            return reference, None
+        return reference, reference_head_run(engine, mtp_head(engine, reference_dir or model_dir), ids, checked, checked_head)
+
+    (checked, checked_head), device_line = on_engine(model_dir, device, spec, ids, checked_runs, kv_cache=kv_cache,
+                                                     load_mtp=head)
+    (reference, reference_head), _ = on_engine(reference_dir or model_dir, "cpu", spec, ids, reference_runs,
+                                               kv_cache=kv_cache, load_mtp=head)
+    reports = compare_runs(checked, reference, tolerance)
+    if checked_head is not None and reference_head is not None:
+        reports += compare_runs(checked_head, reference_head, tolerance)
+    return reports, device_line
 
 
 def on_engine(model_dir: Path, device: str, spec: ModelSpec, ids: list[int], use: Callable[[Engine], R], *,
-              kv_cache: KVCacheOptions | None = None) -> tuple[R, str]:
-    """use(an engine on `device` without the MTP head, sized for ids, its KV cache at `kv_cache`'s
-    levels) and the device line; the engine and its memory are released on return, before the
-    next one loads."""
+              kv_cache: KVCacheOptions | None = None, load_mtp: bool = False) -> tuple[R, str]:
+    """use(an engine on `device` sized for ids, its KV cache at `kv_cache`'s levels; the memory
+    check counts the MTP head when `use` loads it) and the device line; the engine and its memory
+    are released on return, before the next one loads."""
     from .backends import create_backend
     from .backends.run_plan import RunPlan
     from .engine import Engine
     from .kvcache.options import KVCacheOptions
     from .safetensors import Checkpoint
 
-    plan = RunPlan(max_seq_len=max(len(ids), 1), kv_cache=kv_cache or KVCacheOptions(), load_mtp=False)
+    plan = RunPlan(max_seq_len=max(len(ids), 1), kv_cache=kv_cache or KVCacheOptions(), load_mtp=load_mtp)
     backend, device_line = create_backend(device, model_dir, spec, plan)
     engine = Engine(spec, Checkpoint.open(model_dir), backend, max_seq_len=plan.max_seq_len, kv_cache=plan.kv_cache)
     result = use(engine)
@@ -204,14 +227,64 @@ def reference_run(engine: Engine, ids: list[int], checked: Capture) -> Capture:
 
 
 def layer_feed(be: Backend, checked: Capture, layer: int, tokens: int) -> dict[str, Tensor]:
-    """The checked run's intermediates inside layer `layer` (all but its output) that it has at
-    each of the `tokens` positions, on `be`. A fused decode step writes no .conv / .core, so the
-    reference computes those itself and the fused op is checked at its output."""
-    prefix = f"layer.{layer}."
-    names = [n for n, table in checked.rows.items()
-             if n.startswith(prefix) and n != f"{prefix}out" and len(table) == tokens]
+    """The checked run's intermediates inside layer `layer` (all but its output). A fused decode
+    step writes no .conv / .core, so the reference computes those itself and the fused op is
+    checked at its output."""
+    return feed(be, checked, f"layer.{layer}.", f"layer.{layer}.out", tokens)
+
+
+def feed(be: Backend, checked: Capture, prefix: str, output: str, tokens: int) -> dict[str, Tensor]:
+    """The checked run's intermediates named `prefix`... but `output` that it has at each of the
+    `tokens` positions, on `be`."""
+    names = [n for n, table in checked.rows.items() if n.startswith(prefix) and n != output and len(table) == tokens]
     arrays = {name: checked.all_rows(name) for name in names}
     return {name: be.upload(a, "i32" if a.dtype.kind in "iu" else "f32") for name, a in arrays.items()}
+
+
+# --- the MTP head -----------------------------------------------------------------------------
+def has_head(model_dir: Path) -> bool:
+    from .models.qwen3_5_moe_mtp import has_mtp_head
+    from .safetensors import Checkpoint
+
+    return has_mtp_head(Checkpoint.open(model_dir))
+
+
+def mtp_head(engine: Engine, model_dir: Path) -> MtpHead:
+    from .models.qwen3_5_moe_mtp import load_mtp_head
+    from .safetensors import Checkpoint
+
+    return load_mtp_head(engine.spec, Checkpoint.open(model_dir), engine.backend, engine.model)
+
+
+def head_inputs(be: Backend, ids: list[int], checked: Capture, start: int, stop: int) -> tuple[Tensor, Tensor]:
+    """Head rows start..stop-1: the tokens after them [n] and the checked final_norm rows [n, H]."""
+    hidden = checked.stacked("final_norm", list(range(start, stop)))
+    return be.upload(np.asarray(ids[start + 1 : stop + 1], np.int32), "i32"), be.upload(hidden, "f32")
+
+
+def checked_head_run(engine: Engine, head: MtpHead, ids: list[int], checked: Capture, run: CheckedRun) -> Capture:
+    """The head on the checked backend over rows 0..T-2: all but the last decode_steps rows in one
+    pass, then one row a step."""
+    be, capture, rows = engine.backend, Capture(), len(ids) - 1
+    cache = head.new_state(be, len(ids))
+    split = max(rows - run.decode_steps, 1)
+    for start, stop in [(0, split), *((p, p + 1) for p in range(split, rows))]:
+        positions = np.arange(start, stop, dtype=np.int32)
+        capture("positions", positions)
+        step = Step(be, be.upload(positions, "i32"), lambda name, tensor: capture(name, be.to_numpy(tensor)))
+        head.forward(step, *head_inputs(be, ids, checked, start, stop), cache)
+    return capture
+
+
+def reference_head_run(engine: Engine, head: MtpHead, ids: list[int], checked: Capture, checked_head: Capture) -> Capture:
+    """The head on the numpy `engine` over every row in one pass, fed the checked head's intermediates."""
+    be, rows = engine.backend, len(ids) - 1
+    positions = np.arange(rows, dtype=np.int32)
+    reference = Capture(positions=positions)
+    step = Step(be, be.upload(positions, "i32"), lambda name, tensor: reference(name, be.to_numpy(tensor)),
+                feed(be, checked_head, "mtp.", "mtp.out", rows))
+    head.forward(step, *head_inputs(be, ids, checked, 0, rows), head.new_state(be, len(ids)))
+    return reference
 
 
 def compare_runs(checked: Capture, reference: Capture, tolerance: float) -> list[NameReport]:
