@@ -8,8 +8,8 @@ weights on the same GPU.
 Reports prefill tok/s (512 and 2048 prompt tokens), decode tok/s (256 tokens after a 1024-token
 prompt, greedy, the token id read back every step as a real generation does), bytes read per
 decode token, achieved GB/s and its share of the device-to-device copy bandwidth measured here,
-and where a decode step's time goes (bench/step_profile.py: device time by kernel beside the
-replayed step's).
+where a decode step's time goes (bench/step_profile.py: device time by kernel beside the
+replayed step's), and decode with the other launch form (plain / programmatic dependent launch).
 --prefill-only: prefill tok/s alone, once per prefill attention form (ATLAS_PREFILL_ATTENTION's
 first, then the others on the same loaded model), no decode and no transformers.
 --decode-only: decode tok/s alone (no prefill timing, no transformers); the device check runs it
@@ -41,6 +41,7 @@ PREFILL_LENGTHS = (512, 2048)
 DECODE_CONTEXT = 1024
 DECODE_TOKENS = 256
 HF_DECODE_TOKENS = 32
+LAUNCH_CHECK_TOKENS = 32  # greedy tokens both launch forms must agree on
 SAMPLED_TOKENS = 64
 RECOMMENDED_SAMPLING = {"temperature": 1.0, "top_k": 20, "top_p": 0.95, "presence_penalty": 1.5}  # Qwen3.6's card
 WARMUP_TOKENS = 64  # the warm-up generation's prompt: loads the modules, captures the graph
@@ -141,6 +142,7 @@ class AtlasRun:
     load_s: float
     decode_sampled_tok_s: float  # with RECOMMENDED_SAMPLING, over SAMPLED_TOKENS
     decode_profile: dict[str, Any]  # step_profile.profile_decode: device time by kernel
+    decode_by_launch: dict[str, Any]  # time_launch_forms: plain vs programmatic dependent launch
 
 
 def time_decode(engine: Any, prompt: list[int], tokens: int, sampling: Any = None) -> tuple[float, int]:
@@ -159,6 +161,39 @@ def time_decode(engine: Any, prompt: list[int], tokens: int, sampling: Any = Non
     for step in range(1, tokens):
         _, token = engine.pick_tensor(engine.decode_tensor(token, position + step), sampling, rng, penalties)
     return (tokens - 1) / (time.perf_counter() - started), tokens - 1
+
+
+def greedy_tokens(engine: Any, prompt: list[int], count: int) -> list[int]:
+    from atlas.backends.base import SamplingParams
+
+    tokens: list[int] = []
+    engine.generate(prompt, count, SamplingParams(), None, set(), on_token=tokens.append)
+    return tokens
+
+
+def time_launch_forms(engine: Any, prompt: list[int], own_rate: float) -> dict[str, Any]:
+    """Greedy decode tok/s with plain launches and with programmatic dependent launch (the form
+    ATLAS_LAUNCH did not pick is set on the runtime, the decode graph captured again), and whether
+    both forms give the same tokens: a kernel reading its input before griddepcontrol.wait would
+    show as a difference here."""
+    from atlas.backends.cuda.runtime import PDL_CC
+
+    rt = engine.backend.rt
+    own = "pdl" if rt.programmatic else "plain"
+    if tuple(rt.cc) < PDL_CC or not rt.driver.programmatic:
+        return {own: own_rate, "pdl": f"not run: compute capability {rt.cc} or the {rt.driver.binding} binding"}
+    reference = greedy_tokens(engine, prompt, LAUNCH_CHECK_TOKENS)
+    rt.programmatic = not rt.programmatic
+    engine.reset()  # the decode graph is captured again, with the other launches
+    try:
+        other = "pdl" if rt.programmatic else "plain"
+        tokens = greedy_tokens(engine, prompt, LAUNCH_CHECK_TOKENS)
+        rate, _ = time_decode(engine, prompt, DECODE_TOKENS)
+    finally:
+        rt.programmatic = not rt.programmatic
+        engine.reset()
+    log(f"decode with {other} launches: {rate:.1f} tok/s, tokens {'equal' if tokens == reference else 'DIFFER'}")
+    return {own: own_rate, other: rate, "tokens_equal": tokens == reference, "tokens_compared": len(tokens)}
 
 
 def time_prefill(engine: Any, prompt: list[int]) -> dict[str, float]:
@@ -225,6 +260,7 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     log(f"decode at {DECODE_CONTEXT} context: {decode:.1f} tok/s over {steps} steps")
     sampled, _ = time_decode(engine, prompt[:DECODE_CONTEXT], SAMPLED_TOKENS, SamplingParams(**RECOMMENDED_SAMPLING))
     log(f"sampled decode (Qwen's recommended settings, penalties on the device): {sampled:.1f} tok/s")
+    by_launch = time_launch_forms(engine, prompt[:DECODE_CONTEXT], decode)
     token = backend.upload(np.array([prompt[0]], dtype=np.int32), "i32")
     profile = step_profile.profile_decode(engine, token, DECODE_CONTEXT + SAMPLED_TOKENS, 1e6 / decode)
     log(step_profile.summary_line(profile))
@@ -233,7 +269,7 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     gc.collect()
     backend.rt.pool.trim()
     backend.rt.arena.release()  # transformers needs the memory next
-    return AtlasRun(prefill, decode, steps, load_s, sampled, profile), copy_bps, device
+    return AtlasRun(prefill, decode, steps, load_s, sampled, profile, by_launch), copy_bps, device
 
 
 def run_transformers(config: dict[str, Any], rng: np.random.Generator, vocab: int) -> dict[str, Any]:
@@ -292,8 +328,10 @@ def kernel_forms() -> dict[str, str]:
     """The kernel form each ATLAS_* switch picks in this run (defaults included)."""
     from atlas.backends.cuda import ops_delta_decode, ops_dense, ops_linear_moe
 
+    from atlas.backends.cuda.runtime import LAUNCH_SWITCH
+
     switches = (ops_dense.GEMM_SWITCH, ops_dense.PREFILL_ATTENTION_SWITCH, ops_linear_moe.ROUTER_SWITCH,
-                ops_linear_moe.DELTA_RULE_SWITCH, ops_delta_decode.DECODE_SWITCH)
+                ops_linear_moe.DELTA_RULE_SWITCH, ops_delta_decode.DECODE_SWITCH, LAUNCH_SWITCH)
     return {switch.env: switch.read() for switch in switches}
 
 
@@ -324,7 +362,7 @@ def atlas_result(spec: Any, rng: np.random.Generator, decode_only: bool) -> dict
         "prefill_tok_s": atlas_run.prefill_tok_s, "decode_tok_s": atlas_run.decode_tok_s,
         "decode_tokens": atlas_run.decode_tokens, "decode_context": DECODE_CONTEXT,
         "decode_sampled_tok_s": atlas_run.decode_sampled_tok_s, "decode_sampled": RECOMMENDED_SAMPLING,
-        "decode_profile": atlas_run.decode_profile,
+        "decode_profile": atlas_run.decode_profile, "decode_tok_s_by_launch": atlas_run.decode_by_launch,
         "decode_bytes_per_token": bytes_per_token, "decode_gb_s": achieved / 1e9,
         "copy_gb_s": copy_bps / 1e9, "roofline_pct": 100 * achieved / copy_bps,
         "roofline_tok_s": copy_bps / bytes_per_token["total"],

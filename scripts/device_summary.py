@@ -21,7 +21,8 @@ import step_profile  # noqa: E402  (its summary line)
 
 LISTED_FAILURES = 8  # per junit file: three files of them stay inside the call's 12,000-character output tail
 MESSAGE_CHARS = 160
-RESULT_KEYS = ("prefill_tok_s", "decode_tok_s", "decode_sampled_tok_s", "decode_bytes_per_token", "decode_gb_s", "copy_gb_s",
+RESULT_KEYS = ("prefill_tok_s", "decode_tok_s", "decode_tok_s_by_launch", "decode_sampled_tok_s", "decode_bytes_per_token",
+               "decode_gb_s", "copy_gb_s",
                "roofline_pct", "transformers", "speedup_vs_transformers", "notes")
 
 

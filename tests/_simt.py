@@ -172,6 +172,7 @@ class SimtDriver:
 
     binding = "simt"
     graphs = True
+    programmatic = True  # blocks run one kernel after another: griddepcontrol has nothing to order
 
     def __init__(self, hw: str) -> None:
         self.hw = hw

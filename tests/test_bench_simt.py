@@ -46,6 +46,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
                         ("SAMPLED_TOKENS", 3), ("WARMUP_TOKENS", 4), ("COPY_BYTES", 1 << 20)):
         monkeypatch.setattr(bench_decode, name, value)
     monkeypatch.setattr(step_profile, "QUEUE_BYTES", 1 << 16)
+    monkeypatch.setattr(bench_decode, "LAUNCH_CHECK_TOKENS", 3)
     monkeypatch.setattr(bench_quant, "MOE_TOKENS", 4)
     monkeypatch.setattr(quant_moe, "REPEATS", 1)
     return monkeypatch
@@ -70,6 +71,9 @@ def check_decode_result(r: dict[str, Any]) -> None:
     parts = r["decode_bytes_per_token"]
     assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
     assert r["roofline_pct"] == pytest.approx(100 * r["decode_gb_s"] / r["copy_gb_s"])
+    by_launch = r["decode_tok_s_by_launch"]
+    assert by_launch["tokens_equal"] and by_launch["tokens_compared"] == 3, by_launch
+    assert all(math.isfinite(by_launch[form]) and by_launch[form] > 0 for form in ("plain", "pdl")), by_launch
     profile = r["decode_profile"]
     kernels = profile["kernels"]
     assert {"atlas_embedding_bf16", "atlas_gemv_t1", "atlas_attention_decode"} <= set(kernels), kernels

@@ -128,6 +128,9 @@ def test_device_ordinal_is_read_or_refused_in_one_line(rng: np.random.Generator)
 class FakeDriver:
     binding: str = "fake"
     graphs: bool = True
+    programmatic: bool = True
+    cc: tuple[int, int] = (9, 0)
+    programmatic_launches: int = 0
     heap: Any = None
     next_ptr: int = 0
     allocs: dict[int, int] = field(default_factory=dict)
@@ -142,7 +145,7 @@ class FakeDriver:
         self.next_ptr = (ctypes.addressof(self.heap) + 255) // 256 * 256
 
     def device_info(self) -> DeviceInfo:
-        return DeviceInfo("Fake H200", (9, 0), 132, 227 * 1024, 141 << 30, 13000)
+        return DeviceInfo("Fake H200", self.cc, 132, 227 * 1024, 141 << 30, 13000)
 
     def mem_get_info(self) -> tuple[int, int]:
         return 100 << 30, 141 << 30
@@ -191,6 +194,7 @@ class FakeDriver:
 
     def launch(self, launch: LaunchArgs) -> None:
         params = ctypes.string_at(launch.params_addr, launch.params_size)
+        self.programmatic_launches += launch.programmatic
         self._op(lambda: self.launches.append((launch.kernel, launch.grid, params, launch.smem)))
 
     def stream_create(self) -> Any:
@@ -231,6 +235,28 @@ def make_runtime(arena_bytes: int = 1 << 20) -> tuple[CudaRuntime, FakeDriver]:
     driver = FakeDriver()
     image = KernelImage("fake/model/bf16 (cubin)", b"\x7fELF", "cubin")
     return CudaRuntime(driver, image, RuntimeOptions(arena_bytes=arena_bytes)), driver
+
+
+def test_programmatic_launch_is_opt_in_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ATLAS_LAUNCH=pdl marks every launch programmatic; a GPU before Hopper or a binding without
+    cuLaunchKernelEx is one line, and so is an unknown form."""
+    from atlas.backends.cuda.runtime import LAUNCH_SWITCH
+
+    image = KernelImage("fake/model/bf16 (cubin)", b"\x7fELF", "cubin")
+    params = AddParams(0, 0, 1, 1.0)
+    plain, driver = make_runtime()
+    plain.launch("atlas_add", (1, 1, 1), (32, 1, 1), params)
+    assert driver.programmatic_launches == 0
+    pdl = CudaRuntime(driver, image, RuntimeOptions(programmatic=True))
+    pdl.launch("atlas_add", (1, 1, 1), (32, 1, 1), params)
+    assert driver.programmatic_launches == 1
+    with pytest.raises(AtlasError, match=r"ATLAS_LAUNCH=pdl needs compute capability 9.0 or newer, this GPU is 8.9"):
+        CudaRuntime(FakeDriver(cc=(8, 9)), image, RuntimeOptions(programmatic=True))
+    with pytest.raises(AtlasError, match="ATLAS_LAUNCH=pdl needs the cuda-bindings binding"):
+        CudaRuntime(FakeDriver(programmatic=False), image, RuntimeOptions(programmatic=True))
+    monkeypatch.setenv("ATLAS_LAUNCH", "eager")
+    with pytest.raises(AtlasError, match="ATLAS_LAUNCH='eager' is not a launch form; use 'plain' .default. or 'pdl'"):
+        LAUNCH_SWITCH.read()
 
 
 class AddParams(ctypes.Structure):
@@ -444,6 +470,17 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
                    unsigned smem, void* st, void** params, void** extra) {
   if (st != (void*)0x30 || !params || extra) return 1;
   memcpy(last_params, params[0], 64); strncpy(last_kernel, (const char*)f, 255); launches++; return 0; }
+/* cuLaunchKernelEx's config as the driver API lays it out: one attribute, programmatic stream
+   serialization (id 6), its value's first int the "allowed" flag. */
+typedef struct { unsigned id; char pad[4]; union { unsigned char bytes[64]; int allowed; } value; } fake_attr;
+typedef struct { unsigned gx, gy, gz, bx, by, bz, smem; void* st; fake_attr* attrs; unsigned nattrs; } fake_config;
+static int last_programmatic = -1; static unsigned last_grid[3];
+int fake_last_programmatic(void) { return last_programmatic; }
+unsigned fake_last_grid(int i) { return last_grid[i]; }
+int cuLaunchKernelEx(const fake_config* c, void* f, void** params, void** extra) {
+  if (c->st != (void*)0x30 || !params || extra || c->nattrs != 1 || c->attrs[0].id != 6) return 1;
+  last_programmatic = c->attrs[0].value.allowed; last_grid[0] = c->gx; last_grid[1] = c->gy; last_grid[2] = c->gz;
+  memcpy(last_params, params[0], 64); strncpy(last_kernel, (const char*)f, 255); launches++; return 0; }
 int cuStreamCreate(void** s, unsigned f) { *s = (void*)0x30; return 0; }
 int cuStreamSynchronize(void* s) { return 0; }
 int cuEventCreate(void** e, unsigned f) { *e = malloc(8); return 0; }
@@ -520,6 +557,12 @@ before = fake.fake_launches()
 o = g(up.upload(np.array([5]), "i32"), np.array([0], dtype=np.int32))
 o = g(up.upload(np.array([6]), "i32"), np.array([1], dtype=np.int32))
 print("captures", g.captures, "launches during capture", fake.fake_launches() - before)
+assert fake.fake_last_programmatic() == -1, "a plain launch went through cuLaunchKernelEx"
+pdl = CudaRuntime(drv, KernelImage("fake (ptx)", b"// ptx", "ptx"), RuntimeOptions(programmatic=True))
+pdl.launch("atlas_pdl", (5, 4, 1), (64, 1, 1), p)
+assert fake.fake_last_programmatic() == 1 and fake.fake_last_kernel() == b"atlas_pdl", "cuLaunchKernelEx"
+assert [fake.fake_last_grid(i) for i in range(3)] == [5, 4, 1]
+fake.fake_last_params(buf, 64); assert buf.raw[:ctypes.sizeof(p)] == bytes(p), "params bytes (pdl)"
 s, e2 = drv.event_create(), drv.event_create(); drv.event_record(s, rt.stream); drv.event_record(e2, rt.stream); drv.event_synchronize(e2)
 print("elapsed", drv.event_elapsed_ms(s, e2))
 print("ALL OK")

@@ -164,6 +164,37 @@ def test_graph_replay_logits_equal_eager(demo_gpu: Any, rng: np.random.Generator
     assert np.isfinite(replayed).all() and errors.max() <= GRAPH_RTOL, f"step errors {np.round(errors, 8).tolist()}"
 
 
+def test_programmatic_launches_equal_plain(demo_gpu: Any, rng: np.random.Generator) -> None:
+    """ATLAS_LAUNCH=pdl: every kernel may start before the one before it ends and waits for it in
+    griddepcontrol.wait; a kernel touching memory before that wait would race its predecessor. The
+    logits of prefill and of replayed decode steps with programmatic launches equal plain ones."""
+    from atlas.backends.cuda.runtime import PDL_CC
+
+    engine = demo_gpu.parts.engine
+    rt = engine.backend.rt
+    if tuple(rt.cc) < PDL_CC or not rt.driver.programmatic:
+        pytest.skip(f"programmatic dependent launch needs compute capability 9.0+ and cuda-bindings "
+                    f"(this GPU: {rt.cc}, {rt.driver.binding})")
+    vocab = demo_gpu.parts.spec.vocab_size
+    prompt = rng.integers(0, vocab, size=int(rng.integers(2, 30))).tolist()
+    fed = rng.integers(0, vocab, size=GRAPH_STEPS).tolist()
+    runs = {}
+    own = rt.programmatic
+    try:
+        for programmatic in (False, True):
+            rt.programmatic = programmatic
+            engine.reset()  # the decode step is captured again with these launches
+            logits = [engine.backend.to_numpy(engine.prefill(prompt))]
+            logits += [engine.backend.to_numpy(engine.decode(t, len(prompt) + i)) for i, t in enumerate(fed)]
+            runs[programmatic] = np.concatenate(logits).astype(np.float64)  # [1 + GRAPH_STEPS, V]
+    finally:
+        rt.programmatic = own
+        engine.reset()
+    plain, pdl = runs[False], runs[True]
+    errors = np.linalg.norm(pdl - plain, axis=-1) / np.linalg.norm(plain, axis=-1)  # [1 + GRAPH_STEPS]
+    assert np.isfinite(pdl).all() and errors.max() <= GRAPH_RTOL, f"step errors {np.round(errors, 8).tolist()}"
+
+
 def test_prompt_in_passes_on_the_gpu(demo_gpu: Any, rng: np.random.Generator) -> None:
     """A prompt prefilled in several passes (prefill_chunk) on the GPU: its logits are as close to
     the numpy reference's as one pass's are (within twice their error plus a floor)."""

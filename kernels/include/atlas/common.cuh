@@ -22,6 +22,17 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// The first statement of every entry. Under programmatic dependent launch (ATLAS_LAUNCH=pdl,
+// sm_90+) a kernel may start while the previous one in the stream still runs: wait until that one
+// has finished and its writes are visible, then let the next kernel launch early in turn. Without
+// the launch attribute both instructions return at once.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f32(uint16_t bits) {
   return __uint_as_float(static_cast<uint32_t>(bits) << 16);
 }

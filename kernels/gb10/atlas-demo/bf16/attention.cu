@@ -3,17 +3,21 @@
 #include "atlas/attention.cuh"
 
 extern "C" __global__ void __launch_bounds__(256) atlas_kv_cache_write(const KvCacheWriteParams p) {
+  atlas::pdl_enter();
   atlas::kv_cache_write(p);
 }
 
 extern "C" __global__ void __launch_bounds__(128) atlas_attention_decode(const AttentionParams p) {
+  atlas::pdl_enter();
   atlas::attention_block<atlas::model::head_dim, 1, 4>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(256) atlas_attention_prefill(const AttentionParams p) {
+  atlas::pdl_enter();
   atlas::attention_block<atlas::model::head_dim, 2, 8>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(256) atlas_attention_combine(const AttentionCombineParams p) {
+  atlas::pdl_enter();
   atlas::attention_combine(p);
 }

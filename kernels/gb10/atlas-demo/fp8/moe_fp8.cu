@@ -4,21 +4,26 @@
 #include "atlas/moe_quant.cuh"
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kGemmThreads) atlas_moe_qgemm_fp8_gate_up(const MoeQuantGemmParams p) {
+  atlas::pdl_enter();
   atlas::quant::moe_quant_gemm<true, atlas::quant::Fp8Format>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kGemmThreads) atlas_moe_qgemm_fp8_down(const MoeQuantGemmParams p) {
+  atlas::pdl_enter();
   atlas::quant::moe_quant_gemm<false, atlas::quant::Fp8Format>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_moe_qgemv_fp8_gate_up(const MoeQuantGemvParams p) {
+  atlas::pdl_enter();
   atlas::quant::moe_qgemv_gate_up<atlas::quant::Fp8Format>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_moe_qgemv_fp8_down_k2(const MoeQuantGemvParams p) {
+  atlas::pdl_enter();
   atlas::quant::moe_qgemv_down<atlas::quant::Fp8Format, 2>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_moe_qgemv_fp8_down_k3(const MoeQuantGemvParams p) {
+  atlas::pdl_enter();
   atlas::quant::moe_qgemv_down<atlas::quant::Fp8Format, 3>(p);
 }

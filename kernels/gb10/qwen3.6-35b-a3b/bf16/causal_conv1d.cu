@@ -3,5 +3,6 @@
 #include "atlas/conv1d.cuh"
 
 extern "C" __global__ void __launch_bounds__(atlas::conv1d::kThreads) atlas_causal_conv1d(const CausalConv1dParams p) {
+  atlas::pdl_enter();
   atlas::conv1d::causal_conv1d<atlas::model::linear_conv_kernel_dim>(p);
 }

@@ -3,5 +3,6 @@
 #include "atlas/gated_norm.cuh"
 
 extern "C" __global__ void __launch_bounds__(atlas::gated_norm::kThreads) atlas_gated_rms_norm(const GatedRmsNormParams p) {
+  atlas::pdl_enter();
   atlas::gated_norm::gated_rms_norm<atlas::model::linear_value_head_dim>(p);
 }

@@ -3,32 +3,39 @@
 #include "atlas/moe.cuh"
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kGemvThreads) atlas_moe_gate_up_gemv(const MoeGateUpGemvParams p) {
+  atlas::pdl_enter();
   namespace m = atlas::model;
   atlas::moe::moe_gate_up_gemv<m::hidden_size, m::moe_intermediate_size>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kGemvThreads) atlas_moe_down_gemv_k2(const MoeDownGemvParams p) {
+  atlas::pdl_enter();
   namespace m = atlas::model;
   atlas::moe::moe_down_gemv<m::hidden_size, m::moe_intermediate_size, 2>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kGemvThreads) atlas_moe_down_gemv_k3(const MoeDownGemvParams p) {
+  atlas::pdl_enter();
   namespace m = atlas::model;
   atlas::moe::moe_down_gemv<m::hidden_size, m::moe_intermediate_size, 3>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kRouteThreads) atlas_moe_route(const MoeRouteParams p) {
+  atlas::pdl_enter();
   atlas::moe::moe_route(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kGemmThreads) atlas_moe_grouped_gemm_gate_up(const MoeGroupedGemmParams p) {
+  atlas::pdl_enter();
   atlas::moe::moe_grouped_gemm<true>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kGemmThreads) atlas_moe_grouped_gemm_down(const MoeGroupedGemmParams p) {
+  atlas::pdl_enter();
   atlas::moe::moe_grouped_gemm<false>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kElementwiseThreads) atlas_moe_combine(const MoeCombineParams p) {
+  atlas::pdl_enter();
   atlas::moe::moe_combine(p);
 }

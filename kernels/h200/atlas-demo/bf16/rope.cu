@@ -2,5 +2,6 @@
 #include "atlas/rope.cuh"
 
 extern "C" __global__ void __launch_bounds__(atlas::kRopeThreads) atlas_head_norm_rope(const HeadNormRopeParams p) {
+  atlas::pdl_enter();
   atlas::head_norm_rope(p);
 }

@@ -4,6 +4,7 @@
 #include "atlas/delta_rule.cuh"
 
 extern "C" __global__ void __launch_bounds__(atlas::delta_rule::kThreads) atlas_gated_delta_rule(const GatedDeltaRuleParams p) {
+  atlas::pdl_enter();
   namespace m = atlas::model;
   atlas::delta_rule::gated_delta_rule<m::linear_num_key_heads, m::linear_num_value_heads, m::linear_key_head_dim,
                                       m::linear_value_head_dim>(p);
@@ -11,12 +12,14 @@ extern "C" __global__ void __launch_bounds__(atlas::delta_rule::kThreads) atlas_
 
 // Prefill, chunked (64 tokens): prep (all chunks in parallel), then the scan over chunks.
 extern "C" __global__ void __launch_bounds__(atlas::delta_chunked::kPrepThreads) atlas_gated_delta_chunk_prep(const GatedDeltaChunkParams p) {
+  atlas::pdl_enter();
   namespace m = atlas::model;
   atlas::delta_chunked::chunk_prep<m::linear_num_key_heads, m::linear_num_value_heads, m::linear_key_head_dim,
                                    m::linear_value_head_dim>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::delta_rule::kThreads) atlas_gated_delta_chunk_scan(const GatedDeltaChunkParams p) {
+  atlas::pdl_enter();
   namespace m = atlas::model;
   atlas::delta_chunked::chunk_scan<m::linear_num_key_heads, m::linear_num_value_heads, m::linear_key_head_dim,
                                    m::linear_value_head_dim>(p);

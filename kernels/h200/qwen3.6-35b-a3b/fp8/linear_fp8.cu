@@ -4,77 +4,94 @@
 #include "atlas/gemm_quant.cuh"
 #include "atlas/gemv_quant.cuh"
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_qgemv_fp8_t1(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 1, q::kQGemvWideRows, q::kQGemvWideUnroll>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads, 2) atlas_qgemv_fp8_narrow_t1(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 1, q::kQGemvNarrowRows, q::qgemv_narrow_unroll(1)>(p);
 }
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_qgemv_fp8_t2(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 2, q::kQGemvWideRows, q::kQGemvWideUnroll>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads, 2) atlas_qgemv_fp8_narrow_t2(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 2, q::kQGemvNarrowRows, q::qgemv_narrow_unroll(2)>(p);
 }
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_qgemv_fp8_t3(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 3, q::kQGemvWideRows, q::kQGemvWideUnroll>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads, 2) atlas_qgemv_fp8_narrow_t3(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 3, q::kQGemvNarrowRows, q::qgemv_narrow_unroll(3)>(p);
 }
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_qgemv_fp8_t4(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 4, q::kQGemvWideRows, q::kQGemvWideUnroll>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads, 2) atlas_qgemv_fp8_narrow_t4(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 4, q::kQGemvNarrowRows, q::qgemv_narrow_unroll(4)>(p);
 }
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_qgemv_fp8_t5(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 5, q::kQGemvWideRows, q::kQGemvWideUnroll>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads, 2) atlas_qgemv_fp8_narrow_t5(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 5, q::kQGemvNarrowRows, q::qgemv_narrow_unroll(5)>(p);
 }
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_qgemv_fp8_t6(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 6, q::kQGemvWideRows, q::kQGemvWideUnroll>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads, 2) atlas_qgemv_fp8_narrow_t6(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 6, q::kQGemvNarrowRows, q::qgemv_narrow_unroll(6)>(p);
 }
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_qgemv_fp8_t7(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 7, q::kQGemvWideRows, q::kQGemvWideUnroll>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads, 2) atlas_qgemv_fp8_narrow_t7(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 7, q::kQGemvNarrowRows, q::qgemv_narrow_unroll(7)>(p);
 }
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_qgemv_fp8_t8(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 8, q::kQGemvWideRows, q::kQGemvWideUnroll>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads, 2) atlas_qgemv_fp8_narrow_t8(const QuantLinearParams p) {
+  atlas::pdl_enter();
   namespace q = atlas::quant;
   q::gemv_quant<q::Fp8Format, 8, q::kQGemvNarrowRows, q::qgemv_narrow_unroll(8)>(p);
 }
 extern "C" __global__ void __launch_bounds__(atlas::kGemmThreads) atlas_qgemm_fp8(const QuantLinearParams p) {
+  atlas::pdl_enter();
   atlas::quant::gemm_quant<atlas::quant::Fp8Format>(p);
 }

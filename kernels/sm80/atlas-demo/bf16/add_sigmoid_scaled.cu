@@ -3,5 +3,6 @@
 #include "atlas/moe.cuh"
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kElementwiseThreads) atlas_add_sigmoid_scaled(const AddSigmoidScaledParams p) {
+  atlas::pdl_enter();
   atlas::moe::add_sigmoid_scaled(p);
 }

@@ -3,5 +3,6 @@
 #include "atlas/attention_mma.cuh"
 
 extern "C" __global__ void __launch_bounds__(128) atlas_attention_prefill_mma(const AttentionParams p) {
+  atlas::pdl_enter();
   atlas::attention_prefill_mma<atlas::model::head_dim>(p);
 }

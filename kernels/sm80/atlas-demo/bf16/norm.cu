@@ -2,9 +2,11 @@
 #include "atlas/norm.cuh"
 
 extern "C" __global__ void __launch_bounds__(1024) atlas_rms_norm(const RmsNormParams p) {
+  atlas::pdl_enter();
   atlas::rms_norm_rows<false>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) atlas_add_rms_norm(const RmsNormParams p) {
+  atlas::pdl_enter();
   atlas::rms_norm_rows<true>(p);
 }

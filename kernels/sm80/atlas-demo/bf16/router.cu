@@ -3,14 +3,17 @@
 #include "atlas/router.cuh"
 
 extern "C" __global__ void __launch_bounds__(atlas::router::kLogitsThreads) atlas_router_logits(const RouterParams p) {
+  atlas::pdl_enter();
   atlas::router::router_logits<atlas::model::hidden_size, atlas::model::num_experts>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::router::kTopKThreads) atlas_router_top_k(const RouterParams p) {
+  atlas::pdl_enter();
   atlas::router::router_top_k<atlas::model::hidden_size, atlas::model::num_experts>(p);
 }
 
 // Decode: logits and top-k in one launch (ATLAS_ROUTER=fused; p.arrivals one zeroed counter per token).
 extern "C" __global__ void __launch_bounds__(atlas::router::kLogitsThreads) atlas_router_fused(const RouterParams p) {
+  atlas::pdl_enter();
   atlas::router::router_fused<atlas::model::hidden_size, atlas::model::num_experts>(p);
 }

@@ -5,6 +5,7 @@
 // Decode (T == 1): conv + delta rule + gated norm in one launch (ATLAS_DELTANET_DECODE=fused;
 // p.arrivals one zeroed counter per key head).
 extern "C" __global__ void __launch_bounds__(atlas::delta_decode::kThreads) atlas_delta_net_decode(const DeltaNetDecodeParams p) {
+  atlas::pdl_enter();
   namespace m = atlas::model;
   atlas::delta_decode::delta_net_decode<m::linear_conv_kernel_dim, m::linear_num_key_heads, m::linear_num_value_heads,
                                         m::linear_key_head_dim, m::linear_value_head_dim>(p);

@@ -60,8 +60,9 @@ class CudaBackend:
         info = self.rt.info
         graphs = "CUDA graphs" if self.use_graphs else "no CUDA graphs"
         router = ", fused router" if self._router_arrivals is not None else ""
+        launch = ", programmatic launches" if self.rt.programmatic else ""
         return (f"{info.name} (cc {info.cc[0]}.{info.cc[1]}, {info.sm_count} SMs), "
-                f"{self.rt.image.label}, {self.rt.driver.binding}, {graphs}{router}")
+                f"{self.rt.image.label}, {self.rt.driver.binding}, {graphs}{router}{launch}")
 
     # --- memory -------------------------------------------------------------------------------
     def upload(self, array: np.ndarray, dtype: StorageDType) -> DeviceTensor:

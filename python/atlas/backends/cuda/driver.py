@@ -74,6 +74,7 @@ class Driver(Protocol):
 
     binding: str
     graphs: bool  # False when the binding cannot capture CUDA graphs
+    programmatic: bool  # False when the binding cannot launch with programmatic stream serialization
 
     def device_info(self) -> DeviceInfo: ...
     def mem_get_info(self) -> tuple[int, int]: ...  # (free, total) bytes
@@ -109,6 +110,9 @@ class LaunchArgs:
     params_addr: int  # address of the packed params struct (the kernel's single argument)
     params_size: int
     kernel: str  # entry name, for error messages
+    # Programmatic dependent launch (sm_90+): the kernel may be launched before the previous one in
+    # the stream ends; every entry waits for it in griddepcontrol.wait before touching memory.
+    programmatic: bool = False
 
 
 def no_such_device(ordinal: int, count: int) -> AtlasError:

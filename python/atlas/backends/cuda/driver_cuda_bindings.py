@@ -27,6 +27,7 @@ def _import_driver() -> Any:
 class CudaBindingsDriver:
     binding = "cuda-bindings"
     graphs = True
+    programmatic = True
 
     def __init__(self, ordinal: int = 0) -> None:
         self._d = _import_driver()
@@ -121,6 +122,10 @@ class CudaBindingsDriver:
         # kernelParams = void*[1] holding the address of the packed struct (one by-value param).
         arg_pointers = (ctypes.c_void_p * 1)(launch.params_addr)
         try:
+            if launch.programmatic:
+                self._call("cuLaunchKernelEx", self._programmatic_config(launch), launch.function,
+                           ctypes.addressof(arg_pointers), 0)
+                return
             self._call(
                 "cuLaunchKernel",
                 launch.function,
@@ -136,6 +141,20 @@ class CudaBindingsDriver:
                 f"launch of {launch.kernel} grid={launch.grid} block={launch.block} "
                 f"smem={launch.smem}: {err}"
             ) from None
+
+    def _programmatic_config(self, launch: LaunchArgs) -> Any:
+        """cuLaunchKernelEx's config: the launch's geometry with programmatic stream serialization."""
+        attribute = self._d.CUlaunchAttribute()
+        attribute.id = self._d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config = self._d.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = launch.grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = launch.block
+        config.sharedMemBytes = launch.smem
+        config.hStream = launch.stream
+        config.attrs = [attribute]
+        config.numAttrs = 1
+        return config
 
     def stream_create(self) -> Handle:
         (stream,) = self._call("cuStreamCreate", int(self._d.CUstream_flags.CU_STREAM_NON_BLOCKING))

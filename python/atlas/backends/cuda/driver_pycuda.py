@@ -54,6 +54,7 @@ def _host_bytes(addr: int, nbytes: int) -> memoryview:
 class PycudaDriver:
     binding = "pycuda"
     graphs = False
+    programmatic = False  # pycuda has no cuLaunchKernelEx
 
     def __init__(self, ordinal: int = 0) -> None:
         _, cuda = _import_pycuda()

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...errors import AtlasError
 from .driver import CudaError, DeviceInfo, Driver, Handle, LaunchArgs
+from .ops_common import FormSwitch
 from .memory import PersistentPool, StepArena
 from .tensor import DeviceTensor, StorageDType
 
@@ -30,10 +32,18 @@ class KernelImage:
     kind: str  # "cubin" or "ptx"
 
 
+# ATLAS_LAUNCH=pdl: programmatic dependent launch, opt-in until the device measures it. Each kernel's
+# launch and block scheduling overlap the previous kernel's tail; every entry starts with
+# griddepcontrol.wait (ptx.cuh, pdl_enter), so none reads memory before its predecessor is done.
+LAUNCH_SWITCH = FormSwitch("ATLAS_LAUNCH", "launch form", ("plain", "pdl"))
+PDL_CC = (9, 0)  # griddepcontrol and the launch attribute: Hopper and newer
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     arena_bytes: int = 256 << 20
     check_launches: bool = False  # synchronise after each launch (outside capture) to name a faulting kernel
+    programmatic: bool = False  # launch every kernel with programmatic stream serialization (ATLAS_LAUNCH=pdl)
 
 
 class CudaRuntime:
@@ -51,6 +61,9 @@ class CudaRuntime:
         self.arena = StepArena(driver, options.arena_bytes)
         self.pool = PersistentPool(driver)
         self.capturing = False
+        self.programmatic = options.programmatic  # bench/decode.py sets it to time both forms
+        if self.programmatic:
+            check_programmatic(driver, self.cc)
         self._functions: dict[str, Handle] = {}
         self._smem_set: dict[str, int] = {}
 
@@ -149,7 +162,7 @@ class CudaRuntime:
             self.driver.set_max_dynamic_smem(function, smem)
             self._smem_set[kernel] = smem
         args = LaunchArgs(function, grid, block, smem, self.stream, ctypes.addressof(params),
-                          ctypes.sizeof(params), kernel)
+                          ctypes.sizeof(params), kernel, self.programmatic)
         self.driver.launch(args)
         if self.options.check_launches and not self.capturing:
             try:
@@ -175,3 +188,12 @@ def _check_dims(kernel: str, grid: tuple[int, int, int], block: tuple[int, int, 
     if not 1 <= threads <= 1024:
         raise ValueError(f"{kernel}: block {block} has {threads} threads (1..1024)")
 
+
+def check_programmatic(driver: Driver, cc: tuple[int, int]) -> None:
+    """ATLAS_LAUNCH=pdl's requirements, as one line when unmet."""
+    if tuple(cc) < PDL_CC:
+        raise AtlasError(f"{LAUNCH_SWITCH.env}=pdl needs compute capability 9.0 or newer, this GPU is "
+                         f"{cc[0]}.{cc[1]}; unset {LAUNCH_SWITCH.env}")
+    if not driver.programmatic:
+        raise AtlasError(f"{LAUNCH_SWITCH.env}=pdl needs the cuda-bindings binding ({driver.binding} cannot launch "
+                         f"with it); unset {LAUNCH_SWITCH.env} or ATLAS_CUDA_BINDING")
