@@ -130,26 +130,36 @@ def check_backend(model_dir: Path, device: str, spec: ModelSpec, ids: list[int],
     (of `reference_dir`'s checkpoint, default the same; both with `kv_cache`'s levels) -> (a
     report per intermediate, the device line)."""
     run.check(len(ids))  # before any weights load
-    head = run.mtp and len(ids) > 1 and has_head(model_dir)
-
-    def checked_runs(engine: Engine) -> tuple[Capture, Capture | None]:
-        checked = checked_run(engine, ids, run)
-        return checked, checked_head_run(engine, mtp_head(engine, model_dir), ids, checked, run) if head else None
-
-    def reference_runs(engine: Engine) -> tuple[Capture, Capture | None]:
-        reference = reference_run(engine, ids, checked)
-        if checked_head is None:
-            return reference, None
-        return reference, reference_head_run(engine, mtp_head(engine, reference_dir or model_dir), ids, checked, checked_head)
-
-    (checked, checked_head), device_line = on_engine(model_dir, device, spec, ids, checked_runs, kv_cache=kv_cache,
-                                                     load_mtp=head)
-    (reference, reference_head), _ = on_engine(reference_dir or model_dir, "cpu", spec, ids, reference_runs,
-                                               kv_cache=kv_cache, load_mtp=head)
-    reports = compare_runs(checked, reference, tolerance)
-    if checked_head is not None and reference_head is not None:
-        reports += compare_runs(checked_head, reference_head, tolerance)
+    reference_dir = reference_dir or model_dir
+    head = run.mtp and len(ids) > 1 and has_head(model_dir) and has_head(reference_dir)
+    checked, device_line = on_engine(model_dir, device, spec, ids, lambda e: checked_runs(e, model_dir, ids, run, head),
+                                     kv_cache=kv_cache, load_mtp=head)
+    reference, _ = on_engine(reference_dir, "cpu", spec, ids, lambda e: reference_runs(e, reference_dir, ids, checked),
+                             kv_cache=kv_cache, load_mtp=head)
+    reports = compare_runs(checked.model, reference.model, tolerance)
+    if checked.head is not None and reference.head is not None:
+        reports += compare_runs(checked.head, reference.head, tolerance)
     return reports, device_line
+
+
+@dataclass(frozen=True)
+class Runs:
+    """A run's captures: the model's, and the MTP head's when it was checked."""
+
+    model: Capture
+    head: Capture | None = None
+
+
+def checked_runs(engine: Engine, model_dir: Path, ids: list[int], run: CheckedRun, head: bool) -> Runs:
+    checked = checked_run(engine, ids, run)
+    return Runs(checked, checked_head_run(engine, mtp_head(engine, model_dir), ids, checked, run) if head else None)
+
+
+def reference_runs(engine: Engine, model_dir: Path, ids: list[int], checked: Runs) -> Runs:
+    reference = reference_run(engine, ids, checked.model)
+    if checked.head is None:
+        return Runs(reference)
+    return Runs(reference, reference_head_run(engine, mtp_head(engine, model_dir), ids, checked.model, checked.head))
 
 
 def on_engine(model_dir: Path, device: str, spec: ModelSpec, ids: list[int], use: Callable[[Engine], R], *,
