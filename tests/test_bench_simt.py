@@ -71,6 +71,10 @@ def check_decode_result(r: dict[str, Any]) -> None:
     parts = r["decode_bytes_per_token"]
     assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
     assert r["roofline_pct"] == pytest.approx(100 * r["decode_gb_s"] / r["copy_gb_s"])
+
+
+def check_launch_and_profile(r: dict[str, Any]) -> None:
+    """bench/decode.py's own: decode with both launch forms, and the step profile."""
     by_launch = r["decode_tok_s_by_launch"]
     assert by_launch["tokens_equal"] and by_launch["tokens_compared"] == 3, by_launch
     assert all(math.isfinite(by_launch[form]) and by_launch[form] > 0 for form in ("plain", "pdl")), by_launch
@@ -87,6 +91,7 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
     out.mkdir(), variants.mkdir()
     main = run_decode_bench(emulated, out / "results.json")
     check_decode_result(main)
+    check_launch_and_profile(main)
     assert math.isfinite(main["decode_sampled_tok_s"]) and main["decode_sampled_tok_s"] > 0
     assert_rates(main["prefill_tok_s"], {"4", "8"})
     assert main["kernel_forms"]["ATLAS_GEMM"] == "mma"
@@ -97,6 +102,7 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
     emulated.setenv("ATLAS_ROUTER", "fused")
     fused = run_decode_bench(emulated, variants / "fused_decode.json", "--decode-only")
     check_decode_result(fused)
+    check_launch_and_profile(fused)
     assert fused["prefill_tok_s"] == {}
     assert fused["kernel_forms"]["ATLAS_DELTANET_DECODE"] == fused["kernel_forms"]["ATLAS_ROUTER"] == "fused"
 
