@@ -14,8 +14,8 @@ import numpy as np
 
 from ...errors import AtlasError
 from .driver import CudaError, DeviceInfo, Driver, Handle, LaunchArgs
-from .ops_common import FormSwitch
 from .memory import PersistentPool, StepArena
+from .ops_common import FormSwitch
 from .tensor import DeviceTensor, StorageDType
 
 DEFAULT_SMEM_LIMIT = 48 * 1024
@@ -34,7 +34,7 @@ class KernelImage:
 
 # ATLAS_LAUNCH=pdl: programmatic dependent launch, opt-in until the device measures it. Each kernel's
 # launch and block scheduling overlap the previous kernel's tail; every entry starts with
-# griddepcontrol.wait (ptx.cuh, pdl_enter), so none reads memory before its predecessor is done.
+# atlas::pdl_enter() (common.cuh: griddepcontrol.wait), so none reads memory before its predecessor is done.
 LAUNCH_SWITCH = FormSwitch("ATLAS_LAUNCH", "launch form", ("plain", "pdl"))
 PDL_CC = (9, 0)  # griddepcontrol and the launch attribute: Hopper and newer
 
