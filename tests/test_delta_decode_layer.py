@@ -85,12 +85,24 @@ def test_fused_decode_is_one_launch_wired_to_the_layer(rng: np.random.Generator)
     assert ctypes.sizeof(p) == len(raw)
 
 
-@pytest.mark.parametrize("form,tokens,dump", [("separate", 1, False), ("fused", 5, False), ("fused", 1, True)])
+PROJECTION = ["layer.0.attn.qkv", "layer.0.attn.z", "layer.0.attn.b", "layer.0.attn.a"]
+
+
+@pytest.mark.parametrize("form,tokens,dump", [("separate", 1, False), ("fused", 5, False), ("separate", 1, True),
+                                              ("fused", 5, True)])
 def test_three_kernels_otherwise(form: str, tokens: int, dump: bool, rng: np.random.Generator) -> None:
     launches, _, _, dumped = _run(form, tokens, rng, dump)
     assert _names(launches) == THREE
     if dump:
-        assert dumped == ["layer.0.attn.conv", "layer.0.attn.core", "layer.0.attn.gated_norm"]
+        assert dumped == [*PROJECTION, "layer.0.attn.conv", "layer.0.attn.core", "layer.0.attn.gated_norm"]
+
+
+def test_a_dump_keeps_the_fused_step(rng: np.random.Generator) -> None:
+    """With a dump attached a fused decode step stays one kernel (atlas.compare --against cpu
+    checks that kernel at its output): its inputs and output are dumped, no .conv / .core."""
+    launches, _, _, dumped = _run("fused", 1, rng, dump=True)
+    assert _names(launches) == ["atlas_delta_net_decode"]
+    assert dumped == [*PROJECTION, "layer.0.attn.gated_norm"]
 
 
 def test_a_bad_form_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
