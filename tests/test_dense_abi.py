@@ -157,7 +157,7 @@ def test_wrapper_geometry_mirrors_the_headers() -> None:
         assert wrapper == header
     template = (REPO / "kernels/templates/bf16/attention.cu.j2").read_text()
     shapes = dict(re.findall(r"atlas_attention_(decode|prefill)\(const AttentionParams p\) \{\s*"
-                             r"atlas::attention_block<atlas::model::head_dim, (\d+, \d+)>", template))
+                             r"atlas::pdl_enter\(\);\s*atlas::attention_block<atlas::model::head_dim, (\d+, \d+)>", template))
     rows_decode, warps_decode = map(int, shapes["decode"].split(", "))
     rows_prefill, warps_prefill = map(int, shapes["prefill"].split(", "))
     assert ops_dense.ATTN_DECODE_ROWS == rows_decode * warps_decode
