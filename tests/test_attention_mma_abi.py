@@ -282,25 +282,37 @@ def _attention(rt: RecordingRuntime, dims: dict[str, int], tokens: int, capacity
                         rt.empty((tokens,), "i32"), d**-0.5, prefill=prefill)
 
 
-def test_mma_launch_matches_its_ptx_entry(ptx_entries: tuple[str, dict[str, PtxEntry]], rng: np.random.Generator) -> None:
+def test_mma_launches_match_their_ptx_entries(ptx_entries: tuple[str, dict[str, PtxEntry]], rng: np.random.Generator) -> None:
+    """The bf16 form and each quantized level's (the same params, grid and smem)."""
+    from atlas.backends.cuda.ops_kv import QUANTIZED_LEVELS
+
     model, entries = ptx_entries
     dims = model_dims(model)
+    hq, hkv, d = dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"]
     rt = RecordingRuntime()
     tokens = int(rng.integers(ops_dense.ATTN_DECODE_MAX_TOKENS + 1, 5000))
-    _attention(rt, dims, tokens, tokens + int(rng.integers(0, 9000)), "mma")
-    launch = rt.launches[-1]
-    assert launch.kernel == "atlas_attention_prefill_mma" and set(entries) == {launch.kernel}
-    entry = entries[launch.kernel]
-    assert entry.param_bytes == ctypes.sizeof(launch.params) and entry.align == ctypes.alignment(type(launch.params))
-    assert launch.block == (entry.max_threads, 1, 1) == (ops_dense.ATTN_MMA_THREADS, 1, 1)
-    p = launch.params
-    assert p.ml is None and p.tokens == tokens and p.head_dim == dims["head_dim"]
-    rows = tokens * (p.q_heads // p.kv_heads)
-    assert launch.grid == (-(-rows // ROWS), p.kv_heads, 1)
-    assert launch.smem == ops_dense.attention_mma_smem_bytes(p.head_dim) <= SMEM_OPTIN_MIN
+    capacity = tokens + int(rng.integers(0, 9000))
+    _attention(rt, dims, tokens, capacity, "mma")
+    launches = [rt.launches[-1]]
+    for level in QUANTIZED_LEVELS:
+        cache = ops_dense.CachedKV(1 << 20, 1 << 21, capacity, hkv, f"_{level}")
+        ops_dense.attend(rt, rt.empty((tokens, hq, d), "f32"), cache, rt.empty((tokens,), "i32"), d**-0.5, prefill="mma")
+        launches.append(rt.launches[-1])
+    assert [launch.kernel for launch in launches] == ["atlas_attention_prefill_mma"] + [
+        f"atlas_attention_prefill_mma_{level}" for level in QUANTIZED_LEVELS]
+    assert set(entries) == {launch.kernel for launch in launches}
+    for launch in launches:
+        entry = entries[launch.kernel]
+        assert entry.param_bytes == ctypes.sizeof(launch.params) and entry.align == ctypes.alignment(type(launch.params))
+        assert launch.block == (entry.max_threads, 1, 1) == (ops_dense.ATTN_MMA_THREADS, 1, 1)
+        p = launch.params
+        assert p.ml is None and p.tokens == tokens and p.head_dim == d and p.capacity == capacity
+        rows = tokens * (p.q_heads // p.kv_heads)
+        assert launch.grid == (-(-rows // ROWS), p.kv_heads, 1)
+        assert launch.smem == ops_dense.attention_mma_smem_bytes(p.head_dim) <= SMEM_OPTIN_MIN
 
 
-def test_decode_and_quantized_levels_keep_their_kernels(rng: np.random.Generator) -> None:
+def test_decode_keeps_its_kernels_and_each_level_takes_its_prefill_form(rng: np.random.Generator) -> None:
     dims = model_dims("qwen3.6-35b-a3b")
     rt = RecordingRuntime()
     for tokens in range(1, ops_dense.ATTN_DECODE_MAX_TOKENS + 1):
@@ -309,8 +321,11 @@ def test_decode_and_quantized_levels_keep_their_kernels(rng: np.random.Generator
     _attention(rt, dims, int(rng.integers(5, 900)), 4096, "simt")
     assert rt.launches[-1].kernel == "atlas_attention_prefill"
     cache = ops_dense.CachedKV(1 << 20, 1 << 21, 4096, 2, "_fp8")
-    ops_dense.attend(rt, rt.empty((64, 16, 256), "f32"), cache, rt.empty((64,), "i32"), 1 / 16, prefill="mma")
-    assert rt.launches[-1].kernel == "atlas_attention_prefill_fp8"
+    for form, kernel in (("simt", "atlas_attention_prefill_fp8"), ("mma", "atlas_attention_prefill_mma_fp8")):
+        ops_dense.attend(rt, rt.empty((64, 16, 256), "f32"), cache, rt.empty((64,), "i32"), 1 / 16, prefill=form)
+        assert rt.launches[-1].kernel == kernel
+    ops_dense.attend(rt, rt.empty((3, 16, 256), "f32"), cache, rt.empty((3,), "i32"), 1 / 16, prefill="mma")
+    assert rt.launches[-2].kernel == "atlas_attention_decode_fp8"
 
 
 def test_wrapper_geometry_mirrors_the_header() -> None:
@@ -336,7 +351,8 @@ def test_prefill_form_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
 def test_backend_reads_the_form_once_and_opts_into_the_smem(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator,
                                                             form: str) -> None:
     """CudaBackend on the fake driver: ATLAS_PREFILL_ATTENTION at construction picks the prefill
-    kernel; the mma kernel's dynamic smem above 48 KiB (D 256) is raised before its launch."""
+    kernel, over the bf16 cache and over a quantized level; the mma kernel's dynamic smem above
+    48 KiB (D 256) is raised before its launch."""
     from atlas.backends.cuda.backend import CudaBackend
     from test_cuda_select import make_runtime
 
@@ -354,6 +370,12 @@ def test_backend_reads_the_form_once_and_opts_into_the_smem(monkeypatch: pytest.
     if form == "mma":
         assert grid == (-(-tokens * hq // hkv // ROWS), hkv, 1)
         assert smem == driver.smem_raised[kernel] == ops_dense.attention_mma_smem_bytes(d) > 48 * 1024
+    quantized = [backend.quantized_kv_cache("turbo4", (256, hkv, d)) for _ in range(2)]
+    backend.attention(f(tokens, hq, d), f(tokens, hkv, d), f(tokens, hkv, d), KVCache(*quantized),
+                      rt.empty((tokens,), "i32"), 1 / 16)
+    kernel, _, _, smem = driver.launches[-1]
+    assert kernel == {"simt": "atlas_attention_prefill_turbo4", "mma": "atlas_attention_prefill_mma_turbo4"}[form]
+    assert form == "simt" or smem == driver.smem_raised[kernel] == ops_dense.attention_mma_smem_bytes(d)
     monkeypatch.setenv(ops_dense.PREFILL_ATTENTION_ENV, "tensor")
     with pytest.raises(AtlasError, match="ATLAS_PREFILL_ATTENTION"):
         CudaBackend(rt, use_graphs=False)

@@ -9,6 +9,8 @@ must see the tile it expects, landed and visible, no buffer may be refilled whil
 read it, and nothing may be in flight at exit. Mutations of the parsed schedule (any barrier of
 the loop removed, either wait count raised) must be caught, so the check can fail. (The final
 wait_group 0 is redundant: the last group committed is empty; removing it is not a mutation.)
+The quantized levels' source (kv_quant_mma.cuh) fills a tile with plain stores at its issue: a
+schedule that is safe for a copy landing any time between issue and wait is safe for those too.
 """
 
 from __future__ import annotations
@@ -36,12 +38,12 @@ class Op:
 
 _PATTERNS: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], list[Op]]], ...] = (
     # sm.k / sm.v must be filled from the cache of the same name: a mismatch does not parse
-    (re.compile(r"mma_attn_issue<D>\(p, p\.(k|v)_cache, (0|next), key_end, sm\.\1\)"),
+    (re.compile(r"kv\.issue\(p, p\.(k|v)_cache, (0|next), key_end, sm\.\1\)"),
      lambda m: [Op("issue", m[1], m[2])]),
     (re.compile(r"cp_async_commit\(\)"), lambda m: [Op("commit")]),
     (re.compile(r"cp_async_wait<(\d+)>\(\)"), lambda m: [Op("wait", count=int(m[1]))]),
     (re.compile(r"__syncthreads\(\)"), lambda m: [Op("barrier")]),
-    (re.compile(r"mma_attn_load_q<D>\("), lambda m: [Op("write_q", "q")]),
+    (re.compile(r"kv\.load_q\("), lambda m: [Op("write_q", "q")]),
     (re.compile(r"mma_attn_scores<D>\(sm"), lambda m: [Op("read", "q"), Op("read", "k", "current")]),
     (re.compile(r"mma_attn_values<D>\(sm"), lambda m: [Op("read", "v", "current")]),
 )

@@ -3,7 +3,8 @@ rounding: q, k, v and the caches in bf16, scores in f32, an online softmax over 
 log2 domain whose P is rounded to bf16 for the P V product and for the row sum. That P rounding is
 not in the test's ref16; it must still pass the bound in every draw (one-off: 0 failures in 20 draws
 x T in 17, 64, 200, 1000 x 2 prefixes x 2 models, err / bound <= ~0.5), and a result 2 % off must
-fail it."""
+fail it. The same for the quantized levels (test_gpu_kv's mma test): the model runs on the decoded
+cache, rotated into the keys' basis for the turbo levels (q too) and the output rotated back."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import numpy as np
 import pytest
 
 import test_gpu_attention_mma
+import test_gpu_kv
+from atlas.kvcache.hadamard import rotate, unrotate
 from atlas.targets import load_registry
 from test_gpu_ops import bf16_round
 
@@ -69,3 +72,33 @@ def test_two_percent_off_fails(rng: np.random.Generator, monkeypatch: pytest.Mon
     monkeypatch.setattr(test_gpu_attention_mma, "_run_mma", lambda backend, x, scale: mma_model(x, scale, 1.02))
     with pytest.raises(AssertionError, match="err"):
         test_gpu_attention_mma.test_prefill_mma_matches_the_reference(_gpu("atlas-demo"), rng, 64, True)
+
+
+def quantized_mma_model(level: str, x: dict[str, np.ndarray], scale: float, off: float = 1.0) -> np.ndarray:
+    """KvqMmaKv's arithmetic: mma_model over the decoded cache (kv_quant_mma.cuh decodes each tile
+    and rounds it to bf16), in the rotated basis for the turbo levels."""
+    decoded = test_gpu_kv.quantized_references(level, x, scale)[2]
+    basis, back = (rotate, unrotate) if level.startswith("turbo") else (np.asarray, np.asarray)
+    positions = x["positions"]
+    model_x = {"q": basis(x["q"]), "k": basis(decoded["k_cache"][positions]), "v": basis(decoded["v_cache"][positions]),
+               "k_cache": basis(decoded["k_cache"]), "v_cache": basis(decoded["v_cache"]), "positions": positions}
+    return np.asarray(back(mma_model(model_x, scale, off)), dtype=np.float32)
+
+
+@pytest.mark.parametrize("level", test_gpu_kv.LEVELS)
+def test_quantized_mma_rounding_passes_the_bound(level: str, rng: np.random.Generator,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(test_gpu_kv, "run_quantized_mma", lambda backend, lv, x, scale: quantized_mma_model(lv, x, scale))
+    gpu = (None, dict(load_registry().models["atlas-demo"].constants))
+    for tokens in (17, 200):
+        for prefix in (False, True):
+            test_gpu_kv.test_prefill_mma_over_each_level_keeps_the_bf16_bound(gpu, level, tokens, prefix, rng)
+
+
+@pytest.mark.parametrize("level", ["fp8", "turbo3"])
+def test_quantized_two_percent_off_fails(level: str, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(test_gpu_kv, "run_quantized_mma",
+                        lambda backend, lv, x, scale: quantized_mma_model(lv, x, scale, 1.02))
+    gpu = (None, dict(load_registry().models["atlas-demo"].constants))
+    with pytest.raises(AssertionError, match="err"):
+        test_gpu_kv.test_prefill_mma_over_each_level_keeps_the_bf16_bound(gpu, level, 64, True, rng)

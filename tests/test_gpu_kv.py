@@ -1,7 +1,8 @@
 """Quantized KV cache kernels on the GPU (kernels/include/atlas/kv_quant.cuh, ops_kv.py):
 the cache bytes the GPU writes equal the numpy encoder's bytes; attention through each level
-matches the numpy backend over the same level (prefill, then decode steps); the demo recites with
-its full-attention layer at fp8 and at turbo8."""
+matches the numpy backend over the same level (prefill, then decode steps); the tensor-core prefill
+(ATLAS_PREFILL_ATTENTION=mma) over each level keeps test_gpu_attention_mma's bound; the demo recites
+with its full-attention layer at fp8 and at turbo8."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ from atlas.kvcache.levels import get_level
 from atlas.kvcache.storage import QuantizedRows
 
 from _gpu import assert_no_op_off, require_demo_cuda
-from test_gpu_ops import open_gpu_backend
+from test_gpu_ops import BF16_FLOOR, bf16_round, check_bound, open_gpu_backend
 
 pytestmark = pytest.mark.gpu
 
 MODELS = ("atlas-demo", "qwen3.6-35b-a3b")
 LEVELS = ("fp8", "nvfp4", "turbo8", "turbo4", "turbo3")
 ATTENTION_RTOL = 2e-4  # the same decoded values on both sides: only f32 summation order differs
+MMA_CAPACITY = 1536
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -38,7 +40,8 @@ def gpu(request: pytest.FixtureRequest) -> tuple[Any, dict[str, int]]:
 
 def _vectors(rng: np.random.Generator, *shape: int, largest: float = 20.0) -> np.ndarray:
     x = rng.standard_normal(shape).astype(np.float32) * np.float32(rng.uniform(0.05, largest))
-    x.reshape(-1, shape[-1])[0] = 0.0  # one all-zero vector: zero scales
+    if x.size:
+        x.reshape(-1, shape[-1])[0] = 0.0  # one all-zero vector: zero scales
     return x
 
 
@@ -106,6 +109,69 @@ def test_attention_through_each_level_matches_numpy(gpu: tuple[Any, dict[str, in
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
         assert np.all(np.isfinite(got)) and err < ATTENTION_RTOL, f"{level} at {start}+{tokens}: relative error {err:.2e}"
         start += tokens
+
+
+def _mma_inputs(rng: np.random.Generator, dims: dict[str, int], tokens: int, start: int) -> dict[str, np.ndarray]:
+    """A prefix of `start` rows already in the cache, then this step's q, k, v at start.."""
+    hq, hkv, d = dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"]
+    k_prefix, v_prefix = (_vectors(rng, start, hkv, d, largest=3.0) for _ in range(2))
+    q, k, v = (_vectors(rng, tokens, h, d, largest=3.0) for h in (hq, hkv, hkv))
+    return {"q": q, "k": k, "v": v, "k_prefix": k_prefix, "v_prefix": v_prefix,
+            "positions": np.arange(start, start + tokens, dtype=np.int32)}
+
+
+def quantized_references(level: str, x: dict[str, np.ndarray], scale: float) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """(fp32 ref, bf16 ref, decoded caches): the numpy backend over the level; the same attention
+    with q and every decoded cache row rounded to bf16 (what the mma kernel multiplies); the
+    decoded caches [end, Hkv, D] including this step's rows."""
+    d = x["q"].shape[2]
+    start, end = int(x["positions"][0]), int(x["positions"][-1]) + 1
+    ref_k, ref_v = (QuantizedRows(get_level(level), (MMA_CAPACITY, x["k"].shape[1], d)) for _ in range(2))
+    if start:
+        ref_k[0:start], ref_v[0:start] = x["k_prefix"], x["v_prefix"]
+    ref32 = NumpyBackend().attention(x["q"], x["k"], x["v"], KVCache(ref_k, ref_v), x["positions"], scale)
+    decoded = {"k_cache": ref_k[0:end].copy(), "v_cache": ref_v[0:end].copy()}
+    k16, v16 = bf16_round(decoded["k_cache"]), bf16_round(decoded["v_cache"])
+    ref16 = NumpyBackend().attention(bf16_round(x["q"]), k16[start:end], v16[start:end], KVCache(k16.copy(), v16.copy()),
+                                     x["positions"], scale)
+    return ref32, ref16, decoded
+
+
+def run_quantized_mma(backend: Any, level: str, x: dict[str, np.ndarray], scale: float) -> np.ndarray:
+    """ops_kv.attention with prefill="mma" over fresh caches: every byte 0xFF first (NaN scales, so an
+    unwritten row read as a key or value poisons the output), the prefix written, then the step."""
+    from atlas.backends.cuda import ops_kv
+
+    rt = backend.rt
+    shape = (MMA_CAPACITY, x["k"].shape[1], x["k"].shape[2])
+    k_cache, v_cache = (ops_kv.quantized_cache(rt, level, shape) for _ in range(2))
+    for cache in (k_cache, v_cache):
+        rt.write(cache.data, np.full(cache.nbytes, 0xFF, dtype=np.uint8))
+    start = int(x["positions"][0])
+    if start:
+        rt.reset_step()
+        ops_kv.write(rt, backend.upload(x["k_prefix"], "f32"), backend.upload(x["v_prefix"], "f32"), k_cache, v_cache,
+                     backend.upload(np.arange(start, dtype=np.int32), "i32"))
+    rt.reset_step()
+    rt.poison_scratch()
+    q, k, v = (backend.upload(x[n], "f32") for n in ("q", "k", "v"))
+    out = ops_kv.attention(rt, q, k, v, KVCache(k_cache, v_cache), backend.upload(x["positions"], "i32"), scale,
+                           prefill="mma")
+    return backend.to_numpy(out)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize(("tokens", "prefix"), [(17, False), (200, True)])
+def test_prefill_mma_over_each_level_keeps_the_bf16_bound(gpu: tuple[Any, dict[str, int]], level: str, tokens: int,
+                                                          prefix: bool, rng: np.random.Generator) -> None:
+    """err(gpu vs the fp32 ref over the level) <= 2 * err(bf16 ref) + floor, as test_gpu_attention_mma."""
+    backend, dims = gpu
+    start = int(rng.integers(1, MMA_CAPACITY - tokens + 1)) if prefix else 0
+    x = _mma_inputs(rng, dims, tokens, start)
+    scale = 1.0 / math.sqrt(dims["head_dim"])
+    ref32, ref16, _ = quantized_references(level, x, scale)
+    out = run_quantized_mma(backend, level, x, scale)
+    check_bound(f"{level} prefill mma T={tokens} start={start}", out, ref32, ref16, BF16_FLOOR * 5)
 
 
 @pytest.mark.parametrize("level", LEVELS)

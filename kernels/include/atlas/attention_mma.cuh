@@ -7,6 +7,8 @@
 //   to the f32 scores). Keys [0, key_end), key_end = the block's largest position + 1 (clamped to
 //   the cache), in tiles of 32 keys: K and V tiles arrive by cp.async into one buffer each; the
 //   next K tile is in flight while this tile's P V runs, the next V tile while the next scores run.
+//   (Kv, the kernel's tile source: MmaBf16Kv copies from the bf16 cache; kv_quant_mma.cuh decodes
+//   a quantized level into the same tiles.)
 //   S = Q K^T and O += P V by mma.sync m16n8k16 (bf16 in, f32 accumulate); fragments by ldmatrix
 //   (ldmatrix.trans for V), smem rows padded by 16 bytes so the 8 row addresses of each ldmatrix
 //   phase fall in distinct banks. Online softmax in f32 on the score fragments, in the log2 domain
@@ -61,8 +63,18 @@ __device__ __forceinline__ MmaAttnRow mma_attn_row(const AttentionParams& p, int
   return {valid ? row / group : 0, static_cast<int>(blockIdx.y) * group + (valid ? row % group : 0), valid};
 }
 
-// q rows row0.. -> bf16 smem (zeros past the end); the largest position + 1 of the block's rows
-// (clamped to the cache) into key_end.
+// The largest position + 1 of the block's rows (clamped to the cache) into *key_end (zeroed before).
+__device__ __forceinline__ void mma_attn_key_end(const AttentionParams& p, int row0, int* key_end) {
+  if (threadIdx.x < kMmaAttnRows) {
+    const MmaAttnRow row = mma_attn_row(p, row0 + threadIdx.x);
+    if (row.valid) {
+      const int pos = static_cast<const int32_t*>(p.positions)[row.token];
+      atomicMax(key_end, min(pos + 1, p.capacity));
+    }
+  }
+}
+
+// q rows row0.. -> bf16 smem (zeros past the end); mma_attn_key_end.
 template <int D>
 __device__ __forceinline__ void mma_attn_load_q(const AttentionParams& p, int row0, MmaAttnSmem<D>& s, int* key_end) {
   const float* q = static_cast<const float*>(p.q);
@@ -79,13 +91,7 @@ __device__ __forceinline__ void mma_attn_load_q(const AttentionParams& p, int ro
     *reinterpret_cast<uint4*>(&s.q[r][d]) = make_uint4(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]),
                                                         pack_bf16x2(x[4], x[5]), pack_bf16x2(x[6], x[7]));
   }
-  if (threadIdx.x < kMmaAttnRows) {
-    const MmaAttnRow row = mma_attn_row(p, row0 + threadIdx.x);
-    if (row.valid) {
-      const int pos = static_cast<const int32_t*>(p.positions)[row.token];
-      atomicMax(key_end, min(pos + 1, p.capacity));
-    }
-  }
+  mma_attn_key_end(p, row0, key_end);
 }
 
 // cp.async of cache keys key0 .. key0+31 of kv head hk (zero-filled from key_end on).
@@ -103,6 +109,22 @@ __device__ __forceinline__ void mma_attn_issue(const AttentionParams& p, const v
     cp_async_16(&tile[j][d], src, valid);
   }
 }
+
+// Where the K and V tiles come from: the bf16 cache, by cp.async (kv_quant_mma.cuh has the
+// quantized levels). load_q fills the q tile and key_end, issue fills a K or V tile, leave runs on
+// the stored output rows of each warp.
+template <int D>
+struct MmaBf16Kv {
+  __device__ __forceinline__ void prepare() {}
+  __device__ __forceinline__ void load_q(const AttentionParams& p, int row0, MmaAttnSmem<D>& s, int* key_end) const {
+    mma_attn_load_q<D>(p, row0, s, key_end);
+  }
+  __device__ __forceinline__ void issue(const AttentionParams& p, const void* cache, int key0, int key_end,
+                                        uint16_t (&tile)[kMmaAttnKeys][D + kMmaAttnPad]) const {
+    mma_attn_issue<D>(p, cache, key0, key_end, tile);
+  }
+  __device__ __forceinline__ void leave(const AttentionParams&, int) const {}
+};
 
 template <int D>
 __device__ __forceinline__ void mma_attn_init(const AttentionParams& p, int row0, int key_end, MmaAttnRows<D>& rows) {
@@ -219,24 +241,26 @@ __device__ __forceinline__ void mma_attn_store(const AttentionParams& p, int row
   }
 }
 
-template <int D>
+template <int D, class Kv = MmaBf16Kv<D>>
 __device__ void attention_prefill_mma(const AttentionParams& p) {
   static_assert(D % 32 == 0 && D <= 256, "attention_prefill_mma: head_dim must be a multiple of 32, at most 256");
   ATLAS_DYNAMIC_SMEM(uint8_t, attn_mma_smem);
   __shared__ int key_end_s;
+  __shared__ Kv kv;
   MmaAttnSmem<D>& sm = *reinterpret_cast<MmaAttnSmem<D>*>(attn_mma_smem);
   if (p.head_dim != D || p.tokens <= 0 || p.ml != nullptr) return;
   const int row0 = (gridDim.x - 1 - blockIdx.x) * kMmaAttnRows;
   if (row0 >= p.tokens * (p.q_heads / p.kv_heads)) return;
 
   if (threadIdx.x == 0) key_end_s = 0;
+  kv.prepare();
   __syncthreads();
-  mma_attn_load_q<D>(p, row0, sm, &key_end_s);
+  kv.load_q(p, row0, sm, &key_end_s);
   __syncthreads();
   const int key_end = key_end_s;
-  mma_attn_issue<D>(p, p.k_cache, 0, key_end, sm.k);
+  kv.issue(p, p.k_cache, 0, key_end, sm.k);
   cp_async_commit();
-  mma_attn_issue<D>(p, p.v_cache, 0, key_end, sm.v);
+  kv.issue(p, p.v_cache, 0, key_end, sm.v);
   cp_async_commit();
 
   MmaAttnRows<D> rows;
@@ -249,7 +273,7 @@ __device__ void attention_prefill_mma(const AttentionParams& p) {
     float s[kMmaAttnKeyTiles][4];
     mma_attn_scores<D>(sm, s);
     __syncthreads();  // every warp is done with this K tile
-    if (next < key_end) mma_attn_issue<D>(p, p.k_cache, next, key_end, sm.k);
+    if (next < key_end) kv.issue(p, p.k_cache, next, key_end, sm.k);
     cp_async_commit();
     uint32_t pa[kMmaAttnKeys / 16][4];
     mma_attn_softmax<D>(s, key0, scale_log2, rows, pa);
@@ -257,11 +281,12 @@ __device__ void attention_prefill_mma(const AttentionParams& p) {
     __syncthreads();
     mma_attn_values<D>(sm, pa, rows);
     __syncthreads();  // every warp is done with this V tile
-    if (next < key_end) mma_attn_issue<D>(p, p.v_cache, next, key_end, sm.v);
+    if (next < key_end) kv.issue(p, p.v_cache, next, key_end, sm.v);
     cp_async_commit();
   }
   cp_async_wait<0>();
   mma_attn_store<D>(p, row0, rows);
+  kv.leave(p, row0);
 }
 
 }  // namespace atlas

@@ -163,6 +163,43 @@ __device__ __forceinline__ void kv_wht(float (&v)[D / kWarpSize], int lane) {
   for (int e = 0; e < P; ++e) v[e] = __fmul_rn(v[e], norm);
 }
 
+// ---- decoding ------------------------------------------------------------------------------------
+// The scale of the group that holds dim `first` of a vector, from its fields (group_scales and
+// vector_scale point at this vector's bytes of each).
+template <KvLevel L, int D>
+__device__ __forceinline__ float kv_group_scale(const uint8_t* group_scales, const uint8_t* vector_scale, int first) {
+  if constexpr (L == KvLevel::fp8) {
+    return *reinterpret_cast<const float*>(vector_scale);
+  } else if constexpr (L == KvLevel::nvfp4) {
+    return kv_e4m3_to_f32(group_scales[first / kKvNvfp4Group]) * *reinterpret_cast<const float*>(vector_scale);
+  } else {
+    return bf16_to_f32(reinterpret_cast<const uint16_t*>(group_scales)[first / kTurboGroup]);
+  }
+}
+
+// Dims first .. first+N-1 of a vector (one scale group), as stored times `scale`. bytes(i) is the
+// vector's code byte i (from shared memory, or from registers holding a run's bytes).
+template <KvLevel L, int N, class Bytes>
+__device__ __forceinline__ void kv_decode_run(Bytes bytes, int first, float scale, const float* book, float (&out)[N]) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    const int i = first + e;
+    float value;
+    if constexpr (L == KvLevel::fp8 || L == KvLevel::turbo8) {
+      value = kv_e4m3_to_f32(bytes(i));
+    } else if constexpr (L == KvLevel::nvfp4) {
+      value = kv_e2m1_to_f32((bytes(i / 2) >> (4 * (i & 1))) & 15u);
+    } else if constexpr (L == KvLevel::turbo4) {
+      value = book[(bytes(i / 2) >> (4 * (i & 1))) & 15u];
+    } else {
+      const int word = (i / 8) * 3;
+      const uint32_t bits = bytes(word) | (bytes(word + 1) << 8) | (bytes(word + 2) << 16);
+      value = book[(bits >> (3 * (i % 8))) & 7u];
+    }
+    out[e] = value * scale;
+  }
+}
+
 // ---- the cache buffer ----------------------------------------------------------------------------
 template <KvLevel L, int D>
 struct KvRegions {
@@ -386,31 +423,8 @@ struct KvqTile {
     const uint8_t* codes = side.codes[j];
     const uint8_t* aux = side.aux[j];
     const int first = lane * P;
-    float scale;
-    if constexpr (L == KvLevel::fp8) {
-      scale = *reinterpret_cast<const float*>(aux);
-    } else if constexpr (L == KvLevel::nvfp4) {
-      scale = kv_e4m3_to_f32(aux[first / kKvNvfp4Group]) * *reinterpret_cast<const float*>(aux + D / kKvNvfp4Group);
-    } else {
-      scale = bf16_to_f32(reinterpret_cast<const uint16_t*>(aux)[first / kTurboGroup]);
-    }
-#pragma unroll
-    for (int e = 0; e < P; ++e) {
-      const int i = first + e;
-      float value;
-      if constexpr (L == KvLevel::fp8 || L == KvLevel::turbo8) {
-        value = kv_e4m3_to_f32(codes[i]);
-      } else if constexpr (L == KvLevel::nvfp4) {
-        value = kv_e2m1_to_f32((codes[i / 2] >> (4 * (i & 1))) & 15u);
-      } else if constexpr (L == KvLevel::turbo4) {
-        value = book[(codes[i / 2] >> (4 * (i & 1))) & 15u];
-      } else {
-        const uint8_t* word = codes + (i / 8) * 3;
-        const uint32_t bits = word[0] | (static_cast<uint32_t>(word[1]) << 8) | (static_cast<uint32_t>(word[2]) << 16);
-        value = book[(bits >> (3 * (i % 8))) & 7u];
-      }
-      out[e] = value * scale;
-    }
+    const float scale = kv_group_scale<L, D>(aux, aux + Layout::kGroupScaleBytes, first);
+    kv_decode_run<L, P>([codes](int i) -> uint32_t { return codes[i]; }, first, scale, book, out);
   }
   __device__ __forceinline__ void key(int j, int lane, float (&out)[P]) const { decode(k, j, lane, out); }
   __device__ __forceinline__ void value(int j, int lane, float (&out)[P]) const { decode(v, j, lane, out); }

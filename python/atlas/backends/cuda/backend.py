@@ -179,7 +179,7 @@ class CudaBackend:
                   positions: DeviceTensor, scale: float) -> DeviceTensor:
         """cache.k / cache.v: bf16 DeviceTensors or QuantizedKVCache levels (both of one kind)."""
         if isinstance(cache.k, QuantizedKVCache) and isinstance(cache.v, QuantizedKVCache):
-            return ops_kv.attention(self.rt, q, k, v, cache, positions, scale)
+            return ops_kv.attention(self.rt, q, k, v, cache, positions, scale, prefill=self.prefill_attention)
         return ops_dense.attention(self.rt, q, k, v, cache, positions, scale,
                                    prefill=self.prefill_attention)
 

@@ -331,8 +331,8 @@ def prefill_token_chunks(tokens: int, group: int) -> list[tuple[int, int]]:
 def attend(rt: CudaRuntime, q: DeviceTensor, cache: CachedKV, positions: DeviceTensor, scale: float, *,
            prefill: str = "simt") -> DeviceTensor:
     """Causal attention of q [T, Hq, D] over the cached keys and values (already written).
-    prefill "mma" takes the tensor-core kernel for T > ATTN_DECODE_MAX_TOKENS over a bf16 cache
-    (the quantized levels keep their own kernels)."""
+    prefill "mma" takes the tensor-core kernel for T > ATTN_DECODE_MAX_TOKENS (over a quantized
+    level its tiles are decoded to bf16: atlas_attention_prefill_mma_<level>)."""
     _expect(prefill in PREFILL_ATTENTION_FORMS, f"attend: prefill form {prefill!r}, expected one of {PREFILL_ATTENTION_FORMS}")
     tokens, q_heads, dim = q.shape
     out = rt.empty(q.shape, "f32")
@@ -341,10 +341,10 @@ def attend(rt: CudaRuntime, q: DeviceTensor, cache: CachedKV, positions: DeviceT
     rows = tokens * (q_heads // cache.kv_heads)
     common = dict(q=q.ptr, k_cache=cache.k, v_cache=cache.v, positions=positions.ptr, tokens=tokens,
                   q_heads=q_heads, kv_heads=cache.kv_heads, head_dim=dim, capacity=cache.capacity, scale=scale)
-    if tokens > ATTN_DECODE_MAX_TOKENS and prefill == "mma" and cache.suffix == "":
+    if tokens > ATTN_DECODE_MAX_TOKENS and prefill == "mma":
         params = kp.AttentionParams(out=out.ptr, ml=None, **common)
         grid = (_ceil_div(rows, ATTN_MMA_ROWS), cache.kv_heads, 1)
-        rt.launch("atlas_attention_prefill_mma", grid, (ATTN_MMA_THREADS, 1, 1), params,
+        rt.launch(f"atlas_attention_prefill_mma{cache.suffix}", grid, (ATTN_MMA_THREADS, 1, 1), params,
                   smem=attention_mma_smem_bytes(dim))
         return out
     if tokens > ATTN_DECODE_MAX_TOKENS:

@@ -104,12 +104,12 @@ def write(rt: CudaRuntime, k: DeviceTensor, v: DeviceTensor, k_cache: QuantizedK
 
 
 def attention(rt: CudaRuntime, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, cache: KVCache,
-              positions: DeviceTensor, scale: float) -> DeviceTensor:
+              positions: DeviceTensor, scale: float, *, prefill: str = "simt") -> DeviceTensor:
     """ops_dense.attention over a quantized cache (cache.k, cache.v: QuantizedKVCache): write this
-    step's rows, then attend."""
+    step's rows, then attend (`prefill` as ops_dense.attend)."""
     k_cache, v_cache = cache.k, cache.v
     _check(q, k, v, k_cache, v_cache, positions)
     capacity, kv_heads, _ = k_cache.shape
     write(rt, k, v, k_cache, v_cache, positions)
     cache = CachedKV(k_cache.data.ptr, v_cache.data.ptr, capacity, kv_heads, f"_{k_cache.level}")
-    return attend(rt, q, cache, positions, scale)
+    return attend(rt, q, cache, positions, scale, prefill=prefill)
