@@ -11,7 +11,8 @@ decode token, achieved GB/s and its share of the device-to-device copy bandwidth
 where a decode step's time goes (bench/step_profile.py: device time by kernel beside the
 replayed step's), and decode with the other launch form (plain / programmatic dependent launch).
 --prefill-only: prefill tok/s alone, once per prefill attention form (ATLAS_PREFILL_ATTENTION's
-first, then the others on the same loaded model), no decode and no transformers.
+first, then the others on the same loaded model), and one layer's prefill attention per KV cache
+level and form (bench/kv_prefill.py); no decode and no transformers.
 --decode-only: decode tok/s alone (no prefill timing, no transformers); the device check runs it
 again with ATLAS_DELTANET_DECODE=fused to set the fused DeltaNet decode kernel against the default.
 """
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kv_prefill  # noqa: E402
 import step_profile  # noqa: E402
 import synthetic  # noqa: E402
 from provenance import git_commit  # noqa: E402
@@ -236,6 +238,11 @@ def run_prefill_forms(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
         result["prefill_tok_s_by_form"][form] = time_prefill(engine, prompt)
     backend.prefill_attention = own
     result["prefill_tok_s"] = result["prefill_tok_s_by_form"][own]
+    try:
+        result["prefill_attention_by_level"] = kv_prefill.time_levels(backend, spec, rng)
+        log(kv_prefill.summary_line(result["prefill_attention_by_level"]))
+    except Exception as err:  # a measurement on the side: its failure is recorded, the prefill rates kept
+        result["prefill_attention_by_level_error"] = f"{type(err).__name__}: {err}"[:400]
     return result
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import kv_prefill  # noqa: E402  (its summary line)
 import step_profile  # noqa: E402  (its summary line)
 
 LISTED_FAILURES = 8  # per junit file: three files of them stay inside the call's 12,000-character output tail
@@ -67,6 +68,8 @@ def variant_lines(r: dict[str, Any]) -> list[str]:
             lines.append(f"fused {step_profile.summary_line(d['decode_profile'])}")
     if "mma_prefill" in r:
         lines.append(f"prefill tok/s by attention form: {json.dumps(r['mma_prefill'].get('prefill_tok_s_by_form'))}")
+        if "prefill_attention_by_level" in r["mma_prefill"]:
+            lines.append(kv_prefill.summary_line(r["mma_prefill"]["prefill_attention_by_level"]))
     return lines
 
 

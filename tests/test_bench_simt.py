@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import decode as bench_decode  # noqa: E402
+import kv_prefill  # noqa: E402
 import device_summary  # noqa: E402
 import quant as bench_quant  # noqa: E402
 import quant_moe  # noqa: E402
@@ -48,6 +49,8 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     monkeypatch.setattr(step_profile, "QUEUE_BYTES", 1 << 16)
     monkeypatch.setattr(bench_decode, "LAUNCH_CHECK_TOKENS", 3)
     monkeypatch.setattr(bench_quant, "MOE_TOKENS", 4)
+    monkeypatch.setattr(kv_prefill, "PROMPT_TOKENS", 8)
+    monkeypatch.setattr(kv_prefill, "REPEATS", 1)
     monkeypatch.setattr(quant_moe, "REPEATS", 1)
     return monkeypatch
 
@@ -113,13 +116,18 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
     assert set(prefill["prefill_tok_s_by_form"]) == {"mma", "simt"}
     for rates in prefill["prefill_tok_s_by_form"].values():
         assert_rates(rates, {"4", "8"})
+    by_level = prefill["prefill_attention_by_level"]
+    assert by_level["prompt_tokens"] == 8
+    assert list(by_level["us_by_level"]) == ["bf16", "fp8", "nvfp4", "turbo8", "turbo4", "turbo3"]
+    for times in by_level["us_by_level"].values():
+        assert_rates(times, {"simt", "mma"})
 
     device_summary.merge_variants(variants, out / "variants.json")
     lines = "\n".join(device_summary.report(out))
     assert "unreadable" not in lines, lines
     for expected in ("decode_tok_s: ", "decode_sampled_tok_s: ", "roofline_pct: ", "copy_gb_s: ", "fused decode (fused DeltaNet, fused router): ",
                      "decode step: ", "fused decode step: ",
-                     'prefill tok/s by attention form: {"mma": '):
+                     'prefill tok/s by attention form: {"mma": ', "prefill attention us per layer at 8 tokens: bf16 simt "):
         assert expected in lines, lines
 
 
