@@ -186,10 +186,13 @@ def test_reasoning_item(thinking: Any, stream: bool) -> None:
     ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}}, "text.format"),
     ({"input": "hi", "temperature": -1}, "temperature"),
     ({"input": "hi", "model": "gpt-x"}, "model"),
+    ({"input": "hi", "text": 2}, "text"),
+    ({"input": "hi", "metadata": {"note": "\udc80"}}, "metadata.note"),
 ])
 def test_bad_requests(generating: tuple[Any, Any, LLM], body: dict[str, Any], param: str) -> None:
     _, http, _ = generating
-    answer = http.post("/v1/responses", json={"model": DEMO_NAME, **body})
+    answer = http.post("/v1/responses", content=json.dumps({"model": DEMO_NAME, **body}),  # ASCII: "\udc80" escaped
+                       headers={"Content-Type": "application/json"})
     assert answer.status_code in (400, 404), answer.text
     error = answer.json()["error"]
     assert error["param"] == param and "\n" not in error["message"], error

@@ -31,6 +31,7 @@ uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is an atlas dependency:
 
 from atlas import LLM  # noqa: E402
 from atlas.demo import DEMO_NAME, zen_of_python  # noqa: E402
+from atlas.sampling import is_int  # noqa: E402
 from atlas.server.app import ServerState, create_app  # noqa: E402
 from atlas.server.worker import EngineWorker  # noqa: E402
 
@@ -720,6 +721,9 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("min_p above one", {**GOOD, "min_p": 1.5}, "min_p"),
     ("top_k beyond int32", {**GOOD, "top_k": 2**40, "temperature": 0.7}, "top_k"),
     ("prompt lone surrogate", {**GOOD, "prompt": "Flat \ud800 is"}, "prompt"),
+    ("lone surrogate in a stop string", {**GOOD, "stop": ["a", "\ud800"]}, "stop[1]"),
+    ("NaN temperature", '{"model": "atlas-demo", "prompt": "Flat", "temperature": NaN}', None),
+    ("Infinity max_tokens", '{"model": "atlas-demo", "prompt": "Flat", "max_tokens": -Infinity}', None),
     ("nested too deeply", "[" * 100_000 + "]" * 100_000, None),
     ("stream_options wrong type", {**GOOD, "stream_options": 5}, "stream_options"),
     ("include_usage wrong type", {**GOOD, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
@@ -730,7 +734,8 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("message without role", {"model": DEMO_NAME, "messages": [{"content": "hi"}]}, "messages[0].role"),
     ("image content", {"model": DEMO_NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
-    ("chat lone surrogate", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "\udcff"}]}, "messages"),
+    ("chat lone surrogate", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "\udcff"}]},
+     "messages[0].content"),
     ("top_logprobs without logprobs", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],
                                        "top_logprobs": 3}, "top_logprobs"),
     ("echo in chat", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
@@ -767,6 +772,63 @@ def test_client_sees_bad_requests(served: Served) -> None:
     assert several.value.param == "n"
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model=DEMO_NAME, input="x")
+    assert_still_serving(served)
+
+
+# --- random bodies -------------------------------------------------------------------------------
+FUZZ_VALUES: tuple[Any, ...] = (
+    None, True, -1, 0, 3, 2**63, 1e308, -0.5, "", "x" * 600, "\ud800", "a\x00b", [], {}, [1, "a"], [[[[]]]], {"a": 1},
+    {"type": "json_object"}, {"type": "json_schema"}, [{"role": "user"}], [{"role": "user", "content": [{"type": "text"}]}],
+    {"include_usage": True}, [{"type": "function", "function": {"name": "f"}}], "required", {"5": 2}, {"-1": 1},
+)
+FUZZ_FIELDS = ("model", "prompt", "messages", "input", "text", "metadata", "instructions", "max_tokens",
+               "max_completion_tokens", "max_output_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream",
+               "stream_options", "stop", "seed", "logprobs", "top_logprobs", "echo", "logit_bias", "presence_penalty",
+               "response_format", "tools", "tool_choice", "guided_regex", "guided_choice", "structured_outputs",
+               "min_tokens", "stop_token_ids", "chat_template_kwargs", "prompt_logprobs", "tokens", "add_special_tokens")
+FUZZ_BASES = {
+    "/v1/completions": {"model": DEMO_NAME, "prompt": "Beautiful is", "max_tokens": 3},
+    "/v1/chat/completions": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+    "/v1/responses": {"model": DEMO_NAME, "input": "Hi", "max_output_tokens": 3},
+    "/tokenize": {"model": DEMO_NAME, "prompt": "Hi"},
+    "/detokenize": {"model": DEMO_NAME, "tokens": [1, 2, 3]},
+}
+
+
+def fuzzed_body(rng: np.random.Generator) -> tuple[str, str]:
+    """(path, raw JSON): a good body with one to three fields set to values of the wrong kind (or
+    of the right kind, out of range), and now and then a NaN."""
+    path = str(rng.choice(list(FUZZ_BASES)))
+    body = dict(FUZZ_BASES[path])
+    for _ in range(int(rng.integers(1, 4))):
+        body[str(rng.choice(FUZZ_FIELDS))] = FUZZ_VALUES[int(rng.integers(len(FUZZ_VALUES)))]
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):  # keep each answer short
+        if is_int(body.get(name)) and 8 < body[name] < 10**6:
+            body[name] = 3
+    raw = json.dumps(body)
+    return path, raw.replace('"temperature": 3', '"temperature": NaN') if rng.random() < 0.2 else raw
+
+
+def post_raw(port: int, path: str, body: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(HOST, port, timeout=TIMEOUT_S)
+    try:
+        conn.request("POST", path, body=body.encode("utf-8", "surrogatepass"), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def test_random_bodies_get_answers_or_one_400(served: Served, rng: np.random.Generator) -> None:
+    """Every body is answered (200) or refused with a 4xx OpenAI error body; none is a 500, and the
+    server answers a good request afterwards."""
+    for _ in range(150):
+        path, raw = fuzzed_body(rng)
+        status, data = post_raw(served.port, path, raw)
+        assert status == 200 or 400 <= status < 500, (path, raw[:300], status, data[:300])
+        if status != 200:
+            error = json.loads(data)["error"]
+            assert error["message"] and "\n" not in error["message"], (path, raw[:300], error)
     assert_still_serving(served)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field, replace
@@ -24,7 +23,7 @@ from .answer import AnswerShaper
 from .auth import ApiKeyGate
 from .choices import ChoiceRun, collect_choices, stream_choices
 from .errors import RequestError, error_body, request_error_body
-from .protocol import GenerationBody, Prompt, TokenizeBody, parse_body, parse_detokenize, parse_tokenize
+from .protocol import GenerationBody, Prompt, TokenizeBody, parse_body, parse_detokenize, parse_json_body, parse_tokenize
 from .reasoning import END as REASONING_END
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
@@ -292,13 +291,7 @@ def check_tools(state: ServerState, body: GenerationBody) -> None:
 
 
 async def read_json(request: Request) -> object:
-    raw = await read_body(request)
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise RequestError(f"the request body is not valid JSON ({err})", code="invalid_json") from None
-    except RecursionError:
-        raise RequestError("the request body nests too deeply to parse", code="invalid_json") from None
+    return parse_json_body(await read_body(request))
 
 
 async def read_body(request: Request) -> bytes:

@@ -4,6 +4,7 @@ optional extras are, but fields whose non-default value we cannot honour are ref
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +34,55 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "audio": (None,),
 }
+
+
+def parse_json_body(raw: bytes) -> object:
+    """A request body as JSON (RFC 8259): NaN and Infinity, which Python's parser would take, are
+    refused, and so are strings with an unpaired UTF-16 surrogate ("\\ud800"), which no UTF-8 text
+    holds: either would fail the answer that echoes or tokenizes it, after the work was done."""
+    def refuse_constant(name: str) -> float:
+        raise RequestError(f"the request body is not valid JSON ({name} is not a JSON number; send a finite number)",
+                           code="invalid_json")
+
+    try:
+        body = json.loads(raw, parse_constant=refuse_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RequestError(f"the request body is not valid JSON ({err})", code="invalid_json") from None
+    except RecursionError:
+        raise RequestError("the request body nests too deeply to parse", code="invalid_json") from None
+    where = unpaired_surrogate_path(body)
+    if where is not None:
+        raise RequestError(f"{where or 'the body'} holds an unpaired UTF-16 surrogate: send text as UTF-8 or with "
+                           "paired \\u escapes", where or None)
+    return body
+
+
+def unpaired_surrogate_path(body: object) -> str | None:
+    """The parameter path ("messages[0].content") of the first string, or object key, that is not
+    valid Unicode; None when every one is ("" for the body itself)."""
+    pending: list[tuple[str, object]] = [("", body)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            if not value.isascii() and not _utf8_clean(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                inner = f"{path}.{key}" if path else str(key)
+                if not _utf8_clean(key):
+                    return path
+                pending.append((inner, item))
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+def _utf8_clean(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,9 @@ def named_choice(value: dict[str, Any]) -> dict[str, Any]:
 def text_format(value: Any) -> dict[str, Any]:
     """`text`: {"format": {"type": "text" | "json_object"} or {"type": "json_schema", "name",
     "schema", "strict"}} -> response_format."""
-    form = value.get("format") if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        raise RequestError("'text' must be an object, e.g. {\"format\": {\"type\": \"text\"}}", "text")
+    form = value.get("format")
     if form is None:
         return {"type": "text"}
     if not isinstance(form, dict):
