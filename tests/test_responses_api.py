@@ -187,6 +187,8 @@ def test_reasoning_item(thinking: Any, stream: bool) -> None:
     ({"input": "hi", "temperature": -1}, "temperature"),
     ({"input": "hi", "model": "gpt-x"}, "model"),
     ({"input": "hi", "text": 2}, "text"),
+    ({"input": "hi", "metadata": "x"}, "metadata"),
+    ({"input": "hi", "metadata": {"n": 5}}, "metadata"),
     ({"input": "hi", "metadata": {"note": "\udc80"}}, "metadata.note"),
 ])
 def test_bad_requests(generating: tuple[Any, Any, LLM], body: dict[str, Any], param: str) -> None:
@@ -197,3 +199,13 @@ def test_bad_requests(generating: tuple[Any, Any, LLM], body: dict[str, Any], pa
     error = answer.json()["error"]
     assert error["param"] == param and "\n" not in error["message"], error
     assert http.post("/v1/responses", content=b"{not json").status_code == 400
+
+
+@pytest.mark.parametrize("echoed", ['"metadata": {"x": 1e400}', '"text": {"format": {"type": "text"}, "verbosity": -1e999}'])
+def test_numbers_past_the_float_range_are_refused_before_they_are_echoed(generating: tuple[Any, Any, LLM],
+                                                                         echoed: str) -> None:
+    _, http, _ = generating
+    raw = '{"model": "%s", "input": "hi", "max_output_tokens": 2, %s}' % (DEMO_NAME, echoed)
+    answer = http.post("/v1/responses", content=raw, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["code"] == "invalid_json"

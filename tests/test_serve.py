@@ -724,6 +724,9 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("lone surrogate in a stop string", {**GOOD, "stop": ["a", "\ud800"]}, "stop[1]"),
     ("NaN temperature", '{"model": "atlas-demo", "prompt": "Flat", "temperature": NaN}', None),
     ("Infinity max_tokens", '{"model": "atlas-demo", "prompt": "Flat", "max_tokens": -Infinity}', None),
+    ("number past the float range", '{"model": "atlas-demo", "prompt": "Flat", "temperature": 1e400}', None),
+    ("integer of 5000 digits", '{"model": "atlas-demo", "prompt": "Flat", "max_tokens": ' + "7" * 5000 + "}", None),
+    ("UTF-16 body", json.dumps(GOOD).encode("utf-16").decode("latin-1"), None),
     ("nested too deeply", "[" * 100_000 + "]" * 100_000, None),
     ("stream_options wrong type", {**GOOD, "stream_options": 5}, "stream_options"),
     ("include_usage wrong type", {**GOOD, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
@@ -793,6 +796,28 @@ FUZZ_BASES = {
     "/tokenize": {"model": DEMO_NAME, "prompt": "Hi"},
     "/detokenize": {"model": DEMO_NAME, "tokens": [1, 2, 3]},
 }
+
+
+def test_the_first_unpaired_surrogate_is_named_by_its_path() -> None:
+    from atlas.server.protocol import unpaired_surrogate_path
+
+    body = {"model": "m", "messages": [{"role": "user", "content": ["ok", "\udc00"]}], "metadata": {"b": "\ud800"}}
+    assert unpaired_surrogate_path(body) == "messages[0].content[1]"
+    assert unpaired_surrogate_path({"a\nb": {"c\ud800": 1}, "z": "\ud800"}) == '"a\\nb"'  # the object with the key
+    assert unpaired_surrogate_path(["\ud800"]) == "[0]" and unpaired_surrogate_path("\ud800") == ""
+    assert unpaired_surrogate_path(json.loads('{"e": "\\ud83d\\ude00", "n": [1, 2.5, null]}')) is None  # a pair
+
+
+def test_minus_infinity_logprobs_go_out_as_vllm_sends_them() -> None:
+    from types import SimpleNamespace
+
+    from atlas.sampling import TokenLogprob
+    from atlas.server.worker import MIN_WIRE_LOGPROB, scored
+
+    llm = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: f"<{ids[0]}>"))
+    [entry] = scored(llm, [TokenLogprob(3, -float("inf"), ((3, -float("inf")), (4, float("nan")), (5, -1.5)))])
+    assert (entry.text, entry.logprob) == ("<3>", MIN_WIRE_LOGPROB)
+    assert entry.top == (("<3>", MIN_WIRE_LOGPROB), ("<4>", MIN_WIRE_LOGPROB), ("<5>", -1.5))
 
 
 def fuzzed_body(rng: np.random.Generator) -> tuple[str, str]:

@@ -34,6 +34,7 @@ from .worker import EngineWorker
 log = logging.getLogger("atlas.serve")
 REASONING_TAIL_TOKENS = 32  # of the prompt, where a generation prompt would open a <think> block
 MAX_BODY_BYTES = 64 << 20  # a full Qwen3.6 context (262144 ids) in JSON is ~2.1 MB; a batch of 16, ~34 MB
+PARSE_INLINE_BYTES = 1 << 18  # larger bodies are parsed in a worker thread
 T = TypeVar("T")
 
 
@@ -291,7 +292,10 @@ def check_tools(state: ServerState, body: GenerationBody) -> None:
 
 
 async def read_json(request: Request) -> object:
-    return parse_json_body(await read_body(request))
+    raw = await read_body(request)
+    if len(raw) < PARSE_INLINE_BYTES:
+        return parse_json_body(raw)
+    return await anyio.to_thread.run_sync(parse_json_body, raw)  # seconds for tens of MiB: off the event loop
 
 
 async def read_body(request: Request) -> bytes:

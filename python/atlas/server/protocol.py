@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..llm import SamplingExtras
 from ..errors import AtlasError
+from ..tokenizer import first_line
 from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, is_int, logit_bias_pairs
 from .errors import RequestError
 from .stops import Stops
@@ -37,44 +39,70 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 
 def parse_json_body(raw: bytes) -> object:
-    """A request body as JSON (RFC 8259): NaN and Infinity, which Python's parser would take, are
-    refused, and so are strings with an unpaired UTF-16 surrogate ("\\ud800"), which no UTF-8 text
-    holds: either would fail the answer that echoes or tokenizes it, after the work was done."""
-    def refuse_constant(name: str) -> float:
-        raise RequestError(f"the request body is not valid JSON ({name} is not a JSON number; send a finite number)",
+    """A request body as JSON (RFC 8259) in UTF-8. Refused: NaN and Infinity, which Python's parser
+    takes, numbers past the float range (1e400, which it reads as inf), and strings or keys with an
+    unpaired UTF-16 surrogate ("\\ud800"), which no UTF-8 text holds: each would fail the answer
+    that echoes or tokenizes it, after the work was done."""
+    def refuse(what: str) -> float:
+        raise RequestError(f"the request body is not valid JSON ({what} is not a finite number; send one)",
                            code="invalid_json")
 
+    def finite(literal: str) -> float:
+        value = float(literal)
+        return value if math.isfinite(value) else refuse(literal[:40])
+
     try:
-        body = json.loads(raw, parse_constant=refuse_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise RequestError(f"the request body is not valid JSON ({err})", code="invalid_json") from None
+        text = raw.decode("utf-8")
+        body = json.loads(text, parse_constant=refuse, parse_float=finite)
     except RecursionError:
         raise RequestError("the request body nests too deeply to parse", code="invalid_json") from None
-    where = unpaired_surrogate_path(body)
-    if where is not None:
-        raise RequestError(f"{where or 'the body'} holds an unpaired UTF-16 surrogate: send text as UTF-8 or with "
-                           "paired \\u escapes", where or None)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RequestError(f"the request body is not valid JSON ({first_line(err)})", code="invalid_json") from None
+    except ValueError:  # the one other: an integer past Python's 4300-digit limit
+        raise RequestError("the request body holds an integer too long to read (over 4300 digits)",
+                           code="invalid_json") from None
+    if SURROGATE_ESCAPE.search(text):  # only a \u escape can put a surrogate into the parsed strings
+        where = unpaired_surrogate_path(body)
+        if where is not None:
+            raise RequestError(f"{where or 'a key of the body'} holds an unpaired UTF-16 surrogate: send text as "
+                               "UTF-8 or with paired \\u escapes", where or None)
     return body
 
 
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+PATH_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
 def unpaired_surrogate_path(body: object) -> str | None:
-    """The parameter path ("messages[0].content") of the first string, or object key, that is not
-    valid Unicode; None when every one is ("" for the body itself)."""
-    pending: list[tuple[str, object]] = [("", body)]
+    """The parameter path ("messages[0].content") of the first string, in document order, that is
+    not valid Unicode, or of the object holding such a key; None when there is none ("" for the
+    body itself). Paths are built only for the one found."""
+    Link = tuple[object, object] | None  # (parent link, key or index)
+    pending: list[tuple[object, Link]] = [(body, None)]
     while pending:
-        path, value = pending.pop()
+        value, link = pending.pop()
         if isinstance(value, str):
             if not value.isascii() and not _utf8_clean(value):
-                return path
+                return _path(link)
         elif isinstance(value, dict):
-            for key, item in value.items():
-                inner = f"{path}.{key}" if path else str(key)
-                if not _utf8_clean(key):
-                    return path
-                pending.append((inner, item))
+            if not all(_utf8_clean(key) for key in value):
+                return _path(link)
+            pending.extend((item, (link, key)) for key, item in reversed(value.items()) if isinstance(item, (str, dict, list)))
         elif isinstance(value, list):
-            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+            pending.extend((item, (link, i)) for i, item in reversed(list(enumerate(value))) if isinstance(item, (str, dict, list)))
     return None
+
+
+def _path(link: tuple[object, object] | None) -> str:
+    parts: list[str] = []
+    while link is not None:
+        link, key = link  # type: ignore[misc]
+        if isinstance(key, int):
+            parts.append(f"[{key}]")
+        else:
+            shown = str(key) if PATH_KEY.fullmatch(str(key)) else json.dumps(str(key)[:32])  # ASCII, one line
+            parts.append(f".{shown}")
+    return "".join(reversed(parts)).lstrip(".")
 
 
 def _utf8_clean(text: str) -> bool:

@@ -49,7 +49,20 @@ def chat_request(body: Any) -> dict[str, Any]:
         chat["tool_choice"] = named_choice(body["tool_choice"])
     if body.get("text") is not None:
         chat["response_format"] = text_format(body["text"])
+    check_metadata(body.get("metadata"))
     return chat
+
+
+def check_metadata(value: Any) -> None:
+    """`metadata`, echoed in the response: OpenAI's up to 16 string pairs (keys up to 64 characters,
+    values up to 512)."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or len(value) > 16 or not all(
+        isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in value.items()
+    ):
+        raise RequestError("'metadata' must be an object of at most 16 string values (keys up to 64 characters, "
+                           "values up to 512)", "metadata")
 
 
 def renamed(err: RequestError) -> RequestError:

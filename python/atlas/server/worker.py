@@ -23,6 +23,7 @@ from ..stop_strings import StopMatcher
 from .stops import Stops
 
 log = logging.getLogger("atlas.serve")
+MIN_WIRE_LOGPROB = -9999.0  # what a body carries for -inf (vLLM's value)
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,14 @@ def scored(llm: LLM, scores: list[TokenLogprob]) -> tuple[ScoredToken, ...]:
     def text(token: int) -> str:
         return llm.tokenizer.decode([token], skip_special_tokens=False)
 
-    return tuple(ScoredToken(text(s.token), s.logprob, tuple((text(t), lp) for t, lp in s.top)) for s in scores)
+    return tuple(ScoredToken(text(s.token), wire_logprob(s.logprob), tuple((text(t), wire_logprob(lp)) for t, lp in s.top))
+                 for s in scores)
+
+
+def wire_logprob(logprob: float) -> float:
+    """A log-probability JSON can carry: -inf (a token the row rules out, or a NaN logit) as
+    MIN_WIRE_LOGPROB, as vLLM sends it."""
+    return logprob if logprob >= MIN_WIRE_LOGPROB else MIN_WIRE_LOGPROB
 
 
 def scored_prompt(llm: LLM, prompt_ids: list[int], scores: list[TokenLogprob | None]) -> tuple[ScoredToken, ...]:
