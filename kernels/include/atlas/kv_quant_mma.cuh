@@ -49,6 +49,7 @@ struct KvqMmaKv {
   using Layout = KvLayout<L, D>;
   static constexpr int P = D / kWarpSize;
   static constexpr int kRunBytes = Layout::kCodeBytes * kKvqMmaRun / D;
+  static_assert(D == 64 || D == 128 || D == 256, "KvqMmaKv: head_dim must be 64, 128 or 256 (kv_wht's lanes)");
   float book[Layout::kBookSize > 0 ? Layout::kBookSize : 1];
 
   // Visible after the kernel's first barrier.
@@ -100,7 +101,7 @@ struct KvqMmaKv {
         kv_wht<D>(v, lane);
         kv_flip_signs<D>(v, lane);
 #pragma unroll
-        for (int e = 0; e < P; ++e) out[e] = v[e];
+        for (int e = 0; e < P; e += 2) *reinterpret_cast<float2*>(out + e) = make_float2(v[e], v[e + 1]);
       }
     }
   }
