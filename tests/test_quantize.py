@@ -166,6 +166,26 @@ def test_bad_input_is_one_line(tmp_path: Path, demo_quantized: dict[str, Path]) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]
 
 
+def test_a_source_atlas_run_would_refuse_is_refused_before_writing(tmp_path: Path) -> None:
+    """A checkpoint whose tensors do not match its config: one line, exit 2, nothing written (the
+    check loading makes, before any weight is converted); an --out that is a dangling link too."""
+    from _demo_copy import demo_copy
+
+    shapes = demo_copy(tmp_path / "shapes")
+    config = json.loads((shapes / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["vocab_size"] += 8
+    (shapes / "config.json").write_text(json.dumps(config))
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    cases = [(["--model", str(shapes), "--out", str(tmp_path / "a")], "expected ["),
+             (["--out", str(tmp_path / "dangling")], "a link to a missing path")]
+    for args, needle in cases:
+        done = quantize_cli("--to", "fp8", *args)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], (args, done.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "shapes"]
+
+
 @pytest.mark.parametrize("failure", [KeyboardInterrupt, MemoryError])
 def test_a_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: type[BaseException]) -> None:
     import atlas.quant.convert as convert

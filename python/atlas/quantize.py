@@ -34,10 +34,14 @@ class QuantizeArgs:
 
 
 def check_out(out: Path) -> None:
+    if out.is_symlink() and not out.exists():
+        raise AtlasError(f"--out {out} is a link to a missing path; remove the link or choose another directory")
     if out.exists():
         raise AtlasError(f"--out {out} already exists; remove it or choose another directory")
     if not out.parent.is_dir():
         raise AtlasError(f"--out {out}: the parent directory {out.parent} does not exist; create it first")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise AtlasError(f"--out {out}: the directory {out.parent} is not writable; choose another directory")
 
 
 def write_weights(source: Path, target: Path, args: QuantizeArgs) -> list[str]:
@@ -99,13 +103,19 @@ def write_configs(source: Path, target: Path, method: str, excluded: list[str]) 
 
 
 def check_source(source: Path) -> None:
+    """What atlas.run would refuse in the source's config and weights refuses the conversion, before
+    anything is written: the config, the tensors' names, shapes and dtypes. (The tokenizer files are
+    copied as they are: a weights-only directory converts too.)"""
     from .config import load_spec
+    from .models import check_checkpoint
     from .quant.scheme import read_scheme
+    from .safetensors import Checkpoint
 
-    load_spec(source)
+    spec = load_spec(source)
     method = read_scheme(source).method
     if method != "bf16":
         raise AtlasError(f"{source} is already quantized ({method}); --model must be a bf16 checkpoint")
+    check_checkpoint(spec, Checkpoint.open(source))
 
 
 def quantize(args: QuantizeArgs) -> Path:

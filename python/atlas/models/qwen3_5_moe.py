@@ -24,7 +24,8 @@ from ..layers.mlp import Mlp
 from ..layers.moe import SharedExpert, SparseMoe
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary
-from ..loader import RowPart, Shape, WeightReader, find_text_prefix
+from ..loader import RowPart, Shape, WeightReader, check_tensor, find_text_prefix
+from ..quant.stored import QuantizedTensors
 from ..safetensors import Checkpoint
 
 
@@ -258,6 +259,15 @@ def check_supported(spec: ModelSpec) -> None:
         raise AtlasError(
             "config.json sets attention_bias=true; atlas runs Qwen3.5 MoE without attention biases"
         )
+
+
+def check_qwen3_5_moe(spec: ModelSpec, checkpoint: Checkpoint) -> None:
+    """What loading checks before it reads a weight: the config is supported, and every tensor the
+    text model reads is there with its shape and a readable dtype."""
+    check_supported(spec)
+    quantized = QuantizedTensors.of(checkpoint)
+    for name, shape in model_plan(detect_layout(spec, checkpoint)).items():
+        check_tensor(checkpoint, name, shape, quantized)
 
 
 def load_qwen3_5_moe(spec: ModelSpec, checkpoint: Checkpoint, backend: Backend) -> CausalLM:
