@@ -128,7 +128,7 @@ def test_speculative_engine_penalizes_as_the_plain_one(demo_mtp: Path, rng: np.r
 
 @pytest.mark.parametrize(("name", "value"), [
     ("min_p", 1.5), ("min_p", -0.1), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
-    ("repetition_penalty", 0.0), ("repetition_penalty", 11.0), ("presence_penalty", "1"),
+    ("repetition_penalty", 0.0), ("repetition_penalty", 1e-40), ("repetition_penalty", 11.0), ("presence_penalty", "1"),
 ])
 def test_bad_values_are_one_line(name: str, value: object) -> None:
     with pytest.raises(AtlasError, match=name):

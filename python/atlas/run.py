@@ -19,6 +19,7 @@ from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL
 from .chat import write_stdout
 from .llm import SamplingExtras
+from .sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
 if TYPE_CHECKING:
     from .llm import LLM, GenerationResult
@@ -200,7 +201,8 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
               help="Subtracted, times its count, from the logit of every generated token.")
 @click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="No end-of-sequence token before this many tokens.")
-@click.option("--repetition-penalty", type=click.FloatRange(0.0, 10.0, min_open=True), default=1.0, show_default=True,
+@click.option("--repetition-penalty", type=click.FloatRange(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY), default=1.0,
+              show_default=True,
               help="Prompt and generated tokens' logits divided by it when positive, multiplied when not; 1: off.")
 @click.option("--json-object", is_flag=True, help="JSON mode: the output is one JSON object (cut at --max-tokens).")
 @click.option("--json-schema", metavar="FILE|JSON", default=None,

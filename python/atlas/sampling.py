@@ -19,6 +19,7 @@ MAX_TOP_K = 2**31 - 1  # SampleParams.top_k is an int32; any top_k >= the vocabu
 MAX_LOGPROBS = 20  # alternatives listed per generated token (OpenAI's top_logprobs limit)
 MAX_PENALTY = 2.0  # presence / frequency penalty range, OpenAI's
 MAX_REPETITION_PENALTY = 10.0
+MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY  # below, logits / r leave float32's range
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 bans or forces a token, smaller values nudge it
 UNIFORM_BITS = 24  # a draw's uniform is a float32 (the kernels' SampleParams.uniform): 24 bits in [0, 1)
 
@@ -55,9 +56,10 @@ def check_sampling(params: SamplingParams) -> None:
             raise AtlasError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), got {getattr(params, name)}")
     if not is_int(params.min_tokens) or params.min_tokens < 0:
         raise AtlasError(f"min_tokens must be an integer >= 0, got {params.min_tokens!r}")
-    if not 0.0 < params.repetition_penalty <= MAX_REPETITION_PENALTY:
+    if not MIN_REPETITION_PENALTY <= params.repetition_penalty <= MAX_REPETITION_PENALTY:
         raise AtlasError(
-            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {params.repetition_penalty}"
+            f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+            f"got {params.repetition_penalty}"
         )
     for token, bias in params.logit_bias:
         if not is_int(token) or token < 0:

@@ -14,7 +14,8 @@ from typing import Any
 from ..llm import SamplingExtras
 from ..errors import AtlasError
 from ..tokenizer import first_line
-from ..sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, is_int, logit_bias_pairs
+from ..sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K,
+                        MIN_REPETITION_PENALTY, is_int, logit_bias_pairs)
 from .errors import RequestError
 from .stops import Stops
 from ..structured import OutputFormat
@@ -213,8 +214,8 @@ def parse_extras(body: dict[str, Any]) -> SamplingExtras:
     for name, (low, high) in ranges.items():
         if not low <= values[name] <= high:
             raise RequestError(f"'{name}' must be in [{low:g}, {high:g}], got {values[name]}", name)
-    if not 0 < values["repetition_penalty"] <= MAX_REPETITION_PENALTY:
-        raise RequestError(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+    if not MIN_REPETITION_PENALTY <= values["repetition_penalty"] <= MAX_REPETITION_PENALTY:
+        raise RequestError(f"'repetition_penalty' must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off), "
                            f"got {values['repetition_penalty']}", "repetition_penalty")
     return SamplingExtras(**values, min_tokens=optional_int(body, "min_tokens", minimum=0) or 0,
                           logit_bias=parse_logit_bias(body.get("logit_bias")))
