@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
 
+import click
+
 import atlas
 
 from . import kernels
+from .cli import run_command
 
 
 def collect() -> dict[str, Any]:
@@ -46,13 +48,15 @@ def render_text(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m atlas.info", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print the same as JSON")
-    args = parser.parse_args(argv)
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--json", "as_json", is_flag=True, help="Print the same as JSON.")
+def info_command(as_json: bool) -> None:
     info = collect()
-    print(json.dumps(info, indent=1) if args.json else render_text(info))
-    return 0
+    click.echo(json.dumps(info, indent=1) if as_json else render_text(info))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(info_command, argv, "atlas.info")
 
 
 if __name__ == "__main__":
