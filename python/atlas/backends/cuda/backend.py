@@ -3,7 +3,6 @@ wrappers (ops_dense, ops_linear_moe: `op(rt, ...)` with base.py's arguments)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +26,7 @@ from .graph import GraphedDecodeStep
 from .ops_kv import QuantizedKVCache
 from .quant_weights import QuantWeight, from_quantized_weight, stack_rows
 from .quant_weights import upload as upload_quant
-from .runtime import CudaRuntime
+from .runtime import GRAPHS_SWITCH, CudaRuntime
 from .tensor import DeviceTensor
 from .upload import Uploader, from_storage
 
@@ -49,7 +48,7 @@ class CudaBackend:
         self._delta_arrivals = ops_delta_decode.decode_arrivals(rt) if fused_delta else None
         self.uploader = Uploader(rt)
         if use_graphs is None:
-            use_graphs = os.environ.get("ATLAS_CUDA_GRAPHS", "1") != "0"
+            use_graphs = GRAPHS_SWITCH.read() == "1"
         self.use_graphs = use_graphs and rt.driver.graphs
         if use_graphs and not rt.driver.graphs:
             print(f"atlas: {rt.driver.binding} cannot capture CUDA graphs; decoding without them",

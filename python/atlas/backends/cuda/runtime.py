@@ -37,6 +37,10 @@ class KernelImage:
 # atlas::pdl_enter() (common.cuh: griddepcontrol.wait), so none reads memory before its predecessor is done.
 LAUNCH_SWITCH = FormSwitch("ATLAS_LAUNCH", "launch form", ("plain", "pdl"))
 PDL_CC = (9, 0)  # griddepcontrol and the launch attribute: Hopper and newer
+# ATLAS_CUDA_CHECK=1: synchronise after each launch, so a fault names its kernel; ATLAS_CUDA_GRAPHS=0:
+# decode without CUDA graphs (backend.py).
+CHECK_SWITCH = FormSwitch("ATLAS_CUDA_CHECK", "launch check setting", ("0", "1"))
+GRAPHS_SWITCH = FormSwitch("ATLAS_CUDA_GRAPHS", "CUDA graph setting", ("1", "0"))
 
 
 @dataclass(frozen=True)

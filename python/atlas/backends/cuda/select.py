@@ -101,10 +101,9 @@ def device_ordinal(env: Mapping[str, str] = os.environ) -> int:
 
 def _open(driver: Driver, selection: Selection) -> CudaBackend:
     from .backend import CudaBackend
-    from .runtime import LAUNCH_SWITCH, CudaRuntime, RuntimeOptions
+    from .runtime import CHECK_SWITCH, LAUNCH_SWITCH, CudaRuntime, RuntimeOptions
 
-    options = RuntimeOptions(check_launches=os.environ.get("ATLAS_CUDA_CHECK") == "1",
-                             programmatic=LAUNCH_SWITCH.read() == "pdl")
+    options = RuntimeOptions(check_launches=CHECK_SWITCH.read() == "1", programmatic=LAUNCH_SWITCH.read() == "pdl")
     return CudaBackend(CudaRuntime(driver, load_image(selection.key, selection.kind), options))
 
 
