@@ -53,7 +53,7 @@ def parse_json_body(raw: bytes) -> object:
         return value if math.isfinite(value) else refuse(literal[:40])
 
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # strict UTF-8; a leading byte-order mark is dropped
         body = json.loads(text, parse_constant=refuse, parse_float=finite)
     except RecursionError:
         raise RequestError("the request body nests too deeply to parse", code="invalid_json") from None
