@@ -105,6 +105,9 @@ def tiny_mtp(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 HEAD_TOLERANCE = 2e-2  # the GPU head's logits against numpy's (its bf16 roundings: ~3e-3)
+# A row whose router logits have a k-th to (k+1)-th gap below this may pick another expert under the
+# GPU's bf16 roundings (~1e-2 on a logit): not an error, so such rows are left out of the comparison.
+NEAR_TIE = 0.05
 
 
 def plain_engine(model_dir: Path, max_seq_len: int = 256) -> Engine:
@@ -558,8 +561,14 @@ def test_gpu_head_matches_numpy(demo_mtp: Path, tokens: int, rng: np.random.Gene
     acceptance, so only this test sees it. One token is a draft step (GEMVs), more a replay (GEMMs)."""
     gpu = cuda_llm(demo_mtp, 1).parts.engine  # type: ignore[attr-defined]
     cpu = spec_engine(demo_mtp, 1)
-    ids = rng.integers(0, load_spec(demo_mtp).vocab_size, tokens).astype(np.int32)  # [T]
-    hidden = rng.standard_normal((tokens, cpu.spec.hidden_size)).astype(np.float32)  # [T, H]
+    for _ in range(MAX_DRAWS):
+        ids = rng.integers(0, load_spec(demo_mtp).vocab_size, tokens).astype(np.int32)  # [T]
+        hidden = rng.standard_normal((tokens, cpu.spec.hidden_size)).astype(np.float32)  # [T, H]
+        routed = head_router_gaps(cpu, ids, hidden) >= NEAR_TIE  # [T]: rows compared
+        if 2 * int(routed.sum()) >= tokens:
+            break
+    else:
+        pytest.fail(f"{MAX_DRAWS} draws of {tokens} rows, most of them near a routing tie each time")
     logits = []
     for engine in (cpu, gpu):
         be = engine.backend
@@ -568,6 +577,19 @@ def test_gpu_head_matches_numpy(demo_mtp: Path, tokens: int, rng: np.random.Gene
         logits.append(be.to_numpy(engine.head.logits(step, out)).astype(np.float64))  # [T, V]
     want, got = logits
     assert np.isfinite(got).all()
-    error = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-    print(f"head logits relative error {error:.3e} on {tokens} tokens")
-    assert error < HEAD_TOLERANCE, f"head logits relative error {error:.3e} on {tokens} tokens"
+    error = float(np.linalg.norm(got[routed] - want[routed]) / np.linalg.norm(want[routed]))
+    print(f"head logits relative error {error:.3e} on {int(routed.sum())} of {tokens} tokens")
+    assert error < HEAD_TOLERANCE, f"head logits relative error {error:.3e} on {int(routed.sum())} of {tokens} tokens"
+
+
+def head_router_gaps(engine: SpeculativeEngine, ids: np.ndarray, hidden: np.ndarray) -> np.ndarray:
+    """Each row's gap between the k-th and (k+1)-th router logit of the head's MoE, on the numpy
+    backend (inf where k covers every expert). A row's MoE output reaches no other row of the
+    head, so a row near a tie can be left out of a comparison alone."""
+    be, k = engine.backend, engine.spec.num_experts_per_tok
+    seen: dict[str, np.ndarray] = {}
+    step = Step(be, be.upload(np.arange(len(ids), dtype=np.int32), "i32"),
+                dump=lambda name, tensor: seen.__setitem__(name, be.to_numpy(tensor)))
+    engine.head.forward(step, be.upload(ids, "i32"), be.upload(hidden, "f32"), engine.head.new_state(be, 16))
+    logits = -np.sort(-seen["mtp.mlp.router_logits"], axis=-1)  # [T, E], descending
+    return logits[:, k - 1] - logits[:, k] if k < logits.shape[-1] else np.full(len(ids), np.inf)
