@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
-from typing import Any
-
-import click
+from typing import Any, NoReturn
 
 import atlas
 
 from . import kernels
-from .cli import run_command
 
 
 def collect() -> dict[str, Any]:
@@ -48,15 +47,24 @@ def render_text(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@click.command(help=__doc__.splitlines()[0])
-@click.option("--json", "as_json", is_flag=True, help="Print the same as JSON.")
-def info_command(as_json: bool) -> None:
-    info = collect()
-    click.echo(json.dumps(info, indent=1) if as_json else render_text(info))
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line and exit 2, as the other tools' (cli.py); atlas.info
+    keeps to the standard library so it runs in an install without the dependencies."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"atlas.info: error: {message} (see --help)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(info_command, argv, "atlas.info")
+    parser = OneLineParser(prog="python -m atlas.info", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the same as JSON")
+    args = parser.parse_args(argv)
+    info = collect()
+    try:
+        print(json.dumps(info, indent=1) if args.json else render_text(info), flush=True)
+    except BrokenPipeError:  # `atlas.info | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    return 0
 
 
 if __name__ == "__main__":
