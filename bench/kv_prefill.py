@@ -24,11 +24,13 @@ def _caches(backend: Any, level: str, shape: tuple[int, int, int]) -> Any:
 
 
 def _attend(backend: Any, form: str, step: dict[str, Any], cache: Any, scale: float) -> None:
-    from atlas.backends.cuda import ops_dense, ops_kv
-
-    op = ops_kv.attention if isinstance(cache.k, ops_kv.QuantizedKVCache) else ops_dense.attention
-    backend.rt.reset_step()
-    op(backend.rt, step["q"], step["k"], step["v"], cache, step["positions"], scale, prefill=form)
+    """The backend's own attention op with `form` as its prefill form (restored afterwards)."""
+    own, backend.prefill_attention = backend.prefill_attention, form
+    try:
+        backend.rt.reset_step()
+        backend.attention(step["q"], step["k"], step["v"], cache, step["positions"], scale)
+    finally:
+        backend.prefill_attention = own
 
 
 def time_op(backend: Any, form: str, step: dict[str, Any], cache: Any, scale: float) -> float:
