@@ -229,6 +229,24 @@ def test_decimal_bounds_agree_with_the_values(rng: np.random.Generator) -> None:
                 assert not Matcher(node).feed(f"{text}e0".encode())
 
 
+@pytest.mark.parametrize("kind", ["integer", "number"])
+def test_bounds_past_the_float_range(kind: str, rng: np.random.Generator) -> None:
+    """Integers past the largest double are exact JSON numbers: as bounds and steps they compile,
+    and a value past that range ends where it is inside (a parser reads it as infinity)."""
+    exponent = int(rng.integers(309, 400))
+    schema = {"type": kind, "minimum": 10**exponent, "maximum": 10**(exponent + 1), "multipleOf": 10**exponent}
+    if kind == "number":
+        del schema["multipleOf"]
+    node = compile_schema(schema)
+    text = ("2" + "0" * exponent + (".5" if kind == "number" else "")).encode()
+    matcher = Matcher(node)
+    assert matcher.feed(text) and matcher.can_end
+    short = Matcher(node)  # one digit short of the minimum
+    assert not (short.feed(b"9" * exponent) and short.can_end)
+    huge = {"type": kind, "maximum": -(10**exponent)}
+    assert Matcher(compile_schema(huge)).feed(b"-1" + b"0" * (exponent + 1))
+
+
 def decimal_text(value: Fraction, rng: np.random.Generator) -> str:
     """`value` (a multiple of 1/1000) with 0..3 more trailing zeros than it needs."""
     text = f"{float(value):.3f}".rstrip("0").rstrip(".")

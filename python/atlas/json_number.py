@@ -9,10 +9,27 @@ bounds both exactly and as the float a JSON parser reads (validators compare flo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 from .json_match import NUMBER_ENDS, Node, State, number_step
+
+
+def is_finite_number(value: Any) -> bool:
+    """A JSON number a schema may bound with: any int (exact at every size) or a finite float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
+
+
+def parsed_float(x: Fraction | int) -> float:
+    """x as the float a JSON parser reads its decimal as: past the largest double, infinity."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
 
 
 @dataclass(frozen=True)
@@ -45,8 +62,8 @@ class Interval:
 
     def holds_float(self, x: float) -> bool:
         """holds() as a validator comparing parsed floats decides it."""
-        low = None if self.low is None else float(self.low)
-        high = None if self.high is None else float(self.high)
+        low = None if self.low is None else parsed_float(self.low)
+        high = None if self.high is None else parsed_float(self.high)
         above = low is None or (x > low if self.low_open else x >= low)
         return above and (high is None or (x < high if self.high_open else x <= high))
 
@@ -101,7 +118,7 @@ class DecimalRange(Node):
         if phase not in NUMBER_ENDS:
             return False
         signed = -value if negative else value
-        return self.interval.holds(signed) and self.interval.holds_float(float(signed))
+        return self.interval.holds(signed) and self.interval.holds_float(parsed_float(signed))
 
     def open(self, state: State) -> bool:
         return True

@@ -27,7 +27,7 @@ from typing import Any
 
 from .errors import AtlasError
 from .json_match import ANY_VALUE, Array, Literal, Node, Number, Object, String, Union, alternatives
-from .json_number import DecimalRange, Interval
+from .json_number import DecimalRange, Interval, is_finite_number, parsed_float
 from .json_regex import RegexError, compile_patterns
 
 _OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
@@ -189,7 +189,7 @@ class SchemaCompiler:
         multiple = 1
         if "multipleOf" in schema:
             step = schema["multipleOf"]
-            if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step <= 0:
+            if not is_finite_number(step) or step <= 0:
                 raise self.fail(where, "'multipleOf' must be a number > 0")
             exact = Fraction(str(step)) if isinstance(step, float) else Fraction(step)
             if kind == "number" and exact.denominator != 1:
@@ -320,7 +320,7 @@ def numbers_as_floats(value: Any) -> Any:
         return {key: numbers_as_floats(item) for key, item in value.items()}
     if isinstance(value, list):
         return [numbers_as_floats(item) for item in value]
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    return parsed_float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 def json_kind(value: Any) -> str:
@@ -332,7 +332,7 @@ def json_kind(value: Any) -> str:
 def check_bounds(schema: dict[str, Any]) -> None:
     for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         value = schema.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+        if value is not None and not is_finite_number(value):
             raise SchemaError(f"json schema: '{key}' must be a finite number, got {json.dumps(value)}")
 
 
