@@ -14,7 +14,7 @@ import pytest
 
 from atlas import LLM
 from atlas.errors import AtlasError
-from atlas.gbnf import GrammarError, compile_grammar
+from atlas.gbnf import GrammarError, compile_grammar, on_cycles, reaching
 from atlas.json_match import Matcher, Transitions
 from test_json_mode import damage, dumps, python_accepts, random_object
 
@@ -233,6 +233,29 @@ def test_nesting_past_the_parsers_depth_is_one_line() -> None:
 def test_right_recursion_and_nesting_compile() -> None:
     shape = Transitions(compile_grammar('root ::= "a" root | "b"'))
     assert accepts(shape, b"aaab") and not accepts(shape, b"aaa")
+
+
+def test_cycle_analysis_matches_a_search_from_every_rule(rng: np.random.Generator) -> None:
+    """on_cycles / reaching (linear: the grammar's recursion and left-recursion checks) against a
+    plain search from each name, over random graphs with self-loops and long chains."""
+    for _ in range(60):
+        names = [f"r{i}" for i in range(int(rng.integers(1, 40)))]
+        density = float(rng.uniform(0.0, 0.15))
+        graph = {n: {m for m in names if rng.random() < density} for n in names}
+
+        def reached(start: str) -> set[str]:
+            seen, todo = set(), list(graph[start])
+            while todo:
+                name = todo.pop()
+                if name not in seen:
+                    seen.add(name)
+                    todo.extend(graph[name])
+            return seen
+
+        cyclic = {n for n in names if n in reached(n)}
+        assert on_cycles(graph) == cyclic
+        targets = {n for n in names if rng.random() < 0.1}
+        assert reaching(graph, targets) == {n for n in names if n in targets or reached(n) & targets}
 
 
 # --- generation ------------------------------------------------------------------------------------

@@ -310,16 +310,59 @@ def first_refs(ast: Ast, empty_rules: set[str]) -> set[str]:
     return found
 
 
-def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
-    """The names reachable from start in one or more steps."""
-    seen: set[str] = set()
-    todo = list(graph[start])
+def on_cycles(graph: dict[str, set[str]]) -> set[str]:
+    """The names that reach themselves in one or more steps: Tarjan's strongly connected
+    components (iterative, linear in the grammar: one search per rule was quadratic), those
+    of two or more names and the names with an edge to themselves."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cyclic: set[str] = set()
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            name, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(graph[nxt])))
+                elif nxt in on_stack:
+                    low[name] = min(low[name], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[name])
+            if low[name] == index[name]:
+                component = stack[stack.index(name):]
+                del stack[len(stack) - len(component):]
+                on_stack.difference_update(component)
+                if len(component) > 1 or name in graph[name]:
+                    cyclic.update(component)
+    return cyclic
+
+
+def reaching(graph: dict[str, set[str]], targets: set[str]) -> set[str]:
+    """The names that reach one of `targets` in zero or more steps (a search of the reversed graph)."""
+    callers: dict[str, list[str]] = {name: [] for name in graph}
+    for name, called in graph.items():
+        for other in called:
+            callers[other].append(name)
+    found, todo = set(targets), list(targets)
     while todo:
-        name = todo.pop()
-        if name not in seen:
-            seen.add(name)
-            todo.extend(graph[name])
-    return seen
+        for caller in callers[todo.pop()]:
+            if caller not in found:
+                found.add(caller)
+                todo.append(caller)
+    return found
 
 
 @dataclass
@@ -400,12 +443,10 @@ def compile_grammar(text: str) -> Node:
     if "root" not in rules:
         raise GrammarError("grammar: there is no root rule (root ::= ...), where the output starts")
     empty_rules = nullable_rules(rules)
-    left = {name: first_refs(ast, empty_rules) for name, ast in rules.items()}
+    left_recursive = on_cycles({name: first_refs(ast, empty_rules) for name, ast in rules.items()})
     for name in rules:
-        if name in reaches(left, name):
+        if name in left_recursive:
             raise GrammarError(f"grammar: rule {name!r} is left-recursive (it reaches itself before a "
                                "character); rewrite it with repetition, e.g. a ::= b (\",\" b)*")
     graph = {name: refs(ast) for name, ast in rules.items()}
-    cyclic = {name for name in rules if name in reaches(graph, name)}
-    recursive = {name for name in rules if name in cyclic or reaches(graph, name) & cyclic}
-    return Compiler(rules, recursive).node(("ref", "root"))
+    return Compiler(rules, reaching(graph, on_cycles(graph))).node(("ref", "root"))
