@@ -157,6 +157,18 @@ def test_missing_or_broken_files(tmp_path: Path) -> None:
         Tokenizer.open(tmp_path)
 
 
+def test_a_tokenizer_that_cannot_encode_is_one_line(tmp_path: Path, rng: np.random.Generator) -> None:
+    """A Unigram tokenizer.json without an unk id loads, then fails on a character it lacks: one
+    line naming the file, not the library's exception."""
+    pieces = [["a", -1.0], ["b", -2.0]]
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "Unigram", "vocab": pieces}}), encoding="utf-8")
+    tokenizer = Tokenizer.open(tmp_path)
+    assert tokenizer.encode("".join(rng.choice(["a", "b"], 5))) != []
+    with pytest.raises(AtlasError, match="tokenizer.json cannot encode the text") as caught:
+        tokenizer.encode("abz")
+    assert "\n" not in str(caught.value) and str(tmp_path) in str(caught.value)
+
+
 def test_template_kwargs_reach_the_template(tmp_path: Path, rng: np.random.Generator) -> None:
     """Extra template variables (the server's chat_template_kwargs), as Qwen's enable_thinking."""
     train_tokenizer(tmp_path)

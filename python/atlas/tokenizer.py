@@ -79,6 +79,9 @@ class Tokenizer:
             return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
         except TypeError:  # tokenizers' answer to a str that is not valid Unicode
             raise AtlasError(f"the text is not valid Unicode ({unicode_problem(text)}); send UTF-8 text") from None
+        except Exception as err:  # the file's model cannot encode it (a Unigram model without an unk id)
+            raise AtlasError(f"{self.source / 'tokenizer.json'} cannot encode the text ({first_line(err)}); "
+                             "fix or re-download the tokenizer") from None
 
     @functools.cached_property
     def token_bytes(self) -> list[bytes | None]:
