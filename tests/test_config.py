@@ -138,7 +138,7 @@ def test_generation_config_sampling_defaults(tmp_path: Path, rng: np.random.Gene
     assert dict(load_spec(write_config(tmp_path / "b", text, {"top_k": -1})).sampling_defaults) == {"top_k": 0}
     assert load_spec(write_config(tmp_path / "c", text)).sampling_defaults == ()
     for i, (key, value) in enumerate([("top_p", 0), ("temperature", -1), ("top_k", 1.5), ("repetition_penalty", 11),
-                                      ("min_p", "low")]):
+                                      ("min_p", "low"), ("temperature", float("nan"))]):
         write_config(tmp_path / f"bad{i}", text, {key: value})
         expect_error(tmp_path / f"bad{i}", "generation_config.json", f"'{key}'")
 
@@ -166,7 +166,10 @@ def expect_error(model_dir: Path, *needles: str) -> None:
         ("hidden_size", 64.5, "must be an integer"),
         ("num_experts", True, "must be an integer"),
         ("num_hidden_layers", 0, "at least 1"),
-        ("rms_norm_eps", "tiny", "must be a number"),
+        ("rms_norm_eps", "tiny", "must be a finite number"),
+        ("rms_norm_eps", float("nan"), "must be a finite number"),  # json reads NaN
+        ("rms_norm_eps", -1e-6, "must be > 0"),
+        ("rope_parameters", {"rope_type": "default", "rope_theta": 0}, "rope_theta' must be > 0"),
         ("tie_word_embeddings", 1, "true or false"),
         ("layer_types", ["linear_attention", "sliding"], "must be a list"),
         ("eos_token_id", "eos", "integer or a list"),
@@ -177,7 +180,7 @@ def test_wrong_typed_field(tmp_path: Path, rng: np.random.Generator, field: str,
     text = random_text_config(rng)
     text[field] = value
     config_path = str(tmp_path / "config.json")
-    expect_error(write_config(tmp_path, text), f"'{field}'", needle, config_path)
+    expect_error(write_config(tmp_path, text), f"'{field}", needle, config_path)  # or 'field.key'
 
 
 def test_nested_error_names_the_nested_field(tmp_path: Path, rng: np.random.Generator) -> None:

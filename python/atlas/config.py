@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -129,12 +130,14 @@ class FieldReader:
             raise self.fail(key, f"must be at least {minimum}, got {value}")
         return value
 
-    def float(self, key: str, default: float | None = None) -> float:
+    def float(self, key: str, default: float | None = None, positive: bool = False) -> float:
         value = self.raw(key, default)
         if value is None:
             raise self.fail(key, "is missing")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(key, f"must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.fail(key, f"must be a finite number, got {value!r}")  # json reads NaN / Infinity
+        if positive and value <= 0:
+            raise self.fail(key, f"must be > 0, got {value}")
         return float(value)
 
     def bool(self, key: str, default: bool | None = None) -> bool:
@@ -224,7 +227,7 @@ def spec_from_config(
         model_type=model_type,
         nested=nested,
         layer_types=layer_types,
-        rms_norm_eps=text.float("rms_norm_eps", TEXT_DEFAULTS["rms_norm_eps"]),
+        rms_norm_eps=text.float("rms_norm_eps", TEXT_DEFAULTS["rms_norm_eps"], positive=True),
         tie_word_embeddings=tie,
         rotary_dim=rope[0],
         rope_theta=rope[1],
@@ -263,7 +266,7 @@ def read_rope(text: FieldReader, head_dim: int) -> tuple[int, float]:
     rope_type = params.raw("rope_type", params.raw("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise params.fail("rope_type", f"is {rope_type!r}; atlas supports {list(SUPPORTED_ROPE_TYPES)}")
-    theta = params.float("rope_theta", text.float("rope_theta", TEXT_DEFAULTS["rope_theta"]))
+    theta = params.float("rope_theta", text.float("rope_theta", TEXT_DEFAULTS["rope_theta"], positive=True), positive=True)
     default_factor = text.float("partial_rotary_factor", TEXT_DEFAULTS["partial_rotary_factor"])
     factor = params.float("partial_rotary_factor", default_factor)
     rotary_dim = int(head_dim * factor)
