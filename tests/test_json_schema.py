@@ -325,6 +325,8 @@ def test_undeclared_keys_never_repeat_a_declared_one() -> None:
     ({"type": "string", "pattern": "a^b"}, "anchors are supported only at the start and end"),
     ({"type": "string", "pattern": "^a{5}$", "maxLength": 3}, "no string of the allowed lengths"),
     ({"type": "string", "pattern": "[b-a]"}, "out of order"),
+    ({"type": "string", "pattern": "a(?i)b"}, "inline flags such as (?i) must open the pattern"),
+    ({"type": "string", "pattern": "(?m)^a"}, "the inline flag 'm' is not supported"),
     ({"type": "string", "pattern": "(ab"}, "unbalanced parenthesis"),
     ({"type": "string", "pattern": "^a", "format": "date"}, "no string matches pattern '^a' and pattern"),
     ({"type": "number", "minimum": 2, "exclusiveMaximum": 2}, "no number lies within the bounds"),
@@ -379,6 +381,54 @@ def test_patterns_agree_with_python_re(pattern: str, rng: np.random.Generator) -
         taken = matcher.feed(json.dumps(text, ensure_ascii=ascii_only).encode()) and matcher.can_end
         expected = re.search(pattern.replace("(?<", "(?P<"), text, re.ASCII) is not None  # ECMA's classes; (?P<: Python's spelling
         assert taken == expected, (pattern, text)
+
+
+FLAG_PATTERNS = [r"(?i)^[a-c]+x$", r"^a(?i:bc)d$", r"(?i)^k(?-i:k)$", r"(?s)^a.b$", r"^(?s:.)+$", r"(?i)^[^k]s$",
+                 r"(?is)^.[^s]$", r"(?i)\w\W", r"(?i:S)|^x"]
+FLAG_ALPHABET = ["a", "b", "c", "d", "x", "k", "K", "s", "S", "\n", "\u212a", "\u017f", "é", "É", "_", " "]
+
+
+@pytest.mark.parametrize("pattern", FLAG_PATTERNS)
+def test_inline_flags_agree_with_python_re(pattern: str, rng: np.random.Generator) -> None:
+    """(?i) and (?s), global and scoped: on ASCII strings a string is taken exactly when re.search
+    finds the pattern; on any string (the Kelvin sign, the long s, é) only where re.search does (a
+    character takes its other case only where every reading of the pattern agrees); random walks
+    end in strings re.search finds it in."""
+    import re
+
+    schema = {"type": "string", "pattern": pattern}
+    node = compile_schema(schema)
+    for _ in range(20):
+        walked = random_text(schema, rng, limit=60)
+        assert walked is None or re.search(pattern, json.loads(walked)), walked
+    for _ in range(300):
+        text = "".join(FLAG_ALPHABET[int(i)] for i in rng.integers(0, len(FLAG_ALPHABET), int(rng.integers(0, 5))))
+        matcher = Matcher(node)
+        taken = matcher.feed(json.dumps(text, ensure_ascii=bool(rng.integers(0, 2))).encode()) and matcher.can_end
+        found = re.search(pattern.replace("$", r"\Z"), text) is not None  # ECMA's $: Python's takes a final line end
+        assert taken == found if text.isascii() else (not taken or found), (pattern, text)
+
+
+def test_a_whole_text_regex_takes_inline_flags() -> None:
+    """vLLM's regex (the whole text, not a search) reads the flags the same way."""
+    from atlas.json_match import Text
+    from atlas.json_regex import compile_regex
+
+    def whole(pattern: str, text: str) -> bool:
+        matcher = Matcher(Text(compile_regex(pattern, search=False)))
+        return matcher.feed(text.encode()) and matcher.can_end
+
+    assert whole("(?i)yes|no", "YeS") and whole("(?i)yes|no", "NO") and not whole("(?i)yes|no", "yes!")
+    assert whole("(?s)a.+", "a\nb") and not whole("a.+", "a\nb")
+
+
+@pytest.mark.parametrize(("pattern", "text", "ok"), [
+    (r"(?i)^k$", "K", True), (r"(?i)^k$", "\u212a", False),  # the Kelvin sign: k to Python and ECMA's u mode only
+    (r"(?i)^s$", "\u017f", False), (r"(?i)^é$", "É", True), (r"(?i)^[^k]$", "\u212a", False),
+    (r"(?i)^[^s]$", "\u017f", False), (r"^(?i:a)a$", "AA", False), (r"(?s)^.$", "\u2028", True), (r"^.$", "\r", False),
+])
+def test_ignoring_case_keeps_to_what_every_reading_admits(pattern: str, text: str, ok: bool) -> None:
+    assert recognised({"type": "string", "pattern": pattern}, json.dumps(text).encode()) == ok
 
 
 @pytest.mark.parametrize(("pattern", "text", "ok"), [

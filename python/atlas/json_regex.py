@@ -6,13 +6,22 @@ paths from it to the end, so a prefix is taken only while some way to finish it 
 The subset of ECMA-262 taken: literals and escapes (\\d \\D \\w \\W \\s \\S, \\t \\n \\r \\f \\v,
 \\xHH, \\uHHHH, escaped metacharacters), classes ([a-z_], [^...]), '.', groups ((...), (?:...),
 (?<name>...) and Python's (?P<name>...)), alternation, the quantifiers * + ? {n} {n,} {n,m} (lazy forms too: the language is
-the same), '^' / '$' at the start / end of a top-level alternative. A side not anchored matches
+the same), '^' / '$' at the start / end of a top-level alternative, the inline flags i (ignore
+case) and s ('.' takes line ends too) opening the pattern ((?i), Python's) or scoping a group
+((?i:...), (?-i:...), ECMA-262 2025's modifiers and Python's). A side not anchored matches
 anything (a pattern matches anywhere in the string, as JSON schema says). Refused (RegexError):
-backreferences, lookaround, \\b / \\B, anchors elsewhere, more than MAX_STATES states."""
+backreferences, lookaround, \\b / \\B, anchors elsewhere, other inline flags, more than
+MAX_STATES states.
+
+Ignoring case, as \\d \\w \\s (see shorthand), keeps to what every reading admits: a character
+takes its other case only where the two map to each other (k and K, not the Kelvin sign, which
+Python and ECMA-262's Unicode mode match to k and its legacy mode does not); a negated class
+leaves out every character any reading folds onto one of its members (case_variants)."""
 
 from __future__ import annotations
 
-from bisect import bisect_right
+import re
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from functools import cache
 
@@ -27,6 +36,8 @@ SPACE: Ranges = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x
 LINE_ENDS: Ranges = ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))
 CONTROL_ESCAPES = {"t": 0x09, "n": 0x0A, "r": 0x0D, "f": 0x0C, "v": 0x0B, "0": 0x00}
 META = set("^$\\.*+?()[]{}|/-")
+INLINE_FLAGS = re.compile(r"\?([a-zA-Z]*)(?:-([a-zA-Z]+))?([:)])")  # after "(": (?i) (?is:...) (?-i:...) (?:...)
+SUPPORTED_FLAGS = frozenset("is")
 
 
 class RegexError(ValueError):
@@ -68,6 +79,7 @@ DOT: Ranges = complement(LINE_ENDS)
 class Parser:
     def __init__(self, text: str) -> None:
         self.text, self.i = text, 0
+        self.ignore_case = self.dot_all = False  # the inline flags i and s in force at the cursor
 
     def fail(self, problem: str) -> RegexError:
         return RegexError(f"pattern {self.text!r} at {self.i}: {problem}")
@@ -85,6 +97,10 @@ class Parser:
     def top(self, search: bool = True) -> tuple:
         """The whole pattern; with `search`, unanchored sides of each top-level alternative match
         anything (JSON schema's pattern), else the pattern matches the whole text (vLLM's regex)."""
+        while self.text.startswith("(?", self.i) and (flags := INLINE_FLAGS.match(self.text, self.i + 1)) and \
+                flags.group(3) == ")" and not flags.group(2):
+            self.set_flags(flags.group(1), True)  # (?i): the whole pattern
+            self.i = flags.end()
         branches = []
         while True:
             start = self.peek() == "^"
@@ -122,29 +138,49 @@ class Parser:
         if char == "[":
             return ("chars", self.char_class())
         if char == ".":
-            return ("chars", DOT)
+            return ("chars", ANY if self.dot_all else DOT)
         if char == "\\":
-            return ("chars", self.escape(in_class=False))
+            return ("chars", self.cased(self.escape(in_class=False)))
         if char in "^$":
             raise self.fail("anchors are supported only at the start and end of the pattern")
         if char in "*+?)":
             raise self.fail(f"{char!r} has nothing to repeat")
-        return ("chars", ((ord(char), ord(char)),))
+        return ("chars", self.cased(((ord(char), ord(char)),)))
+
+    def cased(self, ranges: Ranges) -> Ranges:
+        return fold_case(ranges, wide=False) if self.ignore_case else ranges
+
+    def set_flags(self, letters: str, on: bool) -> None:
+        for letter in letters:
+            if letter not in SUPPORTED_FLAGS:
+                raise self.fail(f"the inline flag {letter!r} is not supported (i and s are)")
+            if letter == "i":
+                self.ignore_case = on
+            else:
+                self.dot_all = on
 
     def group(self) -> tuple:
-        if self.text.startswith("?:", self.i):
-            self.i += 2
+        outer = self.ignore_case, self.dot_all
+        if flags := INLINE_FLAGS.match(self.text, self.i):  # (?:...) and (?flags-flags:...)
+            if flags.group(3) == ")":
+                raise self.fail("inline flags such as (?i) must open the pattern; scope them with (?i:...)")
+            self.set_flags(flags.group(1), True)
+            self.set_flags(flags.group(2) or "", False)
+            self.i = flags.end()
         elif self.text.startswith(("?<", "?P<"), self.i) and self.text[self.i + 2 : self.i + 3] not in ("=", "!"):
             close = self.text.find(">", self.i)
             if close < 0:
                 raise self.fail("unterminated group name")
             self.i = close + 1
-        elif self.peek() == "?":
+        elif self.text.startswith(("?=", "?!", "?<=", "?<!"), self.i):
             raise self.fail("lookaround is not supported")
+        elif self.peek() == "?":
+            raise self.fail("this (?...) group is not supported (groups: (...), (?:...), (?<name>...), (?i:...))")
         node = self.alternation()
         if self.peek() != ")":
             raise self.fail("unbalanced parenthesis")
         self.i += 1
+        self.ignore_case, self.dot_all = outer
         return node
 
     def quantified(self, node: tuple) -> tuple:
@@ -196,6 +232,8 @@ class Parser:
                 ranges.extend(lo_set)
         self.i += 1
         out = normalize(ranges)
+        if self.ignore_case:  # a negated class leaves out whatever any reading folds onto a member
+            out = fold_case(out, wide=negate)
         return complement(out) if negate else out
 
     def class_atom(self, wide: bool) -> Ranges:
@@ -239,6 +277,49 @@ def shorthand(letter: str, wide: bool) -> Ranges:
         python_spaces = [(c, c) for low, high in SPACE for c in range(low, high + 1) if chr(c).isspace()]
         return {"d": DIGIT, "w": WORD, "s": normalize(python_spaces)}[letter]
     return normalize(list({"d": DIGIT, "w": WORD, "s": SPACE}[letter]) + list(unicode_class(letter)))
+
+
+def fold_case(ranges: Ranges, wide: bool) -> Ranges:
+    """ranges with the other cases of their characters (case_variants): the narrow variants,
+    or with `wide` every character some reading folds together with one of them."""
+    cased, narrow, wide_variants = case_variants()
+    extra: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        for cp in cased[bisect_left(cased, lo) : bisect_right(cased, hi)]:
+            extra.extend((v, v) for v in (wide_variants if wide else narrow)[cp])
+    return normalize([*ranges, *extra]) if extra else ranges
+
+
+@cache
+def case_variants() -> tuple[list[int], dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
+    """The code points with case, and for each its narrow variants (the single characters of its
+    lower and upper case that map back: k <-> K, not the Kelvin sign, whose upper case is itself)
+    and its wide ones (every code point tied to it through lower(), upper() or casefold(): what
+    Python's re and ECMA-262 in either mode may match it with)."""
+    parent: dict[tuple[str, object], tuple[str, object]] = {}
+
+    def root(key: tuple[str, object]) -> tuple[str, object]:
+        while parent.setdefault(key, key) != key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    for cp in range(MAX_CP + 1):
+        char = chr(cp)
+        forms = {char, char.lower(), char.upper(), char.casefold()}
+        for form in forms if len(forms) > 1 else ():
+            parent[root(("text", form))] = root(("cp", cp))
+    for key in list(parent):
+        if key[0] == "text" and len(key[1]) == 1:  # type: ignore[arg-type]
+            parent[root(("cp", ord(key[1])))] = root(key)  # type: ignore[arg-type]
+    members: dict[tuple[str, object], list[int]] = {}
+    for key in list(parent):
+        if key[0] == "cp":
+            members.setdefault(root(key), []).append(key[1])  # type: ignore[arg-type]
+    wide = {cp: tuple(sorted(group)) for group in members.values() if len(group) > 1 for cp in group}
+    narrow = {cp: tuple(ord(x) for x in {chr(cp).lower(), chr(cp).upper()} if len(x) == 1 and x != chr(cp)
+                        and x.lower() == chr(cp).lower() and x.upper() == chr(cp).upper()) for cp in wide}
+    return sorted(wide), narrow, wide
 
 
 @cache
