@@ -338,6 +338,32 @@ def test_structured_output(served: Served, rng: np.random.Generator, stream: boo
         check(text)
 
 
+def test_output_formats_compile_off_the_event_loop(served: Served, monkeypatch: pytest.MonkeyPatch,
+                                                   rng: np.random.Generator) -> None:
+    """A large schema or grammar compiles for up to a second: on the event loop that would stall
+    every other stream, so the request's format is compiled in a worker thread."""
+    import asyncio
+
+    from atlas.structured import OutputFormat
+
+    on_loop: list[bool] = []
+    compile_shape = OutputFormat.shape
+
+    def recording(self: OutputFormat) -> Any:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # no loop runs in this thread
+            on_loop.append(False)
+        return compile_shape(self)
+
+    monkeypatch.setattr(OutputFormat, "shape", recording)
+    fields = OUTPUT_FORMATS[sorted(OUTPUT_FORMATS)[int(rng.integers(len(OUTPUT_FORMATS)))]][0]
+    served.client().chat.completions.create(model=DEMO_NAME, messages=[{"role": "user", "content": random_prompt(rng)}],
+                                            max_tokens=4, temperature=0, **fields)
+    assert on_loop and not any(on_loop), on_loop
+
+
 def test_json_schema_from_a_pydantic_model(served: Served, rng: np.random.Generator) -> None:
     """The openai client's parse() sends a pydantic model's strict schema (a date field: format
     "date") and reads the answer back into the model."""

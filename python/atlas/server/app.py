@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
@@ -141,13 +141,19 @@ def model_card(state: ServerState) -> dict[str, object]:
 
 
 async def generation(request: Request, state: ServerState, chat: bool) -> Response:
-    body = parse_body(await read_json(request), chat, state.sampling_defaults)
+    body = await parsed_body(await read_json(request), chat, state)
     runs = await checked_runs(state, body)
     reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None)
     if body.stream:
         return EventStreamResponse(stream_choices(reply, runs, body.include_usage, body.n))
     answer = await unless_disconnected(request, collect_choices(reply, runs, body.n))
     return JSONResponse(answer) if answer is not None else Response(status_code=499)
+
+
+async def parsed_body(raw: Any, chat: bool, state: ServerState) -> GenerationBody:
+    """parse_body off the event loop: it compiles the output format (a large schema or grammar
+    takes up to a second), which would stall every other connection's stream."""
+    return await anyio.to_thread.run_sync(parse_body, raw, chat, state.sampling_defaults)
 
 
 async def checked_runs(state: ServerState, body: GenerationBody) -> list[ChoiceRun]:
@@ -165,7 +171,7 @@ async def responses_generation(request: Request, state: ServerState) -> Response
     """/v1/responses: the request as a chat request, its one answer as a response object."""
     raw = await read_json(request)
     try:
-        body = parse_body(chat_request(raw), True, state.sampling_defaults)
+        body = await parsed_body(chat_request(raw), True, state)
         run = (await checked_runs(state, body))[0]
     except RequestError as err:
         raise renamed(err) from None
