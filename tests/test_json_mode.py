@@ -15,7 +15,7 @@ from atlas import LLM
 from atlas.backends.base import SamplingParams
 from atlas.engine import GenerationRequest
 from atlas.errors import AtlasError
-from atlas.json_match import ANY_OBJECT, MAX_INDENT, Matcher
+from atlas.json_match import ANY_OBJECT, MAX_INDENT, Matcher, Text, Transitions
 from atlas.structured import OutputConstraint
 from atlas.sampling import softmax_probs
 
@@ -66,6 +66,18 @@ def python_accepts(data: bytes) -> bool:
         return isinstance(json.loads(data, parse_constant=no_constant), dict)
     except ValueError:  # JSONDecodeError and UnicodeDecodeError
         return False
+
+
+def test_a_set_of_states_reached_two_ways_is_one_object(rng: np.random.Generator) -> None:
+    """The moves cache keeps one object per distinct set of stacks: after [a-z] any letter leads to
+    the same regex position, and the cache's key comparisons then stop at identity (a bounded
+    regex's state set holds a state per count: comparing two copies walked them all)."""
+    from atlas.json_regex import compile_regex
+
+    shape = Transitions(Text(compile_regex("[a-z]{0,%d}" % int(rng.integers(50, 500)), search=False)))
+    first, second = (shape.move(shape.start, ord(c)) for c in rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 2, replace=False))
+    assert first == second and first is second
+    assert shape.move(first, ord("q")) is shape.move(second, ord("z"))
 
 
 def test_every_prefix_of_a_json_object_is_accepted(rng: np.random.Generator) -> None:

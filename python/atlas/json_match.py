@@ -584,6 +584,10 @@ class Transitions:
         self.moves: dict[tuple[frozenset, int], frozenset] = {}
         self.ends: dict[frozenset, tuple[bool, bool]] = {}
         self.closures: dict[Stack, tuple[tuple[Stack, ...], bool]] = {}
+        # One object per distinct set of stacks: two paths to the same set (a regex position
+        # reached by 'a' or by 'b') then share it, so the cache's key comparisons stop at
+        # identity instead of walking both sets (a regex's state set may hold a thousand states).
+        self.canonical: dict[frozenset, frozenset] = {}
 
     def move(self, stacks: frozenset, byte: int) -> frozenset:
         key = (stacks, byte)
@@ -593,7 +597,9 @@ class Transitions:
                 self.moves.clear()
                 self.closures.clear()
                 self.ends.clear()
+                self.canonical.clear()
             found = frozenset(self._step(stacks, byte))
+            found = self.canonical.setdefault(found, found)
             self.moves[key] = found
         return found
 
