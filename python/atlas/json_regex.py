@@ -376,8 +376,14 @@ class Regex:
     def step(self, states: frozenset[int], char: int, chars: int) -> frozenset[int] | None:
         """The states after `char`, the (chars + 1)-th character; None if it cannot come."""
         nxt = {t for s in states for ranges, t in self.edges[s] if meets(ranges, char, char)}
-        out = frozenset(s for s in self.closure(nxt) if self.fits(s, chars + 1))
-        return out or None
+        return self.settle(nxt, chars + 1) or None
+
+    def settle(self, states: set[int], chars: int) -> frozenset[int]:
+        """The epsilon closure of states, kept to those that matter from here: states with a
+        character edge, and the accepting one, from which the string may still end within its
+        length bounds (epsilon-only states, often half a Thompson NFA, would only make every set
+        larger to hash and compare; a fitting state always leaves a fitting one that matters)."""
+        return frozenset(s for s in self.closure(states) if (self.edges[s] or s == self.accept) and self.fits(s, chars))
 
     def ends(self, states: frozenset[int], chars: int) -> bool:
         return self.accept in states and chars >= self.min_len and (self.max_len is None or chars <= self.max_len)
@@ -516,7 +522,7 @@ def finish(nfa: Nfa, label: str, min_len: int, max_len: int | None) -> Regex:
     cap = (max_len + 1) if max_len is not None else min_len
     reach = path_lengths(nfa.edges, nfa.eps, nfa.accept, cap)
     regex = Regex(nfa.edges, nfa.eps, nfa.accept, frozenset(), reach, cap, min_len, max_len)
-    regex.start = frozenset(s for s in regex.closure({nfa.start}) if regex.fits(s, 0))
+    regex.start = regex.settle({nfa.start}, 0)
     if not regex.start:
         raise RegexError(f"no string of the allowed lengths matches the {label}")
     return regex
