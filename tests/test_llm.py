@@ -150,6 +150,10 @@ def test_stream_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"top_k": 1.5, "temperature": 1.0}, "top_k must be an integer"),
         ({"top_k": "x"}, "top_k must be an integer"),
         ({"top_k": 2**40, "temperature": 1.0}, "top_k must be in 0..2147483647"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens must be True or False"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be True or False"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an integer >= 1"),
+        ({"truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens must be an integer >= 1"),
     ],
 )
 def test_bad_options(tiny: LLM, options: dict[str, float], needle: str) -> None:
@@ -287,6 +291,13 @@ def test_chat_renders_the_conversation(rng: np.random.Generator) -> None:
     assert got.token_ids == want.token_ids and got.prompt_tokens == len(llm.tokenizer.encode_chat(messages))
     with pytest.raises(AtlasError, match="messages must be a list"):
         llm.chat("Flat is")  # type: ignore[arg-type]
+    started = [*messages, {"role": "assistant", "content": "better than"}]
+    with pytest.raises(AtlasError, match="exclude each other"):
+        llm.chat(started, continue_final_message=True)
+    went_on = llm.chat(started, add_generation_prompt=False, continue_final_message=True, max_tokens=6)
+    rendered = llm.tokenizer.apply_chat_template(started, add_generation_prompt=False)
+    cut = llm.tokenizer.encode(rendered[: rendered.rindex("better than") + len("better than")], add_special_tokens=False)
+    assert went_on.prompt_tokens == len(cut) and went_on.token_ids == llm.generate(cut, max_tokens=6).token_ids
 
 
 def test_stop_strings_end_the_text(rng: np.random.Generator) -> None:

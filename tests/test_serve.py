@@ -678,6 +678,73 @@ def test_token_id_prompt(served: Served, rng: np.random.Generator) -> None:
     assert answer.choices[0].text == expected(served, prompt, 12)[0]
 
 
+# --- vLLM's prompt and text fields ----------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output(served: Served, rng: np.random.Generator, stream: bool) -> None:
+    prompt = random_prompt(rng)
+    whole = expected(served, prompt, 40)[0]
+    stop = str(rng.choice(whole.split()[1:] or ["is"]))  # a word the greedy text holds
+    answer = served.client().completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                                stop=[stop], stream=stream, extra_body={"include_stop_str_in_output": True})
+    chunks = list(answer) if stream else [answer]
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == whole[: whole.index(stop) + len(stop)] and text.endswith(stop)
+    assert text == served.reference.generate(prompt, max_tokens=40, stop=stop, include_stop_str_in_output=True).text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_skip_special_tokens(served: Served, rng: np.random.Generator, stream: bool) -> None:
+    """logit_bias forces a special token (<|im_start|>): its text is written only with
+    skip_special_tokens false; a forced end-of-sequence token ends the text without being written."""
+    tokenizer = served.reference.tokenizer
+    special = next(t for t, added in tokenizer.backend.get_added_tokens_decoder().items()
+                   if added.special and t not in served.reference.eos_ids())
+    count = int(rng.integers(1, 5))
+    for skip, want in ((False, tokenizer.decode([special], skip_special_tokens=False) * count), (True, "")):
+        answer = served.client().completions.create(
+            model=DEMO_NAME, prompt=random_prompt(rng), max_tokens=count, temperature=0, stream=stream,
+            logit_bias={str(special): 100}, extra_body={"skip_special_tokens": skip})
+        chunks = list(answer) if stream else [answer]
+        assert "".join(c.choices[0].text for c in chunks) == want
+    eos = min(served.reference.eos_ids())
+    answer = served.client().completions.create(model=DEMO_NAME, prompt=random_prompt(rng), max_tokens=4,
+                                                temperature=0, logit_bias={str(eos): 100},
+                                                extra_body={"skip_special_tokens": False})
+    assert answer.choices[0].text == "" and answer.choices[0].finish_reason == "stop"
+
+
+def test_continue_final_message(served: Served, rng: np.random.Generator) -> None:
+    """The answer goes on from a started assistant message: the same tokens as the rendered chat
+    cut right after that message's text, run as a completion."""
+    words = random_prompt(rng)
+    messages = [{"role": "user", "content": "Recite the Zen of Python."}, {"role": "assistant", "content": words}]
+    answer = served.client().chat.completions.create(
+        model=DEMO_NAME, messages=messages, max_tokens=12, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    tokenizer = served.reference.tokenizer
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    cut = rendered[: rendered.rindex(words) + len(words)]
+    assert not rendered.endswith(words)  # the template closes the turn: the cut is what the field changes
+    want = served.reference.generate(tokenizer.encode(cut, add_special_tokens=False), max_tokens=12)
+    assert answer.choices[0].message.content == want.text
+    assert answer.usage.prompt_tokens == len(tokenizer.encode(cut, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("keep", [1, 3, -1])
+def test_truncate_prompt_tokens(served: Served, rng: np.random.Generator, keep: int) -> None:
+    """The prompt's last k tokens run (-1: all that fit, here the whole prompt); echo sends back
+    what ran."""
+    prompt = " ".join(random_prompt(rng) for _ in range(3))
+    ids = served.reference.tokenizer.encode(prompt)
+    kept = ids if keep == -1 else ids[-keep:]
+    answer = served.client().completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=8, temperature=0, echo=True,
+                                                extra_body={"truncate_prompt_tokens": keep})
+    want = served.reference.generate(kept, max_tokens=8).text
+    assert answer.usage.prompt_tokens == len(kept)
+    assert answer.choices[0].text == served.reference.tokenizer.decode(kept) + want
+    assert served.reference.generate(prompt, max_tokens=8, truncate_prompt_tokens=keep).text == want
+
+
 # --- bad requests ------------------------------------------------------------------------------
 GOOD = {"model": DEMO_NAME, "prompt": "Beautiful", "max_tokens": 4}
 BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
@@ -756,6 +823,13 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("nested too deeply", "[" * 100_000 + "]" * 100_000, None),
     ("stream_options wrong type", {**GOOD, "stream_options": 5}, "stream_options"),
     ("include_usage wrong type", {**GOOD, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ("beam search", {**GOOD, "use_beam_search": True}, "use_beam_search"),
+    ("bad_words", {**GOOD, "bad_words": ["ugly"]}, "bad_words"),
+    ("allowed_token_ids", {**GOOD, "allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ("truncate_prompt_tokens zero", {**GOOD, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens float", {**GOOD, "truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens"),
+    ("skip_special_tokens not bool", {**GOOD, "skip_special_tokens": "no"}, "skip_special_tokens"),
+    ("include_stop_str_in_output not bool", {**GOOD, "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
 ]
 BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("missing messages", {"model": DEMO_NAME}, "messages"),
@@ -772,6 +846,14 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
                                 "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("logprobs as in completions", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],
                                     "logprobs": 2}, "logprobs"),
+    ("continue_final_message with a generation prompt",
+     {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+     "continue_final_message"),
+    ("continue_final_message of an empty message",
+     {"model": DEMO_NAME, "messages": [{"role": "assistant", "content": ""}], "continue_final_message": True,
+      "add_generation_prompt": False}, "messages"),
+    ("add_generation_prompt not bool", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],
+                                        "add_generation_prompt": "no"}, "add_generation_prompt"),
     ("chat max_completion_tokens beyond context",
      {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_tokens"),
 ]

@@ -28,7 +28,7 @@ MAX_PROMPT_CACHE = 64
 @dataclass(frozen=True)
 class GenerationResult:
     token_ids: list[int]  # the new tokens (eos included when generation stopped on it)
-    text: str  # the new tokens decoded, special tokens skipped
+    text: str  # the new tokens decoded, special tokens skipped (unless skip_special_tokens=False)
     prompt_tokens: int
     prefill_tok_s: float  # over the prompt tokens run (those the prompt cache held are not)
     decode_tok_s: float
@@ -65,8 +65,11 @@ class GenerateOptions:
     logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
     prompt_logprobs: int | None = None  # the same for the prompt's tokens; allows max_tokens 0
     extras: SamplingExtras = field(default_factory=SamplingExtras)  # min_p, penalties
-    stop: tuple[str, ...] = ()  # strings that end the text (never part of it)
+    stop: tuple[str, ...] = ()  # strings that end the text (never part of it unless include_stop_str_in_output)
     output: OutputFormat | None = None  # structured output: JSON, a schema, a regex, a choice (atlas.structured)
+    skip_special_tokens: bool = True  # vLLM's: False writes special tokens' text (not the eos that ends it)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ends the text stays at its end
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
 
 
 class EngineLike(Protocol):
@@ -213,32 +216,32 @@ class LLM:
     ) -> GenerationResult:
         """generate() for prompt ids already checked by prepare()."""
         from .engine import GenerationRequest
-        from .stop_strings import StopMatcher
 
-        decoder, matcher, pieces = self.parts.tokenizer.stream_decoder(), StopMatcher(opts.stop), []
+        eos_ids = self.eos_ids()
+        out, pieces = OutputText(self.parts.tokenizer, opts, opts.stop, eos_ids), []
 
         def emit(token: int) -> bool:
             """Pass the text on; True (stop) once a stop string is complete."""
-            if piece := matcher.push(decoder.push(token)):
+            if piece := out.push(token):
                 pieces.append(piece)
                 if on_text:
                     on_text(piece)
-            return matcher.stopped
+            return out.stopped
 
-        watch, eos_ids = on_text is not None or bool(opts.stop), self.eos_ids()
+        watch = on_text is not None or bool(opts.stop)
         request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, eos_ids,
                                     emit if watch else None, opts.logprobs, opts.prompt_logprobs,
                                     self.output_constraint(opts, eos_ids))
         stats = self.parts.engine.run(request)
-        if watch and (rest := "" if matcher.stopped else matcher.push(decoder.flush()) + matcher.flush()):
+        if watch and (rest := out.flush()):
             pieces.append(rest)
             if on_text:
                 on_text(rest)
         token_ids = [int(t) for t in stats.token_ids]
-        stopped = matcher.stopped or (bool(token_ids) and token_ids[-1] in eos_ids)
+        stopped = out.stopped or (bool(token_ids) and token_ids[-1] in eos_ids)
         return GenerationResult(
             token_ids=token_ids,
-            text="".join(pieces) if opts.stop else self.parts.tokenizer.decode(token_ids),
+            text="".join(pieces) if opts.stop else out.whole(token_ids),
             finish_reason="stop" if stopped else "length",
             prompt_tokens=int(stats.prompt_tokens),
             prefill_tok_s=rate(int(stats.prompt_tokens) - int(stats.cached_tokens), stats.prefill_seconds),
@@ -253,48 +256,55 @@ class LLM:
 
     @overload
     def chat(self, messages: list[dict[str, Any]], *, template_kwargs: dict[str, Any] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
              **options: Any) -> GenerationResult: ...
 
     @overload
     def chat(self, messages: list[list[dict[str, Any]]], *, template_kwargs: dict[str, Any] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
              **options: Any) -> list[GenerationResult]: ...
 
     def chat(
         self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], *,
-        template_kwargs: dict[str, Any] | None = None, **options: Any,
+        template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **options: Any,
     ) -> GenerationResult | list[GenerationResult]:
         """The assistant's next turn after `messages` ({"role", "content"} dicts, as vLLM's
         LLM.chat takes them; a list of such conversations is a batch, as generate()'s), rendered
         with the model's chat template (`template_kwargs`: extra template variables, e.g.
-        enable_thinking=False); `options` are generate()'s."""
+        enable_thinking=False; add_generation_prompt and continue_final_message as vLLM's: with
+        the second, and the first False, the model goes on with the final message, e.g. an answer
+        already started); `options` are generate()'s."""
         batch = isinstance(messages, list) and bool(messages) and all(isinstance(c, list) for c in messages)
         conversations = messages if batch else [messages]
         for conversation in conversations:
             if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
                 raise AtlasError("messages must be a list of {'role': ..., 'content': ...} dicts (or a list of such lists)")
-        prompts = [self.tokenizer.encode_chat(c, template_kwargs=template_kwargs) for c in conversations]  # type: ignore[arg-type]
+        for name, flag in (("add_generation_prompt", add_generation_prompt), ("continue_final_message", continue_final_message)):
+            if not isinstance(flag, bool):
+                raise AtlasError(f"{name} must be True or False, got {flag!r}")
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt, template_kwargs, continue_final_message)  # type: ignore[arg-type]
+                   for c in conversations]
         return self.generate(prompts, **options) if batch else self.generate(prompts[0], **options)
 
     def stream(self, prompt: str | list[int], **options: Any) -> Iterator[str]:
         """Yield text pieces as they are generated (options: generate()'s; logprobs are generate()'s
         alone). Runs on the calling thread (a CUDA context is bound to the thread that opened it);
         stop reading to stop generating."""
-        from .stop_strings import StopMatcher
-
         opts = generate_options(**options)
         if opts.logprobs is not None or opts.prompt_logprobs is not None:
             raise AtlasError("stream() yields text only; ask generate() for logprobs")
         if is_batch(prompt):
             raise AtlasError("stream() takes one prompt; give a list of prompts to generate()")
         prompt_ids = self.prepare(prompt, opts)
-        decoder, matcher = self.parts.tokenizer.stream_decoder(), StopMatcher(opts.stop)
         eos_ids = self.eos_ids()
+        out = OutputText(self.parts.tokenizer, opts, opts.stop, eos_ids)
         for token in iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids, constraint=self.output_constraint(opts, eos_ids)):
-            if piece := matcher.push(decoder.push(token)):
+            if piece := out.push(token):
                 yield piece
-            if matcher.stopped:
+            if out.stopped:
                 return
-        if rest := matcher.push(decoder.flush()) + matcher.flush():
+        if rest := out.flush():
             yield rest
 
     def prepare(self, prompt: str | list[int], opts: GenerateOptions) -> list[int]:
@@ -305,6 +315,7 @@ class LLM:
         check_options(opts)
         check_logit_bias_ids(sampling_params(opts), self.parts.spec.vocab_size)
         prompt_ids = encode_prompt(self.parts.tokenizer, prompt, opts.chat)
+        prompt_ids = truncate_prompt(prompt_ids, opts.truncate_prompt_tokens, context_capacity(self.parts.spec, self.parts.engine))
         vocab = self.parts.spec.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
@@ -380,6 +391,46 @@ def iter_tokens(
         position += 1
 
 
+class OutputText:
+    """Generated ids -> the text a reader gets: decoded as they come (special tokens skipped
+    unless opts.skip_special_tokens is false), cut at the first of `stops` (which stays at its end
+    under opts.include_stop_str_in_output). With special tokens written, the end-of-sequence token
+    that ends the text (one of `ending`) stays out of it, as vLLM leaves it out."""
+
+    def __init__(self, tokenizer: Tokenizer, opts: GenerateOptions, stops: tuple[str, ...], ending: set[int]) -> None:
+        from .stop_strings import StopMatcher
+
+        self.tokenizer, self.skip_special = tokenizer, opts.skip_special_tokens
+        self.decoder = tokenizer.stream_decoder(opts.skip_special_tokens)
+        self.matcher = StopMatcher(stops, opts.include_stop_str_in_output)
+        self.hidden = frozenset() if opts.skip_special_tokens else frozenset(ending)
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.stopped
+
+    def push(self, token: int) -> str:
+        """The text `token` completes that may be sent now."""
+        return "" if token in self.hidden else self.matcher.push(self.decoder.push(token))
+
+    def flush(self) -> str:
+        """What is still held back once generation has ended ("" after a stop string)."""
+        return "" if self.matcher.stopped else self.matcher.push(self.decoder.flush()) + self.matcher.flush()
+
+    def whole(self, token_ids: list[int]) -> str:
+        """All of token_ids' text at once (no stop strings to look for)."""
+        return self.tokenizer.decode([t for t in token_ids if t not in self.hidden], self.skip_special)
+
+
+def truncate_prompt(prompt_ids: list[int], keep: int | None, capacity: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context's capacity;
+    None: all of it)."""
+    if keep is None:
+        return prompt_ids
+    keep = capacity if keep == -1 else keep
+    return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
+
+
 def is_batch(prompt: object) -> bool:
     """A list of prompts (texts or token-id lists), not one prompt's token ids."""
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(p, (str, list, tuple)) for p in prompt)
@@ -437,6 +488,9 @@ def generate_options(
     choice: list[str] | None = None,
     grammar: str | None = None,
     output_after: str | None = None,
+    skip_special_tokens: bool = True,
+    include_stop_str_in_output: bool = False,
+    truncate_prompt_tokens: int | None = None,
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. logprobs (0..20): each token's
     log-probability and that many most likely alternatives (the model's distribution before
@@ -452,7 +506,10 @@ def generate_options(
     one of these (vLLM's structured outputs); grammar: GBNF rules (llama.cpp's) whose root derives
     the whole text (atlas.gbnf); output_after: the format starts once the text holds
     this (e.g. "</think>" when a thinking model's prompt opened its reasoning block; up to 4 line
-    breaks may follow it). Values are checked by LLM.prepare."""
+    breaks may follow it); skip_special_tokens: False writes special tokens' text (the eos that ends
+    the text stays out); include_stop_str_in_output: the stop string that ends the text stays at its
+    end; truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the context holds)
+    (vLLM's three). Values are checked by LLM.prepare."""
     from .structured import OutputFormat
     from .sampling import logit_bias_pairs
 
@@ -460,7 +517,8 @@ def generate_options(
     extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
                             logit_bias_pairs(logit_bias))
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
-                           stop_strings(stop), output)
+                           stop_strings(stop), output, skip_special_tokens, include_stop_str_in_output,
+                           truncate_prompt_tokens)
 
 
 def stop_strings(stop: object) -> tuple[str, ...]:
@@ -499,6 +557,12 @@ def check_options(opts: GenerateOptions) -> None:
             raise AtlasError(f"{name} must be a number, got {value!r}")
     if not is_int(opts.top_k):
         raise AtlasError(f"top_k must be an integer, got {opts.top_k!r}")
+    for name in ("skip_special_tokens", "include_stop_str_in_output"):
+        if not isinstance(getattr(opts, name), bool):
+            raise AtlasError(f"{name} must be True or False, got {getattr(opts, name)!r}")
+    keep = opts.truncate_prompt_tokens
+    if keep is not None and (not is_int(keep) or (keep < 1 and keep != -1)):
+        raise AtlasError(f"truncate_prompt_tokens must be an integer >= 1 (or -1: as many as the context holds), got {keep!r}")
     if opts.output is not None:
         opts.output.shape()  # compiled (and kept) now: a format generation cannot follow fails here
     check_sampling(sampling_params(opts))

@@ -1,13 +1,14 @@
 """Stop strings over streamed text: text that may begin a stop string is held back until it
-cannot, so a stop string never reaches the reader, not even in part (LLM.generate / stream and
-the server)."""
+cannot, so a stop string never reaches the reader, not even in part, unless asked for (vLLM's
+include_stop_str_in_output: the text then ends with it) (LLM.generate / stream and the server)."""
 
 from __future__ import annotations
 
 
 class StopMatcher:
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)
+        self.include = include  # the stop string that ends the text is part of it
         self.pending = ""
         self.stopped = False
 
@@ -16,10 +17,11 @@ class StopMatcher:
         if self.stopped:
             return ""
         self.pending += piece
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
-            text, self.pending = self.pending[: min(hits)], ""
+            at, size = min(hits, key=lambda hit: hit[0])  # the earliest; at one place, the first listed
+            text, self.pending = self.pending[: at + size if self.include else at], ""
             return text
         keep = self._held_back()
         text = self.pending[: len(self.pending) - keep]

@@ -123,12 +123,32 @@ class Tokenizer:
         return render_chat_template(self.chat_template, messages, context, origin)
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
         """The rendered template already holds its special tokens, so none are added.
-        template_kwargs: extra template variables (e.g. Qwen's enable_thinking), over template_defaults."""
+        template_kwargs: extra template variables (e.g. Qwen's enable_thinking), over template_defaults.
+        continue_final (vLLM's continue_final_message): the text ends right after the final
+        message's content, left open for the model to go on with (e.g. a started assistant answer)."""
+        if continue_final and add_generation_prompt:
+            raise AtlasError("continue_final_message and add_generation_prompt exclude each other: "
+                             "set add_generation_prompt to false to continue the final message")
         text = self.apply_chat_template(messages, add_generation_prompt, **{**self.template_defaults, **(template_kwargs or {})})
+        if continue_final:
+            text = open_final_message(text, messages)
         return self.encode(text, add_special_tokens=False)
+
+
+def open_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
+    """The rendered chat cut right after the final message's content (what closes that turn goes)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise AtlasError("continue_final_message needs a final message with text to continue")
+    at = rendered.rfind(final)
+    if at < 0:
+        raise AtlasError("continue_final_message: the chat template does not write the final message's text as "
+                         "given, so there is no place to continue it from")
+    return rendered[: at + len(final)]
 
 
 class StreamDecoder:

@@ -18,7 +18,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ..errors import AtlasError
-from ..llm import DEFAULT_MAX_TOKENS, LLM, GenerateOptions, context_capacity
+from ..llm import DEFAULT_MAX_TOKENS, LLM, GenerateOptions, context_capacity, truncate_prompt
 from .answer import AnswerShaper
 from .auth import ApiKeyGate
 from .choices import ChoiceRun, collect_choices, stream_choices
@@ -216,15 +216,18 @@ def prepare_inputs(state: ServerState, body: GenerationBody) -> list[PromptInput
     bad one fails the request before any runs."""
     prompts: list[Prompt | None] = list(body.prompts) if body.prompts is not None else [None]
     inputs = []
+    capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
     for prompt in prompts:
-        ids = encode(state.llm, body, prompt)
+        encoded = encode(state.llm, body, prompt)
+        ids = truncate_prompt(encoded, body.text.truncate_prompt_tokens, capacity)
         opened = opens_reasoning(state, body, ids)
         opts = generate_options(state, body, len(ids), opened)
         try:
             state.llm.prepare(ids, opts)
         except AtlasError as err:
             raise RequestError(str(err), "prompt" if prompt is not None else "messages") from None
-        echo = (prompt if isinstance(prompt, str) else state.llm.tokenizer.decode(ids)) if body.echo else None
+        whole = isinstance(prompt, str) and len(ids) == len(encoded)  # the prompt as sent, not cut by truncation
+        echo = (prompt if whole else state.llm.tokenizer.decode(ids)) if body.echo else None
         inputs.append(PromptInput(ids, opts, echo, opened))
     return inputs
 
@@ -327,7 +330,8 @@ def encode(llm: LLM, body: GenerationBody, prompt: Prompt | None) -> list[int]:
     try:
         if body.messages is not None:
             extra = {**(body.template_kwargs or {}), **({"tools": body.tools} if body.tools else {})}
-            ids = llm.tokenizer.encode_chat(body.messages, template_kwargs=extra)
+            ids = llm.tokenizer.encode_chat(body.messages, body.text.add_generation_prompt, extra,
+                                            body.text.continue_final_message)
         elif isinstance(prompt, str):
             ids = llm.tokenizer.encode(prompt)
         else:
@@ -367,7 +371,9 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
     if output is not None and opened:
         output = replace(output, after=REASONING_END)
     return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed, logprobs=body.logprobs,
-                           prompt_logprobs=prompt_logprobs, extras=s.extras, output=output)
+                           prompt_logprobs=prompt_logprobs, extras=s.extras, output=output,
+                           skip_special_tokens=body.text.skip_special_tokens,
+                           include_stop_str_in_output=body.text.include_stop_str_in_output)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -36,6 +36,14 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "modalities": (None, ["text"]),
     "audio": (None,),
+    # vLLM's fields that this server does not honour: refused rather than silently ignored
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "guided_whitespace_pattern": (None,),
+    "prompt_logprobs": (None,),
+    "detokenize": (None, True),
 }
 
 
@@ -126,6 +134,17 @@ class SamplingFields:
 
 
 @dataclass(frozen=True)
+class TextOptions:
+    """vLLM's prompt and output-text fields."""
+
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as the context holds)
+    add_generation_prompt: bool = True  # chat: the prompt ends with the assistant's opening
+    continue_final_message: bool = False  # chat: the model goes on with the final message instead
+    skip_special_tokens: bool = True  # False: special tokens' text is written (not the eos that ends it)
+    include_stop_str_in_output: bool = False  # the stop string that ends the text stays at its end
+
+
+@dataclass(frozen=True)
 class GenerationBody:
     model: str
     prompts: list[Prompt] | None  # /v1/completions: one, or a batch answered in turn
@@ -140,6 +159,7 @@ class GenerationBody:
     echo: bool = False  # completions: the prompt comes back in front of the completion
     n: int = 1  # choices, generated one after another
     output: OutputFormat | None = None  # response_format, vLLM's structured outputs, a forced call (formats.py)
+    text: TextOptions = TextOptions()
 
 
 def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = None) -> GenerationBody:
@@ -170,7 +190,23 @@ def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = Non
         echo=echo,
         n=n,
         output=parse_output_format(body, tools, choice),
+        text=parse_text_options(body, chat),
     )
+
+
+def parse_text_options(body: dict[str, Any], chat: bool) -> TextOptions:
+    keep = body.get("truncate_prompt_tokens")
+    if keep is not None and (not is_int(keep) or (keep < 1 and keep != -1)):
+        raise RequestError(f"'truncate_prompt_tokens' must be an integer >= 1 (or -1: as many as the context "
+                           f"holds), got {keep!r}", "truncate_prompt_tokens")
+    add = optional_bool(body, "add_generation_prompt") is not False if chat else True
+    final = bool(optional_bool(body, "continue_final_message")) if chat else False
+    if add and final:  # as vLLM: the generation prompt opens a new turn, which is not the final one
+        raise RequestError("'continue_final_message' needs 'add_generation_prompt': false (both would open a new "
+                           "turn and continue the last one)", "continue_final_message")
+    skip = optional_bool(body, "skip_special_tokens")
+    include = optional_bool(body, "include_stop_str_in_output")
+    return TextOptions(keep, add, final, skip is not False, bool(include))
 
 
 def with_defaults(body: dict[str, Any], defaults: Mapping[str, float]) -> dict[str, Any]:

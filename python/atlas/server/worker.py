@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 
 from ..backends.cuda.driver import context_lost
 from ..errors import AtlasError
-from ..llm import LLM, GenerateOptions, iter_tokens
+from ..llm import LLM, GenerateOptions, OutputText, iter_tokens
 from ..sampling import TokenLogprob
 from ..speculative import SpecStats
 from .metrics import Metrics, RequestRecord, SpecCounts
-from ..stop_strings import StopMatcher
 from .stops import Stops
 
 log = logging.getLogger("atlas.serve")
@@ -175,8 +174,7 @@ class EngineWorker:
 
 def generate(llm: LLM, job: Job) -> Finished:
     """Run one job on the calling (engine) thread, emitting text as it completes."""
-    decoder = llm.tokenizer.stream_decoder()
-    matcher = StopMatcher(job.stops.strings)
+    out = OutputText(llm.tokenizer, job.opts, job.stops.strings, set() if job.stops.ignore_eos else llm.eos_ids())
     eos_ids = job.stops.end_ids(llm.eos_ids())
     scores: list[TokenLogprob] = []
     prompt_scores: list[TokenLogprob | None] = []
@@ -192,17 +190,17 @@ def generate(llm: LLM, job: Job) -> Finished:
             if job.echo is not None:
                 job.emit(TextPiece(job.echo, scored_prompt(llm, job.prompt_ids, prompt_scores)))
         count += 1
-        if text := matcher.push(decoder.push(last_token)):
+        if text := out.push(last_token):
             job.emit(TextPiece(text, scored(llm, scores[sent:])))
             sent = len(scores)
-        if matcher.stopped or job.cancelled.is_set():
+        if out.stopped or job.cancelled.is_set():
             break
     if count == 0 and job.echo is not None:  # max_tokens 0: the prompt alone
         job.emit(TextPiece(job.echo, scored_prompt(llm, job.prompt_ids, prompt_scores)))
-    text = "" if matcher.stopped else matcher.push(decoder.flush()) + matcher.flush()
+    text = out.flush()
     if text or len(scores) > sent:
         job.emit(TextPiece(text, scored(llm, scores[sent:])))
-    stopped = matcher.stopped or last_token in eos_ids
+    stopped = out.stopped or last_token in eos_ids
     cache = getattr(llm.parts.engine, "prompt_cache", None)
     cached = cache.last_hit if cache is not None and count else 0
     spec_counts = SpecCounts(spec.rounds, spec.drafted, spec.accepted)
