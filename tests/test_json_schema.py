@@ -247,6 +247,16 @@ def test_bounds_past_the_float_range(kind: str, rng: np.random.Generator) -> Non
     assert Matcher(compile_schema(huge)).feed(b"-1" + b"0" * (exponent + 1))
 
 
+def test_a_pattern_beside_a_length_past_the_folding_limit() -> None:
+    """A maxLength past LENGTH_FOLD_LIMIT is not folded into the pattern's path bitsets (they
+    would take minutes): the schema compiles at once, and the bound still closes the string."""
+    node = compile_schema({"type": "string", "pattern": "^a+b$", "maxLength": 10**6})
+    matcher = Matcher(node)
+    assert matcher.feed(b'"' + b"a" * 100 + b'b"') and matcher.can_end
+    short = Matcher(compile_schema({"type": "string", "pattern": "^a+b$", "maxLength": 10**6, "minLength": 5}))
+    assert short.feed(b'"aa') and not short.copy().feed(b'b"') and short.feed(b'aab"') and short.can_end
+
+
 def decimal_text(value: Fraction, rng: np.random.Generator) -> str:
     """`value` (a multiple of 1/1000) with 0..3 more trailing zeros than it needs."""
     text = f"{float(value):.3f}".rstrip("0").rstrip(".")
@@ -327,6 +337,11 @@ def test_undeclared_keys_never_repeat_a_declared_one() -> None:
     ({"type": "string", "pattern": "[b-a]"}, "out of order"),
     ({"type": "string", "pattern": "a(?i)b"}, "inline flags such as (?i) must open the pattern"),
     ({"type": "string", "pattern": "(?m)^a"}, "the inline flag 'm' is not supported"),
+    ({"type": "string", "pattern": "(?)a"}, "(?) sets no flag"),
+    ({"type": "string", "pattern": "(?i-i:a)"}, "cannot be turned both on and off"),
+    ({"type": "string", "pattern": "^a+$", "minLength": 10**6}, "past 65536 characters"),
+    ({"type": "number", "exclusiveMinimum": 10**400}, "no number lies within the bounds"),
+    ({"type": "integer", "exclusiveMaximum": -(10**400)}, "no number lies within the bounds"),
     ({"type": "string", "pattern": "(ab"}, "unbalanced parenthesis"),
     ({"type": "string", "pattern": "^a", "format": "date"}, "no string matches pattern '^a' and pattern"),
     ({"type": "number", "minimum": 2, "exclusiveMaximum": 2}, "no number lies within the bounds"),
@@ -426,6 +441,9 @@ def test_a_whole_text_regex_takes_inline_flags() -> None:
     (r"(?i)^k$", "K", True), (r"(?i)^k$", "\u212a", False),  # the Kelvin sign: k to Python and ECMA's u mode only
     (r"(?i)^s$", "\u017f", False), (r"(?i)^é$", "É", True), (r"(?i)^[^k]$", "\u212a", False),
     (r"(?i)^[^s]$", "\u017f", False), (r"^(?i:a)a$", "AA", False), (r"(?s)^.$", "\u2028", True), (r"^.$", "\r", False),
+    (r"(?i)^[^a-z]$", "\u0130", False),  # İ: Python's re folds it onto i (its one-character lower case)
+    (r"(?i)^\u1f88$", "\u1f80", False),  # upper case of two characters: ECMA-262 without u keeps the letter
+    (r"^(?i:\ud801\udc00)$", "\U00010428", False),  # past the BMP: UTF-16 units, no case without u
 ])
 def test_ignoring_case_keeps_to_what_every_reading_admits(pattern: str, text: str, ok: bool) -> None:
     assert recognised({"type": "string", "pattern": pattern}, json.dumps(text).encode()) == ok

@@ -342,8 +342,9 @@ def on_cycles(graph: dict[str, set[str]]) -> set[str]:
             if work:
                 low[work[-1][0]] = min(low[work[-1][0]], low[name])
             if low[name] == index[name]:
-                component = stack[stack.index(name):]
-                del stack[len(stack) - len(component):]
+                component = [stack.pop()]
+                while component[-1] != name:
+                    component.append(stack.pop())
                 on_stack.difference_update(component)
                 if len(component) > 1 or name in graph[name]:
                     cyclic.update(component)
@@ -436,8 +437,9 @@ def compile_grammar(text: str) -> Node:
     if not isinstance(text, str) or not text.strip():
         raise GrammarError("grammar must be a non-empty string of GBNF rules with a root rule")
     rules = Parser(text).rules()
+    names = set(rules)
     for name, ast in rules.items():
-        missing = sorted(refs(ast) - set(rules))
+        missing = sorted(refs(ast) - names)
         if missing:
             raise GrammarError(f"grammar: rule {name!r} uses {missing[0]!r}, which is not defined")
     if "root" not in rules:

@@ -67,6 +67,13 @@ class Interval:
         above = low is None or (x > low if self.low_open else x >= low)
         return above and (high is None or (x < high if self.high_open else x <= high))
 
+    def readable(self) -> bool:
+        """Not ruled out by a validator that reads numbers as doubles: an exclusive bound past the
+        largest double reads as infinity, and no number is above infinity (or below -infinity)."""
+        above_all = self.low is not None and self.low_open and parsed_float(self.low) == math.inf
+        below_all = self.high is not None and self.high_open and parsed_float(self.high) == -math.inf
+        return not (above_all or below_all)
+
     def empty(self) -> bool:
         if self.low is None or self.high is None:
             return False

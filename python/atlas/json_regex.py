@@ -21,12 +21,14 @@ leaves out every character any reading folds onto one of its members (case_varia
 from __future__ import annotations
 
 import re
+import _sre  # the simple lower-case mapping Python's re folds with (str.lower() is the full one)
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from functools import cache
 
 MAX_CP = 0x10FFFF
 MAX_STATES = 4000
+LENGTH_FOLD_LIMIT = 1 << 16  # characters: length bounds the NFA's per-state path bitsets track (cost ~ bound^2)
 Ranges = tuple[tuple[int, int], ...]  # sorted, disjoint, inclusive code point ranges
 
 DIGIT: Ranges = ((0x30, 0x39),)
@@ -99,7 +101,7 @@ class Parser:
         anything (JSON schema's pattern), else the pattern matches the whole text (vLLM's regex)."""
         while self.text.startswith("(?", self.i) and (flags := INLINE_FLAGS.match(self.text, self.i + 1)) and \
                 flags.group(3) == ")" and not flags.group(2):
-            self.set_flags(flags.group(1), True)  # (?i): the whole pattern
+            self.flag_group(flags)  # (?i): the whole pattern
             self.i = flags.end()
         branches = []
         while True:
@@ -150,6 +152,16 @@ class Parser:
     def cased(self, ranges: Ranges) -> Ranges:
         return fold_case(ranges, wide=False) if self.ignore_case else ranges
 
+    def flag_group(self, flags: re.Match[str]) -> None:
+        """(?on-off:...) at the cursor (past its "("): Python's and ECMA-262's syntax checks."""
+        on, off = flags.group(1), flags.group(2) or ""
+        if not on and not off and flags.group(3) == ")":
+            raise self.fail("(?) sets no flag")
+        if set(on) & set(off):
+            raise self.fail("an inline flag cannot be turned both on and off")
+        self.set_flags(on, True)
+        self.set_flags(off, False)
+
     def set_flags(self, letters: str, on: bool) -> None:
         for letter in letters:
             if letter not in SUPPORTED_FLAGS:
@@ -162,10 +174,9 @@ class Parser:
     def group(self) -> tuple:
         outer = self.ignore_case, self.dot_all
         if flags := INLINE_FLAGS.match(self.text, self.i):  # (?:...) and (?flags-flags:...)
-            if flags.group(3) == ")":
+            if flags.group(3) == ")" and (flags.group(1) or flags.group(2)):
                 raise self.fail("inline flags such as (?i) must open the pattern; scope them with (?i:...)")
-            self.set_flags(flags.group(1), True)
-            self.set_flags(flags.group(2) or "", False)
+            self.flag_group(flags)
             self.i = flags.end()
         elif self.text.startswith(("?<", "?P<"), self.i) and self.text[self.i + 2 : self.i + 3] not in ("=", "!"):
             close = self.text.find(">", self.i)
@@ -306,7 +317,7 @@ def case_variants() -> tuple[list[int], dict[int, tuple[int, ...]], dict[int, tu
 
     for cp in range(MAX_CP + 1):
         char = chr(cp)
-        forms = {char, char.lower(), char.upper(), char.casefold()}
+        forms = {char, char.lower(), char.upper(), char.casefold(), chr(_sre.unicode_tolower(cp))}  # İ -> i: re's
         for form in forms if len(forms) > 1 else ():
             parent[root(("text", form))] = root(("cp", cp))
     for key in list(parent):
@@ -317,9 +328,17 @@ def case_variants() -> tuple[list[int], dict[int, tuple[int, ...]], dict[int, tu
         if key[0] == "cp":
             members.setdefault(root(key), []).append(key[1])  # type: ignore[arg-type]
     wide = {cp: tuple(sorted(group)) for group in members.values() if len(group) > 1 for cp in group}
-    narrow = {cp: tuple(ord(x) for x in {chr(cp).lower(), chr(cp).upper()} if len(x) == 1 and x != chr(cp)
-                        and x.lower() == chr(cp).lower() and x.upper() == chr(cp).upper()) for cp in wide}
+    narrow = {cp: tuple(ord(x) for x in {chr(cp).lower(), chr(cp).upper()} if round_trip(chr(cp), x)) for cp in wide}
     return sorted(wide), narrow, wide
+
+
+def round_trip(char: str, other: str) -> bool:
+    """other is char's other case in every reading: one character each way, both in the Basic
+    Multilingual Plane (ECMA-262 without the u flag folds UTF-16 units, which above it have no
+    case), the same upper case and lower case (not the Kelvin sign for k), and an upper case of
+    one character (ECMA-262 without u keeps a letter whose upper case is longer, e.g. U+1F88)."""
+    return (len(other) == 1 and other != char and max(ord(char), ord(other)) <= 0xFFFF
+            and other.lower() == char.lower() and other.upper() == char.upper() and len(char.upper()) == 1)
 
 
 @cache
@@ -363,7 +382,7 @@ class Regex:
     def fits(self, state: int, chars: int) -> bool:
         """Some path from state ends the string within its length bounds (chars: written so far)."""
         low = max(self.min_len - chars, 0)
-        high = self.cap if self.max_len is None else self.max_len - chars
+        high = self.cap if self.max_len is None else min(self.max_len - chars, self.cap)
         if high < low:
             return False
         return bool(self.reach[state] >> low & ((1 << (high - low + 1)) - 1))
@@ -518,8 +537,13 @@ def intersect(a: Nfa, b: Nfa, label: str) -> Nfa:
 
 
 def finish(nfa: Nfa, label: str, min_len: int, max_len: int | None) -> Regex:
-    """The Regex of an NFA with the length bounds folded in."""
-    cap = (max_len + 1) if max_len is not None else min_len
+    """The Regex of an NFA with the length bounds folded in. A maxLength past LENGTH_FOLD_LIMIT is
+    not folded (every longer path counts as fitting; the closing check still holds the bound):
+    the path bitsets would take minutes, and no generation writes that much into one string."""
+    if min_len > LENGTH_FOLD_LIMIT:
+        raise RegexError(f"a minLength of {min_len} beside the {label} is past {LENGTH_FOLD_LIMIT} characters; lower it")
+    folded = max_len if max_len is not None and max_len <= LENGTH_FOLD_LIMIT else None
+    cap = (folded + 1) if folded is not None else min_len
     reach = path_lengths(nfa.edges, nfa.eps, nfa.accept, cap)
     regex = Regex(nfa.edges, nfa.eps, nfa.accept, frozenset(), reach, cap, min_len, max_len)
     regex.start = regex.settle({nfa.start}, 0)

@@ -171,6 +171,9 @@ class SchemaCompiler:
             return self.array(schema, base)
         if kind == "string":
             return self.string(schema, base)
+        if kind in ("integer", "number") and not number_bounds(schema).readable():
+            raise self.fail(base, "no number lies within the bounds (an exclusive bound past the largest double "
+                            "reads as infinity to a validator, and no number passes it)")
         if kind == "integer" or (kind == "number" and "multipleOf" in schema):
             return self.integer(schema, kind, base)
         if kind == "number":
