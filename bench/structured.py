@@ -12,6 +12,7 @@ state: `first_walk_s` fills the shape's moves cache, `second_walk_s` reads it.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -85,7 +86,8 @@ def main(vocab: int, seed: int, out: Path | None) -> None:
         shapes[name] = time_shape(tokens, kind, spec, written)
         print(f"{name:20s} {shapes[name]}", flush=True)
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
-              "machine": {"platform": platform.platform(), "python": platform.python_version()},
+              "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                          "load_average_1m": round(os.getloadavg()[0], 2)},
               "vocab": vocab, "seed": seed, "shapes": shapes}
     if out is not None:
         out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
