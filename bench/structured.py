@@ -25,21 +25,15 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "tests"))
 
+from _json_grammar import JSON_GRAMMAR  # noqa: E402
 from atlas.structured import OutputConstraint, OutputFormat  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 ALPHABET = b'abcdefghijklmnopqrstuvwxyz  ,."{}:0123456789ABCDEF_-\n'
 PERSON = {"type": "object", "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer"}}}
-JSON_GRAMMAR = r"""root   ::= object
-value  ::= object | array | string | number | ("true" | "false" | "null")
-object ::= "{" ws ( member ( "," ws member )* )? "}"
-member ::= string ws ":" ws value ws
-array  ::= "[" ws ( value ws ( "," ws value ws )* )? "]"
-string ::= "\"" ( [^"\\\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
-number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
-ws     ::= [ \t\n\r]*"""
 # name -> (LLM.generate keyword, its value, the text already written)
 SHAPES = {
     "json_object": ("json_object", True, b""),

@@ -16,19 +16,8 @@ from atlas import LLM
 from atlas.errors import AtlasError
 from atlas.gbnf import GrammarError, compile_grammar, on_cycles, reaching
 from atlas.json_match import Matcher, Transitions
+from _json_grammar import JSON_GRAMMAR
 from test_json_mode import damage, dumps, python_accepts, random_object
-
-JSON_GRAMMAR = r"""
-# RFC 8259 objects, written for this test
-root   ::= object
-value  ::= object | array | string | number | ("true" | "false" | "null")
-object ::= "{" ws ( member ( "," ws member )* )? "}"
-member ::= string ws ":" ws value ws
-array  ::= "[" ws ( value ws ( "," ws value ws )* )? "]"
-string ::= "\"" ( [^"\\\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
-number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
-ws     ::= [ \t\n\r]*
-"""
 
 
 def accepts(shape: Transitions, data: bytes) -> bool:
