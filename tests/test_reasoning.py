@@ -130,6 +130,22 @@ def test_server_streams_reasoning_deltas(client: TestClient, thinking: bool) -> 
     assert all(len(d) <= 1 for d in deltas[1:])  # no chunk carries both fields
 
 
+@pytest.mark.parametrize(("started", "want"), [
+    ("<think>\nLet me", ("plan it", "The answer.")),  # the continued message's block is still open
+    ("<think>x</think>\n\nThe", (None, "".join(ANSWER))),  # closed: the rest is content
+])
+def test_continuing_a_message_inside_its_reasoning_block(client: TestClient, started: str, want: tuple) -> None:
+    """continue_final_message: the answer goes on inside the block the final message opened, so
+    it is reasoning up to </think>, whatever the generation prompt would have done."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": started}]
+    answer = client.post("/v1/chat/completions", json={
+        "model": DEMO_NAME, "messages": messages, "max_tokens": 8, "continue_final_message": True,
+        "add_generation_prompt": False, **NO_THINKING})
+    assert answer.status_code == 200, answer.text
+    message = answer.json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == want
+
+
 @pytest.mark.parametrize("kwargs", [5, {"messages": []}, {"add_generation_prompt": False}])
 def test_bad_template_kwargs(client: TestClient, kwargs: Any) -> None:
     body = {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}

@@ -711,6 +711,10 @@ def test_skip_special_tokens(served: Served, rng: np.random.Generator, stream: b
                                                 temperature=0, logit_bias={str(eos): 100},
                                                 extra_body={"skip_special_tokens": False})
     assert answer.choices[0].text == "" and answer.choices[0].finish_reason == "stop"
+    answer = served.client().completions.create(model=DEMO_NAME, prompt=random_prompt(rng), max_tokens=4,
+                                                temperature=0, logit_bias={str(eos): 100}, extra_body={
+                                                    "skip_special_tokens": False, "include_stop_str_in_output": True})
+    assert answer.choices[0].text == tokenizer.decode([eos], skip_special_tokens=False)  # as vLLM: kept when asked
 
 
 def test_continue_final_message(served: Served, rng: np.random.Generator) -> None:
@@ -828,6 +832,9 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("allowed_token_ids", {**GOOD, "allowed_token_ids": [5, 6]}, "allowed_token_ids"),
     ("truncate_prompt_tokens zero", {**GOOD, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("truncate_prompt_tokens float", {**GOOD, "truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens past the context", {**GOOD, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
+    ("beam search as 0", {**GOOD, "use_beam_search": 0}, "use_beam_search"),
+    ("length_penalty true", {**GOOD, "length_penalty": True}, "length_penalty"),
     ("skip_special_tokens not bool", {**GOOD, "skip_special_tokens": "no"}, "skip_special_tokens"),
     ("include_stop_str_in_output not bool", {**GOOD, "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
 ]
@@ -1312,6 +1319,10 @@ def test_tokenize_and_detokenize(served: Served, rng: np.random.Generator) -> No
     messages = [{"role": "user", "content": prompt}]
     status, body = post(served.port, "/tokenize", json.dumps({"model": DEMO_NAME, "messages": messages}))
     assert status == 200 and body["tokens"] == tokenizer.encode_chat(messages)
+    started = [*messages, {"role": "assistant", "content": "Beautiful"}]
+    status, body = post(served.port, "/tokenize", json.dumps({"model": DEMO_NAME, "messages": started,
+                                                              "add_generation_prompt": False, "continue_final_message": True}))
+    assert status == 200 and body["tokens"] == tokenizer.encode_chat(started, False, None, continue_final=True)
     status, body = post(served.port, "/detokenize", json.dumps({"model": DEMO_NAME, "tokens": tokenizer.encode(prompt)}))
     assert status == 200 and body["prompt"] == tokenizer.decode(tokenizer.encode(prompt))
     for path, bad, param in (("/tokenize", {"model": DEMO_NAME}, "prompt"),

@@ -169,6 +169,25 @@ def test_a_tokenizer_that_cannot_encode_is_one_line(tmp_path: Path, rng: np.rand
     assert "\n" not in str(caught.value) and str(tmp_path) in str(caught.value)
 
 
+def test_continue_final_message_cuts_right_after_the_final_text(tmp_path: Path, rng: np.random.Generator) -> None:
+    """The cut is where the template writes the final message's text, even when that text also
+    ends what the template writes after it (">" of <|im_end|>) or stands in an earlier message."""
+    train_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML_TEMPLATE}), encoding="utf-8")
+    tokenizer = Tokenizer.open(tmp_path)
+    for final in (">", "end", "hi", "a" * int(rng.integers(1, 6))):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": final}]
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=False, continue_final=True)
+        assert tokenizer.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n" + final)
+    with pytest.raises(AtlasError, match="exclude each other"):
+        tokenizer.encode_chat(messages, continue_final=True)
+    with pytest.raises(AtlasError, match="a final message with text"):
+        tokenizer.encode_chat([{"role": "assistant", "content": ""}], add_generation_prompt=False, continue_final=True)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 'fixed' }}"}), encoding="utf-8")
+    with pytest.raises(AtlasError, match="does not write the final message's text"):
+        Tokenizer.open(tmp_path).encode_chat(messages, add_generation_prompt=False, continue_final=True)
+
+
 def test_template_kwargs_reach_the_template(tmp_path: Path, rng: np.random.Generator) -> None:
     """Extra template variables (the server's chat_template_kwargs), as Qwen's enable_thinking."""
     train_tokenizer(tmp_path)

@@ -395,7 +395,8 @@ class OutputText:
     """Generated ids -> the text a reader gets: decoded as they come (special tokens skipped
     unless opts.skip_special_tokens is false), cut at the first of `stops` (which stays at its end
     under opts.include_stop_str_in_output). With special tokens written, the end-of-sequence token
-    that ends the text (one of `ending`) stays out of it, as vLLM leaves it out."""
+    that ends the text (one of `ending`) stays out of it unless include_stop_str_in_output, as vLLM
+    leaves it out."""
 
     def __init__(self, tokenizer: Tokenizer, opts: GenerateOptions, stops: tuple[str, ...], ending: set[int]) -> None:
         from .stop_strings import StopMatcher
@@ -403,7 +404,8 @@ class OutputText:
         self.tokenizer, self.skip_special = tokenizer, opts.skip_special_tokens
         self.decoder = tokenizer.stream_decoder(opts.skip_special_tokens)
         self.matcher = StopMatcher(stops, opts.include_stop_str_in_output)
-        self.hidden = frozenset() if opts.skip_special_tokens else frozenset(ending)
+        shown = opts.skip_special_tokens or opts.include_stop_str_in_output
+        self.hidden = frozenset() if shown else frozenset(ending)
 
     @property
     def stopped(self) -> bool:

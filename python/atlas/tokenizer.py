@@ -133,22 +133,34 @@ class Tokenizer:
         if continue_final and add_generation_prompt:
             raise AtlasError("continue_final_message and add_generation_prompt exclude each other: "
                              "set add_generation_prompt to false to continue the final message")
-        text = self.apply_chat_template(messages, add_generation_prompt, **{**self.template_defaults, **(template_kwargs or {})})
-        if continue_final:
-            text = open_final_message(text, messages)
-        return self.encode(text, add_special_tokens=False)
+        variables = {**self.template_defaults, **(template_kwargs or {})}
+        if not continue_final:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **variables), add_special_tokens=False)
+        marked = self.apply_chat_template(marked_final_message(messages), False, **variables)
+        if marked.count(FINAL_MARK) != 1:
+            raise AtlasError("continue_final_message: the chat template does not write the final message's text, "
+                             "so there is no place to continue it from")
+        return self.encode(marked[: marked.index(FINAL_MARK)], add_special_tokens=False)
 
 
-def open_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
-    """The rendered chat cut right after the final message's content (what closes that turn goes)."""
-    final = messages[-1].get("content") if messages else None
-    if not isinstance(final, str) or not final.strip():
+FINAL_MARK = "\ue000atlas:continue-here\ue000"  # private-use characters: no message holds them
+
+
+def marked_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with FINAL_MARK after the final message's text (its last text part), so the
+    rendered chat can be cut exactly there: a search for the text itself could land in what the
+    template writes after it, or in an earlier message."""
+    final = messages[-1] if messages else None
+    content = final.get("content") if isinstance(final, dict) else None
+    if isinstance(content, str) and content:
+        return [*messages[:-1], {**final, "content": content + FINAL_MARK}]  # type: ignore[dict-item]
+    texts = [i for i, part in enumerate(content) if isinstance(part, dict) and isinstance(part.get("text"), str)] \
+        if isinstance(content, list) else []
+    if not texts or not content[texts[-1]]["text"]:  # type: ignore[index]
         raise AtlasError("continue_final_message needs a final message with text to continue")
-    at = rendered.rfind(final)
-    if at < 0:
-        raise AtlasError("continue_final_message: the chat template does not write the final message's text as "
-                         "given, so there is no place to continue it from")
-    return rendered[: at + len(final)]
+    parts = list(content)  # type: ignore[arg-type]
+    parts[texts[-1]] = {**parts[texts[-1]], "text": parts[texts[-1]]["text"] + FINAL_MARK}
+    return [*messages[:-1], {**final, "content": parts}]  # type: ignore[dict-item]
 
 
 class StreamDecoder:

@@ -25,6 +25,7 @@ from .choices import ChoiceRun, collect_choices, stream_choices
 from .errors import RequestError, error_body, request_error_body
 from .protocol import GenerationBody, Prompt, TokenizeBody, parse_body, parse_detokenize, parse_json_body, parse_tokenize
 from .reasoning import END as REASONING_END
+from .reasoning import START as REASONING_START
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
 from .responses_api import ResponseMeta, chat_request, renamed, stream_response, whole_response
@@ -194,9 +195,13 @@ def answer_shaper(state: ServerState, body: GenerationBody, opened: bool) -> Ans
 
 
 def opens_reasoning(state: ServerState, body: GenerationBody, prompt_ids: list[int]) -> bool:
-    """A chat answer under --reasoning-parser that starts inside the block the prompt opened."""
+    """A chat answer under --reasoning-parser that starts inside the block the prompt opened (the
+    generation prompt's, or the continued final message's own unclosed one)."""
     if body.messages is None or state.reasoning_parser is None:
         return False
+    if body.text.continue_final_message:
+        final = body.messages[-1]["content"]
+        return final.rfind(REASONING_START) > final.rfind(REASONING_END)
     tail = state.llm.tokenizer.decode(prompt_ids[-REASONING_TAIL_TOKENS:], skip_special_tokens=False)
     return prompt_opens_reasoning(tail)
 
@@ -217,6 +222,10 @@ def prepare_inputs(state: ServerState, body: GenerationBody) -> list[PromptInput
     prompts: list[Prompt | None] = list(body.prompts) if body.prompts is not None else [None]
     inputs = []
     capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
+    keep = body.text.truncate_prompt_tokens
+    if keep is not None and keep > capacity:  # as vLLM: a cut the context cannot hold is a mistake
+        raise RequestError(f"'truncate_prompt_tokens' {keep} is more than the context holds ({capacity}); lower it, "
+                           "or -1 for as many as fit", "truncate_prompt_tokens")
     for prompt in prompts:
         encoded = encode(state.llm, body, prompt)
         ids = truncate_prompt(encoded, body.text.truncate_prompt_tokens, capacity)
@@ -270,7 +279,8 @@ def check_model(state: ServerState, model: str, status: int = 400) -> None:
 def tokenize_body(llm: LLM, body: TokenizeBody) -> list[int]:
     try:
         if body.messages is not None:
-            return llm.tokenizer.encode_chat(body.messages, body.add_generation_prompt, body.template_kwargs)
+            return llm.tokenizer.encode_chat(body.messages, body.add_generation_prompt, body.template_kwargs,
+                                             body.continue_final_message)
         assert body.prompt is not None
         return llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     except AtlasError as err:

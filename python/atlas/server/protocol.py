@@ -299,7 +299,8 @@ def parse_template_kwargs(value: Any) -> dict[str, Any] | None:
 
 def check_unsupported(body: dict[str, Any]) -> None:
     for name, neutral in UNSUPPORTED.items():
-        if name in body and body[name] not in neutral:
+        value = body.get(name)
+        if name in body and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
             raise RequestError(f"'{name}' is not supported by this server; leave it out", name)
 
 
@@ -446,6 +447,7 @@ class TokenizeBody:
     add_special_tokens: bool  # completions prompts: the tokenizer's own (BOS ...)
     add_generation_prompt: bool  # messages: end with the assistant's opening
     template_kwargs: dict[str, Any] | None
+    continue_final_message: bool = False  # messages: end right after the final message's text
 
 
 def parse_tokenize(body: Any) -> TokenizeBody:
@@ -456,13 +458,15 @@ def parse_tokenize(body: Any) -> TokenizeBody:
         raise RequestError("give exactly one of 'prompt' (text) and 'messages'", "prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise RequestError("'prompt' must be text", "prompt")
+    text = parse_text_options(body, chat=messages is not None)
     return TokenizeBody(
         model=required_str(body, "model"),
         prompt=prompt,
         messages=parse_messages(messages) if messages is not None else None,
         add_special_tokens=optional_bool(body, "add_special_tokens") is not False,
-        add_generation_prompt=optional_bool(body, "add_generation_prompt") is not False,
+        add_generation_prompt=text.add_generation_prompt,
         template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")),
+        continue_final_message=text.continue_final_message,
     )
 
 
