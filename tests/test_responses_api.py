@@ -102,6 +102,53 @@ def test_streamed_response_events(generating: tuple[Any, Any, LLM], rng: np.rand
     assert events[-4].text == text  # output_text.done carries the whole text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_previous_response_id_goes_on_from_a_stored_response(generating: tuple[Any, Any, LLM], rng: np.random.Generator,
+                                                             stream: bool) -> None:
+    """A stored response's input and output come before the next request's input (its
+    instructions do not): the answer is the chat answer to the whole conversation. GET finds a
+    stored response as it was sent, DELETE forgets it, and store false keeps none."""
+    client, _, reference = generating
+    given, instructions, messages = conversation(rng)
+    if stream:
+        events = list(client.responses.create(model=DEMO_NAME, input=given, instructions=instructions,
+                                              max_output_tokens=8, temperature=0, stream=True))
+        first = events[-1].response
+    else:
+        first = client.responses.create(model=DEMO_NAME, input=given, instructions=instructions, max_output_tokens=8,
+                                        temperature=0)
+    assert first.store is True and client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    follow = str(rng.choice(["Flat is", "Sparse is", "Readability"]))
+    second = client.responses.create(model=DEMO_NAME, input=follow, previous_response_id=first.id,
+                                     max_output_tokens=int(rng.integers(1, 30)), temperature=0)
+    kept = [m for m in messages if m["role"] != "system" or m["content"] != instructions]  # not the instructions
+    whole = [*kept, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": follow}]
+    text, status, prompt_tokens, _ = chat_answer(reference, whole, second.max_output_tokens)
+    assert (second.output_text, second.status, second.usage.input_tokens) == (text, status, prompt_tokens)
+    assert second.previous_response_id == first.id
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as gone:
+        client.responses.create(model=DEMO_NAME, input="x", previous_response_id=first.id, max_output_tokens=2)
+    assert gone.value.code == "previous_response_not_found"
+    unstored = client.responses.create(model=DEMO_NAME, input="x", max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_the_store_keeps_the_newest(rng: np.random.Generator) -> None:
+    from atlas.server.response_store import ResponseStore, StoredResponse
+
+    capacity = int(rng.integers(1, 5))
+    store = ResponseStore(capacity)
+    for i in range(capacity + 2):
+        store.put(f"resp_{i}", StoredResponse({"id": f"resp_{i}"}, ()))
+    assert [i for i in range(capacity + 2) if store.get(f"resp_{i}") is not None] == list(range(2, capacity + 2))
+    assert store.delete("resp_2") and not store.delete("resp_2") and store.get("resp_2") is None
+
+
 def test_text_format_json_schema(generating: tuple[Any, Any, LLM], rng: np.random.Generator) -> None:
     jsonschema = pytest.importorskip("jsonschema")
     client, _, _ = generating
@@ -171,6 +218,8 @@ def test_reasoning_item(thinking: Any, stream: bool) -> None:
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "previous_response_id": 5}, "previous_response_id"),
+    ({"input": "hi", "store": "yes"}, "store"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": []}, "input"),
     ({"input": 3}, "input"),

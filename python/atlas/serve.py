@@ -4,8 +4,8 @@ Routes: /v1/models, /v1/completions, /v1/chat/completions (`stream: true` as ser
 /v1/responses (OpenAI's Responses API, server/responses_api.py), /health, /metrics, /tokenize,
 /detokenize. The engine flags (--device, --spec-k / --no-spec, --kv-cache-dtype,
 --kv-high-precision-layers, --max-seq-len) are atlas.run's (engine_flags.py); --prompt-cache
-(atlas.prompt_cache) and --max-waiting (the queue's bound: server/app.py check_room) are the
-server's. Bad flags, models or addresses
+(atlas.prompt_cache), --max-waiting (the queue's bound: server/app.py check_room) and
+--response-store (server/response_store.py) are the server's. Bad flags, models or addresses
 print one line on stderr and exit with code 2.
 """
 
@@ -25,6 +25,7 @@ from .errors import AtlasError
 from .llm import DEFAULT_PROMPT_CACHE, MAX_PROMPT_CACHE
 from .run import MODEL_HELP
 from .server.reasoning import PARSERS
+from .server.response_store import DEFAULT_RESPONSE_STORE, ResponseStore
 from .server.tools import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class ServeArgs:
     api_key: str | None
     generation_config: str  # "auto": requests' sampling defaults from generation_config.json; "vllm": none
     max_waiting: int  # generation requests queued behind the running one before a 503 (0: no limit)
+    response_store: int  # /v1/responses kept for previous_response_id and GET (0: none)
     engine: EngineFlags
 
 
@@ -108,7 +110,7 @@ def serve(args: ServeArgs) -> None:
             click.echo(f"atlas.serve: sampling defaults from generation_config.json: {listed} "
                        "(requests override them; --generation-config vllm: none)", err=True)
         app = create_app(ServerState(name, worker, llm, **parsers, api_key=args.api_key, sampling_defaults=defaults,
-                                     max_waiting=args.max_waiting))
+                                     max_waiting=args.max_waiting, responses=ResponseStore(args.response_store)))
         config = uvicorn.Config(
             app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
         )
@@ -156,6 +158,11 @@ def serve(args: ServeArgs) -> None:
     "--max-waiting", type=click.IntRange(min=0), default=DEFAULT_MAX_WAITING, show_default=True,
     help="Generation requests that may wait behind the running one; one more gets a 503 with Retry-After "
     "(the openai client retries it). 0: no limit.",
+)
+@click.option(
+    "--response-store", type=click.IntRange(min=0), default=DEFAULT_RESPONSE_STORE, show_default=True,
+    help="/v1/responses answers kept in memory (the newest), for previous_response_id and GET /v1/responses/{id}; "
+    "a request with store false is not kept. 0: none.",
 )
 @engine_options
 def command(**kwargs: object) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -28,7 +28,8 @@ from .reasoning import END as REASONING_END
 from .reasoning import START as REASONING_START
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
-from .responses_api import ResponseMeta, chat_request, renamed, stream_response, whole_response
+from .response_store import ResponseStore, StoredResponse, not_found
+from .responses_api import ResponseMeta, chat_request, input_items, renamed, stream_response, whole_response
 from .tools import ForcedCallStream, ToolCallStream
 from .worker import EngineWorker
 
@@ -50,6 +51,7 @@ class ServerState:
     api_key: str | None = None  # /v1/* requests must send "Authorization: Bearer <api_key>"
     sampling_defaults: dict[str, float] = field(default_factory=dict)  # for fields a request leaves out
     max_waiting: int = 0  # a generation request finding this many waiting gets a 503 (0: no limit)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for previous_response_id
 
 
 class EventStreamResponse(StreamingResponse):
@@ -76,6 +78,18 @@ def create_app(state: ServerState) -> Starlette:
 
     async def responses(request: Request) -> Response:
         return await responses_generation(request, state)
+
+    async def stored_response(request: Request) -> Response:
+        """GET /v1/responses/{id}: a stored response as it was sent; DELETE: forget it."""
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            if not state.responses.delete(response_id):
+                raise not_found(response_id)
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        stored = state.responses.get(response_id)
+        if stored is None:
+            raise not_found(response_id)
+        return JSONResponse(stored.body)
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model_card(state)]})
@@ -117,6 +131,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
     ]
     handlers = {RequestError: on_request_error, HTTPException: on_http_error, Exception: on_crash}
     middleware = [Middleware(ApiKeyGate, key=state.api_key)] if state.api_key else []
@@ -172,16 +187,26 @@ async def responses_generation(request: Request, state: ServerState) -> Response
     """/v1/responses: the request as a chat request, its one answer as a response object."""
     raw = await read_json(request)
     try:
-        body = await parsed_body(chat_request(raw), True, state)
+        earlier = state.responses.earlier_items(raw)
+        body = await parsed_body(chat_request(raw, earlier), True, state)
         run = (await checked_runs(state, body))[0]
     except RequestError as err:
         raise renamed(err) from None
     assert isinstance(raw, dict)  # chat_request refused anything else
-    meta = ResponseMeta(state.model_name, raw)
+    meta = ResponseMeta(state.model_name, raw, keep=storing(state, raw, earlier))
     if body.stream:
         return EventStreamResponse(stream_response(meta, run.events, run.shaper))
     answer = await unless_disconnected(request, whole_response(meta, run.events, run.shaper))
     return JSONResponse(answer) if answer is not None else Response(status_code=499)
+
+
+def storing(state: ServerState, raw: dict[str, Any], earlier: list[dict[str, Any]]) -> Callable[[dict[str, Any]], None] | None:
+    """What keeps a finished response in the store (None: the request says store false, or the
+    server keeps none)."""
+    if raw.get("store") is False or not state.responses.capacity:
+        return None
+    conversation = [*earlier, *input_items(raw["input"])]
+    return lambda final: state.responses.put(final["id"], StoredResponse(final, (*conversation, *final["output"])))
 
 
 def answer_shaper(state: ServerState, body: GenerationBody, opened: bool) -> AnswerShaper | None:

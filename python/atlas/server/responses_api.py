@@ -2,15 +2,15 @@
 translated into a chat request (input items -> messages, instructions -> a system message,
 text.format -> response_format, function tools), generated like one, and its answer written as
 output items (reasoning under --reasoning-parser, the message, function calls), whole or as the
-API's typed server-sent events. Nothing is stored: previous_response_id and background are
-refused with one line."""
+API's typed server-sent events. Responses are stored unless `store` is false (response_store.py),
+so previous_response_id goes on from one; background and conversation are refused with one line."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,24 +23,29 @@ from .worker import Event, Finished, TextPiece
 PASSED_THROUGH = ("model", "temperature", "top_p", "stream", "tool_choice", "parallel_tool_calls", "seed", "top_k",
                   "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logit_bias",
                   "min_tokens", "chat_template_kwargs")  # vLLM takes its sampling extras here too
-REFUSED = {"previous_response_id": "nothing is stored here: send the whole conversation in 'input'",
-           "background": "background responses are not supported: leave 'background' out",
-           "conversation": "nothing is stored here: send the whole conversation in 'input'"}
+REFUSED = {"background": "background responses are not supported: leave 'background' out",
+           "conversation": "conversations are not stored here: use previous_response_id, or send the whole "
+                           "conversation in 'input'"}
 RENAMED_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
-def chat_request(body: Any) -> dict[str, Any]:
-    """A Responses request -> the equivalent /v1/chat/completions body."""
+def chat_request(body: Any, earlier: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A Responses request -> the equivalent /v1/chat/completions body; `earlier`: the input items
+    of the conversation it goes on from (previous_response_id's), before its own input."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     for key, why in REFUSED.items():
         if body.get(key) not in (None, False):
             raise RequestError(f"'{key}': {why}", key)
+    if not isinstance(body.get("store", True), bool):
+        raise RequestError("'store' must be true or false", "store")
     chat: dict[str, Any] = {key: body[key] for key in PASSED_THROUGH if key in body}
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise RequestError("'instructions' must be a string", "instructions")
-    chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + input_messages(body.get("input"))
+    earlier_messages = input_messages(earlier) if earlier else []
+    chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + earlier_messages + \
+        input_messages(body.get("input"))
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
@@ -73,6 +78,11 @@ def renamed(err: RequestError) -> RequestError:
             param = name + param[len(chat_name):]
     message = err.message.replace("'messages'", "'input'").replace("max_tokens", "max_output_tokens")
     return RequestError(message.replace("response_format", "text.format"), param, err.code, err.status)
+
+
+def input_items(value: Any) -> list[dict[str, Any]]:
+    """`input` as a list of items (a string is one user message)."""
+    return [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else list(value)
 
 
 def input_messages(value: Any) -> list[dict[str, Any]]:
@@ -169,6 +179,14 @@ class ResponseMeta:
     id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     created_at: int = field(default_factory=lambda: int(time.time()))
     sequence: int = 0
+    keep: Callable[[dict[str, Any]], None] | None = None  # given the final response (the store's put)
+
+    def final(self, status: str, output: list[dict[str, Any]], finished: Finished) -> dict[str, Any]:
+        """The finished response's body, handed to `keep` first."""
+        body = self.body(status, output, finished)
+        if self.keep is not None:
+            self.keep(body)
+        return body
 
     def body(self, status: str, output: list[dict[str, Any]], finished: Finished | None = None) -> dict[str, Any]:
         r = self.request
@@ -178,7 +196,8 @@ class ResponseMeta:
             "max_output_tokens": r.get("max_output_tokens"), "temperature": r.get("temperature"),
             "top_p": r.get("top_p"), "tools": r.get("tools") or [], "tool_choice": r.get("tool_choice", "auto"),
             "parallel_tool_calls": r.get("parallel_tool_calls", True), "text": r.get("text") or {"format": {"type": "text"}},
-            "metadata": r.get("metadata") or {}, "store": False, "usage": None,
+            "metadata": r.get("metadata") or {}, "store": self.keep is not None, "usage": None,
+            "previous_response_id": r.get("previous_response_id"),
         }
         if finished is not None:
             body["usage"] = usage(finished)
@@ -237,7 +256,7 @@ async def whole_response(meta: ResponseMeta, events: AsyncGenerator[Event, None]
             if isinstance(event, TextPiece):
                 pieces.append(event.text)
             elif isinstance(event, Finished):
-                return meta.body(status_of(event), output_items("".join(pieces), shaper), event)
+                return meta.final(status_of(event), output_items("".join(pieces), shaper), event)
             else:
                 raise RequestError(event.message, status=event.status)
     raise RequestError("the engine stopped before finishing", status=500)
@@ -311,7 +330,7 @@ class ResponseStream:
             lines += self.call_lines(call)
         status = status_of(finished)
         final = "response.completed" if status == "completed" else "response.incomplete"
-        return [*lines, self.meta.event(final, response=self.meta.body(status, self.done, finished))]
+        return [*lines, self.meta.event(final, response=self.meta.final(status, self.done, finished))]
 
     def call_lines(self, call: ToolCall) -> list[str]:
         index, item = len(self.done), call_item(call)

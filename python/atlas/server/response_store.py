@@ -1,0 +1,61 @@
+"""Stored responses of the Responses API (`store`, true unless a request says false, as OpenAI's):
+kept in memory, the newest `capacity` of them (atlas.serve --response-store N), so a request can go
+on from one (`previous_response_id`: its input and output items come before the new input, its
+instructions do not) and GET / DELETE /v1/responses/{id} find it. Nothing survives a restart."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import RequestError
+
+DEFAULT_RESPONSE_STORE = 256  # responses kept; the oldest goes first
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    body: dict[str, Any]  # the final response object, as it was sent
+    items: tuple[dict[str, Any], ...]  # the conversation as input items: earlier ones, this input, this output
+
+
+class ResponseStore:
+    def __init__(self, capacity: int = DEFAULT_RESPONSE_STORE) -> None:
+        self.capacity = capacity
+        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        with self._lock:
+            self._kept[response_id] = stored
+            while len(self._kept) > self.capacity:
+                self._kept.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        with self._lock:
+            return self._kept.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._kept.pop(response_id, None) is not None
+
+    def earlier_items(self, body: Any) -> list[dict[str, Any]]:
+        """The items a request goes on from (its previous_response_id's conversation; none without one)."""
+        if not isinstance(body, dict) or body.get("previous_response_id") is None:
+            return []
+        previous = body["previous_response_id"]
+        if not isinstance(previous, str):
+            raise RequestError("'previous_response_id' must be a string", "previous_response_id")
+        stored = self.get(previous)
+        if stored is None:
+            why = "this server stores none (--response-store 0)" if not self.capacity else \
+                f"it is not among the {self.capacity} kept (--response-store), was sent with store false, or was deleted"
+            raise RequestError(f"no stored response has id {previous!r}: {why}", "previous_response_id",
+                               "previous_response_not_found")
+        return list(stored.items)
+
+
+def not_found(response_id: str) -> RequestError:
+    return RequestError(f"no stored response has id {response_id!r}", None, "not_found", status=404)
