@@ -147,6 +147,11 @@ def test_the_store_keeps_the_newest(rng: np.random.Generator) -> None:
         store.put(f"resp_{i}", StoredResponse({"id": f"resp_{i}"}, ()))
     assert [i for i in range(capacity + 2) if store.get(f"resp_{i}") is not None] == list(range(2, capacity + 2))
     assert store.delete("resp_2") and not store.delete("resp_2") and store.get("resp_2") is None
+    big = StoredResponse({"id": "big", "text": "x" * 1000}, ())
+    bounded = ResponseStore(capacity=100, max_bytes=3 * big.size())
+    for i in range(5):
+        bounded.put(f"resp_{i}", big)
+    assert [i for i in range(5) if bounded.get(f"resp_{i}") is not None] == [2, 3, 4]  # the bytes bound, not the count
 
 
 def test_text_format_json_schema(generating: tuple[Any, Any, LLM], rng: np.random.Generator) -> None:
@@ -195,6 +200,45 @@ def test_function_call_outputs_reach_the_template(canned_tools: tuple[Any, Canne
              {"type": "function_call_output", "call_id": "call_7", "output": "sunny, 21 C"}]
     client.responses.create(model=DEMO_NAME, input=items, tools=[FLAT_WEATHER])
     assert "<parameter=city>Paris</parameter>" in worker.prompt and "<|im_start|>tool\nsunny, 21 C" in worker.prompt
+
+
+def test_a_tool_round_trip_through_previous_response_id(canned_tools: tuple[Any, CannedWorker]) -> None:
+    """A stored answer's text and call come back as the one assistant turn the model wrote, the
+    same prompt as the chat request carrying that turn and the call's output."""
+    client, worker = canned_tools
+    first = client.responses.create(model=DEMO_NAME, input="Weather in Paris?", tools=[FLAT_WEATHER])
+    message, call = first.output
+    client.responses.create(model=DEMO_NAME, previous_response_id=first.id, tools=[FLAT_WEATHER],
+                            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    turn = {"role": "assistant", "content": message.content[0].text, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}
+    messages = [{"role": "user", "content": "Weather in Paris?"}, turn,
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    from atlas.server.tools import template_tool_calls
+
+    turn["tool_calls"] = template_tool_calls(turn["tool_calls"], "turn")
+    want = worker.llm.tokenizer.apply_chat_template(messages, tools=[WEATHER])
+    assert worker.prompt == want
+
+
+def test_reasoning_items_reach_the_next_assistant_turn() -> None:
+    """A reasoning item's text is the reasoning_content of the assistant turn after it (the chat
+    path keeps an assistant message's reasoning_content too), and the stored copy of an item is
+    what the replay reads, nothing more."""
+    from atlas.server.protocol import parse_message
+    from atlas.server.responses_api import input_messages, replayed
+
+    items = [{"role": "user", "content": "hi"},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "plan"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "status": "completed"}]
+    messages = input_messages(items)
+    assert messages[1]["reasoning_content"] == "plan" and messages[1]["content"] == "Hello"
+    assert len(messages) == 2 and messages[1]["tool_calls"][0]["id"] == "c1"  # the call joins that turn
+    assert replayed(items[3]) == {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    assert input_messages([replayed(i) for i in items]) == messages
+    chat = parse_message({"role": "assistant", "content": "Hello", "reasoning_content": "plan"}, 0)
+    assert chat["reasoning_content"] == "plan"
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from .reasoning import START as REASONING_START
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
 from .response_store import ResponseStore, StoredResponse, not_found
-from .responses_api import ResponseMeta, chat_request, input_items, renamed, stream_response, whole_response
+from .responses_api import ResponseMeta, chat_request, input_items, renamed, replayed, stream_response, whole_response
 from .tools import ForcedCallStream, ToolCallStream
 from .worker import EngineWorker
 
@@ -205,8 +205,8 @@ def storing(state: ServerState, raw: dict[str, Any], earlier: list[dict[str, Any
     server keeps none)."""
     if raw.get("store") is False or not state.responses.capacity:
         return None
-    conversation = [*earlier, *input_items(raw["input"])]
-    return lambda final: state.responses.put(final["id"], StoredResponse(final, (*conversation, *final["output"])))
+    conversation = [*earlier, *map(replayed, input_items(raw["input"]))]
+    return lambda final: state.responses.put(final["id"], StoredResponse(final, (*conversation, *map(replayed, final["output"]))))
 
 
 def answer_shaper(state: ServerState, body: GenerationBody, opened: bool) -> AnswerShaper | None:

@@ -355,6 +355,8 @@ def parse_message(value: Any, index: int) -> Message:
     for key in ("tool_call_id", "name"):  # a tool turn's answer to a call
         if isinstance(value.get(key), str):
             message[key] = value[key]
+    if role == "assistant" and isinstance(value.get("reasoning_content"), str):  # an earlier answer's thinking
+        message["reasoning_content"] = value["reasoning_content"]
     return message
 
 

@@ -1,10 +1,12 @@
 """Stored responses of the Responses API (`store`, true unless a request says false, as OpenAI's):
 kept in memory, the newest `capacity` of them (atlas.serve --response-store N), so a request can go
 on from one (`previous_response_id`: its input and output items come before the new input, its
-instructions do not) and GET / DELETE /v1/responses/{id} find it. Nothing survives a restart."""
+instructions do not) and GET / DELETE /v1/responses/{id} find it. The oldest also go while the kept
+ones' JSON passes `max_bytes` (a request body may be 64 MiB). Nothing survives a restart."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from typing import Any
 from .errors import RequestError
 
 DEFAULT_RESPONSE_STORE = 256  # responses kept; the oldest goes first
+MAX_STORED_BYTES = 256 << 20  # their JSON, each counted whole (a chained conversation's shared items again each time)
 
 
 @dataclass(frozen=True)
@@ -20,26 +23,35 @@ class StoredResponse:
     body: dict[str, Any]  # the final response object, as it was sent
     items: tuple[dict[str, Any], ...]  # the conversation as input items: earlier ones, this input, this output
 
+    def size(self) -> int:
+        return len(json.dumps(self.body)) + len(json.dumps(self.items))
+
 
 class ResponseStore:
-    def __init__(self, capacity: int = DEFAULT_RESPONSE_STORE) -> None:
-        self.capacity = capacity
-        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+    def __init__(self, capacity: int = DEFAULT_RESPONSE_STORE, max_bytes: int = MAX_STORED_BYTES) -> None:
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self._kept: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
+        size = stored.size()
         with self._lock:
-            self._kept[response_id] = stored
-            while len(self._kept) > self.capacity:
-                self._kept.popitem(last=False)
+            self._kept[response_id] = (stored, size)
+            self._bytes += size
+            while self._kept and (len(self._kept) > self.capacity or self._bytes > self.max_bytes):
+                self._bytes -= self._kept.popitem(last=False)[1][1]
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
-            return self._kept.get(response_id)
+            kept = self._kept.get(response_id)
+        return None if kept is None else kept[0]
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
-            return self._kept.pop(response_id, None) is not None
+            kept = self._kept.pop(response_id, None)
+            self._bytes -= 0 if kept is None else kept[1]
+        return kept is not None
 
     def earlier_items(self, body: Any) -> list[dict[str, Any]]:
         """The items a request goes on from (its previous_response_id's conversation; none without one)."""
@@ -51,7 +63,7 @@ class ResponseStore:
         stored = self.get(previous)
         if stored is None:
             why = "this server stores none (--response-store 0)" if not self.capacity else \
-                f"it is not among the {self.capacity} kept (--response-store), was sent with store false, or was deleted"
+                f"it is not among those kept (--response-store {self.capacity}), was sent with store false, or was deleted"
             raise RequestError(f"no stored response has id {previous!r}: {why}", "previous_response_id",
                                "previous_response_not_found")
         return list(stored.items)

@@ -37,7 +37,7 @@ def chat_request(body: Any, earlier: list[dict[str, Any]] | None = None) -> dict
     for key, why in REFUSED.items():
         if body.get(key) not in (None, False):
             raise RequestError(f"'{key}': {why}", key)
-    if not isinstance(body.get("store", True), bool):
+    if body.get("store") is not None and not isinstance(body["store"], bool):
         raise RequestError("'store' must be true or false", "store")
     chat: dict[str, Any] = {key: body[key] for key in PASSED_THROUGH if key in body}
     instructions = body.get("instructions")
@@ -87,34 +87,72 @@ def input_items(value: Any) -> list[dict[str, Any]]:
 
 def input_messages(value: Any) -> list[dict[str, Any]]:
     """`input`: a string (one user message) or a list of items: messages (role + content: a string
-    or input_text / output_text parts), function_call and function_call_output items; reasoning
-    items are dropped (the chat template rebuilds the turns)."""
+    or input_text / output_text parts), function_call and function_call_output items, and
+    reasoning items, whose text becomes the reasoning_content of the assistant turn after them
+    (Qwen's template writes it for the turns after the last user message). A function call joins
+    the assistant turn before it (its text, earlier calls), as the model wrote them in one turn."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise RequestError("'input' must be a string or a non-empty list of input items", "input")
     messages: list[dict[str, Any]] = []
+    reasoning: str | None = None  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(value):
         if not isinstance(item, dict):
             raise RequestError(f"input[{i}] must be an object", f"input[{i}]")
         kind = item.get("type", "message")
-        if kind == "message":
-            messages.append(input_message(item, i))
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:
-                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
-                raise RequestError(f"input[{i}] (function_call_output) needs string 'call_id' and 'output'", f"input[{i}]")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-        elif kind != "reasoning":
-            raise RequestError(f"input[{i}]: items of type {kind!r} are not supported (text messages, "
-                               "function_call and function_call_output are)", f"input[{i}].type")
+        if kind == "reasoning":
+            reasoning = reasoning_text(item)
+            continue
+        if kind == "function_call" and reasoning is None and messages and messages[-1]["role"] == "assistant":
+            messages[-1].setdefault("tool_calls", []).append(function_call(item))
+            continue
+        message = item_message(item, kind, i)
+        if reasoning is not None and message["role"] == "assistant":
+            message["reasoning_content"] = reasoning
+        reasoning = None
+        messages.append(message)
     return messages
+
+
+def item_message(item: dict[str, Any], kind: str, index: int) -> dict[str, Any]:
+    """A message, function_call or function_call_output item as a chat message."""
+    if kind == "message":
+        return input_message(item, index)
+    if kind == "function_call":
+        return {"role": "assistant", "content": "", "tool_calls": [function_call(item)]}
+    if kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+            raise RequestError(f"input[{index}] (function_call_output) needs string 'call_id' and 'output'", f"input[{index}]")
+        return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+    raise RequestError(f"input[{index}]: items of type {kind!r} are not supported (text messages, function_call, "
+                       "function_call_output and reasoning are)", f"input[{index}].type")
+
+
+def function_call(item: dict[str, Any]) -> dict[str, Any]:
+    return {"id": item.get("call_id"), "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+
+
+def reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its reasoning_text parts (else its summary's text parts)."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)] \
+            if isinstance(parts, list) else []
+        if texts:
+            return "".join(texts)
+    return ""
+
+
+REPLAYED = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
+            "function_call_output": ("call_id", "output"), "reasoning": ("content", "summary")}
+
+
+def replayed(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as a stored conversation keeps it: the fields input_messages reads, nothing more."""
+    kind = item.get("type", "message")
+    return {"type": kind, **{key: item[key] for key in REPLAYED.get(kind, ()) if key in item}}
 
 
 def input_message(item: dict[str, Any], index: int) -> dict[str, Any]:
