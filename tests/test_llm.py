@@ -154,6 +154,10 @@ def test_stream_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be True or False"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an integer >= 1"),
         ({"truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens must be an integer >= 1"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+        ({"allowed_token_ids": [10**9]}, "allowed_token_ids must be a non-empty list of token ids in 0.."),
+        ({"bad_words": "ugly"}, "bad_words must be a list of non-empty strings"),
+        ({"bad_words": [""]}, "bad_words must be a list of non-empty strings"),
     ],
 )
 def test_bad_options(tiny: LLM, options: dict[str, float], needle: str) -> None:

@@ -734,6 +734,32 @@ def test_continue_final_message(served: Served, rng: np.random.Generator) -> Non
     assert answer.usage.prompt_tokens == len(tokenizer.encode(cut, add_special_tokens=False))
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_allowed_token_ids_and_bad_words(served: Served, rng: np.random.Generator, stream: bool) -> None:
+    """vLLM's allowed_token_ids: every token one of them; bad_words: the greedy text's own words
+    never come back as their tokens; both the in-process model's answer, greedy or sampled."""
+    prompt, tokenizer = random_prompt(rng), served.reference.tokenizer
+    whole = served.reference.generate(prompt, max_tokens=30)
+    allowed = sorted({int(t) for t in rng.choice(whole.token_ids, 3)} | {int(t) for t in rng.integers(3, 400, 3)})
+    banned = [w for w in dict.fromkeys(whole.text.split()) if len(w) > 3][:2] or ["better"]
+    sampling = {"temperature": float(rng.choice([0.0, 0.9])), "seed": int(rng.integers(1000))}
+    for fields in ({"allowed_token_ids": allowed}, {"bad_words": banned}):
+        want = served.reference.generate(prompt, max_tokens=30, **sampling, **fields)
+        answer = served.client().completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=30, stream=stream,
+                                                    logprobs=0, extra_body=fields, **sampling)
+        chunks = list(answer) if stream else [answer]
+        text = "".join(c.choices[0].text for c in chunks)
+        assert text == want.text
+        if "allowed_token_ids" in fields:
+            assert set(want.token_ids) <= set(allowed)
+        else:  # as vLLM: the words' own tokenizations (alone, after a space) never come; others may
+            from atlas.token_rules import bad_word_sequences
+
+            ids = want.token_ids
+            for seq in bad_word_sequences(banned, lambda text: tokenizer.encode(text, add_special_tokens=False)):
+                assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids))), (banned, want.text)
+
+
 @pytest.mark.parametrize("keep", [1, 3, -1])
 def test_truncate_prompt_tokens(served: Served, rng: np.random.Generator, keep: int) -> None:
     """The prompt's last k tokens run (-1: all that fit, here the whole prompt); echo sends back
@@ -828,8 +854,10 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("stream_options wrong type", {**GOOD, "stream_options": 5}, "stream_options"),
     ("include_usage wrong type", {**GOOD, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ("beam search", {**GOOD, "use_beam_search": True}, "use_beam_search"),
-    ("bad_words", {**GOOD, "bad_words": ["ugly"]}, "bad_words"),
-    ("allowed_token_ids", {**GOOD, "allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ("bad_words not strings", {**GOOD, "bad_words": [5]}, "bad_words"),
+    ("bad_words empty word", {**GOOD, "bad_words": [" "]}, "bad_words"),
+    ("allowed_token_ids empty", {**GOOD, "allowed_token_ids": []}, "allowed_token_ids"),
+    ("allowed_token_ids beyond the vocabulary", {**GOOD, "allowed_token_ids": [5, 10**6]}, "allowed_token_ids"),
     ("truncate_prompt_tokens zero", {**GOOD, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("truncate_prompt_tokens float", {**GOOD, "truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens"),
     ("truncate_prompt_tokens past the context", {**GOOD, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),

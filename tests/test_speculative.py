@@ -383,6 +383,21 @@ def test_sampled_structured_stream_speculates_and_equals_plain(demo_mtp: Path, r
     assert "".join(spec.stream(DEMO_PROMPT, **opts)) == result.text
 
 
+@pytest.mark.parametrize("rule", ["bad_words", "allowed_token_ids"])
+def test_token_rules_speculate_and_equal_plain(demo_mtp: Path, rng: np.random.Generator, rule: str) -> None:
+    """vLLM's bad_words / allowed_token_ids pick on the host like structured output: speculation
+    keeps them and gives the plain engine's text, greedy or sampled."""
+    from atlas.llm import LLM
+
+    spec, plain = LLM(str(demo_mtp), "cpu", spec_k=2), LLM(str(demo_mtp), "cpu", spec_k=0)
+    free = plain.generate(DEMO_PROMPT, max_tokens=20)
+    fields = {"bad_words": free.text.split()[1:3]} if rule == "bad_words" else \
+        {"allowed_token_ids": sorted({int(t) for t in free.token_ids[:6]} | {int(rng.integers(3, 400))})}
+    opts = {"max_tokens": 20, "temperature": float(rng.choice([0.0, 0.8])), "seed": int(rng.integers(1 << 30)), **fields}
+    result = spec.generate(DEMO_PROMPT, **opts)
+    assert result.spec_rounds > 0 and result.text == plain.generate(DEMO_PROMPT, **opts).text
+
+
 def test_iter_tokens_counts_the_speculation_it_runs(demo_mtp: Path, rng: np.random.Generator) -> None:
     """The server's loop (llm.iter_tokens) reports verify passes and drafts in the SpecStats it is
     given (what /metrics counts), with generate()'s tokens."""

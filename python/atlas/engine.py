@@ -28,7 +28,7 @@ from .sampling import (
 from .snapshot import DeltaNetSnapshot
 
 if TYPE_CHECKING:
-    from .structured import OutputConstraint
+    from .structured import TokenConstraint
 
 
 PREFILL_CHUNK = 4096  # prompt tokens per forward: bounds a step's activations at any context length
@@ -75,7 +75,7 @@ class GenerationRequest:
     on_token: Callable[[int], bool | None] | None = None  # a true return ends the generation (a stop string)
     logprobs: int | None = None  # None: none; N: each token's log-probability and the N most likely
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none)
-    constraint: OutputConstraint | None = None  # structured output (sampling.structured)
+    constraint: TokenConstraint | None = None  # structured output (sampling.structured)
 
     def __post_init__(self) -> None:
         """Every way into Engine.run builds one: bad values are one line here, not numpy's
@@ -321,7 +321,7 @@ class Engine:
         return token, token_t
 
     def _structured_pick(self, logits: Tensor, sampling: SamplingParams, uniform: float,
-                         constraint: OutputConstraint) -> int:
+                         constraint: TokenConstraint) -> int:
         """A greedy pick (or a complete shape's end) tries the backend's most likely ids first; a
         sampled one walks the backend's summary of the row (the most likely ids and logits, the
         log-sum-exp at the temperature). So a GPU reads back at most a few KB, and the row only

@@ -15,7 +15,7 @@ from .kvcache.names import DEFAULT_LEVEL
 if TYPE_CHECKING:
     from .backends.base import SamplingParams
     from .sampling import TokenLogprob
-    from .structured import OutputConstraint, OutputFormat
+    from .structured import OutputFormat, TokenConstraint
     from .kvcache.options import KVCacheOptions
     from .config import ModelSpec
     from .tokenizer import Tokenizer
@@ -70,6 +70,8 @@ class GenerateOptions:
     skip_special_tokens: bool = True  # vLLM's: False writes special tokens' text (not the eos that ends it)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ends the text stays at its end
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these ids may be picked
+    bad_words: tuple[str, ...] = ()  # vLLM's: no text ends with one of these words' tokens
 
 
 class EngineLike(Protocol):
@@ -312,8 +314,11 @@ class LLM:
         token is generated."""
         from .sampling import check_logit_bias_ids
 
+        from .token_rules import check_token_rules
+
         check_options(opts)
         check_logit_bias_ids(sampling_params(opts), self.parts.spec.vocab_size)
+        check_token_rules(opts.allowed_token_ids, opts.bad_words, self.parts.spec.vocab_size)
         prompt_ids = encode_prompt(self.parts.tokenizer, prompt, opts.chat)
         prompt_ids = truncate_prompt(prompt_ids, opts.truncate_prompt_tokens, context_capacity(self.parts.spec, self.parts.engine))
         vocab = self.parts.spec.vocab_size
@@ -323,13 +328,21 @@ class LLM:
         check_length(self.parts.spec, self.parts.engine, len(prompt_ids), opts.max_tokens)
         return prompt_ids
 
-    def output_constraint(self, opts: GenerateOptions, end_ids: set[int]) -> OutputConstraint | None:
-        """Structured output's per-generation state when opts ask for it (end_ids: what may end it)."""
-        if opts.output is None:
-            return None
-        from .structured import OutputConstraint
+    def output_constraint(self, opts: GenerateOptions, end_ids: set[int]) -> TokenConstraint | None:
+        """The per-generation rule of the picks when opts give one (end_ids: what may end the
+        text): structured output, allowed_token_ids, bad_words, or all of those given."""
+        from .structured import OutputConstraint, TokenConstraint
+        from .token_rules import AllConstraints, AllowedTokens, BadWords, bad_word_sequences
 
-        return OutputConstraint(self.parts.tokenizer.token_bytes, end_ids, opts.output.shape())
+        tokenizer = self.parts.tokenizer
+        parts: list[TokenConstraint] = [OutputConstraint(tokenizer.token_bytes, end_ids, opts.output.shape())] \
+            if opts.output is not None else []
+        if opts.allowed_token_ids is not None:
+            parts.append(AllowedTokens(opts.allowed_token_ids))
+        if opts.bad_words:
+            encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+            parts.append(BadWords(bad_word_sequences(opts.bad_words, encode)))
+        return None if not parts else parts[0] if len(parts) == 1 else AllConstraints(parts)
 
     def eos_ids(self) -> set[int]:
         """The config's eos ids (generation_config.json first); else the tokenizer's eos."""
@@ -343,7 +356,7 @@ def iter_tokens(
     engine: EngineLike, prompt_ids: list[int], opts: GenerateOptions, eos_ids: set[int],
     scores: list[TokenLogprob] | None = None,
     prompt_scores: list[TokenLogprob | None] | None = None,
-    constraint: OutputConstraint | None = None,
+    constraint: TokenConstraint | None = None,
     spec_stats: Any = None,
 ) -> Iterator[int]:
     """Engine.generate's loop as a generator over the engine's step API (prefill, decode, pick),
@@ -493,6 +506,8 @@ def generate_options(
     skip_special_tokens: bool = True,
     include_stop_str_in_output: bool = False,
     truncate_prompt_tokens: int | None = None,
+    allowed_token_ids: Sequence[int] | None = None,
+    bad_words: Sequence[str] = (),
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. logprobs (0..20): each token's
     log-probability and that many most likely alternatives (the model's distribution before
@@ -510,8 +525,10 @@ def generate_options(
     this (e.g. "</think>" when a thinking model's prompt opened its reasoning block; up to 4 line
     breaks may follow it); skip_special_tokens: False writes special tokens' text (the eos that ends
     the text stays out); include_stop_str_in_output: the stop string that ends the text stays at its
-    end; truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the context holds)
-    (vLLM's three). Values are checked by LLM.prepare."""
+    end; truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the context holds);
+    allowed_token_ids: only these ids may be picked; bad_words: no text ends with one of these words
+    (vLLM's five; the last two pick on the host, as structured output does). Values are checked by
+    LLM.prepare."""
     from .structured import OutputFormat
     from .sampling import logit_bias_pairs
 
@@ -520,7 +537,13 @@ def generate_options(
                             logit_bias_pairs(logit_bias))
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
                            stop_strings(stop), output, skip_special_tokens, include_stop_str_in_output,
-                           truncate_prompt_tokens)
+                           truncate_prompt_tokens, as_tuple(allowed_token_ids), as_tuple(bad_words))
+
+
+def as_tuple(value: Any) -> Any:
+    """A list (a request's JSON) as a tuple, so the options stay hashable; anything else as given
+    (LLM.prepare says what is wrong with it)."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def stop_strings(stop: object) -> tuple[str, ...]:
@@ -577,7 +600,8 @@ def sampling_params(opts: GenerateOptions) -> SamplingParams:
              if name not in ("min_tokens", "logit_bias")}
     return SamplingParams(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p),
                           min_tokens=opts.extras.min_tokens, logit_bias=opts.extras.logit_bias,
-                          structured=opts.output is not None, **extra)
+                          structured=opts.output is not None or opts.allowed_token_ids is not None or bool(opts.bad_words),
+                          **extra)
 
 
 def check_length(spec: ModelSpec, engine: EngineLike, prompt_tokens: int, max_tokens: int) -> None:

@@ -13,7 +13,7 @@ from .backends.base import Backend, PenaltyOperands, SamplingParams, Tensor
 from .errors import AtlasError
 
 if TYPE_CHECKING:
-    from .structured import OutputConstraint
+    from .structured import TokenConstraint
 
 MAX_TOP_K = 2**31 - 1  # SampleParams.top_k is an int32; any top_k >= the vocabulary keeps all
 MAX_LOGPROBS = 20  # alternatives listed per generated token (OpenAI's top_logprobs limit)
@@ -95,14 +95,14 @@ END_TOKEN = 2
 
 
 def pick_state(prompt_ids: list[int], end_ids: set[int], sampling: SamplingParams,
-               constraint: OutputConstraint | None) -> Penalties | None:
+               constraint: TokenConstraint | None) -> Penalties | None:
     """What one sequence's picks carry from token to token, if anything."""
     if sampling.structured and constraint is None:
         raise AtlasError("structured output needs the tokenizer's token bytes: generate through atlas.LLM")
     return Penalties(prompt_ids, end_ids, constraint) if sampling.adjusts_logits or constraint is not None else None
 
 
-def host_pick(row: np.ndarray, sampling: SamplingParams, uniform: float, constraint: OutputConstraint) -> int:
+def host_pick(row: np.ndarray, sampling: SamplingParams, uniform: float, constraint: TokenConstraint) -> int:
     """Structured output's token from (penalized) logits [V] on the host: the best allowed token
     when greedy or once the shape is complete (an end id, even before min_tokens), else the
     reference sampler over the allowed tokens."""
@@ -135,7 +135,7 @@ class Penalties:
     generation, logit_bias; each pick is then counted there, so nothing but the id crosses) and
     the structured-output constraint, advanced by each pick."""
 
-    def __init__(self, prompt_ids: list[int], end_ids: set[int] | None = None, constraint: OutputConstraint | None = None) -> None:
+    def __init__(self, prompt_ids: list[int], end_ids: set[int] | None = None, constraint: TokenConstraint | None = None) -> None:
         self.prompt_ids = np.unique(np.asarray(prompt_ids, dtype=np.int64))
         self.end_ids = np.array(sorted(end_ids or ()), dtype=np.int64)  # masked before min_tokens
         self.constraint = constraint  # structured output: which tokens may come next

@@ -111,34 +111,22 @@ def output_shape(schema: Any = None, after: str | None = None) -> Transitions:
     return OutputFormat("json_object" if schema is None else "json_schema", schema, after).shape()
 
 
-class OutputConstraint:
-    """One generation's structured-output state: which tokens may come next (the text stays a
-    prefix of the shape's texts: JSON mode's object unless another shape is given), and the pick
-    among them."""
-
-    def __init__(self, token_bytes: Sequence[bytes | None], end_ids: set[int], shape: Transitions | None = None) -> None:
-        if not end_ids:
-            raise AtlasError("structured output needs an end-of-sequence token to end the text; "
-                             "the model has none (or ignore_eos is set)")
-        self.token_bytes = token_bytes
-        self.end_ids = end_ids
-        self.matcher = Matcher(shape or output_shape())
+class TokenConstraint:
+    """Which tokens may come next in one generation (allows), followed pick by pick (advance), and
+    the pick among them: greedy takes the most likely allowed token, sampling draws from the
+    allowed tokens' distribution. Structured output's OutputConstraint, and atlas.token_rules'
+    allowed_token_ids and bad_words."""
 
     @property
     def complete(self) -> bool:
-        """The value is whole and nothing may follow: only an end id may come."""
-        return self.matcher.complete
+        """Only an end id may come (the pick is then the best allowed, even when sampling)."""
+        return False
 
     def allows(self, token: int) -> bool:
-        if token in self.end_ids:
-            return self.matcher.can_end
-        data = self.token_bytes[token] if token < len(self.token_bytes) else None
-        return bool(data) and self.matcher.copy().feed(data)  # type: ignore[arg-type]
+        raise NotImplementedError
 
     def advance(self, token: int) -> None:
-        if token not in self.end_ids:
-            data = self.token_bytes[token]
-            assert data and self.matcher.feed(data), f"token {token} was not allowed"
+        """The pick was `token`."""
 
     def first_allowed(self, ids: np.ndarray) -> int | None:
         """The first allowed token of ids (most likely first, -1 ends the list), if any: greedy()
@@ -218,6 +206,35 @@ class OutputConstraint:
         if not (ended or ids.size == listed.vocab) or not np.isfinite(row).any():
             return None  # past the list, or nothing finite allowed: mask() decides (and says so)
         return chosen[choose_token(row, sampling, uniform)]
+
+
+class OutputConstraint(TokenConstraint):
+    """One generation's structured-output state: the text stays a prefix of the shape's texts
+    (JSON mode's object unless another shape is given)."""
+
+    def __init__(self, token_bytes: Sequence[bytes | None], end_ids: set[int], shape: Transitions | None = None) -> None:
+        if not end_ids:
+            raise AtlasError("structured output needs an end-of-sequence token to end the text; "
+                             "the model has none (or ignore_eos is set)")
+        self.token_bytes = token_bytes
+        self.end_ids = end_ids
+        self.matcher = Matcher(shape or output_shape())
+
+    @property
+    def complete(self) -> bool:
+        """The value is whole and nothing may follow: only an end id may come."""
+        return self.matcher.complete
+
+    def allows(self, token: int) -> bool:
+        if token in self.end_ids:
+            return self.matcher.can_end
+        data = self.token_bytes[token] if token < len(self.token_bytes) else None
+        return bool(data) and self.matcher.copy().feed(data)  # type: ignore[arg-type]
+
+    def advance(self, token: int) -> None:
+        if token not in self.end_ids:
+            data = self.token_bytes[token]
+            assert data and self.matcher.feed(data), f"token {token} was not allowed"
 
 
 @dataclass(frozen=True)

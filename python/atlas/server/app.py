@@ -314,9 +314,10 @@ def tokenize_body(llm: LLM, body: TokenizeBody) -> list[int]:
 
 def check_stop_ids(state: ServerState, body: GenerationBody) -> None:
     vocab = state.llm.parts.spec.vocab_size
-    bad = [t for t in body.sampling.stop.token_ids if t >= vocab]
-    if bad:
-        raise RequestError(f"stop token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "stop_token_ids")
+    for param, ids in (("stop_token_ids", body.sampling.stop.token_ids), ("allowed_token_ids", body.sampling.allowed_token_ids)):
+        bad = [t for t in ids or () if t >= vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} in '{param}' is outside the vocabulary (0..{vocab - 1})", param)
 
 
 def check_logit_bias_ids(state: ServerState, body: GenerationBody) -> None:
@@ -408,7 +409,8 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
     return GenerateOptions(max_tokens, s.temperature, s.top_k, s.top_p, s.seed, logprobs=body.logprobs,
                            prompt_logprobs=prompt_logprobs, extras=s.extras, output=output,
                            skip_special_tokens=body.text.skip_special_tokens,
-                           include_stop_str_in_output=body.text.include_stop_str_in_output)
+                           include_stop_str_in_output=body.text.include_stop_str_in_output,
+                           allowed_token_ids=s.allowed_token_ids, bad_words=s.bad_words)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

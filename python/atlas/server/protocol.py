@@ -39,8 +39,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # vLLM's fields that this server does not honour: refused rather than silently ignored
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "bad_words": (None, []),
-    "allowed_token_ids": (None,),
     "guided_whitespace_pattern": (None,),
     "prompt_logprobs": (None,),
     "detokenize": (None, True),
@@ -131,6 +129,8 @@ class SamplingFields:
     seed: int | None
     stop: Stops
     extras: SamplingExtras  # min_p, presence / frequency / repetition penalties
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these may be picked
+    bad_words: tuple[str, ...] = ()  # vLLM's: no text ends with one of these words
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,25 @@ def parse_sampling(body: dict[str, Any], echo: bool = False) -> SamplingFields:
         stop=Stops(parse_stop(body.get("stop")), parse_stop_token_ids(body.get("stop_token_ids")),
                    optional_bool(body, "ignore_eos") or False),
         extras=parse_extras(body),
+        allowed_token_ids=parse_allowed_token_ids(body.get("allowed_token_ids")),
+        bad_words=parse_bad_words(body.get("bad_words")),
     )
+
+
+def parse_allowed_token_ids(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or not all(is_int(t) and t >= 0 for t in value):
+        raise RequestError("'allowed_token_ids' must be a non-empty list of token ids", "allowed_token_ids")
+    return tuple(int(t) for t in value)
+
+
+def parse_bad_words(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(w, str) and w.strip() for w in value):
+        raise RequestError("'bad_words' must be a list of non-empty strings", "bad_words")
+    return tuple(value)
 
 
 def parse_extras(body: dict[str, Any]) -> SamplingExtras:
