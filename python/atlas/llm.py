@@ -313,7 +313,6 @@ class LLM:
         """Check the options and encode the prompt: every input error surfaces here, before any
         token is generated."""
         from .sampling import check_logit_bias_ids
-
         from .token_rules import check_token_rules
 
         check_options(opts)
