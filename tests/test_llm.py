@@ -158,6 +158,7 @@ def test_stream_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"allowed_token_ids": [10**9]}, "allowed_token_ids must be a non-empty list of token ids in 0.."),
         ({"bad_words": "ugly"}, "bad_words must be a list of non-empty strings"),
         ({"bad_words": [""]}, "bad_words must be a list of non-empty strings"),
+        ({"allowed_token_ids": [5, 6], "json_object": True}, "allowed_token_ids must hold one"),
     ],
 )
 def test_bad_options(tiny: LLM, options: dict[str, float], needle: str) -> None:

@@ -318,6 +318,9 @@ class LLM:
         check_options(opts)
         check_logit_bias_ids(sampling_params(opts), self.parts.spec.vocab_size)
         check_token_rules(opts.allowed_token_ids, opts.bad_words, self.parts.spec.vocab_size)
+        if opts.output is not None and opts.allowed_token_ids is not None and not self.eos_ids() & set(opts.allowed_token_ids):
+            raise AtlasError("structured output ends with an end-of-sequence token: allowed_token_ids must hold one "
+                             f"({sorted(self.eos_ids())}) beside a structured output format")
         prompt_ids = encode_prompt(self.parts.tokenizer, prompt, opts.chat)
         prompt_ids = truncate_prompt(prompt_ids, opts.truncate_prompt_tokens, context_capacity(self.parts.spec, self.parts.engine))
         vocab = self.parts.spec.vocab_size
