@@ -504,13 +504,16 @@ def test_top_ids_match_reference(env: Env, rng: np.random.Generator, k: int) -> 
 @pytest.mark.parametrize("top, temperature", [(0, 1.0), (5, 1.0), (20, 1.0), (256, 0.6)])
 def test_logprob_rows_match_reference(env: Env, rng: np.random.Generator, top: int, temperature: float) -> None:
     """Per row: the log-sum-exp of logits / T (double, as hi + lo) within 1e-12 of the numpy op's,
-    the token's logit and the top ids and logits exactly, into poisoned outputs; a row with NaN
-    and +-inf logits and an all -inf row too. T 0.6 with 256 ids: structured output's summary."""
+    the token's logit and rank and the top ids and logits exactly, into poisoned outputs; a row with
+    NaN and +-inf logits (its token a NaN: ranked as -inf) and an all -inf row too, a row scoring
+    its most likely token. T 0.6 with 256 ids: structured output's summary."""
     v, rows = env.d("vocab_size"), 5
     logits = normal(rng, rows, v, scale=4)  # [R, V]
-    logits[1, rng.choice(v, 6, replace=False)] = [np.nan, np.nan, -np.inf, -np.inf, np.inf, logits[1].max()]
+    odd = rng.choice(v, 6, replace=False)
+    logits[1, odd] = [np.nan, np.nan, -np.inf, -np.inf, np.inf, logits[1].max()]
     logits[2] = -np.inf
     tokens = rng.integers(0, v, rows).astype(np.int32)
+    tokens[1], tokens[3] = odd[0], np.argmax(logits[3])
     env.gpu.rt.reset_step()
     env.gpu.rt.poison_scratch()
     got = env.gpu.logprob_rows(env.gpu.upload(logits, "f32"), env.gpu.upload(tokens, "i32"), top, temperature)
@@ -520,6 +523,7 @@ def test_logprob_rows_match_reference(env: Env, rng: np.random.Generator, top: i
     finite = np.isfinite(lse_want[:, 0])
     np.testing.assert_allclose(lse_got[finite].sum(-1), lse_want[finite].sum(-1), rtol=1e-12)
     np.testing.assert_array_equal(env.gpu.to_numpy(got.picked), want.picked)
+    np.testing.assert_array_equal(env.gpu.to_numpy(got.ranks), want.ranks)
     listed = finite & np.isfinite(logits).any(-1)
     np.testing.assert_array_equal(env.gpu.to_numpy(got.ids)[listed], want.ids[listed])
     np.testing.assert_array_equal(env.gpu.to_numpy(got.values)[listed], want.values[listed])

@@ -38,6 +38,8 @@ def test_logprobs_are_the_teacher_forced_log_softmax(rng: np.random.Generator, t
     for i, (token, scored) in enumerate(zip(result.token_ids, result.logprobs, strict=True)):
         assert scored.token == token
         assert scored.logprob == pytest.approx(forced[i, token], abs=1e-4)
+        assert scored.rank is not None  # the tokens at or above it (itself included), near ties either way
+        assert 1 + (forced[i] > forced[i, token] + 1e-4).sum() <= scored.rank <= (forced[i] >= forced[i, token] - 1e-4).sum()
         listed = [t for t, _ in scored.top]
         assert len(set(listed)) == len(listed) == top
         assert [lp for _, lp in scored.top] == pytest.approx(np.sort(forced[i])[::-1][:top].tolist(), abs=1e-4)
@@ -52,6 +54,8 @@ def test_token_logprob_edges() -> None:
     logits = np.array([1.0, np.nan, 3.0, 3.0, -np.inf], dtype=np.float32)
     scored = token_logprob(logits, 0, 5)
     assert [t for t, _ in scored.top] == [2, 3, 0, 1, 4]  # ties: lower id first; NaN reads as -inf
+    assert scored.rank == 3  # the two 3.0s above it
+    assert [token_logprob(logits, t, 0).rank for t in (2, 3, 1, 4)] == [2, 2, 5, 5]  # ties count against each other
     assert np.exp([lp for _, lp in scored.top]).sum() == pytest.approx(1.0)
     assert scored.logprob == pytest.approx(1.0 - np.log(np.exp(1.0) + 2 * np.exp(3.0)))
     flat = token_logprob(np.full(4, -np.inf, dtype=np.float32), 1, 2)

@@ -350,7 +350,8 @@ class Engine:
         Backend.logprob_rows, so a GPU reads back a few floats a row; a row it cannot summarise
         (its peak not finite, or fewer than `top` ids listed) is read back whole."""
         summary = self.backend.logprob_rows(logits, self.backend.upload(np.array(tokens, dtype=np.int32), "i32"), top)
-        lse, picked, ids, values = (self.backend.to_numpy(t) for t in (summary.lse, summary.picked, summary.ids, summary.values))
+        parts = (summary.lse, summary.picked, summary.ranks, summary.ids, summary.values)
+        lse, picked, ranks, ids, values = (self.backend.to_numpy(t) for t in parts)
         scored, whole = [], None
         for r, token in enumerate(tokens):
             if not np.isfinite(lse[r, 0]) or (top and ids[r].min() < 0):
@@ -359,7 +360,7 @@ class Engine:
                 continue
             shift = float(lse[r, 0]) + float(lse[r, 1])
             alternatives = tuple((int(i), float(v) - shift) for i, v in zip(ids[r], values[r]))
-            scored.append(TokenLogprob(token, float(picked[r]) - shift, alternatives))
+            scored.append(TokenLogprob(token, float(picked[r]) - shift, alternatives, int(ranks[r])))
         return scored
 
     def generate(

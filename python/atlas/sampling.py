@@ -234,6 +234,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # the logits at or above the token's, itself and ties included (1: the most likely)
 
 
 def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
@@ -242,7 +243,8 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     peak = z.max()
     logprobs = z - (peak + np.log(np.exp(z - peak).sum())) if np.isfinite(peak) else np.full_like(z, -np.log(z.size))
     order = top_order(logprobs, top)  # [top]
-    return TokenLogprob(token, float(logprobs[token]), tuple((int(i), float(logprobs[i])) for i in order))
+    rank = int((z >= z[token]).sum())
+    return TokenLogprob(token, float(logprobs[token]), tuple((int(i), float(logprobs[i])) for i in order), rank)
 
 
 def top_order(values: np.ndarray, top: int) -> np.ndarray:

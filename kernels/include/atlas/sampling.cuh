@@ -454,9 +454,10 @@ __device__ void top_ids(const TopIdsParams& p) {
 
 // One block per row: log-sum-exp of the row / T in double (atlas.sampling.token_logprob's
 // peak + log(sum(exp(z - peak))) at T = 1, NaN read as -inf) as float hi + lo, the logit of the
-// row's token, and its top k logits; the host forms the log-probabilities (T = 1) or structured
-// output's weights at the sampling temperature. A row whose peak is not finite reports it in hi
-// (the host reads that row instead).
+// row's token, its rank (the logits at or above it, itself and ties included: vLLM's rank) and
+// the top k logits; the host forms the log-probabilities (T = 1) or structured output's weights
+// at the sampling temperature. A row whose peak is not finite reports it in hi (the host reads
+// that row instead).
 __device__ void logprob_rows(const LogprobParams& p) {
   __shared__ float scratch[kWarpSize];
   const int row = blockIdx.x;
@@ -469,14 +470,18 @@ __device__ void logprob_rows(const LogprobParams& p) {
   }
   const float peak = block_max(mine, scratch);
   const double temperature = p.temperature > FLT_MIN ? static_cast<double>(p.temperature) : static_cast<double>(FLT_MIN);
+  const float token_logit = logits[static_cast<const int32_t*>(p.tokens)[row]];
+  const float picked = isnan(token_logit) ? -INFINITY : token_logit;
   double partial = 0.0;
-  if (isfinite(peak)) {
-    for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
-      const float v = logits[i];
-      if (!isnan(v)) partial += exp((static_cast<double>(v) - static_cast<double>(peak)) / temperature);
-    }
+  int at_or_above = 0;
+  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
+    const float v = logits[i];
+    const float z = isnan(v) ? -INFINITY : v;
+    at_or_above += z >= picked;
+    if (isfinite(peak) && !isnan(v)) partial += exp((static_cast<double>(v) - static_cast<double>(peak)) / temperature);
   }
   const double total = block_sum_f64(partial);
+  const double rank = block_sum_f64(static_cast<double>(at_or_above));  // exact: below 2^53
   if (threadIdx.x == 0) {
     const double top = static_cast<double>(peak) / temperature;
     const double lse = isfinite(peak) ? top + log(total) : static_cast<double>(peak);
@@ -484,8 +489,8 @@ __device__ void logprob_rows(const LogprobParams& p) {
     float* out = static_cast<float*>(p.lse) + 2 * row;
     out[0] = hi;
     out[1] = isfinite(hi) ? static_cast<float>(lse - static_cast<double>(hi)) : 0.0f;
-    const float picked = logits[static_cast<const int32_t*>(p.tokens)[row]];
-    static_cast<float*>(p.picked)[row] = isnan(picked) ? -INFINITY : picked;
+    static_cast<float*>(p.picked)[row] = picked;
+    static_cast<int32_t*>(p.ranks)[row] = static_cast<int32_t>(rank);
   }
   if (p.k > 0) {
     top_of_row(logits, p.vocab, p.k, static_cast<int32_t*>(p.ids) + row * p.k,

@@ -88,6 +88,7 @@ class LogprobTensors:
 
     lse: Tensor  # [R, 2] f32: each row's log-sum-exp as hi + lo (hi not finite: the row's peak is not)
     picked: Tensor  # [R] f32: the logit of the row's token (NaN as -inf)
+    ranks: Tensor  # [R] i32: the row's logits at or above the token's (NaN as -inf), itself included
     ids: Tensor  # [R, k] i32: the k largest logits' ids (top_ids' order; -1 past what is listed)
     values: Tensor  # [R, k] f32: their logits
 
@@ -270,8 +271,8 @@ class Backend(Protocol):
 
     def logprob_rows(self, logits: Tensor, tokens: Tensor, top: int, temperature: float = 1.0) -> LogprobTensors:
         """logits [R, V], tokens [R] i32, top 0..1024 -> what atlas.sampling.token_logprob needs of
-        each row, in a few floats (log-sum-exp in double, the token's logit, the top ids and
-        logits), so a GPU reads back those instead of the rows. The log-sum-exp is of logits /
+        each row, in a few floats (log-sum-exp in double, the token's logit and rank, the top ids
+        and logits), so a GPU reads back those instead of the rows. The log-sum-exp is of logits /
         temperature (below float32's smallest normal: that), peak / T + log(sum(exp((z - peak) / T)))."""
 
     def top_ids(self, logits: Tensor, k: int) -> Tensor:

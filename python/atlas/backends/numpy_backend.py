@@ -337,7 +337,9 @@ class NumpyBackend:
             lo = np.where(np.isfinite(hi), lse - hi.astype(np.float64), 0.0).astype(np.float32)  # [R]
         ids = np.stack([self.top_ids(row[None], top) for row in logits]) if top else np.zeros((len(logits), 0), np.int32)
         values = np.take_along_axis(logits, np.maximum(ids, 0), axis=-1).astype(np.float32)  # [R, k]
-        return LogprobTensors(np.stack([hi, lo], -1), z[np.arange(len(z)), tokens].astype(np.float32), ids, values)
+        picked = z[np.arange(len(z)), tokens]  # [R]
+        ranks = (z >= picked[:, None]).sum(-1).astype(np.int32)  # [R]
+        return LogprobTensors(np.stack([hi, lo], -1), picked.astype(np.float32), ranks, ids, values)
 
     def top_ids(self, logits: Tensor, k: int) -> Tensor:
         row = logits[0]  # [V]

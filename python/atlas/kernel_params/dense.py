@@ -217,6 +217,7 @@ class LogprobParams(ctypes.Structure):
         ("tokens", c_ptr),  # [rows] i32: the token each row scores (in 0..vocab-1)
         ("lse", c_ptr),  # [rows, 2] f32: log-sum-exp as hi + lo
         ("picked", c_ptr),  # [rows] f32: the token's logit (NaN as -inf)
+        ("ranks", c_ptr),  # [rows] i32: the logits at or above the token's (NaN as -inf), itself included
         ("ids", c_ptr),  # [rows, k] i32: the top k ids, -1 past what is listed
         ("values", c_ptr),  # [rows, k] f32: their logits
         ("rows", c_i32),

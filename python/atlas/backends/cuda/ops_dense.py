@@ -447,9 +447,10 @@ def logprob_rows(rt: CudaRuntime, logits: DeviceTensor, tokens: DeviceTensor, to
     _expect_dtype("logprob_rows", "logits", logits, "f32")
     _expect(tokens.dtype == "i32" and tokens.numel == rows, f"logprob_rows: tokens {tokens.shape} for {rows} rows")
     _expect(0 <= top <= SAMPLE_THREADS and rows > 0, f"logprob_rows: top {top} outside 0..{SAMPLE_THREADS}")
-    out = LogprobTensors(rt.empty((rows, 2), "f32"), rt.empty((rows,), "f32"), rt.empty((rows, top), "i32"),
-                         rt.empty((rows, top), "f32"))
+    out = LogprobTensors(rt.empty((rows, 2), "f32"), rt.empty((rows,), "f32"), rt.empty((rows,), "i32"),
+                         rt.empty((rows, top), "i32"), rt.empty((rows, top), "f32"))
     launch = kp.LogprobParams(logits=logits.ptr, tokens=tokens.ptr, lse=out.lse.ptr, picked=out.picked.ptr,
+                              ranks=out.ranks.ptr,
                               ids=out.ids.ptr, values=out.values.ptr, rows=rows, vocab=vocab, k=top,
                               temperature=temperature)
     rt.launch("atlas_logprob_rows", (rows, 1, 1), (SAMPLE_THREADS, 1, 1), launch)
