@@ -138,6 +138,37 @@ def test_previous_response_id_goes_on_from_a_stored_response(generating: tuple[A
         client.responses.retrieve(unstored.id)
 
 
+def test_input_items_list_what_a_response_answered(generating: tuple[Any, Any, LLM], rng: np.random.Generator) -> None:
+    """GET /v1/responses/{id}/input_items (the client's input_items.list): a chained response's
+    conversation before its output, newest first by default, each item with a stable id; pages of
+    `limit` chained by `after` (the client's auto-paging) give the same list; asc is its reverse."""
+    client, http, _ = generating
+    given, _, _ = conversation(rng)
+    first = client.responses.create(model=DEMO_NAME, input=given, max_output_tokens=4, temperature=0)
+    follow = str(rng.choice(["Flat is", "Sparse is", "Readability"]))
+    second = client.responses.create(model=DEMO_NAME, input=follow, previous_response_id=first.id,
+                                     max_output_tokens=4, temperature=0)
+    listed = client.responses.input_items.list(second.id, limit=100)
+    texts = [(item.type, getattr(item, "role", None), item.content[0].text) for item in listed.data]
+    earlier = [("message", m.get("role", "user"), m["content"] if isinstance(m["content"], str) else m["content"][0]["text"])
+               for m in ([{"role": "user", "content": given}] if isinstance(given, str) else given)]
+    assert texts == [("message", "user", follow), ("message", "assistant", first.output_text), *earlier[::-1]]
+    assert [item.id for item in listed.data][1] == first.output[0].id and listed.has_more is False
+    paged = list(client.responses.input_items.list(second.id, limit=1))
+    assert [item.id for item in paged] == [item.id for item in listed.data]  # ids stay as they were given
+    ascending = http.get(f"/v1/responses/{second.id}/input_items", params={"order": "asc", "limit": 2}).json()
+    assert [item["id"] for item in ascending["data"]] == [item.id for item in listed.data][::-1][:2]
+    assert ascending["has_more"] is (len(listed.data) > 2) and ascending["last_id"] == ascending["data"][-1]["id"]
+    newest = listed.data[0].id
+    before = http.get(f"/v1/responses/{second.id}/input_items", params={"order": "asc", "before": newest, "limit": 1}).json()
+    assert [item["id"] for item in before["data"]] == [listed.data[1].id]  # the nearest before it
+    for query, param in (({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "msg_none"}, "after")):
+        answer = http.get(f"/v1/responses/{second.id}/input_items", params=query)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+    assert http.get("/v1/responses/resp_none/input_items").status_code == 404
+
+
 def test_the_store_keeps_the_newest(rng: np.random.Generator) -> None:
     from atlas.server.response_store import ResponseStore, StoredResponse
 
@@ -224,7 +255,7 @@ def test_a_tool_round_trip_through_previous_response_id(canned_tools: tuple[Any,
 def test_reasoning_items_reach_the_next_assistant_turn() -> None:
     """A reasoning item's text is the reasoning_content of the assistant turn after it (the chat
     path keeps an assistant message's reasoning_content too), and the stored copy of an item is
-    what the replay reads, nothing more."""
+    what the replay reads and input_items lists (an id, a status), nothing more."""
     from atlas.server.protocol import parse_message
     from atlas.server.responses_api import input_messages, replayed
 
@@ -235,7 +266,10 @@ def test_reasoning_items_reach_the_next_assistant_turn() -> None:
     messages = input_messages(items)
     assert messages[1]["reasoning_content"] == "plan" and messages[1]["content"] == "Hello"
     assert len(messages) == 2 and messages[1]["tool_calls"][0]["id"] == "c1"  # the call joins that turn
-    assert replayed(items[3]) == {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    kept = replayed(items[3])
+    assert kept == {"id": kept["id"], "type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}",
+                    "status": "completed"} and kept["id"].startswith("fc_")
+    assert replayed(items[1])["id"] == "rs_1" and replayed(items[0])["content"] == [{"type": "input_text", "text": "hi"}]
     assert input_messages([replayed(i) for i in items]) == messages
     chat = parse_message({"role": "assistant", "content": "Hello", "reasoning_content": "plan"}, 0)
     assert chat["reasoning_content"] == "plan"

@@ -865,6 +865,10 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("length_penalty true", {**GOOD, "length_penalty": True}, "length_penalty"),
     ("skip_special_tokens not bool", {**GOOD, "skip_special_tokens": "no"}, "skip_special_tokens"),
     ("include_stop_str_in_output not bool", {**GOOD, "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ("prompt_logprobs streamed", {**GOOD, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("prompt_logprobs -1 (the whole vocabulary)", {**GOOD, "prompt_logprobs": -1}, "prompt_logprobs"),
+    ("prompt_logprobs beyond 20", {**GOOD, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("prompt_logprobs true", {**GOOD, "prompt_logprobs": True}, "prompt_logprobs"),
 ]
 BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("missing messages", {"model": DEMO_NAME}, "messages"),
@@ -889,6 +893,8 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
       "add_generation_prompt": False}, "messages"),
     ("add_generation_prompt not bool", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],
                                         "add_generation_prompt": "no"}, "add_generation_prompt"),
+    ("chat prompt_logprobs streamed", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],
+                                       "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
     ("chat max_completion_tokens beyond context",
      {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_tokens"),
 ]

@@ -28,7 +28,7 @@ from .reasoning import END as REASONING_END
 from .reasoning import START as REASONING_START
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
-from .response_store import ResponseStore, StoredResponse, not_found
+from .response_store import ResponseStore, StoredResponse, item_page, not_found
 from .responses_api import ResponseMeta, chat_request, input_items, renamed, replayed, stream_response, whole_response
 from .tools import ForcedCallStream, ToolCallStream
 from .worker import EngineWorker
@@ -91,6 +91,13 @@ def create_app(state: ServerState) -> Starlette:
             raise not_found(response_id)
         return JSONResponse(stored.body)
 
+    async def stored_input_items(request: Request) -> Response:
+        """The openai client's responses.input_items.list(id): the items a stored response answered."""
+        stored = state.responses.get(request.path_params["response_id"])
+        if stored is None:
+            raise not_found(request.path_params["response_id"])
+        return JSONResponse(item_page(stored.input_items(), request.query_params))
+
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model_card(state)]})
 
@@ -132,6 +139,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", stored_input_items, methods=["GET"]),
     ]
     handlers = {RequestError: on_request_error, HTTPException: on_http_error, Exception: on_crash}
     middleware = [Middleware(ApiKeyGate, key=state.api_key)] if state.api_key else []
@@ -274,7 +282,7 @@ def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInp
         for j in range(body.n):
             index = p * body.n + j
             seeded = replace(prompt.opts, seed=None if prompt.opts.seed is None else prompt.opts.seed + index)
-            events = state.worker.events(prompt.ids, seeded, body.sampling.stop, prompt.echo)
+            events = state.worker.events(prompt.ids, seeded, body.sampling.stop, prompt.echo, body.prompt_logprobs)
             runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt.opened)))
     return runs
 
@@ -400,9 +408,10 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
         )
     s = body.sampling
     max_tokens = wanted if wanted is not None else min(state.default_max_tokens, room)
-    prompt_logprobs = None  # echo with logprobs scores the prompt; max_tokens 0 runs only the prompt
+    scored = [body.prompt_logprobs]  # echo with logprobs scores the prompt too; max_tokens 0 runs only the prompt
     if body.echo and (body.logprobs is not None or max_tokens == 0):
-        prompt_logprobs = body.logprobs or 0
+        scored.append(body.logprobs or 0)
+    prompt_logprobs = max((top for top in scored if top is not None), default=None)
     output = body.output
     if output is not None and opened:
         output = replace(output, after=REASONING_END)

@@ -40,7 +40,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "guided_whitespace_pattern": (None,),
-    "prompt_logprobs": (None,),
     "detokenize": (None, True),
 }
 
@@ -157,6 +156,7 @@ class GenerationBody:
     tools: list[dict[str, Any]] | None = None  # chat: function tools offered (tool_choice not "none")
     tool_choice: ToolChoice = ToolChoice("none")  # "required" / a named function: `output` forces the call
     echo: bool = False  # completions: the prompt comes back in front of the completion
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the N most likely (not streamed)
     n: int = 1  # choices, generated one after another
     output: OutputFormat | None = None  # response_format, vLLM's structured outputs, a forced call (formats.py)
     text: TextOptions = TextOptions()
@@ -188,10 +188,20 @@ def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = Non
         tools=tools if choice.mode != "none" else None,
         tool_choice=choice,
         echo=echo,
+        prompt_logprobs=parse_prompt_logprobs(body, stream),
         n=n,
         output=parse_output_format(body, tools, choice),
         text=parse_text_options(body, chat),
     )
+
+
+def parse_prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
+    """vLLM's prompt_logprobs 0..20; as vLLM, not with stream (echo + logprobs streams the prompt's)."""
+    top = optional_int(body, "prompt_logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    if top is not None and stream:
+        raise RequestError("'prompt_logprobs' is not available with stream: true; ask without streaming "
+                           "(or, on /v1/completions, stream echo with logprobs)", "prompt_logprobs")
+    return top
 
 
 def parse_text_options(body: dict[str, Any], chat: bool) -> TextOptions:

@@ -1,7 +1,8 @@
 """Stored responses of the Responses API (`store`, true unless a request says false, as OpenAI's):
 kept in memory, the newest `capacity` of them (atlas.serve --response-store N), so a request can go
 on from one (`previous_response_id`: its input and output items come before the new input, its
-instructions do not) and GET / DELETE /v1/responses/{id} find it. The oldest also go while the kept
+instructions do not), GET / DELETE /v1/responses/{id} find it and GET
+/v1/responses/{id}/input_items lists what it answered. The oldest also go while the kept
 ones' JSON passes `max_bytes` (a request body may be 64 MiB). Nothing survives a restart."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,7 @@ from .errors import RequestError
 
 DEFAULT_RESPONSE_STORE = 256  # responses kept; the oldest goes first
 MAX_STORED_BYTES = 256 << 20  # their JSON, each counted whole (a chained conversation's shared items again each time)
+DEFAULT_ITEM_PAGE, MAX_ITEM_PAGE = 20, 100  # input items listed per page: OpenAI's default and limit
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,10 @@ class StoredResponse:
 
     def size(self) -> int:
         return len(json.dumps(self.body)) + len(json.dumps(self.items))
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """What the response answered: the conversation without its own output, oldest first."""
+        return list(self.items[: len(self.items) - len(self.body.get("output", ()))])
 
 
 class ResponseStore:
@@ -67,6 +74,32 @@ class ResponseStore:
             raise RequestError(f"no stored response has id {previous!r}: {why}", "previous_response_id",
                                "previous_response_not_found")
         return list(stored.items)
+
+
+def item_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """OpenAI's list of a response's input items: `order` desc (newest first, the default) or asc,
+    the items `after` / `before` an item id in that order, at most `limit` (1..100, default 20) of
+    them (with before alone: those nearest it)."""
+    order, limit = query.get("order", "desc"), query.get("limit", str(DEFAULT_ITEM_PAGE))
+    if order not in ("asc", "desc"):
+        raise RequestError(f"'order' must be 'asc' or 'desc', got {order!r}", "order")
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= MAX_ITEM_PAGE):
+        raise RequestError(f"'limit' must be an integer in 1..{MAX_ITEM_PAGE}, got {limit!r}", "limit")
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    start = item_index(ids, query, "after") + 1 if "after" in query else 0
+    stop = item_index(ids, query, "before") if "before" in query else len(ordered)
+    span = range(start, max(start, stop))
+    chosen = span[-int(limit):] if "before" in query and "after" not in query else span[: int(limit)]
+    page = [ordered[i] for i in chosen]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(page) < len(span)}
+
+
+def item_index(ids: list[str], query: Mapping[str, str], name: str) -> int:
+    if query[name] not in ids:
+        raise RequestError(f"'{name}': this response has no input item with id {query[name]!r}", name)
+    return ids.index(query[name])
 
 
 def not_found(response_id: str) -> RequestError:

@@ -46,8 +46,11 @@ def usage(finished: list[Finished], n: int = 1) -> dict[str, Any]:
 
 
 def full_body(reply: Reply, choices: list[dict[str, Any]], finished: list[Finished], n: int = 1) -> dict[str, Any]:
-    body = reply.head("chat.completion" if reply.chat else "text_completion")
-    return {**body, "choices": choices, "usage": usage(finished, n)}
+    """A chat's prompt_logprobs (vLLM's) sit beside its choices: one prompt for them all."""
+    body = {**reply.head("chat.completion" if reply.chat else "text_completion"), "choices": choices}
+    if reply.chat and finished and finished[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = list(finished[0].prompt_logprobs)
+    return {**body, "usage": usage(finished, n)}
 
 
 def choice_body(
@@ -69,6 +72,8 @@ def choice_body(
         choice = {"index": index, "message": message, "logprobs": logprobs}
     else:
         choice = {"index": index, "text": text, "logprobs": logprobs}
+        if finished.prompt_logprobs is not None:  # vLLM's, per prompt of a batch
+            choice["prompt_logprobs"] = list(finished.prompt_logprobs)
     choice["finish_reason"] = finish_reason
     return choice
 

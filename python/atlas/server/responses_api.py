@@ -149,10 +149,23 @@ REPLAYED = {"message": ("role", "content"), "function_call": ("call_id", "name",
             "function_call_output": ("call_id", "output"), "reasoning": ("content", "summary")}
 
 
+ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+ITEM_STATUSES = ("completed", "incomplete", "in_progress")
+
+
 def replayed(item: dict[str, Any]) -> dict[str, Any]:
-    """An item as a stored conversation keeps it: the fields input_messages reads, nothing more."""
+    """An item as a stored conversation keeps it (and GET .../input_items lists it): its id (a new
+    one when it has none), the fields input_messages reads, a message's text as a text part, and
+    its status."""
     kind = item.get("type", "message")
-    return {"type": kind, **{key: item[key] for key in REPLAYED.get(kind, ()) if key in item}}
+    own = item.get("id")
+    kept = {"id": own if isinstance(own, str) and own else f"{ITEM_ID_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}",
+            "type": kind, **{key: item[key] for key in REPLAYED.get(kind, ()) if key in item}}
+    if kind == "message" and isinstance(kept.get("content"), str):
+        part = "output_text" if kept.get("role") == "assistant" else "input_text"
+        kept["content"] = [{"type": part, "text": kept["content"]}]
+    kept["status"] = item["status"] if item.get("status") in ITEM_STATUSES else "completed"
+    return kept
 
 
 def input_message(item: dict[str, Any], index: int) -> dict[str, Any]:

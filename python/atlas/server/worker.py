@@ -11,7 +11,8 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ..backends.cuda.driver import context_lost
 from ..errors import AtlasError
@@ -34,6 +35,9 @@ class ScoredToken:
     top: tuple[tuple[str, float], ...] = ()
 
 
+PromptLogprobs = dict[str, dict[str, Any]]  # token id -> {"logprob", "rank", "decoded_token"}
+
+
 @dataclass(frozen=True)
 class TextPiece:
     text: str
@@ -47,6 +51,7 @@ class Finished:
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens the prompt cache held
     spec: SpecCounts = SpecCounts()  # MTP speculation, when it ran
+    prompt_logprobs: tuple[PromptLogprobs | None, ...] | None = None  # vLLM's, when asked for (the first token: None)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class Job:
     emit: Callable[[Event], None]  # called on the engine thread
     cancelled: threading.Event = field(default_factory=threading.Event)
     echo: str | None = None  # the prompt's text, sent first (with its scores when opts.prompt_logprobs)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: Finished carries them
     queued_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None  # set by generate
 
@@ -106,7 +112,8 @@ class EngineWorker:
         return self._thread.is_alive() and self.llm is not None and self.lost is None
 
     async def events(
-        self, prompt_ids: list[int], opts: GenerateOptions, stops: Stops, echo: str | None = None
+        self, prompt_ids: list[int], opts: GenerateOptions, stops: Stops, echo: str | None = None,
+        prompt_logprobs: int | None = None,
     ) -> AsyncIterator[Event]:
         """Queue a generation and yield its events; closing the iterator early cancels the job."""
         loop = asyncio.get_running_loop()
@@ -124,7 +131,7 @@ class EngineWorker:
         if self.lost is not None:
             yield Failed(self.lost, status=503)
             return
-        job = Job(prompt_ids, opts, stops, emit, echo=echo)
+        job = Job(prompt_ids, opts, stops, emit, echo=echo, prompt_logprobs=prompt_logprobs)
         self._jobs.put(job)
         try:
             while True:
@@ -188,7 +195,7 @@ def generate(llm: LLM, job: Job) -> Finished:
         if count == 0:
             job.first_token_at = time.perf_counter()
             if job.echo is not None:
-                job.emit(TextPiece(job.echo, scored_prompt(llm, job.prompt_ids, prompt_scores)))
+                job.emit(TextPiece(job.echo, scored_prompt(llm, job, prompt_scores)))
         count += 1
         if text := out.push(last_token):
             job.emit(TextPiece(text, scored(llm, scores[sent:])))
@@ -196,7 +203,7 @@ def generate(llm: LLM, job: Job) -> Finished:
         if out.stopped or job.cancelled.is_set():
             break
     if count == 0 and job.echo is not None:  # max_tokens 0: the prompt alone
-        job.emit(TextPiece(job.echo, scored_prompt(llm, job.prompt_ids, prompt_scores)))
+        job.emit(TextPiece(job.echo, scored_prompt(llm, job, prompt_scores)))
     text = out.flush()
     if text or len(scores) > sent:
         job.emit(TextPiece(text, scored(llm, scores[sent:])))
@@ -204,18 +211,20 @@ def generate(llm: LLM, job: Job) -> Finished:
     cache = getattr(llm.parts.engine, "prompt_cache", None)
     cached = cache.last_hit if cache is not None and count else 0
     spec_counts = SpecCounts(spec.rounds, spec.drafted, spec.accepted)
-    return Finished("stop" if stopped else "length", len(job.prompt_ids), count, cached, spec_counts)
+    listed = None if job.prompt_logprobs is None else prompt_logprobs(llm, prompt_scores, job.prompt_logprobs)
+    return Finished("stop" if stopped else "length", len(job.prompt_ids), count, cached, spec_counts, listed)
 
 
 def scored(llm: LLM, scores: list[TokenLogprob]) -> tuple[ScoredToken, ...]:
     """TokenLogprobs -> entries with each token's text (special tokens spelled out, as vLLM does;
     a token that holds part of a UTF-8 character reads as U+FFFD)."""
-
-    def text(token: int) -> str:
-        return llm.tokenizer.decode([token], skip_special_tokens=False)
-
-    return tuple(ScoredToken(text(s.token), wire_logprob(s.logprob), tuple((text(t), wire_logprob(lp)) for t, lp in s.top))
+    return tuple(ScoredToken(token_text(llm, s.token), wire_logprob(s.logprob),
+                             tuple((token_text(llm, t), wire_logprob(lp)) for t, lp in s.top))
                  for s in scores)
+
+
+def token_text(llm: LLM, token: int) -> str:
+    return llm.tokenizer.decode([token], skip_special_tokens=False)
 
 
 def wire_logprob(logprob: float) -> float:
@@ -224,12 +233,30 @@ def wire_logprob(logprob: float) -> float:
     return logprob if logprob >= MIN_WIRE_LOGPROB else MIN_WIRE_LOGPROB
 
 
-def scored_prompt(llm: LLM, prompt_ids: list[int], scores: list[TokenLogprob | None]) -> tuple[ScoredToken, ...]:
-    """The echoed prompt's entries (none unless its logprobs were asked for); the first has no logprob."""
+def scored_prompt(llm: LLM, job: Job, scores: list[TokenLogprob | None]) -> tuple[ScoredToken, ...]:
+    """The echoed prompt's entries (none unless its logprobs were asked for), each with the
+    request's logprobs alternatives (prompt_logprobs may have asked for more); the first has no logprob."""
     if not scores:
         return ()
-    first = ScoredToken(llm.tokenizer.decode(prompt_ids[:1], skip_special_tokens=False), None)
-    return (first, *scored(llm, [s for s in scores[1:] if s is not None]))
+    first = ScoredToken(token_text(llm, job.prompt_ids[0]), None)
+    top = job.opts.logprobs or 0
+    return (first, *scored(llm, [replace(s, top=s.top[:top]) for s in scores[1:] if s is not None]))
+
+
+def prompt_logprobs(llm: LLM, scores: list[TokenLogprob | None], top: int) -> tuple[PromptLogprobs | None, ...]:
+    """vLLM's prompt_logprobs: per prompt token (the first: None) the token's own entry (its rank
+    among the row's logits), then the `top` most likely (ranks 1..top; the token among them takes
+    its place's rank, as vLLM's dict does)."""
+    def entry(token: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": wire_logprob(logprob), "rank": rank, "decoded_token": token_text(llm, token)}
+
+    listed: list[PromptLogprobs | None] = [None]
+    for s in scores[1:]:
+        assert s is not None
+        row = {str(s.token): entry(s.token, s.logprob, s.rank)}
+        row.update((str(t), entry(t, lp, i + 1)) for i, (t, lp) in enumerate(s.top[:top]))
+        listed.append(row)
+    return tuple(listed)
 
 
 def request_record(job: Job, finished: Finished | None, started: float) -> RequestRecord:
