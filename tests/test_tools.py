@@ -103,8 +103,7 @@ class CannedWorker:
         self.opts: Any = None
         self.metrics = Metrics()
 
-    async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...], echo: str | None = None,
-                     prompt_logprobs: int | None = None) -> AsyncIterator[Any]:
+    async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...], returns: Any = None) -> AsyncIterator[Any]:
         self.prompt = self.llm.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         self.opts = opts
         for piece in ANSWER:

@@ -31,7 +31,7 @@ from .responses import Reply
 from .response_store import ResponseStore, StoredResponse, item_page, not_found
 from .responses_api import ResponseMeta, chat_request, input_items, renamed, replayed, stream_response, whole_response
 from .tools import ForcedCallStream, ToolCallStream
-from .worker import EngineWorker
+from .worker import EngineWorker, Returns
 
 log = logging.getLogger("atlas.serve")
 REASONING_TAIL_TOKENS = 32  # of the prompt, where a generation prompt would open a <think> block
@@ -167,7 +167,8 @@ def model_card(state: ServerState) -> dict[str, object]:
 async def generation(request: Request, state: ServerState, chat: bool) -> Response:
     body = await parsed_body(await read_json(request), chat, state)
     runs = await checked_runs(state, body)
-    reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None)
+    reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None,
+                  token_ids=body.text.return_token_ids, tokens_as_ids=body.text.tokens_as_ids)
     if body.stream:
         return EventStreamResponse(stream_choices(reply, runs, body.include_usage, body.n))
     answer = await unless_disconnected(request, collect_choices(reply, runs, body.n))
@@ -282,8 +283,9 @@ def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInp
         for j in range(body.n):
             index = p * body.n + j
             seeded = replace(prompt.opts, seed=None if prompt.opts.seed is None else prompt.opts.seed + index)
-            events = state.worker.events(prompt.ids, seeded, body.sampling.stop, prompt.echo, body.prompt_logprobs)
-            runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt.opened)))
+            returns = Returns(prompt.echo, body.prompt_logprobs, body.text.return_token_ids)
+            events = state.worker.events(prompt.ids, seeded, body.sampling.stop, returns)
+            runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt.opened), tuple(prompt.ids)))
     return runs
 
 

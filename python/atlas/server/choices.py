@@ -10,7 +10,7 @@ from typing import Any
 
 from .answer import AnswerShaper
 from .errors import RequestError, error_body
-from .responses import Reply, choice_body, chunk, full_body, logprobs_body, sse, text_delta, usage_chunk
+from .responses import Reply, choice_body, chunk, full_body, logprobs_body, sse, text_delta, token_fields, usage_chunk
 from .worker import Event, Failed, Finished, TextPiece
 
 
@@ -19,6 +19,7 @@ class ChoiceRun:
     index: int
     events: AsyncGenerator[Event, None]  # not started: its job is queued when first iterated
     shaper: AnswerShaper | None = None
+    prompt_ids: tuple[int, ...] = ()
 
 
 async def collect_choices(reply: Reply, runs: list[ChoiceRun], n: int = 1) -> dict[str, Any]:
@@ -28,7 +29,7 @@ async def collect_choices(reply: Reply, runs: list[ChoiceRun], n: int = 1) -> di
         choice, done = await collect(reply, run)
         choices.append(choice)
         finished.append(done)
-    return full_body(reply, choices, finished, n)
+    return full_body(reply, choices, finished, n, runs[0].prompt_ids if runs else ())
 
 
 async def collect(reply: Reply, run: ChoiceRun) -> tuple[dict[str, Any], Finished]:
@@ -38,7 +39,7 @@ async def collect(reply: Reply, run: ChoiceRun) -> tuple[dict[str, Any], Finishe
             if isinstance(event, TextPiece):
                 pieces.append(event)
             elif isinstance(event, Finished):
-                return choice_body(reply, run.index, pieces, event, run.shaper), event
+                return choice_body(reply, run.index, pieces, event, run.shaper, run.prompt_ids), event
             else:
                 raise RequestError(event.message, status=event.status)
     raise RequestError("the engine stopped before finishing", status=500)
@@ -59,15 +60,19 @@ async def stream_choices(reply: Reply, runs: list[ChoiceRun], include_usage: boo
 
 async def stream_choice(reply: Reply, run: ChoiceRun, finished: list[Finished]) -> AsyncGenerator[str, None]:
     offset = 0  # of the next token in the completion text (completions' logprobs.text_offset)
+    prompt_ids: tuple[int, ...] | None = run.prompt_ids  # return_token_ids: sent with the first chunk
     async with aclosing(run.events):
         if reply.chat:
-            yield sse(chunk(reply, {"role": "assistant", "content": ""}, index=run.index))
+            first = chunk(reply, {"role": "assistant", "content": ""}, index=run.index)
+            yield sse(first | ({"prompt_token_ids": list(run.prompt_ids)} if reply.token_ids else {}))
         async for event in run.events:
             if isinstance(event, TextPiece):
                 logprobs = logprobs_body(reply, event.scored, offset)
-                for delta in piece_deltas(reply, event.text, run.shaper, logprobs is not None):
-                    yield sse(chunk(reply, delta, logprobs=logprobs, index=run.index))
+                ids = token_fields(reply, event.token_ids, prompt_ids) if reply.token_ids else None
+                for delta in piece_deltas(reply, event.text, run.shaper, logprobs is not None or ids is not None):
+                    yield sse(chunk(reply, delta, logprobs=logprobs, index=run.index, ids=ids))
                     logprobs = logprobs_body(reply, (), 0)  # the piece's entries go with its first chunk
+                    ids, prompt_ids = (token_fields(reply, (), None) if ids else None), None
                 offset += sum(len(s.text) for s in event.scored)
             elif isinstance(event, Finished):
                 for line in finish_lines(reply, run, event):
@@ -78,13 +83,16 @@ async def stream_choice(reply: Reply, run: ChoiceRun, finished: list[Finished]) 
 
 
 def finish_lines(reply: Reply, run: ChoiceRun, event: Finished) -> list[str]:
-    """What the shaper held back, the tool calls in one delta, then the finish chunk."""
+    """What the shaper held back, the tool calls in one delta, then the finish chunk (each with an
+    empty token_ids under return_token_ids: the pieces carried them)."""
     parts, calls = run.shaper.finish() if run.shaper else ([], [])
-    lines = [sse(chunk(reply, {field: text}, index=run.index)) for field, text in parts]
+    ids = token_fields(reply, (), None) if reply.token_ids else None
+    lines = [sse(chunk(reply, {field: text}, index=run.index, ids=ids)) for field, text in parts]
     if calls:
-        lines.append(sse(chunk(reply, {"tool_calls": [call.wire(i) for i, call in enumerate(calls)]}, index=run.index)))
+        wire = [call.wire(i) for i, call in enumerate(calls)]
+        lines.append(sse(chunk(reply, {"tool_calls": wire}, index=run.index, ids=ids)))
     finish_reason = run.shaper.calls_finish_reason if calls and run.shaper else event.finish_reason
-    lines.append(sse(chunk(reply, {}, finish_reason, index=run.index)))
+    lines.append(sse(chunk(reply, {}, finish_reason, index=run.index, ids=ids)))
     return lines
 
 

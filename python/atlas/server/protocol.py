@@ -134,13 +134,15 @@ class SamplingFields:
 
 @dataclass(frozen=True)
 class TextOptions:
-    """vLLM's prompt and output-text fields."""
+    """vLLM's prompt, output-text and token-id fields."""
 
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as the context holds)
     add_generation_prompt: bool = True  # chat: the prompt ends with the assistant's opening
     continue_final_message: bool = False  # chat: the model goes on with the final message instead
     skip_special_tokens: bool = True  # False: special tokens' text is written (not the eos that ends it)
     include_stop_str_in_output: bool = False  # the stop string that ends the text stays at its end
+    return_token_ids: bool = False  # the prompt's ids and the generated ids come back beside the text
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
 
 @dataclass(frozen=True)
@@ -216,7 +218,8 @@ def parse_text_options(body: dict[str, Any], chat: bool) -> TextOptions:
                            "turn and continue the last one)", "continue_final_message")
     skip = optional_bool(body, "skip_special_tokens")
     include = optional_bool(body, "include_stop_str_in_output")
-    return TextOptions(keep, add, final, skip is not False, bool(include))
+    ids, named = optional_bool(body, "return_token_ids"), optional_bool(body, "return_tokens_as_token_ids")
+    return TextOptions(keep, add, final, skip is not False, bool(include), bool(ids), bool(named))
 
 
 def with_defaults(body: dict[str, Any], defaults: Mapping[str, float]) -> dict[str, Any]:

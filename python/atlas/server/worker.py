@@ -33,6 +33,14 @@ class ScoredToken:
     text: str
     logprob: float | None  # None: the prompt's first token (echo), which nothing predicts
     top: tuple[tuple[str, float], ...] = ()
+    token: int = -1
+    top_ids: tuple[int, ...] = ()  # the ids of `top`
+
+    def named_by_id(self) -> ScoredToken:
+        """vLLM's return_tokens_as_token_ids: each token written "token_id:<id>" (any token, even
+        one that holds part of a UTF-8 character, stays identifiable)."""
+        top = tuple((f"token_id:{t}", logprob) for t, (_, logprob) in zip(self.top_ids, self.top, strict=True))
+        return ScoredToken(f"token_id:{self.token}", self.logprob, top, self.token, self.top_ids)
 
 
 PromptLogprobs = dict[str, dict[str, Any]]  # token id -> {"logprob", "rank", "decoded_token"}
@@ -42,6 +50,16 @@ PromptLogprobs = dict[str, dict[str, Any]]  # token id -> {"logprob", "rank", "d
 class TextPiece:
     text: str
     scored: tuple[ScoredToken, ...] = ()  # the tokens generated since the previous piece (logprobs asked for)
+    token_ids: tuple[int, ...] = ()  # the ids generated since the previous piece (Returns.token_ids)
+
+
+@dataclass(frozen=True)
+class Returns:
+    """What a job sends back beside the generated text."""
+
+    echo: str | None = None  # the prompt's text, sent first (with its scores when opts.prompt_logprobs)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: Finished carries them
+    token_ids: bool = False  # vLLM's return_token_ids: every generated id rides on a piece
 
 
 @dataclass(frozen=True)
@@ -70,8 +88,7 @@ class Job:
     stops: Stops
     emit: Callable[[Event], None]  # called on the engine thread
     cancelled: threading.Event = field(default_factory=threading.Event)
-    echo: str | None = None  # the prompt's text, sent first (with its scores when opts.prompt_logprobs)
-    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: Finished carries them
+    returns: Returns = Returns()
     queued_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None  # set by generate
 
@@ -112,8 +129,7 @@ class EngineWorker:
         return self._thread.is_alive() and self.llm is not None and self.lost is None
 
     async def events(
-        self, prompt_ids: list[int], opts: GenerateOptions, stops: Stops, echo: str | None = None,
-        prompt_logprobs: int | None = None,
+        self, prompt_ids: list[int], opts: GenerateOptions, stops: Stops, returns: Returns = Returns()
     ) -> AsyncIterator[Event]:
         """Queue a generation and yield its events; closing the iterator early cancels the job."""
         loop = asyncio.get_running_loop()
@@ -131,7 +147,7 @@ class EngineWorker:
         if self.lost is not None:
             yield Failed(self.lost, status=503)
             return
-        job = Job(prompt_ids, opts, stops, emit, echo=echo, prompt_logprobs=prompt_logprobs)
+        job = Job(prompt_ids, opts, stops, emit, returns=returns)
         self._jobs.put(job)
         try:
             while True:
@@ -183,43 +199,67 @@ def generate(llm: LLM, job: Job) -> Finished:
     """Run one job on the calling (engine) thread, emitting text as it completes."""
     out = OutputText(llm.tokenizer, job.opts, job.stops.strings, set() if job.stops.ignore_eos else llm.eos_ids())
     eos_ids = job.stops.end_ids(llm.eos_ids())
-    scores: list[TokenLogprob] = []
+    pending = Pending(llm, job.returns.token_ids)
     prompt_scores: list[TokenLogprob | None] = []
-    sent = 0  # scores already sent with a piece
     count = 0
     last_token = -1
     constraint = llm.output_constraint(job.opts, eos_ids)
     spec = SpecStats()
-    tokens = iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, scores, prompt_scores, constraint, spec)
+    echo = job.returns.echo
+    tokens = iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, pending.scores, prompt_scores, constraint, spec)
     for last_token in tokens:
         if count == 0:
             job.first_token_at = time.perf_counter()
-            if job.echo is not None:
-                job.emit(TextPiece(job.echo, scored_prompt(llm, job, prompt_scores)))
+            if echo is not None:
+                job.emit(TextPiece(echo, scored_prompt(llm, job, prompt_scores)))
         count += 1
+        pending.ids.append(last_token)
         if text := out.push(last_token):
-            job.emit(TextPiece(text, scored(llm, scores[sent:])))
-            sent = len(scores)
+            job.emit(pending.piece(text))
         if out.stopped or job.cancelled.is_set():
             break
-    if count == 0 and job.echo is not None:  # max_tokens 0: the prompt alone
-        job.emit(TextPiece(job.echo, scored_prompt(llm, job, prompt_scores)))
+    if count == 0 and echo is not None:  # max_tokens 0: the prompt alone
+        job.emit(TextPiece(echo, scored_prompt(llm, job, prompt_scores)))
     text = out.flush()
-    if text or len(scores) > sent:
-        job.emit(TextPiece(text, scored(llm, scores[sent:])))
+    if text or pending.waiting():
+        job.emit(pending.piece(text))
     stopped = out.stopped or last_token in eos_ids
     cache = getattr(llm.parts.engine, "prompt_cache", None)
     cached = cache.last_hit if cache is not None and count else 0
     spec_counts = SpecCounts(spec.rounds, spec.drafted, spec.accepted)
-    listed = None if job.prompt_logprobs is None else prompt_logprobs(llm, prompt_scores, job.prompt_logprobs)
+    top = job.returns.prompt_logprobs
+    listed = None if top is None else prompt_logprobs(llm, prompt_scores, top)
     return Finished("stop" if stopped else "length", len(job.prompt_ids), count, cached, spec_counts, listed)
+
+
+@dataclass
+class Pending:
+    """The tokens generated since the last text piece, and their scores, for the next piece."""
+
+    llm: LLM
+    with_ids: bool  # the pieces carry the ids (Returns.token_ids)
+    scores: list[TokenLogprob] = field(default_factory=list)  # iter_tokens appends (logprobs asked for)
+    ids: list[int] = field(default_factory=list)
+    sent_scores: int = 0
+    sent_ids: int = 0
+
+    def piece(self, text: str) -> TextPiece:
+        ids = tuple(self.ids[self.sent_ids :]) if self.with_ids else ()
+        piece = TextPiece(text, scored(self.llm, self.scores[self.sent_scores :]), ids)
+        self.sent_scores, self.sent_ids = len(self.scores), len(self.ids)
+        return piece
+
+    def waiting(self) -> bool:
+        """Scores or asked-for ids that no piece has carried yet."""
+        return len(self.scores) > self.sent_scores or (self.with_ids and len(self.ids) > self.sent_ids)
 
 
 def scored(llm: LLM, scores: list[TokenLogprob]) -> tuple[ScoredToken, ...]:
     """TokenLogprobs -> entries with each token's text (special tokens spelled out, as vLLM does;
     a token that holds part of a UTF-8 character reads as U+FFFD)."""
     return tuple(ScoredToken(token_text(llm, s.token), wire_logprob(s.logprob),
-                             tuple((token_text(llm, t), wire_logprob(lp)) for t, lp in s.top))
+                             tuple((token_text(llm, t), wire_logprob(lp)) for t, lp in s.top), s.token,
+                             tuple(t for t, _ in s.top))
                  for s in scores)
 
 
@@ -238,7 +278,7 @@ def scored_prompt(llm: LLM, job: Job, scores: list[TokenLogprob | None]) -> tupl
     request's logprobs alternatives (prompt_logprobs may have asked for more); the first has no logprob."""
     if not scores:
         return ()
-    first = ScoredToken(token_text(llm, job.prompt_ids[0]), None)
+    first = ScoredToken(token_text(llm, job.prompt_ids[0]), None, token=job.prompt_ids[0])
     top = job.opts.logprobs or 0
     return (first, *scored(llm, [replace(s, top=s.top[:top]) for s in scores[1:] if s is not None]))
 
