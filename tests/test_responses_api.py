@@ -22,7 +22,7 @@ from atlas import LLM  # noqa: E402
 from _demo_copy import demo_copy  # noqa: E402
 from atlas.demo import DEMO_NAME  # noqa: E402
 from atlas.server.app import ServerState, create_app  # noqa: E402
-from atlas.server.worker import EngineWorker  # noqa: E402
+from atlas.server.worker import EngineWorker, Failed, TextPiece  # noqa: E402
 from test_reasoning import THINKING_TEMPLATE  # noqa: E402
 from test_reasoning import CannedWorker as ThinkingWorker  # noqa: E402
 from test_tools import CALL_ARGS, TOOLS_TEMPLATE, WEATHER, CannedWorker  # noqa: E402
@@ -208,6 +208,27 @@ def canned_tools(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, CannedW
     worker = CannedWorker(llm)
     client, _ = client_over(create_app(ServerState(DEMO_NAME, worker, llm, tool_call_parser="qwen3_coder")))  # type: ignore[arg-type]
     return client, worker
+
+
+class FailingWorker(CannedWorker):
+    """Writes one piece, then fails as a lost GPU would."""
+
+    async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...], returns: Any = None) -> Any:
+        yield TextPiece("Partly")
+        yield Failed("the CUDA context was lost; restart the server", status=503)
+
+
+def test_a_failed_stream_ends_with_response_failed(tmp_path: Path) -> None:
+    """A generation that fails midway: its message item closes incomplete with the text so far,
+    response.failed carries the response (status failed, the error), and the store keeps it so."""
+    llm = LLM(str(demo_copy(tmp_path / "demo")), device="cpu")
+    client, _ = client_over(create_app(ServerState(DEMO_NAME, FailingWorker(llm), llm)))  # type: ignore[arg-type]
+    events = list(client.responses.create(model=DEMO_NAME, input="Hi", stream=True))
+    assert [e.type for e in events[-2:]] == ["response.output_item.done", "response.failed"]
+    assert events[-2].item.status == "incomplete" and events[-2].item.content[0].text == "Partly"
+    failed = events[-1].response
+    assert failed.status == "failed" and "context was lost" in failed.error.message and failed.output_text == "Partly"
+    assert client.responses.retrieve(failed.id).model_dump() == failed.model_dump()
 
 
 def test_function_calls(canned_tools: tuple[Any, CannedWorker]) -> None:

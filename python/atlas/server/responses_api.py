@@ -232,9 +232,12 @@ class ResponseMeta:
     sequence: int = 0
     keep: Callable[[dict[str, Any]], None] | None = None  # given the final response (the store's put)
 
-    def final(self, status: str, output: list[dict[str, Any]], finished: Finished) -> dict[str, Any]:
-        """The finished response's body, handed to `keep` first."""
+    def final(self, status: str, output: list[dict[str, Any]], finished: Finished | None, error: str | None = None
+              ) -> dict[str, Any]:
+        """The finished (or failed, with its error message) response's body, handed to `keep` first."""
         body = self.body(status, output, finished)
+        if error is not None:
+            body["error"] = {"code": "server_error", "message": error}
         if self.keep is not None:
             self.keep(body)
         return body
@@ -278,7 +281,7 @@ def reasoning_item(text: str, status: str = "completed", item_id: str | None = N
 
 
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
-    parts = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    parts = [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []
     return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
             "content": parts}
 
@@ -358,12 +361,12 @@ class ResponseStream:
                 self.meta.event("response.content_part.added", item_id=self.open.id, output_index=self.open.index,
                                 content_index=0, part=content_part(kind, ""))]
 
-    def close(self) -> list[str]:
+    def close(self, status: str = "completed") -> list[str]:
         if self.open is None:
             return []
         opened, self.open = self.open, None
         text = "".join(opened.text)
-        item = (reasoning_item if opened.kind == "reasoning" else message_item)(text, "completed", opened.id)
+        item = (reasoning_item if opened.kind == "reasoning" else message_item)(text, status, opened.id)
         done = "response.reasoning_text.done" if opened.kind == "reasoning" else "response.output_text.done"
         where = {"item_id": opened.id, "output_index": opened.index}
         self.done.append(item)
@@ -382,6 +385,12 @@ class ResponseStream:
         status = status_of(finished)
         final = "response.completed" if status == "completed" else "response.incomplete"
         return [*lines, self.meta.event(final, response=self.meta.final(status, self.done, finished))]
+
+    def fail(self, message: str) -> list[str]:
+        """A generation that failed midway: the item being written closes as it stands, and
+        response.failed carries the response (status failed, its error), which is stored as such."""
+        lines = self.close("incomplete")
+        return [*lines, self.meta.event("response.failed", response=self.meta.final("failed", self.done, None, message))]
 
     def call_lines(self, call: ToolCall) -> list[str]:
         index, item = len(self.done), call_item(call)
@@ -413,5 +422,6 @@ async def stream_response(meta: ResponseMeta, events: AsyncGenerator[Event, None
                     yield line
                 return
             else:
-                yield meta.event("error", code="server_error", message=event.message, param=None)
+                for line in stream.fail(event.message):
+                    yield line
                 return
