@@ -169,6 +169,20 @@ def test_input_items_list_what_a_response_answered(generating: tuple[Any, Any, L
     assert http.get("/v1/responses/resp_none/input_items").status_code == 404
 
 
+def test_a_repeated_item_id_is_refused(generating: tuple[Any, Any, LLM]) -> None:
+    """An item id already in the conversation (the previous response's output sent again, or twice
+    in one input) is a 400 naming the item, before anything runs: ids page input_items."""
+    client, _, _ = generating
+    first = client.responses.create(model=DEMO_NAME, input="Flat is", max_output_tokens=3, temperature=0)
+    again = first.output[0].model_dump(exclude_none=True)
+    twice = [{"id": "msg_x", "role": "user", "content": "a"}, {"id": "msg_x", "role": "user", "content": "b"}]
+    for request in ({"previous_response_id": first.id, "input": [again, {"role": "user", "content": "Sparse is"}]},
+                    {"input": twice}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=DEMO_NAME, max_output_tokens=3, **request)
+        assert refused.value.param in ("input[0].id", "input[1].id") and "already in this conversation" in str(refused.value)
+
+
 def test_the_store_keeps_the_newest(rng: np.random.Generator) -> None:
     from atlas.server.response_store import ResponseStore, StoredResponse
 

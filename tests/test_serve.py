@@ -894,7 +894,7 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("add_generation_prompt not bool", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],
                                         "add_generation_prompt": "no"}, "add_generation_prompt"),
     ("chat prompt_logprobs streamed", {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}],
-                                       "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+                                       "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     ("chat max_completion_tokens beyond context",
      {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_tokens"),
 ]

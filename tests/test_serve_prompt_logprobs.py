@@ -38,8 +38,9 @@ def check_prompt_logprobs(served: Served, listed: list[dict[str, Any] | None], p
 
 
 def test_completions_carry_each_prompts_logprobs(served: Served, rng: np.random.Generator) -> None:
-    """A batch of two prompts, two choices each: every choice has its own prompt's list, and the
-    texts are what the model writes without them."""
+    """A batch of two prompts, two choices each: every choice has its own prompt's list (scored
+    once per prompt: the second choice takes the first's), and the texts are what the model writes
+    without them."""
     prompts = [random_prompt(rng) + " " + random_prompt(rng) for _ in range(2)]
     top = int(rng.integers(0, 6))
     answer = served.client().completions.create(model=DEMO_NAME, prompt=prompts, max_tokens=4, temperature=0, n=2,
@@ -76,8 +77,12 @@ def test_echo_keeps_its_own_alternatives(served: Served, rng: np.random.Generato
 
 
 def test_no_prompt_logprobs_unless_asked(served: Served) -> None:
+    """Not asked, or asked for 0 in a stream (vLLM's "nothing" there): none come back."""
     answer = served.client().completions.create(model=DEMO_NAME, prompt="Flat is", max_tokens=2).model_dump()
     assert "prompt_logprobs" not in answer["choices"][0]
+    chunks = served.client().completions.create(model=DEMO_NAME, prompt="Flat is", max_tokens=2, stream=True,
+                                                extra_body={"prompt_logprobs": 0})
+    assert all("prompt_logprobs" not in c.model_dump()["choices"][0] for c in chunks)
     chat = served.client().chat.completions.create(model=DEMO_NAME, messages=[{"role": "user", "content": "Hi"}],
                                                    max_tokens=2).model_dump()
     assert "prompt_logprobs" not in chat

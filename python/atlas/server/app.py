@@ -277,13 +277,16 @@ def prepare_inputs(state: ServerState, body: GenerationBody) -> list[PromptInput
 
 def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInput]) -> list[ChoiceRun]:
     """n runs per prompt, in order; choice i (index prompt x n + j) samples with seed + i, so a
-    seeded request stays reproducible."""
+    seeded request stays reproducible. The first of a prompt's runs scores it for prompt_logprobs
+    (collect_choices hands the list to the others)."""
     runs = []
     for p, prompt in enumerate(inputs):
         for j in range(body.n):
             index = p * body.n + j
             seeded = replace(prompt.opts, seed=None if prompt.opts.seed is None else prompt.opts.seed + index)
-            returns = Returns(prompt.echo, body.prompt_logprobs, body.text.return_token_ids)
+            if j:
+                seeded = replace(seeded, prompt_logprobs=echo_scores(body, seeded.max_tokens))
+            returns = Returns(prompt.echo, None if j else body.prompt_logprobs, body.text.return_token_ids)
             events = state.worker.events(prompt.ids, seeded, body.sampling.stop, returns)
             runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt.opened), tuple(prompt.ids)))
     return runs
@@ -410,9 +413,7 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
         )
     s = body.sampling
     max_tokens = wanted if wanted is not None else min(state.default_max_tokens, room)
-    scored = [body.prompt_logprobs]  # echo with logprobs scores the prompt too; max_tokens 0 runs only the prompt
-    if body.echo and (body.logprobs is not None or max_tokens == 0):
-        scored.append(body.logprobs or 0)
+    scored = [body.prompt_logprobs, echo_scores(body, max_tokens)]
     prompt_logprobs = max((top for top in scored if top is not None), default=None)
     output = body.output
     if output is not None and opened:
@@ -422,6 +423,12 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
                            skip_special_tokens=body.text.skip_special_tokens,
                            include_stop_str_in_output=body.text.include_stop_str_in_output,
                            allowed_token_ids=s.allowed_token_ids, bad_words=s.bad_words)
+
+
+def echo_scores(body: GenerationBody, max_tokens: int) -> int | None:
+    """The alternatives echo lists for each prompt token: echo with logprobs scores the prompt;
+    max_tokens 0 runs only the prompt."""
+    return (body.logprobs or 0) if body.echo and (body.logprobs is not None or max_tokens == 0) else None
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -23,10 +23,14 @@ class ChoiceRun:
 
 
 async def collect_choices(reply: Reply, runs: list[ChoiceRun], n: int = 1) -> dict[str, Any]:
-    """n: choices per prompt (the usage counts each prompt once)."""
+    """n: choices per prompt (the usage counts each prompt once); the first choice of a prompt
+    carries its prompt_logprobs for the others (a completions choice each has them)."""
     choices, finished = [], []
     for run in runs:
         choice, done = await collect(reply, run)
+        first = choices[run.index - run.index % n] if run.index % n else None
+        if first is not None and "prompt_logprobs" in first:
+            choice["prompt_logprobs"] = first["prompt_logprobs"]
         choices.append(choice)
         finished.append(done)
     return full_body(reply, choices, finished, n, runs[0].prompt_ids if runs else ())

@@ -198,8 +198,11 @@ def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = Non
 
 
 def parse_prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
-    """vLLM's prompt_logprobs 0..20; as vLLM, not with stream (echo + logprobs streams the prompt's)."""
+    """vLLM's prompt_logprobs 0..20; as vLLM, not above 0 with stream (echo + logprobs streams the
+    prompt's), where 0 asks for nothing."""
     top = optional_int(body, "prompt_logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    if top == 0 and stream:
+        return None
     if top is not None and stream:
         raise RequestError("'prompt_logprobs' is not available with stream: true; ask without streaming "
                            "(or, on /v1/completions, stream echo with logprobs)", "prompt_logprobs")

@@ -46,6 +46,7 @@ def chat_request(body: Any, earlier: list[dict[str, Any]] | None = None) -> dict
     earlier_messages = input_messages(earlier) if earlier else []
     chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + earlier_messages + \
         input_messages(body.get("input"))
+    check_item_ids(earlier or [], body["input"])
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
@@ -78,6 +79,19 @@ def renamed(err: RequestError) -> RequestError:
             param = name + param[len(chat_name):]
     message = err.message.replace("'messages'", "'input'").replace("max_tokens", "max_output_tokens")
     return RequestError(message.replace("response_format", "text.format"), param, err.code, err.status)
+
+
+def check_item_ids(earlier: list[dict[str, Any]], value: Any) -> None:
+    """An item id names one item of a conversation, as OpenAI has it (a repeat is refused): the
+    stored conversation is listed and paged by them (GET /v1/responses/{id}/input_items)."""
+    seen = {item.get("id") for item in earlier}
+    for i, item in enumerate(input_items(value)):
+        own = item.get("id")
+        if isinstance(own, str) and own:
+            if own in seen:
+                raise RequestError(f"input[{i}]: an item with id {own!r} is already in this conversation (previous "
+                                   "response or this input); leave the id out or make it unique", f"input[{i}].id")
+            seen.add(own)
 
 
 def input_items(value: Any) -> list[dict[str, Any]]:

@@ -286,9 +286,14 @@ def scored_prompt(llm: LLM, job: Job, scores: list[TokenLogprob | None]) -> tupl
 def prompt_logprobs(llm: LLM, scores: list[TokenLogprob | None], top: int) -> tuple[PromptLogprobs | None, ...]:
     """vLLM's prompt_logprobs: per prompt token (the first: None) the token's own entry (its rank
     among the row's logits), then the `top` most likely (ranks 1..top; the token among them takes
-    its place's rank, as vLLM's dict does)."""
+    its place's rank, as vLLM's dict does). Each id is decoded once (the same ones head every row)."""
+    texts: dict[int, str] = {}
+
     def entry(token: int, logprob: float, rank: int | None) -> dict[str, Any]:
-        return {"logprob": wire_logprob(logprob), "rank": rank, "decoded_token": token_text(llm, token)}
+        text = texts.get(token)
+        if text is None:
+            text = texts[token] = token_text(llm, token)
+        return {"logprob": wire_logprob(logprob), "rank": rank, "decoded_token": text}
 
     listed: list[PromptLogprobs | None] = [None]
     for s in scores[1:]:
