@@ -1,7 +1,9 @@
 """`python -m atlas.run --interactive`: a conversation in the terminal. Each line on stdin is a user
 turn; the reply streams to stdout; the model's chat template renders the whole conversation each
-turn, and the prompt cache resumes after what the previous turns already ran. `/reset` starts over,
-`/exit` (or end of input) leaves; Ctrl-C stops a reply and keeps the conversation as it was."""
+turn, and the prompt cache resumes after what the previous turns already ran. A conversation that
+outgrows the context loses its oldest turns (system messages stay), as chat front ends do, and says
+so. `/reset` starts over, `/exit` (or end of input) leaves; Ctrl-C stops a reply and keeps the
+conversation as it was."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import click
 
 from .errors import AtlasError
-from .llm import LLM, GenerateOptions, GenerationResult
+from .llm import LLM, GenerateOptions, GenerationResult, context_capacity
 
 COMMANDS = {"/exit": "leave", "/quit": "leave", "/reset": "forget the conversation"}
 
@@ -25,11 +27,33 @@ class Conversation:
 
     def turn(self, text: str, on_text: Callable[[str], None]) -> GenerationResult:
         """One user turn -> the reply (appended to the conversation only once it is complete)."""
-        messages = [*self.messages, {"role": "user", "content": text}]
+        messages = self.fitted([*self.messages, {"role": "user", "content": text}])
         prompt_ids = self.llm.prepare(self.llm.tokenizer.encode_chat(messages), self.opts)
         result = self.llm.generate_with(prompt_ids, self.opts, on_text)
         self.messages = [*messages, {"role": "assistant", "content": result.text}]
         return result
+
+    def fitted(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """The conversation without its oldest turns (a user message and the replies after it;
+        system messages and the new turn stay) until its prompt and max_tokens fit the context. A
+        new turn too long alone is left to prepare's one-line refusal."""
+        capacity = context_capacity(self.llm.parts.spec, self.llm.parts.engine)
+        room = capacity - self.opts.max_tokens + 1  # the prompt tokens that fit
+        dropped = 0
+        while len(self.llm.tokenizer.encode_chat(messages)) > room and (turn := oldest_turn(messages)) is not None:
+            messages = messages[: turn.start] + messages[turn.stop :]
+            dropped += 1
+        if dropped:
+            click.echo(f"atlas: the conversation outgrew the context ({capacity} positions with --max-tokens "
+                       f"{self.opts.max_tokens}); its oldest {dropped} turn(s) are left out", err=True)
+        return messages
+
+
+def oldest_turn(messages: list[dict[str, str]]) -> slice | None:
+    """The first user message and what follows it up to the next user message, unless that first
+    one is the newest (the turn being asked)."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    return slice(users[0], users[1]) if len(users) > 1 else None
 
 
 def converse(llm: LLM, opts: GenerateOptions, first: str | None, stats: Callable[[GenerationResult], str]) -> None:
@@ -54,8 +78,8 @@ def reply(conversation: Conversation, text: str, stats: Callable[[GenerationResu
     except KeyboardInterrupt:
         click.echo("\natlas: reply stopped; the conversation is as it was before this turn", err=True)
         return
-    except AtlasError as err:  # e.g. the conversation outgrew the context
-        click.echo(f"atlas: {err}; /reset starts over", err=True)
+    except AtlasError as err:  # e.g. a turn too long for the context alone
+        click.echo(f"atlas: {err}", err=True)
         return
     write_stdout("\n")
     click.echo(stats(result), err=True)
