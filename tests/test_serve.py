@@ -486,12 +486,14 @@ def test_stop_token_ids_and_ignore_eos(served: Served, rng: np.random.Generator)
     answer = served.client().completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=60, temperature=0,
                                                 extra_body={"stop_token_ids": [stop_id]})
     assert answer.usage.completion_tokens == first + 1 and answer.choices[0].finish_reason == "stop"
+    assert answer.choices[0].model_dump()["stop_reason"] == stop_id  # vLLM's: which stop token
     assert answer.choices[0].text == served.reference.tokenizer.decode(full.token_ids[: first + 1])
     zen = served.reference.generate("Namespaces are one honking great", max_tokens=60)
     assert zen.token_ids[-1] in served.reference.eos_ids(), "the demo ends its text with eos"
     long = served.client().completions.create(model=DEMO_NAME, prompt="Namespaces are one honking great", max_tokens=60,
                                               temperature=0, extra_body={"ignore_eos": True})
     assert long.usage.completion_tokens == 60 and long.choices[0].finish_reason == "length"
+    assert long.choices[0].model_dump()["stop_reason"] is None
     held = served.client().completions.create(model=DEMO_NAME, prompt="Namespaces are one honking great", max_tokens=60,
                                               temperature=0, extra_body={"min_tokens": 30})
     assert held.usage.completion_tokens >= 30
@@ -658,6 +660,7 @@ def test_stop_strings(served: Served, rng: np.random.Generator, stream: bool) ->
     chunks = list(answer) if stream else [answer]
     assert "".join(c.choices[0].text for c in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].model_dump()["stop_reason"] == stop  # vLLM's: which stop string
 
 
 def test_seeded_sampling(served: Served, rng: np.random.Generator) -> None:

@@ -426,6 +426,11 @@ class OutputText:
     def stopped(self) -> bool:
         return self.matcher.stopped
 
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the text (None: none did)."""
+        return self.matcher.matched
+
     def push(self, token: int) -> str:
         """The text `token` completes that may be sent now."""
         return "" if token in self.hidden else self.matcher.push(self.decoder.push(token))

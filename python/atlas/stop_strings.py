@@ -11,17 +11,18 @@ class StopMatcher:
         self.include = include  # the stop string that ends the text is part of it
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, piece: str) -> str:
         """Add generated text; return what may be sent now (after a stop: nothing more)."""
         if self.stopped:
             return ""
         self.pending += piece
-        hits = [(i, len(s)) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
-            at, size = min(hits, key=lambda hit: hit[0])  # the earliest; at one place, the first listed
-            text, self.pending = self.pending[: at + size if self.include else at], ""
+            at, self.matched = min(hits, key=lambda hit: hit[0])  # the earliest; at one place, the first listed
+            text, self.pending = self.pending[: at + len(self.matched) if self.include else at], ""
             return text
         keep = self._held_back()
         text = self.pending[: len(self.pending) - keep]

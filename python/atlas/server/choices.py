@@ -96,7 +96,9 @@ def finish_lines(reply: Reply, run: ChoiceRun, event: Finished) -> list[str]:
         wire = [call.wire(i) for i, call in enumerate(calls)]
         lines.append(sse(chunk(reply, {"tool_calls": wire}, index=run.index, ids=ids)))
     finish_reason = run.shaper.calls_finish_reason if calls and run.shaper else event.finish_reason
-    lines.append(sse(chunk(reply, {}, finish_reason, index=run.index, ids=ids)))
+    last = chunk(reply, {}, finish_reason, index=run.index, ids=ids)
+    last["choices"][0]["stop_reason"] = event.stop_reason  # vLLM's, with the finish_reason
+    lines.append(sse(last))
     return lines
 
 

@@ -85,6 +85,7 @@ def choice_body(
     if reply.token_ids:
         choice.update(token_fields(reply, tuple(t for p in pieces for t in p.token_ids), prompt_ids))
     choice["finish_reason"] = finish_reason
+    choice["stop_reason"] = finished.stop_reason  # vLLM's: the stop string or stop token id, else null
     return choice
 
 

@@ -69,6 +69,7 @@ class Finished:
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens the prompt cache held
     spec: SpecCounts = SpecCounts()  # MTP speculation, when it ran
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids id that ended it
     prompt_logprobs: tuple[PromptLogprobs | None, ...] | None = None  # vLLM's, when asked for (the first token: None)
 
 
@@ -229,7 +230,10 @@ def generate(llm: LLM, job: Job) -> Finished:
     spec_counts = SpecCounts(spec.rounds, spec.drafted, spec.accepted)
     top = job.returns.prompt_logprobs
     listed = None if top is None else prompt_logprobs(llm, prompt_scores, top)
-    return Finished("stop" if stopped else "length", len(job.prompt_ids), count, cached, spec_counts, listed)
+    stop_ids = set(job.stops.token_ids) - (set() if job.stops.ignore_eos else llm.eos_ids())
+    reason = out.matched if out.stopped else last_token if count and last_token in stop_ids else None
+    return Finished("stop" if stopped else "length", len(job.prompt_ids), count, cached, spec_counts,
+                    stop_reason=reason, prompt_logprobs=listed)
 
 
 @dataclass
