@@ -29,3 +29,15 @@ def test_api_key_gates_the_v1_routes() -> None:
     assert client.completions.create(model=DEMO_NAME, prompt="Flat", max_tokens=2).choices[0].text
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url="http://testserver/v1", api_key="nope", http_client=http, max_retries=0).models.list()
+
+
+def test_api_key_as_anthropic_sends_it() -> None:
+    """The anthropic client sends the key as x-api-key: accepted, a wrong one is a 401."""
+    anthropic = pytest.importorskip("anthropic")
+    llm = LLM(device="cpu")
+    http = TestClient(create_app(ServerState(DEMO_NAME, CannedWorker(llm), llm, api_key="s3cret")))  # type: ignore[arg-type]
+    request = {"model": DEMO_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    good = anthropic.Anthropic(base_url="http://testserver", api_key="s3cret", http_client=http, max_retries=0)
+    assert good.messages.create(**request).content[0].text
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url="http://testserver", api_key="nope", http_client=http, max_retries=0).messages.create(**request)

@@ -940,11 +940,14 @@ FUZZ_FIELDS = ("model", "prompt", "messages", "input", "text", "metadata", "inst
                "max_completion_tokens", "max_output_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream",
                "stream_options", "stop", "seed", "logprobs", "top_logprobs", "echo", "logit_bias", "presence_penalty",
                "response_format", "tools", "tool_choice", "guided_regex", "guided_choice", "structured_outputs",
-               "min_tokens", "stop_token_ids", "chat_template_kwargs", "prompt_logprobs", "tokens", "add_special_tokens")
+               "min_tokens", "stop_token_ids", "chat_template_kwargs", "prompt_logprobs", "tokens", "add_special_tokens",
+               "system", "stop_sequences", "thinking", "output_config", "return_token_ids")
 FUZZ_BASES = {
     "/v1/completions": {"model": DEMO_NAME, "prompt": "Beautiful is", "max_tokens": 3},
     "/v1/chat/completions": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
     "/v1/responses": {"model": DEMO_NAME, "input": "Hi", "max_output_tokens": 3},
+    "/v1/messages": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+    "/v1/messages/count_tokens": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}]},
     "/tokenize": {"model": DEMO_NAME, "prompt": "Hi"},
     "/detokenize": {"model": DEMO_NAME, "tokens": [1, 2, 3]},
 }
@@ -997,8 +1000,8 @@ def post_raw(port: int, path: str, body: str) -> tuple[int, bytes]:
 
 
 def test_random_bodies_get_answers_or_one_400(served: Served, rng: np.random.Generator) -> None:
-    """Every body is answered (200) or refused with a 4xx OpenAI error body; none is a 500, and the
-    server answers a good request afterwards."""
+    """Every body is answered (200) or refused with a 4xx error body (OpenAI's, or Anthropic's on
+    /v1/messages); none is a 500, and the server answers a good request afterwards."""
     for _ in range(150):
         path, raw = fuzzed_body(rng)
         status, data = post_raw(served.port, path, raw)

@@ -28,6 +28,7 @@ from .reasoning import END as REASONING_END
 from .reasoning import START as REASONING_START
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
+from . import messages_api
 from .response_store import ResponseStore, StoredResponse, item_page, not_found
 from .responses_api import ResponseMeta, chat_request, input_items, renamed, replayed, stream_response, whole_response
 from .tools import ForcedCallStream, ToolCallStream
@@ -78,6 +79,19 @@ def create_app(state: ServerState) -> Starlette:
 
     async def responses(request: Request) -> Response:
         return await responses_generation(request, state)
+
+    async def messages(request: Request) -> Response:
+        return await messages_generation(request, state)
+
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's /v1/messages/count_tokens: the prompt a Messages request would run."""
+        try:
+            body = await parsed_body(messages_api.chat_request(await read_json(request), counting=True), True, state)
+            check_model(state, body.model)
+            ids = await anyio.to_thread.run_sync(encode, state.llm, body, None)
+        except RequestError as err:
+            return messages_api.error_response(err)
+        return JSONResponse({"input_tokens": len(ids)})
 
     async def stored_response(request: Request) -> Response:
         """GET /v1/responses/{id}: a stored response as it was sent; DELETE: forget it."""
@@ -140,6 +154,8 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/responses/{response_id}/input_items", stored_input_items, methods=["GET"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
     ]
     handlers = {RequestError: on_request_error, HTTPException: on_http_error, Exception: on_crash}
     middleware = [Middleware(ApiKeyGate, key=state.api_key)] if state.api_key else []
@@ -206,6 +222,24 @@ async def responses_generation(request: Request, state: ServerState) -> Response
     if body.stream:
         return EventStreamResponse(stream_response(meta, run.events, run.shaper))
     answer = await unless_disconnected(request, whole_response(meta, run.events, run.shaper))
+    return JSONResponse(answer) if answer is not None else Response(status_code=499)
+
+
+async def messages_generation(request: Request, state: ServerState) -> Response:
+    """/v1/messages: the request as a chat request, its one answer as an Anthropic message; every
+    refusal in Anthropic's error shape."""
+    try:
+        body = await parsed_body(messages_api.chat_request(await read_json(request)), True, state)
+        run = (await checked_runs(state, body))[0]
+    except RequestError as err:
+        return messages_api.error_response(err)
+    meta = messages_api.MessageMeta(state.model_name, len(run.prompt_ids))
+    if body.stream:
+        return EventStreamResponse(messages_api.stream_message(meta, run.events, run.shaper))
+    try:
+        answer = await unless_disconnected(request, messages_api.whole_message(meta, run.events, run.shaper))
+    except RequestError as err:
+        return messages_api.error_response(err)
     return JSONResponse(answer) if answer is not None else Response(status_code=499)
 
 

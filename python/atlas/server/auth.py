@@ -22,13 +22,16 @@ class ApiKeyGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self.authorized(scope):
-            body = error_body("invalid or missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
+            body = error_body("invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')", "invalid_request_error",
                               code="invalid_api_key")
             await JSONResponse(body, status_code=401)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
     def authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        """`Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's)."""
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return True
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.key)
