@@ -198,6 +198,13 @@ def test_a_failed_stream_ends_with_an_error_event(tmp_path: Path) -> None:
         list(client.messages.create(**request))
 
 
+def test_the_anthropic_client_lists_the_model(generating: tuple[Any, TestClient, LLM]) -> None:
+    client, _, reference = generating
+    [card] = list(client.models.list())
+    assert (card.id, card.type, card.display_name) == (DEMO_NAME, "model", DEMO_NAME)
+    assert client.models.retrieve(DEMO_NAME).max_input_tokens == reference.parts.spec.max_position_embeddings
+
+
 def test_count_tokens(generating: tuple[Any, TestClient, LLM], rng: np.random.Generator) -> None:
     client, _, reference = generating
     prompt = random_prompt(rng)

@@ -113,7 +113,9 @@ def create_app(state: ServerState) -> Starlette:
         return JSONResponse(item_page(stored.input_items(), request.query_params))
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card(state)]})
+        card = model_card(state)  # OpenAI's list, and Anthropic's page fields
+        return JSONResponse({"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
+                             "last_id": card["id"]})
 
     async def model(request: Request) -> Response:
         """The openai client's models.retrieve(id); another id is a 404 as OpenAI answers it."""
@@ -175,9 +177,12 @@ def engine_settings(llm: LLM) -> dict[str, str]:
 
 
 def model_card(state: ServerState) -> dict[str, object]:
-    """OpenAI's model object, with vLLM's max_model_len (the context a request may fill)."""
+    """OpenAI's model object, with vLLM's max_model_len (the context a request may fill), and the
+    fields of Anthropic's (the anthropic client's models.list / retrieve)."""
     capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
-    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "atlas", "max_model_len": capacity}
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "atlas", "max_model_len": capacity,
+            "type": "model", "display_name": state.model_name, "created_at": "1970-01-01T00:00:00Z",
+            "max_input_tokens": capacity}
 
 
 async def generation(request: Request, state: ServerState, chat: bool) -> Response:
