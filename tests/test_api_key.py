@@ -41,3 +41,5 @@ def test_api_key_as_anthropic_sends_it() -> None:
     assert good.messages.create(**request).content[0].text
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url="http://testserver", api_key="nope", http_client=http, max_retries=0).messages.create(**request)
+    refused = http.post("/v1/messages", json=request).json()  # in Anthropic's error shape there
+    assert refused["type"] == "error" and refused["error"]["type"] == "authentication_error"

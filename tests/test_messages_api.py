@@ -5,6 +5,7 @@ blocks under --reasoning-parser, token counting, and every refusal in Anthropic'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,6 +114,29 @@ def test_tool_use_blocks(canned_tools: tuple[Any, CannedWorker], stream: bool) -
     assert message.stop_reason == "tool_use"
 
 
+def test_turns_become_the_chat_conversation(canned_tools: tuple[Any, CannedWorker]) -> None:
+    """Consecutive turns of one role merge (a blank line apart); a failed tool_result says so, its
+    text blocks a line apart; a final assistant turn is a prefill the answer continues."""
+    client, worker = canned_tools
+    tokenizer = worker.llm.tokenizer
+    client.messages.create(model=DEMO_NAME, max_tokens=4, messages=[
+        {"role": "user", "content": "Weather"}, {"role": "user", "content": [{"type": "text", "text": "in Paris?"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+                                      "content": [{"type": "text", "text": "no"}, {"type": "text", "text": "network"}]}]},
+        {"role": "assistant", "content": "It is"}], tools=[TOOL])
+    from atlas.server.tools import template_tool_calls
+
+    calls = [{"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]
+    chat = [{"role": "user", "content": "Weather\n\nin Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": template_tool_calls(calls, "turn")},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: no\nnetwork"},
+            {"role": "assistant", "content": "It is"}]
+    want = tokenizer.decode(tokenizer.encode_chat(chat, add_generation_prompt=False, template_kwargs={"tools": [WEATHER]},
+                                                  continue_final=True), skip_special_tokens=False)
+    assert worker.prompt == want and worker.prompt.endswith("It is")
+
+
 def test_tool_choice_becomes_the_chat_one() -> None:
     from atlas.server.messages_api import chat_request
 
@@ -146,22 +170,25 @@ def test_tool_results_reach_the_template(canned_tools: tuple[Any, CannedWorker])
 @pytest.mark.parametrize("stream", [False, True])
 def test_thinking_blocks(tmp_path: Path, stream: bool) -> None:
     """Under --reasoning-parser qwen3 the reasoning comes back as a thinking block before the text
-    (streamed as thinking_delta events); thinking disabled renders the template without it."""
+    (streamed as thinking_delta events); thinking disabled, or left out as Anthropic has it unless
+    the server's --chat-template-kwargs say otherwise, renders the template without it."""
     llm = LLM(str(demo_copy(tmp_path / "demo", THINKING_TEMPLATE)), device="cpu")
     client, _ = client_over(create_app(ServerState(DEMO_NAME, ThinkingWorker(), llm, reasoning_parser="qwen3")))  # type: ignore[arg-type]
-    message, events = ask(client, stream, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    message, events = ask(client, stream, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                          thinking={"type": "enabled", "budget_tokens": 1024})
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == [
         ("thinking", "plan it"), ("text", "The answer.")]
     if stream:
         assert any(e.type == "content_block_delta" and e.delta.type == "thinking_delta" for e in events)
     recorder = CannedWorker(llm)
     plain, _ = client_over(create_app(ServerState(DEMO_NAME, recorder, llm)))  # type: ignore[arg-type]
-    plain.messages.create(model=DEMO_NAME, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
-                          thinking={"type": "disabled"})
-    assert recorder.prompt.endswith("<|im_start|>assistant\n")
-    plain.messages.create(model=DEMO_NAME, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
-                          thinking={"type": "enabled", "budget_tokens": 1024})
-    assert recorder.prompt.endswith("<think>\n")
+    for thinking, opened in (({"type": "disabled"}, False), (None, False), ({"type": "enabled", "budget_tokens": 1024}, True)):
+        plain.messages.create(model=DEMO_NAME, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                              **({"thinking": thinking} if thinking else {}))
+        assert recorder.prompt.endswith("<think>\n" if opened else "<|im_start|>assistant\n"), thinking
+    llm.parts.tokenizer = dataclasses.replace(llm.tokenizer, template_defaults={"enable_thinking": True})
+    plain.messages.create(model=DEMO_NAME, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert recorder.prompt.endswith("<think>\n")  # the server's default, not Anthropic's
 
 
 def test_output_config_json_schema(generating: tuple[Any, TestClient, LLM]) -> None:
@@ -193,7 +220,7 @@ def test_a_failed_stream_ends_with_an_error_event(tmp_path: Path) -> None:
     kinds = [line.split("\n")[0].removeprefix("event: ") for line in lines]
     assert kinds == ["message_start", "content_block_start", "content_block_delta", "content_block_stop", "error"]
     error = json.loads(lines[-1].split("\ndata: ")[1])
-    assert error["error"]["type"] == "api_error" and "context was lost" in error["error"]["message"]
+    assert error["error"]["type"] == "overloaded_error" and "context was lost" in error["error"]["message"]  # a 503
     with pytest.raises(anthropic.APIStatusError):
         list(client.messages.create(**request))
 
@@ -229,6 +256,8 @@ GOOD = {"model": DEMO_NAME, "max_tokens": 4, "messages": [{"role": "user", "cont
     ({**GOOD, "stop_sequences": [""]}, "stop"),
     ({**GOOD, "model": "claude-opus"}, "is not served here"),
     ({**GOOD, "system": [{"type": "image"}]}, "'system'"),
+    ({**GOOD, "tools": [{"name": "s", "input_schema": {"type": "string"}}]}, "input_schema must be a JSON schema of type object"),
+    ({**GOOD, "tool_choice": {"type": "any"}}, "tool_choice any needs 'tools'"),
 ])
 def test_bad_requests(generating: tuple[Any, TestClient, LLM], body: dict[str, Any], words: str) -> None:
     """Each is a 400 in Anthropic's error shape with one line naming the problem; the client raises

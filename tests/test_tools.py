@@ -35,6 +35,16 @@ def test_calls_are_typed_by_the_schema() -> None:
     assert wire["index"] == 0 and wire["type"] == "function" and json.loads(wire["function"]["arguments"]) == CALL_ARGS
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_false_keeps_the_first_call(parallel: bool) -> None:
+    """OpenAI's parallel_tool_calls false (Anthropic's disable_parallel_tool_use) under tool_choice
+    auto: the answer's first call only."""
+    stream = ToolCallStream([WEATHER], parallel)
+    assert stream.push("Sure. " + CALL + "\n" + SECOND) == "Sure. "
+    text, calls = stream.finish()
+    assert text == "" and [c.arguments.get("city") for c in calls] == (["Paris", "Rome"] if parallel else ["Paris"])
+
+
 @pytest.mark.parametrize("text", [CALL[:-3], CALL + " trailing words", "<tool_call>\n<function=x>\n</tool_call>"])
 def test_a_call_that_does_not_parse_stays_content(text: str) -> None:
     assert parse_calls(text, [WEATHER]) is None

@@ -86,7 +86,8 @@ def create_app(state: ServerState) -> Starlette:
     async def count_tokens(request: Request) -> Response:
         """Anthropic's /v1/messages/count_tokens: the prompt a Messages request would run."""
         try:
-            body = await parsed_body(messages_api.chat_request(await read_json(request), counting=True), True, state)
+            chat = messages_api.chat_request(await read_json(request), True, state.llm.tokenizer.template_defaults)
+            body = await parsed_body(chat, True, state)
             check_model(state, body.model)
             ids = await anyio.to_thread.run_sync(encode, state.llm, body, None)
         except RequestError as err:
@@ -234,7 +235,8 @@ async def messages_generation(request: Request, state: ServerState) -> Response:
     """/v1/messages: the request as a chat request, its one answer as an Anthropic message; every
     refusal in Anthropic's error shape."""
     try:
-        body = await parsed_body(messages_api.chat_request(await read_json(request)), True, state)
+        chat = messages_api.chat_request(await read_json(request), template_defaults=state.llm.tokenizer.template_defaults)
+        body = await parsed_body(chat, True, state)
         run = (await checked_runs(state, body))[0]
     except RequestError as err:
         return messages_api.error_response(err)
@@ -263,7 +265,8 @@ def answer_shaper(state: ServerState, body: GenerationBody, opened: bool) -> Ans
     if body.messages is None or (state.reasoning_parser is None and not body.tools):
         return None
     splitter = ReasoningSplitter(opened) if state.reasoning_parser is not None else None
-    calls = ForcedCallStream(body.tool_choice) if body.tool_choice.forced else ToolCallStream(body.tools) if body.tools else None
+    calls = ForcedCallStream(body.tool_choice) if body.tool_choice.forced else \
+        ToolCallStream(body.tools, body.parallel_tool_calls) if body.tools else None
     return AnswerShaper(splitter, calls)
 
 

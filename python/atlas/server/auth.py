@@ -7,6 +7,7 @@ import hmac
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from . import messages_api
 from .errors import error_body
 
 OPEN_PATHS = {"/health", "/metrics"}  # for load balancers and scrapers; every other route needs the key
@@ -22,8 +23,10 @@ class ApiKeyGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self.authorized(scope):
-            body = error_body("invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')", "invalid_request_error",
-                              code="invalid_api_key")
+            message = "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
+            anthropic = scope["path"].startswith("/v1/messages")  # its clients read Anthropic's error shape
+            body = messages_api.error_body(message, 401) if anthropic else \
+                error_body(message, "invalid_request_error", code="invalid_api_key")
             await JSONResponse(body, status_code=401)(scope, receive, send)
             return
         await self.app(scope, receive, send)

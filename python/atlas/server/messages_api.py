@@ -26,16 +26,16 @@ from .tools import ToolCall
 from .worker import Event, Finished, TextPiece
 
 PASSED_THROUGH = ("model", "temperature", "top_p", "top_k", "stream", "seed", "min_p", "repetition_penalty")
-REFUSED = {"mcp_servers": "MCP servers are not supported", "container": "containers are not supported",
-           "context_management": "context management is not supported"}
+REFUSED = {"mcp_servers": "MCP servers are not supported", "container": "containers are not supported"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "request_too_large", 503: "overloaded_error"}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
-def chat_request(body: Any, counting: bool = False) -> dict[str, Any]:
+def chat_request(body: Any, counting: bool = False, template_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """A Messages request -> the equivalent /v1/chat/completions body (counting: count_tokens',
-    which has no max_tokens)."""
+    which has no max_tokens; template_defaults: the server's --chat-template-kwargs). A final
+    assistant turn is a prefill the answer continues."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     for key, why in REFUSED.items():
@@ -49,6 +49,9 @@ def chat_request(body: Any, counting: bool = False) -> dict[str, Any]:
     else:
         chat["max_tokens"] = body["max_tokens"]
     chat["messages"] = system_messages(body.get("system")) + chat_messages(body.get("messages"))
+    final = chat["messages"][-1]
+    if final["role"] == "assistant" and final["content"] and not final.get("tool_calls"):
+        chat.update(add_generation_prompt=False, continue_final_message=True)
     if body.get("stop_sequences") is not None:
         chat["stop"] = body["stop_sequences"]
     if body.get("tools") is not None:
@@ -58,6 +61,8 @@ def chat_request(body: Any, counting: bool = False) -> dict[str, Any]:
     if body.get("output_config") is not None:
         chat.update(output_format(body["output_config"]))
     kwargs = {**template_kwargs(body), **thinking_kwargs(body.get("thinking"))}
+    if "enable_thinking" not in kwargs and "enable_thinking" not in (template_defaults or {}):
+        kwargs["enable_thinking"] = False  # Anthropic's: no thinking unless asked for
     if kwargs:
         chat["chat_template_kwargs"] = kwargs
     return chat
@@ -87,14 +92,14 @@ def system_messages(value: Any) -> list[dict[str, Any]]:
     return [{"role": "system", "content": value if isinstance(value, str) else block_text(value, "system")}]
 
 
-def block_text(blocks: Any, where: str) -> str:
-    """Text blocks (a system prompt, a tool result) -> their text."""
+def block_text(blocks: Any, where: str, between: str = "") -> str:
+    """Text blocks (a system prompt, a tool result) -> their text, `between` each."""
     if isinstance(blocks, str):
         return blocks
     if not isinstance(blocks, list) or not all(isinstance(b, dict) and b.get("type") == "text" and
                                                 isinstance(b.get("text"), str) for b in blocks):
         raise RequestError(f"'{where}' must be a string or a list of text blocks (only text is supported)", where)
-    return "".join(b["text"] for b in blocks)
+    return between.join(b["text"] for b in blocks)
 
 
 def chat_messages(value: Any) -> list[dict[str, Any]]:
@@ -103,18 +108,32 @@ def chat_messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise RequestError("'messages' must be a non-empty list of {\"role\", \"content\"} turns", "messages")
     messages: list[dict[str, Any]] = []
+    for role, blocks, i in merged_turns(value):
+        messages += turn_messages(role, blocks, i)
+    return messages
+
+
+def merged_turns(value: list[Any]) -> list[tuple[str, list[Any], int]]:
+    """The turns as (role, content blocks, index of the first), consecutive turns of one role
+    merged into one as Anthropic merges them (their texts a blank line apart)."""
+    turns: list[tuple[str, list[Any], int]] = []
     for i, turn in enumerate(value):
         if not isinstance(turn, dict) or turn.get("role") not in ("user", "assistant"):
             raise RequestError(f"messages[{i}] must be an object whose role is user or assistant", f"messages[{i}]")
         content = turn.get("content")
         if isinstance(content, str):
-            messages.append({"role": turn["role"], "content": content})
-        elif isinstance(content, list):
-            messages += turn_messages(turn["role"], content, i)
-        else:
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list):
             raise RequestError(f"messages[{i}].content must be a string or a list of content blocks",
                                f"messages[{i}].content")
-    return messages
+        if turns and turns[-1][0] == turn["role"]:
+            role, blocks, first = turns[-1]
+            text_meets_text = blocks and content and all(isinstance(b, dict) and b.get("type") == "text"
+                                                         for b in (blocks[-1], content[0]))
+            turns[-1] = (role, [*blocks, *([{"type": "text", "text": "\n\n"}] if text_meets_text else []), *content], first)
+        else:
+            turns.append((turn["role"], list(content), i))
+    return turns
 
 
 @dataclass
@@ -154,7 +173,9 @@ def add_block(turn: Turn, role: str, block: Any, where: str) -> None:
                            "type": "function",
                            "function": {"name": block["name"], "arguments": json.dumps(block["input"], ensure_ascii=False)}})
     elif kind == "tool_result" and role == "user" and isinstance(block.get("tool_use_id"), str):
-        content = block_text(block.get("content", ""), f"{where}.content")
+        content = block_text(block.get("content", ""), f"{where}.content", "\n")
+        if block.get("is_error") is True:  # else the model could not tell a failure from a result
+            content = f"Error: {content}"
         turn.results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
     else:
         raise RequestError(f"{where}: a {kind!r} block is not supported here (text, and for the assistant thinking and "
@@ -171,11 +192,20 @@ def function_tools(value: Any) -> list[dict[str, Any]]:
             kind = tool.get("type") if isinstance(tool, dict) else None
             raise RequestError(f"tools[{i}]: only custom tools (name, description, input_schema) are supported, got "
                                f"type {kind!r}", f"tools[{i}]")
-        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+        function = {"name": tool["name"], "parameters": input_schema(tool.get("input_schema"), i)}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
         tools.append({"type": "function", "function": function})
     return tools
+
+
+def input_schema(value: Any, index: int) -> dict[str, Any]:
+    """A tool's input_schema: an object schema (its type may be left out), as a tool_use input is
+    an object."""
+    schema = {"type": "object"} if value is None else value
+    if not isinstance(schema, dict) or schema.setdefault("type", "object") != "object":
+        raise RequestError(f"tools[{index}].input_schema must be a JSON schema of type object", f"tools[{index}].input_schema")
+    return schema
 
 
 def tool_choice(value: Any) -> dict[str, Any]:
@@ -206,9 +236,20 @@ def output_format(value: Any) -> dict[str, Any]:
 
 def error_response(err: RequestError) -> JSONResponse:
     """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
-    message = err.message.replace("'stop'", "'stop_sequences'").replace("max_completion_tokens", "max_tokens")
-    kind = ERROR_TYPES.get(err.status, "api_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, err.status, headers=err.headers)
+    return JSONResponse(error_body(renamed(err.message), err.status), err.status, headers=err.headers)
+
+
+def error_body(message: str, status: int) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def renamed(message: str) -> str:
+    """A chat request's refusal in the Messages request's words."""
+    for chat_word, word in (("'stop'", "'stop_sequences'"), ("max_completion_tokens", "max_tokens"),
+                            ("tool_choice 'required'", "tool_choice any"), (".function.parameters", ".input_schema"),
+                            ("response_format", "output_config.format")):
+        message = message.replace(chat_word, word)
+    return message
 
 
 # --- the answer ----------------------------------------------------------------------------------
@@ -325,8 +366,8 @@ class MessageStream:
         return [*lines, sse("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                               "usage": usage}), sse("message_stop", {})]
 
-    def fail(self, message: str) -> list[str]:
-        return [*self.close(), sse("error", {"error": {"type": "api_error", "message": message}})]
+    def fail(self, message: str, status: int) -> list[str]:
+        return [*self.close(), sse("error", error_body(message, status))]
 
 
 async def stream_message(meta: MessageMeta, events: AsyncGenerator[Event, None],
@@ -337,7 +378,7 @@ async def stream_message(meta: MessageMeta, events: AsyncGenerator[Event, None],
     async with aclosing(events):
         async for event in events:
             lines = stream.push(event.text) if isinstance(event, TextPiece) else \
-                stream.finish(event) if isinstance(event, Finished) else stream.fail(event.message)
+                stream.finish(event) if isinstance(event, Finished) else stream.fail(event.message, event.status)
             for line in lines:
                 yield line
             if not isinstance(event, TextPiece):

@@ -157,6 +157,7 @@ class GenerationBody:
     template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables
     tools: list[dict[str, Any]] | None = None  # chat: function tools offered (tool_choice not "none")
     tool_choice: ToolChoice = ToolChoice("none")  # "required" / a named function: `output` forces the call
+    parallel_tool_calls: bool = True  # False: at most one call
     echo: bool = False  # completions: the prompt comes back in front of the completion
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the N most likely (not streamed)
     n: int = 1  # choices, generated one after another
@@ -189,6 +190,7 @@ def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = Non
         template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")) if chat else None,
         tools=tools if choice.mode != "none" else None,
         tool_choice=choice,
+        parallel_tool_calls=optional_bool(body, "parallel_tool_calls") is not False,
         echo=echo,
         prompt_logprobs=parse_prompt_logprobs(body, stream),
         n=n,

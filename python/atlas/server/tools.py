@@ -206,8 +206,9 @@ class ToolCallStream:
 
     finish_reason = "tool_calls"  # of an answer that made calls
 
-    def __init__(self, tools: list[dict[str, Any]]) -> None:
+    def __init__(self, tools: list[dict[str, Any]], parallel: bool = True) -> None:
         self.tools = tools
+        self.parallel = parallel  # False (parallel_tool_calls false): the first call only
         self.pending = ""
         self.calling = False
 
@@ -227,7 +228,7 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         text, self.pending = self.pending, ""
         calls = parse_calls(text, self.tools) if self.calling else None
-        return ("", calls) if calls else (text, [])
+        return ("", calls if self.parallel else calls[:1]) if calls else (text, [])
 
 
 class ForcedCallStream:
