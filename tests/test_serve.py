@@ -1280,6 +1280,41 @@ def test_cli_serves_and_stops() -> None:
         assert answer.choices[0].message.content
 
 
+def test_a_vllm_command_line_serves(rng: np.random.Generator) -> None:
+    """`vllm serve MODEL` flags: the positional model, --enable-auto-tool-choice beside the tool
+    parser, --speculative-config as --spec-k, and the flags with nothing to do here (said once)."""
+    k = int(rng.integers(1, 4))
+    args = (DEMO_NAME, "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3",
+            "--speculative-config", json.dumps({"method": "qwen3_next_mtp", "num_speculative_tokens": k}),
+            "--gpu-memory-utilization", "0.9", "-tp", "1", "--trust-remote-code", "--dtype", "auto", "--max-model-len", "1024")
+    with cli_server(*args) as (port, stderr):
+        health = get_json(port, "/health")
+        card = get_json(port, "/v1/models")["data"][0]
+    assert f"--spec-k {k} is ignored" in health["speculation"], health  # the demo has no MTP head
+    assert (card["id"], card["max_model_len"]) == (DEMO_NAME, 1024)
+    assert health["tool_call_parser"] == "qwen3_coder", health
+    assert any("--gpu-memory-utilization 0.9 is not used" in line for line in stderr), stderr
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("--enable-auto-tool-choice",), "needs --tool-call-parser"),
+    (("--tensor-parallel-size", "2"), "one GPU"),
+    (("--speculative-config", '{"method": "eagle", "model": "x"}'), "only the checkpoint's MTP head"),
+    (("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 4}'), "num_speculative_tokens must be 1..3"),
+    (("--speculative-config", "{mtp"), "is not JSON"),
+    (("--speculative-config", '{"method": "mtp"}', "--spec-k", "1"), "give one of them"),
+    (("some-model", "--model", "other"), "given twice"),
+    (("--dtype", "float16"), "--dtype"),
+])
+def test_vllm_flags_atlas_cannot_honour_are_one_line(capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
+                                                     words: str) -> None:
+    from atlas.serve import main
+
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+
+
 def test_cli_engine_flags_reach_the_engine(rng: np.random.Generator) -> None:
     from atlas.config import load_spec
     from atlas.demo import DEMO_DIR

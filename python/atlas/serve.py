@@ -15,12 +15,13 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .cli import run_command
 from .engine_flags import EngineFlags, engine_options
+from .vllm_flags import VllmFlags, vllm_options
 from .errors import AtlasError
 from .llm import DEFAULT_PROMPT_CACHE, MAX_PROMPT_CACHE
 from .run import MODEL_HELP
@@ -165,10 +166,17 @@ def serve(args: ServeArgs) -> None:
     "a request with store false is not kept. 0: none.",
 )
 @engine_options
-def command(**kwargs: object) -> None:
-    """Serve a model over the OpenAI HTTP API."""
-    engine = EngineFlags.pop_from(kwargs)
-    serve(ServeArgs(**kwargs, engine=engine))  # type: ignore[arg-type]
+@vllm_options
+def command(**kwargs: Any) -> None:
+    """Serve a model over the OpenAI HTTP API (and Anthropic's Messages API); vLLM's `vllm serve`
+    flags are taken too."""
+    vllm = VllmFlags.pop_from(kwargs)
+    kwargs["model"] = vllm.model(kwargs["model"])
+    vllm.check(kwargs["tool_call_parser"])
+    engine = vllm.engine(EngineFlags.pop_from(kwargs))
+    for note in vllm.notes():
+        click.echo(f"atlas.serve: {note}", err=True)
+    serve(ServeArgs(**kwargs, engine=engine))
 
 
 def main(argv: list[str] | None = None) -> int:

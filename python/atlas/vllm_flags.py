@@ -1,0 +1,109 @@
+"""vLLM's `vllm serve` command line, accepted by atlas.serve so a deployment's flags carry over:
+the model as a positional argument, --enable-auto-tool-choice, --speculative-config (MTP: as
+--spec-k), and flags that have no work to do on one GPU (--tensor-parallel-size 1,
+--gpu-memory-utilization, --trust-remote-code, --dtype auto / bfloat16). What atlas cannot honour
+(several GPUs, another draft method) is one line, exit 2, before the model loads."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any, TypeVar
+
+import click
+
+from .engine_flags import EngineFlags
+from .errors import AtlasError
+
+F = TypeVar("F", bound=Callable[..., Any])
+MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")  # vLLM's names for a checkpoint's own MTP head
+MAX_DRAFTS = 3  # --spec-k's range
+
+
+@dataclass(frozen=True)
+class VllmFlags:
+    model_path: str | None = None  # `vllm serve MODEL`
+    enable_auto_tool_choice: bool = False
+    speculative_config: str | None = None
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+
+    @classmethod
+    def pop_from(cls, kwargs: dict[str, Any]) -> VllmFlags:
+        return cls(**{f.name: kwargs.pop(f.name) for f in fields(cls) if f.name in kwargs})
+
+    def model(self, model: str | None) -> str | None:
+        """--model, or vLLM's positional MODEL (both only when they agree)."""
+        if self.model_path is not None and model is not None and model != self.model_path:
+            raise AtlasError(f"the model is given twice ({self.model_path!r} and --model {model!r}); give it once")
+        return model if model is not None else self.model_path
+
+    def check(self, tool_call_parser: str | None) -> None:
+        if self.tensor_parallel_size != 1:
+            raise AtlasError(f"--tensor-parallel-size {self.tensor_parallel_size}: atlas runs a model on one GPU; "
+                             "leave it out or give 1")
+        if self.enable_auto_tool_choice and tool_call_parser is None:
+            raise AtlasError("--enable-auto-tool-choice needs --tool-call-parser (qwen3_coder for Qwen3.5 / 3.6), "
+                             "as in vLLM")
+
+    def engine(self, flags: EngineFlags) -> EngineFlags:
+        """The engine flags with --speculative-config's draft count as --spec-k."""
+        drafts = spec_drafts(self.speculative_config)
+        if drafts is None:
+            return flags
+        if flags.spec_k is not None or flags.no_spec:
+            raise AtlasError("--speculative-config and --spec-k / --no-spec say the same thing; give one of them")
+        return replace(flags, spec_k=drafts)
+
+    def notes(self) -> list[str]:
+        """What the accepted flags do not change, said once at start."""
+        notes = []
+        if self.gpu_memory_utilization is not None:
+            notes.append(f"--gpu-memory-utilization {self.gpu_memory_utilization:g} is not used: the KV cache holds "
+                         "--max-model-len positions, and the memory check says before loading if they do not fit")
+        if self.trust_remote_code:
+            notes.append("--trust-remote-code changes nothing: atlas runs no code from a checkpoint")
+        return notes
+
+
+def spec_drafts(config: str | None) -> int | None:
+    """vLLM's --speculative-config JSON -> the MTP draft count (None: not given)."""
+    if config is None:
+        return None
+    try:
+        value = json.loads(config)
+    except json.JSONDecodeError as err:
+        raise AtlasError(f"--speculative-config is not JSON ({err.msg}); give e.g. "
+                         "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'") from None
+    if not isinstance(value, dict) or value.get("method") not in MTP_METHODS or not set(value) <= {"method", "num_speculative_tokens"}:
+        raise AtlasError("--speculative-config: only the checkpoint's MTP head drafts here: "
+                         "{\"method\": \"mtp\", \"num_speculative_tokens\": 1..3} (or qwen3_next_mtp)")
+    drafts = value.get("num_speculative_tokens", 2)
+    if not isinstance(drafts, int) or isinstance(drafts, bool) or not 1 <= drafts <= MAX_DRAFTS:
+        raise AtlasError(f"--speculative-config: num_speculative_tokens must be 1..{MAX_DRAFTS}, got {drafts!r}")
+    return drafts
+
+
+VLLM_OPTIONS = (
+    click.argument("model_path", required=False, metavar="[MODEL]"),
+    click.option("--enable-auto-tool-choice", is_flag=True,
+                 help="vLLM's: accepted (tools are on with --tool-call-parser, which it needs)."),
+    click.option("--speculative-config", default=None,
+                 help="""vLLM's JSON: '{"method": "mtp", "num_speculative_tokens": 2}' is --spec-k 2."""),
+    click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=1, show_default=True,
+                 help="vLLM's: 1 (atlas runs a model on one GPU)."),
+    click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=None,
+                 help="vLLM's: accepted, not used (the KV cache holds --max-model-len positions)."),
+    click.option("--trust-remote-code", is_flag=True, help="vLLM's: accepted; atlas runs no checkpoint code."),
+    click.option("--dtype", type=click.Choice(["auto", "bfloat16"]), default="auto", show_default=True,
+                 help="vLLM's: the checkpoint's own (bf16, or its quantized format)."),
+)
+
+
+def vllm_options(command: F) -> F:
+    for option in reversed(VLLM_OPTIONS):
+        command = option(command)
+    return command
