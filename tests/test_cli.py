@@ -152,6 +152,27 @@ def test_chat_flag_uses_the_template(tiny_dir: Path, capsys: pytest.CaptureFixtu
     assert f"prompt {expected.prompt_tokens} tokens" in out.err
 
 
+def test_system_message_and_stop_strings(capsys: pytest.CaptureFixture[str], rng: np.random.Generator) -> None:
+    """--system opens the chat before the prompt's user message; --stop strings end the text (not
+    written); --system without a chat is one line."""
+    from atlas.llm import LLM
+
+    llm = LLM(device="cpu")
+    messages = [{"role": "system", "content": "Zen only."}, {"role": "user", "content": "Flat is"}]
+    capsys.readouterr()  # the fixtures' own lines
+    assert main(["--prompt", "Flat is", "--max-tokens", "8", "--chat", "--system", "Zen only.", "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    want = llm.generate(llm.tokenizer.encode_chat(messages), max_tokens=8)
+    assert out.out == want.text + "\n" and f"prompt {want.prompt_tokens} tokens" in out.err
+    full = llm.generate("Beautiful is better than", max_tokens=20).text
+    stop = full.split()[int(rng.integers(1, len(full.split())))]
+    assert main(["--prompt", "Beautiful is better than", "--max-tokens", "20", "--stop", "\x01never", "--stop", stop,
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == full[: full.index(stop)] + "\n"
+    line = one_error_line(main(["--prompt", "x", "--system", "Zen.", "--device", "cpu"]), capsys.readouterr().err)
+    assert "--system" in line and "--chat or --interactive" in line
+
+
 def one_error_line(code: int, err: str) -> str:
     assert code == 2
     lines = [line for line in err.splitlines() if line.strip()]
@@ -262,11 +283,14 @@ def test_interactive_conversation(rng: np.random.Generator) -> None:
 
     lines = [line for line in zen_of_python().splitlines() if line.strip()]
     turns = [" ".join(lines[int(rng.integers(len(lines)))].split()[:3]) for _ in range(3)]
-    done = run_cli("--interactive", "--max-tokens", "10", stdin=f"{turns[0]}\n{turns[1]}\n/reset\n{turns[2]}\n/exit\nnever\n")
+    system = rng.random() < 0.5
+    done = run_cli("--interactive", "--max-tokens", "10", *(["--system", "Zen."] if system else []),
+                   stdin=f"{turns[0]}\n{turns[1]}\n/reset\n{turns[2]}\n/exit\nnever\n")
     assert done.returncode == 0, done.stderr
-    llm, messages, want = LLM(device="cpu"), [], []
+    opening = [{"role": "system", "content": "Zen."}] if system else []  # --system stays through /reset
+    llm, messages, want = LLM(device="cpu"), list(opening), []
     for i, turn in enumerate(turns):
-        messages = [] if i == 2 else messages  # /reset before the third
+        messages = list(opening) if i == 2 else messages  # /reset before the third
         messages.append({"role": "user", "content": turn})
         result = llm.generate(llm.tokenizer.encode_chat(messages), max_tokens=10)
         messages.append({"role": "assistant", "content": result.text})

@@ -56,9 +56,11 @@ def oldest_turn(messages: list[dict[str, str]]) -> slice | None:
     return slice(users[0], users[1]) if len(users) > 1 else None
 
 
-def converse(llm: LLM, opts: GenerateOptions, first: str | None, stats: Callable[[GenerationResult], str]) -> None:
-    """The loop: `first` (the --prompt) is the first turn; then stdin, a line a turn."""
-    conversation = Conversation(llm, replace(opts, chat=False))
+def converse(llm: LLM, opts: GenerateOptions, first: str | None, stats: Callable[[GenerationResult], str],
+             system: list[dict[str, str]] | None = None) -> None:
+    """The loop: `first` (the --prompt) is the first turn; then stdin, a line a turn; `system`
+    (--system) opens the conversation and stays through /reset."""
+    conversation = Conversation(llm, replace(opts, chat=False), list(system or []))
     click.echo("atlas: interactive chat; /reset starts over, /exit or end of input leaves", err=True)
     pending = [first] if first else []
     while (line := pending.pop() if pending else read_turn()) is not None:
@@ -66,7 +68,7 @@ def converse(llm: LLM, opts: GenerateOptions, first: str | None, stats: Callable
         if command in ("/exit", "/quit"):
             return
         if command == "/reset":
-            conversation.messages = []
+            conversation.messages = list(system or [])
             continue
         if command:
             reply(conversation, command, stats)

@@ -22,7 +22,8 @@ from .llm import SamplingExtras
 from .sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
 if TYPE_CHECKING:
-    from .llm import LLM, GenerationResult
+    from .llm import LLM, GenerateOptions, GenerationResult
+    from .tokenizer import Tokenizer
 
 
 class LogitBiasEntry(click.ParamType):
@@ -53,6 +54,8 @@ class RunArgs:
     seed: int | None
     chat: bool
     interactive: bool
+    system: str | None  # --system: a system message before the conversation (--chat, --interactive)
+    stop: tuple[str, ...]  # --stop (repeated): strings that end the text
     json_object: bool  # --json-object: JSON mode
     json_schema: str | None  # --json-schema: a schema file, or the schema's JSON text
     regex: str | None  # --regex: the whole output matches it
@@ -119,38 +122,56 @@ def read_grammar(args: RunArgs) -> str | None:
 def run(args: RunArgs) -> None:
     from .chat import converse
     from .config import load_spec
-    from .llm import DEFAULT_PROMPT_CACHE, GenerateOptions, check_options, encode_prompt, sampling_params
+    from .llm import DEFAULT_PROMPT_CACHE
     from .resolve import resolve_model
-    from .sampling import check_logit_bias_ids
-    from .structured import OutputFormat
 
     args.engine.check()
     model_dir = resolve_model(args.model)
     prompt = prompt_text(args)
     if prompt is None and not args.interactive:
         prompt = default_prompt(model_dir, args.model)
-    spec = load_spec(model_dir)  # config, sampling and prompt problems surface before the weights load
-    output = OutputFormat.of(args.json_object, read_schema(args.json_schema), args.regex, args.choice or None,
-                             grammar=read_grammar(args))
-    opts = GenerateOptions(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat,
-                           extras=args.extras, output=output)
-    check_options(opts)
-    check_logit_bias_ids(sampling_params(opts), spec.vocab_size)
+    opts = run_options(args, load_spec(model_dir).vocab_size)  # problems surface before the weights load
     tokenizer = args.engine.tokenizer(model_dir)
     if args.interactive and tokenizer.chat_template is None:
         raise AtlasError(f"{model_dir} has no chat template, which --interactive needs; run without it")
-    if prompt is not None:
-        encode_prompt(tokenizer, prompt, args.chat)
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    prompt_ids = None if args.interactive else first_prompt(tokenizer, prompt, args.chat, system)
     engine = replace(args.engine, prompt_cache=DEFAULT_PROMPT_CACHE) if args.interactive else args.engine
     llm = engine.load(str(model_dir))
     announce(llm, args.engine)
-    if args.interactive:
-        converse(llm, opts, prompt, lambda result: stats_line(llm, result))
+    if prompt_ids is None:
+        converse(llm, opts, prompt, lambda result: stats_line(llm, result), system)
         return
-    assert prompt is not None
-    result = llm.generate_with(llm.prepare(prompt, opts), opts, on_text=write_stdout)
+    result = llm.generate_with(llm.prepare(prompt_ids, replace(opts, chat=False)), opts, on_text=write_stdout)
     write_stdout("\n")
     click.echo(stats_line(llm, result), err=True)
+
+
+def run_options(args: RunArgs, vocab: int) -> GenerateOptions:
+    """The flags' GenerateOptions, checked."""
+    from .llm import GenerateOptions, check_options, sampling_params, stop_strings
+    from .sampling import check_logit_bias_ids
+    from .structured import OutputFormat
+
+    if args.system is not None and not (args.chat or args.interactive):
+        raise AtlasError("--system is a chat's system message: give --chat or --interactive with it")
+    output = OutputFormat.of(args.json_object, read_schema(args.json_schema), args.regex, args.choice or None,
+                             grammar=read_grammar(args))
+    opts = GenerateOptions(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat,
+                           extras=args.extras, stop=stop_strings(list(args.stop)), output=output)
+    check_options(opts)
+    check_logit_bias_ids(sampling_params(opts), vocab)
+    return opts
+
+
+def first_prompt(tokenizer: Tokenizer, prompt: str | None, chat: bool, system: list[dict[str, str]]) -> list[int]:
+    """The prompt's ids: its text, or with --chat the user message (after --system's)."""
+    from .llm import encode_prompt
+
+    assert prompt is not None  # only --interactive starts without one
+    if system:
+        return tokenizer.encode_chat([*system, {"role": "user", "content": prompt}])
+    return encode_prompt(tokenizer, prompt, chat)
 
 
 def announce(llm: LLM, flags: EngineFlags) -> None:
@@ -193,6 +214,8 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--interactive", "-i", is_flag=True,
               help="A conversation: each line on stdin is a user turn (chat template; --prompt is the first).")
+@click.option("--system", default=None, help="A system message before the conversation (with --chat or --interactive).")
+@click.option("--stop", multiple=True, help="A string that ends the text (not written); repeat for several.")
 @click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
               help="Keep tokens whose probability is >= min_p x the largest; 0: off.")
 @click.option("--presence-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0, show_default=True,
