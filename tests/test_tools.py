@@ -166,11 +166,18 @@ def test_tool_turns_reach_the_template(served: tuple[Any, CannedWorker, TestClie
     assert "<parameter=city>Paris</parameter>" in worker.prompt and "<|im_start|>tool\nsunny, 21 C" in worker.prompt
 
 
-def test_tool_choice_none_offers_nothing(served: tuple[Any, CannedWorker, TestClient]) -> None:
+def test_tool_choice_none_shows_the_tools_but_takes_no_calls(served: tuple[Any, CannedWorker, TestClient]) -> None:
+    """As vLLM by default: the template still renders the tools (the model knows of them), the
+    answer is not searched for calls, and a server without a tool parser takes such a request."""
     client, worker, _ = served
     choice = ask(client, tools=[WEATHER], tool_choice="none").choices[0]
-    assert "TOOL" not in worker.prompt
+    assert "TOOL" in worker.prompt and "get_weather" in worker.prompt
     assert choice.finish_reason == "stop" and choice.message.tool_calls is None and "<tool_call>" in choice.message.content
+    llm = worker.llm
+    plain = TestClient(create_app(ServerState(DEMO_NAME, CannedWorker(llm), llm)))  # type: ignore[arg-type]
+    body = {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER], "max_tokens": 4}
+    assert plain.post("/v1/chat/completions", json={**body, "tool_choice": "none"}).status_code == 200
+    assert plain.post("/v1/chat/completions", json=body).status_code == 400  # auto needs the parser
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -262,11 +262,12 @@ def storing(state: ServerState, raw: dict[str, Any], earlier: list[dict[str, Any
 def answer_shaper(state: ServerState, body: GenerationBody, opened: bool) -> AnswerShaper | None:
     """For chat answers under --reasoning-parser (opened: the prompt ends inside a block) and for
     chat requests with tools."""
-    if body.messages is None or (state.reasoning_parser is None and not body.tools):
+    calling = bool(body.tools) and body.tool_choice.mode != "none"
+    if body.messages is None or (state.reasoning_parser is None and not calling):
         return None
     splitter = ReasoningSplitter(opened) if state.reasoning_parser is not None else None
     calls = ForcedCallStream(body.tool_choice) if body.tool_choice.forced else \
-        ToolCallStream(body.tools, body.parallel_tool_calls) if body.tools else None
+        ToolCallStream(body.tools, body.parallel_tool_calls) if calling and body.tools else None
     return AnswerShaper(splitter, calls)
 
 
@@ -386,7 +387,7 @@ def check_logit_bias_ids(state: ServerState, body: GenerationBody) -> None:
 
 
 def check_tools(state: ServerState, body: GenerationBody) -> None:
-    if body.tools and state.tool_call_parser is None:
+    if body.tools and body.tool_choice.mode != "none" and state.tool_call_parser is None:
         raise RequestError("this server parses no tool calls; start it with --tool-call-parser qwen3_coder, "
                            "or leave 'tools' out", "tools")
 

@@ -155,7 +155,8 @@ class GenerationBody:
     include_usage: bool
     logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
     template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables
-    tools: list[dict[str, Any]] | None = None  # chat: function tools offered (tool_choice not "none")
+    tools: list[dict[str, Any]] | None = None  # chat: function tools, in the prompt (as vLLM's default) even under
+    # tool_choice "none", whose answer is not searched for calls
     tool_choice: ToolChoice = ToolChoice("none")  # "required" / a named function: `output` forces the call
     parallel_tool_calls: bool = True  # False: at most one call
     echo: bool = False  # completions: the prompt comes back in front of the completion
@@ -188,7 +189,7 @@ def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = Non
         include_usage=stream and include_usage,
         logprobs=parse_logprobs(body, chat),
         template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")) if chat else None,
-        tools=tools if choice.mode != "none" else None,
+        tools=tools or None,
         tool_choice=choice,
         parallel_tool_calls=optional_bool(body, "parallel_tool_calls") is not False,
         echo=echo,
