@@ -49,6 +49,21 @@ async def collect(reply: Reply, run: ChoiceRun) -> tuple[dict[str, Any], Finishe
     raise RequestError("the engine stopped before finishing", status=500)
 
 
+async def whole_text(events: AsyncGenerator[Event, None]) -> tuple[str, Finished]:
+    """A generation's whole text and its end (the Responses and Messages APIs' whole answers); a
+    failure is the request's error."""
+    pieces: list[str] = []
+    async with aclosing(events):
+        async for event in events:
+            if isinstance(event, TextPiece):
+                pieces.append(event.text)
+            elif isinstance(event, Finished):
+                return "".join(pieces), event
+            else:
+                raise RequestError(event.message, status=event.status)
+    raise RequestError("the engine stopped before finishing", status=500)
+
+
 async def stream_choices(reply: Reply, runs: list[ChoiceRun], include_usage: bool, n: int = 1) -> AsyncGenerator[str, None]:
     """Each choice's chunks in turn; a choice that fails ends the stream after its error."""
     finished: list[Finished] = []

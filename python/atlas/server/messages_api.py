@@ -21,6 +21,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from .answer import AnswerShaper
+from .choices import whole_text
 from .errors import RequestError
 from .tools import ToolCall
 from .worker import Event, Finished, TextPiece
@@ -299,17 +300,9 @@ def content_blocks(text: str, shaper: AnswerShaper | None) -> tuple[list[dict[st
 
 
 async def whole_message(meta: MessageMeta, events: AsyncGenerator[Event, None], shaper: AnswerShaper | None) -> dict[str, Any]:
-    pieces: list[str] = []
-    async with aclosing(events):
-        async for event in events:
-            if isinstance(event, TextPiece):
-                pieces.append(event.text)
-            elif isinstance(event, Finished):
-                blocks, calls = content_blocks("".join(pieces), shaper)
-                return meta.message(blocks, *stop_of(event, calls), finished=event)
-            else:
-                raise RequestError(event.message, status=event.status)
-    raise RequestError("the engine stopped before finishing", status=500)
+    text, finished = await whole_text(events)
+    blocks, calls = content_blocks(text, shaper)
+    return meta.message(blocks, *stop_of(finished, calls), finished=finished)
 
 
 def sse(kind: str, data: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .answer import AnswerShaper
+from .choices import whole_text
 from .errors import RequestError
 from .tools import ToolCall
 from .worker import Event, Finished, TextPiece
@@ -318,16 +319,8 @@ def output_items(text: str, shaper: AnswerShaper | None) -> list[dict[str, Any]]
 
 
 async def whole_response(meta: ResponseMeta, events: AsyncGenerator[Event, None], shaper: AnswerShaper | None) -> dict[str, Any]:
-    pieces: list[str] = []
-    async with aclosing(events):
-        async for event in events:
-            if isinstance(event, TextPiece):
-                pieces.append(event.text)
-            elif isinstance(event, Finished):
-                return meta.final(status_of(event), output_items("".join(pieces), shaper), event)
-            else:
-                raise RequestError(event.message, status=event.status)
-    raise RequestError("the engine stopped before finishing", status=500)
+    text, finished = await whole_text(events)
+    return meta.final(status_of(finished), output_items(text, shaper), finished)
 
 
 @dataclass
