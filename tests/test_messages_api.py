@@ -20,9 +20,9 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from atlas import LLM  # noqa: E402
 from _demo_copy import demo_copy  # noqa: E402
+from _engine_app import engine_app  # noqa: E402
 from atlas.demo import DEMO_NAME  # noqa: E402
 from atlas.server.app import ServerState, create_app  # noqa: E402
-from atlas.server.worker import EngineWorker  # noqa: E402
 from test_reasoning import THINKING_TEMPLATE  # noqa: E402
 from test_reasoning import CannedWorker as ThinkingWorker  # noqa: E402
 from test_serve import random_prompt  # noqa: E402
@@ -40,13 +40,8 @@ def client_over(app: Any) -> tuple[Any, TestClient]:
 @pytest.fixture(scope="module")
 def generating() -> Iterator[tuple[Any, TestClient, LLM]]:
     """The app over a real engine (the demo model), its raw HTTP client, and a second model in-process."""
-    worker = EngineWorker(lambda: LLM(device="cpu", prompt_cache=0))
-    llm = worker.start()
-    client, http = client_over(create_app(ServerState(DEMO_NAME, worker, llm)))  # type: ignore[arg-type]
-    try:
-        yield client, http, LLM(device="cpu", prompt_cache=0)
-    finally:
-        worker.stop()
+    with engine_app() as (app, reference):
+        yield *client_over(app), reference
 
 
 def ask(client: Any, stream: bool, **request: Any) -> tuple[Any, list[Any]]:

@@ -20,9 +20,10 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from atlas import LLM  # noqa: E402
 from _demo_copy import demo_copy  # noqa: E402
+from _engine_app import engine_app  # noqa: E402
 from atlas.demo import DEMO_NAME  # noqa: E402
 from atlas.server.app import ServerState, create_app  # noqa: E402
-from atlas.server.worker import EngineWorker, Failed, TextPiece  # noqa: E402
+from atlas.server.worker import Failed, TextPiece  # noqa: E402
 from test_reasoning import THINKING_TEMPLATE  # noqa: E402
 from test_reasoning import CannedWorker as ThinkingWorker  # noqa: E402
 from test_tools import CALL_ARGS, TOOLS_TEMPLATE, WEATHER, CannedWorker  # noqa: E402
@@ -38,13 +39,8 @@ def client_over(app: Any) -> Any:
 @pytest.fixture(scope="module")
 def generating() -> Iterator[tuple[Any, Any, LLM]]:
     """The app over a real engine (the demo model), its raw HTTP client, and a second model in-process."""
-    worker = EngineWorker(lambda: LLM(device="cpu", prompt_cache=0))
-    llm = worker.start()
-    client, http = client_over(create_app(ServerState(DEMO_NAME, worker, llm)))  # type: ignore[arg-type]
-    try:
-        yield client, http, LLM(device="cpu", prompt_cache=0)
-    finally:
-        worker.stop()
+    with engine_app() as (app, reference):
+        yield *client_over(app), reference
 
 
 def chat_answer(reference: LLM, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, str, int, int]:
