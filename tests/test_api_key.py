@@ -25,6 +25,9 @@ def test_api_key_gates_the_v1_routes() -> None:
     assert http.get("/v1/models").status_code == 401
     assert http.post("/tokenize", json={"model": DEMO_NAME, "prompt": "Flat"}).status_code == 401
     assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+    import atlas
+
+    assert http.get("/version").json() == {"version": atlas.__version__}  # vLLM's, open as its /health
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="s3cret", http_client=http, max_retries=0)
     assert client.completions.create(model=DEMO_NAME, prompt="Flat", max_tokens=2).choices[0].text
     with pytest.raises(openai.AuthenticationError):

@@ -129,6 +129,12 @@ def create_app(state: ServerState) -> Starlette:
                 "reasoning_parser": state.reasoning_parser or "off", "tool_call_parser": state.tool_call_parser or "off"}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    async def version(request: Request) -> Response:
+        """vLLM's GET /version: the server's own."""
+        from .. import __version__
+
+        return JSONResponse({"version": __version__})
+
     async def metrics(request: Request) -> Response:
         text = state.worker.metrics.render(state.worker.waiting)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -150,6 +156,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
