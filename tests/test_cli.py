@@ -171,6 +171,7 @@ def test_system_message_and_stop_strings(capsys: pytest.CaptureFixture[str], rng
     assert capsys.readouterr().out == full[: full.index(stop)] + "\n"
     line = one_error_line(main(["--prompt", "x", "--system", "Zen.", "--device", "cpu"]), capsys.readouterr().err)
     assert "--system" in line and "--chat or --interactive" in line
+    assert "--stop needs a non-empty string" in one_error_line(main(["--stop", "", "--device", "cpu"]), capsys.readouterr().err)
 
 
 def one_error_line(code: int, err: str) -> str:
@@ -308,6 +309,7 @@ def test_interactive_conversation_drops_its_oldest_turns_to_fit(rng: np.random.G
     from atlas import LLM
     from atlas.chat import Conversation
     from atlas.demo import zen_of_python
+    from atlas.errors import AtlasError
     from atlas.llm import generate_options
 
     lines = [line for line in zen_of_python().splitlines() if line.strip()]
@@ -323,6 +325,10 @@ def test_interactive_conversation_drops_its_oldest_turns_to_fit(rng: np.random.G
         assert len(prompt) + 10 - 1 <= 64 and result.text == reference.generate(prompt, max_tokens=10).text
     assert sum(m["role"] == "user" for m in conversation.messages) < 6
     assert "turn(s) are left out" in capsys.readouterr().err
+    before = list(conversation.messages)
+    with pytest.raises(AtlasError, match="shorten the prompt"):  # a turn too long alone: refused, nothing left out
+        conversation.turn(" ".join(lines), lambda text: None)
+    assert conversation.messages == before and "left out" not in capsys.readouterr().err
 
 
 def test_interactive_needs_a_chat_template(tiny_dir: Path) -> None:

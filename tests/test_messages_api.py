@@ -248,11 +248,13 @@ GOOD = {"model": DEMO_NAME, "max_tokens": 4, "messages": [{"role": "user", "cont
     ({**GOOD, "tool_choice": {"type": "sometimes"}}, "'tool_choice'"),
     ({**GOOD, "thinking": {"type": "on"}}, "'thinking'"),
     ({**GOOD, "mcp_servers": [{"url": "x"}]}, "MCP servers"),
-    ({**GOOD, "stop_sequences": [""]}, "stop"),
+    ({**GOOD, "stop_sequences": [""]}, "'stop_sequences' must be a non-empty string or a list"),
     ({**GOOD, "model": "claude-opus"}, "is not served here"),
     ({**GOOD, "system": [{"type": "image"}]}, "'system'"),
     ({**GOOD, "tools": [{"name": "s", "input_schema": {"type": "string"}}]}, "input_schema must be a JSON schema of type object"),
     ({**GOOD, "tool_choice": {"type": "any"}}, "tool_choice any needs 'tools'"),
+    ({**GOOD, "stop_sequences": "END"}, "'stop_sequences' must be a list"),
+    ({**GOOD, "messages": [*GOOD["messages"], {"role": "assistant", "content": "Sure "}]}, "must not end with whitespace"),
 ])
 def test_bad_requests(generating: tuple[Any, TestClient, LLM], body: dict[str, Any], words: str) -> None:
     """Each is a 400 in Anthropic's error shape with one line naming the problem; the client raises

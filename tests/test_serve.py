@@ -1284,16 +1284,21 @@ def test_a_vllm_command_line_serves(rng: np.random.Generator) -> None:
     """`vllm serve MODEL` flags: the positional model, --enable-auto-tool-choice beside the tool
     parser, --speculative-config as --spec-k, and the flags with nothing to do here (said once)."""
     k = int(rng.integers(1, 4))
+    config = {"method": "qwen3_next_mtp", "num_speculative_tokens": k, "disable_padded_drafter_batch": False}
     args = (DEMO_NAME, "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3",
-            "--speculative-config", json.dumps({"method": "qwen3_next_mtp", "num_speculative_tokens": k}),
-            "--gpu-memory-utilization", "0.9", "-tp", "1", "--trust-remote-code", "--dtype", "auto", "--max-model-len", "1024")
+            "--speculative-config", json.dumps(config), "--gpu-memory-utilization", "0.9", "-tp", "1", "-dp", "1",
+            "--trust-remote-code", "--dtype", "auto", "--max-model-len", "1024", "--kv-cache-dtype", "fp8_e4m3", "--kv-high-precision-layers", "0",
+            "--no-enable-prefix-caching", "--language-model-only", "--max-num-seqs", "256")
     with cli_server(*args) as (port, stderr):
         health = get_json(port, "/health")
         card = get_json(port, "/v1/models")["data"][0]
     assert f"--spec-k {k} is ignored" in health["speculation"], health  # the demo has no MTP head
     assert (card["id"], card["max_model_len"]) == (DEMO_NAME, 1024)
-    assert health["tool_call_parser"] == "qwen3_coder", health
-    assert any("--gpu-memory-utilization 0.9 is not used" in line for line in stderr), stderr
+    assert health["tool_call_parser"] == "qwen3_coder" and health["prompt_cache"] == "off", health
+    assert health["kv_cache"].startswith("fp8 on layers"), health
+    for said in ("--gpu-memory-utilization 0.9 is not used", "--max-num-seqs 256 is not used",
+                 "disable_padded_drafter_batch not used"):
+        assert any(said in line for line in stderr), (said, stderr)
 
 
 @pytest.mark.parametrize(("args", "words"), [
@@ -1305,6 +1310,7 @@ def test_a_vllm_command_line_serves(rng: np.random.Generator) -> None:
     (("--speculative-config", '{"method": "mtp"}', "--spec-k", "1"), "give one of them"),
     (("some-model", "--model", "other"), "given twice"),
     (("--dtype", "float16"), "--dtype"),
+    (("-dp", "2"), "one GPU"),
 ])
 def test_vllm_flags_atlas_cannot_honour_are_one_line(capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
                                                      words: str) -> None:

@@ -166,6 +166,13 @@ def test_tool_turns_reach_the_template(served: tuple[Any, CannedWorker, TestClie
     assert "<parameter=city>Paris</parameter>" in worker.prompt and "<|im_start|>tool\nsunny, 21 C" in worker.prompt
 
 
+def test_parallel_tool_calls_null_is_the_default(served: tuple[Any, CannedWorker, TestClient]) -> None:
+    _, _, http = served
+    body = {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER], "max_tokens": 4}
+    for forced in ("auto", "required"):
+        assert http.post("/v1/chat/completions", json={**body, "tool_choice": forced, "parallel_tool_calls": None}).status_code == 200
+
+
 def test_tool_choice_none_shows_the_tools_but_takes_no_calls(served: tuple[Any, CannedWorker, TestClient]) -> None:
     """As vLLM by default: the template still renders the tools (the model knows of them), the
     answer is not searched for calls, and a server without a tool parser takes such a request."""

@@ -39,14 +39,16 @@ class Conversation:
         new turn too long alone is left to prepare's one-line refusal."""
         capacity = context_capacity(self.llm.parts.spec, self.llm.parts.engine)
         room = capacity - self.opts.max_tokens + 1  # the prompt tokens that fit
-        dropped = 0
-        while len(self.llm.tokenizer.encode_chat(messages)) > room and (turn := oldest_turn(messages)) is not None:
-            messages = messages[: turn.start] + messages[turn.stop :]
+        kept, dropped = messages, 0
+        while (over := len(self.llm.tokenizer.encode_chat(kept)) > room) and (turn := oldest_turn(kept)) is not None:
+            kept = kept[: turn.start] + kept[turn.stop :]
             dropped += 1
+        if over:  # the new turn alone does not fit: nothing is left out for it
+            return messages
         if dropped:
             click.echo(f"atlas: the conversation outgrew the context ({capacity} positions with --max-tokens "
                        f"{self.opts.max_tokens}); its oldest {dropped} turn(s) are left out", err=True)
-        return messages
+        return kept
 
 
 def oldest_turn(messages: list[dict[str, str]]) -> slice | None:

@@ -107,9 +107,17 @@ def high_precision_value(ctx: click.Context, param: click.Parameter, value: str)
     return value
 
 
+VLLM_KV_NAMES = {"auto": DEFAULT_LEVEL, "fp8_e4m3": "fp8"}  # vLLM's --kv-cache-dtype values, as atlas levels
+
+
+def kv_level_value(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    return VLLM_KV_NAMES.get(value, value)
+
+
 KV_CACHE_DTYPE = click.option(
-    "--kv-cache-dtype", type=click.Choice(LEVEL_NAMES), default=DEFAULT_LEVEL, show_default=True,
-    help="KV cache level of the full-attention layers (numpy and cuda backends).",
+    "--kv-cache-dtype", type=click.Choice([*LEVEL_NAMES, *VLLM_KV_NAMES]), default=DEFAULT_LEVEL, show_default=True,
+    callback=kv_level_value,
+    help="KV cache level of the full-attention layers (numpy and cuda backends); vLLM's auto is bf16, fp8_e4m3 fp8.",
 )
 KV_HIGH_PRECISION_LAYERS = click.option(
     "--kv-high-precision-layers", default="auto", show_default=True, callback=high_precision_value,

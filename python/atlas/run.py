@@ -155,6 +155,8 @@ def run_options(args: RunArgs, vocab: int) -> GenerateOptions:
 
     if args.system is not None and not (args.chat or args.interactive):
         raise AtlasError("--system is a chat's system message: give --chat or --interactive with it")
+    if "" in args.stop:
+        raise AtlasError("--stop needs a non-empty string: the text that ends the output")
     output = OutputFormat.of(args.json_object, read_schema(args.json_schema), args.regex, args.choice or None,
                              grammar=read_grammar(args))
     opts = GenerateOptions(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -174,6 +174,7 @@ def command(**kwargs: Any) -> None:
     kwargs["model"] = vllm.model(kwargs["model"])
     vllm.check(kwargs["tool_call_parser"])
     engine = vllm.engine(EngineFlags.pop_from(kwargs))
+    engine = replace(engine, prompt_cache=vllm.prompt_cache(engine.prompt_cache))
     for note in vllm.notes():
         click.echo(f"atlas.serve: {note}", err=True)
     serve(ServeArgs(**kwargs, engine=engine))

@@ -1,8 +1,10 @@
 """vLLM's `vllm serve` command line, accepted by atlas.serve so a deployment's flags carry over:
 the model as a positional argument, --enable-auto-tool-choice, --speculative-config (MTP: as
---spec-k), and flags that have no work to do on one GPU (--tensor-parallel-size 1,
---gpu-memory-utilization, --trust-remote-code, --dtype auto / bfloat16). What atlas cannot honour
-(several GPUs, another draft method) is one line, exit 2, before the model loads."""
+--spec-k), --no-enable-prefix-caching (as --prompt-cache 0), and flags that have no work to do on
+one GPU at batch 1 (--tensor-parallel-size / --data-parallel-size 1, --gpu-memory-utilization,
+--max-num-seqs, --trust-remote-code, --language-model-only, --dtype auto / bfloat16; --kv-cache-dtype
+auto / fp8_e4m3 are engine_flags' aliases). What atlas cannot honour (several GPUs, another draft
+method) is one line, exit 2, before the model loads."""
 
 from __future__ import annotations
 
@@ -27,9 +29,13 @@ class VllmFlags:
     enable_auto_tool_choice: bool = False
     speculative_config: str | None = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     gpu_memory_utilization: float | None = None
     trust_remote_code: bool = False
     dtype: str = "auto"
+    enable_prefix_caching: bool | None = None  # False: --prompt-cache 0
+    language_model_only: bool = False
+    max_num_seqs: int | None = None
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> VllmFlags:
@@ -42,9 +48,9 @@ class VllmFlags:
         return model if model is not None else self.model_path
 
     def check(self, tool_call_parser: str | None) -> None:
-        if self.tensor_parallel_size != 1:
-            raise AtlasError(f"--tensor-parallel-size {self.tensor_parallel_size}: atlas runs a model on one GPU; "
-                             "leave it out or give 1")
+        for flag, size in (("--tensor-parallel-size", self.tensor_parallel_size), ("--data-parallel-size", self.data_parallel_size)):
+            if size != 1:
+                raise AtlasError(f"{flag} {size}: atlas runs a model on one GPU; leave it out or give 1")
         if self.enable_auto_tool_choice and tool_call_parser is None:
             raise AtlasError("--enable-auto-tool-choice needs --tool-call-parser (qwen3_coder for Qwen3.5 / 3.6), "
                              "as in vLLM")
@@ -55,17 +61,29 @@ class VllmFlags:
         if drafts is None:
             return flags
         if flags.spec_k is not None or flags.no_spec:
-            raise AtlasError("--speculative-config and --spec-k / --no-spec say the same thing; give one of them")
+            raise AtlasError("--speculative-config and --spec-k / --no-spec exclude each other; give one of them")
         return replace(flags, spec_k=drafts)
+
+    def prompt_cache(self, checkpoints: int) -> int:
+        """--prompt-cache, 0 under --no-enable-prefix-caching (the prompt cache is atlas's prefix cache)."""
+        return 0 if self.enable_prefix_caching is False else checkpoints
 
     def notes(self) -> list[str]:
         """What the accepted flags do not change, said once at start."""
         notes = []
         if self.gpu_memory_utilization is not None:
             notes.append(f"--gpu-memory-utilization {self.gpu_memory_utilization:g} is not used: the KV cache holds "
-                         "--max-model-len positions, and the memory check says before loading if they do not fit")
+                         "--max-model-len positions (default 4096, or the model's context if shorter; give it for "
+                         "more), and the memory check says before loading if they do not fit")
         if self.trust_remote_code:
             notes.append("--trust-remote-code changes nothing: atlas runs no code from a checkpoint")
+        if self.max_num_seqs is not None:
+            notes.append(f"--max-num-seqs {self.max_num_seqs} is not used: requests run one at a time "
+                         "(--max-waiting bounds the queue)")
+        unused = sorted(set(json.loads(self.speculative_config)) - {"method", "num_speculative_tokens"}) \
+            if self.speculative_config else []
+        if unused:
+            notes.append(f"--speculative-config: {', '.join(unused)} not used (the checkpoint's MTP head drafts)")
         return notes
 
 
@@ -78,10 +96,10 @@ def spec_drafts(config: str | None) -> int | None:
     except json.JSONDecodeError as err:
         raise AtlasError(f"--speculative-config is not JSON ({err.msg}); give e.g. "
                          "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'") from None
-    if not isinstance(value, dict) or value.get("method") not in MTP_METHODS or not set(value) <= {"method", "num_speculative_tokens"}:
+    if not isinstance(value, dict) or value.get("method") not in MTP_METHODS:
         raise AtlasError("--speculative-config: only the checkpoint's MTP head drafts here: "
                          "{\"method\": \"mtp\", \"num_speculative_tokens\": 1..3} (or qwen3_next_mtp)")
-    drafts = value.get("num_speculative_tokens", 2)
+    drafts = value.get("num_speculative_tokens", 1)  # vLLM's default: the head's own depth, 1 for Qwen3.5 / 3.6
     if not isinstance(drafts, int) or isinstance(drafts, bool) or not 1 <= drafts <= MAX_DRAFTS:
         raise AtlasError(f"--speculative-config: num_speculative_tokens must be 1..{MAX_DRAFTS}, got {drafts!r}")
     return drafts
@@ -95,6 +113,13 @@ VLLM_OPTIONS = (
                  help="""vLLM's JSON: '{"method": "mtp", "num_speculative_tokens": 2}' is --spec-k 2."""),
     click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=1, show_default=True,
                  help="vLLM's: 1 (atlas runs a model on one GPU)."),
+    click.option("--data-parallel-size", "-dp", type=click.IntRange(min=1), default=1, show_default=True,
+                 help="vLLM's: 1 (one engine)."),
+    click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
+                 help="vLLM's: the prompt cache is atlas's prefix cache (--no-enable-prefix-caching: --prompt-cache 0)."),
+    click.option("--language-model-only", is_flag=True, help="vLLM's: accepted; atlas runs the text model only."),
+    click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
+                 help="vLLM's: accepted, not used (requests run one at a time)."),
     click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=None,
                  help="vLLM's: accepted, not used (the KV cache holds --max-model-len positions)."),
     click.option("--trust-remote-code", is_flag=True, help="vLLM's: accepted; atlas runs no checkpoint code."),

@@ -26,7 +26,7 @@ STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "gram
 def parse_output_format(body: dict[str, Any], tools: list[dict[str, Any]] | None, choice: ToolChoice) -> OutputFormat | None:
     """The request's one output format, compiled (None: plain text)."""
     given = [*response_format(body), *vllm_formats(body)]
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = True if body.get("parallel_tool_calls") is None else body["parallel_tool_calls"]  # null: the default
     if not isinstance(parallel, bool):
         raise RequestError("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
     if choice.forced:

@@ -52,8 +52,12 @@ def chat_request(body: Any, counting: bool = False, template_defaults: dict[str,
     chat["messages"] = system_messages(body.get("system")) + chat_messages(body.get("messages"))
     final = chat["messages"][-1]
     if final["role"] == "assistant" and final["content"] and not final.get("tool_calls"):
+        if final["content"] != final["content"].rstrip():  # as Anthropic: the continuation would start oddly
+            raise RequestError("the final assistant turn (a prefill) must not end with whitespace; strip it", "messages")
         chat.update(add_generation_prompt=False, continue_final_message=True)
     if body.get("stop_sequences") is not None:
+        if not isinstance(body["stop_sequences"], list):
+            raise RequestError("'stop_sequences' must be a list of strings", "stop_sequences")
         chat["stop"] = body["stop_sequences"]
     if body.get("tools") is not None:
         chat["tools"] = function_tools(body["tools"])
