@@ -39,6 +39,7 @@ REASONING_TAIL_TOKENS = 32  # of the prompt, where a generation prompt would ope
 MAX_BODY_BYTES = 64 << 20  # a full Qwen3.6 context (262144 ids) in JSON is ~2.1 MB; a batch of 16, ~34 MB
 PARSE_INLINE_BYTES = 1 << 18  # larger bodies are parsed in a worker thread
 T = TypeVar("T")
+Handler = Callable[[Request, "ServerState"], Awaitable[Response]]  # a route's endpoint, given the server's state
 
 
 @dataclass(frozen=True)
@@ -71,105 +72,102 @@ class EventStreamResponse(StreamingResponse):
 
 
 def create_app(state: ServerState) -> Starlette:
-    async def completions(request: Request) -> Response:
-        return await generation(request, state, chat=False)
+    def bound(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return await handler(request, state)
 
-    async def chat_completions(request: Request) -> Response:
-        return await generation(request, state, chat=True)
+        return endpoint
 
-    async def responses(request: Request) -> Response:
-        return await responses_generation(request, state)
-
-    async def messages(request: Request) -> Response:
-        return await messages_generation(request, state)
-
-    async def count_tokens(request: Request) -> Response:
-        """Anthropic's /v1/messages/count_tokens: the prompt a Messages request would run."""
-        try:
-            chat = messages_api.chat_request(await read_json(request), True, state.llm.tokenizer.template_defaults)
-            body = await parsed_body(chat, True, state)
-            check_model(state, body.model)
-            ids = await anyio.to_thread.run_sync(encode, state.llm, body, None)
-        except RequestError as err:
-            return messages_api.error_response(err)
-        return JSONResponse({"input_tokens": len(ids)})
-
-    async def stored_response(request: Request) -> Response:
-        """GET /v1/responses/{id}: a stored response as it was sent; DELETE: forget it."""
-        response_id = request.path_params["response_id"]
-        if request.method == "DELETE":
-            if not state.responses.delete(response_id):
-                raise not_found(response_id)
-            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-        stored = state.responses.get(response_id)
-        if stored is None:
-            raise not_found(response_id)
-        return JSONResponse(stored.body)
-
-    async def stored_input_items(request: Request) -> Response:
-        """The openai client's responses.input_items.list(id): the items a stored response answered."""
-        stored = state.responses.get(request.path_params["response_id"])
-        if stored is None:
-            raise not_found(request.path_params["response_id"])
-        return JSONResponse(item_page(stored.input_items(), request.query_params))
-
-    async def models(request: Request) -> Response:
-        card = model_card(state)  # OpenAI's list, and Anthropic's page fields
-        return JSONResponse({"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
-                             "last_id": card["id"]})
-
-    async def model(request: Request) -> Response:
-        """The openai client's models.retrieve(id); another id is a 404 as OpenAI answers it."""
-        check_model(state, request.path_params["name"], status=404)
-        return JSONResponse(model_card(state))
-
-    async def health(request: Request) -> Response:
-        ok = state.worker.alive
-        body = {"status": "ok" if ok else state.worker.lost or "engine stopped", **engine_settings(state.llm),
-                "reasoning_parser": state.reasoning_parser or "off", "tool_call_parser": state.tool_call_parser or "off"}
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    async def version(request: Request) -> Response:
-        """vLLM's GET /version: the server's own."""
-        from .. import __version__
-
-        return JSONResponse({"version": __version__})
-
-    async def metrics(request: Request) -> Response:
-        text = state.worker.metrics.render(state.worker.waiting)
-        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    async def tokenize(request: Request) -> Response:
-        body = parse_tokenize(await read_json(request))
-        check_model(state, body.model)
-        ids = await anyio.to_thread.run_sync(tokenize_body, state.llm, body)
-        capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": capacity})
-
-    async def detokenize(request: Request) -> Response:
-        model, tokens = parse_detokenize(await read_json(request), state.llm.parts.spec.vocab_size)
-        check_model(state, model)
-        return JSONResponse({"prompt": state.llm.tokenizer.decode(tokens)})
-
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/version", version, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{name:path}", model, methods=["GET"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/responses", responses, methods=["POST"]),
-        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
-        Route("/v1/responses/{response_id}/input_items", stored_input_items, methods=["GET"]),
-        Route("/v1/messages", messages, methods=["POST"]),
-        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
-    ]
+    routes = [Route(path, bound(handler), methods=list(methods)) for path, handler, methods in ROUTES]
     handlers = {RequestError: on_request_error, HTTPException: on_http_error, Exception: on_crash}
     middleware = [Middleware(ApiKeyGate, key=state.api_key)] if state.api_key else []
     return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)  # type: ignore[arg-type]
+
+
+async def completions(request: Request, state: ServerState) -> Response:
+    return await generation(request, state, chat=False)
+
+
+async def chat_completions(request: Request, state: ServerState) -> Response:
+    return await generation(request, state, chat=True)
+
+
+async def count_tokens(request: Request, state: ServerState) -> Response:
+    """Anthropic's /v1/messages/count_tokens: the prompt a Messages request would run."""
+    try:
+        chat = messages_api.chat_request(await read_json(request), True, state.llm.tokenizer.template_defaults)
+        body = await parsed_body(chat, True, state)
+        check_model(state, body.model)
+        ids = await anyio.to_thread.run_sync(encode, state.llm, body, None)
+    except RequestError as err:
+        return messages_api.error_response(err)
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+async def stored_response(request: Request, state: ServerState) -> Response:
+    """GET /v1/responses/{id}: a stored response as it was sent; DELETE: forget it."""
+    response_id = request.path_params["response_id"]
+    if request.method == "DELETE":
+        if not state.responses.delete(response_id):
+            raise not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+    stored = state.responses.get(response_id)
+    if stored is None:
+        raise not_found(response_id)
+    return JSONResponse(stored.body)
+
+
+async def stored_input_items(request: Request, state: ServerState) -> Response:
+    """The openai client's responses.input_items.list(id): the items a stored response answered."""
+    stored = state.responses.get(request.path_params["response_id"])
+    if stored is None:
+        raise not_found(request.path_params["response_id"])
+    return JSONResponse(item_page(stored.input_items(), request.query_params))
+
+
+async def models(request: Request, state: ServerState) -> Response:
+    card = model_card(state)  # OpenAI's list, and Anthropic's page fields
+    return JSONResponse({"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
+                         "last_id": card["id"]})
+
+
+async def model(request: Request, state: ServerState) -> Response:
+    """The openai client's models.retrieve(id); another id is a 404 as OpenAI answers it."""
+    check_model(state, request.path_params["name"], status=404)
+    return JSONResponse(model_card(state))
+
+
+async def health(request: Request, state: ServerState) -> Response:
+    ok = state.worker.alive
+    body = {"status": "ok" if ok else state.worker.lost or "engine stopped", **engine_settings(state.llm),
+            "reasoning_parser": state.reasoning_parser or "off", "tool_call_parser": state.tool_call_parser or "off"}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+async def version(request: Request, state: ServerState) -> Response:
+    """vLLM's GET /version: the server's own."""
+    from .. import __version__
+
+    return JSONResponse({"version": __version__})
+
+
+async def metrics(request: Request, state: ServerState) -> Response:
+    text = state.worker.metrics.render(state.worker.waiting)
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def tokenize(request: Request, state: ServerState) -> Response:
+    body = parse_tokenize(await read_json(request))
+    check_model(state, body.model)
+    ids = await anyio.to_thread.run_sync(tokenize_body, state.llm, body)
+    capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": capacity})
+
+
+async def detokenize(request: Request, state: ServerState) -> Response:
+    model_name, tokens = parse_detokenize(await read_json(request), state.llm.parts.spec.vocab_size)
+    check_model(state, model_name)
+    return JSONResponse({"prompt": state.llm.tokenizer.decode(tokens)})
 
 
 def engine_settings(llm: LLM) -> dict[str, str]:
@@ -518,3 +516,21 @@ async def on_http_error(request: Request, err: Exception) -> Response:
 async def on_crash(request: Request, err: Exception) -> Response:
     log.error("internal error on %s %s: %r", request.method, request.url.path, err)
     return JSONResponse(error_body(f"internal server error: {type(err).__name__}", "server_error"), 500)
+
+
+ROUTES: tuple[tuple[str, Handler, tuple[str, ...]], ...] = (
+    ("/health", health, ("GET",)),
+    ("/tokenize", tokenize, ("POST",)),
+    ("/detokenize", detokenize, ("POST",)),
+    ("/metrics", metrics, ("GET",)),
+    ("/version", version, ("GET",)),
+    ("/v1/models", models, ("GET",)),
+    ("/v1/models/{name:path}", model, ("GET",)),
+    ("/v1/completions", completions, ("POST",)),
+    ("/v1/chat/completions", chat_completions, ("POST",)),
+    ("/v1/responses", responses_generation, ("POST",)),
+    ("/v1/responses/{response_id}", stored_response, ("GET", "DELETE")),
+    ("/v1/responses/{response_id}/input_items", stored_input_items, ("GET",)),
+    ("/v1/messages", messages_generation, ("POST",)),
+    ("/v1/messages/count_tokens", count_tokens, ("POST",)),
+)
