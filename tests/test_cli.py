@@ -219,6 +219,16 @@ def test_max_model_len_is_vllms_name_for_max_seq_len(capsys: pytest.CaptureFixtu
     assert code == 2 and "needs 23 positions but this model holds 8" in last, last
 
 
+@pytest.mark.parametrize(("given", "held"), [("1k", 1000), ("1K", 1024), ("1.5k", 1500), ("auto", 2048), ("-1", 2048),
+                                             ("2048", 2048)])
+def test_max_model_len_as_vllm_writes_it(given: str, held: int, capsys: pytest.CaptureFixture[str]) -> None:
+    """32k / 32K / -1 / auto, as vLLM reads --max-model-len (the demo's context is 2048)."""
+    code = main(["--max-model-len", given, "--max-tokens", "5000", "--device", "cpu"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and f"this model holds {held}" in last, last
+    assert "not a context length" in one_error_line(main(["--max-model-len", "12q"]), capsys.readouterr().err)
+
+
 def test_bad_models(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     assert "hf download Nobody/Nothing" in one_error_line(main(["--model", "Nobody/Nothing", "--prompt", "x"]), capsys.readouterr().err)

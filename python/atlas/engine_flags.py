@@ -107,6 +107,31 @@ def high_precision_value(ctx: click.Context, param: click.Parameter, value: str)
     return value
 
 
+class ContextLength(click.ParamType):
+    """--max-seq-len / --max-model-len as vLLM reads it: a positive integer, with k / m (x1000,
+    x1000000) or K / M (x1024, x1048576) after it, or -1 / auto (the model's whole context: -1)."""
+
+    name = "integer"
+    SCALES = {"k": 1000, "m": 1000**2, "K": 1024, "M": 1024**2}
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip()
+        if text in ("-1", "auto"):
+            return -1
+        scale = self.SCALES.get(text[-1:], 1)
+        digits = text[:-1] if scale > 1 else text
+        try:
+            number = float(digits) * scale if scale > 1 else int(digits)
+        except ValueError:
+            number = 0
+        if number < 1 or number != int(number):
+            self.fail(f"{value!r} is not a context length: give a positive integer such as 32768, 32k or 32K, "
+                      "or -1 / auto for the model's whole context", param, ctx)
+        return int(number)
+
+
 VLLM_KV_NAMES = {"auto": DEFAULT_LEVEL, "fp8_e4m3": "fp8"}  # vLLM's --kv-cache-dtype values, as atlas levels
 
 
@@ -141,8 +166,8 @@ ENGINE_OPTIONS = (
         help="""Default chat-template variables as a JSON object, e.g. '{"enable_thinking": false}' (a request's own win).""",
     ),
     click.option(
-        "--max-seq-len", "--max-model-len", "max_seq_len", type=click.IntRange(min=1), default=None,
-        help="Context held in the KV cache: prompt + generated tokens (default 4096, at most the model's max_position_embeddings; --max-model-len is vLLM's name for it).",
+        "--max-seq-len", "--max-model-len", "max_seq_len", type=ContextLength(), default=None,
+        help="Context held in the KV cache: prompt + generated tokens (default 4096, at most the model's max_position_embeddings; -1 or auto: all of it; 32k = 32000, 32K = 32768; --max-model-len is vLLM's name for it).",
     ),
 )  # fmt: skip
 

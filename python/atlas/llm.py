@@ -107,7 +107,7 @@ def load_model(
     """Resolve, read config and tokenizer, open the weights and build the engine. spec_k: MTP
     speculation (atlas.speculative.build_engine): None = k=2 when the checkpoint has the head,
     0 = off (the head is not loaded), 1..3 = that k. max_seq_len: KV cache positions (None: 4096,
-    capped by the model's context). prompt_cache: checkpoints of the prompt cache (0: off)."""
+    capped by the model's context; -1: all of it). prompt_cache: checkpoints of the prompt cache (0: off)."""
     if isinstance(model, PathLike):
         model = fspath(model)
     if model is not None and not isinstance(model, str):
@@ -140,7 +140,8 @@ class LLM:
     cache or a registry name; `device`: "auto", "cpu" or "cuda"; `kv_cache_dtype` and
     `kv_high_precision_layers`: the KV cache level of the full-attention layers (atlas.kvcache.options);
     `spec_k`: MTP speculative decoding (None: k=2 when the checkpoint has the head, 0: off);
-    `max_seq_len`: KV cache positions, prompt + generated (None: 4096, capped by the model's context);
+    `max_seq_len`: KV cache positions, prompt + generated (None: 4096, capped by the model's context;
+    -1: all of it);
     `prompt_cache`: checkpoints of the prompt cache, so a prompt that starts like an earlier
     request's resumes after the shared tokens (atlas.prompt_cache; 0: off)."""
 

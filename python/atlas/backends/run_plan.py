@@ -25,11 +25,14 @@ class RunPlan:
 
 def context_length(requested: int | None, model_context: int) -> int:
     """--max-seq-len -> the KV cache capacity: the default (capped by the model's context) when
-    not given; one line when the request is not a positive integer or exceeds the context."""
+    not given, the whole context for -1 (vLLM's auto); one line when the request is not a positive
+    integer or exceeds the context."""
     if requested is None:
         return min(DEFAULT_MAX_SEQ_LEN, model_context)
+    if requested == -1 and not isinstance(requested, bool):
+        return model_context
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-        raise AtlasError(f"max_seq_len must be a positive integer, got {requested!r}")
+        raise AtlasError(f"max_seq_len must be a positive integer (or -1: the model's whole context), got {requested!r}")
     if requested > model_context:
         raise AtlasError(
             f"max_seq_len {requested} exceeds the model's context of {model_context} positions "
