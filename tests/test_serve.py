@@ -1288,7 +1288,8 @@ def test_a_vllm_command_line_serves(rng: np.random.Generator) -> None:
     args = (DEMO_NAME, "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3",
             "--speculative-config", json.dumps(config), "--gpu-memory-utilization", "0.9", "-tp", "1", "-dp", "1",
             "--trust-remote-code", "--dtype", "auto", "--max-model-len", "1024", "--kv-cache-dtype", "fp8_e4m3", "--kv-high-precision-layers", "0",
-            "--no-enable-prefix-caching", "--language-model-only", "--max-num-seqs", "256")
+            "--no-enable-prefix-caching", "--language-model-only", "--max-num-seqs", "256", "--disable-log-requests",
+            "--uvicorn-log-level", "warning")
     with cli_server(*args) as (port, stderr):
         health = get_json(port, "/health")
         card = get_json(port, "/v1/models")["data"][0]

@@ -129,8 +129,8 @@ def serve(args: ServeArgs) -> None:
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--served-model-name", default=None, help="The model id clients send (default: atlas-demo or --model).")
 @click.option(
-    "--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
-    show_default=True,
+    "--log-level", "--uvicorn-log-level", "log_level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+    default="info", show_default=True, help="The server's log level (--uvicorn-log-level: vLLM's name).",
 )
 @click.option(
     "--reasoning-parser", type=click.Choice(PARSERS), default=None,

@@ -36,6 +36,7 @@ class VllmFlags:
     enable_prefix_caching: bool | None = None  # False: --prompt-cache 0
     language_model_only: bool = False
     max_num_seqs: int | None = None
+    log_requests: bool | None = None  # atlas logs no request contents either way
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> VllmFlags:
@@ -120,6 +121,8 @@ VLLM_OPTIONS = (
     click.option("--language-model-only", is_flag=True, help="vLLM's: accepted; atlas runs the text model only."),
     click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
                  help="vLLM's: accepted, not used (requests run one at a time)."),
+    click.option("--enable-log-requests/--disable-log-requests", "log_requests", default=None,
+                 help="vLLM's: accepted; atlas logs no request contents."),
     click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=None,
                  help="vLLM's: accepted, not used (the KV cache holds --max-model-len positions)."),
     click.option("--trust-remote-code", is_flag=True, help="vLLM's: accepted; atlas runs no checkpoint code."),
