@@ -226,7 +226,8 @@ def test_max_model_len_as_vllm_writes_it(given: str, held: int, capsys: pytest.C
     code = main(["--max-model-len", given, "--max-tokens", "5000", "--device", "cpu"])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and f"this model holds {held}" in last, last
-    assert "not a context length" in one_error_line(main(["--max-model-len", "12q"]), capsys.readouterr().err)
+    for bad in ("12q", "infk", "nank", "0.0001k", "-2"):
+        assert "not a context length" in one_error_line(main(["--max-model-len", bad]), capsys.readouterr().err), bad
 
 
 def test_bad_models(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import json
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -126,7 +127,7 @@ class ContextLength(click.ParamType):
             number = float(digits) * scale if scale > 1 else int(digits)
         except ValueError:
             number = 0
-        if number < 1 or number != int(number):
+        if not math.isfinite(number) or number < 1 or number != int(number):
             self.fail(f"{value!r} is not a context length: give a positive integer such as 32768, 32k or 32K, "
                       "or -1 / auto for the model's whole context", param, ctx)
         return int(number)
