@@ -138,7 +138,8 @@ def serve(args: ServeArgs) -> None:
 )
 @click.option(
     "--api-key", envvar="ATLAS_API_KEY", default=None,
-    help="Require 'Authorization: Bearer KEY' on every route but /health and /metrics (env ATLAS_API_KEY).",
+    help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health, /metrics and /version "
+    "(env ATLAS_API_KEY).",
 )
 @click.option(
     "--tool-call-parser", type=click.Choice(TOOL_PARSERS), default=None,
