@@ -37,31 +37,28 @@ async def collect_choices(reply: Reply, runs: list[ChoiceRun], n: int = 1) -> di
 
 
 async def collect(reply: Reply, run: ChoiceRun) -> tuple[dict[str, Any], Finished]:
+    pieces, finished = await whole_pieces(run.events)
+    return choice_body(reply, run.index, pieces, finished, run.shaper, run.prompt_ids), finished
+
+
+async def whole_pieces(events: AsyncGenerator[Event, None]) -> tuple[list[TextPiece], Finished]:
+    """A generation's pieces and its end; a failure is the request's error."""
     pieces: list[TextPiece] = []
-    async with aclosing(run.events):
-        async for event in run.events:
+    async with aclosing(events):
+        async for event in events:
             if isinstance(event, TextPiece):
                 pieces.append(event)
             elif isinstance(event, Finished):
-                return choice_body(reply, run.index, pieces, event, run.shaper, run.prompt_ids), event
+                return pieces, event
             else:
                 raise RequestError(event.message, status=event.status)
     raise RequestError("the engine stopped before finishing", status=500)
 
 
 async def whole_text(events: AsyncGenerator[Event, None]) -> tuple[str, Finished]:
-    """A generation's whole text and its end (the Responses and Messages APIs' whole answers); a
-    failure is the request's error."""
-    pieces: list[str] = []
-    async with aclosing(events):
-        async for event in events:
-            if isinstance(event, TextPiece):
-                pieces.append(event.text)
-            elif isinstance(event, Finished):
-                return "".join(pieces), event
-            else:
-                raise RequestError(event.message, status=event.status)
-    raise RequestError("the engine stopped before finishing", status=500)
+    """A generation's whole text and its end (the Responses and Messages APIs' whole answers)."""
+    pieces, finished = await whole_pieces(events)
+    return "".join(p.text for p in pieces), finished
 
 
 async def stream_choices(reply: Reply, runs: list[ChoiceRun], include_usage: bool, n: int = 1) -> AsyncGenerator[str, None]:
