@@ -81,15 +81,14 @@ class VllmFlags:
         if self.max_num_seqs is not None:
             notes.append(f"--max-num-seqs {self.max_num_seqs} is not used: requests run one at a time "
                          "(--max-waiting bounds the queue)")
-        unused = sorted(set(json.loads(self.speculative_config)) - {"method", "num_speculative_tokens"}) \
-            if self.speculative_config else []
+        unused = sorted(set(spec_config(self.speculative_config) or {}) - {"method", "num_speculative_tokens"})
         if unused:
             notes.append(f"--speculative-config: {', '.join(unused)} not used (the checkpoint's MTP head drafts)")
         return notes
 
 
-def spec_drafts(config: str | None) -> int | None:
-    """vLLM's --speculative-config JSON -> the MTP draft count (None: not given)."""
+def spec_config(config: str | None) -> dict[str, Any] | None:
+    """vLLM's --speculative-config JSON, parsed (None: not given)."""
     if config is None:
         return None
     try:
@@ -100,6 +99,14 @@ def spec_drafts(config: str | None) -> int | None:
     if not isinstance(value, dict) or value.get("method") not in MTP_METHODS:
         raise AtlasError("--speculative-config: only the checkpoint's MTP head drafts here: "
                          "{\"method\": \"mtp\", \"num_speculative_tokens\": 1..3} (or qwen3_next_mtp)")
+    return value
+
+
+def spec_drafts(config: str | None) -> int | None:
+    """vLLM's --speculative-config JSON -> the MTP draft count (None: not given)."""
+    value = spec_config(config)
+    if value is None:
+        return None
     drafts = value.get("num_speculative_tokens", 1)  # vLLM's default: the head's own depth, 1 for Qwen3.5 / 3.6
     if not isinstance(drafts, int) or isinstance(drafts, bool) or not 1 <= drafts <= MAX_DRAFTS:
         raise AtlasError(f"--speculative-config: num_speculative_tokens must be 1..{MAX_DRAFTS}, got {drafts!r}")
