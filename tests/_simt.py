@@ -121,16 +121,19 @@ def compile_library(out: Path, sources: list[Path], includes: list[Path]) -> Pat
     if lib.exists():
         return lib
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tuple.cpp").write_text(unity)
+    unit = out / f"tuple.{os.getpid()}.cpp"  # per process: the background lanes may build a tuple at once
+    unit.write_text(unity)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
     cmd = [cxx, *CXX_FLAGS, "-include", str(SIMT / "include" / "simt_cuda.h"), "-I", str(SIMT / "include"),
            *(arg for d in includes for arg in ("-I", str(d))), "-I", str(REPO / "kernels" / "include"),
-           "-I", str(REPO), "-x", "c++", str(out / "tuple.cpp"), str(SIMT / "runtime.cpp"), "-o", str(tmp)]
+           "-I", str(REPO), "-x", "c++", str(unit), str(SIMT / "runtime.cpp"), "-o", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    unit.unlink()
     if done.returncode != 0:
         raise RuntimeError(f"host build of {out.relative_to(REPO)} failed:\n{done.stderr[-6000:]}")
-    for old in out.glob("simt-*.so"):
-        old.unlink()
+    for stale in out.glob("simt-*.so"):
+        if stale != lib:
+            stale.unlink(missing_ok=True)
     tmp.rename(lib)
     return lib
 

@@ -21,12 +21,16 @@ if os.environ.get("ATLAS_TEST_INSTALLED") != "1":
 sys.path.insert(0, str(REPO))
 
 from _sticky import pytest_runtest_makereport  # noqa: E402,F401  (a hook: found here by its name)
+from _background import (  # noqa: E402,F401  (hooks: found here by their names)
+    pytest_collection_finish, pytest_collection_modifyitems, pytest_sessionfinish)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU and an installed wheel with kernels")
     config.addinivalue_line("markers", "slow: builds wheels or trains; minutes, not seconds")
     config.addinivalue_line("markers", "oracle: compares against Hugging Face transformers")
+    config.addinivalue_line("markers", "background(lane): runs in a child process beside the session "
+                                       "(tests/_background.py)")
     hw = os.environ.get("ATLAS_SIMT", "")
     if hw:
         from _simt import HOST_CC

@@ -27,7 +27,7 @@ import quant as bench_quant  # noqa: E402
 import quant_moe  # noqa: E402
 import step_profile  # noqa: E402
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.background("emulator-bench"),  # ~9 GB each: one at a time
               pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulator is built with g++")]
 
 LAYERS = "4"  # 3 DeltaNet + 1 full-attention layer

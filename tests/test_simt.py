@@ -237,6 +237,7 @@ SUITES: dict[str, tuple[list[str], dict[str, str]]] = {
 
 
 @pytest.mark.slow
+@pytest.mark.background("emulator-suites")
 @pytest.mark.parametrize("suite", SUITES)
 def test_gpu_suite_passes_on_the_emulated_h200_kernels(suite: str) -> None:
     """gpu-marked tests with their CUDA backend on the emulated h200 tuples, whose sources hold
