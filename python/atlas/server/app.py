@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -29,8 +30,10 @@ from .reasoning import START as REASONING_START
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
 from . import messages_api
+from .background import BackgroundRuns, resume_after
 from .response_store import ResponseStore, StoredResponse, item_page, not_found
-from .responses_api import ResponseMeta, chat_request, input_items, renamed, replayed, stream_response, whole_response
+from .responses_api import (ResponseMeta, ResponseStream, chat_request, input_items, renamed, replayed, stream_response,
+                            whole_response)
 from .tools import ForcedCallStream, ToolCallStream
 from .worker import EngineWorker, Returns
 
@@ -54,6 +57,7 @@ class ServerState:
     sampling_defaults: dict[str, float] = field(default_factory=dict)  # for fields a request leaves out
     max_waiting: int = 0  # a generation request finding this many waiting gets a 503 (0: no limit)
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for previous_response_id
+    background: BackgroundRuns = field(default_factory=BackgroundRuns)  # /v1/responses generating beside their requests
 
 
 class EventStreamResponse(StreamingResponse):
@@ -81,7 +85,15 @@ def create_app(state: ServerState) -> Starlette:
     routes = [Route(path, bound(handler), methods=list(methods)) for path, handler, methods in ROUTES]
     handlers = {RequestError: on_request_error, HTTPException: on_http_error, Exception: on_crash}
     middleware = [Middleware(ApiKeyGate, key=state.api_key)] if state.api_key else []
-    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)  # type: ignore[arg-type]
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware,  # type: ignore[arg-type]
+                     lifespan=lambda app: stopping_background(state))
+
+
+@asynccontextmanager
+async def stopping_background(state: ServerState) -> AsyncIterator[None]:
+    """At shutdown the background responses still generating stop (stored as cancelled)."""
+    yield
+    await state.background.cancel_all()
 
 
 async def completions(request: Request, state: ServerState) -> Response:
@@ -105,15 +117,50 @@ async def count_tokens(request: Request, state: ServerState) -> Response:
 
 
 async def stored_response(request: Request, state: ServerState) -> Response:
-    """GET /v1/responses/{id}: a stored response as it was sent; DELETE: forget it."""
+    """GET /v1/responses/{id}: a stored response as it was sent, a background one as it stands
+    (with ?stream=true its events again); DELETE: forget it (a background one still running stops)."""
     response_id = request.path_params["response_id"]
+    running = state.background.running(response_id)
     if request.method == "DELETE":
+        if running is not None:
+            await running.cancel()
+        state.background.forget(response_id)
         if not state.responses.delete(response_id):
             raise not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+    if request.query_params.get("stream") == "true":
+        return resumed_events(state, response_id, resume_after(request.query_params))
+    if running is not None:
+        return JSONResponse(running.snapshot())
     stored = state.responses.get(response_id)
     if stored is None:
         raise not_found(response_id)
+    return JSONResponse(stored.body)
+
+
+def resumed_events(state: ServerState, response_id: str, after: int) -> Response:
+    run = state.background.get(response_id)
+    if run is None:
+        if state.responses.get(response_id) is None:
+            raise not_found(response_id)
+        raise RequestError(f"response {response_id!r} has no events kept: only a background response's are (the "
+                           f"newest {state.background.capacity} finished ones)", "stream")
+    return EventStreamResponse(run.follow(after))
+
+
+async def cancel_response(request: Request, state: ServerState) -> Response:
+    """POST /v1/responses/{id}/cancel: a background response still generating stops and is stored as
+    cancelled; one already ended is answered as it is."""
+    response_id = request.path_params["response_id"]
+    running = state.background.running(response_id)
+    if running is not None:
+        await running.cancel()
+    stored = state.responses.get(response_id)
+    if stored is None:
+        raise not_found(response_id)
+    if not stored.body.get("background"):
+        raise RequestError(f"response {response_id!r} was not created with 'background' true: only a background "
+                           "response can be cancelled")
     return JSONResponse(stored.body)
 
 
@@ -230,8 +277,10 @@ async def responses_generation(request: Request, state: ServerState) -> Response
         raise renamed(err) from None
     assert isinstance(raw, dict)  # chat_request refused anything else
     meta = ResponseMeta(state.model_name, raw, keep=storing(state, raw, earlier))
+    if raw.get("background"):
+        return start_background(state, meta, run, body.stream)
     if body.stream:
-        return EventStreamResponse(stream_response(meta, run.events, run.shaper))
+        return EventStreamResponse(stream_response(ResponseStream(meta, run.shaper), run.events))
     answer = await unless_disconnected(request, whole_response(meta, run.events, run.shaper))
     return JSONResponse(answer) if answer is not None else Response(status_code=499)
 
@@ -253,6 +302,18 @@ async def messages_generation(request: Request, state: ServerState) -> Response:
     except RequestError as err:
         return messages_api.error_response(err)
     return JSONResponse(answer) if answer is not None else Response(status_code=499)
+
+
+def start_background(state: ServerState, meta: ResponseMeta, run: ChoiceRun, stream: bool) -> Response:
+    """The response stored as queued and its generation started beside the request; the answer is
+    the queued response, or its events (which go on if the client leaves)."""
+    if meta.keep is None:
+        raise RequestError("'background': this server stores no responses (--response-store 0), and a "
+                           "background one is fetched by its id", "background")
+    queued = meta.body("queued", [])
+    meta.keep(queued)
+    started = state.background.start(ResponseStream(meta, run.shaper), run.events)
+    return EventStreamResponse(started.follow(-1)) if stream else JSONResponse(queued)
 
 
 def storing(state: ServerState, raw: dict[str, Any], earlier: list[dict[str, Any]]) -> Callable[[dict[str, Any]], None] | None:
@@ -531,6 +592,7 @@ ROUTES: tuple[tuple[str, Handler, tuple[str, ...]], ...] = (
     ("/v1/responses", responses_generation, ("POST",)),
     ("/v1/responses/{response_id}", stored_response, ("GET", "DELETE")),
     ("/v1/responses/{response_id}/input_items", stored_input_items, ("GET",)),
+    ("/v1/responses/{response_id}/cancel", cancel_response, ("POST",)),
     ("/v1/messages", messages_generation, ("POST",)),
     ("/v1/messages/count_tokens", count_tokens, ("POST",)),
 )

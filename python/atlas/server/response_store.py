@@ -73,6 +73,9 @@ class ResponseStore:
                 f"it is not among those kept (--response-store {self.capacity}), was sent with store false, or was deleted"
             raise RequestError(f"no stored response has id {previous!r}: {why}", "previous_response_id",
                                "previous_response_not_found")
+        if stored.body["status"] in ("queued", "in_progress"):
+            raise RequestError(f"response {previous!r} is still in progress: go on from it once GET "
+                               f"/v1/responses/{previous} says it completed", "previous_response_id")
         return list(stored.items)
 
 

@@ -3,7 +3,8 @@ translated into a chat request (input items -> messages, instructions -> a syste
 text.format -> response_format, function tools), generated like one, and its answer written as
 output items (reasoning under --reasoning-parser, the message, function calls), whole or as the
 API's typed server-sent events. Responses are stored unless `store` is false (response_store.py),
-so previous_response_id goes on from one; background and conversation are refused with one line."""
+so previous_response_id goes on from one; `background` runs one beside the request (background.py);
+`conversation` is refused with one line."""
 
 from __future__ import annotations
 
@@ -24,8 +25,7 @@ from .worker import Event, Finished, TextPiece
 PASSED_THROUGH = ("model", "temperature", "top_p", "stream", "tool_choice", "parallel_tool_calls", "seed", "top_k",
                   "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logit_bias",
                   "min_tokens", "chat_template_kwargs")  # vLLM takes its sampling extras here too
-REFUSED = {"background": "background responses are not supported: leave 'background' out",
-           "conversation": "conversations are not stored here: use previous_response_id, or send the whole "
+REFUSED = {"conversation": "conversations are not stored here: use previous_response_id, or send the whole "
                            "conversation in 'input'"}
 RENAMED_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
@@ -38,8 +38,11 @@ def chat_request(body: Any, earlier: list[dict[str, Any]] | None = None) -> dict
     for key, why in REFUSED.items():
         if body.get(key) not in (None, False):
             raise RequestError(f"'{key}': {why}", key)
-    if body.get("store") is not None and not isinstance(body["store"], bool):
-        raise RequestError("'store' must be true or false", "store")
+    for key in ("store", "background"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise RequestError(f"'{key}' must be true or false", key)
+    if body.get("background") and body.get("store") is False:
+        raise RequestError("'background' needs 'store' true: a background response is fetched by its id", "background")
     chat: dict[str, Any] = {key: body[key] for key in PASSED_THROUGH if key in body}
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -266,7 +269,7 @@ class ResponseMeta:
             "top_p": r.get("top_p"), "tools": r.get("tools") or [], "tool_choice": r.get("tool_choice", "auto"),
             "parallel_tool_calls": r.get("parallel_tool_calls", True), "text": r.get("text") or {"format": {"type": "text"}},
             "metadata": r.get("metadata") or {}, "store": self.keep is not None, "usage": None,
-            "previous_response_id": r.get("previous_response_id"),
+            "previous_response_id": r.get("previous_response_id"), "background": bool(r.get("background")),
         }
         if finished is not None:
             body["usage"] = usage(finished)
@@ -399,6 +402,20 @@ class ResponseStream:
         lines = self.close("incomplete")
         return [*lines, self.meta.event("response.failed", response=self.meta.final("failed", self.done, None, message))]
 
+    def so_far(self) -> list[dict[str, Any]]:
+        """The output items written so far, the open one in progress with its text so far."""
+        if self.open is None:
+            return list(self.done)
+        make = reasoning_item if self.open.kind == "reasoning" else message_item
+        return [*self.done, {**make("".join(self.open.text), "completed", self.open.id), "status": "in_progress"}]
+
+    def cancel(self) -> list[str]:
+        """A background response cancelled midway: the item being written closes as it stands and the
+        response is stored as cancelled (the API has no event for it: a follower's stream just ends)."""
+        lines = self.close("incomplete")
+        self.meta.final("cancelled", self.done, None)
+        return lines
+
     def call_lines(self, call: ToolCall) -> list[str]:
         index, item = len(self.done), call_item(call)
         where = {"item_id": item["id"], "output_index": index}
@@ -414,9 +431,7 @@ def content_part(kind: str, text: str) -> dict[str, Any]:
         {"type": "output_text", "text": text, "annotations": []}
 
 
-async def stream_response(meta: ResponseMeta, events: AsyncGenerator[Event, None],
-                          shaper: AnswerShaper | None) -> AsyncGenerator[str, None]:
-    stream = ResponseStream(meta, shaper)
+async def stream_response(stream: ResponseStream, events: AsyncGenerator[Event, None]) -> AsyncGenerator[str, None]:
     for line in stream.start():
         yield line
     async with aclosing(events):

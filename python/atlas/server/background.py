@@ -1,0 +1,118 @@
+"""Background responses (`background: true`, as OpenAI's and vLLM's Responses API): the request is
+answered at once with the response `queued`, the generation goes on in a task of the server's event
+loop, GET /v1/responses/{id} shows it `in_progress` (with its output so far) and then
+as it ended, POST /v1/responses/{id}/cancel stops it (status `cancelled`), and the events of a
+streamed one are kept, so a client that lost its connection resumes with
+GET /v1/responses/{id}?stream=true&starting_after=<sequence_number>. A background stream's client
+leaving does not stop the generation. Finished runs' events are kept for the newest `capacity`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from .errors import RequestError
+from .responses_api import ResponseStream, stream_response
+from .worker import Event
+
+log = logging.getLogger("atlas.serve")
+KEPT_FINISHED = 64  # finished background responses whose events stay resumable
+
+
+class BackgroundRun:
+    """One background response: its generation task and the events it has written."""
+
+    def __init__(self, stream: ResponseStream, events: AsyncGenerator[Event, None]) -> None:
+        self.stream = stream
+        self.lines: list[str] = []  # server-sent events; line i has sequence_number i
+        self.finished = False
+        self._changed = asyncio.Event()
+        self._task = asyncio.create_task(self._drive(events))
+
+    async def _drive(self, events: AsyncGenerator[Event, None]) -> None:
+        try:
+            async for line in stream_response(self.stream, events):
+                self._log([line])
+        except asyncio.CancelledError:  # cancel(): closing the events frees the engine's slot
+            self._log(self.stream.cancel())
+        except Exception as err:  # a fault here, not the engine's (those arrive as events)
+            log.exception("background response %s failed", self.stream.meta.id)
+            self._log(self.stream.fail(f"internal error: {type(err).__name__}: {err}"))
+        finally:
+            self.finished = True
+            self._wake()
+
+    def _log(self, lines: list[str]) -> None:
+        self.lines += lines
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The response while it runs: in progress, with its output so far."""
+        return self.stream.meta.body("in_progress", self.stream.so_far())
+
+    async def cancel(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+    async def follow(self, after: int) -> AsyncGenerator[str, None]:
+        """The events after sequence number `after`, then each as it is written, to the last."""
+        index = after + 1
+        while True:
+            while index < len(self.lines):
+                yield self.lines[index]
+                index += 1
+            if self.finished:
+                return
+            await self._changed.wait()
+
+
+class BackgroundRuns:
+    """The server's background responses by id: every running one, and the newest `capacity`
+    finished ones (for their events)."""
+
+    def __init__(self, capacity: int = KEPT_FINISHED) -> None:
+        self.capacity = capacity
+        self._runs: OrderedDict[str, BackgroundRun] = OrderedDict()
+
+    def start(self, stream: ResponseStream, events: AsyncGenerator[Event, None]) -> BackgroundRun:
+        run = BackgroundRun(stream, events)
+        self._runs[stream.meta.id] = run
+        finished = [key for key, kept in self._runs.items() if kept.finished]
+        for key in finished[: max(0, len(finished) - self.capacity)]:
+            del self._runs[key]
+        return run
+
+    def get(self, response_id: str) -> BackgroundRun | None:
+        return self._runs.get(response_id)
+
+    def running(self, response_id: str) -> BackgroundRun | None:
+        run = self._runs.get(response_id)
+        return run if run is not None and not run.finished else None
+
+    def forget(self, response_id: str) -> None:
+        self._runs.pop(response_id, None)
+
+    async def cancel_all(self) -> None:
+        """At shutdown: every running generation stops, stored as cancelled."""
+        for run in list(self._runs.values()):
+            if not run.finished:
+                await run.cancel()
+
+
+def resume_after(query: Any) -> int:
+    """GET /v1/responses/{id}?stream=true&starting_after=N: the sequence number to resume after (-1: from the start)."""
+    value = query.get("starting_after", "-1")
+    if not (value.lstrip("-").isascii() and value.lstrip("-").isdigit() and int(value) >= -1):
+        raise RequestError(f"'starting_after' must be a sequence number (an integer >= 0), got {value!r}",
+                           "starting_after")
+    return int(value)
