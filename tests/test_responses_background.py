@@ -24,7 +24,9 @@ from _engine_app import engine_app, serving  # noqa: E402
 from atlas.demo import DEMO_NAME  # noqa: E402
 from atlas.server.app import ServerState, create_app  # noqa: E402
 from atlas.server.metrics import Metrics  # noqa: E402
-from atlas.server.response_store import ResponseStore  # noqa: E402
+from atlas.server.background import BackgroundRuns  # noqa: E402
+from atlas.server.response_store import ResponseStore, StoredResponse  # noqa: E402
+from atlas.server.responses_api import ResponseMeta, ResponseStream  # noqa: E402
 from atlas.server.worker import Finished, TextPiece  # noqa: E402
 
 TIMEOUT_S = 60.0
@@ -181,6 +183,8 @@ def test_misuses_are_one_line_each(gated: tuple[Any, GatedWorker, ServerState, i
         ("POST", "/v1/responses/resp_nope/cancel", 404, None),
         ("GET", f"/v1/responses/{plain.id}?stream=true", 400, "stream"),
         ("GET", f"/v1/responses/{running.id}?stream=true&starting_after=x", 400, "starting_after"),
+        ("GET", f"/v1/responses/{running.id}?stream=true&starting_after=--1", 400, "starting_after"),
+        ("GET", f"/v1/responses/{running.id}?stream=true", 400, "stream"),  # not streamed: no events kept
     ):
         status, answer = raw_request(port, method, path)
         assert (status, answer["error"]["param"]) == (code, param), (path, answer)
@@ -200,3 +204,49 @@ def test_deleting_a_running_background_response_stops_it(gated: tuple[Any, Gated
     assert worker.closed_early == 1
     assert raw_request(port, "GET", f"/v1/responses/{queued.id}")[0] == 404
     assert raw_request(port, "GET", f"/v1/responses/{queued.id}?stream=true")[0] == 404  # its events gone too
+
+
+def test_a_response_stored_again_counts_once_and_becomes_the_newest() -> None:
+    """A background response is stored queued, then final: the store's size and order follow the last."""
+    store = ResponseStore(capacity=2)
+    body = {"id": "a", "output": []}
+    store.put("a", StoredResponse({**body, "status": "queued"}, ()))
+    store.put("b", StoredResponse({"id": "b", "output": []}, ()))
+    final = StoredResponse({**body, "status": "completed", "note": "x" * 100}, ())
+    store.put("a", final)
+    assert store.stored_bytes == final.size() + store.get("b").size()  # type: ignore[union-attr]
+    store.put("c", StoredResponse({"id": "c", "output": []}, ()))
+    assert store.get("b") is None and store.get("a") == final  # b was the oldest
+
+
+def background_stream(worker: GatedWorker, kept: list[dict[str, Any]]) -> tuple[ResponseStream, Any]:
+    meta = ResponseMeta(DEMO_NAME, {"input": "hi", "background": True}, keep=kept.append)
+    return ResponseStream(meta, None), worker.events([1, 2], None, ())
+
+
+def test_a_run_cancelled_before_its_first_step_is_stored_cancelled() -> None:
+    async def scenario() -> list[dict[str, Any]]:
+        kept: list[dict[str, Any]] = []
+        run = BackgroundRuns().start(*background_stream(GatedWorker(), kept), keep_events=True)
+        await run.cancel()  # no await before: its task has not run a step
+        assert run.finished
+        return kept
+
+    [final] = asyncio.run(scenario())
+    assert final["status"] == "cancelled" and final["background"]
+
+
+def test_finished_streams_kept_by_count_and_bytes() -> None:
+    async def scenario(capacity: int, max_bytes: int) -> list[bool]:
+        runs, worker = BackgroundRuns(capacity, max_bytes), GatedWorker()
+        worker.allowed = len(PIECES)
+        started = []
+        for streamed in (True, True, True, False, True):
+            started.append(runs.start(*background_stream(worker, []), keep_events=streamed))
+            while not started[-1].finished:
+                await asyncio.sleep(0.005)
+        runs.start(*background_stream(worker, []), keep_events=True)  # evicts on start
+        return [runs.get(run.stream.meta.id) is not None for run in started]
+
+    assert asyncio.run(scenario(2, 1 << 20)) == [False, False, True, False, True]  # the non-streamed one kept nothing
+    assert asyncio.run(scenario(8, 1)) == [False, False, False, False, False]  # past max_bytes: all finished go

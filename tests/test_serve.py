@@ -34,6 +34,7 @@ from atlas.demo import DEMO_NAME, zen_of_python  # noqa: E402
 from atlas.sampling import is_int  # noqa: E402
 from atlas.server.app import ServerState, create_app  # noqa: E402
 from atlas.server.worker import EngineWorker  # noqa: E402
+from _engine_app import serving  # noqa: E402
 
 HOST = "127.0.0.1"
 TIMEOUT_S = 30.0
@@ -87,24 +88,11 @@ def load_counting() -> LLM:
 def served() -> Iterator[Served]:
     worker = EngineWorker(load_counting)
     llm = worker.start()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((HOST, 0))
-    config = uvicorn.Config(create_app(ServerState(DEMO_NAME, worker, llm)), log_level="warning", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
     try:
-        yield Served(sock.getsockname()[1], llm.parts.engine, LLM(None, device="cpu"), llm)  # type: ignore[arg-type]
+        with serving(create_app(ServerState(DEMO_NAME, worker, llm)), TIMEOUT_S) as port:
+            yield Served(port, llm.parts.engine, LLM(None, device="cpu"), llm)  # type: ignore[arg-type]
     finally:
-        server.should_exit = True
-        thread.join(TIMEOUT_S)
         worker.stop()
-        sock.close()
-    assert not thread.is_alive(), "uvicorn did not stop"
 
 
 def random_prompt(rng: np.random.Generator) -> str:

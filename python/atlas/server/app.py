@@ -139,12 +139,13 @@ async def stored_response(request: Request, state: ServerState) -> Response:
 
 
 def resumed_events(state: ServerState, response_id: str, after: int) -> Response:
+    if state.responses.get(response_id) is None:
+        raise not_found(response_id)
     run = state.background.get(response_id)
-    if run is None:
-        if state.responses.get(response_id) is None:
-            raise not_found(response_id)
-        raise RequestError(f"response {response_id!r} has no events kept: only a background response's are (the "
-                           f"newest {state.background.capacity} finished ones)", "stream")
+    if run is None or not run.keep_events:
+        raise RequestError(f"response {response_id!r} has no events kept: only those of a response created with "
+                           f"'background' and 'stream' true are (the newest {state.background.capacity} once "
+                           "finished)", "stream")
     return EventStreamResponse(run.follow(after))
 
 
@@ -312,7 +313,7 @@ def start_background(state: ServerState, meta: ResponseMeta, run: ChoiceRun, str
                            "background one is fetched by its id", "background")
     queued = meta.body("queued", [])
     meta.keep(queued)
-    started = state.background.start(ResponseStream(meta, run.shaper), run.events)
+    started = state.background.start(ResponseStream(meta, run.shaper), run.events, keep_events=stream)
     return EventStreamResponse(started.follow(-1)) if stream else JSONResponse(queued)
 
 

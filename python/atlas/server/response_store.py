@@ -42,12 +42,19 @@ class ResponseStore:
         self._lock = threading.Lock()
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
+        """Keeps `stored` as the newest, in place of what the id held (a background response's queued body)."""
         size = stored.size()
         with self._lock:
+            replaced = self._kept.pop(response_id, None)
+            self._bytes -= 0 if replaced is None else replaced[1]
             self._kept[response_id] = (stored, size)
             self._bytes += size
             while self._kept and (len(self._kept) > self.capacity or self._bytes > self.max_bytes):
                 self._bytes -= self._kept.popitem(last=False)[1][1]
+
+    @property
+    def stored_bytes(self) -> int:
+        return self._bytes
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:

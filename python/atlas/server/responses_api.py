@@ -412,7 +412,8 @@ class ResponseStream:
     def cancel(self) -> list[str]:
         """A background response cancelled midway: the item being written closes as it stands and the
         response is stored as cancelled (the API has no event for it: a follower's stream just ends)."""
-        lines = self.close("incomplete")
+        parts = self.shaper.finish()[0] if self.shaper is not None else []  # text it held back; no calls
+        lines = [line for kind, part in parts for line in self.part(kind, part)] + self.close("incomplete")
         self.meta.final("cancelled", self.done, None)
         return lines
 
