@@ -929,7 +929,7 @@ FUZZ_FIELDS = ("model", "prompt", "messages", "input", "text", "metadata", "inst
                "stream_options", "stop", "seed", "logprobs", "top_logprobs", "echo", "logit_bias", "presence_penalty",
                "response_format", "tools", "tool_choice", "guided_regex", "guided_choice", "structured_outputs",
                "min_tokens", "stop_token_ids", "chat_template_kwargs", "prompt_logprobs", "tokens", "add_special_tokens",
-               "system", "stop_sequences", "thinking", "output_config", "return_token_ids")
+               "system", "stop_sequences", "thinking", "output_config", "return_token_ids", "background", "store")
 FUZZ_BASES = {
     "/v1/completions": {"model": DEMO_NAME, "prompt": "Beautiful is", "max_tokens": 3},
     "/v1/chat/completions": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
