@@ -418,8 +418,10 @@ def use_simt(monkeypatch: Any, hw: str) -> None:
     """Every CUDA backend this test opens runs on the host emulator of `hw`'s tuples."""
     from atlas.backends.cuda import driver, runtime, select
     from atlas.backends.cuda.runtime import KernelImage
+    from atlas.targets import load_registry
 
     monkeypatch.setattr(driver, "open_driver", lambda ordinal=0: SimtDriver(hw))
     monkeypatch.setattr(runtime, "StepArena", GuardedArena)
     monkeypatch.setattr(select, "installed_tuples", lambda: host_tuples(hw))
-    monkeypatch.setattr(select, "load_image", lambda key, kind: KernelImage(f"{key} (host SIMT)", str(key).encode(), "ptx"))
+    sm = load_registry().hardware[hw].sm
+    monkeypatch.setattr(select, "load_image", lambda key, kind: KernelImage(f"{key} (host SIMT)", str(key).encode(), "ptx", sm))

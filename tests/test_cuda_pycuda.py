@@ -409,7 +409,7 @@ def fake(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> Iterator[
 
 
 def make_runtime(image: KernelImage | None = None, arena_bytes: int = 1 << 20) -> CudaRuntime:
-    image = image or KernelImage("fake/model/bf16 (ptx)", b"// fake ptx", "ptx")
+    image = image or KernelImage("fake/model/bf16 (ptx)", b"// fake ptx", "ptx", 90)
     return CudaRuntime(open_driver(0), image, RuntimeOptions(arena_bytes=arena_bytes))
 
 
@@ -476,7 +476,7 @@ def test_arena_is_deterministic_and_grows_then_folds(fake: Harness, rng: np.rand
 def test_uploads_reads_memsets_and_copies_round_trip(fake: Harness, rng: np.random.Generator) -> None:
     import torch
 
-    rt = make_runtime(KernelImage("fake/model/bf16 (cubin)", b"\x7fELF fake", "cubin"))
+    rt = make_runtime(KernelImage("fake/model/bf16 (cubin)", b"\x7fELF fake", "cubin", 90))
     uploader = Uploader(rt)
     matrix = rng.standard_normal((int(rng.integers(1, 50)), 64)).astype(np.float32) * 3
     back = from_storage(rt.read(uploader.upload(matrix, "bf16")), "bf16")
@@ -656,7 +656,7 @@ def test_gpu_pycuda_runtime_round_trips(monkeypatch: pytest.MonkeyPatch, rng: np
         driver = open_driver(0)
     except AtlasError as err:
         pytest.skip(f"no GPU through pycuda: {err}")
-    rt = CudaRuntime(driver, KernelImage("empty (ptx)", b".version 7.0\n.target sm_80\n.address_size 64\n", "ptx"),
+    rt = CudaRuntime(driver, KernelImage("empty (ptx)", b".version 7.0\n.target sm_80\n.address_size 64\n", "ptx", 90),
                      RuntimeOptions())
     assert driver.device_info().cc >= (8, 0)
     values = rng.standard_normal(int(rng.integers(1, 100_000))).astype(np.float32)

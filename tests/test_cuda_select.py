@@ -233,7 +233,7 @@ class FakeDriver:
 
 def make_runtime(arena_bytes: int = 1 << 20) -> tuple[CudaRuntime, FakeDriver]:
     driver = FakeDriver()
-    image = KernelImage("fake/model/bf16 (cubin)", b"\x7fELF", "cubin")
+    image = KernelImage("fake/model/bf16 (cubin)", b"\x7fELF", "cubin", 90)
     return CudaRuntime(driver, image, RuntimeOptions(arena_bytes=arena_bytes)), driver
 
 
@@ -242,7 +242,7 @@ def test_programmatic_launch_is_opt_in_and_checked(monkeypatch: pytest.MonkeyPat
     cuLaunchKernelEx is one line, and so is an unknown form."""
     from atlas.backends.cuda.runtime import LAUNCH_SWITCH
 
-    image = KernelImage("fake/model/bf16 (cubin)", b"\x7fELF", "cubin")
+    image = KernelImage("fake/model/bf16 (cubin)", b"\x7fELF", "cubin", 90)
     params = AddParams(0, 0, 1, 1.0)
     plain, driver = make_runtime()
     plain.launch("atlas_add", (1, 1, 1), (32, 1, 1), params)
@@ -254,6 +254,10 @@ def test_programmatic_launch_is_opt_in_and_checked(monkeypatch: pytest.MonkeyPat
         CudaRuntime(FakeDriver(cc=(8, 9)), image, RuntimeOptions(programmatic=True))
     with pytest.raises(AtlasError, match="ATLAS_LAUNCH=pdl needs the cuda-bindings binding"):
         CudaRuntime(FakeDriver(programmatic=False), image, RuntimeOptions(programmatic=True))
+    sm80 = KernelImage("sm80/model/bf16 (ptx)", b"// ptx", "ptx", 80)  # JIT-compiled for a Hopper: no griddepcontrol
+    with pytest.raises(AtlasError, match=r"ATLAS_LAUNCH=pdl needs kernels built for sm_90 or newer; the loaded "
+                                          r"sm80/model/bf16 \(ptx\) is built for sm_80; unset ATLAS_LAUNCH"):
+        CudaRuntime(FakeDriver(), sm80, RuntimeOptions(programmatic=True))
     monkeypatch.setenv("ATLAS_LAUNCH", "eager")
     with pytest.raises(AtlasError, match="ATLAS_LAUNCH='eager' is not a launch form; use 'plain' .default. or 'pdl'"):
         LAUNCH_SWITCH.read()
@@ -527,7 +531,7 @@ else:
     raise AssertionError("device 1 of 1 opened")
 drv = open_driver(0)
 print(drv.device_info(), drv.mem_get_info())
-rt = CudaRuntime(drv, KernelImage("fake (ptx)", b"// ptx", "ptx"), RuntimeOptions(arena_bytes=8 << 20, check_launches=True))
+rt = CudaRuntime(drv, KernelImage("fake (ptx)", b"// ptx", "ptx", 90), RuntimeOptions(arena_bytes=8 << 20, check_launches=True))
 up = Uploader(rt)
 a = np.random.default_rng(0).standard_normal((33, 64)).astype(np.float32)
 t = up.upload(a, "bf16"); back = from_storage(rt.read(t), "bf16")
@@ -558,7 +562,7 @@ o = g(up.upload(np.array([5]), "i32"), np.array([0], dtype=np.int32))
 o = g(up.upload(np.array([6]), "i32"), np.array([1], dtype=np.int32))
 print("captures", g.captures, "launches during capture", fake.fake_launches() - before)
 assert fake.fake_last_programmatic() == -1, "a plain launch went through cuLaunchKernelEx"
-pdl = CudaRuntime(drv, KernelImage("fake (ptx)", b"// ptx", "ptx"), RuntimeOptions(programmatic=True))
+pdl = CudaRuntime(drv, KernelImage("fake (ptx)", b"// ptx", "ptx", 90), RuntimeOptions(programmatic=True))
 pdl.launch("atlas_pdl", (5, 4, 1), (64, 1, 1), p)
 assert fake.fake_last_programmatic() == 1 and fake.fake_last_kernel() == b"atlas_pdl", "cuLaunchKernelEx"
 assert [fake.fake_last_grid(i) for i in range(3)] == [5, 4, 1]
@@ -689,7 +693,7 @@ def test_open_backend_refuses_before_allocating(
     needed = device_footprint(load_spec(model_dir), Checkpoint.open(model_dir)).total + HEADROOM_BYTES
     key = TupleKey("h200", "atlas-demo", "nvfp4")
     monkeypatch.setattr(select_mod, "select_tuple", lambda *args: select_mod.Selection(key, "cubin"))
-    monkeypatch.setattr(select_mod, "load_image", lambda *args: KernelImage("fake", b"\x7fELF", "cubin"))
+    monkeypatch.setattr(select_mod, "load_image", lambda *args: KernelImage("fake", b"\x7fELF", "cubin", 90))
     for free, fits in ((needed - 1, False), (needed, True)):
         driver = FakeDriver()
         driver.mem_get_info = lambda free=free: (free, 141 << 30)  # type: ignore[method-assign]

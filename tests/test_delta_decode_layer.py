@@ -189,7 +189,7 @@ def test_the_gpu_tests_pass_on_the_emulated_kernels(model: str, rng: np.random.G
     from atlas.targets import load_registry
 
     driver = EmulatingDriver()
-    rt = CudaRuntime(driver, KernelImage("fake/model/bf16 (cubin)", b"\x7fELF", "cubin"), RuntimeOptions(arena_bytes=16 << 20))
+    rt = CudaRuntime(driver, KernelImage("fake/model/bf16 (cubin)", b"\x7fELF", "cubin", 90), RuntimeOptions(arena_bytes=16 << 20))
     env = gpu_test.Env(model, CudaBackend(rt, use_graphs=False), dict(load_registry().models[model].constants))
     monkeypatch.setattr(gpu_test, "SAME", gpu_test.FLOOR)
     for conv_dtype in ("bf16", "f32"):

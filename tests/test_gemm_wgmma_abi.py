@@ -300,8 +300,9 @@ def test_linear_takes_the_wgmma_gemm_only_past_the_gemv_sizes(rng: np.random.Gen
         assert launch.smem == SMEM_BYTES
 
 
-def _device(cc: tuple[int, int]) -> SimpleNamespace:
-    return SimpleNamespace(info=SimpleNamespace(cc=cc))
+def _device(cc: tuple[int, int], sm: int = 90) -> SimpleNamespace:
+    """A runtime on a GPU of `cc` with a tuple built for sm_`sm` loaded."""
+    return SimpleNamespace(info=SimpleNamespace(cc=cc), image=SimpleNamespace(sm=sm, label=f"sm{sm} tuple"))
 
 
 def test_gemm_form_flag(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -314,6 +315,10 @@ def test_gemm_form_flag(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(AtlasError, match=r"ATLAS_GEMM=wgmma needs an h200.*unset ATLAS_GEMM") as err:
             ops_dense.gemm_form(_device(cc))
         assert "\n" not in str(err.value)
+    for sm in (80, 121):  # another tuple's PTX on an H200 has no wgmma kernel
+        with pytest.raises(AtlasError, match=rf"ATLAS_GEMM=wgmma needs the h200 tuple's kernels; the loaded sm{sm} "
+                                             rf"tuple is built for sm_{sm}; unset ATLAS_GEMM"):
+            ops_dense.gemm_form(_device((9, 0), sm))
     monkeypatch.setenv(ops_dense.GEMM_ENV, "tma")
     with pytest.raises(AtlasError, match=r"ATLAS_GEMM='tma' is not a prefill GEMM form"):
         ops_dense.gemm_form(_device((9, 0)))

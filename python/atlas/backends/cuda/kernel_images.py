@@ -36,4 +36,6 @@ def load_image(key: TupleKey, kind: str) -> KernelImage:
         raise AtlasError(f"the installed wheel lacks {key} ({err}); rebuild the wheel") from None
     if not data:
         raise AtlasError(f"the installed wheel's {key} has no {kind}; rebuild the wheel")
-    return KernelImage(label=f"{key} ({kind})", data=bytes(data), kind=kind)
+    from ...targets import load_registry
+
+    return KernelImage(label=f"{key} ({kind})", data=bytes(data), kind=kind, sm=load_registry().hardware[key.hw].sm)

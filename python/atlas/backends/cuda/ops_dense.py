@@ -172,10 +172,15 @@ def gemm_form(rt: CudaRuntime, form: str | None = None) -> str:
     """`form`, or with None the ATLAS_GEMM environment variable (default "mma"), checked; "wgmma"
     also against the device's compute capability. The CUDA backend reads it once, when it is built."""
     chosen = GEMM_SWITCH.read(form)
-    cc = tuple(rt.info.cc) if chosen == "wgmma" else WGMMA_CC
+    if chosen != "wgmma":
+        return chosen
+    cc = tuple(rt.info.cc)
     if cc != WGMMA_CC:
         raise AtlasError(f"{GEMM_ENV}=wgmma needs an h200/h100 GPU (compute capability 9.0), this one is "
                          f"{cc[0]}.{cc[1]}; unset {GEMM_ENV}")
+    if rt.image.sm != WGMMA_CC[0] * 10:  # another tuple's PTX JIT-compiled for this GPU: no wgmma kernel in it
+        raise AtlasError(f"{GEMM_ENV}=wgmma needs the h200 tuple's kernels; the loaded {rt.image.label} is built "
+                         f"for sm_{rt.image.sm}; unset {GEMM_ENV}, or install the h200 tuple")
     return chosen
 
 

@@ -30,6 +30,7 @@ class KernelImage:
     label: str  # e.g. "h200/qwen3.6-35b-a3b/bf16 (cubin sm_90a)"
     data: bytes
     kind: str  # "cubin" or "ptx"
+    sm: int  # the arch its tuple was built for (targets.toml): sm80's PTX has no griddepcontrol.wait, only 90 has wgmma
 
 
 # ATLAS_LAUNCH=pdl: programmatic dependent launch, opt-in until the device measures it. Each kernel's
@@ -67,7 +68,7 @@ class CudaRuntime:
         self.capturing = False
         self.programmatic = options.programmatic  # bench/decode.py sets it to time both forms
         if self.programmatic:
-            check_programmatic(driver, self.cc)
+            check_programmatic(driver, self.cc, image)
         self._functions: dict[str, Handle] = {}
         self._smem_set: dict[str, int] = {}
 
@@ -193,11 +194,16 @@ def _check_dims(kernel: str, grid: tuple[int, int, int], block: tuple[int, int, 
         raise ValueError(f"{kernel}: block {block} has {threads} threads (1..1024)")
 
 
-def check_programmatic(driver: Driver, cc: tuple[int, int]) -> None:
-    """ATLAS_LAUNCH=pdl's requirements, as one line when unmet."""
+def check_programmatic(driver: Driver, cc: tuple[int, int], image: KernelImage) -> None:
+    """ATLAS_LAUNCH=pdl's requirements, as one line when unmet. The kernels must be built for sm_90
+    or newer too: an older tuple's PTX (JIT-compiled for this GPU) has no griddepcontrol.wait, so a
+    programmatic launch could read its predecessor's output before it is written."""
     if tuple(cc) < PDL_CC:
         raise AtlasError(f"{LAUNCH_SWITCH.env}=pdl needs compute capability 9.0 or newer, this GPU is "
                          f"{cc[0]}.{cc[1]}; unset {LAUNCH_SWITCH.env}")
+    if image.sm < PDL_CC[0] * 10:
+        raise AtlasError(f"{LAUNCH_SWITCH.env}=pdl needs kernels built for sm_90 or newer; the loaded {image.label} "
+                         f"is built for sm_{image.sm}; unset {LAUNCH_SWITCH.env}, or install this GPU's own tuple")
     if not driver.programmatic:
         raise AtlasError(f"{LAUNCH_SWITCH.env}=pdl needs the cuda-bindings binding ({driver.binding} cannot launch "
                          f"with it); unset {LAUNCH_SWITCH.env} or ATLAS_CUDA_BINDING")
