@@ -155,7 +155,7 @@ class FakeDriver:
 
     def get_function(self, module: Any, name: str) -> Any:
         if not name.startswith("atlas_"):
-            raise CudaError(f"cuModuleGetFunction failed: CUDA_ERROR_NOT_FOUND")
+            raise CudaError("cuModuleGetFunction failed: CUDA_ERROR_NOT_FOUND")
         return name
 
     def set_max_dynamic_smem(self, function: Any, nbytes: int) -> None:

@@ -396,8 +396,6 @@ def argmax(rt: CudaRuntime, logits: DeviceTensor) -> DeviceTensor:
 def sample(rt: CudaRuntime, logits: DeviceTensor, params: SamplingParams, uniform: float) -> DeviceTensor:
     """Temperature 0 is greedy (argmax). The settings and `uniform` are launch parameters, so a
     sampled step is launched per token, not replayed from a captured graph."""
-    from atlas.sampling import check_sampling
-
     check_sampling(params)
     vocab = logits.shape[-1]
     _expect(logits.numel == vocab, f"sample: logits {logits.shape}, expected one row [1, V]")
