@@ -136,7 +136,7 @@ class BackgroundItem(pytest.Item):
         return self.original.reportinfo()
 
 
-def in_background() -> bool:
+def children_run_marked_tests() -> bool:
     return os.environ.get(CHILD) != "1" and os.environ.get("ATLAS_BACKGROUND", "1") != "0"
 
 
@@ -149,7 +149,7 @@ def lane_of(item: pytest.Item) -> str | None:
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """After selection (-k, -m): each marked test becomes its stand-in, moved to the end so the
     session runs everything else while the children work."""
-    if not in_background() or config.option.collectonly:
+    if not children_run_marked_tests() or config.option.collectonly:
         return
     marked = [item for item in items if lane_of(item)]
     if not marked:

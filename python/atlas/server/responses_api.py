@@ -16,7 +16,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .answer import AnswerShaper
+from .answer import AnswerShaper, Part
 from .choices import whole_text
 from .errors import RequestError
 from .tools import ToolCall
@@ -350,8 +350,10 @@ class ResponseStream:
         return [self.meta.event("response.created", response=pending), self.meta.event("response.in_progress", response=pending)]
 
     def push(self, text: str) -> list[str]:
-        parts = self.shaper.push(text) if self.shaper is not None else [("content", text)]
-        return [line for kind, part in parts for line in self.part(kind, part)]
+        return self.parts(self.shaper.push(text) if self.shaper is not None else [("content", text)])
+
+    def parts(self, parts: list[Part]) -> list[str]:
+        return [line for kind, text in parts for line in self.part(kind, text)]
 
     def part(self, kind: str, text: str) -> list[str]:
         item = "reasoning" if kind == "reasoning_content" else "message"
@@ -386,7 +388,7 @@ class ResponseStream:
 
     def finish(self, finished: Finished) -> list[str]:
         parts, calls = self.shaper.finish() if self.shaper is not None else ([], [])
-        lines = [line for kind, part in parts for line in self.part(kind, part)]
+        lines = self.parts(parts)
         if not self.done and self.open is None and not calls:
             lines += self.begin("message")  # an empty answer is still one (empty) message
         lines += self.close()
@@ -413,7 +415,7 @@ class ResponseStream:
         """A background response cancelled midway: the item being written closes as it stands and the
         response is stored as cancelled (the API has no event for it: a follower's stream just ends)."""
         parts = self.shaper.finish()[0] if self.shaper is not None else []  # text it held back; no calls
-        lines = [line for kind, part in parts for line in self.part(kind, part)] + self.close("incomplete")
+        lines = self.parts(parts) + self.close("incomplete")
         self.meta.final("cancelled", self.done, None)
         return lines
 
