@@ -186,6 +186,37 @@ def test_quant_linear_zero_tail_rows(gpu: tuple[Any, str, dict[str, int]], rng: 
         check_bound(f"{fmt} ragged linear T={tokens}", out, x @ dense.T, bf16_round(x) @ bf16_round(dense).T)
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_fp8_every_code_decodes_as_float8_e4m3fn(model: str, rng: np.random.Generator) -> None:
+    """Weight row r holds code r in column c (other columns random finite codes, times a zero
+    activation): each of the 256 codes, NaN codes 0x7f / 0xff included, must come out as ml_dtypes'
+    float8_e4m3fn reads it, on the decode (1 token) and tensor-core (33 tokens) paths."""
+    import ml_dtypes
+
+    from atlas.backends.cuda import ops_quant
+    from atlas.backends.cuda.quant_weights import from_fp8_block, upload
+
+    backend, _, _ = open_tuple(model, "fp8")
+    k = 48
+    finite = np.array([c for c in range(256) if c & 0x7F != 0x7F], dtype=np.uint8)
+    codes = rng.choice(finite, size=(256, k))  # [N, K]
+    column = int(rng.integers(0, k))
+    codes[:, column] = np.arange(256)
+    block_scale = np.exp2(rng.integers(-2, 3, size=(2, 1))).astype(np.float32)  # [N / 128, 1]
+    device_w = upload(backend.uploader, from_fp8_block(codes, block_scale))
+    values = codes[:, column].view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.repeat(block_scale[:, 0], 128)
+    for tokens in (1, 33):
+        x = np.zeros((tokens, k), dtype=np.float32)  # [T, K]
+        x[:, column] = np.exp2(rng.integers(-3, 4, size=tokens))
+        out = run(backend, lambda rt: ops_quant.linear(rt, backend.upload(x, "f32"), device_w))  # [T, N]
+        expected = x[:, column:column + 1] * values[None, :]
+        nan = np.isnan(expected)
+        assert nan.sum() == 2 * tokens, "the reference lost its NaN codes"
+        assert np.isnan(out[nan]).all(), f"T={tokens}: NaN codes read as {np.unique(out[nan])}"
+        wrong = sorted({int(c) for c in np.nonzero((out != expected) & ~nan)[1]})
+        assert not wrong, f"T={tokens}: codes {[hex(c) for c in wrong[:8]]} decode wrong"
+
+
 def demo_backend_or_skip(fmt: str) -> Any:
     try:
         from atlas.backends.cuda.select import open_backend_for_model

@@ -15,8 +15,8 @@
 //
 // Decoding goes through f16, whose exponent bias keeps every code exact:
 //   e4m3: cvt.rn.f16x2.e4m3x2 on sm_89+; before that, the 7 magnitude bits placed at f16 bit 7
-//         (exponent field 0eeee) give value * 2^-8 for normals and subnormals alike, then * 2^8.
-//         (The NaN code 0x7f decodes to 480; quantizers never emit it.)
+//         (exponent field 0eeee) give value * 2^-8 for normals and subnormals alike, then * 2^8;
+//         e4m3 has no infinities, so magnitude 0x7f (which that reads as 480) is set to NaN apart.
 //   e2m1: the 3 magnitude bits placed at f16 bit 9 give value * 2^-14 (subnormal for code 1);
 //         chunk scales carry the 2^14 back, so raw values are e2m1 * 2^-14.
 // No table lookups: a per-lane table index would serialise constant-memory reads or spill a
@@ -50,7 +50,9 @@ __device__ __forceinline__ uint32_t e4m3x2_to_half2(uint16_t pair) {
   const uint32_t w = static_cast<uint32_t>(pair & 0xffu) | (static_cast<uint32_t>(pair >> 8) << 16);
   const uint32_t bits = ((w & 0x007f007fu) << 7) | ((w & 0x00800080u) << 8);  // value * 2^-8
   const __half2 scaled = __hmul2(*reinterpret_cast<const __half2*>(&bits), __float2half2_rn(256.0f));
-  return *reinterpret_cast<const uint32_t*>(&scaled);
+  const uint32_t nan_lo = (pair & 0x007fu) == 0x007fu ? 0x0000ffffu : 0u;  // f16 0xffff: NaN
+  const uint32_t nan_hi = (pair & 0x7f00u) == 0x7f00u ? 0xffff0000u : 0u;
+  return *reinterpret_cast<const uint32_t*>(&scaled) | nan_lo | nan_hi;
 #endif
 }
 
