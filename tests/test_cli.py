@@ -202,6 +202,7 @@ def one_error_line(code: int, err: str) -> str:
         (["--presence-penalty", "3"], "--presence-penalty"),
         (["--repetition-penalty", "0"], "--repetition-penalty"),
         (["--min-p", "1.5"], "--min-p"),
+        (["--reasoning-budget", "-2"], "--reasoning-budget"),
         (["--logit-bias", "7"], "--logit-bias"),
         (["--logit-bias", "7=1000", "--device", "cpu"], "logit_bias of token 7 must be a number in [-100, 100]"),
         (["--logit-bias", "600=1", "--device", "cpu"], "logit_bias token id 600 is outside the vocabulary"),
@@ -386,6 +387,21 @@ def test_chat_template_kwargs(tmp_path: Path) -> None:
     for bad in ("{shout", '["shout"]', '{"messages": []}'):
         done = run_cli("--chat", "--chat-template-kwargs", bad)
         assert done.returncode == 2 and "--chat-template-kwargs" in done.stderr, done.stderr
+
+
+def test_reasoning_budget_flag(capsys: pytest.CaptureFixture[str], rng: np.random.Generator) -> None:
+    """--reasoning-budget N: a prompt that opens a reasoning block gets LLM's text with that budget
+    (the block closed after N tokens); -1 (the default) caps nothing."""
+    from atlas.llm import LLM
+
+    budget = int(rng.integers(0, 6))
+    capsys.readouterr()
+    for flag, cap in ((budget, budget), (-1, None)):
+        assert main(["--prompt", "Flat is<think>\n", "--max-tokens", "16", "--device", "cpu",
+                     "--reasoning-budget", str(flag)]) == 0
+        expected = LLM(device="cpu").generate("Flat is<think>\n", max_tokens=16, thinking_token_budget=cap)
+        assert capsys.readouterr().out == expected.text + "\n"
+        assert ("</think>" in expected.text) == (cap is not None)
 
 
 def test_prompt_file(tmp_path: Path) -> None:

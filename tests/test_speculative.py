@@ -398,6 +398,25 @@ def test_token_rules_speculate_and_equal_plain(demo_mtp: Path, rng: np.random.Ge
     assert result.spec_rounds > 0 and result.text == plain.generate(DEMO_PROMPT, **opts).text
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_thinking_budget_speculates_and_equals_plain(demo_mtp: Path, rng: np.random.Generator, temperature: float) -> None:
+    """A thinking budget's closing tokens are forced, not picked: they take their verify rows'
+    places (greedy: in the one argmax over the rows), and speculation gives the plain engine's
+    tokens, the closing among them."""
+    from atlas.llm import LLM
+    from atlas.thinking_budget import CLOSING
+
+    spec, plain = LLM(str(demo_mtp), "cpu", spec_k=int(rng.integers(1, 4))), LLM(str(demo_mtp), "cpu", spec_k=0)
+    tokenizer = Tokenizer.open(demo_mtp)
+    prompt = tokenizer.encode(DEMO_PROMPT + "<think>\n")
+    opts = {"max_tokens": 30, "temperature": temperature, "seed": int(rng.integers(1 << 30)),
+            "thinking_token_budget": int(rng.integers(0, 12))}
+    result = spec.generate(prompt, **opts)
+    assert result.spec_rounds > 0 and result.token_ids == plain.generate(prompt, **opts).token_ids
+    assert tokenizer.decode(tokenizer.encode(CLOSING, add_special_tokens=False)) in result.text
+    assert "".join(spec.stream(prompt, **opts)) == result.text
+
+
 def test_iter_tokens_counts_the_speculation_it_runs(demo_mtp: Path, rng: np.random.Generator) -> None:
     """The server's loop (llm.iter_tokens) reports verify passes and drafts in the SpecStats it is
     given (what /metrics counts), with generate()'s tokens."""

@@ -305,6 +305,10 @@ class Engine:
         history, when None); only structured output reads the logits back to pick on the host."""
         if penalties is None and sampling.adjusts_logits:
             penalties = Penalties([])
+        if penalties is not None and (forced := penalties.forced()) is not None:
+            token_t = self.backend.upload(np.array([forced], dtype=np.int32), "i32")
+            penalties.add(forced, token_t)
+            return forced, token_t
         uniform = draw_uniform(rng) if sampling.temperature else 0.0
         if penalties is not None and sampling.adjusts_logits:
             logits = penalties.apply(self.backend, logits, sampling)  # [1, V]

@@ -72,6 +72,7 @@ class GenerateOptions:
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these ids may be picked
     bad_words: tuple[str, ...] = ()  # vLLM's: no text ends with one of these words' tokens
+    thinking_token_budget: int | None = None  # vLLM's: the reasoning block's most tokens (atlas.thinking_budget)
 
 
 class EngineLike(Protocol):
@@ -202,7 +203,7 @@ class LLM:
         complete; `options`: generate_options()'s (max_tokens, temperature, top_k, top_p, seed,
         chat, logprobs, prompt_logprobs, min_p, presence_penalty, frequency_penalty,
         repetition_penalty, min_tokens, stop, logit_bias, json_object, json_schema, regex, choice,
-        grammar, output_after)."""
+        grammar, output_after, thinking_token_budget)."""
         opts = generate_options(**options)
         if not is_batch(prompt):
             return self.generate_with(self.prepare(prompt, opts), opts, on_text)  # type: ignore[arg-type]
@@ -234,7 +235,7 @@ class LLM:
         watch = on_text is not None or bool(opts.stop)
         request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, eos_ids,
                                     emit if watch else None, opts.logprobs, opts.prompt_logprobs,
-                                    self.output_constraint(opts, eos_ids))
+                                    self.output_constraint(opts, eos_ids, prompt_ids))
         stats = self.parts.engine.run(request)
         if watch and (rest := out.flush()):
             pieces.append(rest)
@@ -302,7 +303,7 @@ class LLM:
         prompt_ids = self.prepare(prompt, opts)
         eos_ids = self.eos_ids()
         out = OutputText(self.parts.tokenizer, opts, opts.stop, eos_ids)
-        for token in iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids, constraint=self.output_constraint(opts, eos_ids)):
+        for token in iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids, constraint=self.output_constraint(opts, eos_ids, prompt_ids)):
             if piece := out.push(token):
                 yield piece
             if out.stopped:
@@ -331,21 +332,39 @@ class LLM:
         check_length(self.parts.spec, self.parts.engine, len(prompt_ids), opts.max_tokens)
         return prompt_ids
 
-    def output_constraint(self, opts: GenerateOptions, end_ids: set[int]) -> TokenConstraint | None:
+    def output_constraint(self, opts: GenerateOptions, end_ids: set[int], prompt_ids: list[int]) -> TokenConstraint | None:
         """The per-generation rule of the picks when opts give one (end_ids: what may end the
-        text): structured output, allowed_token_ids, bad_words, or all of those given."""
+        text): structured output, allowed_token_ids, bad_words, a thinking budget, or all of
+        those given."""
         from .structured import OutputConstraint, TokenConstraint
         from .token_rules import AllConstraints, AllowedTokens, BadWords, bad_word_sequences
 
         tokenizer = self.parts.tokenizer
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         parts: list[TokenConstraint] = [OutputConstraint(tokenizer.token_bytes, end_ids, opts.output.shape())] \
             if opts.output is not None else []
         if opts.allowed_token_ids is not None:
             parts.append(AllowedTokens(opts.allowed_token_ids))
         if opts.bad_words:
-            encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
             parts.append(BadWords(bad_word_sequences(opts.bad_words, encode)))
+        if opts.thinking_token_budget is not None:
+            parts.append(self.thinking_budget(opts.thinking_token_budget, prompt_ids))
         return None if not parts else parts[0] if len(parts) == 1 else AllConstraints(parts)
+
+    def thinking_budget(self, budget: int, prompt_ids: list[int]) -> TokenConstraint:
+        """atlas.thinking_budget's cap for one generation after prompt_ids."""
+        from .thinking_budget import CLOSING, END, START, ThinkingBudget, prompt_opens_block
+
+        tokenizer = self.parts.tokenizer
+        table = tokenizer.token_bytes
+        tags = {i: tag for tag in (START, END) if (i := tokenizer.backend.token_to_id(tag.decode())) is not None}
+
+        def text_bytes(token: int) -> bytes:  # a tag's bytes also when it is a special token
+            return tags.get(token) or (table[token] if 0 <= token < len(table) else None) or b""
+
+        prompt = b"".join(text_bytes(t) for t in prompt_ids[-64:])
+        closing = tokenizer.encode(CLOSING, add_special_tokens=False)
+        return ThinkingBudget(budget, text_bytes, closing, prompt_opens_block(prompt))
 
     def eos_ids(self) -> set[int]:
         """The config's eos ids (generation_config.json first); else the tokenizer's eos."""
@@ -516,6 +535,7 @@ def generate_options(
     truncate_prompt_tokens: int | None = None,
     allowed_token_ids: Sequence[int] | None = None,
     bad_words: Sequence[str] = (),
+    thinking_token_budget: int | None = None,
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. logprobs (0..20): each token's
     log-probability and that many most likely alternatives (the model's distribution before
@@ -535,8 +555,9 @@ def generate_options(
     the text stays out); include_stop_str_in_output: the stop string that ends the text stays at its
     end; truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the context holds);
     allowed_token_ids: only these ids may be picked; bad_words: no text ends with one of these words
-    (vLLM's five; the last two pick on the host, as structured output does). Values are checked by
-    LLM.prepare."""
+    (vLLM's five; the last two pick on the host, as structured output does); thinking_token_budget:
+    the most tokens of a reasoning block before "</think>" is written for the model (vLLM's;
+    atlas.thinking_budget). Values are checked by LLM.prepare."""
     from .structured import OutputFormat
     from .sampling import logit_bias_pairs
 
@@ -545,7 +566,8 @@ def generate_options(
                             logit_bias_pairs(logit_bias))
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
                            stop_strings(stop), output, skip_special_tokens, include_stop_str_in_output,
-                           truncate_prompt_tokens, as_tuple(allowed_token_ids), as_tuple(bad_words))
+                           truncate_prompt_tokens, as_tuple(allowed_token_ids), as_tuple(bad_words),
+                           thinking_token_budget)
 
 
 def as_tuple(value: Any) -> Any:
@@ -573,6 +595,7 @@ def check_prompt_cache(checkpoints: object) -> None:
 
 def check_options(opts: GenerateOptions) -> None:
     from .sampling import check_logprobs, check_sampling, is_int, is_real
+    from .thinking_budget import check_budget
 
     check_logprobs(opts.logprobs)
     check_logprobs(opts.prompt_logprobs)
@@ -598,6 +621,7 @@ def check_options(opts: GenerateOptions) -> None:
         raise AtlasError(f"truncate_prompt_tokens must be an integer >= 1 (or -1: as many as the context holds), got {keep!r}")
     if opts.output is not None:
         opts.output.shape()  # compiled (and kept) now: a format generation cannot follow fails here
+    check_budget(opts.thinking_token_budget)
     check_sampling(sampling_params(opts))
 
 

@@ -62,6 +62,7 @@ class RunArgs:
     choice: tuple[str, ...]  # --choice (repeated): the output is one of these
     grammar: str | None  # --grammar: GBNF rules whose root derives the output
     grammar_file: str | None  # --grammar-file: the same from a file
+    reasoning_budget: int  # --reasoning-budget: a reasoning block's most tokens (-1: no cap)
     engine: EngineFlags
     extras: SamplingExtras
 
@@ -160,7 +161,8 @@ def run_options(args: RunArgs, vocab: int) -> GenerateOptions:
     output = OutputFormat.of(args.json_object, read_schema(args.json_schema), args.regex, args.choice or None,
                              grammar=read_grammar(args))
     opts = GenerateOptions(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat,
-                           extras=args.extras, stop=stop_strings(list(args.stop)), output=output)
+                           extras=args.extras, stop=stop_strings(list(args.stop)), output=output,
+                           thinking_token_budget=None if args.reasoning_budget < 0 else args.reasoning_budget)
     check_options(opts)
     check_logit_bias_ids(sampling_params(opts), vocab)
     return opts
@@ -238,6 +240,9 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 @click.option("--grammar", default=None,
               help="The output is what this GBNF grammar's root rule derives (llama.cpp's syntax; docs/structured-output.md).")
 @click.option("--grammar-file", metavar="FILE", default=None, help="--grammar's rules from a file (e.g. a .gbnf).")
+@click.option("--reasoning-budget", type=click.IntRange(min=-1), default=-1, show_default=True,
+              help="A thinking model's reasoning block gets at most this many tokens, then is closed for it "
+                   "(-1: no cap; llama.cpp's flag, vLLM's thinking_token_budget).")
 @click.option("--logit-bias", type=LogitBiasEntry(), multiple=True,
               help="Add BIAS (-100..100; -100 bans the token) to TOKEN_ID's logit; repeatable.")
 @engine_options

@@ -147,6 +147,10 @@ class Penalties:
     def count(self) -> int:
         return len(self.generated)
 
+    def forced(self) -> int | None:
+        """The next token when the constraint forces one (no pick, no draw)."""
+        return None if self.constraint is None else self.constraint.forced()
+
     def add(self, token: int, token_t: Tensor | None = None) -> None:
         """Record a pick; `token_t` its [1] i32 tensor on the backend (uploaded when None)."""
         if self.constraint is not None:

@@ -99,6 +99,21 @@ class Picks:
     def greedy(cls) -> Picks:
         return cls(SamplingParams(), np.random.default_rng(0))  # argmax: no draws
 
+    def follow(self, drafts: list[int], greedy: list[int]) -> list[int]:
+        """Raw greedy's picks from each row's argmax (greedy[i] follows drafts[:i]): the drafts
+        they agree with, then the first that differs; a token the pick state forces (a thinking
+        budget's closing) takes its row's place."""
+        if self.penalties is None:
+            return greedy[: accepted_prefix(drafts, greedy) + 1]
+        chosen: list[int] = []
+        for i, best in enumerate(greedy[: len(drafts) + 1]):
+            forced = self.penalties.forced()
+            chosen.append(best if forced is None else forced)
+            self.penalties.add(chosen[-1])
+            if i == len(drafts) or chosen[-1] != drafts[i]:
+                break
+        return chosen
+
 
 def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
     """How many drafts match the main model's greedy tokens (greedy[i] follows drafts[:i])."""
@@ -219,7 +234,7 @@ class SpeculativeEngine(Engine):
         logits = self.model.logits(Step(self.backend, positions, self.dump), hidden)  # [T, V]
         if picks.sampling.raw_greedy:
             greedy = [int(t) for t in self.backend.to_numpy(self.backend.argmax(logits))][skip:]
-            chosen = greedy[: accepted_prefix(drafts, greedy) + 1]
+            chosen = picks.follow(drafts, greedy)
         else:
             chosen = []
             for i in range(len(drafts) + 1):

@@ -128,6 +128,10 @@ class TokenConstraint:
     def advance(self, token: int) -> None:
         """The pick was `token`."""
 
+    def forced(self) -> int | None:
+        """The token that must come next without a pick (atlas.thinking_budget's closing), if any."""
+        return None
+
     def first_allowed(self, ids: np.ndarray) -> int | None:
         """The first allowed token of ids (most likely first, -1 ends the list), if any: greedy()
         from a backend's top_ids without reading the row back."""

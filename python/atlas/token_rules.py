@@ -65,6 +65,11 @@ class AllConstraints(TokenConstraint):
         for part in self.parts:
             part.advance(token)
 
+    def forced(self) -> int | None:
+        """A part's forced token, unless another part forbids it (that part wins)."""
+        token = next((t for part in self.parts if (t := part.forced()) is not None), None)
+        return token if token is not None and self.allows(token) else None
+
 
 def bad_word_sequences(words: Iterable[str], encode: object) -> list[list[int]]:
     """Each word's tokens, alone and after a space (the two ways a tokenizer meets a word in text)."""

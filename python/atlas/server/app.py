@@ -532,7 +532,8 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
                            prompt_logprobs=prompt_logprobs, extras=s.extras, output=output,
                            skip_special_tokens=body.text.skip_special_tokens,
                            include_stop_str_in_output=body.text.include_stop_str_in_output,
-                           allowed_token_ids=s.allowed_token_ids, bad_words=s.bad_words)
+                           allowed_token_ids=s.allowed_token_ids, bad_words=s.bad_words,
+                           thinking_token_budget=s.thinking_token_budget)
 
 
 def echo_scores(body: GenerationBody, max_tokens: int) -> int | None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from ..sampling import is_int
 from .answer import AnswerShaper
 from .choices import whole_text
 from .errors import RequestError
@@ -66,6 +67,8 @@ def chat_request(body: Any, counting: bool = False, template_defaults: dict[str,
     if body.get("output_config") is not None:
         chat.update(output_format(body["output_config"]))
     kwargs = {**template_kwargs(body), **thinking_kwargs(body.get("thinking"))}
+    if isinstance(thinking := body.get("thinking"), dict) and thinking["type"] == "enabled":
+        chat["thinking_token_budget"] = thinking["budget_tokens"]
     if "enable_thinking" not in kwargs and "enable_thinking" not in (template_defaults or {}):
         kwargs["enable_thinking"] = False  # Anthropic's: no thinking unless asked for
     if kwargs:
@@ -81,12 +84,18 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def thinking_kwargs(value: Any) -> dict[str, Any]:
-    """`thinking` -> the chat template's enable_thinking (Qwen's); a budget is not enforced."""
+    """`thinking` -> the chat template's enable_thinking (Qwen's); an enabled block's
+    budget_tokens caps it (chat_request passes it on as thinking_token_budget). Any budget >= 1
+    is taken (Anthropic's API asks for >= 1024: small models think in fewer)."""
     if value is None:
         return {}
     if not isinstance(value, dict) or value.get("type") not in ("enabled", "adaptive", "disabled"):
         raise RequestError("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"adaptive\"} "
                            "or {\"type\": \"disabled\"}", "thinking")
+    budget = value.get("budget_tokens")
+    if value["type"] == "enabled" and (not is_int(budget) or budget < 1):
+        raise RequestError(f"'thinking.budget_tokens' must be an integer >= 1 (the most tokens of thinking), got {budget!r}",
+                           "thinking.budget_tokens")
     return {"enable_thinking": value["type"] != "disabled"}
 
 

@@ -130,6 +130,7 @@ class SamplingFields:
     extras: SamplingExtras  # min_p, presence / frequency / repetition penalties
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these may be picked
     bad_words: tuple[str, ...] = ()  # vLLM's: no text ends with one of these words
+    thinking_token_budget: int | None = None  # vLLM's: the reasoning block's most tokens
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,7 @@ def parse_sampling(body: dict[str, Any], echo: bool = False) -> SamplingFields:
         extras=parse_extras(body),
         allowed_token_ids=parse_allowed_token_ids(body.get("allowed_token_ids")),
         bad_words=parse_bad_words(body.get("bad_words")),
+        thinking_token_budget=optional_int(body, "thinking_token_budget", minimum=0),
     )
 
 

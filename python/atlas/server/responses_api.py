@@ -24,7 +24,7 @@ from .worker import Event, Finished, TextPiece
 
 PASSED_THROUGH = ("model", "temperature", "top_p", "stream", "tool_choice", "parallel_tool_calls", "seed", "top_k",
                   "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logit_bias",
-                  "min_tokens", "chat_template_kwargs")  # vLLM takes its sampling extras here too
+                  "min_tokens", "chat_template_kwargs", "thinking_token_budget")  # vLLM takes its sampling extras here too
 REFUSED = {"conversation": "conversations are not stored here: use previous_response_id, or send the whole "
                            "conversation in 'input'"}
 RENAMED_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}

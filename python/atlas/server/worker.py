@@ -204,7 +204,7 @@ def generate(llm: LLM, job: Job) -> Finished:
     prompt_scores: list[TokenLogprob | None] = []
     count = 0
     last_token = -1
-    constraint = llm.output_constraint(job.opts, eos_ids)
+    constraint = llm.output_constraint(job.opts, eos_ids, job.prompt_ids)
     spec = SpecStats()
     echo = job.returns.echo
     tokens = iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, pending.scores, prompt_scores, constraint, spec)

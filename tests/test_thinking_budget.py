@@ -1,0 +1,237 @@
+"""The thinking budget (atlas.thinking_budget): the cap's state machine on a made-up vocabulary
+(tags split across tokens, characters split across tokens, a rule that forbids the closing), the
+demo model closing its block after the budget (greedy and sampled, the forced tokens fed to the
+model as its own), and the budget through /v1/chat/completions and the Messages API."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atlas import LLM
+from atlas.errors import AtlasError
+from atlas.thinking_budget import CLOSING, UTF8_WAIT, ThinkingBudget, check_budget
+from atlas.token_rules import AllConstraints, AllowedTokens
+from _demo_copy import demo_copy
+from test_reasoning import THINKING_TEMPLATE
+
+# A made-up vocabulary: plain text, characters split across tokens, the tags whole and in pieces.
+PLAIN = [b"a", b" the", b"\n", b"\n\n", b"ok."]
+SPLIT_CHARS = [b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"\xf0\x9f", b"\x98\x80", "é".encode()]
+TAGS = [b"<think>", b"</think>", b"<th", b"ink>", b"</", b"think>"]
+VOCAB = PLAIN + SPLIT_CHARS + TAGS
+ID = {piece: i for i, piece in enumerate(VOCAB)}
+CLOSING_IDS = [ID[b"\n"], ID[b"</think>"], ID[b"\n\n"]]
+
+
+def budget_of(budget: int, opened: bool) -> ThinkingBudget:
+    return ThinkingBudget(budget, lambda t: VOCAB[t], CLOSING_IDS, opened)
+
+
+def run(cap: Any, picks: Iterator[int], steps: int) -> list[int]:
+    """`steps` tokens: each the cap's forced one, else the next of `picks`."""
+    out = []
+    for _ in range(steps):
+        forced = cap.forced()
+        out.append(forced if forced is not None else next(picks))
+        cap.advance(out[-1])
+    return out
+
+
+def plain_picks(rng: np.random.Generator) -> Iterator[int]:
+    while True:
+        yield ID[PLAIN[int(rng.integers(len(PLAIN)))]]
+
+
+def closing_at(tokens: list[int]) -> int:
+    """Where the closing sequence starts in tokens (-1: nowhere)."""
+    n = len(CLOSING_IDS)
+    return next((i for i in range(len(tokens) - n + 1) if tokens[i:i + n] == CLOSING_IDS), -1)
+
+
+def test_an_opened_block_closes_after_the_budget(rng: np.random.Generator) -> None:
+    for budget in [0, 1, *rng.integers(2, 40, size=4).tolist()]:
+        tokens = run(budget_of(budget, opened=True), plain_picks(rng), budget + 20)
+        assert closing_at(tokens) == budget, (budget, tokens)
+        assert closing_at(tokens[budget + 1:]) == -1, "forced twice"
+
+
+def test_the_text_opens_the_block_with_a_split_tag(rng: np.random.Generator) -> None:
+    budget = int(rng.integers(1, 10))
+    lead = [ID[b"a"], ID[b"<th"]]
+    picks = iter([*lead, ID[b"ink>"], *[ID[b" the"]] * 40])
+    tokens = run(budget_of(budget, opened=False), picks, budget + 10)
+    assert closing_at(tokens) == len(lead) + 1 + budget  # counted from the token after the tag
+    idle = run(budget_of(budget, opened=False), plain_picks(rng), budget + 30)
+    assert closing_at(idle) == -1, "no block was opened, yet it was closed"
+
+
+def test_a_block_the_text_closes_is_left_alone(rng: np.random.Generator) -> None:
+    """</think> written in two pieces before the budget: nothing is forced, and a later <think>
+    opens no second capped block."""
+    budget = int(rng.integers(4, 10))
+    picks = iter([ID[b"a"], ID[b"</"], ID[b"think>"], ID[b"<think>"], *[ID[b"a"]] * 60])
+    tokens = run(budget_of(budget, opened=True), picks, budget + 40)
+    assert closing_at(tokens) == -1
+
+
+@pytest.mark.parametrize("char", [[b"\xc3", b"\xa9"], [b"\xe2\x82", b"\xac"], [b"\xf0\x9f", b"\x98\x80"]])
+def test_the_closing_waits_for_a_character(char: list[bytes], rng: np.random.Generator) -> None:
+    budget = int(rng.integers(2, 10))
+    picks = iter([*[ID[b"a"]] * (budget - 1), ID[char[0]], ID[char[1]], *[ID[b"a"]] * 20])
+    tokens = run(budget_of(budget, opened=True), picks, budget + 10)
+    assert closing_at(tokens) == budget + 1  # after the character's last piece
+    lone_leads = iter([*[ID[b"a"]] * (budget - 1), *[ID[b"\xf0\x9f"]] * 20])  # never finishes: the wait is bounded
+    assert closing_at(run(budget_of(budget, opened=True), lone_leads, budget + 10)) == budget + UTF8_WAIT
+
+
+def test_random_text_closes_within_the_wait_on_a_whole_character(rng: np.random.Generator) -> None:
+    """Any mix of plain and split characters: the closing comes at budget + w (w <= UTF8_WAIT) and,
+    unless the wait ran out, after a whole character."""
+    pieces = PLAIN + SPLIT_CHARS
+    for _ in range(50):
+        budget = int(rng.integers(0, 30))
+        picks = (ID[pieces[int(rng.integers(len(pieces)))]] for _ in iter(int, 1))
+        tokens = run(budget_of(budget, opened=True), picks, budget + UTF8_WAIT + len(CLOSING_IDS) + 2)
+        at = closing_at(tokens)
+        assert budget <= at <= budget + UTF8_WAIT, (budget, tokens)
+        text = b"".join(VOCAB[t] for t in tokens[:at])
+        assert at == budget + UTF8_WAIT or ends_whole(text), (budget, text)
+
+
+def ends_whole(text: bytes) -> bool:
+    """The character the text's last lead (or ASCII) byte starts has all its bytes (earlier
+    broken ones are the random draw's)."""
+    tail = text[-4:]
+    starts = [i for i, byte in enumerate(tail) if byte < 0x80 or byte >= 0xC0]
+    if not starts:
+        return True
+    byte = tail[starts[-1]]
+    need = 1 if byte < 0x80 else 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+    return len(tail) - starts[-1] >= need
+
+
+def test_a_rule_that_forbids_the_closing_wins(rng: np.random.Generator) -> None:
+    """Structured output from the first token (here allowed_token_ids without the closing's ids):
+    nothing is forced and the cap gives way."""
+    cap = budget_of(0, opened=True)
+    both = AllConstraints([cap, AllowedTokens([ID[b"a"], ID[b" the"]])])
+    assert cap.forced() == CLOSING_IDS[0] and both.forced() is None
+    both.advance(ID[b"a"])
+    assert cap.forced() is None and both.forced() is None
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_bad_budget(bad: object) -> None:
+    with pytest.raises(AtlasError, match="thinking_token_budget must be an integer >= 0"):
+        check_budget(bad)
+
+
+# --- the demo model ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def thinking_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return demo_copy(tmp_path_factory.mktemp("budget") / "demo", THINKING_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def llm(thinking_dir: Path) -> LLM:
+    return LLM(str(thinking_dir), device="cpu", prompt_cache=0)
+
+
+def ask_demo(llm: LLM, rng: np.random.Generator, **options: Any) -> tuple[list[int], list[int]]:
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Beautiful is"}], True, None)
+    return prompt, llm.generate(prompt, **options).token_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_demo_closes_its_block_and_answers_on(llm: LLM, rng: np.random.Generator, temperature: float) -> None:
+    """The closing comes after the budget (sampled: within the wait for a character), and the
+    answer after it is what the model writes after those tokens as a prompt: the forced tokens
+    went through the model."""
+    closing = llm.tokenizer.encode(CLOSING, add_special_tokens=False)
+    budget = int(rng.integers(0, 12))
+    seed = int(rng.integers(1 << 30))
+    prompt, tokens = ask_demo(llm, rng, max_tokens=budget + len(closing) + 10, thinking_token_budget=budget,
+                              temperature=temperature, seed=seed)
+    at = next(i for i in range(len(tokens)) if tokens[i:i + len(closing)] == closing)
+    assert budget <= at <= budget + (UTF8_WAIT if temperature else 0), (budget, tokens)
+    fed = at + len(closing)
+    if temperature == 0:
+        assert llm.generate(prompt + tokens[:fed], max_tokens=len(tokens) - fed).token_ids == tokens[fed:]
+        free = llm.generate(prompt, max_tokens=len(tokens)).token_ids
+        assert free[:at] == tokens[:at] and free != tokens
+
+
+def test_demo_without_an_open_block_is_not_capped(llm: LLM) -> None:
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Flat is"}], True, {"enable_thinking": False})
+    free = llm.generate(prompt, max_tokens=20)
+    assert llm.generate(prompt, max_tokens=20, thinking_token_budget=2).token_ids == free.token_ids
+
+
+def test_demo_stream_equals_generate(llm: LLM, rng: np.random.Generator) -> None:
+    budget = int(rng.integers(1, 8))
+    prompt, tokens = ask_demo(llm, rng, max_tokens=20, thinking_token_budget=budget)
+    assert "".join(llm.stream(prompt, max_tokens=20, thinking_token_budget=budget)) == llm.tokenizer.decode(tokens)
+
+
+# --- the server -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(thinking_dir: Path) -> Iterator[Any]:
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from atlas.demo import DEMO_NAME
+    from atlas.server.app import ServerState, create_app
+    from atlas.server.worker import EngineWorker
+
+    worker = EngineWorker(lambda: LLM(str(thinking_dir), device="cpu", prompt_cache=0))
+    served = worker.start()
+    try:
+        yield TestClient(create_app(ServerState(DEMO_NAME, worker, served, reasoning_parser="qwen3")))  # type: ignore[arg-type]
+    finally:
+        worker.stop()
+
+
+def chat(server: Any, **fields: Any) -> Any:
+    from atlas.demo import DEMO_NAME
+
+    return server.post("/v1/chat/completions", json={
+        "model": DEMO_NAME, "messages": [{"role": "user", "content": "Beautiful is"}], "max_tokens": 24,
+        "temperature": 0, **fields})
+
+
+def test_chat_completion_reasoning_holds_the_budget(server: Any, llm: LLM, rng: np.random.Generator) -> None:
+    budget = int(rng.integers(1, 10))
+    answer = chat(server, thinking_token_budget=budget)
+    assert answer.status_code == 200, answer.text
+    message = answer.json()["choices"][0]["message"]
+    prompt, tokens = ask_demo(llm, rng, max_tokens=24, thinking_token_budget=budget)
+    assert message["reasoning_content"] == llm.tokenizer.decode(tokens[:budget]) + "\n"
+    assert message["content"] == llm.tokenizer.decode(tokens).split("</think>", 1)[1].lstrip("\n")
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "4", True])
+def test_chat_completion_bad_budget(server: Any, bad: object) -> None:
+    answer = chat(server, thinking_token_budget=bad)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "thinking_token_budget", answer.text
+
+
+def test_messages_thinking_block_holds_budget_tokens(server: Any, llm: LLM, rng: np.random.Generator) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    from atlas.demo import DEMO_NAME
+
+    client = anthropic.Anthropic(base_url="http://testserver", api_key="none", http_client=server, max_retries=0)
+    budget = int(rng.integers(1, 10))
+    message = client.messages.create(model=DEMO_NAME, max_tokens=24, messages=[{"role": "user", "content": "Beautiful is"}],
+                                     thinking={"type": "enabled", "budget_tokens": budget}, extra_body={"temperature": 0})
+    _, tokens = ask_demo(llm, rng, max_tokens=24, thinking_token_budget=budget)
+    assert message.content[0].type == "thinking"
+    assert message.content[0].thinking == llm.tokenizer.decode(tokens[:budget]) + "\n"
+    for thinking in ({"type": "enabled"}, {"type": "enabled", "budget_tokens": 0}, {"type": "enabled", "budget_tokens": "9"}):
+        with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+            client.messages.create(model=DEMO_NAME, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                                   thinking=thinking)  # type: ignore[arg-type]
