@@ -5,7 +5,7 @@ model as its own), and the budget through /v1/chat/completions and the Messages 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
