@@ -235,3 +235,21 @@ def test_messages_thinking_block_holds_budget_tokens(server: Any, llm: LLM, rng:
         with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
             client.messages.create(model=DEMO_NAME, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
                                    thinking=thinking)  # type: ignore[arg-type]
+
+
+def test_serve_reasoning_budget_is_the_requests_default(rng: np.random.Generator) -> None:
+    """atlas.serve --reasoning-budget N: requests without thinking_token_budget get N; one with it
+    keeps its own."""
+    from atlas.demo import DEMO_NAME
+    from test_serve import HOST, TIMEOUT_S, cli_server, openai
+
+    budget, own = (int(b) for b in rng.choice(8, 2, replace=False))
+    prompt = "Flat is<think>\n"
+    demo = LLM(device="cpu", prompt_cache=0)
+    with cli_server("--reasoning-budget", str(budget), "--prompt-cache", "0") as (port, stderr):
+        client = openai.OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
+        for sent, cap in ((None, budget), (own, own)):
+            extra = {} if sent is None else {"extra_body": {"thinking_token_budget": sent}}
+            text = client.completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=16, temperature=0, **extra).choices[0].text
+            assert text == demo.generate(prompt, max_tokens=16, thinking_token_budget=cap).text, (sent, cap)
+    assert any(f"reasoning blocks closed after {budget} tokens" in line for line in stderr), stderr

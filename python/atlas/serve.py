@@ -50,6 +50,7 @@ class ServeArgs:
     generation_config: str  # "auto": requests' sampling defaults from generation_config.json; "vllm": none
     max_waiting: int  # generation requests queued behind the running one before a 503 (0: no limit)
     response_store: int  # /v1/responses kept for previous_response_id and GET (0: none)
+    reasoning_budget: int  # a request's thinking_token_budget when it gives none (-1: no cap)
     engine: EngineFlags
 
 
@@ -110,6 +111,10 @@ def serve(args: ServeArgs) -> None:
             listed = ", ".join(f"{k} {v:g}" for k, v in defaults.items())
             click.echo(f"atlas.serve: sampling defaults from generation_config.json: {listed} "
                        "(requests override them; --generation-config vllm: none)", err=True)
+        if args.reasoning_budget >= 0:
+            defaults["thinking_token_budget"] = args.reasoning_budget  # an int: parse_body checks it as a request's
+            click.echo(f"atlas.serve: reasoning blocks closed after {args.reasoning_budget} tokens "
+                       "(a request's thinking_token_budget or thinking.budget_tokens overrides it)", err=True)
         app = create_app(ServerState(name, worker, llm, **parsers, api_key=args.api_key, sampling_defaults=defaults,
                                      max_waiting=args.max_waiting, responses=ResponseStore(args.response_store)))
         config = uvicorn.Config(
@@ -165,6 +170,11 @@ def serve(args: ServeArgs) -> None:
     "--response-store", type=click.IntRange(min=0), default=DEFAULT_RESPONSE_STORE, show_default=True,
     help="/v1/responses answers kept in memory (the newest), for previous_response_id and GET /v1/responses/{id}; "
     "a request with store false is not kept. 0: none.",
+)
+@click.option(
+    "--reasoning-budget", type=click.IntRange(min=-1), default=-1, show_default=True,
+    help="A thinking model's reasoning block gets at most this many tokens, then is closed for it, in requests that "
+    "set no thinking_token_budget (-1: no cap; llama.cpp's flag).",
 )
 @engine_options
 @vllm_options

@@ -54,7 +54,8 @@ class ServerState:
     reasoning_parser: str | None = None  # "qwen3": chat answers' <think> block goes to reasoning_content
     tool_call_parser: str | None = None  # "qwen3_coder": chat requests may carry tools; calls parsed
     api_key: str | None = None  # /v1/* requests must send "Authorization: Bearer <api_key>"
-    sampling_defaults: dict[str, float] = field(default_factory=dict)  # for fields a request leaves out
+    sampling_defaults: dict[str, float] = field(default_factory=dict)  # for fields a request leaves out (and
+    # --reasoning-budget's thinking_token_budget)
     max_waiting: int = 0  # a generation request finding this many waiting gets a 503 (0: no limit)
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for previous_response_id
     background: BackgroundRuns = field(default_factory=BackgroundRuns)  # /v1/responses generating beside their requests
