@@ -923,13 +923,15 @@ FUZZ_VALUES: tuple[Any, ...] = (
     None, True, -1, 0, 3, 2**63, 1e308, -0.5, "", "x" * 600, "\ud800", "a\x00b", [], {}, [1, "a"], [[[[]]]], {"a": 1},
     {"type": "json_object"}, {"type": "json_schema"}, [{"role": "user"}], [{"role": "user", "content": [{"type": "text"}]}],
     {"include_usage": True}, [{"type": "function", "function": {"name": "f"}}], "required", {"5": 2}, {"-1": 1},
+    {"type": "enabled", "budget_tokens": 2}, {"type": "enabled", "budget_tokens": -2},
 )
 FUZZ_FIELDS = ("model", "prompt", "messages", "input", "text", "metadata", "instructions", "max_tokens",
                "max_completion_tokens", "max_output_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream",
                "stream_options", "stop", "seed", "logprobs", "top_logprobs", "echo", "logit_bias", "presence_penalty",
                "response_format", "tools", "tool_choice", "guided_regex", "guided_choice", "structured_outputs",
                "min_tokens", "stop_token_ids", "chat_template_kwargs", "prompt_logprobs", "tokens", "add_special_tokens",
-               "system", "stop_sequences", "thinking", "output_config", "return_token_ids", "background", "store")
+               "system", "stop_sequences", "thinking", "output_config", "return_token_ids", "background", "store",
+               "thinking_token_budget")
 FUZZ_BASES = {
     "/v1/completions": {"model": DEMO_NAME, "prompt": "Beautiful is", "max_tokens": 3},
     "/v1/chat/completions": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
