@@ -14,7 +14,7 @@ import pytest
 
 from atlas import LLM
 from atlas.errors import AtlasError
-from atlas.thinking_budget import CLOSING, UTF8_WAIT, ThinkingBudget, check_budget
+from atlas.thinking_budget import CLOSING, WAIT, ThinkingBudget, check_budget, prompt_state
 from atlas.token_rules import AllConstraints, AllowedTokens
 from _demo_copy import demo_copy
 from test_reasoning import THINKING_TEMPLATE
@@ -28,8 +28,10 @@ ID = {piece: i for i, piece in enumerate(VOCAB)}
 CLOSING_IDS = [ID[b"\n"], ID[b"</think>"], ID[b"\n\n"]]
 
 
-def budget_of(budget: int, opened: bool) -> ThinkingBudget:
-    return ThinkingBudget(budget, lambda t: VOCAB[t], CLOSING_IDS, opened)
+def budget_of(budget: int, opened: bool, last_turn: bytes | None = None) -> ThinkingBudget:
+    """opened: the prompt's last turn ends with <think> (else it holds no tag), unless given."""
+    turn = last_turn if last_turn is not None else b"assistant\n<think>\n" if opened else b"assistant\n"
+    return ThinkingBudget(budget, lambda t: VOCAB[t], CLOSING_IDS, turn)
 
 
 def run(cap: Any, picks: Iterator[int], steps: int) -> list[int]:
@@ -60,14 +62,33 @@ def test_an_opened_block_closes_after_the_budget(rng: np.random.Generator) -> No
         assert closing_at(tokens[budget + 1:]) == -1, "forced twice"
 
 
-def test_the_text_opens_the_block_with_a_split_tag(rng: np.random.Generator) -> None:
+def test_an_answer_opens_the_block_at_its_start(rng: np.random.Generator) -> None:
+    """As the server's reasoning split: a <think> (split across tokens, after whitespace) opening
+    the answer opens the block; one later in the answer is text and opens none."""
     budget = int(rng.integers(1, 10))
-    lead = [ID[b"a"], ID[b"<th"]]
+    lead = [ID[b"\n"], ID[b"<th"]]
     picks = iter([*lead, ID[b"ink>"], *[ID[b" the"]] * 40])
     tokens = run(budget_of(budget, opened=False), picks, budget + 10)
     assert closing_at(tokens) == len(lead) + 1 + budget  # counted from the token after the tag
     idle = run(budget_of(budget, opened=False), plain_picks(rng), budget + 30)
     assert closing_at(idle) == -1, "no block was opened, yet it was closed"
+    later = iter([ID[b"ok."], ID[b" the"], ID[b"<think>"], *[ID[b"a"]] * 40])
+    assert closing_at(run(budget_of(budget, opened=False), later, budget + 20)) == -1
+
+
+@pytest.mark.parametrize(("last_turn", "state"), [
+    (b"assistant\n<think>\n", "counting"),  # the generation prompt opens it
+    (b"assistant\n<think>\nLet me see", "counting"),  # a continued message inside its block
+    (b"assistant\n<think>\n\n</think>\n\n", "done"),  # thinking off: closed before the answer
+    (b"Tell me about <think> tags</think> and <think>", "counting"),
+    (b"assistant\n", "undecided"),
+])
+def test_the_prompts_last_turn_sets_the_state(last_turn: bytes, state: str, rng: np.random.Generator) -> None:
+    assert prompt_state(last_turn) == state
+    budget = int(rng.integers(0, 6))
+    answer = iter([ID[b"<think>"], *[ID[b"a"]] * 40])  # opens a block only when the prompt left it undecided
+    at = closing_at(run(budget_of(budget, False, last_turn), answer, budget + 10))
+    assert at == {"counting": budget, "undecided": budget + 1, "done": -1}[state]
 
 
 def test_a_block_the_text_closes_is_left_alone(rng: np.random.Generator) -> None:
@@ -85,22 +106,34 @@ def test_the_closing_waits_for_a_character(char: list[bytes], rng: np.random.Gen
     picks = iter([*[ID[b"a"]] * (budget - 1), ID[char[0]], ID[char[1]], *[ID[b"a"]] * 20])
     tokens = run(budget_of(budget, opened=True), picks, budget + 10)
     assert closing_at(tokens) == budget + 1  # after the character's last piece
-    lone_leads = iter([*[ID[b"a"]] * (budget - 1), *[ID[b"\xf0\x9f"]] * 20])  # never finishes: the wait is bounded
-    assert closing_at(run(budget_of(budget, opened=True), lone_leads, budget + 10)) == budget + UTF8_WAIT
+    lone_leads = iter([*[ID[b"a"]] * (budget - 1), *[ID[b"\xf0\x9f"]] * 40])  # never finishes: the wait is bounded
+    assert closing_at(run(budget_of(budget, opened=True), lone_leads, budget + WAIT + 5)) == budget + WAIT
+
+
+def test_the_closing_waits_for_a_started_end_tag(rng: np.random.Generator) -> None:
+    """The budget spent just after "</": the text may finish its own "</think>" (nothing is then
+    forced) or go on otherwise (the closing comes next)."""
+    budget = int(rng.integers(2, 10))
+    spent = [*[ID[b"a"]] * (budget - 1), ID[b"</"]]
+    own = run(budget_of(budget, opened=True), iter([*spent, ID[b"think>"], *[ID[b"a"]] * 20]), budget + 10)
+    assert closing_at(own) == -1 and b"".join(VOCAB[t] for t in own).count(b"</think>") == 1
+    other = run(budget_of(budget, opened=True), iter([*spent, ID[b"a"], *[ID[b"a"]] * 20]), budget + 10)
+    assert closing_at(other) == budget + 1
 
 
 def test_random_text_closes_within_the_wait_on_a_whole_character(rng: np.random.Generator) -> None:
-    """Any mix of plain and split characters: the closing comes at budget + w (w <= UTF8_WAIT) and,
+    """Any mix of plain and split characters: the closing comes at budget + w (w <= WAIT) and,
     unless the wait ran out, after a whole character."""
     pieces = PLAIN + SPLIT_CHARS
     for _ in range(50):
         budget = int(rng.integers(0, 30))
         picks = (ID[pieces[int(rng.integers(len(pieces)))]] for _ in iter(int, 1))
-        tokens = run(budget_of(budget, opened=True), picks, budget + UTF8_WAIT + len(CLOSING_IDS) + 2)
+        tokens = run(budget_of(budget, opened=True), picks, budget + WAIT + len(CLOSING_IDS) + 2)
+        assert closing_at(tokens) >= 0, (budget, tokens)
         at = closing_at(tokens)
-        assert budget <= at <= budget + UTF8_WAIT, (budget, tokens)
+        assert budget <= at <= budget + WAIT, (budget, tokens)
         text = b"".join(VOCAB[t] for t in tokens[:at])
-        assert at == budget + UTF8_WAIT or ends_whole(text), (budget, text)
+        assert at == budget + WAIT or ends_whole(text), (budget, text)
 
 
 def ends_whole(text: bytes) -> bool:
@@ -158,7 +191,7 @@ def test_demo_closes_its_block_and_answers_on(llm: LLM, rng: np.random.Generator
     prompt, tokens = ask_demo(llm, rng, max_tokens=budget + len(closing) + 10, thinking_token_budget=budget,
                               temperature=temperature, seed=seed)
     at = next(i for i in range(len(tokens)) if tokens[i:i + len(closing)] == closing)
-    assert budget <= at <= budget + (UTF8_WAIT if temperature else 0), (budget, tokens)
+    assert budget <= at <= budget + (WAIT if temperature else 0), (budget, tokens)
     fed = at + len(closing)
     if temperature == 0:
         assert llm.generate(prompt + tokens[:fed], max_tokens=len(tokens) - fed).token_ids == tokens[fed:]
@@ -253,3 +286,74 @@ def test_serve_reasoning_budget_is_the_requests_default(rng: np.random.Generator
             text = client.completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=16, temperature=0, **extra).choices[0].text
             assert text == demo.generate(prompt, max_tokens=16, thinking_token_budget=cap).text, (sent, cap)
     assert any(f"reasoning blocks closed after {budget} tokens" in line for line in stderr), stderr
+
+
+def test_tags_that_are_special_tokens_and_the_last_turn() -> None:
+    """A tokenizer whose <think> / </think> are special tokens (no bytes in decoded text): the cap
+    still reads them; the prompt's last turn starts after its last other special token."""
+    from types import SimpleNamespace
+
+    table = [None, b"user\nhi <think>", b"assistant\n", b"a", None, None, b"\n", b"\n\n"]  # 0: a turn's start
+    tags = {"<think>": 4, "</think>": 5}
+    tokenizer = SimpleNamespace(token_bytes=table, backend=SimpleNamespace(token_to_id=tags.get),
+                                encode=lambda text, add_special_tokens: [6, 5, 7])
+    llm = LLM.from_loaded(SimpleNamespace(tokenizer=tokenizer))  # type: ignore[arg-type]
+
+    def closing_after(prompt: list[int]) -> int:
+        cap = llm.thinking_budget(2, prompt)
+        return closing_at_ids(run(cap, iter([3] * 20), 8), [6, 5, 7])
+
+    assert closing_after([0, 2, 4]) == 2  # opened by the special <think>
+    assert closing_after([0, 2, 4, 6, 5, 7]) == -1  # closed before the answer
+    assert closing_after([0, 1, 0, 2]) == -1  # the user's literal <think> is an earlier turn's
+
+
+def closing_at_ids(tokens: list[int], closing: list[int]) -> int:
+    return next((i for i in range(len(tokens)) if tokens[i:i + len(closing)] == closing), -1)
+
+
+def test_forced_tokens_count_as_picks(llm: LLM, rng: np.random.Generator) -> None:
+    """A forced token skips the sampler but enters the pick state (penalties, min_tokens count it)."""
+    from atlas.backends.base import SamplingParams
+    from atlas.sampling import Penalties
+
+    engine = llm.parts.engine
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Flat is"}], True, None)
+    cap = llm.thinking_budget(0, prompt)
+    penalties = Penalties(prompt, set(), cap)
+    logits = engine.prefill(prompt)
+    sampling = SamplingParams(temperature=0.7, presence_penalty=1.0)
+    token, _ = engine.pick_tensor(logits, sampling, rng, penalties)
+    closing = llm.tokenizer.encode(CLOSING, add_special_tokens=False)
+    assert token == closing[0] and penalties.generated == [closing[0]] and cap.forced() == closing[1]
+
+
+def test_a_continued_block_is_capped_and_a_closed_one_is_not(llm: LLM) -> None:
+    """LLM.generate on raw prompts: a prompt whose last <think> is still open (a continued
+    message) gets its closing after the budget; one whose block closed gets none."""
+    closing = llm.tokenizer.encode(CLOSING, add_special_tokens=False)
+    opened = llm.tokenizer.encode("Beautiful is<think>\nLet me see", add_special_tokens=False)
+    tokens = llm.generate(opened, max_tokens=20, thinking_token_budget=3).token_ids
+    assert closing_at_ids(tokens, closing) == 3
+    closed = llm.tokenizer.encode("Beautiful is<think>\n\n</think>\n\n", add_special_tokens=False)
+    assert llm.generate(closed, max_tokens=12, thinking_token_budget=1).token_ids == llm.generate(closed, max_tokens=12).token_ids
+
+
+def test_responses_reasoning_holds_the_budget(server: Any, llm: LLM, rng: np.random.Generator) -> None:
+    from atlas.demo import DEMO_NAME
+
+    budget = int(rng.integers(1, 10))
+    answer = server.post("/v1/responses", json={"model": DEMO_NAME, "input": "Beautiful is", "max_output_tokens": 24,
+                                                "temperature": 0, "thinking_token_budget": budget})
+    assert answer.status_code == 200, answer.text
+    reasoning = answer.json()["output"][0]
+    _, tokens = ask_demo(llm, rng, max_tokens=24, thinking_token_budget=budget)
+    assert reasoning["type"] == "reasoning" and reasoning["content"][0]["text"] == llm.tokenizer.decode(tokens[:budget]) + "\n"
+
+
+def test_chat_continuing_a_block_is_capped(server: Any, llm: LLM) -> None:
+    answer = chat(server, thinking_token_budget=2, continue_final_message=True, add_generation_prompt=False,
+                  messages=[{"role": "user", "content": "Beautiful is"}, {"role": "assistant", "content": "<think>\nLet me see"}])
+    assert answer.status_code == 200, answer.text
+    message = answer.json()["choices"][0]["message"]
+    assert message["reasoning_content"] is not None and len(llm.tokenizer.encode(message["reasoning_content"])) <= 3

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PROMPT_CACHE = 4  # prompt-cache checkpoints of LLM and atlas.serve (an Engine made directly has none)
 MAX_PROMPT_CACHE = 64
+LAST_TURN_TOKENS = 4096  # a thinking budget reads at most this much of the prompt's last turn
 
 
 @dataclass(frozen=True)
@@ -353,18 +354,22 @@ class LLM:
 
     def thinking_budget(self, budget: int, prompt_ids: list[int]) -> TokenConstraint:
         """atlas.thinking_budget's cap for one generation after prompt_ids."""
-        from .thinking_budget import CLOSING, END, START, ThinkingBudget, prompt_opens_block
+        from .thinking_budget import CLOSING, END, START, ThinkingBudget
 
         tokenizer = self.parts.tokenizer
         table = tokenizer.token_bytes
         tags = {i: tag for tag in (START, END) if (i := tokenizer.backend.token_to_id(tag.decode())) is not None}
 
-        def text_bytes(token: int) -> bytes:  # a tag's bytes also when it is a special token
-            return tags.get(token) or (table[token] if 0 <= token < len(table) else None) or b""
+        def piece(token: int) -> bytes | None:  # a tag's bytes also when it is a special token; None: special
+            return tags.get(token) or (table[token] if 0 <= token < len(table) else None)
 
-        prompt = b"".join(text_bytes(t) for t in prompt_ids[-64:])
+        last_turn: list[bytes] = []  # the prompt after its last special token (a turn's start)
+        for token in reversed(prompt_ids[-LAST_TURN_TOKENS:]):
+            if (data := piece(token)) is None:
+                break
+            last_turn.append(data)
         closing = tokenizer.encode(CLOSING, add_special_tokens=False)
-        return ThinkingBudget(budget, text_bytes, closing, prompt_opens_block(prompt))
+        return ThinkingBudget(budget, lambda t: piece(t) or b"", closing, b"".join(reversed(last_turn)))
 
     def eos_ids(self) -> set[int]:
         """The config's eos ids (generation_config.json first); else the tokenizer's eos."""

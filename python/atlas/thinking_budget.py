@@ -3,15 +3,18 @@ budget, the Messages API's thinking.budget_tokens. Once the reasoning block hold
 tokens, the next picks are replaced by the tokens of CLOSING, so the answer gets the rest of
 max_tokens instead of a reasoning block cut off at the end.
 
-The block is found in the text's bytes, however the tokenizer splits the tags: it is open from the
-first new token when the prompt ends with "<think>" (and whitespace), as the server's reasoning
-split reads a prompt (Qwen3.6's generation prompt opens it), or opens where the text writes
-"<think>"; it closes where the text writes "</think>". One block is capped; after it the picks are
-free. The cap waits up to UTF8_WAIT tokens for a character the last token left unfinished (a
-byte-level token may hold part of one), so the reasoning text never ends in a broken character.
-Forced tokens skip the pick (no sampling, no draw) but count as picks for penalties and the rest;
-a forced token that another rule of the request forbids (structured output from the first token)
-is not forced, and the cap gives way."""
+The block is found in the text's bytes, however the tokenizer splits the tags, as the server's
+reasoning split reads it (atlas.server.reasoning): the prompt's last turn (its bytes after its last
+special token) leaves it open when its last "<think>" comes after its last "</think>" (Qwen3.6's
+generation prompt, a continued message inside its block; reasoning already there is not counted),
+closed when a "</think>" follows (a template with thinking off); with neither, an answer that
+starts with "<think>" (after whitespace) opens it. It closes where the text writes "</think>".
+One block is capped; after it the picks are free. Past the budget the cap waits up to WAIT
+tokens for a character the last token left unfinished (a byte-level token may hold part of one)
+or a "</think>" the text has started, so the reasoning never ends in a broken character or tag.
+Forced tokens skip the pick (no sampling, no draw, no logit_bias) but count as picks for penalties
+and the rest; a forced token that another rule of the request forbids (structured output from the
+first token, allowed_token_ids, bad_words) is not forced, and the cap gives way."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from .structured import TokenConstraint
 
 START, END = b"<think>", b"</think>"
 CLOSING = "\n</think>\n\n"  # Qwen's block ends "\n</think>\n\n" before the answer
-UTF8_WAIT = 3  # at most this many tokens past the budget to finish a character
+WAIT = 8  # at most this many tokens past the budget to finish a character or a started "</think>"
 
 
 def check_budget(budget: object) -> None:
@@ -31,8 +34,18 @@ def check_budget(budget: object) -> None:
         raise AtlasError(f"thinking_token_budget must be an integer >= 0 (tokens of reasoning), got {budget!r}")
 
 
-def prompt_opens_block(prompt: bytes) -> bool:
-    return prompt.rstrip().endswith(START)
+def prompt_state(last_turn: bytes) -> str:
+    """The cap's state after the prompt, from its last turn's bytes: "counting" (the block is
+    open), "done" (it was closed) or "undecided" (the answer may open one at its start)."""
+    opened, closed = last_turn.rfind(START), last_turn.rfind(END)
+    if opened > closed:
+        return "counting"
+    return "done" if closed >= 0 else "undecided"
+
+
+def partial_tag(tail: bytes, tag: bytes) -> bool:
+    """The text ends with a proper start of tag."""
+    return any(tail.endswith(tag[:k]) for k in range(1, len(tag)))
 
 
 def utf8_unfinished(pending: int, data: bytes) -> int:
@@ -49,22 +62,27 @@ class ThinkingBudget(TokenConstraint):
     """Allows every token; forced() names the token that must come next, once the block is spent.
 
     token_bytes: a token's bytes in the text (tags included when they are special tokens);
-    closing_ids: CLOSING's tokens; opened: the prompt opened the block."""
+    closing_ids: CLOSING's tokens; last_turn: the prompt's bytes after its last special token."""
 
-    def __init__(self, budget: int, token_bytes: Callable[[int], bytes], closing_ids: Sequence[int], opened: bool) -> None:
+    def __init__(self, budget: int, token_bytes: Callable[[int], bytes], closing_ids: Sequence[int],
+                 last_turn: bytes) -> None:
         check_budget(budget)
         if not closing_ids:
             raise AtlasError("thinking_token_budget: the tokenizer writes no tokens for the block's end")
         self.budget = budget
         self.token_bytes = token_bytes
         self.closing = tuple(closing_ids)
-        self.state = "idle"  # idle -> counting -> closing -> done
+        self.state = "undecided"  # undecided -> counting -> closing -> done (or undecided -> done)
         self.spent = 0  # tokens in the block so far
+        self.head = b""  # undecided: the answer so far
         self.tail = b""  # the text's last bytes, for a tag split across tokens
         self.unfinished = 0  # continuation bytes the text's last character still needs
         self.queued: list[int] = []  # closing tokens still to force
-        if opened:
+        after_prompt = prompt_state(last_turn)
+        if after_prompt == "counting":
             self._open()
+        elif after_prompt == "done":
+            self.state = "done"
 
     def allows(self, token: int) -> bool:
         return True
@@ -79,24 +97,39 @@ class ThinkingBudget(TokenConstraint):
         if self.state == "done":
             return
         data = self.token_bytes(token)
+        if self.state == "undecided":
+            self._decide(data)
+            return
         window, self.tail = self.tail + data, (self.tail + data)[-len(END):]
         self.unfinished = utf8_unfinished(self.unfinished, data)
-        if self.state == "idle":
-            if START in window:
-                self.tail = window[window.rindex(START) + len(START):]
-                self._open()
-        elif END in window:
+        if END in window:
             self.state = "done"
         else:
             self.spent += 1
             self._check_spent()
+
+    def _decide(self, data: bytes) -> None:
+        """An answer that starts with START (after whitespace) opens the block; any other start
+        leaves it unopened for good."""
+        self.head += data
+        text = self.head.lstrip()
+        if text.startswith(START):
+            after = text[len(START):]
+            self.tail, self.unfinished = after[-len(END):], utf8_unfinished(0, after)
+            if END in after:  # opened and closed in one token
+                self.state = "done"
+            else:
+                self._open()
+        elif not START.startswith(text):
+            self.state = "done"
 
     def _open(self) -> None:
         self.state, self.spent = "counting", 0
         self._check_spent()
 
     def _check_spent(self) -> None:
-        if self.spent >= self.budget and (self.unfinished == 0 or self.spent >= self.budget + UTF8_WAIT):
+        waiting = self.unfinished > 0 or partial_tag(self.tail, END)
+        if self.spent >= self.budget and (not waiting or self.spent >= self.budget + WAIT):
             self.state, self.queued = "closing", list(self.closing)
 
     def _closed_by(self, token: int) -> None:
