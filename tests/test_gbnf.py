@@ -14,8 +14,9 @@ import pytest
 
 from atlas import LLM
 from atlas.errors import AtlasError
-from atlas.gbnf import GrammarError, compile_grammar, on_cycles, reaching
+from atlas.gbnf import GrammarError, compile_grammar, compile_grammar_tokens, on_cycles, reaching
 from atlas.json_match import Matcher, Transitions
+from atlas.structured import OutputConstraint
 from _json_grammar import JSON_GRAMMAR
 from test_json_mode import damage, dumps, python_accepts, random_object
 
@@ -201,6 +202,10 @@ def test_rules_span_lines_inside_parentheses_and_after_bars() -> None:
     ('root ::= z root "a" | "b"\nz ::= "c"?', "'root' is left-recursive"),  # through an empty prefix
     ('root ::= "a" ")"\n)', "line 2, column 1: expected a rule name"),
     ('root ::= "a"\n  | "b"', "line 2, column 3: expected a rule name"),  # a rule's line ends it, as in llama.cpp
+    ("root ::= <[12x]>", "line 1, column 10: <[12x]>: a token id is a whole number"),
+    ("root ::= <>", "a token terminal is <[id]> or <text>"),
+    ("root ::= <think", "a token terminal is <[id]> or <text>"),
+    ("root ::= !\"a\"", "unexpected '!'"),
 ])
 def test_errors_are_one_line(grammar: str, message: str) -> None:
     with pytest.raises(GrammarError) as caught:
@@ -290,3 +295,88 @@ def test_output_format_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "rule 'root' uses 'x'" in capsys.readouterr().err
     assert main(["--device", "cpu", "--grammar", "root ::= \"a\"", "--grammar-file", str(path)]) == 2
     assert "exclude each other" in capsys.readouterr().err
+
+
+# --- token terminals ----------------------------------------------------------------------------------
+# A made-up vocabulary: token i's text; 9 is a special token (no text in the output) named <|sep|>.
+TOKEN_TEXTS = [b"a", b"b", b"ab", b"<think>", b"</think>", b"1", b"12", b"\n", b" ", None]
+SPECIAL = {9: b"<|sep|>"}
+END = 10
+
+
+def token_constraint(grammar: str, texts: list[bytes | None] = TOKEN_TEXTS) -> OutputConstraint:
+    node, tokens = compile_grammar_tokens(grammar)
+    return OutputConstraint(texts, {END}, Transitions(node, tokens), SPECIAL)
+
+
+DIGIT_TOKENS = {5, 6}
+
+
+def token_language(tokens: list[int], whole: bool) -> bool:
+    """TOKEN_GRAMMAR by hand: the <think> token, any tokens but </think>, the </think> token, then
+    nothing, or digits as text (tokens 1 and 12) and the <|sep|> token. whole: the sequence is
+    one of those, else it begins one."""
+    if not tokens:
+        return not whole
+    if tokens[0] != 3:
+        return False
+    if 4 not in tokens[1:]:
+        return not whole
+    rest = tokens[tokens.index(4, 1) + 1:]
+    if not rest:
+        return True
+    digits = all(t in DIGIT_TOKENS for t in rest[:-1])
+    if whole:
+        return digits and len(rest) > 1 and rest[-1] == 9
+    return digits and (rest[-1] in DIGIT_TOKENS or (rest[-1] == 9 and len(rest) > 1))
+
+
+TOKEN_GRAMMAR = """root ::= <think> (!</think>)* <[4]> tail?
+tail ::= [0-9]+ <|sep|>"""
+
+
+def test_token_terminals_against_a_hand_checker() -> None:
+    """Every token sequence up to length 5 over the made-up vocabulary: the constraint allows each
+    token exactly when some accepted sequence continues that way, and ends exactly on the
+    accepted ones. The text "<think>" written as "<" pieces would not do: only the token counts."""
+    vocab = range(len(TOKEN_TEXTS))
+    checked = 0
+    for n in range(5):
+        for sequence in map(list, itertools.product(vocab, repeat=n)):
+            if not token_language(sequence, whole=False):
+                continue
+            constraint = token_constraint(TOKEN_GRAMMAR)
+            for token in sequence:
+                constraint.advance(token)
+            for token in vocab:
+                assert constraint.allows(token) == token_language([*sequence, token], whole=False), (sequence, token)
+            assert constraint.allows(END) == token_language(sequence, whole=True), sequence
+            checked += 1
+    assert checked > 500
+
+
+def test_a_token_terminal_and_a_literal_of_the_same_text() -> None:
+    """The literal "<think>" is that text in any tokens; <think> is the one token whose text it is."""
+    texts: list[bytes | None] = [b"<th", b"ink>", b"<think>", b"x"]
+    literal, token = token_constraint('root ::= "<think>"', texts), token_constraint("root ::= <think>", texts)
+    assert literal.allows(0) and literal.allows(2) and not token.allows(0) and token.allows(2)
+    both = token_constraint('root ::= <think> "x" | "<think>" "y"', texts)  # both ways at once: a stack each
+    both.advance(2)
+    assert both.allows(3)
+
+
+def test_generation_with_token_terminals(demo: LLM, rng: np.random.Generator) -> None:
+    """The demo model held to a token by id, a token excluded everywhere, and a special token by
+    its text; a text no token spells is one line before generating."""
+    tokenizer = demo.tokenizer
+    first = int(rng.integers(3, 500))
+    result = demo.generate("Flat is", max_tokens=6, grammar=f"root ::= <[{first}]> (!<[{first}]>)*",
+                           temperature=1.0, seed=int(rng.integers(1 << 30)))
+    assert result.token_ids[0] == first and first not in result.token_ids[1:]
+    start = tokenizer.text_ids[b"<|im_start|>"]
+    result = demo.generate("Flat is", max_tokens=4, grammar='root ::= " better" <|im_start|> [a-z]+')
+    assert start in result.token_ids and tokenizer.decode(result.token_ids[: result.token_ids.index(start)]) == " better"
+    with pytest.raises(AtlasError, match="token terminal <nothing> is not one token"):
+        demo.generate("Flat is", max_tokens=4, grammar="root ::= <nothing>")
+    with pytest.raises(AtlasError, match=r"token terminal <\[70000\]> is outside the vocabulary"):
+        demo.generate("Flat is", max_tokens=4, grammar="root ::= <[70000]>")

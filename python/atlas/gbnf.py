@@ -7,12 +7,14 @@ guided_grammar / structured_outputs grammar): the whole output is one `root` the
 Syntax (llama.cpp's): rules `name ::= alternatives`, one per line (a rule goes on over line breaks
 inside parentheses and after `|`); names of letters, digits, `-` and `_`; items are "literals",
 [classes] and [^negated classes] of code points (escapes \\t \\n \\r \\\\ \\" \\[ \\] \\- \\xHH
-\\uHHHH \\UHHHHHHHH), `.` (any character), rule names and ( groups ), each optionally repeated by
-* + ? {m} {m,} {m,n} {,n}.
+\\uHHHH \\UHHHHHHHH), `.` (any character), token terminals (llama.cpp's: <[id]> the token of that id, <text> the token
+whose text that is, tags included, e.g. <think>; !<[id]> and !<text> any one token but that one),
+rule names and ( groups ), each optionally repeated by * + ? {m} {m,} {m,n} {,n}.
 
 Compilation: what does not reach a recursive rule is regular and becomes one NFA over code points
 (atlas.json_regex.compile_tree) in a json_match.Text node; recursive rules become pushdown nodes
-(Union of alternatives, Sequence, Repeat) whose regular runs are Text nodes again. A regular part
+(Union of alternatives, Sequence, Repeat) whose regular runs are Text nodes again. A token terminal
+takes a whole token, not text (TokenTerminal): the rules that reach one are pushdown nodes too. A regular part
 too large for one NFA (json_regex.MAX_STATES) is split the same way. A rule that
 may reach itself before taking a character (left recursion) is refused, as llama.cpp does."""
 
@@ -25,7 +27,7 @@ from .json_match import Literal, Node, State, Text, Union
 from .json_regex import ANY, MAX_CP, RegexError, Ranges, compile_tree, complement, normalize
 
 # AST: ("lit", str) | ("chars", Ranges) | ("ref", name) | ("seq", [items]) | ("alt", [seqs])
-#      | ("rep", item, min, max | None)
+#      | ("rep", item, min, max | None) | ("tok", id | text, negated)
 Ast = tuple
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 ESCAPES = {"t": 0x09, "n": 0x0A, "r": 0x0D, "\\": 0x5C, '"': 0x22, "[": 0x5B, "]": 0x5D, "-": 0x2D}
@@ -62,6 +64,32 @@ class Sequence(Node):
 
     def open(self, state: State) -> bool:
         return False
+
+
+class TokenTerminal(Node):
+    """One whole token: the one of an id (int) or of a text (bytes), or with `negated` any token
+    but that one. State: taken (0 / 1)."""
+
+    __slots__ = ("token", "negated")
+
+    def __init__(self, token: int | bytes, negated: bool) -> None:
+        self.token, self.negated = token, negated
+
+    def begin(self) -> State:
+        return 0
+
+    def step(self, state: State, byte: int) -> State | None:
+        return None
+
+    def step_token(self, state: State, token: int, text: bytes) -> State | None:
+        named = token == self.token if isinstance(self.token, int) else text == self.token
+        return 1 if state == 0 and named != self.negated else None
+
+    def final(self, state: State) -> bool:
+        return state == 1
+
+    def open(self, state: State) -> bool:
+        return state == 0
 
 
 class Repeat(Node):
@@ -187,7 +215,23 @@ class Parser:
             return inner
         if char in NAME_CHARS:
             return ("ref", self.name())
+        if char == "<" or (char == "!" and self.peek(1) == "<"):
+            return self.token_terminal()
         raise self.fail(f"unexpected {char!r}" if char else "the grammar ends too early")
+
+    def token_terminal(self) -> Ast:
+        """<[id]>, <text> (the text with its angle brackets) or either after '!'."""
+        negated = self.peek() == "!"
+        self.i += negated
+        close = self.text.find(">", self.i)
+        inner = self.text[self.i + 1 : close] if close >= 0 else ""
+        if close < 0 or not inner or any(c in inner for c in "<\r\n"):
+            raise self.fail("a token terminal is <[id]> or <text> on one line, e.g. <[151668]> or <think>")
+        is_id = inner.startswith("[") and inner.endswith("]")
+        if is_id and not (inner[1:-1].isdigit() and inner[1:-1].isascii()):
+            raise self.fail(f"<{inner}>: a token id is a whole number, e.g. <[151668]>")
+        self.i = close + 1
+        return ("tok", int(inner[1:-1]) if is_id else f"<{inner}>".encode(), negated)
 
     def char_class(self) -> Ranges:
         self.i += 1
@@ -266,6 +310,16 @@ def refs(ast: Ast) -> set[str]:
     return refs(ast[1]) if kind == "rep" else set()
 
 
+def token_terminals(ast: Ast) -> set[int | bytes]:
+    """The tokens `ast`'s own token terminals name (not through its rule references)."""
+    kind = ast[0]
+    if kind == "tok":
+        return {ast[1]}
+    if kind in ("seq", "alt"):
+        return set().union(*(token_terminals(part) for part in ast[1]))
+    return token_terminals(ast[1]) if kind == "rep" else set()
+
+
 def nullable_rules(rules: dict[str, Ast]) -> set[str]:
     """The rules that derive the empty text (a fixpoint)."""
     found: set[str] = set()
@@ -280,7 +334,7 @@ def nullable(ast: Ast, empty_rules: set[str]) -> bool:
     kind = ast[0]
     if kind == "lit":
         return not ast[1]
-    if kind == "chars":
+    if kind in ("chars", "tok"):
         return False
     if kind == "ref":
         return ast[1] in empty_rules
@@ -369,18 +423,23 @@ def reaching(graph: dict[str, set[str]], targets: set[str]) -> set[str]:
 @dataclass
 class Compiler:
     rules: dict[str, Ast]
-    recursive: set[str] = field(default_factory=set)  # rules on a cycle or reaching one: pushdown nodes
+    pushdown: set[str] = field(default_factory=set)  # rules on a cycle, with a token terminal, or reaching one
     nodes: dict[str, Union] = field(default_factory=dict)
+
+    def regular(self, ast: Ast) -> bool:
+        return not (refs(ast) & self.pushdown) and not token_terminals(ast)
 
     def node(self, ast: Ast) -> Node:
         """ast as a matcher node: one Text where it is regular (and its NFA not too large), else
         pushdown nodes."""
-        regular = not (refs(ast) & self.recursive)
+        regular = self.regular(ast)
         if regular:
             made = self.text(ast)
             if made is not None:
                 return made
         kind = ast[0]
+        if kind == "tok":
+            return TokenTerminal(ast[1], ast[2])
         if kind == "lit":  # a literal too long for one NFA: its exact bytes
             return Literal((ast[1].encode(),))
         if kind == "ref":
@@ -394,7 +453,7 @@ class Compiler:
         items: list[Node] = []
         run: list[Ast] = []  # regular items in a row: one node
         for part in [*ast[1], None]:
-            if part is not None and not (refs(part) & self.recursive):
+            if part is not None and self.regular(part):
                 run.append(part)
                 continue
             items += [self.node(("seq", run))] if run else []
@@ -434,6 +493,11 @@ class Compiler:
 def compile_grammar(text: str) -> Node:
     """The root rule's node; GrammarError (one line naming the place) on a malformed grammar,
     an undefined rule, no root, or left recursion."""
+    return compile_grammar_tokens(text)[0]
+
+
+def compile_grammar_tokens(text: str) -> tuple[Node, frozenset[int | bytes]]:
+    """compile_grammar's node, and the tokens its token terminals name (ids and texts)."""
     if not isinstance(text, str) or not text.strip():
         raise GrammarError("grammar must be a non-empty string of GBNF rules with a root rule")
     rules = Parser(text).rules()
@@ -451,4 +515,7 @@ def compile_grammar(text: str) -> Node:
             raise GrammarError(f"grammar: rule {name!r} is left-recursive (it reaches itself before a "
                                "character); rewrite it with repetition, e.g. a ::= b (\",\" b)*")
     graph = {name: refs(ast) for name, ast in rules.items()}
-    return Compiler(rules, reaching(graph, on_cycles(graph))).node(("ref", "root"))
+    tokens = {name for name, ast in rules.items() if token_terminals(ast)}
+    named = frozenset().union(*(token_terminals(rules[name]) for name in tokens))
+    root = Compiler(rules, reaching(graph, on_cycles(graph) | tokens)).node(("ref", "root"))
+    return root, named

@@ -57,6 +57,11 @@ class Node:
         """The state after this frame takes `byte`; None if the byte cannot come here."""
         raise NotImplementedError
 
+    def step_token(self, state: State, token: int, text: bytes) -> State | None:
+        """The state after this frame takes a whole token (id, its text): only a grammar's token
+        terminal does (atlas.gbnf's <[id]>, <text>); other nodes take text a byte at a time."""
+        return None
+
     def child(self, state: State) -> Node | None:
         """The value this frame waits for here (it may still take whitespace itself)."""
         return None
@@ -577,9 +582,13 @@ ANY_OBJECT = Object((), ANY_VALUE)
 
 
 class Transitions:
-    """The shape's cached moves: set of stacks x byte -> set of stacks, and each set's ending."""
+    """The shape's cached moves: set of stacks x byte -> set of stacks, and each set's ending.
+    A move may also take a whole token, (id, text) in place of the byte, where the shape has token
+    terminals (`tokens`: the ids and texts they name)."""
 
-    def __init__(self, root: Node) -> None:
+    def __init__(self, root: Node, tokens: frozenset[int | bytes] = frozenset()) -> None:
+        self.tokens = tokens
+        self.uses_tokens = bool(tokens)
         self.start = frozenset(((node, node.begin()), None) for node in alternatives(root))
         self.moves: dict[tuple[frozenset, int], frozenset] = {}
         self.ends: dict[frozenset, tuple[bool, bool]] = {}
@@ -589,7 +598,7 @@ class Transitions:
         # identity instead of walking both sets (a regex's state set may hold a thousand states).
         self.canonical: dict[frozenset, frozenset] = {}
 
-    def move(self, stacks: frozenset, byte: int) -> frozenset:
+    def move(self, stacks: frozenset, byte: int | tuple[int, bytes]) -> frozenset:
         key = (stacks, byte)
         found = self.moves.get(key)
         if found is None:
@@ -603,10 +612,10 @@ class Transitions:
             self.moves[key] = found
         return found
 
-    def _step(self, stacks: frozenset, byte: int) -> Iterable[Stack]:
+    def _step(self, stacks: frozenset, byte: int | tuple[int, bytes]) -> Iterable[Stack]:
         for stack in stacks:
             for (node, state), outer in self.closure(stack)[0]:
-                nxt = node.step(state, byte)
+                nxt = node.step_token(state, *byte) if isinstance(byte, tuple) else node.step(state, byte)
                 if nxt is not None:
                     yield (node, nxt), outer
 
@@ -672,6 +681,22 @@ class Matcher:
             if not stacks:
                 return False
         self.stacks = stacks
+        return True
+
+    def take(self, token: int, data: bytes | None, text: bytes) -> bool:
+        """Take a token: its bytes `data` (None: a special token, never text) and, where the
+        shape has token terminals, the token whole (id, text) too, both ways kept; False (the
+        state unchanged) if neither continues the text."""
+        as_text = self.copy()
+        fits_text = bool(data) and as_text.feed(data)  # type: ignore[arg-type]
+        whole = self.transitions.move(self.stacks, (token, text)) if self.transitions.uses_tokens else frozenset()
+        if not (fits_text or whole):
+            return False
+        if fits_text and whole:
+            both = as_text.stacks | whole
+            self.stacks = self.transitions.canonical.setdefault(both, both)
+        else:
+            self.stacks = as_text.stacks if fits_text else whole
         return True
 
     @property

@@ -324,6 +324,8 @@ class LLM:
         if opts.output is not None and opts.allowed_token_ids is not None and not self.eos_ids() & set(opts.allowed_token_ids):
             raise AtlasError("structured output ends with an end-of-sequence token: allowed_token_ids must hold one "
                              f"({sorted(self.eos_ids())}) beside a structured output format")
+        if opts.output is not None:
+            check_token_terminals(opts.output.shape().tokens, self.parts.tokenizer)
         prompt_ids = encode_prompt(self.parts.tokenizer, prompt, opts.chat)
         prompt_ids = truncate_prompt(prompt_ids, opts.truncate_prompt_tokens, context_capacity(self.parts.spec, self.parts.engine))
         vocab = self.parts.spec.vocab_size
@@ -342,8 +344,11 @@ class LLM:
 
         tokenizer = self.parts.tokenizer
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        parts: list[TokenConstraint] = [OutputConstraint(tokenizer.token_bytes, end_ids, opts.output.shape())] \
-            if opts.output is not None else []
+        parts: list[TokenConstraint] = []
+        if opts.output is not None:
+            shape = opts.output.shape()
+            special = tokenizer.special_text if shape.uses_tokens else None
+            parts.append(OutputConstraint(tokenizer.token_bytes, end_ids, shape, special))
         if opts.allowed_token_ids is not None:
             parts.append(AllowedTokens(opts.allowed_token_ids))
         if opts.bad_words:
@@ -589,6 +594,16 @@ def stop_strings(stop: object) -> tuple[str, ...]:
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
         raise AtlasError(f"stop must be a non-empty string or a list of them, got {stop!r}")
     return tuple(stops)
+
+
+def check_token_terminals(tokens: frozenset[int | bytes], tokenizer: Tokenizer) -> None:
+    """A grammar's token terminals name tokens of this vocabulary: ids in range, texts of one token."""
+    for token in sorted(tokens, key=str):
+        if isinstance(token, int) and not 0 <= token < tokenizer.vocab_size:
+            raise AtlasError(f"grammar: token terminal <[{token}]> is outside the vocabulary (0..{tokenizer.vocab_size - 1})")
+        if isinstance(token, bytes) and token not in tokenizer.text_ids:
+            raise AtlasError(f"grammar: token terminal {token.decode(errors='replace')} is not one token of this model's "
+                             "vocabulary; name the token by id (<[id]>) or write the text as a literal")
 
 
 def check_prompt_cache(checkpoints: object) -> None:

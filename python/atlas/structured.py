@@ -18,7 +18,7 @@ import numpy as np
 
 from .backends.base import SamplingParams
 from .errors import AtlasError
-from .gbnf import compile_grammar
+from .gbnf import compile_grammar_tokens
 from .sampling import choose_token
 from .json_match import ANY_OBJECT, AfterMarker, Literal, Matcher, Node, Text, Transitions
 from .json_regex import RegexError, compile_regex
@@ -97,7 +97,8 @@ def _shape(kind: str, canonical: str, after: str | None) -> Transitions:
     elif kind == "choice":
         value = Literal(text.encode() for text in spec)
     elif kind == "grammar":
-        value = compile_grammar(spec)
+        value, tokens = compile_grammar_tokens(spec)
+        return Transitions(value if after is None else AfterMarker(after.encode(), value), tokens)
     else:
         try:
             value = Text(compile_regex(spec, search=False))
@@ -214,15 +215,18 @@ class TokenConstraint:
 
 class OutputConstraint(TokenConstraint):
     """One generation's structured-output state: the text stays a prefix of the shape's texts
-    (JSON mode's object unless another shape is given)."""
+    (JSON mode's object unless another shape is given). special_text: special tokens' text (their
+    token_bytes are None), which a grammar's token terminal <text> may name."""
 
-    def __init__(self, token_bytes: Sequence[bytes | None], end_ids: set[int], shape: Transitions | None = None) -> None:
+    def __init__(self, token_bytes: Sequence[bytes | None], end_ids: set[int], shape: Transitions | None = None,
+                 special_text: dict[int, bytes] | None = None) -> None:
         if not end_ids:
             raise AtlasError("structured output needs an end-of-sequence token to end the text; "
                              "the model has none (or ignore_eos is set)")
         self.token_bytes = token_bytes
         self.end_ids = end_ids
         self.matcher = Matcher(shape or output_shape())
+        self.special_text = special_text or {}
 
     @property
     def complete(self) -> bool:
@@ -232,13 +236,18 @@ class OutputConstraint(TokenConstraint):
     def allows(self, token: int) -> bool:
         if token in self.end_ids:
             return self.matcher.can_end
-        data = self.token_bytes[token] if token < len(self.token_bytes) else None
-        return bool(data) and self.matcher.copy().feed(data)  # type: ignore[arg-type]
+        data = self.token_bytes[token] if 0 <= token < len(self.token_bytes) else None
+        if not self.matcher.transitions.uses_tokens:
+            return bool(data) and self.matcher.copy().feed(data)  # type: ignore[arg-type]
+        return self.matcher.copy().take(token, data, self._text(token, data))
 
     def advance(self, token: int) -> None:
         if token not in self.end_ids:
             data = self.token_bytes[token]
-            assert data and self.matcher.feed(data), f"token {token} was not allowed"
+            assert self.matcher.take(token, data, self._text(token, data)), f"token {token} was not allowed"
+
+    def _text(self, token: int, data: bytes | None) -> bytes:
+        return data if data is not None else self.special_text.get(token, b"")
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,20 @@ class Tokenizer:
                 out.append(None if REPLACEMENT_CHAR in text else text.encode())
         return out
 
+    @functools.cached_property
+    def special_text(self) -> dict[int, bytes]:
+        """Special tokens' text (token_bytes has None for them): a grammar's token terminal may name one."""
+        return {i: t.content.encode() for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+
+    @functools.cached_property
+    def text_ids(self) -> dict[bytes, int]:
+        """Each token's text (special tokens' too) -> its id (the lowest, where texts repeat)."""
+        found: dict[bytes, int] = {}
+        for token, text in [*enumerate(self.token_bytes), *self.special_text.items()]:
+            if text is not None:
+                found.setdefault(text, token)
+        return found
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
