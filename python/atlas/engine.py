@@ -189,17 +189,30 @@ class Engine:
     def _score_rows(
         self, hidden: Tensor, positions: Tensor, prompt_ids: list[int], span: tuple[int, int], top: int
     ) -> list[TokenLogprob]:
-        """A pass's rows start..stop-1 (hidden [n, H]) score the prompt tokens after them, in blocks
-        of SCORE_ROWS rows."""
-        start, stop = span
-        end = min(stop, len(prompt_ids) - 1)  # row p scores token p + 1
+        """A pass's rows start..stop-1 (hidden [n, H]) score the prompt tokens after them."""
         scored: list[TokenLogprob] = []
-        for a in range(start, end, SCORE_ROWS):
-            b = min(a + SCORE_ROWS, end)
-            rows = self.backend.rows(hidden, a - start, b - start)  # [b - a, H]
-            logits = self.model.logits(Step(self.backend, positions), rows)  # [b - a, V]
+        for a, b, logits in self._row_logits(hidden, positions, span, (span[0], len(prompt_ids) - 1)):
             scored += self.score_rows(logits, prompt_ids[a + 1 : b + 1], top)
         return scored
+
+    def _row_logits(self, hidden: Tensor, positions: Tensor, span: tuple[int, int],
+                    wanted: tuple[int, int]) -> Iterator[tuple[int, int, Tensor]]:
+        """(a, b, logits [b - a, V]) of a pass's rows span[0]..span[1]-1 (hidden [n, H]) that lie in
+        wanted[0]..wanted[1]-1, in blocks of SCORE_ROWS rows."""
+        start, stop = span
+        for a in range(max(start, wanted[0]), min(stop, wanted[1]), SCORE_ROWS):
+            b = min(a + SCORE_ROWS, stop, wanted[1])
+            rows = self.backend.rows(hidden, a - start, b - start)  # [b - a, H]
+            yield a, b, self.model.logits(Step(self.backend, positions), rows)
+
+    def prefill_logits(self, prompt_ids: list[int], first: int) -> Iterator[tuple[int, int, Tensor]]:
+        """The prompt from a fresh state (atlas.perplexity): (a, b, logits [b - a, V]) of its rows
+        first..n-2 in blocks (row p's logits score token p + 1), as the passes make them."""
+        self.check_ids(prompt_ids, 0)
+        self.resume(prompt_ids, lambda start, checkpoint: False)
+        forward = lambda ids, positions: (self.forward(ids, positions), None)  # noqa: E731
+        for start, stop, positions, hidden, _ in self.prompt_forwards(prompt_ids, 0, forward):
+            yield from self._row_logits(hidden, positions, (start, stop), (first, len(prompt_ids) - 1))
 
     def resume(self, prompt_ids: list[int], usable: ResumeFilter | None = None) -> Resume:
         """Put the state where the prompt cache holds the longest usable start of the prompt
