@@ -7,7 +7,8 @@ lane runs its tests one after another, the lanes side by side (the emulator benc
 each: they share a lane so two never overlap). In the session the test is moved to the end and
 stands for its child: it passes, skips or fails as the child did, showing the child's output when
 it fails. ATLAS_BACKGROUND=0 runs marked tests in-process as plain tests (to debug one).
-tests/conftest.py imports the hooks.
+The terminal summary says how long each lane ran and when the session reached the stand-ins, so
+the split can be balanced from a CI log. tests/conftest.py imports the hooks.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +53,9 @@ class Lanes:
         self.lock = threading.Lock()  # a child starts only while the session has not stopped
         self.stopping = False
         self.running: dict[str, subprocess.Popen[bytes]] = {}
+        self.started = time.monotonic()
+        self.lane_seconds: dict[str, tuple[int, float]] = {}  # lane -> (tests run, seconds) once it ends
+        self.reached: float | None = None  # seconds into the session when it first waited for a child
         self.threads = []
         for lane, nodeids in lanes.items():
             jobs = [self._job(nodeid) for nodeid in nodeids]
@@ -67,6 +72,7 @@ class Lanes:
         for job in jobs:
             job.returncode = self._run_child(lane, job)
             job.done.set()
+        self.lane_seconds[lane] = (len(jobs), time.monotonic() - self.started)
 
     def _run_child(self, lane: str, job: Job) -> int | None:
         cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", job.nodeid]
@@ -84,6 +90,8 @@ class Lanes:
         return returncode
 
     def wait(self, nodeid: str) -> Job:
+        if self.reached is None:
+            self.reached = time.monotonic() - self.started
         job = self.jobs[nodeid]
         job.done.wait()
         return job
@@ -165,6 +173,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             lanes.setdefault(lane_of(item) or "", []).append(item.nodeid)
     if lanes:
         session.config.stash[LANES] = Lanes(session.config.rootpath, lanes)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """Each lane's length beside the session's own, to balance them."""
+    lanes = config.stash.get(LANES, None)
+    if lanes is None or not lanes.lane_seconds:
+        return
+    reached = "never" if lanes.reached is None else f"at {lanes.reached:.0f} s"
+    for lane, (count, seconds) in sorted(lanes.lane_seconds.items()):
+        terminalreporter.write_line(f"background lane {lane}: {count} tests, ended at {seconds:.0f} s")
+    terminalreporter.write_line(f"background lanes: the session reached their stand-ins {reached}")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

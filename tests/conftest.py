@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 from _sticky import pytest_runtest_makereport  # noqa: E402,F401  (a hook: found here by its name)
 from _background import (  # noqa: E402,F401  (hooks: found here by their names)
-    pytest_collection_finish, pytest_collection_modifyitems, pytest_sessionfinish)
+    pytest_collection_finish, pytest_collection_modifyitems, pytest_sessionfinish, pytest_terminal_summary)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -15,7 +15,8 @@ TESTS = Path(__file__).resolve().parent
 CONFTEST = f"""
 import os, pathlib, sys
 sys.path.insert(0, {str(TESTS)!r})
-from _background import pytest_collection_finish, pytest_collection_modifyitems, pytest_sessionfinish
+from _background import (pytest_collection_finish, pytest_collection_modifyitems, pytest_sessionfinish,
+                         pytest_terminal_summary)
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "background(lane): runs in a child process")
@@ -102,6 +103,9 @@ def test_marked_tests_run_in_lanes_beside_the_session(tmp_path: Path) -> None:
     session = (tmp_path / "session-pid").read_text()
     assert (tmp_path / "plain-pid").read_text() == session
     assert (tmp_path / "b-pid").read_text() != session
+    lanes = dict(re.findall(r"background lane (\w+): (\d+) tests, ended at \d+ s", done.stdout))
+    assert lanes == {"a": "1", "b": "3"}, report
+    assert re.search(r"the session reached their stand-ins at \d+ s", done.stdout), report
 
 
 def test_opting_out_runs_them_in_the_session(tmp_path: Path) -> None:
