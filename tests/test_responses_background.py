@@ -27,15 +27,16 @@ from atlas.server.metrics import Metrics  # noqa: E402
 from atlas.server.background import BackgroundRuns  # noqa: E402
 from atlas.server.response_store import ResponseStore, StoredResponse  # noqa: E402
 from atlas.server.responses_api import ResponseMeta, ResponseStream  # noqa: E402
-from atlas.server.worker import Finished, TextPiece  # noqa: E402
+from atlas.server.worker import Finished, Started, TextPiece  # noqa: E402
 
 TIMEOUT_S = 60.0
 PIECES = ["Now ", "is ", "better ", "than ", "never."]
 
 
 class GatedWorker:
-    """Writes PIECES, the i-th only once the test has let out more than i (`allowed`); counts the
-    generations started and those closed before their end (a slot freed)."""
+    """Takes a job once `taking` (sending Started first when the job asks, as the engine worker
+    does), then writes PIECES, the i-th only once the test has let out more than i (`allowed`);
+    counts the generations started and those closed before their end (a slot freed)."""
 
     alive = True
     waiting = 0
@@ -43,14 +44,19 @@ class GatedWorker:
 
     def __init__(self) -> None:
         self.metrics = Metrics()
+        self.taking = True
         self.allowed = 0
         self.started = 0
         self.closed_early = 0
 
     async def events(self, prompt_ids: list[int], opts: Any, stops: Any, returns: Any = None) -> AsyncIterator[Any]:
-        self.started += 1
         ended = False
         try:
+            while not self.taking:
+                await asyncio.sleep(0.005)
+            self.started += 1
+            if returns is not None and returns.started:
+                yield Started()
             for i, piece in enumerate(PIECES):
                 while self.allowed <= i:
                     await asyncio.sleep(0.005)
@@ -120,6 +126,29 @@ def test_cancel_stops_the_generation_and_keeps_what_it_wrote(gated: tuple[Any, G
     assert (worker.started, worker.closed_early) == (1, 1), "the engine's generation was not closed"
     assert client.responses.retrieve(queued.id).status == "cancelled"
     assert client.responses.cancel(queued.id).model_dump() == cancelled.model_dump()  # again: as it is
+
+
+def test_queued_until_the_engine_takes_it(gated: tuple[Any, GatedWorker, ServerState, int]) -> None:
+    """Behind other work a background response stays queued (GET, and a stream's response.queued),
+    goes in_progress when the engine takes it, and may be cancelled while still queued."""
+    client, worker, _, _ = gated
+    worker.taking = False
+    stream = client.responses.create(model=DEMO_NAME, input="hi", background=True, stream=True)
+    events = iter(stream)
+    first = [next(events), next(events)]
+    assert [e.type for e in first] == ["response.created", "response.queued"] and first[0].response.status == "queued"
+    time.sleep(0.1)
+    assert client.responses.retrieve(first[0].response.id).status == "queued"
+    waiting = client.responses.create(model=DEMO_NAME, input="hi", background=True)
+    worker.taking, worker.allowed = True, len(PIECES)
+    rest = list(events)
+    assert rest[0].type == "response.in_progress" and rest[-1].type == "response.completed"
+    worker.taking = False
+    queued = client.responses.create(model=DEMO_NAME, input="hi", background=True)
+    assert client.responses.retrieve(queued.id).status == "queued"
+    assert client.responses.cancel(queued.id).status == "cancelled"
+    worker.taking = True
+    assert until(lambda: client.responses.retrieve(waiting.id).status == "completed", "the second to end")
 
 
 def test_a_background_stream_resumes_after_its_client_left(gated: tuple[Any, GatedWorker, ServerState, int]) -> None:

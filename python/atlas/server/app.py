@@ -257,15 +257,16 @@ async def parsed_body(raw: Any, chat: bool, state: ServerState) -> GenerationBod
     return await anyio.to_thread.run_sync(parse_body, raw, chat, state.sampling_defaults)
 
 
-async def checked_runs(state: ServerState, body: GenerationBody) -> list[ChoiceRun]:
-    """The request's choices, every prompt encoded and checked before any runs."""
+async def checked_runs(state: ServerState, body: GenerationBody, report_start: bool = False) -> list[ChoiceRun]:
+    """The request's choices, every prompt encoded and checked before any runs (report_start: their
+    events begin with Started when the engine takes them)."""
     check_model(state, body.model)
     check_room(state)
     check_tools(state, body)
     check_stop_ids(state, body)
     check_logit_bias_ids(state, body)
     inputs = await anyio.to_thread.run_sync(prepare_inputs, state, body)  # templates take a while
-    return choice_runs(state, body, inputs)
+    return choice_runs(state, body, inputs, report_start)
 
 
 async def responses_generation(request: Request, state: ServerState) -> Response:
@@ -274,7 +275,7 @@ async def responses_generation(request: Request, state: ServerState) -> Response
     try:
         earlier = state.responses.earlier_items(raw)
         body = await parsed_body(chat_request(raw, earlier), True, state)
-        run = (await checked_runs(state, body))[0]
+        run = (await checked_runs(state, body, report_start=bool(raw.get("background"))))[0]
     except RequestError as err:
         raise renamed(err) from None
     assert isinstance(raw, dict)  # chat_request refused anything else
@@ -314,7 +315,7 @@ def start_background(state: ServerState, meta: ResponseMeta, run: ChoiceRun, str
                            "background one is fetched by its id", "background")
     queued = meta.body("queued", [])
     meta.keep(queued)
-    started = state.background.start(ResponseStream(meta, run.shaper), run.events, keep_events=stream)
+    started = state.background.start(ResponseStream(meta, run.shaper, queued=True), run.events, keep_events=stream)
     return EventStreamResponse(started.follow(-1)) if stream else JSONResponse(queued)
 
 
@@ -386,7 +387,7 @@ def prepare_inputs(state: ServerState, body: GenerationBody) -> list[PromptInput
     return inputs
 
 
-def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInput]) -> list[ChoiceRun]:
+def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInput], report_start: bool = False) -> list[ChoiceRun]:
     """n runs per prompt, in order; choice i (index prompt x n + j) samples with seed + i, so a
     seeded request stays reproducible. The first of a prompt's runs scores it for prompt_logprobs
     (collect_choices hands the list to the others)."""
@@ -397,7 +398,7 @@ def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInp
             seeded = replace(prompt.opts, seed=None if prompt.opts.seed is None else prompt.opts.seed + index)
             if j:
                 seeded = replace(seeded, prompt_logprobs=echo_scores(body, seeded.max_tokens))
-            returns = Returns(prompt.echo, None if j else body.prompt_logprobs, body.text.return_token_ids)
+            returns = Returns(prompt.echo, None if j else body.prompt_logprobs, body.text.return_token_ids, report_start)
             events = state.worker.events(prompt.ids, seeded, body.sampling.stop, returns)
             runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt.opened), tuple(prompt.ids)))
     return runs

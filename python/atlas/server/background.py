@@ -1,6 +1,8 @@
 """Background responses (`background: true`, as OpenAI's and vLLM's Responses API): the request is
 answered at once with the response `queued`, the generation goes on in a task of the server's event
-loop, GET /v1/responses/{id} shows it `in_progress` (with its output so far) and then as it ended,
+loop, GET /v1/responses/{id} shows it `queued` until the engine takes it (the worker's Started
+event; a stream gets response.queued, then response.in_progress), then `in_progress` (with its
+output so far) and then as it ended,
 POST /v1/responses/{id}/cancel stops it (status `cancelled`), and the events of a streamed one are
 kept, so a client that lost its connection resumes with
 GET /v1/responses/{id}?stream=true&starting_after=<sequence_number>. A background stream's client
@@ -60,8 +62,9 @@ class BackgroundRun:
         self._log(lines)
 
     def snapshot(self) -> dict[str, Any]:
-        """The response while it runs: in progress, with its output so far."""
-        return self.stream.meta.body("in_progress", self.stream.so_far())
+        """The response before it ends: queued until the engine takes it, then in progress with its
+        output so far."""
+        return self.stream.meta.body("in_progress", self.stream.so_far()) if self.stream.running else self.stream.meta.body("queued", [])
 
     async def cancel(self) -> None:
         self._task.cancel()

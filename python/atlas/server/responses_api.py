@@ -20,7 +20,7 @@ from .answer import AnswerShaper, Part
 from .choices import whole_text
 from .errors import RequestError
 from .tools import ToolCall
-from .worker import Event, Finished, TextPiece
+from .worker import Event, Finished, Started, TextPiece
 
 PASSED_THROUGH = ("model", "temperature", "top_p", "stream", "tool_choice", "parallel_tool_calls", "seed", "top_k",
                   "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logit_bias",
@@ -340,14 +340,24 @@ class ResponseStream:
     """A generation's text -> the Responses API's events, items opened and closed as the shaper
     moves between the reasoning block and the answer; calls and the final response at the end."""
 
-    def __init__(self, meta: ResponseMeta, shaper: AnswerShaper | None) -> None:
+    def __init__(self, meta: ResponseMeta, shaper: AnswerShaper | None, queued: bool = False) -> None:
+        """queued: a background response, queued until the engine takes it (a Started event)."""
         self.meta, self.shaper = meta, shaper
         self.done: list[dict[str, Any]] = []  # output items written
         self.open: OpenItem | None = None
+        self.running = not queued
 
     def start(self) -> list[str]:
+        if not self.running:
+            queued = self.meta.body("queued", [])
+            return [self.meta.event("response.created", response=queued), self.meta.event("response.queued", response=queued)]
         pending = self.meta.body("in_progress", [])
         return [self.meta.event("response.created", response=pending), self.meta.event("response.in_progress", response=pending)]
+
+    def started(self) -> list[str]:
+        """The engine took a queued response."""
+        self.running = True
+        return [self.meta.event("response.in_progress", response=self.meta.body("in_progress", []))]
 
     def push(self, text: str) -> list[str]:
         return self.parts(self.shaper.push(text) if self.shaper is not None else [("content", text)])
@@ -441,6 +451,9 @@ async def stream_response(stream: ResponseStream, events: AsyncGenerator[Event, 
         async for event in events:
             if isinstance(event, TextPiece):
                 for line in stream.push(event.text):
+                    yield line
+            elif isinstance(event, Started):
+                for line in stream.started():
                     yield line
             elif isinstance(event, Finished):
                 for line in stream.finish(event):

@@ -60,6 +60,7 @@ class Returns:
     echo: str | None = None  # the prompt's text, sent first (with its scores when opts.prompt_logprobs)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: Finished carries them
     token_ids: bool = False  # vLLM's return_token_ids: every generated id rides on a piece
+    started: bool = False  # a Started event first, when the engine takes the job (background responses)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,12 @@ class Failed:
     status: int = 500  # 503: the engine cannot run any request again
 
 
-Event = TextPiece | Finished | Failed
+@dataclass(frozen=True)
+class Started:
+    """The job left the queue: the engine runs it now (sent only when Returns.started asks)."""
+
+
+Event = TextPiece | Finished | Failed | Started
 
 
 @dataclass
@@ -154,7 +160,7 @@ class EngineWorker:
             while True:
                 event = await inbox.get()
                 yield event
-                if not isinstance(event, TextPiece):
+                if isinstance(event, (Finished, Failed)):
                     return
         finally:
             job.cancelled.set()
@@ -180,6 +186,8 @@ class EngineWorker:
             job.emit(Failed(self.lost, status=503))
             return
         self.metrics.started()
+        if job.returns.started:
+            job.emit(Started())
         started = time.perf_counter()
         try:
             finished = generate(self.llm, job)
