@@ -85,26 +85,60 @@ def test_lines_that_fail_get_their_errors_and_the_batch_goes_on(tmp_path: Path, 
     assert "1 of 11 requests answered 200" in err
 
 
+def test_odd_lines_and_a_fault_stay_on_their_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch, reference: LLM) -> None:
+    """A body with a raw U+2028 in a string is one line; a lone surrogate in a custom_id, and
+    background, are line errors; a fault in the app is that line's 500; "post" is POST."""
+    import atlas.server.app as app_module
+
+    real = app_module.check_model
+
+    def faulty(state: Any, model: object) -> None:
+        if model == "fault":
+            raise RuntimeError("a fault in the app")
+        real(state, model)
+
+    monkeypatch.setattr(app_module, "check_model", faulty)
+    lines = [
+        json.dumps({"custom_id": "sep", "method": "post", "url": "/v1/completions",
+                    "body": {"model": DEMO_NAME, "prompt": "Flat\u2028is", "max_tokens": 3, "temperature": 0}}, ensure_ascii=False),
+        '{"custom_id": "a\\udc00", "url": "/v1/completions", "body": {}}',
+        request("bg", "/v1/responses", input="hi", background=True),
+        request("fault", "/v1/completions", prompt="x").replace(DEMO_NAME, "fault"),
+        request("after", "/v1/completions", prompt="Flat is", max_tokens=2),
+    ]
+    code, results, err = run_batch(tmp_path, capsys, lines)
+    assert code == 0 and [r["custom_id"] for r in results] == ["sep", None, "bg", "fault", "after"], err
+    assert results[0]["response"]["body"]["choices"][0]["text"] == reference.generate("Flat\u2028is", max_tokens=3).text
+    assert results[1]["error"]["code"] == "missing_custom_id" and "surrogate" in results[1]["error"]["message"]
+    assert results[2]["response"] is None and "'background'" in results[2]["error"]["message"]
+    assert results[3]["response"]["status_code"] == 500 and results[3]["error"] is None
+    assert results[4]["response"]["status_code"] == 200
+
+
 @pytest.mark.parametrize(("case", "needle"), [
     ("missing", "cannot be read"),
     ("empty", "holds no requests"),
     ("latin1", "UTF-8"),
     ("no_dir", "does not exist"),
+    ("out_is_dir", "is a directory"),
+    ("out_is_in", "is the input file"),
 ])
 def test_bad_files_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, needle: str) -> None:
     source = tmp_path / "in.jsonl"
-    out = tmp_path / ("no/out.jsonl" if case == "no_dir" else "out.jsonl")
+    out = tmp_path / {"no_dir": "no/out.jsonl", "out_is_dir": "a_dir", "out_is_in": "in.jsonl"}.get(case, "out.jsonl")
     if case == "empty":
         source.write_text("\n  \n", encoding="utf-8")
     elif case == "latin1":
         source.write_bytes(b'{"custom_id": "caf\xe9"}\n')
-    elif case == "no_dir":
+    elif case in ("no_dir", "out_is_dir", "out_is_in"):
         source.write_text(request("a", "/v1/completions", prompt="x") + "\n", encoding="utf-8")
+        (tmp_path / "a_dir").mkdir()
     capsys.readouterr()
     code = main(["-i", str(source), "-o", str(out), "--device", "cpu"])
     err = capsys.readouterr().err
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert not out.exists()
+    assert not out.exists() or out.is_dir() or out == source
 
 
 def test_an_interrupted_batch_leaves_no_output(tmp_path: Path, capsys: pytest.CaptureFixture[str],

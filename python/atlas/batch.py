@@ -31,6 +31,7 @@ from .server.reasoning import PARSERS
 from .server.tools import PARSERS as TOOL_PARSERS
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+NOT_IN_A_BATCH = ("stream", "background")  # fields a batch line must leave out (or false)
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,13 @@ class LineError(Exception):
 
 
 def read_lines(path: str) -> list[str]:
-    """The input's non-blank lines ('-': stdin)."""
+    """The input's non-blank lines ('-': stdin), split at line feeds only (JSON strings may hold
+    U+2028 and the like raw)."""
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise AtlasError(f"--input-file {path} cannot be read as UTF-8 text ({err})") from None
-    lines = [line for line in text.splitlines() if line.strip()]
+    lines = [line.rstrip("\r") for line in text.split("\n") if line.strip()]
     if not lines:
         raise AtlasError(f"--input-file {path} holds no requests: give one JSON request a line")
     return lines
@@ -77,11 +79,13 @@ def parse_line(line: str, seen: set[str], out: dict[str, Any]) -> tuple[str, byt
     custom_id = request.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError("missing_custom_id", "the request needs a non-empty string custom_id")
+    if not utf8(custom_id):
+        raise LineError("missing_custom_id", "custom_id holds an unpaired UTF-16 surrogate; send UTF-8 text")
     out["custom_id"] = custom_id
     if custom_id in seen:
         raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} was used by an earlier line")
     seen.add(custom_id)
-    if request.get("method", "POST") != "POST":
+    if str(request.get("method", "POST")).upper() != "POST":
         raise LineError("invalid_method", f"method must be POST, got {request.get('method')!r}")
     url = request.get("url")
     if url not in URLS:
@@ -89,9 +93,18 @@ def parse_line(line: str, seen: set[str], out: dict[str, Any]) -> tuple[str, byt
     body = request.get("body")
     if not isinstance(body, dict):
         raise LineError("invalid_body", "body must be a JSON object: the request as it would be sent to url")
-    if body.get("stream"):
-        raise LineError("invalid_body", "stream is not available in a batch: leave it out")
+    for name in NOT_IN_A_BATCH:
+        if body.get(name) not in (None, False):
+            raise LineError("invalid_body", f"'{name}' is not available in a batch: leave it out")
     return url, json.dumps(body).encode()
+
+
+def utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def post(app: Any, path: str, body: bytes) -> tuple[int, bytes]:
@@ -121,7 +134,11 @@ async def post(app: Any, path: str, body: bytes) -> tuple[int, bytes]:
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
              "client": ("atlas.batch", 0), "server": ("atlas.batch", 0)}
-    await app(scope, receive, send)
+    try:
+        await app(scope, receive, send)
+    except Exception as err:  # noqa: BLE001 - Starlette re-raises after its 500 answer: one line's fault
+        if not chunks:
+            return 500, json.dumps({"error": {"message": f"internal error: {type(err).__name__}: {err}"}}).encode()
     return status, b"".join(chunks)
 
 
@@ -142,6 +159,19 @@ async def answer(app: Any, line: str, seen: set[str]) -> dict[str, Any]:
     return out
 
 
+def check_output(out: Path, input_file: str) -> None:
+    """--output-file can be written, before the model loads."""
+    import os
+
+    where = out.resolve().parent
+    if not where.is_dir() or not os.access(where, os.W_OK):
+        raise AtlasError(f"--output-file {out}: its directory does not exist or cannot be written; write elsewhere")
+    if out.is_dir():
+        raise AtlasError(f"--output-file {out} is a directory; name a file")
+    if input_file != "-" and out.resolve() == Path(input_file).resolve():
+        raise AtlasError("--output-file is the input file; write the results elsewhere")
+
+
 def batch(args: BatchArgs) -> tuple[int, int]:
     """Run every line; (requests answered 200, lines in all)."""
     import anyio
@@ -150,13 +180,13 @@ def batch(args: BatchArgs) -> tuple[int, int]:
     from .resolve import resolve_model
     from .serve import served_name
     from .server.app import ServerState, create_app
+    from .server.response_store import ResponseStore
     from .server.worker import EngineWorker
 
     args.engine.check()
     lines = read_lines(args.input_file)
     out_path = Path(args.output_file)
-    if not out_path.resolve().parent.is_dir():
-        raise AtlasError(f"--output-file {out_path}: its directory does not exist; create it or write elsewhere")
+    check_output(out_path, args.input_file)
     model_dir = resolve_model(args.model)
     worker = EngineWorker(lambda: args.engine.load(str(model_dir)))
     try:
@@ -165,7 +195,8 @@ def batch(args: BatchArgs) -> tuple[int, int]:
         click.echo(f"atlas.batch: model {name} ({model_dir}), device {llm.device}; {len(lines)} requests", err=True)
         defaults = dict(llm.parts.spec.sampling_defaults) if args.generation_config == "auto" else {}
         app = create_app(ServerState(name, worker, llm, reasoning_parser=args.reasoning_parser,
-                                     tool_call_parser=args.tool_call_parser, sampling_defaults=defaults))
+                                     tool_call_parser=args.tool_call_parser, sampling_defaults=defaults,
+                                     responses=ResponseStore(0)))  # lines are independent: nothing to keep
 
         async def run_all(out: Any) -> int:
             ok, seen = 0, set[str]()

@@ -185,14 +185,15 @@ def expert_fields(kind: str, array: np.ndarray) -> dict[str, Any]:
 
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """Write to a scratch name beside `path`, then rename: no partial file is ever left."""
-    scratch = path.with_name(f".{path.name}.tmp")
+    """Write to a scratch name beside `path` (one per process), then rename: no partial file is
+    ever left, also when the rename fails."""
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         yield scratch
+        os.replace(scratch, path)
     except BaseException:
         scratch.unlink(missing_ok=True)
         raise
-    os.replace(scratch, path)
 
 
 def write_json(path: Path, payload: dict[str, Any], indent: int | None = 1) -> None:
