@@ -380,3 +380,25 @@ def test_generation_with_token_terminals(demo: LLM, rng: np.random.Generator) ->
         demo.generate("Flat is", max_tokens=4, grammar="root ::= <nothing>")
     with pytest.raises(AtlasError, match=r"token terminal <\[70000\]> is outside the vocabulary"):
         demo.generate("Flat is", max_tokens=4, grammar="root ::= <[70000]>")
+
+
+def test_ids_without_text_are_never_taken_and_the_cache_stays_small() -> None:
+    """An id past the tokenizer's table (model padding) has no text: not even a negated terminal
+    takes it. Tokens no terminal names share one cached move, so checking a large vocabulary
+    adds a handful of moves, not one per token."""
+    constraint = token_constraint("root ::= (!<[3]>)* <[4]>")
+    assert not constraint.allows(len(TOKEN_TEXTS) + 1) and constraint.allows(9)  # padding no; the special <|sep|> yes
+    texts = [bytes([97 + i % 26]) * (1 + i // 26) for i in range(5000)]
+    texts[3], texts[4] = b"<think>", b"</think>"
+    big = token_constraint("root ::= (!<[3]>)* <[4]> [a-z]+", texts)
+    for token in range(len(texts)):
+        big.allows(token)
+    assert len(big.matcher.transitions.moves) < 200
+
+
+def test_a_terminal_naming_an_end_token_is_refused(demo: LLM) -> None:
+    end = min(demo.eos_ids())
+    with pytest.raises(AtlasError, match=rf"token terminal <\[{end}\]> is an end-of-sequence token"):
+        demo.generate("Flat is", max_tokens=4, grammar=f'root ::= "x" <[{end}]>')
+    text = demo.generate("Flat is", max_tokens=4, grammar=f'root ::= (!<[{end}]>)+').text  # negated: any other token
+    assert text

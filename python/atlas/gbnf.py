@@ -310,11 +310,11 @@ def refs(ast: Ast) -> set[str]:
     return refs(ast[1]) if kind == "rep" else set()
 
 
-def token_terminals(ast: Ast) -> set[int | bytes]:
-    """The tokens `ast`'s own token terminals name (not through its rule references)."""
+def token_terminals(ast: Ast) -> set[tuple[int | bytes, bool]]:
+    """(the token named, negated) of `ast`'s own token terminals (not through its rule references)."""
     kind = ast[0]
     if kind == "tok":
-        return {ast[1]}
+        return {(ast[1], ast[2])}
     if kind in ("seq", "alt"):
         return set().union(*(token_terminals(part) for part in ast[1]))
     return token_terminals(ast[1]) if kind == "rep" else set()
@@ -496,8 +496,8 @@ def compile_grammar(text: str) -> Node:
     return compile_grammar_tokens(text)[0]
 
 
-def compile_grammar_tokens(text: str) -> tuple[Node, frozenset[int | bytes]]:
-    """compile_grammar's node, and the tokens its token terminals name (ids and texts)."""
+def compile_grammar_tokens(text: str) -> tuple[Node, frozenset[tuple[int | bytes, bool]]]:
+    """compile_grammar's node, and its token terminals: (the id or text named, negated)."""
     if not isinstance(text, str) or not text.strip():
         raise GrammarError("grammar must be a non-empty string of GBNF rules with a root rule")
     rules = Parser(text).rules()

@@ -22,6 +22,7 @@ from typing import Any
 from .json_regex import Regex
 
 MAX_INDENT = 20  # spaces or tabs in one run of whitespace (after its one optional line break)
+OTHER_TOKEN = (-1, b"")  # a whole token no token terminal names
 CACHE_LIMIT = 50_000  # cached moves per shape before the cache starts over (~420 B each: ~20 MB a shape)
 LINE_BREAKS = frozenset(b"\n\r")
 INDENT = frozenset(b" \t")
@@ -584,11 +585,14 @@ ANY_OBJECT = Object((), ANY_VALUE)
 class Transitions:
     """The shape's cached moves: set of stacks x byte -> set of stacks, and each set's ending.
     A move may also take a whole token, (id, text) in place of the byte, where the shape has token
-    terminals (`tokens`: the ids and texts they name)."""
+    terminals (`tokens`: (the id or text each names, negated)); a token none of them names moves as
+    OTHER_TOKEN, since a terminal only tells the tokens it names from the rest (one cached move
+    per set of stacks instead of one per token of the vocabulary)."""
 
-    def __init__(self, root: Node, tokens: frozenset[int | bytes] = frozenset()) -> None:
+    def __init__(self, root: Node, tokens: frozenset[tuple[int | bytes, bool]] = frozenset()) -> None:
         self.tokens = tokens
         self.uses_tokens = bool(tokens)
+        self.names = frozenset(name for name, _ in tokens)
         self.start = frozenset(((node, node.begin()), None) for node in alternatives(root))
         self.moves: dict[tuple[frozenset, int], frozenset] = {}
         self.ends: dict[frozenset, tuple[bool, bool]] = {}
@@ -597,6 +601,10 @@ class Transitions:
         # reached by 'a' or by 'b') then share it, so the cache's key comparisons stop at
         # identity instead of walking both sets (a regex's state set may hold a thousand states).
         self.canonical: dict[frozenset, frozenset] = {}
+
+    def symbol(self, token: int, text: bytes) -> tuple[int, bytes]:
+        """A whole token as moves take it."""
+        return (token, text) if token in self.names or text in self.names else OTHER_TOKEN
 
     def move(self, stacks: frozenset, byte: int | tuple[int, bytes]) -> frozenset:
         key = (stacks, byte)
@@ -689,7 +697,8 @@ class Matcher:
         state unchanged) if neither continues the text."""
         as_text = self.copy()
         fits_text = bool(data) and as_text.feed(data)  # type: ignore[arg-type]
-        whole = self.transitions.move(self.stacks, (token, text)) if self.transitions.uses_tokens else frozenset()
+        shape = self.transitions
+        whole = shape.move(self.stacks, shape.symbol(token, text)) if shape.uses_tokens else frozenset()
         if not (fits_text or whole):
             return False
         if fits_text and whole:

@@ -325,7 +325,7 @@ class LLM:
             raise AtlasError("structured output ends with an end-of-sequence token: allowed_token_ids must hold one "
                              f"({sorted(self.eos_ids())}) beside a structured output format")
         if opts.output is not None:
-            check_token_terminals(opts.output.shape().tokens, self.parts.tokenizer)
+            check_token_terminals(opts.output.shape().tokens, self.parts.tokenizer, self.eos_ids())
         prompt_ids = encode_prompt(self.parts.tokenizer, prompt, opts.chat)
         prompt_ids = truncate_prompt(prompt_ids, opts.truncate_prompt_tokens, context_capacity(self.parts.spec, self.parts.engine))
         vocab = self.parts.spec.vocab_size
@@ -596,14 +596,19 @@ def stop_strings(stop: object) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def check_token_terminals(tokens: frozenset[int | bytes], tokenizer: Tokenizer) -> None:
-    """A grammar's token terminals name tokens of this vocabulary: ids in range, texts of one token."""
-    for token in sorted(tokens, key=str):
+def check_token_terminals(terminals: frozenset[tuple[int | bytes, bool]], tokenizer: Tokenizer, end_ids: set[int]) -> None:
+    """A grammar's token terminals name tokens of this vocabulary (ids in range, texts of one
+    token), and none but a negated one names an end-of-sequence token (that token ends the text)."""
+    for token, negated in sorted(terminals, key=str):
+        shown = f"<[{token}]>" if isinstance(token, int) else token.decode(errors="replace")
         if isinstance(token, int) and not 0 <= token < tokenizer.vocab_size:
-            raise AtlasError(f"grammar: token terminal <[{token}]> is outside the vocabulary (0..{tokenizer.vocab_size - 1})")
+            raise AtlasError(f"grammar: token terminal {shown} is outside the vocabulary (0..{tokenizer.vocab_size - 1})")
         if isinstance(token, bytes) and token not in tokenizer.text_ids:
-            raise AtlasError(f"grammar: token terminal {token.decode(errors='replace')} is not one token of this model's "
+            raise AtlasError(f"grammar: token terminal {shown} is not one token of this model's "
                              "vocabulary; name the token by id (<[id]>) or write the text as a literal")
+        if not negated and (token if isinstance(token, int) else tokenizer.text_ids[token]) in end_ids:
+            raise AtlasError(f"grammar: token terminal {shown} is an end-of-sequence token, which ends the text "
+                             "after the grammar's root: leave it out of the grammar")
 
 
 def check_prompt_cache(checkpoints: object) -> None:

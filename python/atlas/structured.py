@@ -236,18 +236,25 @@ class OutputConstraint(TokenConstraint):
     def allows(self, token: int) -> bool:
         if token in self.end_ids:
             return self.matcher.can_end
-        data = self.token_bytes[token] if 0 <= token < len(self.token_bytes) else None
+        data = self._bytes(token)
         if not self.matcher.transitions.uses_tokens:
             return bool(data) and self.matcher.copy().feed(data)  # type: ignore[arg-type]
-        return self.matcher.copy().take(token, data, self._text(token, data))
+        text = self._text(token, data)
+        return text is not None and self.matcher.copy().take(token, data, text)
 
     def advance(self, token: int) -> None:
         if token not in self.end_ids:
-            data = self.token_bytes[token]
-            assert self.matcher.take(token, data, self._text(token, data)), f"token {token} was not allowed"
+            data = self._bytes(token)
+            text = self._text(token, data)
+            assert text is not None and self.matcher.take(token, data, text), f"token {token} was not allowed"
 
-    def _text(self, token: int, data: bytes | None) -> bytes:
-        return data if data is not None else self.special_text.get(token, b"")
+    def _bytes(self, token: int) -> bytes | None:
+        return self.token_bytes[token] if 0 <= token < len(self.token_bytes) else None
+
+    def _text(self, token: int, data: bytes | None) -> bytes | None:
+        """A token's text for token terminals; None for an id with none (padding past the
+        tokenizer's vocabulary), which no terminal, negated or not, may take."""
+        return data if data is not None else self.special_text.get(token)
 
 
 @dataclass(frozen=True)
