@@ -27,6 +27,7 @@ from .dump import atomic_path
 from .engine_flags import EngineFlags, engine_options
 from .errors import AtlasError
 from .run import MODEL_HELP
+from .server.protocol import utf8_clean
 from .server.reasoning import PARSERS
 from .server.tools import PARSERS as TOOL_PARSERS
 
@@ -79,7 +80,7 @@ def parse_line(line: str, seen: set[str], out: dict[str, Any]) -> tuple[str, byt
     custom_id = request.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError("missing_custom_id", "the request needs a non-empty string custom_id")
-    if not utf8(custom_id):
+    if not utf8_clean(custom_id):
         raise LineError("missing_custom_id", "custom_id holds an unpaired UTF-16 surrogate; send UTF-8 text")
     out["custom_id"] = custom_id
     if custom_id in seen:
@@ -97,14 +98,6 @@ def parse_line(line: str, seen: set[str], out: dict[str, Any]) -> tuple[str, byt
         if body.get(name) not in (None, False):
             raise LineError("invalid_body", f"'{name}' is not available in a batch: leave it out")
     return url, json.dumps(body).encode()
-
-
-def utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 async def post(app: Any, path: str, body: bytes) -> tuple[int, bytes]:

@@ -88,10 +88,10 @@ def unpaired_surrogate_path(body: object) -> str | None:
     while pending:
         value, link = pending.pop()
         if isinstance(value, str):
-            if not value.isascii() and not _utf8_clean(value):
+            if not value.isascii() and not utf8_clean(value):
                 return _path(link)
         elif isinstance(value, dict):
-            if not all(_utf8_clean(key) for key in value):
+            if not all(utf8_clean(key) for key in value):
                 return _path(link)
             pending.extend((item, (link, key)) for key, item in reversed(value.items()) if isinstance(item, (str, dict, list)))
         elif isinstance(value, list):
@@ -111,7 +111,7 @@ def _path(link: tuple[object, object] | None) -> str:
     return "".join(reversed(parts)).lstrip(".")
 
 
-def _utf8_clean(text: str) -> bool:
+def utf8_clean(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
