@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,20 +50,19 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass
 class RequestResult:
-    """One streamed request: when each token's chunk arrived (seconds after the request went out)."""
+    """One streamed request (seconds after it went out): when its first text chunk came, when each
+    chunk with choices came after that (ITL's gaps, as vLLM counts them), when the stream ended."""
 
+    ttft: float = 0.0
     arrivals: list[float] = field(default_factory=list)
+    latency: float = 0.0
     tokens: int = 0  # completion tokens the usage counts
     error: str | None = None
 
     @property
-    def ttft(self) -> float:
-        return self.arrivals[0]
-
-    @property
     def tpot(self) -> float | None:
-        """(end - first token) / (tokens - 1): vLLM's TPOT."""
-        return (self.arrivals[-1] - self.arrivals[0]) / (self.tokens - 1) if self.tokens > 1 else None
+        """(latency - TTFT) / (tokens - 1): vLLM's TPOT."""
+        return (self.latency - self.ttft) / (self.tokens - 1) if self.tokens > 1 else None
 
 
 def stream_request(url: str, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
@@ -75,18 +75,28 @@ def stream_request(url: str, model: str, prompt: list[int], max_tokens: int) -> 
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
             for raw in answer:
                 line = raw.decode("utf-8").strip()
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    result.arrivals.append(time.perf_counter() - started)
-                if chunk.get("usage"):
-                    result.tokens = int(chunk["usage"]["completion_tokens"])
-    except (OSError, ValueError) as err:
+                if line.startswith("data: {"):
+                    take_chunk(result, json.loads(line[6:]), time.perf_counter() - started)
+        result.latency = time.perf_counter() - started
+    except urllib.error.HTTPError as err:
+        result.error = f"HTTP {err.code}: {err.read()[:200].decode(errors='replace')}"
+    except Exception as err:  # noqa: BLE001 - a dropped stream is this request's failure, not the run's
         result.error = f"{type(err).__name__}: {err}"
     if result.error is None and (not result.arrivals or result.tokens != max_tokens):
         result.error = f"{result.tokens} of {max_tokens} tokens, {len(result.arrivals)} chunks"
     return result
+
+
+def take_chunk(result: RequestResult, chunk: dict[str, Any], at: float) -> None:
+    if "error" in chunk:
+        result.error = f"the server: {chunk['error'].get('message')}"
+    if chunk.get("choices"):
+        if not result.arrivals and chunk["choices"][0].get("text"):
+            result.ttft = at
+        if result.arrivals or chunk["choices"][0].get("text"):
+            result.arrivals.append(at)
+    if chunk.get("usage"):
+        result.tokens = int(chunk["usage"]["completion_tokens"])
 
 
 def run_load(url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[list[RequestResult], float]:
@@ -102,7 +112,10 @@ def run_load(url: str, model: str, prompts: list[list[int]], max_tokens: int, co
                 i = todo.get_nowait()
             except queue.Empty:
                 return
-            results[i] = stream_request(url, model, prompts[i], max_tokens)
+            try:
+                results[i] = stream_request(url, model, prompts[i], max_tokens)
+            except Exception as err:  # noqa: BLE001 - counted as failed, the client goes on
+                results[i] = RequestResult(error=f"{type(err).__name__}: {err}")
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -110,7 +123,7 @@ def run_load(url: str, model: str, prompts: list[list[int]], max_tokens: int, co
         thread.start()
     for thread in threads:
         thread.join()
-    return [r for r in results if r is not None], time.perf_counter() - started
+    return [r if r is not None else RequestResult(error="never sent") for r in results], time.perf_counter() - started
 
 
 def summary_ms(values: list[float]) -> dict[str, float]:
@@ -129,7 +142,7 @@ def report(results: list[RequestResult], seconds: float) -> dict[str, Any]:
         "duration_s": round(seconds, 3), "request_throughput": round(len(done) / seconds, 3),
         "output_tok_s": round(tokens / seconds, 2), "output_tokens": tokens,
         "ttft_ms": summary_ms([r.ttft for r in done]), "tpot_ms": summary_ms([t for r in done if (t := r.tpot) is not None]),
-        "itl_ms": summary_ms(itl), "e2e_ms": summary_ms([r.arrivals[-1] for r in done]),
+        "itl_ms": summary_ms(itl), "e2e_ms": summary_ms([r.latency for r in done]),
     }
 
 
@@ -220,7 +233,9 @@ def main(model: str | None, url: str | None, device: str, count: int, concurrenc
 
 @contextmanager
 def _given(url: str) -> Iterator[str]:
-    yield url.rstrip("/")
+    """A running server's base URL, with or without its /v1."""
+    base = url.rstrip("/")
+    yield base if base.endswith("/v1") else f"{base}/v1"
 
 
 if __name__ == "__main__":

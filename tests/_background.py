@@ -72,7 +72,8 @@ class Lanes:
         for job in jobs:
             job.returncode = self._run_child(lane, job)
             job.done.set()
-        self.lane_seconds[lane] = (len(jobs), time.monotonic() - self.started)
+        ran = sum(job.returncode is not None for job in jobs)  # a stopped session's lane ran fewer
+        self.lane_seconds[lane] = (ran, time.monotonic() - self.started)
 
     def _run_child(self, lane: str, job: Job) -> int | None:
         cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", job.nodeid]

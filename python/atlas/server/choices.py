@@ -50,7 +50,7 @@ async def whole_pieces(events: AsyncGenerator[Event, None]) -> tuple[list[TextPi
                 pieces.append(event)
             elif isinstance(event, Finished):
                 return pieces, event
-            else:
+            elif isinstance(event, Failed):
                 raise RequestError(event.message, status=event.status)
     raise RequestError("the engine stopped before finishing", status=500)
 

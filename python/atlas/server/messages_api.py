@@ -25,7 +25,7 @@ from .answer import AnswerShaper
 from .choices import whole_text
 from .errors import RequestError
 from .tools import ToolCall
-from .worker import Event, Finished, TextPiece
+from .worker import Event, Failed, Finished, TextPiece
 
 PASSED_THROUGH = ("model", "temperature", "top_p", "top_k", "stream", "seed", "min_p", "repetition_penalty")
 REFUSED = {"mcp_servers": "MCP servers are not supported", "container": "containers are not supported"}
@@ -383,8 +383,14 @@ async def stream_message(meta: MessageMeta, events: AsyncGenerator[Event, None],
         yield line
     async with aclosing(events):
         async for event in events:
-            lines = stream.push(event.text) if isinstance(event, TextPiece) else \
-                stream.finish(event) if isinstance(event, Finished) else stream.fail(event.message, event.status)
+            if isinstance(event, TextPiece):
+                lines = stream.push(event.text)
+            elif isinstance(event, Finished):
+                lines = stream.finish(event)
+            elif isinstance(event, Failed):
+                lines = stream.fail(event.message, event.status)
+            else:  # Started: only background responses ask for it
+                continue
             for line in lines:
                 yield line
             if not isinstance(event, TextPiece):
