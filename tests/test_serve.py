@@ -592,6 +592,33 @@ def test_completion_stream(served: Served, rng: np.random.Generator) -> None:
     assert [c.finish_reason for c in choices] == [None] * (len(choices) - 1) + [finish]
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats(served: Served, rng: np.random.Generator, chat: bool) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far, the
+    completion count rising by the tokens each piece holds, to the final usage chunk's."""
+    prompt, max_tokens = random_prompt(rng), int(rng.integers(2, 60))
+    text, _, count = expected(served, prompt, max_tokens, chat=chat)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    client = served.client()
+    if chat:
+        stream = client.chat.completions.create(model=DEMO_NAME, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=max_tokens, temperature=0, stream=True, stream_options=options)
+    else:
+        stream = client.completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options=options)
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == count and counts[-2] == count
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    pieces = [(c.choices[0].delta.content if chat else c.choices[0].text) or "" for c in chunks if c.choices]
+    assert "".join(pieces) == text
+    plain = list(client.completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1])  # without the flag: the last chunk alone
+
+
 def test_chat(served: Served, rng: np.random.Generator) -> None:
     prompt, max_tokens = random_prompt(rng), int(rng.integers(1, 200))
     text, finish, count = expected(served, prompt, max_tokens, chat=True)
@@ -844,6 +871,8 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("nested too deeply", "[" * 100_000 + "]" * 100_000, None),
     ("stream_options wrong type", {**GOOD, "stream_options": 5}, "stream_options"),
     ("include_usage wrong type", {**GOOD, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ("continuous_usage_stats wrong type", {**GOOD, "stream_options": {"include_usage": True, "continuous_usage_stats": 1}},
+     "stream_options.continuous_usage_stats"),
     ("beam search", {**GOOD, "use_beam_search": True}, "use_beam_search"),
     ("bad_words not strings", {**GOOD, "bad_words": [5]}, "bad_words"),
     ("bad_words empty word", {**GOOD, "bad_words": [" "]}, "bad_words"),

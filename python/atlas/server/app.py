@@ -244,7 +244,8 @@ async def generation(request: Request, state: ServerState, chat: bool) -> Respon
     body = await parsed_body(await read_json(request), chat, state)
     runs = await checked_runs(state, body)
     reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None,
-                  token_ids=body.text.return_token_ids, tokens_as_ids=body.text.tokens_as_ids)
+                  token_ids=body.text.return_token_ids, tokens_as_ids=body.text.tokens_as_ids,
+                  usage_each_chunk=body.usage_each_chunk)
     if body.stream:
         return EventStreamResponse(stream_choices(reply, runs, body.include_usage, body.n))
     answer = await unless_disconnected(request, collect_choices(reply, runs, body.n))

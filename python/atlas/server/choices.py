@@ -10,7 +10,8 @@ from typing import Any
 
 from .answer import AnswerShaper
 from .errors import RequestError, error_body
-from .responses import Reply, choice_body, chunk, full_body, logprobs_body, sse, text_delta, token_fields, usage_chunk
+from .responses import (Reply, choice_body, chunk, full_body, logprobs_body, sse, text_delta, token_fields, usage_chunk,
+                        usage_so_far)
 from .worker import Event, Failed, Finished, TextPiece
 
 
@@ -77,41 +78,50 @@ async def stream_choices(reply: Reply, runs: list[ChoiceRun], include_usage: boo
 async def stream_choice(reply: Reply, run: ChoiceRun, finished: list[Finished]) -> AsyncGenerator[str, None]:
     offset = 0  # of the next token in the completion text (completions' logprobs.text_offset)
     prompt_ids: tuple[int, ...] | None = run.prompt_ids  # return_token_ids: sent with the first chunk
+    generated = 0  # tokens so far (continuous_usage_stats)
+
+    def line(body: dict[str, Any]) -> str:
+        if reply.usage_each_chunk:
+            body["usage"] = usage_so_far(len(run.prompt_ids), generated)
+        return sse(body)
+
     async with aclosing(run.events):
         if reply.chat:
             first = chunk(reply, {"role": "assistant", "content": ""}, index=run.index)
-            yield sse(first | ({"prompt_token_ids": list(run.prompt_ids)} if reply.token_ids else {}))
+            yield line(first | ({"prompt_token_ids": list(run.prompt_ids)} if reply.token_ids else {}))
         async for event in run.events:
             if isinstance(event, TextPiece):
+                generated += event.tokens
                 logprobs = logprobs_body(reply, event.scored, offset)
                 ids = token_fields(reply, event.token_ids, prompt_ids) if reply.token_ids else None
                 for delta in piece_deltas(reply, event.text, run.shaper, logprobs is not None or ids is not None):
-                    yield sse(chunk(reply, delta, logprobs=logprobs, index=run.index, ids=ids))
+                    yield line(chunk(reply, delta, logprobs=logprobs, index=run.index, ids=ids))
                     logprobs = logprobs_body(reply, (), 0)  # the piece's entries go with its first chunk
                     ids, prompt_ids = (token_fields(reply, (), None) if ids else None), None
                 offset += sum(len(s.text) for s in event.scored)
             elif isinstance(event, Finished):
-                for line in finish_lines(reply, run, event):
-                    yield line
+                generated = event.completion_tokens
+                for body in finish_chunks(reply, run, event):
+                    yield line(body)
                 finished.append(event)
             elif isinstance(event, Failed):
                 yield sse(error_body(event.message, "server_error"))
 
 
-def finish_lines(reply: Reply, run: ChoiceRun, event: Finished) -> list[str]:
+def finish_chunks(reply: Reply, run: ChoiceRun, event: Finished) -> list[dict[str, Any]]:
     """What the shaper held back, the tool calls in one delta, then the finish chunk (each with an
     empty token_ids under return_token_ids: the pieces carried them)."""
     parts, calls = run.shaper.finish() if run.shaper else ([], [])
     ids = token_fields(reply, (), None) if reply.token_ids else None
-    lines = [sse(chunk(reply, {field: text}, index=run.index, ids=ids)) for field, text in parts]
+    bodies = [chunk(reply, {field: text}, index=run.index, ids=ids) for field, text in parts]
     if calls:
         wire = [call.wire(i) for i, call in enumerate(calls)]
-        lines.append(sse(chunk(reply, {"tool_calls": wire}, index=run.index, ids=ids)))
+        bodies.append(chunk(reply, {"tool_calls": wire}, index=run.index, ids=ids))
     finish_reason = run.shaper.calls_finish_reason if calls and run.shaper else event.finish_reason
     last = chunk(reply, {}, finish_reason, index=run.index, ids=ids)
     last["choices"][0]["stop_reason"] = event.stop_reason  # vLLM's, with the finish_reason
-    lines.append(sse(last))
-    return lines
+    bodies.append(last)
+    return bodies
 
 
 def piece_deltas(reply: Reply, text: str, shaper: AnswerShaper | None, scored: bool) -> list[dict[str, str]]:

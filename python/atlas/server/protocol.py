@@ -154,6 +154,7 @@ class GenerationBody:
     sampling: SamplingFields
     stream: bool
     include_usage: bool
+    usage_each_chunk: bool  # vLLM's stream_options.continuous_usage_stats (with include_usage)
     logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
     template_kwargs: dict[str, Any] | None = None  # chat: extra chat-template variables
     tools: list[dict[str, Any]] | None = None  # chat: function tools, in the prompt (as vLLM's default) even under
@@ -175,7 +176,7 @@ def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = Non
     check_unsupported(body)
     n = optional_int(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
     stream = optional_bool(body, "stream") or False
-    include_usage = parse_include_usage(body.get("stream_options"))  # checked even without stream
+    include_usage, each_chunk = parse_stream_options(body.get("stream_options"))  # checked even without stream
     echo = optional_bool(body, "echo") or False
     if chat and echo:
         raise RequestError("'echo' is a /v1/completions field; leave it out of chat requests", "echo")
@@ -188,6 +189,7 @@ def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = Non
         sampling=parse_sampling(body, echo),
         stream=stream,
         include_usage=stream and include_usage,
+        usage_each_chunk=stream and include_usage and each_chunk,
         logprobs=parse_logprobs(body, chat),
         template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")) if chat else None,
         tools=tools or None,
@@ -433,12 +435,14 @@ def parse_stop_token_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(t) for t in value)
 
 
-def parse_include_usage(value: Any) -> bool:
+def parse_stream_options(value: Any) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats: vLLM's usage in every chunk, with include_usage)."""
     if value is None:
-        return False
+        return False, False
     if not isinstance(value, dict):
         raise RequestError("'stream_options' must be an object", "stream_options")
-    return optional_bool(value, "include_usage", "stream_options.include_usage") or False
+    return (optional_bool(value, "include_usage", "stream_options.include_usage") or False,
+            optional_bool(value, "continuous_usage_stats", "stream_options.continuous_usage_stats") or False)
 
 
 # --- typed field access --------------------------------------------------------------------------

@@ -21,6 +21,7 @@ class Reply:
     logprobs: bool = False  # the request asked for them: each choice carries a logprobs object
     token_ids: bool = False  # vLLM's return_token_ids: prompt_token_ids and each choice's token_ids
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    usage_each_chunk: bool = False  # vLLM's stream_options.continuous_usage_stats: every chunk has usage so far
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -143,6 +144,12 @@ def token_entry(text: str, logprob: float) -> dict[str, Any]:
 
 def text_delta(reply: Reply, text: str) -> dict[str, str]:
     return {"content": text} if reply.chat else {"text": text}
+
+
+def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """A streamed choice's usage at one chunk (continuous_usage_stats)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def usage_chunk(reply: Reply, finished: list[Finished], n: int = 1) -> dict[str, Any]:

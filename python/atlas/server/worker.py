@@ -51,6 +51,7 @@ class TextPiece:
     text: str
     scored: tuple[ScoredToken, ...] = ()  # the tokens generated since the previous piece (logprobs asked for)
     token_ids: tuple[int, ...] = ()  # the ids generated since the previous piece (Returns.token_ids)
+    tokens: int = 0  # how many tokens were generated since the previous piece
 
 
 @dataclass(frozen=True)
@@ -253,11 +254,11 @@ class Pending:
     scores: list[TokenLogprob] = field(default_factory=list)  # iter_tokens appends (logprobs asked for)
     ids: list[int] = field(default_factory=list)
     sent_scores: int = 0
-    sent_ids: int = 0
+    sent_ids: int = 0  # ids a piece has accounted for (carried, with with_ids)
 
     def piece(self, text: str) -> TextPiece:
         ids = tuple(self.ids[self.sent_ids :]) if self.with_ids else ()
-        piece = TextPiece(text, scored(self.llm, self.scores[self.sent_scores :]), ids)
+        piece = TextPiece(text, scored(self.llm, self.scores[self.sent_scores :]), ids, len(self.ids) - self.sent_ids)
         self.sent_scores, self.sent_ids = len(self.scores), len(self.ids)
         return piece
 
