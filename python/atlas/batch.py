@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from .cli import run_command
-from .dump import atomic_path
+from .dump import atomic_path, check_writable
 from .engine_flags import EngineFlags, engine_options
 from .errors import AtlasError
 from .run import MODEL_HELP
@@ -154,13 +154,7 @@ async def answer(app: Any, line: str, seen: set[str]) -> dict[str, Any]:
 
 def check_output(out: Path, input_file: str) -> None:
     """--output-file can be written, before the model loads."""
-    import os
-
-    where = out.resolve().parent
-    if not where.is_dir() or not os.access(where, os.W_OK):
-        raise AtlasError(f"--output-file {out}: its directory does not exist or cannot be written; write elsewhere")
-    if out.is_dir():
-        raise AtlasError(f"--output-file {out} is a directory; name a file")
+    check_writable(out, "--output-file")
     if input_file != "-" and out.resolve() == Path(input_file).resolve():
         raise AtlasError("--output-file is the input file; write the results elsewhere")
 

@@ -196,6 +196,16 @@ def atomic_path(path: Path) -> Iterator[Path]:
         raise
 
 
+def check_writable(path: Path, flag: str) -> None:
+    """An output file atomic_path can write (checked before long work): its directory exists and
+    takes files, and it is not a directory itself."""
+    where = path.resolve().parent
+    if not where.is_dir() or not os.access(where, os.W_OK):
+        raise AtlasError(f"{flag} {path}: its directory does not exist or cannot be written; write elsewhere")
+    if path.is_dir():
+        raise AtlasError(f"{flag} {path} is a directory; name a file")
+
+
 def write_json(path: Path, payload: dict[str, Any], indent: int | None = 1) -> None:
     with atomic_path(path) as scratch:
         scratch.write_text(json.dumps(payload, indent=indent) + "\n")

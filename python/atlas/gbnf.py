@@ -515,7 +515,7 @@ def compile_grammar_tokens(text: str) -> tuple[Node, frozenset[tuple[int | bytes
             raise GrammarError(f"grammar: rule {name!r} is left-recursive (it reaches itself before a "
                                "character); rewrite it with repetition, e.g. a ::= b (\",\" b)*")
     graph = {name: refs(ast) for name, ast in rules.items()}
-    tokens = {name for name, ast in rules.items() if token_terminals(ast)}
-    named = frozenset().union(*(token_terminals(rules[name]) for name in tokens))
-    root = Compiler(rules, reaching(graph, on_cycles(graph) | tokens)).node(("ref", "root"))
-    return root, named
+    terminals = {name: token_terminals(ast) for name, ast in rules.items()}
+    with_tokens = {name for name, found in terminals.items() if found}
+    root = Compiler(rules, reaching(graph, on_cycles(graph) | with_tokens)).node(("ref", "root"))
+    return root, frozenset().union(*terminals.values())

@@ -591,7 +591,6 @@ class Transitions:
 
     def __init__(self, root: Node, tokens: frozenset[tuple[int | bytes, bool]] = frozenset()) -> None:
         self.tokens = tokens
-        self.uses_tokens = bool(tokens)
         self.names = frozenset(name for name, _ in tokens)
         self.start = frozenset(((node, node.begin()), None) for node in alternatives(root))
         self.moves: dict[tuple[frozenset, int], frozenset] = {}
@@ -601,6 +600,10 @@ class Transitions:
         # reached by 'a' or by 'b') then share it, so the cache's key comparisons stop at
         # identity instead of walking both sets (a regex's state set may hold a thousand states).
         self.canonical: dict[frozenset, frozenset] = {}
+
+    @property
+    def uses_tokens(self) -> bool:
+        return bool(self.tokens)
 
     def symbol(self, token: int, text: bytes) -> tuple[int, bytes]:
         """A whole token as moves take it."""
@@ -703,7 +706,7 @@ class Matcher:
             return False
         if fits_text and whole:
             both = as_text.stacks | whole
-            self.stacks = self.transitions.canonical.setdefault(both, both)
+            self.stacks = shape.canonical.setdefault(both, both)
         else:
             self.stacks = as_text.stacks if fits_text else whole
         return True

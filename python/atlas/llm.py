@@ -343,7 +343,6 @@ class LLM:
         from .token_rules import AllConstraints, AllowedTokens, BadWords, bad_word_sequences
 
         tokenizer = self.parts.tokenizer
-        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         parts: list[TokenConstraint] = []
         if opts.output is not None:
             shape = opts.output.shape()
@@ -352,6 +351,7 @@ class LLM:
         if opts.allowed_token_ids is not None:
             parts.append(AllowedTokens(opts.allowed_token_ids))
         if opts.bad_words:
+            encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
             parts.append(BadWords(bad_word_sequences(opts.bad_words, encode)))
         if opts.thinking_token_budget is not None:
             parts.append(self.thinking_budget(opts.thinking_token_budget, prompt_ids))

@@ -20,7 +20,6 @@ or not at all."""
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import numpy as np
 
 from .backends import DEVICES
 from .cli import run_command
-from .dump import atomic_path
+from .dump import atomic_path, check_writable, write_json
 from .engine_flags import KV_CACHE_DTYPE, KV_HIGH_PRECISION_LAYERS
 from .errors import AtlasError
 from .run import MODEL_HELP
@@ -218,8 +217,8 @@ def check_outputs(args: PerplexityArgs) -> None:
     if args.kl_divergence is not None and args.file is not None:
         raise AtlasError("--kl-divergence scores the saved run's text: leave --file out")
     for flag, out in (("--save-logprobs", args.save_logprobs), ("--json", args.json_out)):
-        if out is not None and not Path(out).resolve().parent.is_dir():
-            raise AtlasError(f"{flag} {out}: its directory does not exist; create it or write elsewhere")
+        if out is not None:
+            check_writable(Path(out), flag)
 
 
 def run(args: PerplexityArgs) -> dict[str, Any]:
@@ -299,8 +298,7 @@ def command(**kwargs: Any) -> None:
     for line in report_lines(report):
         click.echo(line)
     if kwargs["json_out"] is not None:
-        with atomic_path(Path(kwargs["json_out"])) as scratch:
-            scratch.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(Path(kwargs["json_out"]), report)
 
 
 def main(argv: list[str] | None = None) -> int:
