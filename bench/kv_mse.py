@@ -40,7 +40,7 @@ from atlas.engine import Engine  # noqa: E402
 from atlas.kvcache import LEVELS, bytes_per_vector, round_trip  # noqa: E402
 from atlas.layers.attention import Attention, AttentionDims, AttentionWeights  # noqa: E402
 from atlas.layers.norm import RMSNorm  # noqa: E402
-from atlas.layers.rotary import Rotary  # noqa: E402
+from atlas.layers.rotary import Rotary, default_inv_freq  # noqa: E402
 from atlas.layers.split_linear import SplitLinear  # noqa: E402
 from atlas.layers.step import Step  # noqa: E402
 from atlas.safetensors import Checkpoint  # noqa: E402
@@ -102,7 +102,7 @@ def qwen_kv(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     widths = (q_width, q_width, kv_width, kv_width)  # q, gate, k, v
     qgkv = SplitLinear.single(np.concatenate([mat(w, d.hidden) for w in widths]), widths)
     weights = AttentionWeights(qgkv, mat(d.hidden, q_width), norm(), norm())
-    attention = Attention(weights, dims, Rotary(d.rotary_dim, d.theta))
+    attention = Attention(weights, dims, Rotary(default_inv_freq(d.rotary_dim, d.theta), 1.0))
     hidden = rng.standard_normal((d.tokens, d.hidden)).astype(np.float32)
     hidden /= np.sqrt(np.mean(hidden**2, axis=-1, keepdims=True))  # [T, H]
     seen, dump = capture(("attn.k", "attn.v"))

@@ -46,16 +46,18 @@ class TinyModel:
     layout: Layout = "per_expert"  # what save_pretrained writes; "fused" rewrites the experts
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_shard_size: str | None = None  # e.g. "300KB" for a sharded checkpoint (per_expert only)
+    rope_yarn: tuple[tuple[str, float], ...] = ()  # YaRN's rope_parameters (factor, ...); (): plain RoPE
 
     def text_config(self) -> dict[str, object]:
         fields = asdict(self)
-        for key in ("nested", "layout", "dtype", "max_shard_size", "full_attention_interval", "partial_rotary_factor", "rope_theta"):
+        for key in ("nested", "layout", "dtype", "max_shard_size", "full_attention_interval", "partial_rotary_factor", "rope_theta", "rope_yarn"):
             fields.pop(key)
         layer_types = [
             "full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
             for i in range(self.num_hidden_layers)
         ]
-        rope = {"rope_type": "default", "rope_theta": self.rope_theta, "partial_rotary_factor": self.partial_rotary_factor}
+        rope = {"rope_type": "yarn" if self.rope_yarn else "default", "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor, **dict(self.rope_yarn)}
         return {**fields, "layer_types": layer_types, "rope_parameters": rope, "max_position_embeddings": 1024}
 
 

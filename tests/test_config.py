@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from atlas.config import load_spec
+from atlas.layers.rotary import rope_frequencies
 from atlas.errors import AtlasError
 
 
@@ -208,8 +209,8 @@ def test_inconsistent_shapes(tmp_path: Path, rng: np.random.Generator) -> None:
     expect_error(write_config(tmp_path / "b", bad_gqa), "'num_key_value_heads'")
     bad_topk = {**text, "num_experts": 2, "num_experts_per_tok": 3}
     expect_error(write_config(tmp_path / "c", bad_topk), "'num_experts_per_tok'")
-    bad_rope = {**text, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
-    expect_error(write_config(tmp_path / "d", bad_rope), "'rope_parameters.rope_type'", "yarn")
+    bad_rope = {**text, "rope_parameters": {"rope_type": "longrope", "factor": 4.0}}
+    expect_error(write_config(tmp_path / "d", bad_rope), "'rope_parameters.rope_type'", "longrope", "yarn")
     odd_rotary = {**text, "head_dim": 16, "rope_parameters": {"partial_rotary_factor": 0.1}}
     expect_error(write_config(tmp_path / "e", odd_rotary), "partial_rotary_factor")
 
@@ -222,3 +223,59 @@ def test_missing_or_broken_files(tmp_path: Path, rng: np.random.Generator) -> No
     expect_error(tmp_path, "JSON object")
     write_config(tmp_path, random_text_config(rng), {"eos_token_id": [1.5]})
     expect_error(tmp_path, "generation_config.json", "'eos_token_id'")
+
+
+# Qwen's model card setting for 1M tokens, then the knobs transformers reads, each on its own.
+YARN_SETTINGS: list[dict[str, Any]] = [
+    {"factor": 4.0, "original_max_position_embeddings": 262_144, "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
+    {"factor": 2.5, "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    {"factor": 8.0, "original_max_position_embeddings": 2048, "mscale": 0.707, "mscale_all_dim": 1.0},
+    {"factor": 3.0, "original_max_position_embeddings": 1024, "attention_factor": 1.3},
+    {"factor": None, "original_max_position_embeddings": 2048},  # max_position_embeddings / original
+    {"factor": 1.0, "original_max_position_embeddings": 8192, "beta_fast": 0},  # no stretch; 0: the default
+]
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("settings", YARN_SETTINGS)
+@pytest.mark.parametrize("nested", [False, True])
+def test_yarn_matches_transformers(tmp_path: Path, rng: np.random.Generator, settings: dict[str, Any], nested: bool) -> None:
+    """The YaRN frequency table and cos/sin scale equal transformers' to the bit; the context is
+    original_max_position_embeddings x factor when longer than max_position_embeddings (vLLM's)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    text = random_text_config(rng)
+    for legacy in ("rope_theta", "partial_rotary_factor", "rope_parameters"):
+        text.pop(legacy, None)
+    text["max_position_embeddings"] = 8192
+    text["rope_parameters"] = {"rope_type": "yarn", "rope_theta": float(rng.choice([1e4, 1e6, 1e7])),
+                               "partial_rotary_factor": float(rng.choice([0.25, 0.5, 1.0])), **settings}
+    model_dir = write_config(tmp_path, nest(text, False) if nested else text)
+    spec = load_spec(model_dir)
+    top = AutoConfig.from_pretrained(model_dir)
+    hf = top.text_config if nested else top
+    want_freq, want_scale = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    inv_freq, scaling = rope_frequencies(spec)
+    np.testing.assert_array_equal(inv_freq, want_freq.numpy())
+    assert scaling == want_scale
+    factor = settings["factor"] or 8192 / settings["original_max_position_embeddings"]
+    assert spec.context_length == max(8192, int(settings["original_max_position_embeddings"] * factor))
+
+
+def test_yarn_legacy_rope_scaling_and_bad_fields(tmp_path: Path, rng: np.random.Generator) -> None:
+    text = random_text_config(rng)
+    text.pop("rope_parameters", None)
+    legacy = {**text, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+              "max_position_embeddings": 512}
+    spec = load_spec(write_config(tmp_path / "legacy", legacy))
+    assert spec.rope_yarn is not None and spec.rope_yarn.factor == 4.0 and spec.context_length == 2048
+    plain = load_spec(write_config(tmp_path / "plain", {**text, "max_position_embeddings": 512}))
+    assert plain.rope_yarn is None and plain.context_length == 512
+    for i, (key, value, needle) in enumerate([
+        ("factor", 0, "must be > 0"), ("factor", "4", "finite number"), ("attention_factor", -1.0, "must be > 0"),
+        ("original_max_position_embeddings", 0, "at least 1"), ("truncate", "yes", "true or false"),
+        ("beta_fast", float("nan"), "finite number"),
+    ]):
+        rope = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256, key: value}
+        expect_error(write_config(tmp_path / f"bad{i}", {**text, "rope_parameters": rope}), f"'rope_parameters.{key}'", needle)

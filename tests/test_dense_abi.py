@@ -58,7 +58,7 @@ def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Gen
         ops_dense.linear(rt, f(t, h), _tensor(rt, "bf16", n, h))
         ops_dense.linear(rt, f(t, h), _tensor(rt, "bf16", 64 * rt.sm_count + n, h))
     ops_dense.linear(rt, f(1, h), _tensor(rt, "bf16", v, h))
-    ops_dense.head_norm_rope(rt, f(prefill, hq, d), f(d), _tensor(rt, "i32", prefill), dims["rotary_dim"], 1e7, 1e-6)
+    ops_dense.head_norm_rope(rt, f(prefill, hq, d), f(d), _tensor(rt, "i32", prefill), f(dims["rotary_dim"] // 2), 1.0, 1e-6)
     for t in (tokens % 4 + 1, prefill):
         caches = [_tensor(rt, "bf16", capacity, hkv, d) for _ in range(2)]
         ops_dense.attention(rt, f(t, hq, d), f(t, hkv, d), f(t, hkv, d), KVCache(*caches), _tensor(rt, "i32", t), d**-0.5)

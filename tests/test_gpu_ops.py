@@ -20,7 +20,9 @@ import pytest
 
 from atlas.backends.base import KVCache, SamplingParams
 from atlas.backends.numpy_backend import NumpyBackend
+from atlas.config import Yarn, yarn_mscale
 from atlas.errors import AtlasError
+from atlas.layers.rotary import default_inv_freq, yarn_inv_freq
 from atlas.sampling import draw_uniform
 
 from _operands import delta_rule_operands
@@ -242,12 +244,16 @@ def test_linear_lm_head(env: Env, rng: np.random.Generator) -> None:
 
 @pytest.mark.parametrize("tokens,start", [(1, 0), (1, 777), (5, 40), (17, 0)])
 def test_head_norm_rope(env: Env, rng: np.random.Generator, tokens: int, start: int) -> None:
-    heads, d = env.d("num_attention_heads"), env.d("head_dim")
+    heads, d, rotary_dim = env.d("num_attention_heads"), env.d("head_dim"), env.d("rotary_dim")
     positions = np.arange(start, start + tokens, dtype=np.int32)
-    for theta in (10_000.0, 10_000_000.0):
+    yarn = Yarn(factor=4.0, original_max_position_embeddings=512, beta_fast=32.0, beta_slow=1.0,
+                attention_factor=yarn_mscale(4.0, 1.0), truncate=True)
+    tables = [(default_inv_freq(rotary_dim, theta), 1.0) for theta in (10_000.0, 10_000_000.0)]
+    tables.append((yarn_inv_freq(rotary_dim, 10_000_000.0, yarn), yarn.attention_factor))
+    for inv_freq, scaling in tables:
         run_op(env, "head_norm_rope",
                [In(normal(rng, tokens, heads, d, scale=2), "f32"), In(normal(rng, d) + 1, "f32"),
-                In(positions, "i32"), env.d("rotary_dim"), theta, 1e-6], F32_FLOOR * 5)
+                In(positions, "i32"), In(inv_freq, "f32"), scaling, 1e-6], F32_FLOOR * 5)
 
 
 def attention_args(args: list[Any]) -> list[Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,8 @@ import torch.nn.functional as F
 
 from atlas.backends.base import KVCache, SamplingParams
 from atlas.backends.numpy_backend import NumpyBackend
+from atlas.config import spec_from_config
+from atlas.layers.rotary import default_inv_freq, rope_frequencies
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
 from _operands import delta_rule_operands
@@ -73,13 +77,20 @@ def test_rms_norms_match_transformers(rng: np.random.Generator) -> None:
     close(be.gated_rms_norm(xs, zs, w[:16], 1e-6), ref)
 
 
-@pytest.mark.parametrize("head_dim,factor,max_position", [(64, 0.25, 500), (32, 0.5, 300_000), (16, 1.0, 40_000)])
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 65_536}
+
+
+@pytest.mark.parametrize("head_dim,factor,max_position,yarn", [
+    (64, 0.25, 500, False), (32, 0.5, 300_000, False), (16, 1.0, 40_000, False), (64, 0.25, 262_144, True),
+    (32, 0.5, 3_000, True),
+])  # fmt: skip
 def test_head_norm_rope_matches_transformers(
-    rng: np.random.Generator, head_dim: int, factor: float, max_position: int
+    rng: np.random.Generator, head_dim: int, factor: float, max_position: int, yarn: bool
 ) -> None:
+    rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": factor, **(YARN if yarn else {})}
     config = hf.Qwen3_5MoeTextConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": factor},
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, rope_parameters=rope,
+        max_position_embeddings=262_144,
     )
     rotary = hf.Qwen3_5MoeTextRotaryEmbedding(config)
     norm = hf.Qwen3_5MoeRMSNorm(head_dim, eps=1e-6)
@@ -90,7 +101,9 @@ def test_head_norm_rope_matches_transformers(
     cos, sin = rotary(t(x), t(positions).long()[None])
     normed = norm(t(x)).transpose(0, 1)[None]  # [1, heads, T, D]
     ref, _ = hf.apply_rotary_pos_emb(normed, normed, cos, sin)
-    ours = be.head_norm_rope(x, 1.0 + w, positions, int(head_dim * factor), 10_000_000.0, 1e-6)
+    inv_freq, scaling = rope_frequencies(spec_from_config(config.to_dict(), Path("config.json")))
+    assert (scaling != 1.0) == yarn
+    ours = be.head_norm_rope(x, 1.0 + w, positions, inv_freq, scaling, 1e-6)
     close(ours, ref[0].transpose(0, 1), 1e-4)
 
 
@@ -335,7 +348,7 @@ def test_ops_leave_their_inputs_unchanged(rng: np.random.Generator) -> None:
     be.add_rms_norm(x, res, w, 1e-6)
     be.silu_mul(x)
     be.sigmoid_mul(x, res)
-    be.head_norm_rope(heads, w, np.arange(6, dtype=np.int32), 8, 1e4, 1e-6)
+    be.head_norm_rope(heads, w, np.arange(6, dtype=np.int32), default_inv_freq(8, 1e4), 1.0, 1e-6)
     be.gated_rms_norm(heads, heads, w, 1e-6)
     delta_rule(inputs, be.zeros((2, 8, 8), "f32"), 1)
     be.router(x, randn(rng, 4, 16), 2, True)

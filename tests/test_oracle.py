@@ -56,6 +56,10 @@ CASES = {
     ),
     # shared expert of the routed size: stacked as expert E and run as the router's slot k
     "flat-fp32-per_expert-shared-slot": TinyModel(shared_expert_intermediate_size=32, num_experts=6),
+    # YaRN past its original context of 32 positions: pairs 0..3 ramp from kept to interpolated
+    "flat-fp32-yarn": TinyModel(
+        head_dim=64, partial_rotary_factor=0.5, rope_yarn=(("factor", 4.0), ("original_max_position_embeddings", 32)),
+    ),
     "nested-bf16-fused-shared-slot": TinyModel(
         nested=True, layout="fused", dtype="bfloat16", shared_expert_intermediate_size=32, num_experts_per_tok=3,
     ),

@@ -14,8 +14,20 @@ LayerType = Literal["linear_attention", "full_attention"]
 
 TEXT_MODEL_TYPE = "qwen3_5_moe_text"
 NESTED_MODEL_TYPE = "qwen3_5_moe"
-SUPPORTED_ROPE_TYPES = ("default",)
+SUPPORTED_ROPE_TYPES = ("default", "yarn")
 LAYER_TYPES: tuple[LayerType, ...] = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN context extension (rope_type "yarn"), with transformers' defaults resolved."""
+
+    factor: float  # the context is stretched this many times
+    original_max_position_embeddings: int  # the context the model was trained on
+    beta_fast: float  # pairs turning more often than this over that context keep their frequency
+    beta_slow: float  # pairs turning less often than this are interpolated (frequency / factor)
+    attention_factor: float  # cos and sin are multiplied by it
+    truncate: bool  # the ramp's ends rounded to whole pairs
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,16 @@ class ModelSpec:
     pad_token_id: int | None = None
     # generation_config.json's recommended sampling: (name, value) among SAMPLING_DEFAULT_RANGES' names
     sampling_defaults: tuple[tuple[str, float], ...] = field(default=())
+    rope_yarn: Yarn | None = None  # rope_type "yarn"; None: plain RoPE
+
+    @property
+    def context_length(self) -> int:
+        """Positions the model serves: max_position_embeddings, or YaRN's stretched context when
+        longer (original_max_position_embeddings x factor, as vLLM reads it)."""
+        if self.rope_yarn is None:
+            return self.max_position_embeddings
+        stretched = int(self.rope_yarn.original_max_position_embeddings * self.rope_yarn.factor)
+        return max(self.max_position_embeddings, stretched)
 
 
 # generation_config.json sampling keys vLLM's --generation-config auto reads: key -> (low, high,
@@ -218,7 +240,7 @@ def spec_from_config(
             raise top.fail("text_config", "is missing (a 'qwen3_5_moe' config nests its text model there)")
         text = FieldReader(section, source, "text_config.")
     dims = read_dimensions(text)
-    rope = read_rope(text, dims["head_dim"])
+    rope = read_rope(text, dims["head_dim"], dims["max_position_embeddings"])
     layer_types = read_layer_types(text, dims["num_hidden_layers"])
     check_head_ratios(text, dims)
     # ForConditionalGeneration ties through the top-level config, ForCausalLM through the text one.
@@ -231,6 +253,7 @@ def spec_from_config(
         tie_word_embeddings=tie,
         rotary_dim=rope[0],
         rope_theta=rope[1],
+        rope_yarn=rope[2],
         attention_bias=text.bool("attention_bias", TEXT_DEFAULTS["attention_bias"]),
         shared_expert_intermediate_size=text.int(
             "shared_expert_intermediate_size", TEXT_DEFAULTS["shared_expert_intermediate_size"], 1
@@ -258,9 +281,9 @@ def read_hidden_act(text: FieldReader) -> str:
     return act
 
 
-def read_rope(text: FieldReader, head_dim: int) -> tuple[int, float]:
-    """(rotary_dim, rope_theta) with transformers' priority: rope_parameters (or legacy
-    rope_scaling), then top-level rope_theta / partial_rotary_factor, then defaults."""
+def read_rope(text: FieldReader, head_dim: int, max_positions: int) -> tuple[int, float, Yarn | None]:
+    """(rotary_dim, rope_theta, YaRN settings) with transformers' priority: rope_parameters (or
+    legacy rope_scaling), then top-level rope_theta / partial_rotary_factor, then defaults."""
     key = "rope_parameters" if text.has("rope_parameters") else "rope_scaling"
     params = FieldReader(text.object(key) or {}, text.source, f"{text.prefix}{key}.")
     rope_type = params.raw("rope_type", params.raw("type", "default"))
@@ -276,7 +299,34 @@ def read_rope(text: FieldReader, head_dim: int) -> tuple[int, float]:
             f"is {factor} and gives rotary dim {rotary_dim} for head_dim {head_dim}; it must give an "
             "even rotary dim in 2..head_dim",
         )
-    return rotary_dim, theta
+    yarn = read_yarn(text, params, max_positions) if rope_type == "yarn" else None
+    return rotary_dim, theta, yarn
+
+
+def read_yarn(text: FieldReader, params: FieldReader, max_positions: int) -> Yarn:
+    """YaRN's settings as transformers' _compute_yarn_parameters reads them (a top-level
+    original_max_position_embeddings wins; a missing factor is max_position_embeddings / it)."""
+    original = text.int("original_max_position_embeddings", params.int("original_max_position_embeddings", max_positions, 1), 1)
+    factor = params.float("factor", max_positions / original, positive=True)
+    mscale, mscale_all_dim = params.float("mscale", 0.0), params.float("mscale_all_dim", 0.0)
+    if params.has("attention_factor"):
+        attention_factor = params.float("attention_factor", positive=True)
+    elif mscale and mscale_all_dim:
+        attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(factor, 1.0)
+    return Yarn(
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=params.float("beta_fast", 0.0) or 32.0,  # 0 / null: the paper's 32 and 1, as transformers
+        beta_slow=params.float("beta_slow", 0.0) or 1.0,
+        attention_factor=attention_factor,
+        truncate=params.bool("truncate", True),
+    )
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def read_layer_types(text: FieldReader, num_layers: int) -> tuple[LayerType, ...]:

@@ -168,7 +168,7 @@ ENGINE_OPTIONS = (
     ),
     click.option(
         "--max-seq-len", "--max-model-len", "max_seq_len", type=ContextLength(), default=None,
-        help="Context held in the KV cache: prompt + generated tokens (default 4096, at most the model's max_position_embeddings; -1 or auto: all of it; 32k = 32000, 32K = 32768; --max-model-len is vLLM's name for it).",
+        help="Context held in the KV cache: prompt + generated tokens (default 4096, at most the model's max_position_embeddings, or YaRN's stretched context; -1 or auto: all of it; 32k = 32000, 32K = 32768; --max-model-len is vLLM's name for it).",
     ),
 )  # fmt: skip
 

@@ -129,7 +129,7 @@ def load_model(
     model_dir = resolve_model(model)
     spec = load_spec(model_dir)
     tokenizer = Tokenizer.open(model_dir)
-    capacity = context_length(max_seq_len, spec.max_position_embeddings)
+    capacity = context_length(max_seq_len, spec.context_length)
     run = RunPlan(capacity, kv_cache or KVCacheOptions(), load_mtp=spec_k != 0, prompt_cache=prompt_cache)
     checkpoint = Checkpoint.open(model_dir)
     backend, reason = create_backend(device, model_dir, spec, run)
@@ -675,14 +675,14 @@ def check_length(spec: ModelSpec, engine: EngineLike, prompt_tokens: int, max_to
 
 def raise_hint(spec: ModelSpec, capacity: int) -> str:
     """How to hold more, when the KV cache, not the model, sets the limit."""
-    if capacity >= spec.max_position_embeddings:
+    if capacity >= spec.context_length:
         return ""
-    return f", or load it with a larger max_seq_len (--max-seq-len, up to {spec.max_position_embeddings})"
+    return f", or load it with a larger max_seq_len (--max-seq-len, up to {spec.context_length})"
 
 
 def context_capacity(spec: ModelSpec, engine: EngineLike) -> int:
     """Positions one generation may use: the model's context, capped by the engine's caches."""
-    return min(spec.max_position_embeddings, getattr(engine, "max_seq_len", spec.max_position_embeddings))
+    return min(spec.context_length, getattr(engine, "max_seq_len", spec.context_length))
 
 
 def rate(tokens: int, seconds: float) -> float:

@@ -235,7 +235,7 @@ def run(args: PerplexityArgs) -> dict[str, Any]:
     if saved is not None and (int(saved["vocab"]), str(saved["tokenizer"])) != fingerprint:
         raise AtlasError(f"{args.kl_divergence} was saved with another tokenizer: compare runs of one model's tokenizer")
     text = read_text(args.file, model_dir) if saved is None else ""
-    what = plan(args, tokenizer.encode(text, add_special_tokens=False), saved, load_spec(model_dir).max_position_embeddings)
+    what = plan(args, tokenizer.encode(text, add_special_tokens=False), saved, load_spec(model_dir).context_length)
     llm = LLM(str(model_dir), args.device, args.kv_cache_dtype, args.kv_high_precision_layers, spec_k=0,
               max_seq_len=what.ctx, prompt_cache=0)
     parts = chunks(what.tokens, what.ctx, tokenizer.bos_token_id)[: what.chunks]

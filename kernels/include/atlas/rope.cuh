@@ -1,10 +1,10 @@
 // q/k head RMSNorm + partial rotary embedding (rotate-half / NeoX layout). One warp per
 // (token, head); the normalised head goes through a per-warp shared-memory row because the
 // rotation pairs element j with j +- rotary_dim/2, which another lane holds.
-// The angle is the float32 product pos * inv_freq with inv_freq = 1 / theta^(2i/rotary_dim) rounded
-// to float32, as transformers and the numpy reference compute it: at long positions the rounding
-// of that product moves the phase by more than any cos/sin error, so a more exact angle would
-// disagree with the model as trained. cos/sin of that f32 angle are evaluated in double.
+// The angle is the float32 product pos * inv_freq[i], the table made on the host as transformers
+// makes it (plain RoPE or YaRN): at long positions the rounding of that product moves the phase by
+// more than any cos/sin error, so a more exact angle would disagree with the model as trained.
+// cos/sin of that f32 angle are evaluated in double, then multiplied by p.scaling in float32.
 // Dynamic smem: warps_per_block * head_dim * 4 bytes.
 #pragma once
 
@@ -24,6 +24,7 @@ __device__ void head_norm_rope(const HeadNormRopeParams& p) {
   const int dim = p.head_dim;
   const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(row) * dim;
   const float* weight = static_cast<const float*>(p.weight);
+  const float* inv_freq = static_cast<const float*>(p.inv_freq);
   float* out = static_cast<float*>(p.out) + static_cast<int64_t>(row) * dim;
   float* normed = rope_rows + warp * dim;
 
@@ -41,13 +42,11 @@ __device__ void head_norm_rope(const HeadNormRopeParams& p) {
       continue;
     }
     const int i = j < half ? j : j - half;
-    const float exponent = __fdiv_rn(static_cast<float>(2 * i), static_cast<float>(p.rotary_dim));
-    const float power = static_cast<float>(pow(static_cast<double>(p.rope_theta), static_cast<double>(exponent)));
-    const float angle = __fmul_rn(position, __fdiv_rn(1.0f, power));
+    const float angle = __fmul_rn(position, inv_freq[i]);
     double s, c;
     sincos(static_cast<double>(angle), &s, &c);
-    const float cos_f = static_cast<float>(c);
-    const float sin_f = static_cast<float>(s);
+    const float cos_f = __fmul_rn(static_cast<float>(c), p.scaling);
+    const float sin_f = __fmul_rn(static_cast<float>(s), p.scaling);
     out[j] = j < half ? normed[j] * cos_f - normed[j + half] * sin_f : normed[j] * cos_f + normed[j - half] * sin_f;
   }
 }

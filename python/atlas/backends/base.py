@@ -186,13 +186,14 @@ class Backend(Protocol):
         x: Tensor,
         weight: Tensor,
         positions: Tensor,
-        rotary_dim: int,
-        rope_theta: float,
+        inv_freq: Tensor,
+        scaling: float,
         eps: float,
     ) -> Tensor:
         """x [T, heads, D] -> per-head RMSNorm (weight [D]), then rotary embedding on the first
-        `rotary_dim` dims (rotate-half / NeoX layout, inv_freq = theta^(-2i/rotary_dim)) at
-        positions [T] i32; the remaining dims pass through."""
+        R = 2 * len(inv_freq) dims (rotate-half / NeoX layout: pair (i, i + R/2) turns by the
+        float32 angle position * inv_freq[i], inv_freq [R/2] f32) at positions [T] i32, with cos
+        and sin multiplied by `scaling`; the remaining dims pass through."""
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, positions: Tensor, scale: float) -> Tensor:
         """q [T, Hq, D]; k, v [T, Hkv, D]; cache.k, cache.v [S, Hkv, D] updated in place at rows

@@ -51,17 +51,13 @@ def _l2norm(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True) + np.float32(L2_EPS))
 
 
-def rope_cos_sin(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """positions [T] -> cos, sin [T, rotary_dim] (rotate-half layout: frequencies repeated twice).
-    Frequencies and angles are float32 products, as transformers computes them: at long contexts
-    the rounding of the angle matters more than the accuracy of cos/sin."""
-    exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)  # [R/2]
-    # numpy's float32 power is off by an ulp for some exponents; torch's is correctly rounded
-    powers = np.power(np.float64(np.float32(theta)), exponents.astype(np.float64)).astype(np.float32)
-    inv_freq = np.float32(1.0) / powers  # [R/2]
-    angles = positions.astype(np.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
+def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray, scaling: float) -> tuple[np.ndarray, np.ndarray]:
+    """positions [T], inv_freq [R/2] -> cos, sin [T, R] (rotate-half layout: frequencies repeated
+    twice), each times `scaling`. The angles are float32 products, as transformers computes them:
+    at long contexts the rounding of the angle matters more than the accuracy of cos/sin."""
+    angles = positions.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]  # [T, R/2]
     angles = np.concatenate([angles, angles], axis=-1)  # [T, R]
-    return np.cos(angles), np.sin(angles)
+    return np.cos(angles) * np.float32(scaling), np.sin(angles) * np.float32(scaling)
 
 
 def _rotate_half(x: np.ndarray) -> np.ndarray:
@@ -229,10 +225,11 @@ class NumpyBackend:
 
     # --- full attention -----------------------------------------------------------------------
     def head_norm_rope(
-        self, x: Tensor, weight: Tensor, positions: Tensor, rotary_dim: int, rope_theta: float, eps: float
+        self, x: Tensor, weight: Tensor, positions: Tensor, inv_freq: Tensor, scaling: float, eps: float
     ) -> Tensor:
         normed = _rms(x, eps) * weight  # [T, heads, D]
-        cos, sin = rope_cos_sin(positions, rotary_dim, rope_theta)  # [T, R]
+        cos, sin = rope_cos_sin(positions, inv_freq, scaling)  # [T, R]
+        rotary_dim = cos.shape[-1]
         rot = normed[..., :rotary_dim]
         rotated = rot * cos[:, None, :] + _rotate_half(rot) * sin[:, None, :]
         return np.concatenate([rotated, normed[..., rotary_dim:]], axis=-1)

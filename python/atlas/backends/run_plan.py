@@ -36,6 +36,6 @@ def context_length(requested: int | None, model_context: int) -> int:
     if requested > model_context:
         raise AtlasError(
             f"max_seq_len {requested} exceeds the model's context of {model_context} positions "
-            "(max_position_embeddings in config.json); give at most that"
+            "(max_position_embeddings in config.json, or YaRN's stretched context); give at most that"
         )
     return requested

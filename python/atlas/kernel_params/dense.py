@@ -81,12 +81,13 @@ class HeadNormRopeParams(ctypes.Structure):
         ("x", c_ptr),  # [tokens, heads, head_dim] f32
         ("weight", c_ptr),  # [head_dim] f32
         ("positions", c_ptr),  # [tokens] i32
+        ("inv_freq", c_ptr),  # [rotary_dim / 2] f32: pair i turns by position * inv_freq[i]
         ("out", c_ptr),  # [tokens, heads, head_dim] f32
         ("tokens", c_i32),
         ("heads", c_i32),
         ("head_dim", c_i32),
         ("rotary_dim", c_i32),
-        ("rope_theta", c_f32),
+        ("scaling", c_f32),  # cos and sin are multiplied by it (YaRN's attention factor)
         ("eps", c_f32),
     ]
 

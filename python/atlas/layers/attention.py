@@ -56,4 +56,4 @@ class Attention:
 
     def _norm_rope(self, step: Step, x: Tensor, norm: RMSNorm) -> Tensor:
         r = self.rotary
-        return step.backend.head_norm_rope(x, norm.weight, step.positions, r.rotary_dim, r.theta, norm.eps)
+        return step.backend.head_norm_rope(x, norm.weight, step.positions, r.inv_freq, r.scaling, norm.eps)

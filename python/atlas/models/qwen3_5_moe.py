@@ -23,7 +23,7 @@ from ..layers.linear_attention import DeltaNetDims, DeltaNetWeights, GatedDeltaN
 from ..layers.mlp import Mlp
 from ..layers.moe import SharedExpert, SparseMoe
 from ..layers.norm import RMSNorm
-from ..layers.rotary import Rotary
+from ..layers.rotary import Rotary, rope_frequencies
 from ..loader import RowPart, Shape, WeightReader, check_tensor, find_text_prefix
 from ..quant.stored import QuantizedTensors
 from ..safetensors import Checkpoint
@@ -139,7 +139,8 @@ def build_attention(reader: WeightReader, s: ModelSpec, p: str) -> Attention:
         q_norm=centred_norm(reader, f"{attn}q_norm.weight", s.rms_norm_eps),
         k_norm=centred_norm(reader, f"{attn}k_norm.weight", s.rms_norm_eps),
     )
-    return Attention(weights, dims, Rotary(s.rotary_dim, s.rope_theta))
+    inv_freq, scaling = rope_frequencies(s)
+    return Attention(weights, dims, Rotary(reader.upload(inv_freq), scaling))
 
 
 def build_delta_net(reader: WeightReader, s: ModelSpec, p: str) -> GatedDeltaNet:

@@ -171,8 +171,8 @@ class CudaBackend:
 
     # --- full attention -----------------------------------------------------------------------
     def head_norm_rope(self, x: DeviceTensor, weight: DeviceTensor, positions: DeviceTensor,
-                       rotary_dim: int, rope_theta: float, eps: float) -> DeviceTensor:
-        return ops_dense.head_norm_rope(self.rt, x, weight, positions, rotary_dim, rope_theta, eps)
+                       inv_freq: DeviceTensor, scaling: float, eps: float) -> DeviceTensor:
+        return ops_dense.head_norm_rope(self.rt, x, weight, positions, inv_freq, scaling, eps)
 
     def attention(self, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, cache: KVCache,
                   positions: DeviceTensor, scale: float) -> DeviceTensor:

@@ -246,22 +246,25 @@ def head_norm_rope(
     x: DeviceTensor,
     weight: DeviceTensor,
     positions: DeviceTensor,
-    rotary_dim: int,
-    rope_theta: float,
+    inv_freq: DeviceTensor,
+    scaling: float,
     eps: float,
 ) -> DeviceTensor:
     tokens, heads, dim = x.shape
+    rotary_dim = 2 * inv_freq.numel
     _expect(weight.numel == dim, f"head_norm_rope: weight {weight.shape} vs x {x.shape}")
     _expect(positions.numel == tokens, f"head_norm_rope: positions {positions.shape} vs x {x.shape}")
-    _expect(0 <= rotary_dim <= dim and rotary_dim % 2 == 0, f"head_norm_rope: rotary_dim {rotary_dim} for head dim {dim}")
+    _expect(rotary_dim <= dim, f"head_norm_rope: inv_freq {inv_freq.shape} rotates more than head dim {dim}")
     _expect_dtype("head_norm_rope", "x", x, "f32")
     _expect_dtype("head_norm_rope", "weight", weight, "f32")
     _expect_dtype("head_norm_rope", "positions", positions, "i32")
+    _expect_dtype("head_norm_rope", "inv_freq", inv_freq, "f32")
     out = rt.empty(x.shape, "f32")
     if x.numel == 0:
         return out
-    params = kp.HeadNormRopeParams(x=x.ptr, weight=weight.ptr, positions=positions.ptr, out=out.ptr, tokens=tokens,
-                                   heads=heads, head_dim=dim, rotary_dim=rotary_dim, rope_theta=rope_theta, eps=eps)
+    params = kp.HeadNormRopeParams(x=x.ptr, weight=weight.ptr, positions=positions.ptr, inv_freq=inv_freq.ptr,
+                                   out=out.ptr, tokens=tokens, heads=heads, head_dim=dim, rotary_dim=rotary_dim,
+                                   scaling=scaling, eps=eps)
     warps = ROPE_THREADS // WARP
     rt.launch("atlas_head_norm_rope", (_ceil_div(tokens * heads, warps), 1, 1), (ROPE_THREADS, 1, 1), params,
               smem=warps * dim * 4)
