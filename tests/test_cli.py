@@ -207,6 +207,10 @@ def one_error_line(code: int, err: str) -> str:
         (["--logit-bias", "7=1000", "--device", "cpu"], "logit_bias of token 7 must be a number in [-100, 100]"),
         (["--logit-bias", "600=1", "--device", "cpu"], "logit_bias token id 600 is outside the vocabulary"),
         (["--max-seq-len", "2049", "--device", "cpu"], "max_seq_len 2049 exceeds the model's context of 2048"),
+        (["--hf-overrides", "{rope", "--device", "cpu"], "--hf-overrides must be a JSON object"),
+        (["--hf-overrides", "[1]", "--device", "cpu"], "--hf-overrides must be a JSON object"),
+        (["--hf-overrides", '{"rope_parameters": {"rope_type": "longrope"}}', "--device", "cpu"],
+         "config.json (with --hf-overrides): field 'rope_parameters.rope_type' is 'longrope'"),
     ],
 )
 def test_bad_flags(flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -229,6 +233,18 @@ def test_max_model_len_as_vllm_writes_it(given: str, held: int, capsys: pytest.C
     assert code == 2 and f"this model holds {held}" in last, last
     for bad in ("12q", "infk", "nank", "0.0001k", "-2"):
         assert "not a context length" in one_error_line(main(["--max-model-len", bad]), capsys.readouterr().err), bad
+
+
+YARN_OVERRIDES = '{"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}}'
+
+
+def test_hf_overrides_stretch_the_context_with_yarn(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's --hf-overrides merged into config.json: YaRN x4 on the demo's 2048 positions holds 8192."""
+    code = main(["--hf-overrides", YARN_OVERRIDES, "--max-model-len", "auto", "--max-tokens", "9000", "--device", "cpu"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "this model holds 8192" in last, last
+    code = main(["--hf-overrides", YARN_OVERRIDES, "--max-seq-len", "3000", "--max-tokens", "4", "--device", "cpu"])
+    assert code == 0, capsys.readouterr().err
 
 
 def test_bad_models(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

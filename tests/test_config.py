@@ -279,3 +279,20 @@ def test_yarn_legacy_rope_scaling_and_bad_fields(tmp_path: Path, rng: np.random.
     ]):
         rope = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256, key: value}
         expect_error(write_config(tmp_path / f"bad{i}", {**text, "rope_parameters": rope}), f"'rope_parameters.{key}'", needle)
+
+
+def test_hf_overrides_merge_into_the_config(tmp_path: Path, rng: np.random.Generator) -> None:
+    """vLLM's --hf-overrides: objects merge key by key (text_config keeps its other fields), other
+    values replace; errors in an overridden field name the overrides."""
+    text = random_text_config(rng)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}
+    model_dir = write_config(tmp_path, nest(text, False))
+    plain = load_spec(model_dir)
+    rope = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}
+    spec = load_spec(model_dir, {"text_config": {"rope_parameters": rope, "max_position_embeddings": 4096}})
+    assert spec.rope_yarn is not None and spec.context_length == 8192
+    assert (spec.rope_theta, spec.rotary_dim) == (plain.rope_theta, plain.rotary_dim)  # merged, not replaced
+    assert spec.num_experts == plain.num_experts and spec.layer_types == plain.layer_types
+    assert load_spec(model_dir, {"text_config": {"num_experts": text["num_experts"] + 1}}).num_experts == text["num_experts"] + 1
+    with pytest.raises(AtlasError, match=r"config\.json \(with --hf-overrides\): field 'text_config\.hidden_size'"):
+        load_spec(model_dir, {"text_config": {"hidden_size": "big"}})

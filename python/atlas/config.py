@@ -207,14 +207,28 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_spec(model_dir: Path) -> ModelSpec:
-    """Read model_dir/config.json (and generation_config.json for eos ids) into a ModelSpec."""
+def load_spec(model_dir: Path, overrides: dict[str, Any] | None = None) -> ModelSpec:
+    """Read model_dir/config.json (and generation_config.json for eos ids) into a ModelSpec;
+    `overrides` (vLLM's --hf-overrides) is merged into config.json first, objects key by key."""
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     raw = read_json_object(config_path)
+    if overrides:
+        raw = merge_overrides(raw, overrides)
+        config_path = model_dir / "config.json (with --hf-overrides)"  # errors name both
     generation_path = model_dir / "generation_config.json"
     generation = read_json_object(generation_path) if generation_path.is_file() else None
     return spec_from_config(raw, config_path, generation, generation_path)
+
+
+def merge_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """config with overrides' values in place: an object merges into an object, anything else
+    replaces (as vLLM applies --hf-overrides to a config and its text_config)."""
+    merged = dict(config)
+    for key, value in overrides.items():
+        inner = merged.get(key)
+        merged[key] = merge_overrides(inner, value) if isinstance(value, dict) and isinstance(inner, dict) else value
+    return merged
 
 
 def spec_from_config(

@@ -1,6 +1,6 @@
 """The engine's command-line flags, defined once for `atlas.run` and `atlas.serve`: --device,
 --spec-k / --no-spec (MTP speculation), --kv-cache-dtype, --kv-high-precision-layers,
---chat-template, --chat-template-kwargs and --max-seq-len.
+--chat-template, --chat-template-kwargs, --hf-overrides and --max-seq-len.
 
 Imports stay light (click and the level names): `--help` must not load numpy.
 """
@@ -38,6 +38,7 @@ class EngineFlags:
     prompt_cache: int = 0  # prompt-cache checkpoints: atlas.serve's --prompt-cache (atlas.run runs one prompt)
     chat_template: str | None = None  # a jinja file used instead of the model's chat template
     chat_template_kwargs: str | None = None  # JSON object: default template variables (enable_thinking ...)
+    hf_overrides: str | None = None  # JSON object merged into config.json (vLLM's --hf-overrides)
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> EngineFlags:
@@ -62,6 +63,7 @@ class EngineFlags:
 
             read_template_file(Path(self.chat_template))
         self.template_defaults()
+        self.config_overrides()
 
     def template_defaults(self) -> dict[str, Any]:
         """--chat-template-kwargs parsed: a JSON object of template variables, or one line."""
@@ -76,6 +78,19 @@ class EngineFlags:
         if not isinstance(value, dict) or reserved & set(value):
             raise AtlasError("--chat-template-kwargs must be a JSON object of template variables other than "
                              "messages, add_generation_prompt and tools")
+        return value
+
+    def config_overrides(self) -> dict[str, Any] | None:
+        """--hf-overrides parsed: a JSON object of config.json fields, or one line."""
+        if self.hf_overrides is None:
+            return None
+        try:
+            value = json.loads(self.hf_overrides)
+        except json.JSONDecodeError as err:
+            value = err
+        if not isinstance(value, dict):
+            raise AtlasError("--hf-overrides must be a JSON object of config.json fields, such as "
+                             "'{\"text_config\": {\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4.0, ...}}}'")
         return value
 
     def tokenizer(self, model_dir: Path) -> Tokenizer:
@@ -94,7 +109,7 @@ class EngineFlags:
 
         spec_k = self.spec_k_value()
         llm = LLM(model_dir, self.device, self.kv_cache_dtype, self.kv_high_precision_layers, spec_k,
-                  self.max_seq_len, prompt_cache=self.prompt_cache)
+                  self.max_seq_len, prompt_cache=self.prompt_cache, hf_overrides=self.config_overrides())
         llm.parts.tokenizer = self.dress(llm.parts.tokenizer)
         return llm
 
@@ -165,6 +180,10 @@ ENGINE_OPTIONS = (
     click.option(
         "--chat-template-kwargs", default=None,
         help="""Default chat-template variables as a JSON object, e.g. '{"enable_thinking": false}' (a request's own win).""",
+    ),
+    click.option(
+        "--hf-overrides", default=None,
+        help="""A JSON object merged into the checkpoint's config.json before it is read (vLLM's flag), e.g. '{"text_config": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144, "rope_theta": 10000000, "partial_rotary_factor": 0.25}}}' for YaRN.""",
     ),
     click.option(
         "--max-seq-len", "--max-model-len", "max_seq_len", type=ContextLength(), default=None,

@@ -104,12 +104,13 @@ class LoadedModel:
 
 def load_model(
     model: str | PathLike[str] | None, device: str, kv_cache: KVCacheOptions | None = None, spec_k: int | None = None,
-    max_seq_len: int | None = None, prompt_cache: int = 0,
+    max_seq_len: int | None = None, prompt_cache: int = 0, *, hf_overrides: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Resolve, read config and tokenizer, open the weights and build the engine. spec_k: MTP
     speculation (atlas.speculative.build_engine): None = k=2 when the checkpoint has the head,
     0 = off (the head is not loaded), 1..3 = that k. max_seq_len: KV cache positions (None: 4096,
-    capped by the model's context; -1: all of it). prompt_cache: checkpoints of the prompt cache (0: off)."""
+    capped by the model's context; -1: all of it). prompt_cache: checkpoints of the prompt cache (0: off).
+    hf_overrides: merged into config.json before it is read (vLLM's --hf-overrides)."""
     if isinstance(model, PathLike):
         model = fspath(model)
     if model is not None and not isinstance(model, str):
@@ -117,6 +118,8 @@ def load_model(
     if kv_cache is not None:
         kv_cache.check()
     check_prompt_cache(prompt_cache)
+    if hf_overrides is not None and not isinstance(hf_overrides, dict):
+        raise AtlasError(f"hf_overrides must be a dict of config.json fields, got {hf_overrides!r}")
     from .backends import create_backend
     from .backends.run_plan import RunPlan, context_length
     from .config import load_spec
@@ -127,7 +130,7 @@ def load_model(
     from .tokenizer import Tokenizer
 
     model_dir = resolve_model(model)
-    spec = load_spec(model_dir)
+    spec = load_spec(model_dir, hf_overrides)
     tokenizer = Tokenizer.open(model_dir)
     capacity = context_length(max_seq_len, spec.context_length)
     run = RunPlan(capacity, kv_cache or KVCacheOptions(), load_mtp=spec_k != 0, prompt_cache=prompt_cache)
@@ -145,7 +148,9 @@ class LLM:
     `max_seq_len`: KV cache positions, prompt + generated (None: 4096, capped by the model's context;
     -1: all of it);
     `prompt_cache`: checkpoints of the prompt cache, so a prompt that starts like an earlier
-    request's resumes after the shared tokens (atlas.prompt_cache; 0: off)."""
+    request's resumes after the shared tokens (atlas.prompt_cache; 0: off);
+    `hf_overrides`: merged into config.json before it is read (vLLM's --hf-overrides), e.g.
+    {"text_config": {"rope_parameters": {...}}} for YaRN."""
 
     def __init__(
         self,
@@ -157,11 +162,12 @@ class LLM:
         max_seq_len: int | None = None,
         *,
         prompt_cache: int = DEFAULT_PROMPT_CACHE,
+        hf_overrides: dict[str, Any] | None = None,
     ) -> None:
         from .kvcache.options import KVCacheOptions
 
         kv_cache = KVCacheOptions(kv_cache_dtype, kv_high_precision_layers)
-        self.parts = load_model(model, device, kv_cache, spec_k, max_seq_len, prompt_cache)
+        self.parts = load_model(model, device, kv_cache, spec_k, max_seq_len, prompt_cache, hf_overrides=hf_overrides)
 
     @classmethod
     def from_loaded(cls, parts: LoadedModel) -> LLM:

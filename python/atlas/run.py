@@ -131,7 +131,8 @@ def run(args: RunArgs) -> None:
     prompt = prompt_text(args)
     if prompt is None and not args.interactive:
         prompt = default_prompt(model_dir, args.model)
-    opts = run_options(args, load_spec(model_dir).vocab_size)  # problems surface before the weights load
+    spec = load_spec(model_dir, args.engine.config_overrides())
+    opts = run_options(args, spec.vocab_size)  # problems surface before the weights load
     tokenizer = args.engine.tokenizer(model_dir)
     if args.interactive and tokenizer.chat_template is None:
         raise AtlasError(f"{model_dir} has no chat template, which --interactive needs; run without it")
