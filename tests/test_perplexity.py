@@ -134,6 +134,15 @@ def test_bad_inputs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     np.savez(tmp_path / "strings.npz", **{**good, "nll": np.array(["a", "b", "c"])})
     np.savez(tmp_path / "nan.npz", **{**good, "top_logprobs": np.full((3, 4), np.nan, np.float32)})
     np.savez(tmp_path / "ids.npz", **{**good, "top_ids": np.full((3, 4), 600, np.int32)})
+    np.savez(tmp_path / "inf.npz", **{**good, "nll": np.array([0.5, np.inf, 1.0])})
+    np.savez(tmp_path / "positive.npz", **{**good, "top_logprobs": np.full((3, 4), 0.25, np.float32)})
+    np.savez_compressed(tmp_path / "whole.npz", **good)
+    whole = (tmp_path / "whole.npz").read_bytes()
+    (tmp_path / "truncated.npz").write_bytes(whole[: len(whole) // 2])
+    flipped = bytearray(whole)
+    start = whole.index(b"top_logprobs.npy") + 40  # inside that member's compressed data: its CRC fails
+    flipped[start] ^= 0xFF
+    (tmp_path / "flipped.npz").write_bytes(bytes(flipped))
     cases = [
         (["--file", str(tmp_path / "missing.txt")], "cannot be read"),
         (["--file", str(tmp_path / "latin1.txt")], "UTF-8"),
@@ -147,7 +156,11 @@ def test_bad_inputs_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (["--kl-divergence", str(tmp_path / "partial.npz")], "lacks ctx"),
         (["--kl-divergence", str(tmp_path / "shapes.npz")], "their lengths"),
         (["--kl-divergence", str(tmp_path / "strings.npz")], "nll"),
-        (["--kl-divergence", str(tmp_path / "nan.npz")], "NaN"),
+        (["--kl-divergence", str(tmp_path / "nan.npz")], "not finite"),
+        (["--kl-divergence", str(tmp_path / "inf.npz")], "not finite"),
+        (["--kl-divergence", str(tmp_path / "positive.npz")], "<= 0"),
+        (["--kl-divergence", str(tmp_path / "truncated.npz")], "cannot be read as saved"),
+        (["--kl-divergence", str(tmp_path / "flipped.npz")], "cannot be read as saved"),
         (["--kl-divergence", str(tmp_path / "ids.npz")], "outside its vocabulary"),
         (["--kl-divergence", str(tmp_path / "garbage.npz"), "--file", str(text)], "leave --file out"),
         (["--save-logprobs", str(tmp_path / "no" / "dir.npz")], "does not exist"),

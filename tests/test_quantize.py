@@ -157,13 +157,19 @@ def test_bad_input_is_one_line(tmp_path: Path, demo_quantized: dict[str, Path]) 
         (["--model", str(demo_quantized["fp8"]), "--to", "nvfp4", "--out", str(tmp_path / "x")], "already quantized (fp8)"),
         (["--model", str(tmp_path / "exists"), "--to", "fp8", "--out", str(tmp_path / "y")], "config.json"),
         (["--to", "int4", "--out", str(tmp_path / "z")], "--to"),
+        (["--to", "fp8", "--out", "~no-such-user-atlas/out"], "names no home directory"),
+        (["--to", "fp8", "--out", str(tmp_path / ("x" * 300))], "File name too long"),
+        (["--to", "fp8", "--out", str(tmp_path / "exists" / "file.txt" / "out")], "is a file, not a directory"),
+        (["--model", str(tmp_path / ("m" * 300)), "--to", "fp8", "--out", str(tmp_path / "w")], "File name too long"),
     ]
+    (tmp_path / "exists" / "file.txt").write_text("")
     for args, needle in cases:
         done = quantize_cli(*args)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], (args, done.stderr)
         assert "Traceback" not in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]
+    assert [p.name for p in (tmp_path / "exists").iterdir()] == ["file.txt"]
 
 
 def test_a_source_atlas_run_would_refuse_is_refused_before_writing(tmp_path: Path) -> None:

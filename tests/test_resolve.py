@@ -123,3 +123,23 @@ def test_tilde_of_an_unknown_user(hub: Path, monkeypatch: pytest.MonkeyPatch, rn
     monkeypatch.delenv("HF_HUB_CACHE")
     monkeypatch.setenv("HF_HOME", f"~{user}/hf")
     assert "HF_HOME" in error_of("Org/Name")
+
+
+def test_a_broken_ref_falls_back_to_the_newest_snapshot(hub: Path, rng: np.random.Generator) -> None:
+    """refs/main that is not UTF-8 or names a revision longer than a file name: the newest snapshot."""
+    repo = f"Org/{random_name(rng)}"
+    make_snapshot(hub, repo, "1" * 40)
+    newest = make_snapshot(hub, repo, "2" * 40)
+    os.utime(newest, (time.time() + 100, time.time() + 100))
+    ref = hub / ("models--" + repo.replace("/", "--")) / "refs" / "main"
+    ref.parent.mkdir(parents=True)
+    for content in (b"\xff\xfe", b"a" * 300):
+        ref.write_bytes(content)
+        assert resolve_model(repo) == newest
+
+
+def test_impossible_paths_are_one_line(tmp_path: Path) -> None:
+    assert "File name too long" in error_of(str(tmp_path / ("x" * 300)))
+    assert "is not in the Hugging Face cache" in error_of("Org/" + "n" * 300)  # its cache folder: a name too long
+    with pytest.raises(AtlasError, match="^--reference /no/such: no such directory"):
+        resolve_model("/no/such", "--reference")

@@ -30,6 +30,7 @@ from .run import MODEL_HELP
 from .server.protocol import utf8_clean
 from .server.reasoning import PARSERS
 from .server.tools import PARSERS as TOOL_PARSERS
+from . import json_text
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 NOT_IN_A_BATCH = ("stream", "background")  # fields a batch line must leave out (or false)
@@ -72,7 +73,7 @@ def parse_line(line: str, seen: set[str], out: dict[str, Any]) -> tuple[str, byt
     """(url, body as JSON bytes) of a request line, its custom_id put in `out` as soon as read
     (seen: the earlier lines' custom_ids, which it must not repeat); or LineError."""
     try:
-        request = json.loads(line)
+        request = json_text.loads(line)
     except ValueError as err:
         raise LineError("invalid_json", f"the line is not JSON ({err})") from None
     if not isinstance(request, dict):

@@ -28,6 +28,10 @@ def run_command(command: click.Command, argv: list[str] | None, prog: str, quiet
     except AtlasError as err:
         click.echo(f"{prog}: error: {one_line(str(err))}", err=True)
         return USAGE_EXIT
+    except RecursionError:  # a schema or grammar nested past Python's recursion limit
+        click.echo(f"{prog}: error: an input nests too deeply to read (a JSON schema, grammar or JSON value); "
+                   "flatten it", err=True)
+        return USAGE_EXIT
     except (KeyboardInterrupt, click.exceptions.Abort):
         if quiet_interrupt:
             return 0

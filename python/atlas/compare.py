@@ -192,7 +192,7 @@ def prepare(args: CompareArgs) -> tuple[Path, Path, ModelSpec, list[int]]:
     from .tokenizer import Tokenizer
 
     model_dir = resolve_model(args.model)
-    reference_dir = model_dir if args.reference is None else resolve_model(args.reference)
+    reference_dir = model_dir if args.reference is None else resolve_model(args.reference, "--reference")
     full_spec = load_spec(model_dir)
     check_same_shape(full_spec, load_spec(reference_dir), reference_dir)
     prompt = args.prompt if args.prompt is not None else default_prompt(model_dir, args.model)

@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import AtlasError
+from . import json_text
 
 LayerType = Literal["linear_attention", "full_attention"]
 
 TEXT_MODEL_TYPE = "qwen3_5_moe_text"
 NESTED_MODEL_TYPE = "qwen3_5_moe"
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
+INT32_MAX = 2**31 - 1  # sizes and ids: the kernels index with 32-bit integers
 LAYER_TYPES: tuple[LayerType, ...] = ("linear_attention", "full_attention")
 
 
@@ -142,7 +144,7 @@ class FieldReader:
     def raw(self, key: str, default: Any = None) -> Any:
         return self.values[key] if self.has(key) else default
 
-    def int(self, key: str, default: int | None = None, minimum: int | None = None) -> int:
+    def int(self, key: str, default: int | None = None, minimum: int | None = None, maximum: int = INT32_MAX) -> int:
         value = self.raw(key, default)
         if value is None:
             raise self.fail(key, "is missing")
@@ -150,6 +152,8 @@ class FieldReader:
             raise self.fail(key, f"must be an integer, got {value!r}")
         if minimum is not None and value < minimum:
             raise self.fail(key, f"must be at least {minimum}, got {value}")
+        if value > maximum:
+            raise self.fail(key, f"must be at most {maximum}, got {str(value)[:40]}")
         return value
 
     def float(self, key: str, default: float | None = None, positive: bool = False) -> float:
@@ -199,7 +203,7 @@ def read_json_object(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise AtlasError(f"{path} not found; the model directory needs it")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json_text.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise AtlasError(f"{path} is not valid JSON ({err}); re-download or fix the file") from None
     if not isinstance(data, dict):

@@ -23,7 +23,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -68,16 +68,22 @@ def dump_from_env(backend: Backend, run_info: dict[str, Any]) -> LayerDump | Non
         if not os.access(root, os.W_OK | os.X_OK):
             raise PermissionError(13, "not writable")
     except OSError as err:
-        raise AtlasError(
-            f"ATLAS_DUMP_DIR {str(root)!r} cannot hold dumps ({err.strerror or err}); "
-            "point it at a writable directory"
-        ) from None
+        raise dump_dir_error(root, err) from None
     return LayerDump(backend, mode, root, run_info)
+
+
+def dump_dir_error(root: Path, err: OSError) -> AtlasError:
+    return AtlasError(
+        f"ATLAS_DUMP_DIR {str(root)!r} cannot hold dumps ({err.strerror or err}); point it at a writable directory"
+    )
 
 
 def new_run_dir(root: Path) -> Path:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return Path(tempfile.mkdtemp(prefix=f"run-{stamp}-", dir=root))
+    try:
+        return Path(tempfile.mkdtemp(prefix=f"run-{stamp}-", dir=root))
+    except OSError as err:
+        raise dump_dir_error(root, err) from None
 
 
 @dataclass
@@ -150,7 +156,10 @@ class LayerDump:
     def save_tensor(self, step: StepRecord, name: str, array: np.ndarray) -> dict[str, Any]:
         relative = f"{step.stem}/{name}.npy"
         path = self.run_dir / relative
-        path.parent.mkdir(exist_ok=True)
+        try:
+            path.parent.mkdir(exist_ok=True)
+        except OSError as err:
+            raise dump_dir_error(self.root, err) from None
         with atomic_path(path) as scratch:
             with open(scratch, "wb") as handle:
                 np.save(handle, array)
@@ -191,18 +200,26 @@ def atomic_path(path: Path) -> Iterator[Path]:
     try:
         yield scratch
         os.replace(scratch, path)
-    except BaseException:
-        scratch.unlink(missing_ok=True)
+    except BaseException as err:
+        with suppress(OSError):
+            scratch.unlink(missing_ok=True)
+        if isinstance(err, OSError):  # a full disk, a directory that takes no files after all
+            raise AtlasError(f"{path} cannot be written ({err.strerror or err}); write elsewhere") from None
         raise
 
 
 def check_writable(path: Path, flag: str) -> None:
     """An output file atomic_path can write (checked before long work): its directory exists and
     takes files, and it is not a directory itself."""
-    where = path.resolve().parent
-    if not where.is_dir() or not os.access(where, os.W_OK):
+    try:
+        where = path.resolve().parent
+        writable = where.is_dir() and os.access(where, os.W_OK)
+        is_dir = path.is_dir()
+    except OSError as err:  # a name too long, a loop of links
+        raise AtlasError(f"{flag} {str(path)[:80]}: {err.strerror or err}; write elsewhere") from None
+    if not writable:
         raise AtlasError(f"{flag} {path}: its directory does not exist or cannot be written; write elsewhere")
-    if path.is_dir():
+    if is_dir:
         raise AtlasError(f"{flag} {path} is a directory; name a file")
 
 

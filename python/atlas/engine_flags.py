@@ -19,6 +19,7 @@ import click
 from .backends import DEVICES
 from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL, LEVEL_NAMES
+from . import json_text
 
 if TYPE_CHECKING:
     from .llm import LLM
@@ -70,7 +71,7 @@ class EngineFlags:
         if self.chat_template_kwargs is None:
             return {}
         try:
-            value = json.loads(self.chat_template_kwargs)
+            value = json_text.loads(self.chat_template_kwargs)
         except json.JSONDecodeError as err:
             raise AtlasError(f"--chat-template-kwargs is not JSON ({err.msg}); give an object such as "
                              "'{\"enable_thinking\": false}'") from None
@@ -85,7 +86,7 @@ class EngineFlags:
         if self.hf_overrides is None:
             return None
         try:
-            value = json.loads(self.hf_overrides)
+            value = json_text.loads(self.hf_overrides)
         except json.JSONDecodeError as err:
             value = err
         if not isinstance(value, dict):

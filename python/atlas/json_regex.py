@@ -214,7 +214,7 @@ class Parser:
         close = self.text.find("}", self.i)
         body = self.text[self.i + 1 : close] if close > 0 else ""
         low, comma, high = body.partition(",")
-        if not low.isdigit() or (high and not high.isdigit()):
+        if not (low.isascii() and low.isdigit()) or (high and not (high.isascii() and high.isdigit())):
             return None
         if not look:
             self.i = close + 1

@@ -22,6 +22,8 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,7 +130,7 @@ def read_saved(path: Path) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as saved:
             arrays = {key: saved[key] for key in SAVED if key in saved.files}
-    except (OSError, ValueError, EOFError, TypeError, AttributeError) as err:  # TypeError / AttributeError: an .npy
+    except (OSError, ValueError, EOFError, TypeError, AttributeError, zipfile.BadZipFile, zlib.error) as err:  # TypeError / AttributeError: an .npy
         raise AtlasError(f"{path} cannot be read as saved log-probabilities ({err}); give a file --save-logprobs wrote") from None
     missing = [key for key in SAVED if key not in arrays]
     if missing:
@@ -137,8 +139,10 @@ def read_saved(path: Path) -> dict[str, np.ndarray]:
     top_ids, top_logprobs, nll = arrays["top_ids"], arrays["top_logprobs"], arrays["nll"]
     if bad or top_ids.shape != top_logprobs.shape or top_ids.shape[0] != nll.shape[0] or not 1 <= top_ids.shape[1] <= MAX_TOP:
         raise AtlasError(f"{path}: its arrays ({', '.join(bad) or 'their lengths'}) are not what --save-logprobs writes; save the run again")
-    if np.isnan(nll).any() or np.isnan(top_logprobs).any() or not ((0 <= top_ids) & (top_ids < int(arrays["vocab"]))).all():
-        raise AtlasError(f"{path}: NaN log-probabilities or ids outside its vocabulary; save the run again")
+    probabilities = np.isfinite(nll).all() and np.isfinite(top_logprobs).all() and (nll >= 0).all() and (top_logprobs <= 0).all()
+    if not probabilities or not ((0 <= top_ids) & (top_ids < int(arrays["vocab"]))).all():
+        raise AtlasError(f"{path}: log-probabilities that are not finite and <= 0, or ids outside its vocabulary; "
+                         "save the run again")
     return arrays
 
 

@@ -34,11 +34,18 @@ class QuantizeArgs:
 
 
 def check_out(out: Path) -> None:
-    if out.is_symlink() and not out.exists():
+    try:
+        dangling, exists = out.is_symlink() and not out.exists(), out.exists()
+        parent_exists, parent_is_dir = out.parent.exists(), out.parent.is_dir()
+    except OSError as err:  # a name too long, a loop of links
+        raise AtlasError(f"--out {str(out)[:80]}: {err.strerror or err}; choose another directory") from None
+    if dangling:
         raise AtlasError(f"--out {out} is a link to a missing path; remove the link or choose another directory")
-    if out.exists():
+    if exists:
         raise AtlasError(f"--out {out} already exists; remove it or choose another directory")
-    if not out.parent.is_dir():
+    if parent_exists and not parent_is_dir:
+        raise AtlasError(f"--out {out}: {out.parent} is a file, not a directory; choose another directory")
+    if not parent_is_dir:
         raise AtlasError(f"--out {out}: the parent directory {out.parent} does not exist; create it first")
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise AtlasError(f"--out {out}: the directory {out.parent} is not writable; choose another directory")
@@ -120,11 +127,11 @@ def check_source(source: Path) -> None:
 
 def quantize(args: QuantizeArgs) -> Path:
     """Write the quantized checkpoint to args.out atomically; returns it."""
-    from .resolve import resolve_model
+    from .resolve import expand_user, resolve_model
 
     source = resolve_model(args.model)
     check_source(source)
-    out = args.out.expanduser().absolute()
+    out = expand_user(str(args.out), "--out").absolute()
     check_out(out)
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))

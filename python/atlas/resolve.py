@@ -49,7 +49,10 @@ def find_in_hf_cache(repo_id: str) -> Path:
     cache = hf_hub_cache()
     repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
     snapshots = repo_dir / "snapshots"
-    candidates = [p for p in snapshots.iterdir() if p.is_dir()] if snapshots.is_dir() else []
+    try:
+        candidates = [p for p in snapshots.iterdir() if p.is_dir()] if snapshots.is_dir() else []
+    except OSError:  # a repo id longer than a file name, an unreadable cache: not there
+        candidates = []
     if not candidates:
         raise AtlasError(
             f"model {repo_id} is not in the Hugging Face cache ({cache}); {download_hint(repo_id)}"
@@ -64,12 +67,13 @@ def find_in_hf_cache(repo_id: str) -> Path:
 
 
 def snapshot_of_ref(repo_dir: Path, ref: str) -> Path | None:
-    ref_file = repo_dir / "refs" / ref
-    if not ref_file.is_file():
+    """The snapshot a ref names; None when the ref is missing or unreadable (then the newest wins)."""
+    try:
+        revision = (repo_dir / "refs" / ref).read_text(encoding="utf-8").strip()
+        snapshot = repo_dir / "snapshots" / revision
+        return snapshot if revision and snapshot.is_dir() else None
+    except (OSError, UnicodeDecodeError):
         return None
-    revision = ref_file.read_text(encoding="utf-8").strip()
-    snapshot = repo_dir / "snapshots" / revision
-    return snapshot if revision and snapshot.is_dir() else None
 
 
 def registry_repo(name: str) -> tuple[str | None, list[str]]:
@@ -82,23 +86,27 @@ def registry_repo(name: str) -> tuple[str | None, list[str]]:
     return (None if match is None else match.hf_repo), sorted(models)
 
 
-def resolve_model(arg: str | None) -> Path:
-    """Map a --model value to a checkpoint directory holding config.json."""
+def resolve_model(arg: str | None, flag: str = "--model") -> Path:
+    """Map a --model value (or another flag's, named in errors) to a checkpoint directory holding config.json."""
     if arg is None or arg == "" or arg.lower() == DEMO_NAME:
         return demo_dir()
-    path = expand_user(arg, "--model")
-    if path.is_dir():
+    path = expand_user(arg, flag)
+    try:
+        is_dir, exists = path.is_dir(), path.exists()
+    except OSError as err:  # a name too long, a permission denied on the way
+        raise AtlasError(f"{flag} {arg[:80]}: {err.strerror}; give a checkpoint directory") from None
+    if is_dir:
         if not (path / "config.json").is_file():
-            raise AtlasError(f"{path} has no config.json; point --model at a checkpoint directory")
+            raise AtlasError(f"{path} has no config.json; point {flag} at a checkpoint directory")
         return path.resolve()
-    if path.exists():
-        raise AtlasError(f"--model {arg}: is a file; pass the checkpoint directory that holds it")
+    if exists:
+        raise AtlasError(f"{flag} {arg}: is a file; pass the checkpoint directory that holds it")
     if REPO_ID.match(arg):
         return find_in_hf_cache(arg)
     repo, names = registry_repo(arg)
     if repo is not None:
         return find_in_hf_cache(repo) if repo else demo_dir()
     raise AtlasError(
-        f"--model {arg}: no such directory, and not a Hugging Face repo id (Org/Name) or a "
+        f"{flag} {arg}: no such directory, and not a Hugging Face repo id (Org/Name) or a "
         f"registry name ({', '.join(names)})"
     )

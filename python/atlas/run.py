@@ -5,7 +5,6 @@ Bad flags and bad models print one line on stderr and exit with code 2, never a 
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -20,6 +19,7 @@ from .kvcache.names import DEFAULT_LEVEL
 from .chat import write_stdout
 from .llm import SamplingExtras
 from .sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+from . import json_text
 
 if TYPE_CHECKING:
     from .llm import LLM, GenerateOptions, GenerationResult
@@ -103,7 +103,7 @@ def read_schema(arg: str | None) -> Any:
         except (OSError, UnicodeDecodeError) as err:
             raise AtlasError(f"--json-schema {arg} cannot be read ({err}); give a JSON schema file or its text") from None
     try:
-        return json.loads(text)
+        return json_text.loads(text)
     except ValueError as err:
         raise AtlasError(f"--json-schema {arg[:40]} is not JSON ({err}); give a JSON schema file or its text") from None
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from .config import read_json_object
 from .errors import AtlasError
+from . import json_text
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -92,7 +93,7 @@ def parse_header(path: Path) -> dict[str, TensorInfo]:
     except OSError as err:
         raise AtlasError(f"{path} cannot be read ({err.strerror}); check the file") from None
     try:
-        header = json.loads(header_bytes.decode("utf-8"))
+        header = json_text.loads(header_bytes.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise AtlasError(f"{path}: the header is not valid JSON; {REFETCH_HINT}") from None
     if not isinstance(header, dict):

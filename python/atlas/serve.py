@@ -82,6 +82,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.listen(LISTEN_BACKLOG)  # connections wait in the backlog until uvicorn accepts them
     except OSError as err:
         raise AtlasError(f"cannot listen on {host}:{port} ({err.strerror or err}); pick another --host/--port") from None
+    except (UnicodeError, ValueError) as err:  # a host name no resolver takes (a label past 63 bytes, "a..b")
+        raise AtlasError(f"--host {host[:80]} is not a host name or address ({err}); give e.g. 127.0.0.1") from None
     return sock
 
 

@@ -17,6 +17,7 @@ import click
 
 from .engine_flags import EngineFlags
 from .errors import AtlasError
+from . import json_text
 
 F = TypeVar("F", bound=Callable[..., Any])
 MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")  # vLLM's names for a checkpoint's own MTP head
@@ -92,7 +93,7 @@ def spec_config(config: str | None) -> dict[str, Any] | None:
     if config is None:
         return None
     try:
-        value = json.loads(config)
+        value = json_text.loads(config)
     except json.JSONDecodeError as err:
         raise AtlasError(f"--speculative-config is not JSON ({err.msg}); give e.g. "
                          "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'") from None

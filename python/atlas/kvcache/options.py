@@ -29,7 +29,7 @@ def parse_high_precision(value: str | int) -> int:
         count = value
     elif isinstance(value, str) and value.strip() == "auto":
         return AUTO_HIGH_PRECISION
-    elif isinstance(value, str) and value.strip().isdigit():
+    elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         count = int(value.strip())
     else:
         count = -1

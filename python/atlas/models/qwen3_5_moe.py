@@ -42,7 +42,22 @@ class Layout:
 def detect_layout(spec: ModelSpec, checkpoint: Checkpoint) -> Layout:
     prefix = find_text_prefix(checkpoint, "embed_tokens.weight")
     fused = f"{prefix}layers.0.mlp.experts.gate_up_proj" in checkpoint
-    return Layout(prefix, fused, spec)
+    layout = Layout(prefix, fused, spec)
+    check_counts(layout, checkpoint)
+    return layout
+
+
+def check_counts(layout: Layout, checkpoint: Checkpoint) -> None:
+    """The last layer (and, stored per expert, the last expert) is in the checkpoint: a count in
+    config.json past what the checkpoint holds is one line before a plan of that size is built."""
+    s = layout.spec
+    last_layer = f"{layout.layer(s.num_hidden_layers - 1)}input_layernorm.weight"
+    last_expert = f"{layout.layer(0)}mlp.experts.{s.num_experts - 1}.down_proj.weight"
+    for count, value, name in (("num_hidden_layers", s.num_hidden_layers, last_layer),
+                               ("num_experts", s.num_experts, None if layout.fused_experts else last_expert)):
+        if name is not None and name not in checkpoint:
+            raise AtlasError(f"config.json has {count} = {value} but {checkpoint.source} has no {name!r}; "
+                             "the checkpoint is incomplete or does not match its config.json")
 
 
 def attention_plan(s: ModelSpec, p: str) -> dict[str, Shape]:

@@ -475,7 +475,7 @@ async def read_body(request: Request) -> bytes:
     too_large = RequestError(f"the request body exceeds {MAX_BODY_BYTES / 2**20:g} MiB; send a shorter prompt",
                              code="request_too_large", status=413)
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    if declared.isascii() and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_large
     chunks, size = [], 0
     async for chunk in request.stream():

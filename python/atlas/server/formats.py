@@ -9,13 +9,13 @@ tools.forced_call_schema)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ..errors import AtlasError
 from ..structured import OutputFormat
 from .errors import RequestError
 from .tools import ToolChoice, forced_call_schema
+from .. import json_text
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",  # vLLM's older fields
           "guided_grammar": "grammar", "grammar": "grammar", "json_schema": "json_schema"}  # the last two: llama.cpp's
@@ -91,7 +91,7 @@ def vllm_formats(body: dict[str, Any]) -> list[tuple[str, OutputFormat]]:
 def output_format(kind: str, spec: Any, param: str) -> OutputFormat:
     if kind == "json_schema" and isinstance(spec, str):
         try:
-            spec = json.loads(spec)
+            spec = json_text.loads(spec)
         except ValueError as err:
             raise RequestError(f"'{param}' is not a JSON schema ({err})", param) from None
     try:

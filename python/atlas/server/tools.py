@@ -30,6 +30,7 @@ from typing import Any
 
 from .errors import RequestError
 from ..stop_strings import partial_suffix
+from .. import json_text
 
 PARSERS = ("qwen3_coder",)
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -146,7 +147,7 @@ def template_tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
         arguments = function.get("arguments", {})
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
+                arguments = json_text.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError:
                 raise RequestError(f"{param}[{i}].function.arguments is not valid JSON", f"{param}[{i}].function.arguments") from None
         if not isinstance(arguments, dict):
@@ -174,7 +175,7 @@ def convert(text: str, kind: Any) -> Any:
     if kind in (None, "string") or (isinstance(kind, list) and "string" in kind):
         return text
     try:
-        return json.loads(text)
+        return json_text.loads(text)
     except json.JSONDecodeError:
         return text
 
@@ -247,7 +248,7 @@ class ForcedCallStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         text, self.pending = self.pending, ""
         try:
-            value = json.loads(text)
+            value = json_text.loads(text)
         except ValueError:
             return text, []
         if self.choice.mode == "function":

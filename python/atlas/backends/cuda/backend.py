@@ -44,6 +44,7 @@ class CudaBackend:
         fused = self.router_form == "fused"
         self._router_arrivals = ops_linear_moe.router_arrivals(rt) if fused else None
         self.delta_net_form = ops_delta_decode.decode_form(delta_net)  # "separate" | "fused"
+        ops_linear_moe.DELTA_RULE_SWITCH.read()  # read per prompt; a bad value is one line now, not at the first
         fused_delta = self.delta_net_form == "fused"
         self._delta_arrivals = ops_delta_decode.decode_arrivals(rt) if fused_delta else None
         self.uploader = Uploader(rt)

@@ -94,7 +94,7 @@ def checkpoint_footprint(model_dir: Path, spec: ModelSpec | None, run: RunPlan |
 def device_ordinal(env: Mapping[str, str] = os.environ) -> int:
     """ATLAS_CUDA_DEVICE (default 0): which GPU the backend opens."""
     value = env.get("ATLAS_CUDA_DEVICE", "0").strip()
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise AtlasError(f"ATLAS_CUDA_DEVICE={value!r} is not a GPU index; set it to 0, 1, ... or unset it")
     return int(value)
 
