@@ -207,7 +207,7 @@ def one_error_line(code: int, err: str) -> str:
         (["--logit-bias", "7=1000", "--device", "cpu"], "logit_bias of token 7 must be a number in [-100, 100]"),
         (["--logit-bias", "600=1", "--device", "cpu"], "logit_bias token id 600 is outside the vocabulary"),
         (["--max-seq-len", "2049", "--device", "cpu"], "max_seq_len 2049 exceeds the model's context of 2048"),
-        (["--hf-overrides", "{rope", "--device", "cpu"], "--hf-overrides must be a JSON object"),
+        (["--hf-overrides", "{rope", "--device", "cpu"], "--hf-overrides is not JSON (Expecting property name"),
         (["--hf-overrides", "[1]", "--device", "cpu"], "--hf-overrides must be a JSON object"),
         (["--hf-overrides", '{"rope_parameters": {"rope_type": "longrope"}}', "--device", "cpu"],
          "config.json (with --hf-overrides): field 'rope_parameters.rope_type' is 'longrope'"),

@@ -212,7 +212,7 @@ def test_the_real_model_is_refused_in_one_line_where_it_does_not_fit(
 
     model_dir = sparse_qwen36(tmp_path / "qwen3.6")
     spec = load_spec(model_dir)
-    run = RunPlan(context_length(None, spec.max_position_embeddings), KVCacheOptions(), True)  # atlas.run's
+    run = RunPlan(context_length(None, spec.context_length), KVCacheOptions(), True)  # atlas.run's
     footprint = host_footprint(spec, Checkpoint.open(model_dir), run)
     stored = Checkpoint.open(model_dir)
     params = sum(int(np.prod(stored.shape(n))) for n in stored.names())

@@ -167,7 +167,7 @@ def test_bad_options(tiny: LLM, options: dict[str, float], needle: str) -> None:
 
 
 def test_length_limit_is_exact(tiny: LLM) -> None:
-    capacity = min(tiny.parts.spec.max_position_embeddings, tiny.parts.engine.max_seq_len)
+    capacity = min(tiny.parts.spec.context_length, tiny.parts.engine.max_seq_len)
     prompt = [1, 2, 3]
     tiny.prepare(prompt, GenerateOptions(max_tokens=capacity - len(prompt) + 1))
     with pytest.raises(AtlasError, match=f"holds {capacity}"):
@@ -175,7 +175,7 @@ def test_length_limit_is_exact(tiny: LLM) -> None:
 
 
 def test_max_seq_len_sizes_the_cache_and_the_limit(tiny_dir: Path, rng: np.random.Generator) -> None:
-    context = load_spec(tiny_dir).max_position_embeddings
+    context = load_spec(tiny_dir).context_length
     assert LLM(tiny_dir, device="cpu").parts.engine.max_seq_len == min(4096, context)
     capacity = int(rng.integers(8, context))
     short = LLM(tiny_dir, device="cpu", max_seq_len=capacity)

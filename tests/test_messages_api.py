@@ -224,7 +224,7 @@ def test_the_anthropic_client_lists_the_model(generating: tuple[Any, TestClient,
     client, _, reference = generating
     [card] = list(client.models.list())
     assert (card.id, card.type, card.display_name) == (DEMO_NAME, "model", DEMO_NAME)
-    assert client.models.retrieve(DEMO_NAME).max_input_tokens == reference.parts.spec.max_position_embeddings
+    assert client.models.retrieve(DEMO_NAME).max_input_tokens == reference.parts.spec.context_length
 
 
 def test_count_tokens(generating: tuple[Any, TestClient, LLM], rng: np.random.Generator) -> None:

@@ -146,7 +146,7 @@ def test_models_and_health(served: Served) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         served.client().models.retrieve("gpt-4o")
     assert missing.value.body["code"] == "model_not_found" and "'gpt-4o' is not served here" in missing.value.body["message"]
-    assert card["max_model_len"] == min(served.llm.parts.engine.max_seq_len, served.llm.parts.spec.max_position_embeddings)
+    assert card["max_model_len"] == min(served.llm.parts.engine.max_seq_len, served.llm.parts.spec.context_length)
     health = get_json(served.port, "/health")
     assert health["status"] == "ok" and health["device"].startswith("cpu")
     assert health["speculation"] == served.llm.speculation and health["kv_cache"].startswith("bf16 on layers")

@@ -73,12 +73,11 @@ class ModelSpec:
 
     @property
     def context_length(self) -> int:
-        """Positions the model serves: max_position_embeddings, or YaRN's stretched context when
-        longer (original_max_position_embeddings x factor, as vLLM reads it)."""
+        """Positions the model serves: max_position_embeddings, or with YaRN
+        original_max_position_embeddings x factor (vLLM's reading)."""
         if self.rope_yarn is None:
             return self.max_position_embeddings
-        stretched = int(self.rope_yarn.original_max_position_embeddings * self.rope_yarn.factor)
-        return max(self.max_position_embeddings, stretched)
+        return int(self.rope_yarn.original_max_position_embeddings * self.rope_yarn.factor)
 
 
 # generation_config.json sampling keys vLLM's --generation-config auto reads: key -> (low, high,
@@ -226,8 +225,9 @@ def load_spec(model_dir: Path, overrides: dict[str, Any] | None = None) -> Model
 
 
 def merge_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """config with overrides' values in place: an object merges into an object, anything else
-    replaces (as vLLM applies --hf-overrides to a config and its text_config)."""
+    """config with overrides' values in place: an object merges into an object key by key,
+    anything else replaces. (vLLM merges into a nested text_config the same way but replaces a
+    top-level object whole: given in full, as Qwen's card writes rope_parameters, both agree.)"""
     merged = dict(config)
     for key, value in overrides.items():
         inner = merged.get(key)
@@ -317,15 +317,22 @@ def read_rope(text: FieldReader, head_dim: int, max_positions: int) -> tuple[int
             f"is {factor} and gives rotary dim {rotary_dim} for head_dim {head_dim}; it must give an "
             "even rotary dim in 2..head_dim",
         )
-    yarn = read_yarn(text, params, max_positions) if rope_type == "yarn" else None
+    yarn = read_yarn(text, params, max_positions, theta) if rope_type == "yarn" else None
     return rotary_dim, theta, yarn
 
 
-def read_yarn(text: FieldReader, params: FieldReader, max_positions: int) -> Yarn:
+def read_yarn(text: FieldReader, params: FieldReader, max_positions: int, theta: float) -> Yarn:
     """YaRN's settings as transformers' _compute_yarn_parameters reads them (a top-level
-    original_max_position_embeddings wins; a missing factor is max_position_embeddings / it)."""
+    original_max_position_embeddings wins; a factor of null is max_position_embeddings / it; a
+    beta of 0 or null the paper's default; a truncate of null false)."""
     original = text.int("original_max_position_embeddings", params.int("original_max_position_embeddings", max_positions, 1), 1)
+    if "factor" not in params.values:
+        raise params.fail("factor", "is missing (YaRN stretches the context by it; null: max_position_embeddings / "
+                                    "original_max_position_embeddings)")
     factor = params.float("factor", max_positions / original, positive=True)
+    if theta == 1:
+        raise params.fail("rope_theta", "is 1, which YaRN's ramp divides by the log of")
+    truncate = params.values.get("truncate", True)
     mscale, mscale_all_dim = params.float("mscale", 0.0), params.float("mscale_all_dim", 0.0)
     if params.has("attention_factor"):
         attention_factor = params.float("attention_factor", positive=True)
@@ -336,11 +343,19 @@ def read_yarn(text: FieldReader, params: FieldReader, max_positions: int) -> Yar
     return Yarn(
         factor=factor,
         original_max_position_embeddings=original,
-        beta_fast=params.float("beta_fast", 0.0) or 32.0,  # 0 / null: the paper's 32 and 1, as transformers
-        beta_slow=params.float("beta_slow", 0.0) or 1.0,
+        beta_fast=yarn_beta(params, "beta_fast", 32.0),
+        beta_slow=yarn_beta(params, "beta_slow", 1.0),
         attention_factor=attention_factor,
-        truncate=params.bool("truncate", True),
+        truncate=params.bool("truncate", True) if truncate is not None else False,
     )
+
+
+def yarn_beta(params: FieldReader, key: str, default: float) -> float:
+    """beta_fast / beta_slow: rotations over the original context; 0 or null: the paper's value."""
+    value = params.float(key, 0.0)
+    if value < 0:
+        raise params.fail(key, f"must be > 0, got {value}")
+    return value or default
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

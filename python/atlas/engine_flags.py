@@ -85,13 +85,14 @@ class EngineFlags:
         """--hf-overrides parsed: a JSON object of config.json fields, or one line."""
         if self.hf_overrides is None:
             return None
+        example = "'{\"text_config\": {\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4.0, ...}}}'"
         try:
             value = json_text.loads(self.hf_overrides)
         except json.JSONDecodeError as err:
-            value = err
+            raise AtlasError(f"--hf-overrides is not JSON ({err.msg}); give an object of config.json fields, such as "
+                             f"{example}") from None
         if not isinstance(value, dict):
-            raise AtlasError("--hf-overrides must be a JSON object of config.json fields, such as "
-                             "'{\"text_config\": {\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4.0, ...}}}'")
+            raise AtlasError(f"--hf-overrides must be a JSON object of config.json fields, such as {example}")
         return value
 
     def tokenizer(self, model_dir: Path) -> Tokenizer:

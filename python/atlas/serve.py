@@ -3,7 +3,8 @@
 Routes: /v1/models, /v1/completions, /v1/chat/completions (`stream: true` as server-sent events),
 /v1/responses (OpenAI's Responses API, server/responses_api.py), /health, /metrics, /tokenize,
 /detokenize. The engine flags (--device, --spec-k / --no-spec, --kv-cache-dtype,
---kv-high-precision-layers, --max-seq-len) are atlas.run's (engine_flags.py); --prompt-cache
+--kv-high-precision-layers, --chat-template, --chat-template-kwargs, --hf-overrides, --max-seq-len)
+are atlas.run's (engine_flags.py); --prompt-cache
 (atlas.prompt_cache), --max-waiting (the queue's bound: server/app.py check_room) and
 --response-store (server/response_store.py) are the server's. Bad flags, models or addresses
 print one line on stderr and exit with code 2.

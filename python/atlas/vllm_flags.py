@@ -3,7 +3,8 @@ the model as a positional argument, --enable-auto-tool-choice, --speculative-con
 --spec-k), --no-enable-prefix-caching (as --prompt-cache 0), and flags that have no work to do on
 one GPU at batch 1 (--tensor-parallel-size / --data-parallel-size 1, --gpu-memory-utilization,
 --max-num-seqs, --trust-remote-code, --language-model-only, --dtype auto / bfloat16; --kv-cache-dtype
-auto / fp8_e4m3 are engine_flags' aliases). What atlas cannot honour (several GPUs, another draft
+auto / fp8_e4m3 are engine_flags' aliases; --max-model-len, --chat-template and --hf-overrides are
+engine flags). What atlas cannot honour (several GPUs, another draft
 method) is one line, exit 2, before the model loads."""
 
 from __future__ import annotations

@@ -30,16 +30,17 @@ def rope_frequencies(spec: ModelSpec) -> tuple[np.ndarray, float]:
 
 
 def default_inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
-    """1 / theta^(2i/R) rounded to float32, as transformers computes it (a float32 power, which
-    torch rounds correctly; numpy's float32 power is off by an ulp for some exponents)."""
+    """1 / theta^(2i/R) rounded to float32, as transformers computes it, with the power correctly
+    rounded (numpy's float32 power is off by an ulp for some exponents, and so is torch's
+    vectorised one on some CPUs for some theta and R: transformers' own table then differs by that ulp)."""
     return np.float32(1.0) / _powers(rotary_dim, theta)  # [R/2]
 
 
 def yarn_inv_freq(rotary_dim: int, theta: float, yarn: Yarn) -> np.ndarray:
     """YaRN's blend of interpolated (inv_freq / factor) and original frequencies: pairs that turn
     fewer than beta_slow times over the original context are interpolated, those turning more than
-    beta_fast times kept, a linear ramp between. Float32 step by step as transformers computes it,
-    so the angles, and the model's output, are the same."""
+    beta_fast times kept, a linear ramp between. Float32 step by step as transformers computes it
+    (the powers as default_inv_freq's)."""
     powers = _powers(rotary_dim, theta)  # [R/2]
     extrapolation = np.float32(1.0) / powers
     interpolation = np.float32(1.0) / (np.float32(yarn.factor) * powers)
