@@ -352,3 +352,43 @@ def test_the_close_ends_the_text_even_before_min_tokens(demo: LLM) -> None:
         if result.finish_reason == "stop":
             return
     pytest.fail("no sampled object was closed in 8 draws")
+
+
+def test_a_long_literal_keeps_small_states(rng: np.random.Generator) -> None:
+    """A const / choice of a few hundred thousand bytes: each state is three integers (a set of
+    every prefix took GiBs), and the matcher still takes exactly the options and their prefixes."""
+    from atlas.json_match import Literal
+
+    letters = rng.choice(list(b"ab"), size=200_000).astype(np.uint8).tobytes()
+    options = [letters, letters[:1000] + b"c", letters[:1000], b"b"]
+    literal = Literal(options)
+    state = literal.begin()
+    for byte in letters[:1000]:
+        state = literal.step(state, byte)
+        assert state is not None and len(state) == 3 and all(isinstance(x, int) for x in state)
+    assert literal.final(state) and literal.open(state)
+    ended = literal.step(state, ord("c"))
+    assert ended is not None and literal.final(ended) and not literal.open(ended) and literal.text(ended) == options[1]
+    assert literal.step(state, ord("d")) is None and literal.step(literal.begin(), ord("c")) is None
+    for byte in letters[1000:]:
+        state = literal.step(state, byte)
+    assert literal.final(state) and not literal.open(state) and literal.text(state) == letters
+
+
+def test_rules_that_leave_no_token_are_the_requests_400() -> None:
+    """A choice that allowed_token_ids rules out entirely: the request's mistake (400), not a 500."""
+    from starlette.testclient import TestClient
+
+    from _engine_app import engine_app
+
+    with engine_app() as (app, reference):
+        http = TestClient(app)
+        other = next(t for t in range(reference.parts.spec.vocab_size) if not reference.tokenizer.decode([t]).startswith("h")
+                     and reference.tokenizer.decode([t]))
+        body = {"model": "atlas-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "guided_choice": ["hello"], "allowed_token_ids": [other, *sorted(reference.eos_ids())]}
+        answer = http.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["type"] == "invalid_request_error"
+        assert "no token of the vocabulary continues the text" in answer.json()["error"]["message"]
+        assert http.post("/v1/chat/completions", json={**body, "allowed_token_ids": None}).status_code == 200

@@ -270,3 +270,14 @@ def test_bad_requests(generating: tuple[Any, TestClient, LLM], body: dict[str, A
         with pytest.raises(anthropic.BadRequestError):
             client.messages.create(**core, extra_body={k: v for k, v in body.items() if k not in core})
     assert http.post("/v1/messages", content=b"{not json").json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/v1/messages", 405), ("POST", "/v1/messages/batches", 404)])
+def test_routing_errors_are_in_anthropics_shape(generating: tuple[Any, TestClient, LLM], method: str, path: str,
+                                                status: int) -> None:
+    _, http, _ = generating
+    answer = http.request(method, path, json=GOOD)
+    assert answer.status_code == status
+    error = answer.json()
+    assert error["type"] == "error" and error["error"]["type"] == {404: "not_found_error", 405: "invalid_request_error"}[status]
+    assert path in error["error"]["message"]

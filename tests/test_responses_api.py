@@ -349,6 +349,16 @@ def test_reasoning_item(thinking: Any, stream: bool) -> None:
     ({"input": "hi", "metadata": "x"}, "metadata"),
     ({"input": "hi", "metadata": {"n": 5}}, "metadata"),
     ({"input": "hi", "metadata": {"note": "\udc80"}}, "metadata.note"),
+    # fields that would otherwise be accepted and not applied
+    ({"input": "hi", "top_logprobs": 3}, "top_logprobs"),
+    ({"input": "hi", "truncation": "auto"}, "truncation"),
+    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"input": "hi", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"input": "hi", "max_tool_calls": -1}, "max_tool_calls"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}}},
+     "text.format.schema"),
 ])
 def test_bad_requests(generating: tuple[Any, Any, LLM], body: dict[str, Any], param: str) -> None:
     _, http, _ = generating
@@ -368,3 +378,16 @@ def test_numbers_past_the_float_range_are_refused_before_they_are_echoed(generat
     answer = http.post("/v1/responses", content=raw, headers={"Content-Type": "application/json"})
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["code"] == "invalid_json"
+
+
+def test_harmless_values_of_unhonoured_fields_and_effort_none(generating: tuple[Any, Any, LLM]) -> None:
+    """Defaults pass; reasoning effort 'none' is the template's enable_thinking false."""
+    from atlas.server.responses_api import chat_request
+
+    body = {"model": DEMO_NAME, "input": "hi", "top_logprobs": 0, "truncation": "disabled", "max_tool_calls": 3,
+            "include": ["reasoning.encrypted_content"], "reasoning": {"effort": "none"}}
+    assert chat_request(body)["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "chat_template_kwargs" not in chat_request({**body, "reasoning": None})
+    _, http, _ = generating
+    answer = http.post("/v1/responses", json={**body, "max_output_tokens": 3})
+    assert answer.status_code == 200, answer.text

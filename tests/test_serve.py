@@ -890,6 +890,7 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("prompt_logprobs beyond 20", {**GOOD, "prompt_logprobs": 21}, "prompt_logprobs"),
     ("prompt_logprobs true", {**GOOD, "prompt_logprobs": True}, "prompt_logprobs"),
 ]
+CHAT_HI = {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("missing messages", {"model": DEMO_NAME}, "messages"),
     ("messages not a list", {"model": DEMO_NAME, "messages": "hi"}, "messages"),
@@ -917,6 +918,15 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
                                        "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     ("chat max_completion_tokens beyond context",
      {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_tokens"),
+    # found by an audit: each was a 500
+    ("schema bound null", {**CHAT_HI, "guided_json": {"type": "integer", "minimum": None}}, "guided_json"),
+    ("schema type list in a list", {**CHAT_HI, "guided_json": {"type": [["string"]]}}, "guided_json"),
+    ("regex bound of 5000 digits", {**CHAT_HI, "guided_regex": "a{" + "1" * 5000 + "}"}, "guided_regex"),
+    ("grammar token id of 5000 digits", {**CHAT_HI, "guided_grammar": "root ::= <[" + "1" * 5000 + "]>"}, "guided_grammar"),
+    ("logit_bias id of 5000 digits", {**CHAT_HI, "logit_bias": {"1" * 5000: 1}}, "logit_bias"),
+    ("regex nothing matches", {**CHAT_HI, "guided_regex": "a[^\\s\\S]"}, "guided_regex"),
+    ("schema of 1025 properties", {**CHAT_HI, "guided_json": {"type": "object", "properties": {
+        f"k{i}": {"type": "integer"} for i in range(1025)}}}, "guided_json"),
 ]
 
 

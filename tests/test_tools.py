@@ -69,6 +69,16 @@ def test_streamed_content_cut_anywhere(rng: np.random.Generator) -> None:
             assert sent + tail == text and calls == []
 
 
+@pytest.mark.parametrize("written", ["NaN", "-Infinity", "1e999", '"\\ud800"', "1" + "0" * 5000])
+def test_arguments_no_json_can_carry_stay_text(written: str) -> None:
+    """A number parameter the model wrote as NaN, 1e999 or a lone surrogate escape (which would
+    make the answer's JSON invalid, or fail to encode) is kept as the text it wrote."""
+    call = f"<tool_call>\n<function=get_weather>\n<parameter=days>\n{written}\n</parameter>\n</function>\n</tool_call>"
+    [parsed] = parse_calls(call, [WEATHER]) or []
+    assert parsed.arguments == {"days": written}
+    json.dumps(parsed.arguments, allow_nan=False).encode("utf-8")
+
+
 def test_assistant_tool_calls_reach_the_template_as_mappings() -> None:
     calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
     assert template_tool_calls(calls, "m")[0]["function"]["arguments"] == {"city": "Paris"}
@@ -308,3 +318,15 @@ def test_json_output_starts_after_the_reasoning_block(tmp_path: Path, opens: boo
         output = worker.opts.output
         assert (output is not None) == bool(extra)
         assert (output and output.after) == ("</think>" if opens and extra else None)
+
+
+def test_tokenize_renders_the_tools(served: tuple[Any, CannedWorker, TestClient]) -> None:
+    """vLLM's /tokenize with messages and tools: the template describes the tools, as in a chat request."""
+    _, worker, http = served
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = http.post("/tokenize", json={"model": DEMO_NAME, "messages": messages}).json()["tokens"]
+    with_tools = http.post("/tokenize", json={"model": DEMO_NAME, "messages": messages, "tools": [WEATHER]}).json()["tokens"]
+    assert with_tools == worker.llm.tokenizer.encode_chat(messages, True, {"tools": [WEATHER]})
+    assert "TOOL get_weather" in worker.llm.tokenizer.decode(with_tools) and len(with_tools) > len(plain)
+    bad = http.post("/tokenize", json={"model": DEMO_NAME, "messages": messages, "tools": 5})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"

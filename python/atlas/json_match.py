@@ -16,8 +16,9 @@ the top-level value."""
 from __future__ import annotations
 
 import json
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .json_regex import Regex
 
@@ -117,27 +118,38 @@ def alternatives(node: Node) -> tuple[Node, ...]:
 
 class Literal(Node):
     """One of a few exact texts: a const or enum value, true / false / null, a declared key.
-    State: the bytes taken so far."""
+    State: (lo, hi, taken): the sorted options lo..hi-1 all start with the `taken` bytes read so
+    far. Memory stays the options' own length (a set of every prefix would be quadratic in a long
+    const, and each state a copy of the text)."""
 
-    __slots__ = ("options", "prefixes", "proper")
+    __slots__ = ("options", "sorted")
 
     def __init__(self, options: Iterable[bytes]) -> None:
         self.options = frozenset(options)
-        self.proper = frozenset(o[:i] for o in self.options for i in range(len(o)))  # may go on
-        self.prefixes = self.proper | self.options
+        self.sorted = tuple(sorted(self.options))  # shorter before longer among equal prefixes
 
     def begin(self) -> State:
-        return b""
+        return 0, len(self.sorted), 0
 
-    def step(self, state: bytes, byte: int) -> State | None:
-        taken = state + bytes((byte,))
-        return taken if taken in self.prefixes else None
+    def step(self, state: tuple[int, int, int], byte: int) -> State | None:
+        lo, hi, taken = state
+        options = self.sorted
+        # options[lo:hi] share `taken` bytes: those that end there come first, then by the next byte
+        start = bisect_left(options, byte, lo, hi, key=lambda o: o[taken] if len(o) > taken else -1)
+        stop = bisect_right(options, byte, start, hi, key=lambda o: o[taken] if len(o) > taken else -1)
+        return (start, stop, taken + 1) if start < stop else None
 
-    def final(self, state: bytes) -> bool:
-        return state in self.options
+    def final(self, state: tuple[int, int, int]) -> bool:
+        lo, hi, taken = state
+        return lo < hi and len(self.sorted[lo]) == taken
 
-    def open(self, state: bytes) -> bool:
-        return state in self.proper
+    def open(self, state: tuple[int, int, int]) -> bool:
+        lo, hi, taken = state
+        return lo < hi and len(self.sorted[hi - 1]) > taken
+
+    def text(self, state: tuple[int, int, int]) -> bytes:
+        """The option a final state has read."""
+        return self.sorted[state[0]]
 
 
 def utf8_next(lead: int) -> tuple[int, int, int] | None:
@@ -497,7 +509,7 @@ class Object(Container):
         phase, at, _ = state
         if phase == self.VALUE:
             return self.NEXT, min(at + 1, len(self.keys)), NO_SPACE
-        written = len(self.keys) if child is self.extra_key else self.key_index[child_state]
+        written = len(self.keys) if child is self.extra_key else self.key_index[cast(Literal, child).text(child_state)]
         return self.COLON, written, NO_SPACE
 
 

@@ -216,6 +216,8 @@ class Parser:
         low, comma, high = body.partition(",")
         if not (low.isascii() and low.isdigit()) or (high and not (high.isascii() and high.isdigit())):
             return None
+        if max(len(low), len(high)) > len(str(MAX_STATES)):  # int() of thousands of digits raises
+            raise self.fail(f"a repetition bound past {MAX_STATES}, which no pattern here can hold")
         if not look:
             self.i = close + 1
         bounds = int(low), (int(high) if high else None if comma else int(low))
@@ -456,7 +458,8 @@ def build_nfa(tree: tuple, label: str) -> Nfa:
         kind = node[0]
         if kind == "chars":
             end = new()
-            edges[state].append((node[1], end))
+            if node[1]:  # an empty class ([^\s\S]) matches no character: no way on
+                edges[state].append((node[1], end))
             return end
         if kind == "cat":
             for part in node[1]:

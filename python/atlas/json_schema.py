@@ -67,6 +67,7 @@ TYPE_KEYWORDS = {
     "null": frozenset(),
 }
 COMBINERS = ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")
+MAX_PROPERTIES = 1024  # declared properties of one object (docs/structured-output.md)
 
 
 class SchemaError(AtlasError):
@@ -124,7 +125,7 @@ class SchemaCompiler:
                 raise self.fail(f"{where}/allOf", "allOf of more than one schema is not supported")
             return self.node(value[0], f"{where}/allOf/0")
         options = [self.node(item, f"{where}/{combiner}/{i}") for i, item in enumerate(value)]
-        if combiner == "oneOf" and not all(disjoint(a, b) for i, a in enumerate(options) for b in options[i + 1 :]):
+        if combiner == "oneOf" and not all_disjoint(options):
             raise self.fail(f"{where}/oneOf", "alternatives a value could match two of (which oneOf forbids) are not "
                             "supported; use anyOf, or give the objects a required const property that differs")
         return Union(options)
@@ -153,7 +154,7 @@ class SchemaCompiler:
             types = inferred or None
         else:
             types = [declared] if isinstance(declared, str) else declared
-            if not isinstance(types, list) or not types or not all(t in TYPE_KEYWORDS for t in types):
+            if not isinstance(types, list) or not types or not all(isinstance(t, str) and t in TYPE_KEYWORDS for t in types):
                 raise self.fail(f"{where}/type", f"must be one of {', '.join(TYPE_KEYWORDS)} or a list of them, "
                                 f"got {json.dumps(declared)}")
         allowed = frozenset({"type"}).union(*(TYPE_KEYWORDS[t] for t in types or ()))
@@ -224,6 +225,9 @@ class SchemaCompiler:
         properties = schema.get("properties", {})
         if not isinstance(properties, dict):
             raise self.fail(f"{where}/properties", "must be an object of name -> schema")
+        if len(properties) > MAX_PROPERTIES:  # the key matcher after each optional one grows with the rest
+            raise self.fail(f"{where}/properties", f"has {len(properties)} properties; at most {MAX_PROPERTIES} are "
+                            "supported")
         required = schema.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise self.fail(f"{where}/required", "must be a list of property names")
@@ -274,6 +278,20 @@ class SchemaCompiler:
             else:
                 raise self.fail(where, f"{pointer} points at nothing in the schema")
         return target
+
+
+def all_disjoint(options: list[Node]) -> bool:
+    """No two of the shapes share a value: in one pass when all are const / enum (thousands of
+    them: the pairwise check took minutes), else pair by pair."""
+    if not all(isinstance(x, Literal) for option in options for x in alternatives(option)):
+        return all(disjoint(a, b) for i, a in enumerate(options) for b in options[i + 1 :])
+    seen: set[str] = set()
+    for option in options:
+        values = literal_values(option)
+        if seen & values:
+            return False
+        seen |= values
+    return True
 
 
 def disjoint(a: Node, b: Node) -> bool:
@@ -335,7 +353,7 @@ def json_kind(value: Any) -> str:
 def check_bounds(schema: dict[str, Any]) -> None:
     for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         value = schema.get(key)
-        if value is not None and not is_finite_number(value):
+        if key in schema and not is_finite_number(value):  # null too: not a bound
             raise SchemaError(f"json schema: '{key}' must be a finite number, got {json.dumps(value)}")
 
 

@@ -5,6 +5,7 @@ caller's one-line error covers it instead of a RecursionError traceback."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 
@@ -13,3 +14,36 @@ def loads(text: str | bytes, **kwargs: Any) -> Any:
         return json.loads(text, **kwargs)
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply", text if isinstance(text, str) else "", 0) from None
+
+
+def loads_finite(text: str) -> Any:
+    """RFC 8259 JSON only, for text a response writes back as JSON (a model's tool arguments):
+    NaN / Infinity, numbers past the float range (1e999) and strings with an unpaired UTF-16
+    surrogate ("\\ud800") raise ValueError, as no JSON encoder or UTF-8 stream can carry them."""
+
+    def refuse(literal: str) -> float:
+        raise ValueError(f"{literal[:40]} is not a finite number")
+
+    def finite(literal: str) -> float:
+        value = float(literal)
+        return value if math.isfinite(value) else refuse(literal)
+
+    value = loads(text, parse_constant=refuse, parse_float=finite)
+    if "\\u" in text and not encodable(value):
+        raise ValueError("a string holds an unpaired UTF-16 surrogate")
+    return value
+
+
+def encodable(value: Any) -> bool:
+    """Every string and key in a parsed value is valid Unicode (UTF-8 encodable)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(encodable(key) and encodable(item) for key, item in value.items())
+    if isinstance(value, list):
+        return all(encodable(item) for item in value)
+    return True

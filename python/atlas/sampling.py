@@ -77,9 +77,12 @@ def logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
         raise AtlasError(f"logit_bias must be a mapping of token id -> bias, got {bias!r}")
     by_id: dict[int, object] = {}
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        digits = isinstance(key, str) and key.isascii() and key.isdigit()
+        if digits and len(key) > 12:  # past any vocabulary (and int() of 4300+ digits raises)
+            raise AtlasError(f"logit_bias token id {key[:24]}... is outside the vocabulary")
+        token = int(key) if digits else key
         if not is_int(token):
-            raise AtlasError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+            raise AtlasError(f"logit_bias keys must be token ids (integers >= 0), got {str(key)[:40]!r}")
         by_id[int(token)] = value
     return tuple(sorted(by_id.items(), key=lambda pair: pair[0]))  # type: ignore[arg-type]
 

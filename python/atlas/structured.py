@@ -33,6 +33,15 @@ SHAPES = 16  # compiled shapes kept with their transition caches (requests repea
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
+class NoAllowedToken(AtlasError):
+    """The request's rules leave no token to write next (a pattern nothing matches, a choice its
+    bad_words forbid): the request's mistake, not the server's."""
+
+    def __init__(self) -> None:
+        super().__init__("structured output: no token of the vocabulary continues the text; the request's "
+                         "format and token rules leave nothing to write")
+
+
 @dataclass(frozen=True)
 class OutputFormat:
     """What the text must be. kind: "json_object", "json_schema" (spec: the schema, parsed),
@@ -152,7 +161,7 @@ class TokenConstraint:
             for token in order():
                 if self.allows(int(token)):
                     return int(token)
-        raise AtlasError("structured output: no token of the vocabulary continues the text")
+        raise NoAllowedToken()
 
     def mask(self, logits: np.ndarray, temperature: float, top_k: int = 0, min_p: float = 0.0) -> np.ndarray:
         """logits [V] with every token that is not allowed at -inf. Tokens are checked from the most
@@ -169,7 +178,7 @@ class TokenConstraint:
         masked = np.full(logits.shape, -np.inf, dtype=np.float32)  # [V]
         masked[allowed] = logits[allowed]
         if not np.isfinite(masked).any():  # none allowed, or only ones at -inf (NaN reads as -inf)
-            raise AtlasError("structured output: no token of the vocabulary continues the text")
+            raise NoAllowedToken()
         return masked
 
     def walk(self, order: Iterable[tuple[int, float, float]], top_k: int, min_p: float) -> tuple[list[int], bool]:

@@ -13,7 +13,7 @@ import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -430,8 +430,8 @@ def check_model(state: ServerState, model: str, status: int = 400) -> None:
 def tokenize_body(llm: LLM, body: TokenizeBody) -> list[int]:
     try:
         if body.messages is not None:
-            return llm.tokenizer.encode_chat(body.messages, body.add_generation_prompt, body.template_kwargs,
-                                             body.continue_final_message)
+            extra = {**(body.template_kwargs or {}), **({"tools": body.tools} if body.tools else {})}
+            return llm.tokenizer.encode_chat(body.messages, body.add_generation_prompt, extra, body.continue_final_message)
         assert body.prompt is not None
         return llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     except AtlasError as err:
@@ -478,11 +478,14 @@ async def read_body(request: Request) -> bytes:
     if declared.isascii() and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone while sending: nobody to answer, nothing to log as a fault
+        raise RequestError("the client closed the connection while sending the body", status=499) from None
     return b"".join(chunks)
 
 
@@ -572,16 +575,22 @@ async def on_request_error(request: Request, err: Exception) -> Response:
     return JSONResponse(request_error_body(err), status_code=err.status, headers=err.headers)
 
 
+def shaped_error(request: Request, message: str, status: int) -> dict[str, Any]:
+    """OpenAI's error body, or Anthropic's under /v1/messages (its clients read that shape)."""
+    if request.url.path.startswith("/v1/messages"):
+        return messages_api.error_body(message, status)
+    return error_body(message, "invalid_request_error" if status < 500 else "server_error")
+
+
 async def on_http_error(request: Request, err: Exception) -> Response:
     assert isinstance(err, HTTPException)
-    kind = "invalid_request_error" if err.status_code < 500 else "server_error"
     message = f"{request.method} {request.url.path}: {err.detail}"
-    return JSONResponse(error_body(message, kind), status_code=err.status_code, headers=err.headers)
+    return JSONResponse(shaped_error(request, message, err.status_code), status_code=err.status_code, headers=err.headers)
 
 
 async def on_crash(request: Request, err: Exception) -> Response:
     log.error("internal error on %s %s: %r", request.method, request.url.path, err)
-    return JSONResponse(error_body(f"internal server error: {type(err).__name__}", "server_error"), 500)
+    return JSONResponse(shaped_error(request, f"internal server error: {type(err).__name__}", 500), 500)
 
 
 ROUTES: tuple[tuple[str, Handler, tuple[str, ...]], ...] = (

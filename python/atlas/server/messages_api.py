@@ -254,7 +254,8 @@ def error_response(err: RequestError) -> JSONResponse:
 
 
 def error_body(message: str, status: int) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def renamed(message: str) -> str:

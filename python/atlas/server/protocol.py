@@ -493,6 +493,7 @@ class TokenizeBody:
     add_generation_prompt: bool  # messages: end with the assistant's opening
     template_kwargs: dict[str, Any] | None
     continue_final_message: bool = False  # messages: end right after the final message's text
+    tools: list[dict[str, Any]] | None = None  # messages: the tools the chat template describes
 
 
 def parse_tokenize(body: Any) -> TokenizeBody:
@@ -512,6 +513,7 @@ def parse_tokenize(body: Any) -> TokenizeBody:
         add_generation_prompt=text.add_generation_prompt,
         template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")),
         continue_final_message=text.continue_final_message,
+        tools=parse_tools(body.get("tools")) if messages is not None else None,
     )
 
 

@@ -93,8 +93,8 @@ def item_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str
     order, limit = query.get("order", "desc"), query.get("limit", str(DEFAULT_ITEM_PAGE))
     if order not in ("asc", "desc"):
         raise RequestError(f"'order' must be 'asc' or 'desc', got {order!r}", "order")
-    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= MAX_ITEM_PAGE):
-        raise RequestError(f"'limit' must be an integer in 1..{MAX_ITEM_PAGE}, got {limit!r}", "limit")
+    if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= MAX_ITEM_PAGE):
+        raise RequestError(f"'limit' must be an integer in 1..{MAX_ITEM_PAGE}, got {limit[:24]!r}", "limit")
     ordered = items if order == "asc" else items[::-1]
     ids = [item["id"] for item in ordered]
     start = item_index(ids, query, "after") + 1 if "after" in query else 0

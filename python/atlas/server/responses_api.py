@@ -16,6 +16,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..sampling import is_int
 from .answer import AnswerShaper, Part
 from .choices import whole_text
 from .errors import RequestError
@@ -26,7 +27,14 @@ PASSED_THROUGH = ("model", "temperature", "top_p", "stream", "tool_choice", "par
                   "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logit_bias",
                   "min_tokens", "chat_template_kwargs", "thinking_token_budget")  # vLLM takes its sampling extras here too
 REFUSED = {"conversation": "conversations are not stored here: use previous_response_id, or send the whole "
-                           "conversation in 'input'"}
+                           "conversation in 'input'",
+           "prompt": "stored prompt templates are not kept here: send the prompt's text in 'input'"}
+# field -> (the values that change nothing here, why another is refused)
+UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "top_logprobs": ((None, 0), "output text carries no logprobs here; use /v1/chat/completions' logprobs"),
+    "truncation": ((None, "disabled"), "a conversation past the context is refused, not cut; send a shorter 'input'"),
+}
+INCLUDABLE = ("reasoning.encrypted_content",)  # nothing is encrypted: reasoning items go out as plain text
 RENAMED_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
@@ -38,6 +46,10 @@ def chat_request(body: Any, earlier: list[dict[str, Any]] | None = None) -> dict
     for key, why in REFUSED.items():
         if body.get(key) not in (None, False):
             raise RequestError(f"'{key}': {why}", key)
+    for key, (harmless, why) in UNHONOURED.items():
+        if key in body and not any(body[key] == value and type(body[key]) is type(value) for value in harmless):
+            raise RequestError(f"'{key}' {json.dumps(body[key])[:40]}: {why}", key)
+    check_include(body.get("include"))
     for key in ("store", "background"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise RequestError(f"'{key}' must be true or false", key)
@@ -59,8 +71,40 @@ def chat_request(body: Any, earlier: list[dict[str, Any]] | None = None) -> dict
         chat["tool_choice"] = named_choice(body["tool_choice"])
     if body.get("text") is not None:
         chat["response_format"] = text_format(body["text"])
+    if reasoning_off(body.get("reasoning")):
+        chat["chat_template_kwargs"] = {**(chat.get("chat_template_kwargs") or {}), "enable_thinking": False}
     check_metadata(body.get("metadata"))
+    if body.get("max_tool_calls") is not None and not (is_int(body["max_tool_calls"]) and body["max_tool_calls"] >= 0):
+        raise RequestError("'max_tool_calls' must be an integer >= 0", "max_tool_calls")  # no built-in tools: any holds
     return chat
+
+
+def check_include(value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise RequestError("'include' must be a list of strings", "include")
+    other = [item for item in value if item not in INCLUDABLE]
+    if other:
+        raise RequestError(f"'include' {other[0]!r} is not produced here (only {', '.join(INCLUDABLE)} is taken)",
+                           "include")
+
+
+def reasoning_off(value: Any) -> bool:
+    """`reasoning`: {"effort": "none"} turns the chat template's thinking off; other efforts and
+    summaries are refused (Qwen3.6 thinks or not: give thinking_token_budget to bound it)."""
+    if value is None or value == {}:
+        return False
+    if not isinstance(value, dict) or set(value) - {"effort", "summary"}:
+        raise RequestError("'reasoning' must be an object with 'effort'", "reasoning")
+    if value.get("summary") is not None:
+        raise RequestError("'reasoning.summary' is not produced here: reasoning items carry the reasoning text",
+                           "reasoning.summary")
+    effort = value.get("effort")
+    if effort not in (None, "none"):
+        raise RequestError(f"'reasoning.effort' {json.dumps(effort)[:40]}: the model thinks or not here; give 'none' "
+                           "to turn thinking off, or thinking_token_budget to bound it", "reasoning.effort")
+    return effort == "none"
 
 
 def check_metadata(value: Any) -> None:
@@ -235,6 +279,9 @@ def text_format(value: Any) -> dict[str, Any]:
         raise RequestError("'text.format' must be an object with a 'type'", "text.format")
     if form.get("type") != "json_schema":
         return form
+    if "schema" not in form:  # the chat nesting ({"json_schema": {"schema": ...}}) would mean any JSON
+        raise RequestError("'text.format.schema' is required: the Responses API puts the schema in the format itself",
+                           "text.format.schema")
     return {"type": "json_schema", "json_schema": {key: form[key] for key in ("name", "schema", "strict") if key in form}}
 
 

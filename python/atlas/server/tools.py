@@ -175,8 +175,8 @@ def convert(text: str, kind: Any) -> Any:
     if kind in (None, "string") or (isinstance(kind, list) and "string" in kind):
         return text
     try:
-        return json_text.loads(text)
-    except json.JSONDecodeError:
+        return json_text.loads_finite(text)
+    except ValueError:  # not JSON, or JSON no answer can carry (NaN, 1e999, "\ud800"): the text itself
         return text
 
 
@@ -248,7 +248,7 @@ class ForcedCallStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         text, self.pending = self.pending, ""
         try:
-            value = json_text.loads(text)
+            value = json_text.loads_finite(text)
         except ValueError:
             return text, []
         if self.choice.mode == "function":

@@ -19,6 +19,7 @@ from ..errors import AtlasError
 from ..llm import LLM, GenerateOptions, OutputText, iter_tokens
 from ..sampling import TokenLogprob
 from ..speculative import SpecStats
+from ..structured import NoAllowedToken
 from .metrics import Metrics, RequestRecord, SpecCounts
 from .stops import Stops
 
@@ -192,6 +193,10 @@ class EngineWorker:
         started = time.perf_counter()
         try:
             finished = generate(self.llm, job)
+        except NoAllowedToken as err:  # the request's own rules: a 400, nothing to log as a failure
+            self.metrics.record(request_record(job, None, started))
+            job.emit(Failed(str(err), status=400))
+            return
         except Exception as err:  # noqa: BLE001 - one failed request must not stop the server
             log.exception("generation failed")
             self.metrics.record(request_record(job, None, started))
