@@ -256,3 +256,30 @@ def test_memory_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert memory_main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("atlas.quant.memory: error:") and needle in err[0], err
+
+
+@pytest.mark.parametrize(("method", "suffix", "value"), [
+    ("fp8", "weight_scale_inv", np.nan), ("fp8", "weight_scale_inv", np.inf),
+    ("nvfp4", "weight_scale", np.nan), ("nvfp4", "weight_scale_2", -np.inf),
+])
+def test_a_non_finite_scale_is_one_line(tmp_path: Path, demo_quantized: dict[str, Path], rng: np.random.Generator,
+                                        method: str, suffix: str, value: float) -> None:
+    """A NaN / inf scale makes its block garbage without a word: loading names it instead."""
+    import shutil
+
+    from atlas import LLM
+    from atlas.errors import AtlasError
+
+    copy = tmp_path / method
+    shutil.copytree(demo_quantized[method], copy)
+    checkpoint = Checkpoint.open(copy)
+    part = str(rng.choice(sorted(n for n in checkpoint.names() if n.endswith("." + suffix))))
+    info = checkpoint.info(part)
+    checkpoint.close()
+    stored = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F8_E4M3": ml_dtypes.float8_e4m3fn}[info.dtype]
+    data = np.array([value], dtype=stored).tobytes()
+    with open(info.path, "r+b") as handle:  # the tensor's first element
+        handle.seek(info.start)
+        handle.write(data)
+    with pytest.raises(AtlasError, match=f"'{part}' in .* holds a NaN or infinite scale"):
+        LLM(str(copy), device="cpu")

@@ -135,5 +135,20 @@ class QuantizedTensors:
         return sum(self.checkpoint.info(p).nbytes for p in self.part_names(name).values())
 
     def weight(self, name: str) -> QuantizedWeight:
-        parts = {suffix: self.checkpoint.get_raw(part) for suffix, part in self.part_names(name).items()}
+        names = self.part_names(name)
+        parts = {suffix: self.checkpoint.get_raw(part) for suffix, part in names.items()}
+        self._check_scales(names, parts)
         return QuantizedWeight(name, self.scheme.method, self.shape(name), parts, self.scheme.block)
+
+    def _check_scales(self, names: dict[str, str], parts: dict[str, np.ndarray]) -> None:
+        """Every scale finite (a NaN or inf scale makes its whole block garbage, silently)."""
+        for suffix, part in names.items():
+            if suffix == "weight":
+                continue
+            raw = parts[suffix]
+            if suffix == "weight_scale":  # float8_e4m3fn: the only non-finite codes are NaN, S.1111.111
+                finite = not ((raw.view(np.uint8) & 0x7F) == 0x7F).any()
+            else:
+                finite = bool(np.isfinite(self.checkpoint.get(part)).all())
+            if not finite:
+                raise self._bad(part, "holds a NaN or infinite scale")
