@@ -433,3 +433,20 @@ def test_prompt_file(tmp_path: Path) -> None:
                          (["--prompt-file", str(path), "--prompt", "x"], "exclude each other")):
         done = run_cli(*args)
         assert done.returncode == 2 and needle in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_llama_cpp_flag_names(capsys: pytest.CaptureFixture[str], rng: np.random.Generator) -> None:
+    """llama.cpp's -m / -p / -n / --temp / -s / -c / --repeat-penalty / -sys name the same settings."""
+    seed = str(int(rng.integers(0, 2**31 - 1)))
+    ours = ["--model", "atlas-demo", "--prompt", "Flat is", "--max-tokens", "12", "--temperature", "50", "--seed", seed,
+            "--max-seq-len", "64", "--repetition-penalty", "1.3", "--device", "cpu"]
+    llama = ["-m", "atlas-demo", "-p", "Flat is", "-n", "12", "--temp", "50", "-s", seed, "-c", "64",
+             "--repeat-penalty", "1.3", "--device", "cpu"]
+    capsys.readouterr()
+    texts = []
+    for argv in (ours, llama, [*llama[:9], str(int(seed) + 1), *llama[10:]]):
+        assert main(argv) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0] != texts[2]  # near-uniform draws: another seed, another text
+    code = main(["-p", "Flat is", "-n", "100", "-c", "64", "--device", "cpu"])
+    assert code == 2 and "this model holds 64" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -188,8 +188,8 @@ ENGINE_OPTIONS = (
         help="""A JSON object merged into the checkpoint's config.json before it is read (vLLM's flag), e.g. '{"text_config": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144, "rope_theta": 10000000, "partial_rotary_factor": 0.25}}}' for YaRN.""",
     ),
     click.option(
-        "--max-seq-len", "--max-model-len", "max_seq_len", type=ContextLength(), default=None,
-        help="Context held in the KV cache: prompt + generated tokens (default 4096, at most the model's max_position_embeddings, or YaRN's stretched context; -1 or auto: all of it; 32k = 32000, 32K = 32768; --max-model-len is vLLM's name for it).",
+        "--max-seq-len", "--max-model-len", "--ctx-size", "-c", "max_seq_len", type=ContextLength(), default=None,
+        help="Context held in the KV cache: prompt + generated tokens (default 4096, at most the model's max_position_embeddings, or YaRN's stretched context; -1 or auto: all of it; 32k = 32000, 32K = 32768; --max-model-len is vLLM's name for it, -c / --ctx-size llama.cpp's).",
     ),
 )  # fmt: skip
 

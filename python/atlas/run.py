@@ -206,20 +206,20 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", default=None, help=MODEL_HELP)
-@click.option("--prompt", default=None, help="Prompt text (default for the demo: its first words).")
-@click.option("--prompt-file", default=None, help="Read the prompt from this UTF-8 file ('-': stdin).")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
+@click.option("--model", "-m", default=None, help=MODEL_HELP)
+@click.option("--prompt", "-p", default=None, help="Prompt text (default for the demo: its first words).")
+@click.option("--prompt-file", "-f", default=None, help="Read the prompt from this UTF-8 file ('-': stdin).")
+@click.option("--max-tokens", "-n", "--n-predict", "max_tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--temperature", "--temp", "temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off.")
 @click.option(
     "--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True
 )
-@click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed for sampling (reproducible output).")
+@click.option("--seed", "-s", type=click.IntRange(min=0), default=None, help="Seed for sampling (reproducible output).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--interactive", "-i", is_flag=True,
               help="A conversation: each line on stdin is a user turn (chat template; --prompt is the first).")
-@click.option("--system", default=None, help="A system message before the conversation (with --chat or --interactive).")
+@click.option("--system", "--system-prompt", "-sys", "system", default=None, help="A system message before the conversation (with --chat or --interactive).")
 @click.option("--stop", multiple=True, help="A string that ends the text (not written); repeat for several.")
 @click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
               help="Keep tokens whose probability is >= min_p x the largest; 0: off.")
@@ -229,7 +229,7 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
               help="Subtracted, times its count, from the logit of every generated token.")
 @click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="No end-of-sequence token before this many tokens.")
-@click.option("--repetition-penalty", type=click.FloatRange(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY), default=1.0,
+@click.option("--repetition-penalty", "--repeat-penalty", "repetition_penalty", type=click.FloatRange(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY), default=1.0,
               show_default=True,
               help="Prompt and generated tokens' logits divided by it when positive, multiplied when not; 1: off.")
 @click.option("--json-object", is_flag=True, help="JSON mode: the output is one JSON object (cut at --max-tokens).")
