@@ -147,3 +147,18 @@ def test_recognise_quant(tmp_path: Path) -> None:
     (listed / "config.json").write_text(json.dumps([random.randint(0, 9)]))
     with pytest.raises(AtlasError, match="must hold a JSON object"):  # not mistaken for an unquantized checkpoint
         recognise_quant(listed)
+
+
+def test_a_loaded_spec_is_recognised_as_its_config(tmp_path: Path) -> None:
+    """The CUDA backend recognises the spec as loaded (--hf-overrides applied): dimensions an
+    override changes pick another kernel set, or none."""
+    from dataclasses import asdict
+
+    from atlas.config import load_spec
+    from atlas.demo import DEMO_DIR
+
+    assert recognise_model(asdict(load_spec(DEMO_DIR))) == "atlas-demo"
+    yarn = {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048}}
+    assert recognise_model(asdict(load_spec(DEMO_DIR, yarn))) == "atlas-demo"  # rope scaling: the same kernels
+    wider = {"rope_parameters": {"partial_rotary_factor": 0.5}}
+    assert recognise_model(asdict(load_spec(DEMO_DIR, wider))) is None

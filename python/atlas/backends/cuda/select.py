@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -115,7 +115,9 @@ def open_backend(model_dir: Path, spec: ModelSpec | None = None, run: RunPlan | 
     from .driver import open_driver
 
     registry = load_registry()
-    model = recognise_model(read_json_object(Path(model_dir) / "config.json"), registry)
+    # the spec when given: config.json as loaded, --hf-overrides applied (its fields are the registry's names)
+    config = asdict(spec) if spec is not None else read_json_object(Path(model_dir) / "config.json")
+    model = recognise_model(config, registry)
     quant = recognise_quant(model_dir, registry)
     driver = open_driver(device_ordinal())
     selection = select_tuple(driver.device_info().cc, model, quant, installed_tuples(), registry)
