@@ -16,6 +16,7 @@ from atlas import LLM
 from atlas.errors import AtlasError
 from atlas.gbnf import GrammarError, compile_grammar, compile_grammar_tokens, on_cycles, reaching
 from atlas.json_match import Matcher, Transitions
+from atlas.json_regex import RegexError
 from atlas.structured import OutputConstraint
 from _json_grammar import JSON_GRAMMAR
 from test_json_mode import damage, dumps, python_accepts, random_object
@@ -402,3 +403,13 @@ def test_a_terminal_naming_an_end_token_is_refused(demo: LLM) -> None:
         demo.generate("Flat is", max_tokens=4, grammar=f'root ::= "x" <[{end}]>')
     text = demo.generate("Flat is", max_tokens=4, grammar=f'root ::= (!<[{end}]>)+').text  # negated: any other token
     assert text
+
+
+def test_token_ids_past_int32_and_regex_bounds_with_zeros() -> None:
+    from atlas.json_regex import compile_regex
+
+    with pytest.raises(GrammarError, match="below 2\\^31"):
+        compile_grammar('root ::= <[9999999999]>')
+    compile_regex("a{00001}", search=False)  # leading zeros: a bound of 1
+    with pytest.raises(RegexError, match="repetition bound past"):
+        compile_regex("a{" + "9" * 6 + "}", search=False)

@@ -391,4 +391,18 @@ def test_rules_that_leave_no_token_are_the_requests_400() -> None:
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"]["type"] == "invalid_request_error"
         assert "no token of the vocabulary continues the text" in answer.json()["error"]["message"]
+        streamed = http.post("/v1/chat/completions", json={**body, "stream": True}).text
+        assert '"type": "invalid_request_error"' in streamed and "no token of the vocabulary" in streamed
         assert http.post("/v1/chat/completions", json={**body, "allowed_token_ids": None}).status_code == 200
+
+
+def test_nan_logits_are_a_fault_not_the_requests_rules() -> None:
+    from atlas.structured import NoAllowedToken
+
+    constraint = OutputConstraint(TOY_VOCAB, {TOY_END})
+    with pytest.raises(AtlasError, match="logits are NaN") as caught:
+        constraint.mask(np.full(len(TOY_VOCAB), np.nan, dtype=np.float32), 1.0)
+    assert not isinstance(caught.value, NoAllowedToken)
+    banned = np.where([constraint.allows(t) for t in range(len(TOY_VOCAB))], -np.inf, 1.0).astype(np.float32)
+    with pytest.raises(NoAllowedToken):  # every allowed token at -inf: the request's rules
+        constraint.mask(banned, 1.0)

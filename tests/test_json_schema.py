@@ -649,3 +649,15 @@ def test_bad_output_formats(demo: Any, options: dict[str, Any], message: str) ->
 
     with pytest.raises(AtlasError, match=message):
         demo.generate("Flat is", **options)
+
+
+def test_a_recursive_reference_under_one_of_matches(rng: np.random.Generator) -> None:
+    """oneOf's overlap check meets the reference while it is compiled: the union it reads then is
+    not kept (it had been, empty, so the schema matched nothing)."""
+    from atlas.json_match import Matcher
+
+    node = {"type": "object", "properties": {"c": {"oneOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}}, "required": ["c"]}
+    shape = compile_schema({"$defs": {"n": node}, "$ref": "#/$defs/n"})
+    depth = int(rng.integers(0, 6))
+    text = '{"c":' * (depth + 1) + "null" + "}" * (depth + 1)
+    assert Matcher(shape).feed(text.encode()) and not Matcher(shape).feed(b'{"c":3')

@@ -354,8 +354,9 @@ def test_reasoning_item(thinking: Any, stream: bool) -> None:
     ({"input": "hi", "truncation": "auto"}, "truncation"),
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
-    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),
-    ({"input": "hi", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"input": "hi", "reasoning": {"effort": "max"}}, "reasoning.effort"),
+    ({"input": "hi", "reasoning": {"summary": "everything"}}, "reasoning.summary"),
+    ({"input": "hi", "reasoning": {"budget": 5}}, "reasoning"),
     ({"input": "hi", "max_tool_calls": -1}, "max_tool_calls"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}}},
      "text.format.schema"),
@@ -388,6 +389,9 @@ def test_harmless_values_of_unhonoured_fields_and_effort_none(generating: tuple[
             "include": ["reasoning.encrypted_content"], "reasoning": {"effort": "none"}}
     assert chat_request(body)["chat_template_kwargs"] == {"enable_thinking": False}
     assert "chat_template_kwargs" not in chat_request({**body, "reasoning": None})
+    codex = {"effort": "medium", "summary": "auto"}  # what Codex sends for a thinking model
+    assert "chat_template_kwargs" not in chat_request({**body, "reasoning": codex})
+    assert "chat_template_kwargs" not in chat_request({**body, "reasoning": {"effort": "high", "generate_summary": None}})
     _, http, _ = generating
     answer = http.post("/v1/responses", json={**body, "max_output_tokens": 3})
     assert answer.status_code == 200, answer.text

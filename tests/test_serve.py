@@ -919,11 +919,14 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("chat max_completion_tokens beyond context",
      {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_tokens"),
     # found by an audit: each was a 500
-    ("schema bound null", {**CHAT_HI, "guided_json": {"type": "integer", "minimum": None}}, "guided_json"),
+    ("schema bound a string", {**CHAT_HI, "guided_json": {"type": "integer", "minimum": "0"}}, "guided_json"),
     ("schema type list in a list", {**CHAT_HI, "guided_json": {"type": [["string"]]}}, "guided_json"),
     ("regex bound of 5000 digits", {**CHAT_HI, "guided_regex": "a{" + "1" * 5000 + "}"}, "guided_regex"),
     ("grammar token id of 5000 digits", {**CHAT_HI, "guided_grammar": "root ::= <[" + "1" * 5000 + "]>"}, "guided_grammar"),
     ("logit_bias id of 5000 digits", {**CHAT_HI, "logit_bias": {"1" * 5000: 1}}, "logit_bias"),
+    ("tool arguments with 5000 digits", {**CHAT_HI, "messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+     "function": {"name": "f", "arguments": '{"a": ' + "1" * 5000 + "}"}}]}, {"role": "user", "content": "hi"}]},
+     "messages[0].tool_calls[0].function.arguments"),
     ("regex nothing matches", {**CHAT_HI, "guided_regex": "a[^\\s\\S]"}, "guided_regex"),
     ("schema of 1025 properties", {**CHAT_HI, "guided_json": {"type": "object", "properties": {
         f"k{i}": {"type": "integer"} for i in range(1025)}}}, "guided_json"),

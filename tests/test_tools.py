@@ -328,5 +328,6 @@ def test_tokenize_renders_the_tools(served: tuple[Any, CannedWorker, TestClient]
     with_tools = http.post("/tokenize", json={"model": DEMO_NAME, "messages": messages, "tools": [WEATHER]}).json()["tokens"]
     assert with_tools == worker.llm.tokenizer.encode_chat(messages, True, {"tools": [WEATHER]})
     assert "TOOL get_weather" in worker.llm.tokenizer.decode(with_tools) and len(with_tools) > len(plain)
-    bad = http.post("/tokenize", json={"model": DEMO_NAME, "messages": messages, "tools": 5})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+    for bad in ({"messages": messages, "tools": 5}, {"prompt": "Weather?", "tools": [WEATHER]}):
+        answer = http.post("/tokenize", json={"model": DEMO_NAME, **bad})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "tools", answer.text

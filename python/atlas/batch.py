@@ -186,16 +186,15 @@ def batch(args: BatchArgs) -> tuple[int, int]:
                                      tool_call_parser=args.tool_call_parser, sampling_defaults=defaults,
                                      responses=ResponseStore(0)))  # lines are independent: nothing to keep
 
-        async def run_all(out: Any) -> int:
-            ok, seen = 0, set[str]()
-            for line in tqdm(lines, desc="requests", unit="req", file=sys.stderr, disable=len(lines) < 2):
-                result = await answer(app, line, seen)
-                ok += result["response"] is not None and result["response"]["status_code"] == 200
-                out.write(json.dumps(result, ensure_ascii=False) + "\n")
-            return ok
+        async def run_all() -> list[dict[str, Any]]:
+            seen = set[str]()
+            return [await answer(app, line, seen)
+                    for line in tqdm(lines, desc="requests", unit="req", file=sys.stderr, disable=len(lines) < 2)]
 
+        results = anyio.run(run_all)
         with atomic_path(out_path) as scratch, scratch.open("w", encoding="utf-8") as out:
-            ok = anyio.run(run_all, out)
+            out.writelines(json.dumps(result, ensure_ascii=False) + "\n" for result in results)
+        ok = sum(r["response"] is not None and r["response"]["status_code"] == 200 for r in results)
     finally:
         worker.stop()
     return ok, len(lines)

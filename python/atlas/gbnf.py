@@ -228,7 +228,8 @@ class Parser:
         if close < 0 or not inner or any(c in inner for c in "<\r\n"):
             raise self.fail("a token terminal is <[id]> or <text> on one line, e.g. <[151668]> or <think>")
         is_id = inner.startswith("[") and inner.endswith("]")
-        if is_id and not (inner[1:-1].isdigit() and inner[1:-1].isascii() and len(inner) <= 12):
+        digits = inner[1:-1]
+        if is_id and not (digits.isdigit() and digits.isascii() and len(digits.lstrip("0")) <= 10 and int(digits) < 2**31):
             raise self.fail(f"<{inner[:24]}>: a token id is a whole number below 2^31, e.g. <[151668]>")
         self.i = close + 1
         return ("tok", int(inner[1:-1]) if is_id else f"<{inner}>".encode(), negated)

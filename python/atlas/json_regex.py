@@ -216,7 +216,7 @@ class Parser:
         low, comma, high = body.partition(",")
         if not (low.isascii() and low.isdigit()) or (high and not (high.isascii() and high.isdigit())):
             return None
-        if max(len(low), len(high)) > len(str(MAX_STATES)):  # int() of thousands of digits raises
+        if max(len(low.lstrip("0")), len(high.lstrip("0"))) > len(str(MAX_STATES)):  # int() of 4300+ digits raises
             raise self.fail(f"a repetition bound past {MAX_STATES}, which no pattern here can hold")
         if not look:
             self.i = close + 1

@@ -283,7 +283,7 @@ class SchemaCompiler:
 def all_disjoint(options: list[Node]) -> bool:
     """No two of the shapes share a value: in one pass when all are const / enum (thousands of
     them: the pairwise check took minutes), else pair by pair."""
-    if not all(isinstance(x, Literal) for option in options for x in alternatives(option)):
+    if not all(const_only(option) for option in options):
         return all(disjoint(a, b) for i, a in enumerate(options) for b in options[i + 1 :])
     seen: set[str] = set()
     for option in options:
@@ -296,7 +296,7 @@ def all_disjoint(options: list[Node]) -> bool:
 
 def disjoint(a: Node, b: Node) -> bool:
     """No JSON value matches both shapes (provably: False when unsure)."""
-    if all(isinstance(x, Literal) for x in (*alternatives(a), *alternatives(b))):
+    if const_only(a) and const_only(b):
         return not literal_values(a) & literal_values(b)
     shared = kinds(a) & kinds(b)
     if "?" in shared or shared - {"object"}:
@@ -305,9 +305,16 @@ def disjoint(a: Node, b: Node) -> bool:
                if isinstance(x, Object) and isinstance(y, Object))
 
 
+def const_only(node: Node) -> bool:
+    """The shape is const / enum values alone (a reference still being compiled is not known to be)."""
+    if isinstance(node, Union) and not node.complete():
+        return False
+    return all(isinstance(x, Literal) for x in alternatives(node))
+
+
 def kinds(node: Node) -> set[str]:
     """The JSON types a shape's values may have ("?": not known yet, a reference being compiled)."""
-    if isinstance(node, Union) and not node.options:
+    if isinstance(node, Union) and not node.complete():
         return {"?"}
     out: set[str] = set()
     for alt in alternatives(node):
@@ -353,7 +360,7 @@ def json_kind(value: Any) -> str:
 def check_bounds(schema: dict[str, Any]) -> None:
     for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         value = schema.get(key)
-        if key in schema and not is_finite_number(value):  # null too: not a bound
+        if value is not None and not is_finite_number(value):  # null: absent, as for the other keywords
             raise SchemaError(f"json schema: '{key}' must be a finite number, got {json.dumps(value)}")
 
 
@@ -362,7 +369,7 @@ def number_bounds(schema: dict[str, Any]) -> Interval:
     each bound the decimal its JSON text shows (repr of the parsed float)."""
     check_bounds(schema)
     exact = {key: Fraction(repr(schema[key])) for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-             if key in schema}
+             if schema.get(key) is not None}
     lows = [(exact["minimum"], False)] if "minimum" in exact else []
     lows += [(exact["exclusiveMinimum"], True)] if "exclusiveMinimum" in exact else []
     highs = [(exact["maximum"], False)] if "maximum" in exact else []
@@ -375,10 +382,11 @@ def number_bounds(schema: dict[str, Any]) -> Interval:
 def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
     """The integer range [low, high] (None: open) of minimum / maximum / their exclusive forms."""
     check_bounds(schema)
-    lows = [math.ceil(schema["minimum"])] if "minimum" in schema else []
-    lows += [math.floor(schema["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in schema else []
-    highs = [math.floor(schema["maximum"])] if "maximum" in schema else []
-    highs += [math.ceil(schema["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in schema else []
+    given = {key: value for key, value in schema.items() if value is not None}  # null: absent
+    lows = [math.ceil(given["minimum"])] if "minimum" in given else []
+    lows += [math.floor(given["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in given else []
+    highs = [math.floor(given["maximum"])] if "maximum" in given else []
+    highs += [math.ceil(given["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in given else []
     return (max(lows) if lows else None), (min(highs) if highs else None)
 
 

@@ -10,10 +10,17 @@ from typing import Any
 
 
 def loads(text: str | bytes, **kwargs: Any) -> Any:
+    doc = text if isinstance(text, str) else ""
     try:
         return json.loads(text, **kwargs)
     except RecursionError:
-        raise json.JSONDecodeError("nested too deeply", text if isinstance(text, str) else "", 0) from None
+        raise json.JSONDecodeError("nested too deeply", doc, 0) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as err:  # int() past Python's 4300-digit limit; a parse_* hook's own refusal
+        if "digits" not in str(err):
+            raise
+        raise json.JSONDecodeError("an integer too long to read (over 4300 digits)", doc, 0) from None
 
 
 def loads_finite(text: str) -> Any:

@@ -177,8 +177,10 @@ class TokenConstraint:
         allowed, _ = self.walk(descending(probs), top_k, min_p)
         masked = np.full(logits.shape, -np.inf, dtype=np.float32)  # [V]
         masked[allowed] = logits[allowed]
-        if not np.isfinite(masked).any():  # none allowed, or only ones at -inf (NaN reads as -inf)
-            raise NoAllowedToken()
+        if not np.isfinite(masked).any():
+            if np.isnan(masked).any():  # a numerical fault, not the request's rules
+                raise AtlasError("structured output: the step's logits are NaN where the format allows tokens")
+            raise NoAllowedToken()  # none allowed, or only ones at -inf
         return masked
 
     def walk(self, order: Iterable[tuple[int, float, float]], top_k: int, min_p: float) -> tuple[list[int], bool]:

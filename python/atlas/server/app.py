@@ -577,7 +577,7 @@ async def on_request_error(request: Request, err: Exception) -> Response:
 
 def shaped_error(request: Request, message: str, status: int) -> dict[str, Any]:
     """OpenAI's error body, or Anthropic's under /v1/messages (its clients read that shape)."""
-    if request.url.path.startswith("/v1/messages"):
+    if messages_api.is_messages_path(request.url.path):
         return messages_api.error_body(message, status)
     return error_body(message, "invalid_request_error" if status < 500 else "server_error")
 

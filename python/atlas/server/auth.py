@@ -24,7 +24,7 @@ class ApiKeyGate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self.authorized(scope):
             message = "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
-            anthropic = scope["path"].startswith("/v1/messages")  # its clients read Anthropic's error shape
+            anthropic = messages_api.is_messages_path(scope["path"])
             body = messages_api.error_body(message, 401) if anthropic else \
                 error_body(message, "invalid_request_error", code="invalid_api_key")
             await JSONResponse(body, status_code=401)(scope, receive, send)

@@ -105,7 +105,7 @@ async def stream_choice(reply: Reply, run: ChoiceRun, finished: list[Finished]) 
                     yield line(body)
                 finished.append(event)
             elif isinstance(event, Failed):
-                yield sse(error_body(event.message, "server_error"))
+                yield sse(error_body(event.message, "invalid_request_error" if event.status < 500 else "server_error"))
 
 
 def finish_chunks(reply: Reply, run: ChoiceRun, event: Finished) -> list[dict[str, Any]]:

@@ -253,6 +253,11 @@ def error_response(err: RequestError) -> JSONResponse:
     return JSONResponse(error_body(renamed(err.message), err.status), err.status, headers=err.headers)
 
 
+def is_messages_path(path: str) -> bool:
+    """A route of this API (its clients read Anthropic's error shape)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def error_body(message: str, status: int) -> dict[str, Any]:
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}

@@ -504,6 +504,9 @@ def parse_tokenize(body: Any) -> TokenizeBody:
         raise RequestError("give exactly one of 'prompt' (text) and 'messages'", "prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise RequestError("'prompt' must be text", "prompt")
+    if prompt is not None and body.get("tools") is not None:
+        raise RequestError("'tools' go with 'messages' (the chat template writes them); a prompt is tokenized as it is",
+                           "tools")
     text = parse_text_options(body, chat=messages is not None)
     return TokenizeBody(
         model=required_str(body, "model"),

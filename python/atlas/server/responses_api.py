@@ -4,7 +4,8 @@ text.format -> response_format, function tools), generated like one, and its ans
 output items (reasoning under --reasoning-parser, the message, function calls), whole or as the
 API's typed server-sent events. Responses are stored unless `store` is false (response_store.py),
 so previous_response_id goes on from one; `background` runs one beside the request (background.py);
-`conversation` is refused with one line."""
+what cannot be honoured (`conversation`, stored `prompt`s, `top_logprobs`, `truncation: "auto"`,
+other `include`s) is refused with one line rather than ignored."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "top_logprobs": ((None, 0), "output text carries no logprobs here; use /v1/chat/completions' logprobs"),
     "truncation": ((None, "disabled"), "a conversation past the context is refused, not cut; send a shorter 'input'"),
 }
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's; all but none: thinking on
+SUMMARIES = ("auto", "concise", "detailed")
 INCLUDABLE = ("reasoning.encrypted_content",)  # nothing is encrypted: reasoning items go out as plain text
 RENAMED_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
@@ -91,19 +94,19 @@ def check_include(value: Any) -> None:
 
 
 def reasoning_off(value: Any) -> bool:
-    """`reasoning`: {"effort": "none"} turns the chat template's thinking off; other efforts and
-    summaries are refused (Qwen3.6 thinks or not: give thinking_token_budget to bound it)."""
-    if value is None or value == {}:
+    """`reasoning`: effort "none" turns the chat template's thinking off; the other efforts leave
+    it on (Qwen3.6 thinks or not: thinking_token_budget bounds it). A summary of any kind is
+    answered by the reasoning items' full text, as vLLM answers it."""
+    if value is None:
         return False
-    if not isinstance(value, dict) or set(value) - {"effort", "summary"}:
-        raise RequestError("'reasoning' must be an object with 'effort'", "reasoning")
-    if value.get("summary") is not None:
-        raise RequestError("'reasoning.summary' is not produced here: reasoning items carry the reasoning text",
-                           "reasoning.summary")
+    if not isinstance(value, dict) or set(value) - {"effort", "summary", "generate_summary"}:
+        raise RequestError("'reasoning' must be an object of 'effort' and 'summary'", "reasoning")
+    for key in ("summary", "generate_summary"):
+        if value.get(key) not in (None, *SUMMARIES):
+            raise RequestError(f"'reasoning.{key}' must be one of {', '.join(SUMMARIES)}", f"reasoning.{key}")
     effort = value.get("effort")
-    if effort not in (None, "none"):
-        raise RequestError(f"'reasoning.effort' {json.dumps(effort)[:40]}: the model thinks or not here; give 'none' "
-                           "to turn thinking off, or thinking_token_budget to bound it", "reasoning.effort")
+    if effort not in (None, *EFFORTS):
+        raise RequestError(f"'reasoning.effort' must be one of {', '.join(EFFORTS)}", "reasoning.effort")
     return effort == "none"
 
 
@@ -297,12 +300,12 @@ class ResponseMeta:
     sequence: int = 0
     keep: Callable[[dict[str, Any]], None] | None = None  # given the final response (the store's put)
 
-    def final(self, status: str, output: list[dict[str, Any]], finished: Finished | None, error: str | None = None
-              ) -> dict[str, Any]:
-        """The finished (or failed, with its error message) response's body, handed to `keep` first."""
+    def final(self, status: str, output: list[dict[str, Any]], finished: Finished | None, error: str | None = None,
+              code: str = "server_error") -> dict[str, Any]:
+        """The finished (or failed, with its error message and code) response's body, handed to `keep` first."""
         body = self.body(status, output, finished)
         if error is not None:
-            body["error"] = {"code": "server_error", "message": error}
+            body["error"] = {"code": code, "message": error}
         if self.keep is not None:
             self.keep(body)
         return body
@@ -455,11 +458,13 @@ class ResponseStream:
         final = "response.completed" if status == "completed" else "response.incomplete"
         return [*lines, self.meta.event(final, response=self.meta.final(status, self.done, finished))]
 
-    def fail(self, message: str) -> list[str]:
+    def fail(self, message: str, status: int = 500) -> list[str]:
         """A generation that failed midway: the item being written closes as it stands, and
-        response.failed carries the response (status failed, its error), which is stored as such."""
+        response.failed carries the response (status failed, its error: the request's own rules
+        leaving nothing to write are OpenAI's invalid_prompt), which is stored as such."""
         lines = self.close("incomplete")
-        return [*lines, self.meta.event("response.failed", response=self.meta.final("failed", self.done, None, message))]
+        code = "server_error" if status >= 500 else "invalid_prompt"
+        return [*lines, self.meta.event("response.failed", response=self.meta.final("failed", self.done, None, message, code))]
 
     def so_far(self) -> list[dict[str, Any]]:
         """The output items written so far, the open one in progress with its text so far."""
@@ -507,6 +512,6 @@ async def stream_response(stream: ResponseStream, events: AsyncGenerator[Event, 
                     yield line
                 return
             else:
-                for line in stream.fail(event.message):
+                for line in stream.fail(event.message, event.status):
                     yield line
                 return

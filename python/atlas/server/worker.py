@@ -193,7 +193,7 @@ class EngineWorker:
         started = time.perf_counter()
         try:
             finished = generate(self.llm, job)
-        except NoAllowedToken as err:  # the request's own rules: a 400, nothing to log as a failure
+        except NoAllowedToken as err:  # the request's own rules: a 400, not logged as a server fault
             self.metrics.record(request_record(job, None, started))
             job.emit(Failed(str(err), status=400))
             return
