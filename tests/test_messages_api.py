@@ -281,3 +281,11 @@ def test_routing_errors_are_in_anthropics_shape(generating: tuple[Any, TestClien
     error = answer.json()
     assert error["type"] == "error" and error["error"]["type"] == {404: "not_found_error", 405: "invalid_request_error"}[status]
     assert path in error["error"]["message"]
+
+
+def test_vllm_extras_shape_the_text(generating: tuple[Any, TestClient, LLM]) -> None:
+    """vLLM's guided_choice on /v1/messages constrains the text, as on chat (was ignored)."""
+    client, _, _ = generating
+    answer = client.messages.create(model=DEMO_NAME, max_tokens=8, messages=[{"role": "user", "content": "Pick one."}],
+                                    extra_body={"guided_choice": ["Simple", "Complex"]})
+    assert answer.content[0].text in ("Simple", "Complex"), answer.content

@@ -395,3 +395,11 @@ def test_harmless_values_of_unhonoured_fields_and_effort_none(generating: tuple[
     _, http, _ = generating
     answer = http.post("/v1/responses", json={**body, "max_output_tokens": 3})
     assert answer.status_code == 200, answer.text
+
+
+def test_vllm_extras_shape_the_text(generating: tuple[Any, Any, LLM]) -> None:
+    """vLLM's guided_choice / structured_outputs on /v1/responses constrain the text, as on chat (were ignored)."""
+    client, _, _ = generating
+    for extra in ({"guided_choice": ["Simple", "Complex"]}, {"structured_outputs": {"choice": ["Simple", "Complex"]}}):
+        answer = client.responses.create(model=DEMO_NAME, input="Pick one.", max_output_tokens=8, extra_body=extra)
+        assert answer.output_text in ("Simple", "Complex"), answer.output_text

@@ -19,6 +19,10 @@ from .. import json_text
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",  # vLLM's older fields
           "guided_grammar": "grammar", "grammar": "grammar", "json_schema": "json_schema"}  # the last two: llama.cpp's
+# vLLM's request extras that shape the generated text only, not the answer's layout: the Responses
+# and Messages routes hand them to the chat request they build (as vLLM takes them on every route)
+GENERATION_EXTRAS = ("structured_outputs", *GUIDED, "allowed_token_ids", "bad_words", "ignore_eos", "stop_token_ids",
+                     "min_tokens", "skip_special_tokens", "include_stop_str_in_output")
 STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
               "json_object": "json_object"}
 

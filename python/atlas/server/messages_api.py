@@ -24,10 +24,12 @@ from ..sampling import is_int
 from .answer import AnswerShaper
 from .choices import whole_text
 from .errors import RequestError
+from .formats import GENERATION_EXTRAS
 from .tools import ToolCall
 from .worker import Event, Failed, Finished, TextPiece
 
-PASSED_THROUGH = ("model", "temperature", "top_p", "top_k", "stream", "seed", "min_p", "repetition_penalty")
+PASSED_THROUGH = ("model", "temperature", "top_p", "top_k", "stream", "seed", "min_p", "repetition_penalty",
+                  *GENERATION_EXTRAS)
 REFUSED = {"mcp_servers": "MCP servers are not supported", "container": "containers are not supported"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "request_too_large", 503: "overloaded_error"}

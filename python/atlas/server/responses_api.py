@@ -19,6 +19,7 @@ from typing import Any
 
 from ..sampling import is_int
 from .answer import AnswerShaper, Part
+from .formats import GENERATION_EXTRAS
 from .choices import whole_text
 from .errors import RequestError
 from .tools import ToolCall
@@ -26,7 +27,7 @@ from .worker import Event, Finished, Started, TextPiece
 
 PASSED_THROUGH = ("model", "temperature", "top_p", "stream", "tool_choice", "parallel_tool_calls", "seed", "top_k",
                   "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logit_bias",
-                  "min_tokens", "chat_template_kwargs", "thinking_token_budget")  # vLLM takes its sampling extras here too
+                  "chat_template_kwargs", "thinking_token_budget", *GENERATION_EXTRAS)  # vLLM takes its extras here too
 REFUSED = {"conversation": "conversations are not stored here: use previous_response_id, or send the whole "
                            "conversation in 'input'",
            "prompt": "stored prompt templates are not kept here: send the prompt's text in 'input'"}
