@@ -148,7 +148,7 @@ class QuantizedTensors:
             raw = parts[suffix]
             if suffix == "weight_scale":  # float8_e4m3fn: the only non-finite codes are NaN, S.1111.111
                 finite = not ((raw.view(np.uint8) & 0x7F) == 0x7F).any()
-            else:
-                finite = bool(np.isfinite(self.checkpoint.get(part)).all())
+            else:  # bf16 (ml_dtypes), f16 or f32 as stored
+                finite = bool(np.isfinite(raw.astype(np.float32)).all())
             if not finite:
                 raise self._bad(part, "holds a NaN or infinite scale")
