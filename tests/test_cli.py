@@ -70,11 +70,13 @@ def test_logit_bias_flag(capsys: pytest.CaptureFixture[str], rng: np.random.Gene
     """--logit-bias ID=BIAS, repeated: the last value of an id wins; the output is LLM.generate's."""
     from atlas.llm import LLM
 
-    token, banned = (int(t) for t in rng.choice(512, 2, replace=False))
+    llm = LLM(device="cpu")
+    ends = llm.eos_ids()  # a favoured end token would stop the text after one token
+    token, banned = (int(t) for t in rng.choice([t for t in range(512) if t not in ends], 2, replace=False))
     flags = ["--logit-bias", f"{token}=-5", "--logit-bias", f"{banned}=-100", "--logit-bias", f"{token}=100"]
     capsys.readouterr()  # the rng fixture's seed line
     assert main(["--prompt", "Flat is", "--max-tokens", "4", "--device", "cpu", *flags]) == 0
-    expected = LLM(device="cpu").generate("Flat is", max_tokens=4, logit_bias={token: 100, banned: -100})
+    expected = llm.generate("Flat is", max_tokens=4, logit_bias={token: 100, banned: -100})
     assert expected.token_ids == [token] * 4
     assert capsys.readouterr().out == expected.text + "\n"
 
