@@ -61,13 +61,11 @@ def host_weight_bytes(spec: ModelSpec, checkpoint: Checkpoint, load_mtp: bool) -
     from ..quant.stored import QuantizedTensors
 
     plan = {name: (shape, False) for name, shape in model_plan(detect_layout(spec, checkpoint)).items()}
-    attention_layers = spec.layer_types.count("full_attention")
     if load_mtp and has_mtp_head(checkpoint):
         fused = "mtp.layers.0.mlp.experts.gate_up_proj" in checkpoint
         plan.update({name: (shape, True) for name, shape in mtp_plan(spec, fused).items()})
-        attention_layers += 1
     quantized = QuantizedTensors.of(checkpoint)
-    total = attention_layers * 4 * (spec.rotary_dim // 2)  # each one's f32 rope frequency table
+    total = F32_BYTES * (spec.rotary_dim // 2)  # the rope frequency table
     for name, (shape, mtp) in plan.items():
         if name not in checkpoint:
             continue  # the loader names it in its one-line error

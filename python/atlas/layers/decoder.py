@@ -8,6 +8,7 @@ from typing import Any, Protocol
 from ..backends.base import Backend, Tensor
 from .embedding import Embedding, LMHead
 from .norm import RMSNorm
+from .rotary import Rotary
 from .step import Step
 
 
@@ -35,6 +36,7 @@ class CausalLM:
     layers: tuple[DecoderLayer, ...]
     final_norm: RMSNorm
     lm_head: LMHead
+    rotary: Rotary  # the frequency table every attention layer (and the MTP head's) reads
 
     def forward(self, step: Step, ids: Tensor, states: list[Any]) -> Tensor:
         """ids [T] i32 -> final-normed hidden states [T, H]; states are updated in place."""

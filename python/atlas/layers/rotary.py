@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends.base import Tensor
+from ..backends.base import Backend, Tensor
 from ..config import ModelSpec, Yarn
 
 
@@ -20,6 +20,12 @@ class Rotary:
     @property
     def rotary_dim(self) -> int:  # the leading dims of a head that rotate
         return 2 * self.inv_freq.shape[0]
+
+
+def model_rotary(backend: Backend, spec: ModelSpec) -> Rotary:
+    """The one table a model's attention layers share, on the backend."""
+    inv_freq, scaling = rope_frequencies(spec)
+    return Rotary(backend.upload(inv_freq, "f32"), scaling)
 
 
 def rope_frequencies(spec: ModelSpec) -> tuple[np.ndarray, float]:

@@ -23,7 +23,7 @@ from ..layers.linear_attention import DeltaNetDims, DeltaNetWeights, GatedDeltaN
 from ..layers.mlp import Mlp
 from ..layers.moe import SharedExpert, SparseMoe
 from ..layers.norm import RMSNorm
-from ..layers.rotary import Rotary, rope_frequencies
+from ..layers.rotary import Rotary, model_rotary
 from ..loader import RowPart, Shape, WeightReader, check_tensor, find_text_prefix
 from ..quant.stored import QuantizedTensors
 from ..safetensors import Checkpoint
@@ -142,7 +142,7 @@ def query_and_gate(name: str, dims: AttentionDims) -> tuple[RowPart, RowPart]:
     return RowPart(name, query_rows), RowPart(name, query_rows + dims.head_dim)
 
 
-def build_attention(reader: WeightReader, s: ModelSpec, p: str) -> Attention:
+def build_attention(reader: WeightReader, s: ModelSpec, p: str, rotary: Rotary) -> Attention:
     dims = AttentionDims(s.num_attention_heads, s.num_key_value_heads, s.head_dim)
     attn = f"{p}self_attn."
     qgkv = reader.split_linear([
@@ -154,8 +154,7 @@ def build_attention(reader: WeightReader, s: ModelSpec, p: str) -> Attention:
         q_norm=centred_norm(reader, f"{attn}q_norm.weight", s.rms_norm_eps),
         k_norm=centred_norm(reader, f"{attn}k_norm.weight", s.rms_norm_eps),
     )
-    inv_freq, scaling = rope_frequencies(s)
-    return Attention(weights, dims, Rotary(reader.upload(inv_freq), scaling))
+    return Attention(weights, dims, rotary)
 
 
 def build_delta_net(reader: WeightReader, s: ModelSpec, p: str) -> GatedDeltaNet:
@@ -258,10 +257,10 @@ def build_moe(reader: WeightReader, s: ModelSpec, p: str, fused: bool) -> Sparse
                      top_k=s.num_experts_per_tok, renormalize=s.norm_topk_prob)
 
 
-def build_layer(reader: WeightReader, layout: Layout, i: int) -> DecoderLayer:
+def build_layer(reader: WeightReader, layout: Layout, i: int, rotary: Rotary) -> DecoderLayer:
     s, p = layout.spec, layout.layer(i)
     full = s.layer_types[i] == "full_attention"
-    mixer = build_attention(reader, s, p) if full else build_delta_net(reader, s, p)
+    mixer = build_attention(reader, s, p, rotary) if full else build_delta_net(reader, s, p)
     return DecoderLayer(
         input_norm=centred_norm(reader, f"{p}input_layernorm.weight", s.rms_norm_eps),
         mixer=mixer,
@@ -290,11 +289,12 @@ def load_qwen3_5_moe(spec: ModelSpec, checkpoint: Checkpoint, backend: Backend) 
     check_supported(spec)
     layout = detect_layout(spec, checkpoint)
     reader = WeightReader(checkpoint, backend, model_plan(layout))
+    rotary = model_rotary(backend, spec)
     try:
         embed = Embedding(reader.tensor(f"{layout.prefix}embed_tokens.weight"))
-        layers = tuple(build_layer(reader, layout, i) for i in range(spec.num_hidden_layers))
+        layers = tuple(build_layer(reader, layout, i, rotary) for i in range(spec.num_hidden_layers))
         final_norm = centred_norm(reader, f"{layout.prefix}norm.weight", spec.rms_norm_eps)
         head = LMHead(embed.table if spec.tie_word_embeddings else reader.tensor("lm_head.weight"))
     finally:
         reader.close()
-    return CausalLM(embed, layers, final_norm, head)
+    return CausalLM(embed, layers, final_norm, head, rotary)

@@ -64,7 +64,7 @@ def load_mtp_head(spec: ModelSpec, checkpoint: Checkpoint, backend: Backend, mod
         fc = reader.array(f"{MTP_PREFIX}fc.weight")  # [H, 2H]: embedding columns, then hidden
         decoder = DecoderLayer(
             input_norm=centred_norm(reader, f"{layer}input_layernorm.weight", eps),
-            mixer=build_attention(reader, spec, layer),
+            mixer=build_attention(reader, spec, layer, model.rotary),
             post_norm=centred_norm(reader, f"{layer}post_attention_layernorm.weight", eps),
             ffn=build_moe(reader, spec, layer, fused),
         )

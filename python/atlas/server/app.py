@@ -427,11 +427,16 @@ def check_model(state: ServerState, model: str, status: int = 400) -> None:
         )
 
 
+def template_extras(body: TokenizeBody | GenerationBody) -> dict[str, object]:
+    """What the chat template sees beside the messages: chat_template_kwargs, and the tools."""
+    return {**(body.template_kwargs or {}), **({"tools": body.tools} if body.tools else {})}
+
+
 def tokenize_body(llm: LLM, body: TokenizeBody) -> list[int]:
     try:
         if body.messages is not None:
-            extra = {**(body.template_kwargs or {}), **({"tools": body.tools} if body.tools else {})}
-            return llm.tokenizer.encode_chat(body.messages, body.add_generation_prompt, extra, body.continue_final_message)
+            return llm.tokenizer.encode_chat(body.messages, body.add_generation_prompt, template_extras(body),
+                                             body.continue_final_message)
         assert body.prompt is not None
         return llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     except AtlasError as err:
@@ -494,8 +499,7 @@ def encode(llm: LLM, body: GenerationBody, prompt: Prompt | None) -> list[int]:
     param = "messages" if body.messages is not None else "prompt"
     try:
         if body.messages is not None:
-            extra = {**(body.template_kwargs or {}), **({"tools": body.tools} if body.tools else {})}
-            ids = llm.tokenizer.encode_chat(body.messages, body.text.add_generation_prompt, extra,
+            ids = llm.tokenizer.encode_chat(body.messages, body.text.add_generation_prompt, template_extras(body),
                                             body.text.continue_final_message)
         elif isinstance(prompt, str):
             ids = llm.tokenizer.encode(prompt)

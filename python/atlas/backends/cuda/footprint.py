@@ -81,12 +81,10 @@ def weight_bytes(spec: ModelSpec, checkpoint: Checkpoint, load_mtp: bool = True)
     from ...quant.stored import QuantizedTensors
 
     plan = model_plan(detect_layout(spec, checkpoint))
-    attention_layers = spec.layer_types.count("full_attention")
     if load_mtp and has_mtp_head(checkpoint):
         plan.update(mtp_plan(spec, "mtp.layers.0.mlp.experts.gate_up_proj" in checkpoint))
-        attention_layers += 1
     quantized = QuantizedTensors.of(checkpoint)
-    total = attention_layers * _allocation(F32_BYTES * spec.rotary_dim // 2)  # each one's rope frequency table
+    total = _allocation(F32_BYTES * spec.rotary_dim // 2)  # the rope frequency table
     for name, shape in plan.items():
         if quantized.holds(name):
             total += _allocation(quantized_bytes(quantized.scheme.method, *quantized.shape(name)))
