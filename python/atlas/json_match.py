@@ -93,32 +93,24 @@ class Union(Node):
 
     def flat(self) -> tuple[Node, ...]:
         """The concrete nodes this union stands for; ValueError if it reaches itself through
-        unions alone (a schema that refers to itself without a container in between). Kept only
-        once complete: a reference still being compiled has no options yet."""
-        if self._flat is not None:
-            return self._flat
-        found: dict[Node, None] = {}
-        if self._collect(found, set()):
+        unions alone (a schema that refers to itself without a container in between). Asked only
+        once the schema is compiled: a reference being compiled has no options yet."""
+        if self._flat is None:
+            found: dict[Node, None] = {}
+            self._collect(found, set())
             self._flat = tuple(found)
-        return tuple(found)
+        return self._flat
 
-    def complete(self) -> bool:
-        """Every union it reaches has its options (none is a reference still being compiled)."""
-        return self._flat is not None or self._collect({}, set())
-
-    def _collect(self, found: dict[Node, None], path: set[int]) -> bool:
-        """Adds the concrete nodes to `found`; False if some union on the way is not filled yet."""
+    def _collect(self, found: dict[Node, None], path: set[int]) -> None:
         if id(self) in path:
             raise ValueError("it refers to itself without an object or array in between")
         path.add(id(self))
-        complete = bool(self.options)
         for option in self.options:
             if isinstance(option, Union):
-                complete &= option._collect(found, path)
+                option._collect(found, path)
             else:
                 found[option] = None
         path.discard(id(self))
-        return complete
 
 
 def alternatives(node: Node) -> tuple[Node, ...]:

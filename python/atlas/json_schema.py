@@ -83,12 +83,17 @@ class SchemaCompiler:
     def __init__(self, document: Any) -> None:
         self.document = document
         self.refs: dict[str, Union] = {}
+        self.one_ofs: list[tuple[str, list[Node]]] = []  # checked once every reference is compiled
         self.root = self.node(document, "#")
         for pointer, union in self.refs.items():
             try:
                 union.flat()
             except ValueError as err:
                 raise SchemaError(f"json schema: {pointer}: {err}") from None
+        for where, options in self.one_ofs:
+            if not all_disjoint(options):
+                raise self.fail(where, "alternatives a value could match two of (which oneOf forbids) are not "
+                                "supported; use anyOf, or give the objects a required const property that differs")
 
     def fail(self, where: str, problem: str) -> SchemaError:
         return SchemaError(f"json schema: {where}: {problem}")
@@ -125,9 +130,8 @@ class SchemaCompiler:
                 raise self.fail(f"{where}/allOf", "allOf of more than one schema is not supported")
             return self.node(value[0], f"{where}/allOf/0")
         options = [self.node(item, f"{where}/{combiner}/{i}") for i, item in enumerate(value)]
-        if combiner == "oneOf" and not all_disjoint(options):
-            raise self.fail(f"{where}/oneOf", "alternatives a value could match two of (which oneOf forbids) are not "
-                            "supported; use anyOf, or give the objects a required const property that differs")
+        if combiner == "oneOf":
+            self.one_ofs.append((f"{where}/oneOf", options))
         return Union(options)
 
     def literal(self, schema: dict[str, Any], keys: set[str], where: str) -> Node:
@@ -298,24 +302,20 @@ def disjoint(a: Node, b: Node) -> bool:
     """No JSON value matches both shapes (provably: False when unsure)."""
     if const_only(a) and const_only(b):
         return not literal_values(a) & literal_values(b)
-    shared = kinds(a) & kinds(b)
-    if "?" in shared or shared - {"object"}:
+    kinds_a, kinds_b = kinds(a), kinds(b)
+    if "?" in kinds_a | kinds_b or (kinds_a & kinds_b) - {"object"}:
         return False
     return all(discriminated(x, y) for x in alternatives(a) for y in alternatives(b)
                if isinstance(x, Object) and isinstance(y, Object))
 
 
 def const_only(node: Node) -> bool:
-    """The shape is const / enum values alone (a reference still being compiled is not known to be)."""
-    if isinstance(node, Union) and not node.complete():
-        return False
+    """The shape is const / enum values alone."""
     return all(isinstance(x, Literal) for x in alternatives(node))
 
 
 def kinds(node: Node) -> set[str]:
-    """The JSON types a shape's values may have ("?": not known yet, a reference being compiled)."""
-    if isinstance(node, Union) and not node.complete():
-        return {"?"}
+    """The JSON types a shape's values may have ("?": any, or not known)."""
     out: set[str] = set()
     for alt in alternatives(node):
         if isinstance(alt, Literal):
@@ -330,8 +330,7 @@ def discriminated(x: Object, y: Object) -> bool:
     for key, value, needed in zip(x.keys, x.values, x.required, strict=True):
         if needed and key in y.key_index and y.required[y.key_index[key]]:
             other = y.values[y.key_index[key]]
-            if all(isinstance(v, Literal) for v in (*alternatives(value), *alternatives(other))) and \
-                    not literal_values(value) & literal_values(other):
+            if const_only(value) and const_only(other) and not literal_values(value) & literal_values(other):
                 return True
     return False
 
