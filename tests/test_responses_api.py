@@ -24,6 +24,7 @@ from _engine_app import engine_app  # noqa: E402
 from atlas.demo import DEMO_NAME  # noqa: E402
 from atlas.server.app import ServerState, create_app  # noqa: E402
 from atlas.server.worker import Failed, TextPiece  # noqa: E402
+from test_reasoning import ANSWER as THINKING_ANSWER  # noqa: E402
 from test_reasoning import THINKING_TEMPLATE  # noqa: E402
 from test_reasoning import CannedWorker as ThinkingWorker  # noqa: E402
 from test_tools import CALL_ARGS, TOOLS_TEMPLATE, WEATHER, CannedWorker  # noqa: E402
@@ -349,11 +350,12 @@ def test_reasoning_item(thinking: Any, stream: bool) -> None:
     ({"input": "hi", "metadata": "x"}, "metadata"),
     ({"input": "hi", "metadata": {"n": 5}}, "metadata"),
     ({"input": "hi", "metadata": {"note": "\udc80"}}, "metadata.note"),
+    ({"input": "hi", "top_logprobs": 21}, "top_logprobs"),
+    ({"input": "hi", "top_logprobs": True}, "top_logprobs"),
     # fields that would otherwise be accepted and not applied
-    ({"input": "hi", "top_logprobs": 3}, "top_logprobs"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": "hi", "include": ["file_search_call.results"]}, "include"),
     ({"input": "hi", "reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"input": "hi", "reasoning": {"summary": "everything"}}, "reasoning.summary"),
     ({"input": "hi", "reasoning": {"budget": 5}}, "reasoning"),
@@ -395,6 +397,70 @@ def test_harmless_values_of_unhonoured_fields_and_effort_none(generating: tuple[
     _, http, _ = generating
     answer = http.post("/v1/responses", json={**body, "max_output_tokens": 3})
     assert answer.status_code == 200, answer.text
+
+
+def test_output_text_logprobs_are_the_chat_answers(generating: tuple[Any, Any, LLM], rng: np.random.Generator) -> None:
+    """top_logprobs (or include "message.output_text.logprobs") -> the message's output text carries
+    the entries chat completions' logprobs.content gives the same conversation, whole and streamed
+    (each delta its own tokens', output_text.done and the final response all of them)."""
+    _, http, _ = generating
+    given, instructions, messages = conversation(rng)
+    top, max_tokens = int(rng.integers(0, 6)), int(rng.integers(1, 30))
+    chat = http.post("/v1/chat/completions", json={"model": DEMO_NAME, "messages": messages, "max_tokens": max_tokens,
+                                                   "temperature": 0, "logprobs": True, "top_logprobs": top})
+    expected = chat.json()["choices"][0]["logprobs"]["content"]
+    asked = {"top_logprobs": top} if top else {"include": ["message.output_text.logprobs"]}
+    body = {"model": DEMO_NAME, "input": given, "instructions": instructions, "max_output_tokens": max_tokens,
+            "temperature": 0, **asked}
+    whole = http.post("/v1/responses", json=body).json()
+    assert whole["output"][0]["content"][0]["logprobs"] == expected and len(expected) >= 1
+    assert all(len(entry["top_logprobs"]) == top for entry in expected)
+    with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as answer:
+        events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: ")]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [entry for e in deltas for entry in e["logprobs"]] == expected
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    assert done["logprobs"] == expected
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == expected
+    plain = http.post("/v1/responses", json={**body, "top_logprobs": 0, "include": []}).json()
+    assert plain["output"][0]["content"][0]["logprobs"] == []
+
+
+class ScoredThinkingWorker:
+    """The thinking answer's pieces, one token each, with a logprob entry per token."""
+
+    alive = True
+
+    async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...], returns: Any = None) -> Any:
+        from atlas.server.worker import Finished, ScoredToken
+
+        for i, piece in enumerate(THINKING_ANSWER):
+            yield TextPiece(piece, (ScoredToken(piece, -0.25 * (i + 1), (), i),), (i,), 1)
+        yield Finished("stop", len(prompt_ids), len(THINKING_ANSWER))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_tokens_carry_no_output_logprobs(tmp_path_factory: pytest.TempPathFactory, stream: bool) -> None:
+    """Under --reasoning-parser the reasoning block's tokens carry no entries; the answer's do (a
+    token whose text the parser held back goes with the answer text released after it)."""
+    llm = LLM(str(demo_copy(tmp_path_factory.mktemp("responses_scored") / "demo", THINKING_TEMPLATE)), device="cpu")
+    state = ServerState(DEMO_NAME, ScoredThinkingWorker(), llm, reasoning_parser="qwen3")  # type: ignore[arg-type]
+    http = TestClient(create_app(state))
+    body = {"model": DEMO_NAME, "input": "hi", "top_logprobs": 1, "stream": stream}
+    if stream:
+        with http.stream("POST", "/v1/responses", json=body) as answer:
+            events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: ")]
+        streamed = [entry for e in events if e["type"] == "response.output_text.delta" for entry in e["logprobs"]]
+        response = events[-1]["response"]
+    else:
+        response = http.post("/v1/responses", json=body).json()
+    reasoning, message = response["output"]
+    assert reasoning["content"][0]["text"] == "plan it" and message["content"][0]["text"] == "The answer."
+    tokens = [entry["token"] for entry in message["content"][0]["logprobs"]]
+    assert tokens == THINKING_ANSWER[2:] and "".join(tokens).endswith("The answer.")
+    assert [entry["logprob"] for entry in message["content"][0]["logprobs"]] == [-0.75, -1.0, -1.25, -1.5]
+    if stream:
+        assert streamed == message["content"][0]["logprobs"]
 
 
 def test_vllm_extras_shape_the_text(generating: tuple[Any, Any, LLM]) -> None:

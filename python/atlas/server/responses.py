@@ -128,14 +128,18 @@ def logprobs_body(reply: Reply, scored: tuple[ScoredToken, ...], offset: int) ->
     if reply.tokens_as_ids:
         scored = tuple(s.named_by_id() for s in scored)
     if reply.chat:
-        return {"content": [{**token_entry(s.text, s.logprob), "top_logprobs": [token_entry(t, lp) for t, lp in s.top]}
-                            for s in scored], "refusal": None}
+        return {"content": content_logprobs(scored), "refusal": None}
     return {
         "tokens": [s.text for s in scored],
         "token_logprobs": [s.logprob for s in scored],
         "top_logprobs": [dict(s.top) if s.logprob is not None else None for s in scored],
         "text_offset": offsets,
     }
+
+
+def content_logprobs(scored: tuple[ScoredToken, ...]) -> list[dict[str, Any]]:
+    """Chat's logprobs.content entries (the Responses API's output_text logprobs have the same shape)."""
+    return [{**token_entry(s.text, s.logprob), "top_logprobs": [token_entry(t, lp) for t, lp in s.top]} for s in scored]
 
 
 def token_entry(text: str, logprob: float) -> dict[str, Any]:

@@ -4,8 +4,10 @@ text.format -> response_format, function tools), generated like one, and its ans
 output items (reasoning under --reasoning-parser, the message, function calls), whole or as the
 API's typed server-sent events. Responses are stored unless `store` is false (response_store.py),
 so previous_response_id goes on from one; `background` runs one beside the request (background.py);
-what cannot be honoured (`conversation`, stored `prompt`s, `top_logprobs`, `truncation: "auto"`,
-other `include`s) is refused with one line rather than ignored."""
+what cannot be honoured (`conversation`, stored `prompt`s, `truncation: "auto"`, other `include`s)
+is refused with one line rather than ignored. Logprobs (`top_logprobs`, or `include`
+"message.output_text.logprobs") ride on the message's output text: a token's entry goes with the
+answer text its piece releases, and tokens of the reasoning block or of tool calls carry none."""
 
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ from typing import Any
 from ..sampling import is_int
 from .answer import AnswerShaper, Part
 from .formats import GENERATION_EXTRAS
-from .choices import whole_text
+from .choices import whole_pieces
+from .responses import content_logprobs
 from .errors import RequestError
 from .tools import ToolCall
-from .worker import Event, Finished, Started, TextPiece
+from .worker import Event, Finished, ScoredToken, Started, TextPiece
 
 PASSED_THROUGH = ("model", "temperature", "top_p", "stream", "tool_choice", "parallel_tool_calls", "seed", "top_k",
                   "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logit_bias",
@@ -33,12 +36,12 @@ REFUSED = {"conversation": "conversations are not stored here: use previous_resp
            "prompt": "stored prompt templates are not kept here: send the prompt's text in 'input'"}
 # field -> (the values that change nothing here, why another is refused)
 UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "top_logprobs": ((None, 0), "output text carries no logprobs here; use /v1/chat/completions' logprobs"),
     "truncation": ((None, "disabled"), "a conversation past the context is refused, not cut; send a shorter 'input'"),
 }
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's; all but none: thinking on
 SUMMARIES = ("auto", "concise", "detailed")
-INCLUDABLE = ("reasoning.encrypted_content",)  # nothing is encrypted: reasoning items go out as plain text
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = ("reasoning.encrypted_content", OUTPUT_LOGPROBS)  # nothing is encrypted: reasoning items go as plain text
 RENAMED_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
@@ -60,6 +63,9 @@ def chat_request(body: Any, earlier: list[dict[str, Any]] | None = None) -> dict
     if body.get("background") and body.get("store") is False:
         raise RequestError("'background' needs 'store' true: a background response is fetched by its id", "background")
     chat: dict[str, Any] = {key: body[key] for key in PASSED_THROUGH if key in body}
+    if wants_logprobs(body):
+        top = body.get("top_logprobs")
+        chat |= {"logprobs": True, "top_logprobs": 0 if top is None else top}
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise RequestError("'instructions' must be a string", "instructions")
@@ -90,8 +96,15 @@ def check_include(value: Any) -> None:
         raise RequestError("'include' must be a list of strings", "include")
     other = [item for item in value if item not in INCLUDABLE]
     if other:
-        raise RequestError(f"'include' {other[0]!r} is not produced here (only {', '.join(INCLUDABLE)} is taken)",
+        raise RequestError(f"'include' {other[0]!r} is not produced here (only {', '.join(INCLUDABLE)} are taken)",
                            "include")
+
+
+def wants_logprobs(body: dict[str, Any]) -> bool:
+    """The output text carries logprobs: include names them, or top_logprobs asks for alternatives
+    (a top_logprobs that is not an integer is the chat request's to refuse)."""
+    top = body.get("top_logprobs")
+    return OUTPUT_LOGPROBS in (body.get("include") or ()) or not (top is None or (is_int(top) and top == 0))
 
 
 def reasoning_off(value: Any) -> bool:
@@ -301,6 +314,10 @@ class ResponseMeta:
     sequence: int = 0
     keep: Callable[[dict[str, Any]], None] | None = None  # given the final response (the store's put)
 
+    @property
+    def logprobs(self) -> bool:
+        return wants_logprobs(self.request)
+
     def final(self, status: str, output: list[dict[str, Any]], finished: Finished | None, error: str | None = None,
               code: str = "server_error") -> dict[str, Any]:
         """The finished (or failed, with its error message and code) response's body, handed to `keep` first."""
@@ -349,8 +366,9 @@ def reasoning_item(text: str, status: str = "completed", item_id: str | None = N
             "content": [{"type": "reasoning_text", "text": text}] if text else []}
 
 
-def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
-    parts = [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []
+def message_item(text: str, status: str = "completed", item_id: str | None = None,
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    parts = [content_part("message", text, logprobs)] if status != "in_progress" else []
     return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
             "content": parts}
 
@@ -361,20 +379,55 @@ def call_item(call: ToolCall, arguments: str | None = None, status: str = "compl
             "arguments": text, "status": status}
 
 
-def output_items(text: str, shaper: AnswerShaper | None) -> list[dict[str, Any]]:
-    """A whole answer -> its output items: reasoning, the message (when it has text), calls."""
+class ContentLogprobs:
+    """The logprob entries of the message's tokens: a piece's tokens go with the first answer text
+    released by it or, while the shaper holds text back, by a later piece; the tokens of released
+    reasoning, or of text that ends as tool calls, carry none (the API gives those items no logprobs)."""
+
+    def __init__(self, wanted: bool) -> None:
+        self.wanted = wanted
+        self.pending: list[ScoredToken] = []
+
+    def take(self, scored: tuple[ScoredToken, ...], released: list[Part]) -> list[dict[str, Any]]:
+        """The entries that go with the first content part of `released` ([] when it has none)."""
+        if not self.wanted:
+            return []
+        self.pending += scored
+        if any(kind == "content" for kind, _ in released):
+            taken, self.pending = self.pending, []
+            return content_logprobs(tuple(taken))
+        if released:
+            self.pending = []
+        return []
+
+
+def output_items(pieces: list[TextPiece], shaper: AnswerShaper | None, logprobs: bool) -> list[dict[str, Any]]:
+    """A whole answer -> its output items: reasoning, the message (when it has text), calls; the
+    pieces go through the shaper one by one, as a stream's do, so each token's entry finds its text."""
     if shaper is None:
-        return [message_item(text)]
-    fields, calls = shaper.whole(text)
-    items = [reasoning_item(fields["reasoning_content"] or "")] if "reasoning_content" in fields else []
-    if fields["content"] or not calls:
-        items.append(message_item(fields["content"] or ""))
+        scored = tuple(s for p in pieces for s in p.scored)
+        return [message_item("".join(p.text for p in pieces), logprobs=content_logprobs(scored) if logprobs else [])]
+    router = ContentLogprobs(logprobs)
+    parts: list[Part] = []
+    entries: list[dict[str, Any]] = []
+    for piece in pieces:
+        released = shaper.push(piece.text)
+        entries += router.take(piece.scored, released)
+        parts += released
+    held, calls = shaper.finish()
+    entries += router.take((), held)
+    parts += held
+    content = "".join(text for kind, text in parts if kind == "content")
+    reasoning = "".join(text for kind, text in parts if kind == "reasoning_content")
+    items = [reasoning_item(reasoning)] if shaper.reasoning is not None else []
+    if content or not calls:
+        items.append(message_item(content, logprobs=entries))
     return items + [call_item(call) for call in calls]
 
 
 async def whole_response(meta: ResponseMeta, events: AsyncGenerator[Event, None], shaper: AnswerShaper | None) -> dict[str, Any]:
-    text, finished = await whole_text(events)
-    return meta.final(status_of(finished), output_items(text, shaper), finished)
+    pieces, finished = await whole_pieces(events)
+    return meta.final(status_of(finished), output_items(pieces, shaper, meta.logprobs), finished)
 
 
 @dataclass
@@ -385,6 +438,7 @@ class OpenItem:
     id: str
     index: int  # output_index
     text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # the message's entries
 
 
 class ResponseStream:
@@ -397,6 +451,7 @@ class ResponseStream:
         self.done: list[dict[str, Any]] = []  # output items written
         self.open: OpenItem | None = None
         self.running = not queued
+        self.logprobs = ContentLogprobs(meta.logprobs)
 
     def start(self) -> list[str]:
         if not self.running:
@@ -410,19 +465,25 @@ class ResponseStream:
         self.running = True
         return [self.meta.event("response.in_progress", response=self.meta.body("in_progress", []))]
 
-    def push(self, text: str) -> list[str]:
-        return self.parts(self.shaper.push(text) if self.shaper is not None else [("content", text)])
+    def push(self, text: str, scored: tuple[ScoredToken, ...] = ()) -> list[str]:
+        return self.parts(self.shaper.push(text) if self.shaper is not None else [("content", text)], scored)
 
-    def parts(self, parts: list[Part]) -> list[str]:
-        return [line for kind, text in parts for line in self.part(kind, text)]
+    def parts(self, parts: list[Part], scored: tuple[ScoredToken, ...] = ()) -> list[str]:
+        entries = self.logprobs.take(scored, parts)
+        lines = []
+        for kind, text in parts:
+            lines += self.part(kind, text, entries if kind == "content" else [])
+            entries = entries if kind != "content" else []
+        return lines
 
-    def part(self, kind: str, text: str) -> list[str]:
+    def part(self, kind: str, text: str, logprobs: list[dict[str, Any]]) -> list[str]:
         item = "reasoning" if kind == "reasoning_content" else "message"
         lines = [] if self.open is not None and self.open.kind == item else [*self.close(), *self.begin(item)]
         assert self.open is not None
         self.open.text.append(text)
+        self.open.logprobs += logprobs
         event = "response.reasoning_text.delta" if item == "reasoning" else "response.output_text.delta"
-        extra = {} if item == "reasoning" else {"logprobs": []}
+        extra = {} if item == "reasoning" else {"logprobs": logprobs}
         lines.append(self.meta.event(event, item_id=self.open.id, output_index=self.open.index, content_index=0,
                                      delta=text, **extra))
         return lines
@@ -439,12 +500,15 @@ class ResponseStream:
             return []
         opened, self.open = self.open, None
         text = "".join(opened.text)
-        item = (reasoning_item if opened.kind == "reasoning" else message_item)(text, status, opened.id)
+        item = reasoning_item(text, status, opened.id) if opened.kind == "reasoning" else \
+            message_item(text, status, opened.id, opened.logprobs)
         done = "response.reasoning_text.done" if opened.kind == "reasoning" else "response.output_text.done"
         where = {"item_id": opened.id, "output_index": opened.index}
+        extra = {} if opened.kind == "reasoning" else {"logprobs": opened.logprobs}
         self.done.append(item)
-        return [self.meta.event(done, **where, content_index=0, text=text),
-                self.meta.event("response.content_part.done", **where, content_index=0, part=content_part(opened.kind, text)),
+        return [self.meta.event(done, **where, content_index=0, text=text, **extra),
+                self.meta.event("response.content_part.done", **where, content_index=0,
+                                part=content_part(opened.kind, text, opened.logprobs)),
                 self.meta.event("response.output_item.done", output_index=opened.index, item=item)]
 
     def finish(self, finished: Finished) -> list[str]:
@@ -471,8 +535,10 @@ class ResponseStream:
         """The output items written so far, the open one in progress with its text so far."""
         if self.open is None:
             return list(self.done)
-        make = reasoning_item if self.open.kind == "reasoning" else message_item
-        return [*self.done, {**make("".join(self.open.text), "completed", self.open.id), "status": "in_progress"}]
+        text, kind = "".join(self.open.text), self.open.kind
+        item = reasoning_item(text, "completed", self.open.id) if kind == "reasoning" else \
+            message_item(text, "completed", self.open.id, self.open.logprobs)
+        return [*self.done, {**item, "status": "in_progress"}]
 
     def cancel(self) -> list[str]:
         """A background response cancelled midway: the item being written closes as it stands and the
@@ -492,9 +558,9 @@ class ResponseStream:
                 self.meta.event("response.output_item.done", output_index=index, item=item)]
 
 
-def content_part(kind: str, text: str) -> dict[str, Any]:
+def content_part(kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "reasoning_text", "text": text} if kind == "reasoning" else \
-        {"type": "output_text", "text": text, "annotations": []}
+        {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}
 
 
 async def stream_response(stream: ResponseStream, events: AsyncGenerator[Event, None]) -> AsyncGenerator[str, None]:
@@ -503,7 +569,7 @@ async def stream_response(stream: ResponseStream, events: AsyncGenerator[Event, 
     async with aclosing(events):
         async for event in events:
             if isinstance(event, TextPiece):
-                for line in stream.push(event.text):
+                for line in stream.push(event.text, event.scored):
                     yield line
             elif isinstance(event, Started):
                 for line in stream.started():
