@@ -20,7 +20,8 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,21 @@ def _store(entry: Path, outs: dict[str, Path]) -> None:
     os.replace(tmp, entry)
 
 
+def run_jobs(work: list[Job], compiler_id: str, cache_dir: Path, workers: int) -> list[JobResult]:
+    """Every job, `workers` at a time, a line as each tuple is done (a tuple takes minutes of nvcc);
+    the results in `work`'s order."""
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(run_job, job, compiler_id, cache_dir): i for i, job in enumerate(work)}
+        results: list[JobResult | None] = [None] * len(work)
+        for done, future in enumerate(as_completed(futures), 1):
+            result = results[futures[future]] = future.result()
+            how = "failed" if result.error else "from cache" if result.cached else "compiled"
+            print(f"atlas: [{done}/{len(work)}] {result.job.target.rel} {how} "
+                  f"({time.monotonic() - start:.0f} s)", flush=True)
+    return [r for r in results if r is not None]
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("ATLAS_KERNEL_CACHE") or REPO / "build" / "kernel-cache")
 
@@ -247,8 +263,7 @@ def compile_selection(registry: Registry, selection: Selection, out: Path, jobs:
     runs = f" -> {behind}" if behind != nvcc.path.resolve() else ""
     print(f"atlas: nvcc {nvcc.path}{runs} ({nvcc.source}); {sum(len(j.sources) for j in work)} kernel files "
           f"in {len(selection.targets)} tuples", flush=True)
-    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        results = list(pool.map(lambda j: run_job(j, compiler_id, cache_dir), work))
+    results = run_jobs(work, compiler_id, cache_dir, jobs or os.cpu_count() or 1)
     failed = [r for r in results if r.error]
     for r in failed:
         print(r.error.rstrip(), file=sys.stderr)

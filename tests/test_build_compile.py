@@ -91,12 +91,15 @@ def test_compile_cache_and_resource_table(env: dict[str, str]) -> None:
     assert (out / "h200/atlas-demo/bf16/kernels.cubin").read_bytes()[:4] == b"\x7fELF"
     table = (out / "resources.txt").read_text()
     assert "atlas_scale_b" in table and "regs" in table and table in first.stdout
+    progress = [line for line in first.stdout.splitlines() if line.startswith("atlas: [")]
+    assert [line.split()[1] for line in progress] == ["[1/2]", "[2/2]"] and all(" compiled (" in p for p in progress)
     assert json.loads((out / "resources.json").read_text())[0]["modules"][0]["resources"][0]["registers"] > 0
 
     Path(env["NVCC_LOG"]).unlink()
     again = _compile(env, "--hw", "*")
     assert again.returncode == 0 and _nvcc_calls(env) == [], "an unchanged tree must run no nvcc"
     assert "2 from cache" in again.stdout
+    assert sum(line.startswith("atlas: [") and " from cache (" in line for line in again.stdout.splitlines()) == 2
 
     header = Path(env["ATLAS_KERNELS_DIR"]) / "include" / "atlas" / "scale.cuh"
     header.write_text(HEADER.format(factor=3.5))

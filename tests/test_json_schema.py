@@ -659,6 +659,16 @@ def test_bad_output_formats(demo: Any, options: dict[str, Any], message: str) ->
         demo.generate("Flat is", **options)
 
 
+@pytest.mark.parametrize("schema", [
+    {"oneOf": [{"type": "string"}, {"type": "number", "minimum": 0}]},
+    {"oneOf": [{"type": "null"}, {"type": "number", "exclusiveMinimum": 0, "maximum": 1.5}]},  # Optional[confloat]
+    {"oneOf": [{"type": "object"}, {"type": "number", "maximum": 10.5}, {"type": "array"}]},
+])
+def test_one_of_types_apart_is_accepted(schema: dict[str, Any]) -> None:
+    """Alternatives of different JSON types never overlap, a bounded number included."""
+    compile_schema(schema)
+
+
 def test_a_recursive_reference_under_one_of_matches(rng: np.random.Generator) -> None:
     """oneOf's overlap check waits until the reference it holds is compiled (checked while it was
     being compiled, the reference had no options yet)."""

@@ -426,6 +426,9 @@ def test_output_text_logprobs_are_the_chat_answers(generating: tuple[Any, Any, L
     assert plain["output"][0]["content"][0]["logprobs"] == []
 
 
+END_TOKEN = "<|im_end|>"
+
+
 class ScoredThinkingWorker:
     """The thinking answer's pieces, one token each, with a logprob entry per token."""
 
@@ -436,13 +439,14 @@ class ScoredThinkingWorker:
 
         for i, piece in enumerate(THINKING_ANSWER):
             yield TextPiece(piece, (ScoredToken(piece, -0.25 * (i + 1), (), i),), (i,), 1)
-        yield Finished("stop", len(prompt_ids), len(THINKING_ANSWER))
+        yield TextPiece("", (ScoredToken(END_TOKEN, -2.0, (), 99),), (99,), 1)  # the end token: no text
+        yield Finished("stop", len(prompt_ids), len(THINKING_ANSWER) + 1)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_reasoning_tokens_carry_no_output_logprobs(tmp_path_factory: pytest.TempPathFactory, stream: bool) -> None:
-    """Under --reasoning-parser the reasoning block's tokens carry no entries; the answer's do (a
-    token whose text the parser held back goes with the answer text released after it)."""
+    """Under --reasoning-parser the reasoning block's tokens (its end and the line breaks after it
+    too) carry no entries; the answer's do, and so does the end token, whose text is not written."""
     llm = LLM(str(demo_copy(tmp_path_factory.mktemp("responses_scored") / "demo", THINKING_TEMPLATE)), device="cpu")
     state = ServerState(DEMO_NAME, ScoredThinkingWorker(), llm, reasoning_parser="qwen3")  # type: ignore[arg-type]
     http = TestClient(create_app(state))
@@ -457,8 +461,8 @@ def test_reasoning_tokens_carry_no_output_logprobs(tmp_path_factory: pytest.Temp
     reasoning, message = response["output"]
     assert reasoning["content"][0]["text"] == "plan it" and message["content"][0]["text"] == "The answer."
     tokens = [entry["token"] for entry in message["content"][0]["logprobs"]]
-    assert tokens == THINKING_ANSWER[2:] and "".join(tokens).endswith("The answer.")
-    assert [entry["logprob"] for entry in message["content"][0]["logprobs"]] == [-0.75, -1.0, -1.25, -1.5]
+    assert tokens == ["The", " answer.", END_TOKEN]
+    assert [entry["logprob"] for entry in message["content"][0]["logprobs"]] == [-1.25, -1.5, -2.0]
     if stream:
         assert streamed == message["content"][0]["logprobs"]
 

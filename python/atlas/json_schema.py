@@ -321,7 +321,8 @@ def kinds(node: Node) -> set[str]:
         if isinstance(alt, Literal):
             out |= {json_kind(json.loads(text)) for text in alt.options}
         else:
-            out.add({Object: "object", Array: "array", String: "string", Number: "number"}.get(type(alt), "?"))
+            out.add({Object: "object", Array: "array", String: "string", Number: "number",
+                     DecimalRange: "number"}.get(type(alt), "?"))
     return out
 
 

@@ -21,6 +21,11 @@ class AnswerShaper:
         """finish_reason of an answer that made tool calls."""
         return self.tools.finish_reason if self.tools is not None else "tool_calls"
 
+    @property
+    def in_reasoning(self) -> bool:
+        """The text so far ends inside the reasoning block, or in the line breaks after it."""
+        return self.reasoning is not None and self.reasoning.in_block
+
     def push(self, text: str) -> list[Part]:
         """Generated text -> the (field, text) parts that may be sent now."""
         return self._route(self.reasoning.push(text) if self.reasoning else [("content", text)])

@@ -41,6 +41,11 @@ class ReasoningSplitter:
                 break
         return [(f, t) for f, t in out if t]
 
+    @property
+    def in_block(self) -> bool:
+        """The text so far ends inside the reasoning block, or in the line breaks after it."""
+        return self.mode == "reasoning" or (self.mode == "content" and self.strip_newlines)
+
     def flush(self) -> list[tuple[Field, str]]:
         text, self.pending = self.pending, ""
         if self.mode == "content" and self.strip_newlines:

@@ -381,24 +381,33 @@ def call_item(call: ToolCall, arguments: str | None = None, status: str = "compl
 
 class ContentLogprobs:
     """The logprob entries of the message's tokens: a piece's tokens go with the first answer text
-    released by it or, while the shaper holds text back, by a later piece; the tokens of released
-    reasoning, or of text that ends as tool calls, carry none (the API gives those items no logprobs)."""
+    released by it or, while the shaper holds text back, by a later piece. Tokens that leave the
+    text inside the reasoning block (its end and the line breaks after it included), or that end as
+    tool calls, carry none: the API gives those items no logprobs."""
 
-    def __init__(self, wanted: bool) -> None:
-        self.wanted = wanted
+    def __init__(self, wanted: bool, shaper: AnswerShaper | None) -> None:
+        self.wanted, self.shaper = wanted, shaper
         self.pending: list[ScoredToken] = []
 
     def take(self, scored: tuple[ScoredToken, ...], released: list[Part]) -> list[dict[str, Any]]:
-        """The entries that go with the first content part of `released` ([] when it has none)."""
+        """After the shaper took a piece: the entries that go with the first content part of
+        `released` ([] when it has none)."""
         if not self.wanted:
+            return []
+        if self.shaper is not None and self.shaper.in_reasoning:
+            self.pending = []
             return []
         self.pending += scored
         if any(kind == "content" for kind, _ in released):
             taken, self.pending = self.pending, []
             return content_logprobs(tuple(taken))
-        if released:
-            self.pending = []
         return []
+
+    def rest(self, calls: bool) -> list[dict[str, Any]]:
+        """At the end: the entries no text took (an end token's, a stop string's), unless the
+        held text became tool calls."""
+        taken, self.pending = self.pending, []
+        return [] if calls else content_logprobs(tuple(taken))
 
 
 def output_items(pieces: list[TextPiece], shaper: AnswerShaper | None, logprobs: bool) -> list[dict[str, Any]]:
@@ -407,7 +416,7 @@ def output_items(pieces: list[TextPiece], shaper: AnswerShaper | None, logprobs:
     if shaper is None:
         scored = tuple(s for p in pieces for s in p.scored)
         return [message_item("".join(p.text for p in pieces), logprobs=content_logprobs(scored) if logprobs else [])]
-    router = ContentLogprobs(logprobs)
+    router = ContentLogprobs(logprobs, shaper)
     parts: list[Part] = []
     entries: list[dict[str, Any]] = []
     for piece in pieces:
@@ -418,6 +427,7 @@ def output_items(pieces: list[TextPiece], shaper: AnswerShaper | None, logprobs:
     entries += router.take((), held)
     parts += held
     content = "".join(text for kind, text in parts if kind == "content")
+    entries += router.rest(bool(calls)) if content else []  # a stream's message is open only with content
     reasoning = "".join(text for kind, text in parts if kind == "reasoning_content")
     items = [reasoning_item(reasoning)] if shaper.reasoning is not None else []
     if content or not calls:
@@ -451,7 +461,7 @@ class ResponseStream:
         self.done: list[dict[str, Any]] = []  # output items written
         self.open: OpenItem | None = None
         self.running = not queued
-        self.logprobs = ContentLogprobs(meta.logprobs)
+        self.logprobs = ContentLogprobs(meta.logprobs, shaper)
 
     def start(self) -> list[str]:
         if not self.running:
@@ -514,6 +524,9 @@ class ResponseStream:
     def finish(self, finished: Finished) -> list[str]:
         parts, calls = self.shaper.finish() if self.shaper is not None else ([], [])
         lines = self.parts(parts)
+        rest = self.logprobs.rest(bool(calls))
+        if rest and self.open is not None and self.open.kind == "message":
+            lines += self.part("content", "", rest)
         if not self.done and self.open is None and not calls:
             lines += self.begin("message")  # an empty answer is still one (empty) message
         lines += self.close()
