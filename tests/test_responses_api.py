@@ -467,6 +467,44 @@ def test_reasoning_tokens_carry_no_output_logprobs(tmp_path_factory: pytest.Temp
         assert streamed == message["content"][0]["logprobs"]
 
 
+class PiecesWorker:
+    """Answers with the given pieces, finishing for the given reason."""
+
+    alive = True
+
+    def __init__(self, pieces: list[str], reason: str) -> None:
+        self.pieces, self.reason = pieces, reason
+
+    async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...], returns: Any = None) -> Any:
+        from atlas.server.worker import Finished
+
+        for piece in self.pieces:
+            yield TextPiece(piece)
+        yield Finished(self.reason, len(prompt_ids), len(self.pieces))
+
+
+@pytest.mark.parametrize(("pieces", "reason"), [
+    (["plan", " more"], "length"),  # cut inside the reasoning block: no message
+    ([], "stop"),  # nothing at all: one empty message
+    (["plan", "</think>", "\n\n"], "stop"),  # a block and no answer
+    (THINKING_ANSWER, "stop"),
+])
+def test_whole_and_streamed_responses_hold_the_same_items(tmp_path_factory: pytest.TempPathFactory,
+                                                          pieces: list[str], reason: str) -> None:
+    llm = LLM(str(demo_copy(tmp_path_factory.mktemp("responses_items") / "demo", THINKING_TEMPLATE)), device="cpu")
+    state = ServerState(DEMO_NAME, PiecesWorker(pieces, reason), llm, reasoning_parser="qwen3")  # type: ignore[arg-type]
+    http = TestClient(create_app(state))
+    body = {"model": DEMO_NAME, "input": "hi"}
+    whole = http.post("/v1/responses", json=body).json()["output"]
+    with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as answer:
+        events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: ")]
+    streamed = events[-1]["response"]["output"]
+    assert [{k: v for k, v in item.items() if k != "id"} for item in whole] == \
+        [{k: v for k, v in item.items() if k != "id"} for item in streamed]
+    assert [item["type"] for item in whole] == (["reasoning"] if pieces[:1] == ["plan"] else []) + \
+        (["message"] if not pieces or "The" in pieces else [])
+
+
 def test_vllm_extras_shape_the_text(generating: tuple[Any, Any, LLM]) -> None:
     """vLLM's guided_choice / structured_outputs on /v1/responses constrain the text, as on chat (were ignored)."""
     client, _, _ = generating

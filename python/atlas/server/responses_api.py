@@ -411,8 +411,9 @@ class ContentLogprobs:
 
 
 def output_items(pieces: list[TextPiece], shaper: AnswerShaper | None, logprobs: bool) -> list[dict[str, Any]]:
-    """A whole answer -> its output items: reasoning, the message (when it has text), calls; the
-    pieces go through the shaper one by one, as a stream's do, so each token's entry finds its text."""
+    """A whole answer -> its output items, the ones its stream writes: reasoning and the message
+    when they have text, calls; the pieces go through the shaper one by one, as a stream's do, so
+    each token's entry finds its text."""
     if shaper is None:
         scored = tuple(s for p in pieces for s in p.scored)
         return [message_item("".join(p.text for p in pieces), logprobs=content_logprobs(scored) if logprobs else [])]
@@ -429,8 +430,8 @@ def output_items(pieces: list[TextPiece], shaper: AnswerShaper | None, logprobs:
     content = "".join(text for kind, text in parts if kind == "content")
     entries += router.rest(bool(calls)) if content else []  # a stream's message is open only with content
     reasoning = "".join(text for kind, text in parts if kind == "reasoning_content")
-    items = [reasoning_item(reasoning)] if shaper.reasoning is not None else []
-    if content or not calls:
+    items = [reasoning_item(reasoning)] if reasoning else []
+    if content or not (reasoning or calls):  # as a stream: an answer with nothing else is one empty message
         items.append(message_item(content, logprobs=entries))
     return items + [call_item(call) for call in calls]
 
