@@ -8,8 +8,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -145,3 +147,135 @@ def test_the_delta_rule_switch_is_checked_when_the_backend_starts(monkeypatch: p
         CudaBackend(rt, use_graphs=False)
     monkeypatch.setenv("ATLAS_DELTA_RULE", "chunked")
     CudaBackend(rt, use_graphs=False)
+
+
+# --- checkpoint files (found by corrupting copies of the demo checkpoint) ---------------------
+def rewrite_header(shard: Path, change: Any, extra: bytes = b"") -> None:
+    """The shard with its header passed through `change` (data kept; `extra` appended)."""
+    data = shard.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header = change(json.loads(data[8 : 8 + size]))
+    encoded = json.dumps(header).encode()
+    shard.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + size :] + extra)
+
+
+def data_end(header: dict[str, Any]) -> int:
+    return max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"dtype": ["BF16"], "shape": [1], "data_offsets": [0, 2]}, "unknown dtype \\['BF16'\\]"),
+    ({"dtype": {"a": 1}, "shape": [1], "data_offsets": [0, 2]}, "unknown dtype"),
+    ({"dtype": "BF16", "shape": [2**62, 0], "data_offsets": None}, "invalid shape"),  # no bytes, a huge dim
+    ({"dtype": "BF16", "shape": [1] * 65, "data_offsets": None}, "invalid shape"),  # past numpy's 64 dims
+])
+def test_header_entries_that_crashed(tmp_path: Path, entry: dict[str, Any], message: str) -> None:
+    from _demo_copy import demo_copy
+    from atlas.safetensors import Checkpoint
+
+    model_dir = demo_copy(tmp_path / "demo")
+
+    def add(header: dict[str, Any]) -> dict[str, Any]:
+        end = data_end(header)
+        offsets = entry["data_offsets"] or [end, end]
+        return {**header, "model.extra.weight": {**entry, "data_offsets": offsets}}
+
+    rewrite_header(model_dir / "model.safetensors", add, extra=b"\0\0")
+    with pytest.raises(AtlasError, match=message):
+        Checkpoint.open(model_dir)
+
+
+@pytest.mark.parametrize(("ids", "shown"), [(10**30, str(10**30)[:30]), ([0, -251], "-251"), ([2, 512], "512")])
+def test_end_ids_outside_the_vocabulary(tmp_path: Path, ids: Any, shown: str) -> None:
+    """A negative id had banned a real token (numpy indexes from the end), a huge one crashed the
+    penalties, one past the vocabulary never ended a text."""
+    from _demo_copy import demo_copy
+    from atlas.config import load_spec
+
+    model_dir = demo_copy(tmp_path / "demo")
+    generation = json.loads((model_dir / "generation_config.json").read_text(encoding="utf-8"))
+    (model_dir / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": ids}), encoding="utf-8")
+    with pytest.raises(AtlasError, match=f"generation_config.json: field 'eos_token_id' holds {shown}, outside the "
+                                         "vocabulary \\(0..511\\)"):
+        load_spec(model_dir)
+
+
+@pytest.mark.parametrize("factor", [1e-4, 1e-300, 1e300])
+def test_a_yarn_factor_that_leaves_no_context(tmp_path: Path, factor: float) -> None:
+    from _demo_copy import demo_copy
+    from atlas.config import load_spec
+
+    model_dir = demo_copy(tmp_path / "demo")
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "yarn", "factor": factor}
+    (model_dir / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    with pytest.raises(AtlasError, match="'rope_parameters.factor' .* it must come to 1..2147483647"):
+        load_spec(model_dir)
+
+
+@pytest.mark.parametrize(("template", "message"), [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "range\\(\\) loops run past"),
+    ("{{ 'x' * 10**10 }}", "'\\*' would make more than"),
+    ("{{ [messages] * 10**9 }}", "'\\*' would make more than"),
+    ("{{ 7 ** 100000000 }}", "'\\*\\*' would make more than"),
+])
+def test_chat_templates_that_would_run_for_hours_or_take_the_memory(template: str, message: str) -> None:
+    from atlas.tokenizer import render_chat_template
+
+    with pytest.raises(AtlasError, match=f"^tpl: the chat template failed .*{message}"):
+        render_chat_template(template, [{"role": "user", "content": "hi"}], {}, "tpl")
+    fine = "{% for m in messages %}{{ m.content * 3 }}{% endfor %}{{ 2 ** 10 }}{{ range(3) | list }}"
+    assert render_chat_template(fine, [{"role": "user", "content": "hi"}], {}, "tpl") == "hihihi1024[0, 1, 2]"
+
+
+def test_a_template_list_entry_with_an_odd_name_is_passed_over(tmp_path: Path) -> None:
+    from _demo_copy import demo_copy
+    from atlas.tokenizer import read_chat_template
+
+    config = {"chat_template": [{"name": ["default"], "template": "x"}, {"name": "default", "template": "y"}]}
+    assert read_chat_template(demo_copy(tmp_path / "demo"), config)[0] == "y"
+
+
+def quantize_one_line(model_dir: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    from atlas.quantize import main
+
+    code = main(["--model", str(model_dir), "--to", "fp8", "--out", str(out)])
+    err = capsys.readouterr().err.split("\r")[-1]  # after the progress bar's last redraw
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("quantizing to")]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("atlas.quantize: error:"), err
+    line = lines[0]
+    assert not out.exists() and not list(out.parent.glob("*.partial*"))
+    return line
+
+
+def test_quantize_refuses_what_it_would_write_wrong(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A NaN weight (no scale represents it: the output then failed to load), a stray scale beside
+    a bf16 weight (it replaced the computed one, 5000x off), an incomplete MTP head (atlas.run
+    refuses it, quantize wrote it) and a fused stack of the wrong rank (a traceback)."""
+    from _demo_copy import demo_copy
+
+    nan_dir = demo_copy(tmp_path / "nan")
+    shard = nan_dir / "model.safetensors"
+    name = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    data = bytearray(shard.read_bytes())
+    size = struct.unpack("<Q", data[:8])[0]
+    begin = json.loads(data[8 : 8 + size])[name]["data_offsets"][0]
+    data[8 + size + begin : 8 + size + begin + 2] = b"\xc0\x7f"  # a bf16 NaN
+    shard.write_bytes(bytes(data))
+    assert "holds NaN or infinite values" in quantize_one_line(nan_dir, tmp_path / "q1", capsys)
+
+    cases = {
+        "stray": ("model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv", "F32", [1, 1], "a quantized checkpoint's scale"),
+        "mtp": ("mtp.fc.weight", "F32", [1, 1], "'mtp.fc.weight' .* has shape \\[1, 1\\], expected"),
+        "rank": ("model.visual.mlp.experts.gate_up_proj", "F32", [1], "a fused expert stack is \\[experts, rows"),
+    }
+    for label, (extra, dtype, shape, message) in cases.items():
+        model_dir = demo_copy(tmp_path / label)
+
+        def add(header: dict[str, Any], extra: str = extra, dtype: str = dtype, shape: list[int] = shape) -> dict[str, Any]:
+            end = data_end(header)
+            return {**header, extra: {"dtype": dtype, "shape": shape, "data_offsets": [end, end + 4 * int(np.prod(shape))]}}
+
+        rewrite_header(model_dir / "model.safetensors", add, extra=np.ones(1, np.float32).tobytes())
+        line = quantize_one_line(model_dir, tmp_path / f"q-{label}", capsys)
+        assert re.search(message, line), line

@@ -180,14 +180,17 @@ class FieldReader:
     def optional_int(self, key: str) -> int | None:
         return self.int(key) if self.has(key) else None
 
-    def int_list(self, key: str) -> tuple[int, ...]:
-        """An int or a list of ints (as eos_token_id may be); absent -> ()."""
+    def int_list(self, key: str, below: int) -> tuple[int, ...]:
+        """An int or a list of ints in 0..below-1 (as eos_token_id may be); absent -> ()."""
         value = self.raw(key)
         if value is None:
             return ()
         items = value if isinstance(value, list) else [value]
         if any(isinstance(v, bool) or not isinstance(v, int) for v in items):
-            raise self.fail(key, f"must be an integer or a list of integers, got {value!r}")
+            raise self.fail(key, f"must be an integer or a list of integers, got {json.dumps(value)[:60]}")
+        outside = [v for v in items if not 0 <= v < below]
+        if outside:
+            raise self.fail(key, f"holds {str(outside[0])[:30]}, outside the vocabulary (0..{below - 1})")
         return tuple(items)
 
     def object(self, key: str) -> dict[str, Any] | None:
@@ -279,7 +282,7 @@ def spec_from_config(
         # transformers' Qwen3.5 MoE router renormalises its top-k weights whatever the config says
         norm_topk_prob=True,
         hidden_act=read_hidden_act(text),
-        eos_token_ids=read_eos_ids(top, text, generation, generation_source),
+        eos_token_ids=read_eos_ids(top, text, generation, generation_source, dims["vocab_size"]),
         sampling_defaults=read_sampling_defaults(generation, generation_source or source.with_name("generation_config.json")),
         torch_dtype=read_dtype(top, text),
         bos_token_id=text.optional_int("bos_token_id"),
@@ -330,6 +333,9 @@ def read_yarn(text: FieldReader, params: FieldReader, max_positions: int, theta:
         raise params.fail("factor", "is missing (YaRN stretches the context by it; null: max_position_embeddings / "
                                     "original_max_position_embeddings)")
     factor = params.float("factor", max_positions / original, positive=True)
+    if not 1 <= original * factor <= INT32_MAX:
+        raise params.fail("factor", f"{factor:g} makes the context original_max_position_embeddings ({original}) x "
+                                    f"factor, {original * factor:g} positions; it must come to 1..{INT32_MAX}")
     if theta == 1:
         raise params.fail("rope_theta", "is 1, which YaRN's ramp divides by the log of")
     truncate = params.values.get("truncate", True)
@@ -404,13 +410,14 @@ def read_eos_ids(
     text: FieldReader,
     generation: dict[str, Any] | None,
     generation_source: Path | None,
+    vocab_size: int,
 ) -> tuple[int, ...]:
     """generation_config.json wins (as in transformers' generate), then the text config, then
     the top-level config."""
     if generation is not None and generation.get("eos_token_id") is not None:
         source = generation_source or top.source.with_name("generation_config.json")
-        return FieldReader(generation, source).int_list("eos_token_id")
-    return text.int_list("eos_token_id") or top.int_list("eos_token_id")
+        return FieldReader(generation, source).int_list("eos_token_id", vocab_size)
+    return text.int_list("eos_token_id", vocab_size) or top.int_list("eos_token_id", vocab_size)
 
 
 def read_sampling_defaults(generation: dict[str, Any] | None, source: Path) -> tuple[tuple[str, float], ...]:

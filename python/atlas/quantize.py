@@ -33,6 +33,9 @@ class QuantizeArgs:
     shard_bytes: int
 
 
+QUANTIZED_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_scale_2", ".input_scale")  # what it writes
+
+
 def check_out(out: Path) -> None:
     try:
         dangling, exists = out.is_symlink() and not out.exists(), out.exists()
@@ -115,6 +118,7 @@ def check_source(source: Path) -> None:
     copied as they are: a weights-only directory converts too.)"""
     from .config import load_spec
     from .models import check_checkpoint
+    from .models.qwen3_5_moe_mtp import check_mtp_head
     from .quant.scheme import read_scheme
     from .safetensors import Checkpoint
 
@@ -122,7 +126,13 @@ def check_source(source: Path) -> None:
     method = read_scheme(source).method
     if method != "bf16":
         raise AtlasError(f"{source} is already quantized ({method}); --model must be a bf16 checkpoint")
-    check_checkpoint(spec, Checkpoint.open(source))
+    checkpoint = Checkpoint.open(source)
+    check_checkpoint(spec, checkpoint)
+    check_mtp_head(spec, checkpoint)
+    scales = [n for n in checkpoint.names() if n.endswith(QUANTIZED_SUFFIXES)]
+    if scales:
+        raise AtlasError(f"{source} holds {scales[0]!r}, a quantized checkpoint's scale, beside bf16 weights; "
+                         "--model must be a plain bf16 checkpoint")
 
 
 def quantize(args: QuantizeArgs) -> Path:

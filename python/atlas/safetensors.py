@@ -106,6 +106,9 @@ def parse_header(path: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
+MAX_DIMS = 64  # numpy's limit
+
+
 def parse_entry(path: Path, name: str, entry: object, data_start: int, file_size: int) -> TensorInfo:
     def bad(problem: str) -> AtlasError:
         return AtlasError(f"{path}: tensor {name!r} {problem}; {REFETCH_HINT}")
@@ -113,13 +116,14 @@ def parse_entry(path: Path, name: str, entry: object, data_start: int, file_size
     if not isinstance(entry, dict):
         raise bad("has a header entry that is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise AtlasError(
-            f"{path}: tensor {name!r} has unknown dtype {dtype!r} (atlas reads {', '.join(DTYPES)}); "
+            f"{path}: tensor {name!r} has unknown dtype {repr(dtype)[:40]} (atlas reads {', '.join(DTYPES)}); "
             "convert the checkpoint to one of these"
         )
-    if not is_int_list(shape) or any(d < 0 for d in shape):
-        raise bad(f"has an invalid shape {shape!r}")
+    if not is_int_list(shape) or any(d < 0 for d in shape) or len(shape) > MAX_DIMS or \
+            prod(max(d, 1) for d in shape) > file_size:  # an empty tensor's other dims are no larger either
+        raise bad(f"has an invalid shape {json.dumps(shape)[:80]}")
     if not is_int_list(offsets) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
         raise bad(f"has invalid data_offsets {offsets!r}")
     begin, end = offsets

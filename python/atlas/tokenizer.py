@@ -264,7 +264,7 @@ def read_chat_template(model_dir: Path, config: dict[str, Any]) -> tuple[str | N
             raise AtlasError(f"{jinja_file} cannot be read ({first_line(err)}); re-download or fix it") from None
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict) and isinstance(t.get("name"), str)}
         template = named.get("default")
     config_file = model_dir / "tokenizer_config.json"
     if template is not None and not isinstance(template, str):
@@ -283,7 +283,7 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], context:
     messages', never a traceback."""
     compiled = compile_chat_template(template, origin)
     try:
-        return compiled.render(messages=messages, **context)
+        return compiled.render({"range": RangeBudget(), **context, "messages": messages})
     except TemplateRaised as err:
         raise AtlasError(f"{origin}: the chat template refused the messages: {first_line(err)}") from None
     except Exception as err:  # noqa: BLE001 - TypeError, UndefinedError, ...: one line, see above
@@ -293,10 +293,61 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], context:
         ) from None
 
 
+RANGE_STEPS = 1_000_000  # range() items over one render: the sandbox caps each call, not loops in loops
+MAX_REPEAT = 1 << 24  # items of a string or list made by `*`, and the bits of an integer made by `**`
+
+
+class TemplateTooCostly(Exception):
+    """The template asked for more work or memory than any chat needs."""
+
+
+class RangeBudget:
+    """The sandbox's range with a budget over one render."""
+
+    def __init__(self, steps: int = RANGE_STEPS) -> None:
+        self.left = steps
+
+    def __call__(self, *args: int) -> range:
+        from jinja2.sandbox import safe_range
+
+        steps = safe_range(*args)
+        self.left -= len(steps)
+        if self.left < 0:
+            raise TemplateTooCostly(f"its range() loops run past {RANGE_STEPS} steps")
+        return steps
+
+
+def repeat_cost(operator: str, left: Any, right: Any) -> int:
+    """The size `left operator right` would make: items of a repeated string / list, bits of a power."""
+    numbers = [v for v in (left, right) if isinstance(v, int) and not isinstance(v, bool)]
+    if operator == "*" and len(numbers) == 1 and isinstance(left if numbers[0] is right else right, (str, list, tuple)):
+        sequence = left if numbers[0] is right else right
+        return len(sequence) * max(numbers[0], 0)
+    if operator == "**" and len(numbers) == 2 and right > 0:
+        return right * max(abs(left), 1).bit_length()
+    return 0
+
+
+@functools.cache
+def sandbox_class() -> type:
+    """transformers' sandboxed environment, with `*` and `**` bounded: "x" * 10**10 would take the
+    process's memory before any limit of the sandbox's own."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class ChatTemplateSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if repeat_cost(operator, left, right) > MAX_REPEAT:
+                raise TemplateTooCostly(f"'{operator}' would make more than {MAX_REPEAT} items")
+            return super().call_binop(context, operator, left, right)
+
+    return ChatTemplateSandbox
+
+
 def compile_chat_template(template: str, origin: str) -> Any:
     """The template compiled in transformers' sandboxed environment; a syntax error is one line."""
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise TemplateRaised(message)
@@ -304,9 +355,7 @@ def compile_chat_template(template: str, origin: str) -> Any:
     def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kw)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
+    env = sandbox_class()(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

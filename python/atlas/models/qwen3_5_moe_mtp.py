@@ -13,7 +13,7 @@ from ..backends.base import Backend
 from ..config import ModelSpec
 from ..layers.decoder import CausalLM, DecoderLayer
 from ..layers.mtp import MtpHead
-from ..loader import Shape, WeightReader
+from ..loader import Shape, WeightReader, check_tensor
 from ..safetensors import Checkpoint
 from .qwen3_5_moe import attention_plan, build_attention, build_moe, centred_norm, moe_plan
 
@@ -52,6 +52,14 @@ def mtp_plan(s: ModelSpec, fused: bool) -> dict[str, Shape]:
     plan.update(attention_plan(s, layer))
     plan.update(moe_plan(s, layer, fused))
     return plan
+
+
+def check_mtp_head(spec: ModelSpec, checkpoint: Checkpoint) -> None:
+    """Every tensor of the head is there with its shape and a readable dtype (when it has one)."""
+    if has_mtp_head(checkpoint):
+        fused = f"{MTP_PREFIX}layers.0.mlp.experts.gate_up_proj" in checkpoint
+        for name, shape in mtp_plan(spec, fused).items():
+            check_tensor(checkpoint, name, shape)
 
 
 def load_mtp_head(spec: ModelSpec, checkpoint: Checkpoint, backend: Backend, model: CausalLM) -> MtpHead:

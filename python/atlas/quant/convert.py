@@ -21,6 +21,9 @@ SOURCE_FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
 
 def split_fused(name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """Fused expert stacks -> per-expert weights (gate_up [E, 2I, H] holds the gate rows first)."""
+    if name.endswith((FUSED_GATE_UP, FUSED_DOWN)) and array.ndim != 3:
+        raise AtlasError(f"tensor {name!r} has shape {list(array.shape)}; a fused expert stack is [experts, rows, "
+                         "columns]: fix or re-download the checkpoint")
     if name.endswith(FUSED_GATE_UP):
         base, half = name[: -len("gate_up_proj")], array.shape[1] // 2
         split: list[tuple[str, np.ndarray]] = []
@@ -37,6 +40,9 @@ def quantized_parts(name: str, weight: np.ndarray, scheme: QuantScheme) -> list[
     """One [N, K] weight -> its stored parts (weight codes first)."""
     base = name[: -len("weight")]
     w = np.asarray(weight, dtype=np.float32)  # [N, K]
+    if not np.isfinite(w).all():
+        raise AtlasError(f"tensor {name!r} holds NaN or infinite values, which no scale represents; "
+                         "fix or re-download the checkpoint")
     if scheme.method == "fp8":
         q = quantize_fp8_block(w, scheme.block)
         return [(name, q.weight.view(ml_dtypes.float8_e4m3fn)), (f"{base}weight_scale_inv", q.scale_inv)]

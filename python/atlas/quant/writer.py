@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import AtlasError
 from ..safetensors import DTYPES, INDEX_FILE, SINGLE_FILE
 
 STORAGE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -49,9 +50,14 @@ class ShardWriter:
     _pending: dict[str, np.ndarray] = field(default_factory=dict)
     _pending_bytes: int = 0
     _shards: list[list[str]] = field(default_factory=list)
+    _names: set[str] = field(default_factory=set)  # every tensor added
     total_bytes: int = 0
 
     def add(self, name: str, array: np.ndarray) -> None:
+        if name in self._names:
+            raise AtlasError(f"tensor {name!r} would be written twice; the source checkpoint holds it beside "
+                             "the tensor it is made from")
+        self._names.add(name)
         if self._pending and self._pending_bytes + array.nbytes > self.shard_bytes:
             self._flush()
         self._pending[name] = array
