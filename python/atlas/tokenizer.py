@@ -12,6 +12,7 @@ from typing import Any
 
 from .config import read_json_object
 from .errors import AtlasError
+from .sampling import is_int
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 REPLACEMENT_CHAR = "\ufffd"
@@ -319,11 +320,11 @@ class RangeBudget:
 
 def repeat_cost(operator: str, left: Any, right: Any) -> int:
     """The size `left operator right` would make: items of a repeated string / list, bits of a power."""
-    numbers = [v for v in (left, right) if isinstance(v, int) and not isinstance(v, bool)]
-    if operator == "*" and len(numbers) == 1 and isinstance(left if numbers[0] is right else right, (str, list, tuple)):
-        sequence = left if numbers[0] is right else right
-        return len(sequence) * max(numbers[0], 0)
-    if operator == "**" and len(numbers) == 2 and right > 0:
+    if operator == "*":
+        for sequence, count in ((left, right), (right, left)):
+            if isinstance(sequence, (str, list, tuple)) and is_int(count):
+                return len(sequence) * max(count, 0)
+    if operator == "**" and is_int(left) and is_int(right) and right > 0:
         return right * max(abs(left), 1).bit_length()
     return 0
 

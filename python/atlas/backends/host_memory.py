@@ -57,13 +57,12 @@ def matrix_bytes(dtype: str, shape: tuple[int, ...], mtp: bool) -> int:
 
 def host_weight_bytes(spec: ModelSpec, checkpoint: Checkpoint, load_mtp: bool) -> int:
     from ..models.qwen3_5_moe import detect_layout, model_plan
-    from ..models.qwen3_5_moe_mtp import has_mtp_head, mtp_plan
+    from ..models.qwen3_5_moe_mtp import checkpoint_mtp_plan
     from ..quant.stored import QuantizedTensors
 
     plan = {name: (shape, False) for name, shape in model_plan(detect_layout(spec, checkpoint)).items()}
-    if load_mtp and has_mtp_head(checkpoint):
-        fused = "mtp.layers.0.mlp.experts.gate_up_proj" in checkpoint
-        plan.update({name: (shape, True) for name, shape in mtp_plan(spec, fused).items()})
+    if load_mtp:
+        plan.update({name: (shape, True) for name, shape in checkpoint_mtp_plan(spec, checkpoint).items()})
     quantized = QuantizedTensors.of(checkpoint)
     total = F32_BYTES * (spec.rotary_dim // 2)  # the rope frequency table
     for name, (shape, mtp) in plan.items():

@@ -54,18 +54,25 @@ def mtp_plan(s: ModelSpec, fused: bool) -> dict[str, Shape]:
     return plan
 
 
+def mtp_fused(checkpoint: Checkpoint) -> bool:
+    """The head's experts are stored as stacks (else one tensor per expert)."""
+    return f"{MTP_PREFIX}layers.0.mlp.experts.gate_up_proj" in checkpoint
+
+
+def checkpoint_mtp_plan(spec: ModelSpec, checkpoint: Checkpoint) -> dict[str, Shape]:
+    """The head's tensors as this checkpoint stores them; {} when it has no head."""
+    return mtp_plan(spec, mtp_fused(checkpoint)) if has_mtp_head(checkpoint) else {}
+
+
 def check_mtp_head(spec: ModelSpec, checkpoint: Checkpoint) -> None:
     """Every tensor of the head is there with its shape and a readable dtype (when it has one)."""
-    if has_mtp_head(checkpoint):
-        fused = f"{MTP_PREFIX}layers.0.mlp.experts.gate_up_proj" in checkpoint
-        for name, shape in mtp_plan(spec, fused).items():
-            check_tensor(checkpoint, name, shape)
+    for name, shape in checkpoint_mtp_plan(spec, checkpoint).items():
+        check_tensor(checkpoint, name, shape)
 
 
 def load_mtp_head(spec: ModelSpec, checkpoint: Checkpoint, backend: Backend, model: CausalLM) -> MtpHead:
     """The MTP head (weights rounded to bf16), sharing the model's embedding and lm_head."""
-    layer = f"{MTP_PREFIX}layers.0."
-    fused = f"{layer}mlp.experts.gate_up_proj" in checkpoint
+    layer, fused = f"{MTP_PREFIX}layers.0.", mtp_fused(checkpoint)
     reader = Bf16RoundedReader(checkpoint, backend, mtp_plan(spec, fused))
     eps, h = spec.rms_norm_eps, spec.hidden_size
     try:

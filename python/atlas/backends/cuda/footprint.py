@@ -77,12 +77,12 @@ def float_bytes(shape: tuple[int, ...]) -> int:
 def weight_bytes(spec: ModelSpec, checkpoint: Checkpoint, load_mtp: bool = True) -> int:
     """Device bytes of every tensor the loader uploads for this checkpoint."""
     from ...models.qwen3_5_moe import detect_layout, model_plan
-    from ...models.qwen3_5_moe_mtp import has_mtp_head, mtp_plan
+    from ...models.qwen3_5_moe_mtp import checkpoint_mtp_plan
     from ...quant.stored import QuantizedTensors
 
     plan = model_plan(detect_layout(spec, checkpoint))
-    if load_mtp and has_mtp_head(checkpoint):
-        plan.update(mtp_plan(spec, "mtp.layers.0.mlp.experts.gate_up_proj" in checkpoint))
+    if load_mtp:
+        plan.update(checkpoint_mtp_plan(spec, checkpoint))
     quantized = QuantizedTensors.of(checkpoint)
     total = _allocation(F32_BYTES * spec.rotary_dim // 2)  # the rope frequency table
     for name, shape in plan.items():
