@@ -156,6 +156,35 @@ def test_broken_fp8_checkpoint_is_one_line(demo_dirs: dict[str, Path], tmp_path:
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "edit,needle",
+    [("quantization not an object", "quantization is \"NVFP4\", not an object"),
+     ("input_scale shape", "input_scale' in .* is not one F32 value"),
+     ("input_scale dtype", "input_scale' in .* is not one F32 value")],
+)  # fmt: skip
+def test_broken_nvfp4_checkpoint_is_one_line(demo_dirs: dict[str, Path], tmp_path: Path, edit: str, needle: str) -> None:
+    """ModelOpt's files, each broken one way: an odd `quantization` had silently fallen back to
+    config.json, and an input_scale of any shape or dtype had been accepted."""
+    copy = tmp_path / "nvfp4"
+    shutil.copytree(demo_dirs["nvfp4"], copy)
+    if edit == "quantization not an object":
+        hf_path = copy / "hf_quant_config.json"
+        hf_path.write_text(json.dumps({**json.loads(hf_path.read_text()), "quantization": "NVFP4"}))
+    else:
+        checkpoint = Checkpoint.open(copy)
+        tensors = {n: np.array(checkpoint.get_raw(n)) for n in checkpoint.names()}
+        checkpoint.close()
+        scale = "model.layers.3.self_attn.o_proj.input_scale"
+        assert scale in tensors
+        tensors[scale] = np.ones(2, np.float32) if edit == "input_scale shape" else np.ones((), np.float16)
+        for stale in copy.glob("*.safetensors*"):
+            stale.unlink()
+        write_safetensors(copy / "model.safetensors", tensors)
+    with pytest.raises(AtlasError, match=needle) as err:
+        engine(copy)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("group_size,needle", [(32, "group_size is 32"), (16, None)])
 def test_nvfp4_group_size(demo_dirs: dict[str, Path], tmp_path: Path, group_size: int, needle: str | None) -> None:
     copy = tmp_path / "nvfp4"

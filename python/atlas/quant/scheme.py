@@ -8,6 +8,7 @@ nvfp4: hf_quant_config.json {producer, quantization: {quant_algo: "NVFP4", group
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -69,8 +70,12 @@ def nvfp4_section(model_dir: Path) -> tuple[dict[str, Any], str]:
     if hf_path.is_file():
         data = read_json_object(hf_path)
         section = data.get("quantization", data)
-        if isinstance(section, dict):
-            return section, f"{hf_path} quantization"
+        if not isinstance(section, dict):
+            raise AtlasError(
+                f"{hf_path} quantization is {json.dumps(section)[:60]}, not an object; ModelOpt writes "
+                '{"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": [...]} there'
+            )
+        return section, f"{hf_path} quantization"
     return quantization_config(model_dir), f"{model_dir / 'config.json'} quantization_config"
 
 

@@ -119,8 +119,11 @@ class QuantizedTensors:
         found = (self.checkpoint.dtype(scale), tuple(self.checkpoint.shape(scale)))
         if found != ("F8_E4M3", expected):
             raise self._bad(scale, f"is {found[0]} {list(found[1])}, expected F8_E4M3 {list(expected)}")
-        if self.checkpoint.dtype(scale_2) != "F32" or int(np.prod(self.checkpoint.shape(scale_2))) != 1:
-            raise self._bad(scale_2, "is not one F32 value")
+        for single in (scale_2, names.get("input_scale")):  # input_scale is optional (unused by W4A16)
+            if single is not None and (
+                self.checkpoint.dtype(single) != "F32" or int(np.prod(self.checkpoint.shape(single))) != 1
+            ):
+                raise self._bad(single, "is not one F32 value")
         return n, k
 
     def check(self, name: str, expected: Shape) -> None:
