@@ -16,6 +16,7 @@ import ctypes
 import importlib.machinery
 import struct
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ class FakeGpu:
     version: tuple[int, ...] = (2026, 1)
     init_error: str | None = None
     initialised: bool = False
-    contexts: list[Any] = field(default_factory=list)
+    contexts: dict[int, list[Any]] = field(default_factory=dict)  # thread id -> its context stack
     allocations: dict[int, int] = field(default_factory=dict)
     pending: list[tuple[Any, Callable[[], None]]] = field(default_factory=list)
     launches: list[tuple[str, tuple[int, ...], bytes, int]] = field(default_factory=list)
@@ -67,6 +68,14 @@ class FakeGpu:
     def __post_init__(self) -> None:
         self.heap = ctypes.create_string_buffer(self.heap_bytes)
         self.next_ptr = _round_up(ctypes.addressof(self.heap), HEAP_ALIGN)
+
+    def stack(self) -> list[Any]:
+        """The calling thread's context stack (CUDA contexts are current per thread)."""
+        return self.contexts.setdefault(threading.get_ident(), [])
+
+    def pushed(self) -> int:
+        """Contexts left pushed on every thread: pycuda aborts when a thread or the process ends with one."""
+        return sum(len(stack) for stack in self.contexts.values())
 
     def check_span(self, ptr: int, nbytes: int) -> bool:
         return any(base <= ptr and ptr + nbytes <= base + size for base, size in self.allocations.items())
@@ -136,7 +145,7 @@ def _add_enums(drv: types.ModuleType) -> None:
 def _need_context(drv: types.ModuleType, gpu: FakeGpu, call: str) -> None:
     if not gpu.initialised:
         raise drv.LogicError(f"{call} failed: initialization error")
-    if not gpu.contexts:
+    if not gpu.stack():
         raise drv.LogicError(f"{call} failed: invalid device context")
 
 
@@ -155,13 +164,13 @@ def _add_device_and_context(drv: types.ModuleType, gpu: FakeGpu) -> None:
 
     class Context:
         def push(self) -> None:
-            gpu.contexts.append(self)
+            gpu.stack().append(self)
 
         @staticmethod
         def pop() -> None:
-            if not gpu.contexts:
+            if not gpu.stack():
                 raise drv.LogicError("cuCtxPopCurrent failed: invalid device context")
-            gpu.contexts.pop()
+            gpu.stack().pop()
 
         def detach(self) -> None:
             pass
@@ -447,7 +456,7 @@ def test_fake_pycuda_refuses_what_pycuda_does_not_have(fake: Harness) -> None:
 
 
 # --- opening, device info, exit -----------------------------------------------------------------
-def test_open_reports_the_device_and_pops_its_context_at_exit(fake: Harness) -> None:
+def test_open_reports_the_device_and_frees_at_exit(fake: Harness) -> None:
     from atlas.backends.cuda.driver_pycuda import PycudaDriver
 
     driver = open_driver(fake.gpu.device_count - 1)
@@ -459,10 +468,36 @@ def test_open_reports_the_device_and_pops_its_context_at_exit(fake: Harness) -> 
     ptr = driver.mem_alloc(1000)
     free, total = driver.mem_get_info()
     assert total == fake.gpu.heap_bytes and free == total - 1024
-    assert len(fake.gpu.contexts) == 1 and len(fake.at_exit) == 1
+    assert fake.gpu.pushed() == 0 and len(fake.at_exit) == 1  # current only inside a call
     fake.at_exit.pop()()
-    assert fake.gpu.contexts == [] and ptr not in fake.gpu.allocations
+    assert fake.gpu.pushed() == 0 and ptr not in fake.gpu.allocations
     driver.release()  # a second release does nothing
+
+
+def test_a_driver_opened_on_one_thread_runs_on_another(fake: Harness, rng: np.random.Generator) -> None:
+    """An LLM built on one thread and run on another (a web app's worker threads): every call
+    gets the context on its own thread, and no thread ends with a context pushed (pycuda aborts)."""
+    rt = make_runtime()
+    values = rng.standard_normal(int(rng.integers(1, 500))).astype(np.float32)
+    found: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            x = Uploader(rt).upload(values, "f32")
+            out = rt.empty(x.shape, "f32")
+            rt.launch("atlas_scale", (1, 1, 1), (128, 1, 1), ScaleParams(x.ptr, out.ptr, x.numel, 2.0))
+            found["out"] = rt.read(out)
+        except Exception as err:  # noqa: BLE001 - reported by the assert below
+            found["error"] = err
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert "error" not in found, found.get("error")
+    np.testing.assert_array_equal(found["out"], values * np.float32(2.0))
+    assert fake.gpu.pushed() == 0
+    with pytest.raises(fake.drv.LogicError, match="invalid device context"):
+        fake.drv.mem_alloc(16)  # the fake enforces it: nothing is current outside a call
 
 
 # --- runtime: arena, uploads, reads, memset, copies ---------------------------------------------
@@ -644,7 +679,7 @@ def test_device_index_and_missing_gpu_are_one_line(fake: Harness, monkeypatch: p
     _one_line(r"no NVIDIA GPU visible \(device count 0\); use --device cpu")
     fake.gpu.init_error = "no CUDA-capable device is detected"
     _one_line(r"no usable NVIDIA GPU through pycuda: cuInit failed: no CUDA-capable device is detected")
-    assert fake.gpu.contexts == [] and fake.at_exit == []
+    assert fake.gpu.pushed() == 0 and fake.at_exit == []
 
 
 # --- the real pycuda on a GPU (the device machine has no pycuda today: then this skips) ---------

@@ -457,21 +457,25 @@ int cuDeviceTotalMem(size_t* b, int d) { return cuDeviceTotalMem_v2(b, d); }
 int cuDeviceGetAttribute(int* v, int a, int d) {
   *v = a == 75 ? 9 : a == 76 ? 0 : a == 16 ? 132 : a == 97 ? 232448 : 1; return 0; }
 int cuDevicePrimaryCtxRetain(void** c, int d) { *c = (void*)0x10; return 0; }
-int cuCtxSetCurrent(void* c) { return c == (void*)0x10 ? 0 : 201; }
-int cuMemGetInfo_v2(size_t* f, size_t* t) { *f = (size_t)100 << 30; *t = (size_t)141 << 30; return 0; }
+/* A context is current per thread: calls that need one fail on a thread that did not set it. */
+static __thread void* current = 0;
+#define NEED_CONTEXT if (current != (void*)0x10) return 201 /* CUDA_ERROR_INVALID_CONTEXT */
+int cuCtxSetCurrent(void* c) { if (c != (void*)0x10) return 201; current = c; return 0; }
+int cuMemGetInfo_v2(size_t* f, size_t* t) { NEED_CONTEXT; *f = (size_t)100 << 30; *t = (size_t)141 << 30; return 0; }
 int cuMemGetInfo(size_t* f, size_t* t) { return cuMemGetInfo_v2(f, t); }
-int cuModuleLoadData(void** m, const void* img) { *m = (void*)0x20; return ((const char*)img)[0] ? 0 : 200; }
+int cuModuleLoadData(void** m, const void* img) { NEED_CONTEXT; *m = (void*)0x20; return ((const char*)img)[0] ? 0 : 200; }
 int cuModuleGetFunction(void** f, void* m, const char* name) {
   if (m != (void*)0x20) return 400; if (strncmp(name, "atlas_", 6)) return 500; *f = strdup(name); return 0; }
 int cuFuncSetAttribute(void* f, int a, int v) { return a == 8 && v > 0 ? 0 : 1; }
-int cuMemAlloc_v2(dptr* p, size_t n) { *p = (dptr)malloc(n); return *p ? 0 : 2; }
-int cuMemFree_v2(dptr p) { free((void*)p); return 0; }
-int cuMemcpyHtoDAsync_v2(dptr d, const void* s, size_t n, void* st) { if (st != (void*)0x30) return 400; memcpy((void*)d, s, n); return 0; }
-int cuMemcpyDtoHAsync_v2(void* d, dptr s, size_t n, void* st) { if (st != (void*)0x30) return 400; memcpy(d, (void*)s, n); return 0; }
-int cuMemcpyDtoDAsync_v2(dptr d, dptr s, size_t n, void* st) { if (st != (void*)0x30) return 400; memmove((void*)d, (void*)s, n); return 0; }
-int cuMemsetD8Async(dptr d, unsigned char v, size_t n, void* st) { if (st != (void*)0x30) return 400; memset((void*)d, v, n); return 0; }
+int cuMemAlloc_v2(dptr* p, size_t n) { NEED_CONTEXT; *p = (dptr)malloc(n); return *p ? 0 : 2; }
+int cuMemFree_v2(dptr p) { NEED_CONTEXT; free((void*)p); return 0; }
+int cuMemcpyHtoDAsync_v2(dptr d, const void* s, size_t n, void* st) { NEED_CONTEXT; if (st != (void*)0x30) return 400; memcpy((void*)d, s, n); return 0; }
+int cuMemcpyDtoHAsync_v2(void* d, dptr s, size_t n, void* st) { NEED_CONTEXT; if (st != (void*)0x30) return 400; memcpy(d, (void*)s, n); return 0; }
+int cuMemcpyDtoDAsync_v2(dptr d, dptr s, size_t n, void* st) { NEED_CONTEXT; if (st != (void*)0x30) return 400; memmove((void*)d, (void*)s, n); return 0; }
+int cuMemsetD8Async(dptr d, unsigned char v, size_t n, void* st) { NEED_CONTEXT; if (st != (void*)0x30) return 400; memset((void*)d, v, n); return 0; }
 int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                    unsigned smem, void* st, void** params, void** extra) {
+  NEED_CONTEXT;
   if (st != (void*)0x30 || !params || extra) return 1;
   memcpy(last_params, params[0], 64); strncpy(last_kernel, (const char*)f, 255); launches++; return 0; }
 /* cuLaunchKernelEx's config as the driver API lays it out: one attribute, programmatic stream
@@ -482,12 +486,13 @@ static int last_programmatic = -1; static unsigned last_grid[3];
 int fake_last_programmatic(void) { return last_programmatic; }
 unsigned fake_last_grid(int i) { return last_grid[i]; }
 int cuLaunchKernelEx(const fake_config* c, void* f, void** params, void** extra) {
+  NEED_CONTEXT;
   if (c->st != (void*)0x30 || !params || extra || c->nattrs != 1 || c->attrs[0].id != 6) return 1;
   last_programmatic = c->attrs[0].value.allowed; last_grid[0] = c->gx; last_grid[1] = c->gy; last_grid[2] = c->gz;
   memcpy(last_params, params[0], 64); strncpy(last_kernel, (const char*)f, 255); launches++; return 0; }
-int cuStreamCreate(void** s, unsigned f) { *s = (void*)0x30; return 0; }
+int cuStreamCreate(void** s, unsigned f) { NEED_CONTEXT; *s = (void*)0x30; return 0; }
 int cuStreamSynchronize(void* s) { return 0; }
-int cuEventCreate(void** e, unsigned f) { *e = malloc(8); return 0; }
+int cuEventCreate(void** e, unsigned f) { NEED_CONTEXT; *e = malloc(8); return 0; }
 int cuEventRecord(void* e, void* s) { return 0; }
 int cuEventSynchronize(void* e) { return 0; }
 int cuEventElapsedTime(float* ms, void* a, void* b) { *ms = 1.5f; return 0; }
@@ -496,7 +501,7 @@ int cuStreamBeginCapture_v2(void* s, int mode) { return mode == 2 ? 0 : 1; }
 int cuStreamBeginCapture(void* s, int mode) { return cuStreamBeginCapture_v2(s, mode); }
 int cuStreamEndCapture(void* s, void** g) { *g = (void*)0x40; return 0; }
 int cuGraphInstantiateWithFlags(void** e, void* g, unsigned long long f) { *e = (void*)0x50; return g == (void*)0x40 ? 0 : 1; }
-int cuGraphLaunch(void* e, void* s) { return e == (void*)0x50 && s == (void*)0x30 ? 0 : 1; }
+int cuGraphLaunch(void* e, void* s) { NEED_CONTEXT; return e == (void*)0x50 && s == (void*)0x30 ? 0 : 1; }
 int cuGraphDestroy(void* g) { return 0; }
 int cuGraphExecDestroy(void* e) { return 0; }
 int cuGetErrorString(int e, const char** s) { *s = "fake error"; return 0; }
@@ -569,6 +574,22 @@ assert [fake.fake_last_grid(i) for i in range(3)] == [5, 4, 1]
 fake.fake_last_params(buf, 64); assert buf.raw[:ctypes.sizeof(p)] == bytes(p), "params bytes (pdl)"
 s, e2 = drv.event_create(), drv.event_create(); drv.event_record(s, rt.stream); drv.event_record(e2, rt.stream); drv.event_synchronize(e2)
 print("elapsed", drv.event_elapsed_ms(s, e2))
+import threading
+found = {}
+def elsewhere():  # an LLM built on one thread and run on another: the context follows the calls
+    try:
+        x = up.upload(a, "f32"); rt.launch("atlas_thread", (1, 1, 1), (32, 1, 1), P(x.ptr, 1, 0.0))
+        found["back"] = rt.read(x)
+    except Exception as err:
+        found["error"] = err
+worker = threading.Thread(target=elsewhere); worker.start(); worker.join()
+assert "error" not in found, found.get("error")
+assert (found["back"] == a).all() and fake.fake_last_kernel() == b"atlas_thread"
+from cuda.bindings import driver as raw
+def bare():  # the fake enforces it: a thread that never set the context gets INVALID_CONTEXT
+    found["bare"] = int(raw.cuMemAlloc(16)[0])
+worker = threading.Thread(target=bare); worker.start(); worker.join()
+assert found["bare"] == 201, found
 print("ALL OK")
 """
 

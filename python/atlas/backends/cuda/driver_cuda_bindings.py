@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any
 
 from atlas.errors import AtlasError
@@ -25,26 +26,38 @@ def _import_driver() -> Any:
 
 
 class CudaBindingsDriver:
+    """A context is current per CPU thread: the primary context is made current on each thread
+    the first time that thread calls in (an LLM built on one thread and run on another, as a web
+    app's worker threads do, would otherwise fail with CUDA_ERROR_INVALID_CONTEXT)."""
+
     binding = "cuda-bindings"
     graphs = True
     programmatic = True
 
     def __init__(self, ordinal: int = 0) -> None:
         self._d = _import_driver()
+        self._context: Any = None
+        self._bound = threading.local()  # .done: the context is current on this thread
         try:
-            self._call("cuInit", 0)
+            self._invoke("cuInit", 0)
         except CudaError as err:
             raise AtlasError(f"no usable NVIDIA GPU: {err}") from None
         except Exception as err:  # the binding raises its own error when libcuda is absent
             raise AtlasError(f"no NVIDIA driver found (libcuda): {err}") from None
-        (count,) = self._call("cuDeviceGetCount")
+        (count,) = self._invoke("cuDeviceGetCount")
         if count <= ordinal:
             raise no_such_device(ordinal, count)
-        (self._device,) = self._call("cuDeviceGet", ordinal)
-        (self._context,) = self._call("cuDevicePrimaryCtxRetain", self._device)
-        self._call("cuCtxSetCurrent", self._context)
+        (self._device,) = self._invoke("cuDeviceGet", ordinal)
+        (self._context,) = self._invoke("cuDevicePrimaryCtxRetain", self._device)
 
     def _call(self, name: str, *args: Any) -> tuple[Any, ...]:
+        """A driver call on this thread, with the context made current here first if need be."""
+        if not getattr(self._bound, "done", False):
+            self._invoke("cuCtxSetCurrent", self._context)
+            self._bound.done = True
+        return self._invoke(name, *args)
+
+    def _invoke(self, name: str, *args: Any) -> tuple[Any, ...]:
         result = getattr(self._d, name)(*args)
         err, values = result[0], tuple(result[1:])
         if int(err) != 0:

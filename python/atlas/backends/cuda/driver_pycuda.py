@@ -66,15 +66,23 @@ class PycudaDriver:
             raise AtlasError(f"no usable NVIDIA GPU through pycuda: {err}") from None
         if count <= ordinal:
             raise no_such_device(ordinal, count)
-        self._device = self._call("Device", cuda.Device, ordinal)
-        # retain_primary_context does not make the context current; push does. The push is
-        # undone at exit: pycuda aborts the process if its context stack is not empty then.
-        self._context = self._call("Device.retain_primary_context", self._device.retain_primary_context)
-        self._call("Context.push", self._context.push)
+        self._device = self._invoke("Device", cuda.Device, ordinal)
+        self._context = self._invoke("Device.retain_primary_context", self._device.retain_primary_context)
         self._allocations: dict[int, Any] = {}
         atexit.register(self.release)
 
     def _call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn` with the primary context current on this thread for the call alone. Contexts are
+        current per thread and pycuda keeps a stack per thread that must be empty when the
+        thread (or the process) ends, or it aborts; so nothing stays pushed, and any thread may
+        call (an LLM built on one thread and run on another)."""
+        self._invoke("Context.push", self._context.push)
+        try:
+            return self._invoke(name, fn, *args, **kwargs)
+        finally:
+            self._invoke("Context.pop", self._cuda.Context.pop)
+
+    def _invoke(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except self._cuda.MemoryError as err:  # memory.py recognises the driver's name for it
@@ -84,17 +92,16 @@ class PycudaDriver:
             raise CudaError(f"{name} failed: {f'{result} ({err})' if result else err}") from None
 
     def release(self) -> None:
-        """Free what is still allocated and pop the context (at exit; idempotent)."""
+        """Free what is still allocated (at exit; idempotent)."""
         if self._context is None:
             return
         for allocation in self._allocations.values():
             try:
-                allocation.free()
-            except self._cuda.Error:
+                self._call("DeviceAllocation.free", allocation.free)
+            except CudaError:
                 pass
         self._allocations.clear()
         self._context = None
-        self._cuda.Context.pop()
 
     def device_info(self) -> DeviceInfo:
         attr, dev = self._cuda.device_attribute, self._device
