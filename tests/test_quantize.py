@@ -259,12 +259,15 @@ def test_memory_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(("method", "suffix", "value"), [
-    ("fp8", "weight_scale_inv", np.nan), ("fp8", "weight_scale_inv", np.inf),
-    ("nvfp4", "weight_scale", np.nan), ("nvfp4", "weight_scale_2", -np.inf),
+    ("fp8", "weight_scale_inv", np.nan), ("fp8", "weight_scale_inv", np.inf), ("fp8", "weight_scale_inv", -0.5),
+    ("nvfp4", "weight_scale", np.nan), ("nvfp4", "weight_scale_2", -np.inf), ("nvfp4", "weight_scale", -2.0),
+    ("nvfp4", "weight_scale_2", -1e-3),
 ])
-def test_a_non_finite_scale_is_one_line(tmp_path: Path, demo_quantized: dict[str, Path], rng: np.random.Generator,
-                                        method: str, suffix: str, value: float) -> None:
-    """A NaN / inf scale makes its block garbage without a word: loading names it instead."""
+def test_a_non_finite_or_negative_scale_is_one_line(tmp_path: Path, demo_quantized: dict[str, Path],
+                                                    rng: np.random.Generator, method: str, suffix: str,
+                                                    value: float) -> None:
+    """A NaN / inf scale makes its block garbage and a negative one flips its signs, without a
+    word: loading names it instead."""
     import shutil
 
     from atlas import LLM
@@ -281,5 +284,6 @@ def test_a_non_finite_scale_is_one_line(tmp_path: Path, demo_quantized: dict[str
     with open(info.path, "r+b") as handle:  # the tensor's first element
         handle.seek(info.start)
         handle.write(data)
-    with pytest.raises(AtlasError, match=f"'{part}' in .* holds a NaN or infinite scale"):
+    problem = "a negative scale" if value < 0 and np.isfinite(value) else "a NaN or infinite scale"
+    with pytest.raises(AtlasError, match=f"'{part}' in .* holds {problem}"):
         LLM(str(copy), device="cpu")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from ..errors import AtlasError
@@ -144,14 +145,16 @@ class QuantizedTensors:
         return QuantizedWeight(name, self.scheme.method, self.shape(name), parts, self.scheme.block)
 
     def _check_scales(self, names: dict[str, str], parts: dict[str, np.ndarray]) -> None:
-        """Every scale finite (a NaN or inf scale makes its whole block garbage, silently)."""
+        """Every scale finite and not negative: a NaN or inf scale makes its whole block garbage,
+        a negative one flips its block's signs, both silently (a quantizer writes amax / max >= 0)."""
         for suffix, part in names.items():
             if suffix == "weight":
                 continue
             raw = parts[suffix]
-            if suffix == "weight_scale":  # float8_e4m3fn: the only non-finite codes are NaN, S.1111.111
-                finite = not ((raw.view(np.uint8) & 0x7F) == 0x7F).any()
-            else:  # bf16 (ml_dtypes), f16 or f32 as stored
-                finite = bool(np.isfinite(raw.astype(np.float32)).all())
-            if not finite:
+            if suffix == "weight_scale":  # stored F8_E4M3, read as bytes or as float8_e4m3fn
+                raw = raw.view(np.uint8).view(ml_dtypes.float8_e4m3fn)
+            values = raw.astype(np.float32)  # bf16 (ml_dtypes), f16 or f32 as stored
+            if not np.isfinite(values).all():
                 raise self._bad(part, "holds a NaN or infinite scale")
+            if (values < 0).any():
+                raise self._bad(part, "holds a negative scale")
