@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, overload
 
 from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL
+from .turns import GenerationTurns
 
 if TYPE_CHECKING:
     from .backends.base import SamplingParams
@@ -100,6 +101,7 @@ class LoadedModel:
     engine: EngineLike
     device: str  # which backend runs and why, e.g. "cpu (numpy ...; cuda unavailable: ...)"
     speculation: str = "off"  # e.g. "MTP k=2" or why it is off
+    turns: GenerationTurns = field(default_factory=GenerationTurns)  # one generation at a time on the engine
 
 
 def load_model(
@@ -225,10 +227,11 @@ class LLM:
     def generate_with(
         self, prompt_ids: list[int], opts: GenerateOptions, on_text: Callable[[str], None] | None
     ) -> GenerationResult:
-        """generate() for prompt ids already checked by prepare()."""
+        """generate() for prompt ids already checked by prepare(); one turn of the engine
+        (atlas.turns): calls from other threads wait for it."""
         from .engine import GenerationRequest
 
-        eos_ids = self.eos_ids()
+        eos_ids, turns = self.eos_ids(), self.parts.turns
         out, pieces = OutputText(self.parts.tokenizer, opts, opts.stop, eos_ids), []
 
         def emit(token: int) -> bool:
@@ -237,13 +240,16 @@ class LLM:
                 pieces.append(piece)
                 if on_text:
                     on_text(piece)
+                    turns.check(mine)  # on_text may not start a generation on this LLM
             return out.stopped
 
         watch = on_text is not None or bool(opts.stop)
         request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, eos_ids,
                                     emit if watch else None, opts.logprobs, opts.prompt_logprobs,
                                     self.output_constraint(opts, eos_ids, prompt_ids))
-        stats = self.parts.engine.run(request)
+        with turns.lock:
+            mine = turns.start()
+            stats = self.parts.engine.run(request)
         if watch and (rest := out.flush()):
             pieces.append(rest)
             if on_text:
@@ -300,8 +306,8 @@ class LLM:
 
     def stream(self, prompt: str | list[int], **options: Any) -> Iterator[str]:
         """Yield text pieces as they are generated (options: generate()'s; logprobs are generate()'s
-        alone). Runs on the calling thread (a CUDA context is bound to the thread that opened it);
-        stop reading to stop generating."""
+        alone); stop reading to stop generating. The engine runs one sequence: a stream read after
+        a later generation started on this LLM fails with one line (atlas.turns)."""
         opts = generate_options(**options)
         if opts.logprobs is not None or opts.prompt_logprobs is not None:
             raise AtlasError("stream() yields text only; ask generate() for logprobs")
@@ -310,7 +316,18 @@ class LLM:
         prompt_ids = self.prepare(prompt, opts)
         eos_ids = self.eos_ids()
         out = OutputText(self.parts.tokenizer, opts, opts.stop, eos_ids)
-        for token in iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids, constraint=self.output_constraint(opts, eos_ids, prompt_ids)):
+        tokens = iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids,
+                             constraint=self.output_constraint(opts, eos_ids, prompt_ids))
+        turns, mine = self.parts.turns, None
+        while True:
+            with turns.lock:  # one token's steps at a time; calls from other threads wait between them
+                if mine is None:
+                    mine = turns.start()
+                else:
+                    turns.check(mine)
+                token = next(tokens, None)
+            if token is None:
+                break
             if piece := out.push(token):
                 yield piece
             if out.stopped:

@@ -1,0 +1,94 @@
+"""Generations on one LLM take turns (atlas.turns): concurrent threads each get their own answer,
+and a generation another one overtook fails in one line instead of going on from the other's
+state (a stream had continued with plausible, wrong text)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atlas import LLM
+from atlas.errors import AtlasError
+from atlas.turns import OVERTAKEN
+from runtime_checkpoint import make_tiny_checkpoint
+
+PROMPT_WORDS = ["Beautiful", "is", "better", "than", "ugly", "Flat", "dense.", "Sparse", "nested"]
+OVERTAKEN_START = OVERTAKEN[:40]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    seed = int(np.random.default_rng().integers(0, 2**31))
+    print(f"tiny checkpoint seed: {seed}")
+    return LLM(str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed)), device="cpu")
+
+
+def prompts(rng: np.random.Generator, count: int) -> list[str]:
+    return [" ".join(rng.choice(PROMPT_WORDS, size=int(rng.integers(2, 7)))) for _ in range(count)]
+
+
+def test_a_stream_overtaken_by_generate_fails(tiny: LLM, rng: np.random.Generator) -> None:
+    first, second = prompts(rng, 2)
+    alone = tiny.generate(second, max_tokens=8).text
+    stream = tiny.stream(first, max_tokens=12)
+    next(stream)
+    assert tiny.generate(second, max_tokens=8).text == alone  # the later generation is unharmed
+    with pytest.raises(AtlasError, match=OVERTAKEN_START):
+        next(stream)
+
+
+def test_two_streams_read_in_turn_fail_at_the_older(tiny: LLM, rng: np.random.Generator) -> None:
+    first, second = prompts(rng, 2)
+    older, newer = tiny.stream(first, max_tokens=6), tiny.stream(second, max_tokens=6)
+    next(older)
+    expected = "".join(tiny.stream(second, max_tokens=6))
+    assert "".join(newer) == expected  # started after `older`'s token: runs whole, on its own state
+    with pytest.raises(AtlasError, match=OVERTAKEN_START):
+        next(older)
+
+
+def test_a_closed_stream_leaves_the_next_generation_alone(tiny: LLM, rng: np.random.Generator) -> None:
+    first, second = prompts(rng, 2)
+    alone = tiny.generate(second, max_tokens=8).text
+    stream = tiny.stream(first, max_tokens=12)
+    next(stream)
+    stream.close()
+    assert tiny.generate(second, max_tokens=8).text == alone
+    assert "".join(tiny.stream(second, max_tokens=8)) == alone
+
+
+def test_generate_from_on_text_fails_the_outer_generation(tiny: LLM, rng: np.random.Generator) -> None:
+    outer, inner = prompts(rng, 2)
+    nested: list[str] = []
+
+    def on_text(piece: str) -> None:
+        if not nested:
+            nested.append(tiny.generate(inner, max_tokens=4).text)
+
+    with pytest.raises(AtlasError, match=OVERTAKEN_START):
+        tiny.generate(outer, max_tokens=10, min_tokens=10, on_text=on_text)
+    assert nested == [tiny.generate(inner, max_tokens=4).text]
+
+
+def test_threads_sharing_an_llm_each_get_their_own_answer(tiny: LLM, rng: np.random.Generator) -> None:
+    """generate() is one turn: concurrent calls queue instead of stepping on each other's state."""
+    texts = prompts(rng, 6)
+    options = {"max_tokens": 24, "min_tokens": 24}
+    alone = [tiny.generate(p, **options).text for p in texts]
+    found: dict[int, str | BaseException] = {}
+
+    def run(i: int) -> None:
+        try:
+            found[i] = tiny.generate(texts[i], **options).text
+        except BaseException as err:  # noqa: BLE001 - compared below
+            found[i] = err
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(texts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [found[i] for i in range(len(texts))] == alone
