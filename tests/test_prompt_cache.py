@@ -159,6 +159,28 @@ def test_a_failed_pass_forgets_the_state(rng: np.random.Generator, monkeypatch: 
     np.testing.assert_allclose(got, fresh.backend.to_numpy(fresh.prefill(second)), rtol=RTOL, atol=1e-5)
 
 
+def test_an_interrupted_reset_forgets_the_checkpoints(rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while a fresh prompt's states were being made had left the engine without states but
+    with checkpoints: the next prompt that resumed from one crashed (IndexError)."""
+    import atlas.engine as engine_module
+
+    cached, fresh = engine(prompt_cache=4), engine(prompt_cache=0)
+    a = ids(rng, int(rng.integers(20, 140)))
+    cached.prefill(a)
+    make_states = engine_module.new_states
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine_module, "new_states", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cached.prefill(ids(rng, 30))  # shares nothing: a fresh state
+    monkeypatch.setattr(engine_module, "new_states", make_states)
+    second = a + ids(rng, 5)
+    np.testing.assert_allclose(cached.backend.to_numpy(cached.prefill(second)),
+                               fresh.backend.to_numpy(fresh.prefill(second)), rtol=RTOL, atol=1e-5)
+
+
 def test_a_decode_without_its_token_id_forgets(rng: np.random.Generator) -> None:
     cached = engine(prompt_cache=4)
     a = ids(rng, 40)

@@ -115,11 +115,13 @@ class Engine:
         self.reset()
 
     def reset(self) -> None:
-        """Fresh caches and states; the decode step is rebuilt on first use for the new buffers."""
+        """Fresh caches and states; the decode step is rebuilt on first use for the new buffers.
+        The prompt cache forgets first: interrupted (Ctrl-C) after it, the next prompt starts fresh
+        again instead of resuming into states that are gone."""
+        self.prompt_cache.reset()
         self._decode: Callable[[Tensor, Tensor], Tensor] | None = None
         self.states: list[Any] = []  # the old states go back to the memory pool before new ones are made
         self.states = new_states(self.model.layers, self.backend, self.max_seq_len, self.kv_plan)
-        self.prompt_cache.reset()
 
     # --- steps --------------------------------------------------------------------------------
     def forward(self, ids: Tensor, positions: Tensor) -> Tensor:
