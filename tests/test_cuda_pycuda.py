@@ -504,8 +504,14 @@ def test_a_driver_opened_on_one_thread_runs_on_another(fake: Harness, rng: np.ra
 def test_arena_is_deterministic_and_grows_then_folds(fake: Harness, rng: np.random.Generator) -> None:
     from test_cuda_select import arena_grows_then_folds
 
-    arena_grows_then_folds(make_runtime(arena_bytes=1 << 20), rng, HEAP_ALIGN)
+    import gc
+
+    rt = make_runtime(arena_bytes=1 << 20)
+    arena_grows_then_folds(rt, rng, HEAP_ALIGN)
     assert len(fake.gpu.allocations) == 1  # the two grown blocks were freed for one folded block
+    del rt
+    gc.collect()
+    assert fake.gpu.allocations == {} and fake.gpu.pushed() == 0  # a collected runtime frees its memory
 
 
 def test_uploads_reads_memsets_and_copies_round_trip(fake: Harness, rng: np.random.Generator) -> None:

@@ -670,6 +670,41 @@ def test_footprint_matches_what_loading_allocates(
     assert held - weights == estimate.kv_cache + estimate.states
 
 
+def test_closing_or_dropping_a_model_frees_its_device_memory(tiny_checkpoints: dict[str, Path],
+                                                             rng: np.random.Generator) -> None:
+    """Device memory had stayed allocated after its LLM was gone (a notebook loading another model,
+    a test process building one after another); now collecting the runtime frees it, and
+    LLM.close() / a with-block frees it at once and refuses to generate after."""
+    import gc
+
+    from atlas.backends.cuda.backend import CudaBackend
+    from atlas.config import load_spec
+    from atlas.demo import DEMO_DIR
+    from atlas.engine import Engine
+    from atlas.llm import LLM, LoadedModel
+    from atlas.safetensors import Checkpoint
+    from atlas.tokenizer import Tokenizer
+
+    model_dir = tiny_checkpoints[str(rng.choice(["bf16", "fp8", "nvfp4"]))]
+    spec, checkpoint = load_spec(model_dir), Checkpoint.open(model_dir)
+    rt, driver = make_runtime()
+    engine = Engine(spec, checkpoint, CudaBackend(rt, use_graphs=False), int(rng.integers(8, 300)))
+    assert _allocated(driver) > 0
+    del engine, rt
+    gc.collect()
+    assert driver.allocs == {}
+
+    rt, driver = make_runtime()
+    engine = Engine(spec, checkpoint, CudaBackend(rt, use_graphs=False), int(rng.integers(8, 300)))
+    tokenizer = Tokenizer.open(DEMO_DIR)  # the tiny checkpoints have none; nothing is encoded below
+    with LLM.from_loaded(LoadedModel(model_dir, spec, tokenizer, engine, "cuda (fake)")) as llm:
+        assert _allocated(driver) > 0 and not rt.closed
+    assert driver.allocs == {} and rt.closed
+    llm.close()  # idempotent
+    with pytest.raises(AtlasError, match="this LLM was closed"):
+        llm.generate([1, 2], max_tokens=2)
+
+
 def live_bytes(pool: Any) -> int:
     """Pool bytes held by live tensors: allocated, less the blocks it keeps for reuse or has yet
     to free (a loader's upload temporaries end there)."""

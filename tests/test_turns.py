@@ -20,10 +20,15 @@ OVERTAKEN_START = OVERTAKEN[:40]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     seed = int(np.random.default_rng().integers(0, 2**31))
     print(f"tiny checkpoint seed: {seed}")
-    return LLM(str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed)), device="cpu")
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir: Path) -> LLM:
+    return LLM(str(tiny_dir), device="cpu")
 
 
 def prompts(rng: np.random.Generator, count: int) -> list[str]:
@@ -71,6 +76,17 @@ def test_generate_from_on_text_fails_the_outer_generation(tiny: LLM, rng: np.ran
     with pytest.raises(AtlasError, match=OVERTAKEN_START):
         tiny.generate(outer, max_tokens=10, min_tokens=10, on_text=on_text)
     assert nested == [tiny.generate(inner, max_tokens=4).text]
+
+
+def test_a_closed_llm_refuses_to_go_on(tiny_dir: Path, rng: np.random.Generator) -> None:
+    first, second = prompts(rng, 2)
+    with LLM(str(tiny_dir), device="cpu") as llm:
+        stream = llm.stream(first, max_tokens=8)
+        next(stream)
+    for attempt in (lambda: next(stream), lambda: llm.generate(second, max_tokens=2),
+                    lambda: "".join(llm.stream(second, max_tokens=2))):
+        with pytest.raises(AtlasError, match="this LLM was closed"):
+            attempt()
 
 
 def test_threads_sharing_an_llm_each_get_their_own_answer(tiny: LLM, rng: np.random.Generator) -> None:

@@ -80,6 +80,8 @@ class GenerateOptions:
 class EngineLike(Protocol):
     """What LLM needs of atlas.engine.Engine."""
 
+    backend: Any  # atlas.backends.base.Backend
+
     def run(self, request: Any) -> Any: ...  # atlas.engine.GenerationRequest -> GenerationStats
 
     def prefill(self, prompt_ids: list[int]) -> Any: ...  # logits of the last prompt token [1, V]
@@ -176,6 +178,21 @@ class LLM:
         llm = cls.__new__(cls)
         llm.parts = parts
         return llm
+
+    def close(self) -> None:
+        """Free the model's memory now (device memory on a GPU) rather than when the LLM is
+        collected; idempotent. Generating afterwards, or reading a stream opened before, is one
+        AtlasError line. `with LLM(...) as llm:` closes at the end of the block."""
+        turns = self.parts.turns
+        with turns.lock:  # after a generation running on another thread
+            turns.closed = True
+            self.parts.engine.backend.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def device(self) -> str:

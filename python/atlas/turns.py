@@ -23,17 +23,26 @@ OVERTAKEN = (
 )
 
 
+CLOSED = "this LLM was closed (LLM.close() or the end of its with-block) and its memory freed; load a new LLM"
+
+
 @dataclass
 class GenerationTurns:
     lock: threading.RLock = field(default_factory=threading.RLock)
     latest: int = 0  # the number of the generation that started last
+    closed: bool = False  # LLM.close(): no generation may start or go on
 
     def start(self) -> int:
         """A new generation's number (call with the lock held)."""
+        if self.closed:
+            raise AtlasError(CLOSED)
         self.latest += 1
         return self.latest
 
     def check(self, mine: int) -> None:
-        """AtlasError when a generation started after `mine` (call with the lock held)."""
+        """AtlasError when the LLM was closed or a generation started after `mine` (call with the
+        lock held)."""
+        if self.closed:
+            raise AtlasError(CLOSED)
         if self.latest != mine:
             raise AtlasError(OVERTAKEN)

@@ -150,6 +150,10 @@ class Backend(Protocol):
         """t [T, ...] -> its rows start..stop-1 [stop - start, ...], a view (no copy, no read-back;
         valid while t is)."""
 
+    def close(self) -> None:
+        """Give the backend's memory back now (idempotent; its tensors are invalid after). The
+        CUDA backend frees its device memory, as it does when collected; host arrays need nothing."""
+
     # --- dense ops ----------------------------------------------------------------------------
     def embedding(self, table: Tensor, ids: Tensor) -> Tensor:
         """table [V, H], ids [T] i32 -> [T, H]."""

@@ -190,6 +190,9 @@ class NumpyBackend:
     def rows(self, t: Tensor, start: int, stop: int) -> Tensor:
         return t[start:stop]
 
+    def close(self) -> None:
+        pass  # host arrays go with their last reference
+
     # --- dense ops ----------------------------------------------------------------------------
     def embedding(self, table: Tensor, ids: Tensor) -> Tensor:
         if isinstance(table, HostMatrix):

@@ -77,6 +77,9 @@ class CudaBackend:
     def rows(self, t: DeviceTensor, start: int, stop: int) -> DeviceTensor:
         return t.rows(start, stop)
 
+    def close(self) -> None:
+        self.rt.close()
+
     def copy(self, dst: DeviceTensor, src: DeviceTensor) -> None:
         """dst[...] = src, device to device in stream order (speculative decoding's state
         snapshots and the hidden states it carries across steps)."""

@@ -76,6 +76,8 @@ class PycudaDriver:
         current per thread and pycuda keeps a stack per thread that must be empty when the
         thread (or the process) ends, or it aborts; so nothing stays pushed, and any thread may
         call (an LLM built on one thread and run on another)."""
+        if self._context is None:
+            raise CudaError(f"{name}: the pycuda driver was released at exit")
         self._invoke("Context.push", self._context.push)
         try:
             return self._invoke(name, fn, *args, **kwargs)

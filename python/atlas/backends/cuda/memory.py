@@ -119,6 +119,7 @@ class PersistentPool:
     allocated_bytes: int = 0
     _free: dict[int, list[int]] = field(default_factory=dict)
     _pending_free: list[tuple[int, int]] = field(default_factory=list)
+    _owned: dict[int, int] = field(default_factory=dict)  # every cuMemAlloc not yet freed: ptr -> size
 
     def alloc(self, nbytes: int) -> Allocation:
         size = _round_up(max(nbytes, 1), ALIGN)
@@ -128,12 +129,15 @@ class PersistentPool:
         else:
             self.trim()
             ptr = self.driver.mem_alloc(size)
+            self._owned[ptr] = size
             self.allocated_bytes += size
         allocation = Allocation(ptr, size)
         weakref.finalize(allocation, self._give_back, ptr, size)
         return allocation
 
     def _give_back(self, ptr: int, size: int) -> None:
+        if ptr not in self._owned:  # freed by release() while its owner lived on
+            return
         if size <= CACHED_MAX_BYTES:
             self._free.setdefault(size, []).append(ptr)
         else:
@@ -144,4 +148,14 @@ class PersistentPool:
         while self._pending_free:
             ptr, size = self._pending_free.pop()
             self.driver.mem_free(ptr)
+            del self._owned[ptr]
             self.allocated_bytes -= size
+
+    def release(self) -> None:
+        """Free every allocation, in use or not (the runtime is closing: nothing runs on them again)."""
+        owned, self._owned = self._owned, {}
+        self._free.clear()
+        self._pending_free.clear()
+        self.allocated_bytes = 0
+        for ptr in owned:
+            self.driver.mem_free(ptr)

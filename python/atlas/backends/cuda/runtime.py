@@ -8,6 +8,7 @@ name with their params struct passed by value.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,12 +66,24 @@ class CudaRuntime:
         self.stream: Handle = driver.stream_create()
         self.arena = StepArena(driver, options.arena_bytes)
         self.pool = PersistentPool(driver)
+        # Device memory goes back when the runtime is closed or collected (an LLM dropped in a
+        # notebook or a test process); not at interpreter exit, where the process frees it anyway.
+        self._release = weakref.finalize(self, release_memory, driver, self.stream, self.arena, self.pool)
+        self._release.atexit = False
         self.capturing = False
         self.programmatic = options.programmatic  # bench/decode.py sets it to time both forms
         if self.programmatic:
             check_programmatic(driver, self.cc, image)
         self._functions: dict[str, Handle] = {}
         self._smem_set: dict[str, int] = {}
+
+    def close(self) -> None:
+        """Free every device allocation now (idempotent); nothing may run on this runtime after."""
+        self._release()
+
+    @property
+    def closed(self) -> bool:
+        return not self._release.alive
 
     # --- memory -------------------------------------------------------------------------------
     def empty(self, shape: tuple[int, ...], dtype: StorageDType) -> DeviceTensor:
@@ -181,6 +194,17 @@ class CudaRuntime:
                 f"{what} inside a captured decode step: allocate and upload before the step, "
                 "use backend ops and rt.empty inside it"
             )
+
+
+def release_memory(driver: Driver, stream: Handle, arena: StepArena, pool: PersistentPool) -> None:
+    """A runtime's arena and pool, freed once its queued work is done (a closing runtime runs no
+    graph again, so freeing what its graphs reference is safe)."""
+    try:
+        driver.stream_synchronize(stream)
+        arena.release()
+        pool.release()
+    except CudaError:  # a kernel fault lost the context: nothing can be freed, nor used, any more
+        pass
 
 
 def _check_dims(kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int]) -> None:
