@@ -166,6 +166,17 @@ def test_bad_options(tiny: LLM, options: dict[str, float], needle: str) -> None:
         tiny.generate("Beautiful", **options)
 
 
+def test_numpy_scalars_are_the_values_they_hold(tiny: LLM, rng: np.random.Generator) -> None:
+    """Options given as numpy scalars (an index or a count from an array): np.uint8 had wrapped when
+    negated (truncate_prompt_tokens kept 130 of 376 tokens for 10) and np.int8 logprobs overflowed."""
+    prompt = " ".join(rng.choice(PROMPT_WORDS, size=12))
+    plain = {"max_tokens": 6, "logprobs": 3, "truncate_prompt_tokens": 3, "top_k": 5, "temperature": 0.75,
+             "top_p": 0.5, "seed": int(rng.integers(0, 200)), "min_tokens": 2}
+    typed = {k: np.float32(v) if isinstance(v, float) else np.uint8(v) for k, v in plain.items()}
+    want, got = tiny.generate(prompt, **plain), tiny.generate(prompt, **typed)  # type: ignore[arg-type]
+    assert got.prompt_tokens == 3 and got.token_ids == want.token_ids and got.logprobs == want.logprobs
+
+
 def test_length_limit_is_exact(tiny: LLM) -> None:
     capacity = min(tiny.parts.spec.context_length, tiny.parts.engine.max_seq_len)
     prompt = [1, 2, 3]

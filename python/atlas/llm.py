@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from os import PathLike, fspath
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, overload
@@ -55,6 +55,9 @@ class SamplingExtras:
     min_tokens: int = 0  # vLLM's: no eos (or stop id) before this many tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, bias in [-100, 100]) pairs
 
+    def __post_init__(self) -> None:
+        python_scalars(self)
+
 
 @dataclass(frozen=True)
 class GenerateOptions:
@@ -75,6 +78,23 @@ class GenerateOptions:
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these ids may be picked
     bad_words: tuple[str, ...] = ()  # vLLM's: no text ends with one of these words' tokens
     thinking_token_budget: int | None = None  # vLLM's: the reasoning block's most tokens (atlas.thinking_budget)
+
+    def __post_init__(self) -> None:
+        python_scalars(self)
+
+
+def python_scalar(value: Any) -> Any:
+    """A numpy scalar as the Python value it holds; anything else as it is."""
+    import numpy as np
+
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def python_scalars(options: Any) -> None:
+    """A frozen dataclass's numpy scalar fields made Python's: arithmetic on them had wrapped or
+    overflowed (np.uint8(10) as truncate_prompt_tokens kept 130 tokens, np.int8 logprobs overflowed)."""
+    for f in fields(options):
+        object.__setattr__(options, f.name, python_scalar(getattr(options, f.name)))
 
 
 class EngineLike(Protocol):
@@ -170,6 +190,8 @@ class LLM:
     ) -> None:
         from .kvcache.options import KVCacheOptions
 
+        kv_high_precision_layers, spec_k, max_seq_len, prompt_cache = (
+            python_scalar(v) for v in (kv_high_precision_layers, spec_k, max_seq_len, prompt_cache))
         kv_cache = KVCacheOptions(kv_cache_dtype, kv_high_precision_layers)
         self.parts = load_model(model, device, kv_cache, spec_k, max_seq_len, prompt_cache, hf_overrides=hf_overrides)
 
