@@ -4,7 +4,9 @@ checkpoint, streaming, seeds, argument errors, and the backend factory."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -210,8 +212,31 @@ def test_bad_prompts(tiny: LLM) -> None:
         tiny.generate("", max_tokens=2)
     with pytest.raises(AtlasError, match="text prompt"):
         tiny.generate([1, 2], chat=True)
-    with pytest.raises(TypeError, match="max_new_tokens"):
+    with pytest.raises(AtlasError, match="unknown option 'max_new_tokens'; did you mean 'max_tokens'"):
         tiny.generate("x", max_new_tokens=3)
+    with pytest.raises(AtlasError, match="unknown option 'on_text'; the options are max_tokens, "):
+        list(tiny.stream("x", on_text=print))
+
+
+@pytest.mark.parametrize(("call", "needle"), [
+    (lambda llm: llm.generate("x", max_tokens=2, on_text="print"), "on_text must be a function"),
+    (lambda llm: llm.generate("x", max_tokens=2, temperature=10**400), "temperature must be a number, got 1000"),
+    (lambda llm: llm.chat([{"role": "user", "content": "x"}], template_kwargs={"messages": []}),
+     "template_kwargs may not set 'messages'"),
+    (lambda llm: llm.chat([{"role": "user", "content": "x"}], template_kwargs={"self": 1}),
+     "template_kwargs may not set 'self'"),
+    (lambda llm: llm.chat([{"role": "user", "content": "x"}], template_kwargs={1: 2}),
+     "template_kwargs must be a dict of template variables by name"),
+    (lambda llm: llm.chat([{"role": "user", "content": "x"}], template_kwargs=["enable_thinking"]),
+     "template_kwargs must be a dict"),
+])  # fmt: skip
+def test_argument_mistakes_are_one_line(call: Any, needle: str) -> None:
+    """Each had been a Python traceback (a TypeError or OverflowError from inside atlas), the
+    first only after the prompt had run."""
+    demo = LLM(device="cpu")  # the demo has a chat template
+    with pytest.raises(AtlasError, match=re.escape(needle)) as err:
+        call(demo)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(("prompt", "needle"), [

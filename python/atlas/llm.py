@@ -252,7 +252,9 @@ class LLM:
         chat, logprobs, prompt_logprobs, min_p, presence_penalty, frequency_penalty,
         repetition_penalty, min_tokens, stop, logit_bias, json_object, json_schema, regex, choice,
         grammar, output_after, thinking_token_budget)."""
-        opts = generate_options(**options)
+        opts = options_from(options)
+        if on_text is not None and not callable(on_text):
+            raise AtlasError(f"on_text must be a function taking each text piece, got {on_text!r:.60}")
         if not is_batch(prompt):
             return self.generate_with(self.prepare(prompt, opts), opts, on_text)  # type: ignore[arg-type]
         if on_text is not None:
@@ -347,7 +349,7 @@ class LLM:
         """Yield text pieces as they are generated (options: generate()'s; logprobs are generate()'s
         alone); stop reading to stop generating. The engine runs one sequence: a stream read after
         a later generation started on this LLM fails with one line (atlas.turns)."""
-        opts = generate_options(**options)
+        opts = options_from(options)
         if opts.logprobs is not None or opts.prompt_logprobs is not None:
             raise AtlasError("stream() yields text only; ask generate() for logprobs")
         if is_batch(prompt):
@@ -579,6 +581,20 @@ def token_ids(prompt: object) -> list[int]:
     return [int(t) for t in ids]
 
 
+def options_from(options: dict[str, Any]) -> GenerateOptions:
+    """generate_options(**options), an unknown name one line with the nearest known one."""
+    import difflib
+    import inspect
+
+    known = inspect.signature(generate_options).parameters
+    for name in options:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; the options are {', '.join(known)}"
+            raise AtlasError(f"unknown option {name!r}{hint}")
+    return generate_options(**options)
+
+
 def generate_options(
     *,
     max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -697,7 +713,7 @@ def check_options(opts: GenerateOptions) -> None:
     del reals["min_tokens"], reals["logit_bias"]  # an integer and pairs: check_sampling checks them
     for name, value in reals.items():
         if not is_real(value):
-            raise AtlasError(f"{name} must be a number, got {value!r}")
+            raise AtlasError(f"{name} must be a number, got {value!r:.60}")
     if not is_int(opts.top_k):
         raise AtlasError(f"top_k must be an integer, got {opts.top_k!r}")
     for name in ("skip_special_tokens", "include_stop_str_in_output"):

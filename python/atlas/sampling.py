@@ -37,8 +37,14 @@ def is_int(value: object) -> bool:
 
 
 def is_real(value: object) -> bool:
-    """A real-number request field (integers too; bool is not one)."""
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    """A real-number request field that a float holds (integers too, up to ~1.8e308; bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    try:
+        float(value)
+    except OverflowError:  # an integer of 309+ digits
+        return False
+    return True
 
 
 def check_sampling(params: SamplingParams) -> None:

@@ -148,6 +148,7 @@ class Tokenizer:
         if continue_final and add_generation_prompt:
             raise AtlasError("continue_final_message and add_generation_prompt exclude each other: "
                              "set add_generation_prompt to false to continue the final message")
+        check_template_kwargs(template_kwargs)
         variables = {**self.template_defaults, **(template_kwargs or {})}
         if not continue_final:
             return self.encode(self.apply_chat_template(messages, add_generation_prompt, **variables), add_special_tokens=False)
@@ -156,6 +157,21 @@ class Tokenizer:
             raise AtlasError("continue_final_message: the chat template does not write the final message's text, "
                              "so there is no place to continue it from")
         return self.encode(marked[: marked.index(FINAL_MARK)], add_special_tokens=False)
+
+
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "self"})  # arguments of their own
+
+
+def check_template_kwargs(values: object) -> None:
+    """template_kwargs: a dict of template variables named by strings, none of them an argument."""
+    if values is None:
+        return
+    if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+        raise AtlasError(f"template_kwargs must be a dict of template variables by name "
+                         f"(e.g. {{'enable_thinking': False}}), got {values!r:.80}")
+    if taken := sorted(RESERVED_TEMPLATE_KWARGS & set(values)):
+        raise AtlasError(f"template_kwargs may not set {taken[0]!r}: give messages and add_generation_prompt "
+                         "as chat()'s own arguments")
 
 
 FINAL_MARK = "\ue000atlas:continue-here\ue000"  # private-use characters: no message holds them
