@@ -221,6 +221,7 @@ def test_bad_prompts(tiny: LLM) -> None:
 @pytest.mark.parametrize(("call", "needle"), [
     (lambda llm: llm.generate("x", max_tokens=2, on_text="print"), "on_text must be a function"),
     (lambda llm: llm.generate("x", max_tokens=2, temperature=10**400), "temperature must be a number, got 1000"),
+    (lambda llm: llm.generate("x", max_tokens=2, chat="yes"), "chat must be True or False, got 'yes'"),
     (lambda llm: llm.chat([{"role": "user", "content": "x"}], template_kwargs={"messages": []}),
      "template_kwargs may not set 'messages'"),
     (lambda llm: llm.chat([{"role": "user", "content": "x"}], template_kwargs={"self": 1}),

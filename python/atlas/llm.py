@@ -716,7 +716,7 @@ def check_options(opts: GenerateOptions) -> None:
             raise AtlasError(f"{name} must be a number, got {value!r:.60}")
     if not is_int(opts.top_k):
         raise AtlasError(f"top_k must be an integer, got {opts.top_k!r}")
-    for name in ("skip_special_tokens", "include_stop_str_in_output"):
+    for name in ("chat", "skip_special_tokens", "include_stop_str_in_output"):
         if not isinstance(getattr(opts, name), bool):
             raise AtlasError(f"{name} must be True or False, got {getattr(opts, name)!r}")
     keep = opts.truncate_prompt_tokens
