@@ -168,6 +168,19 @@ def test_bad_options(tiny: LLM, options: dict[str, float], needle: str) -> None:
         tiny.generate("Beautiful", **options)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rules_that_leave_nothing_fail_greedy_as_sampled(temperature: float, rng: np.random.Generator) -> None:
+    """Only the eos allowed, and min_tokens banning it: greedy had picked the banned eos (min_tokens
+    ignored, finish 'stop') where sampling refused."""
+    from atlas.structured import NoAllowedToken
+
+    demo = LLM(device="cpu")
+    eos = sorted(demo.eos_ids())[0]
+    with pytest.raises(NoAllowedToken):
+        demo.generate("Flat is", max_tokens=8, allowed_token_ids=[eos], min_tokens=int(rng.integers(1, 5)),
+                      temperature=temperature, seed=int(rng.integers(0, 100)))
+
+
 def test_numpy_scalars_are_the_values_they_hold(tiny: LLM, rng: np.random.Generator) -> None:
     """Options given as numpy scalars (an index or a count from an array): np.uint8 had wrapped when
     negated (truncate_prompt_tokens kept 130 of 376 tokens for 10) and np.int8 logprobs overflowed."""

@@ -160,6 +160,10 @@ class TokenConstraint:
         for order in orders:  # the full sort only when no candidate fits
             for token in order():
                 if self.allows(int(token)):
+                    # The most likely allowed one banned (min_tokens' eos): all are. A complete shape
+                    # still ends with it: nothing else may follow the closed value.
+                    if z[token] == -np.inf and not self.complete:
+                        raise NoAllowedToken()
                     return int(token)
         raise NoAllowedToken()
 
