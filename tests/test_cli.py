@@ -402,7 +402,7 @@ def test_chat_template_kwargs(tmp_path: Path) -> None:
     from atlas import LLM
 
     assert done.stdout == LLM(device="cpu").generate("Flat is!", max_tokens=6).text + "\n"
-    for bad in ("{shout", '["shout"]', '{"messages": []}'):
+    for bad in ("{shout", '["shout"]', '{"messages": []}', '{"self": 1}'):
         done = run_cli("--chat", "--chat-template-kwargs", bad)
         assert done.returncode == 2 and "--chat-template-kwargs" in done.stderr, done.stderr
 

@@ -146,7 +146,7 @@ def test_continuing_a_message_inside_its_reasoning_block(client: TestClient, sta
     assert (message["reasoning_content"], message["content"]) == want
 
 
-@pytest.mark.parametrize("kwargs", [5, {"messages": []}, {"add_generation_prompt": False}])
+@pytest.mark.parametrize("kwargs", [5, {"messages": []}, {"add_generation_prompt": False}, {"self": 1}, {"tools": []}])
 def test_bad_template_kwargs(client: TestClient, kwargs: Any) -> None:
     body = {"model": DEMO_NAME, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
     answer = client.post("/v1/chat/completions", json=body)

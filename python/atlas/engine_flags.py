@@ -20,6 +20,7 @@ from .backends import DEVICES
 from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL, LEVEL_NAMES
 from . import json_text
+from .tokenizer import SERVER_TEMPLATE_NAMES
 
 if TYPE_CHECKING:
     from .llm import LLM
@@ -75,10 +76,9 @@ class EngineFlags:
         except json.JSONDecodeError as err:
             raise AtlasError(f"--chat-template-kwargs is not JSON ({err.msg}); give an object such as "
                              "'{\"enable_thinking\": false}'") from None
-        reserved = {"messages", "add_generation_prompt", "tools"}
-        if not isinstance(value, dict) or reserved & set(value):
+        if not isinstance(value, dict) or SERVER_TEMPLATE_NAMES & set(value):
             raise AtlasError("--chat-template-kwargs must be a JSON object of template variables other than "
-                             "messages, add_generation_prompt and tools")
+                             + ", ".join(sorted(SERVER_TEMPLATE_NAMES)))
         return value
 
     def config_overrides(self) -> dict[str, Any] | None:

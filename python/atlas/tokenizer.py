@@ -160,6 +160,8 @@ class Tokenizer:
 
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "self"})  # arguments of their own
+# the server and --chat-template-kwargs also pass the request's tools to the template themselves
+SERVER_TEMPLATE_NAMES = RESERVED_TEMPLATE_KWARGS | {"tools"}
 
 
 def check_template_kwargs(values: object) -> None:

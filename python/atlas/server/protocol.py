@@ -13,7 +13,7 @@ from typing import Any
 
 from ..llm import SamplingExtras
 from ..errors import AtlasError
-from ..tokenizer import first_line
+from ..tokenizer import SERVER_TEMPLATE_NAMES, first_line
 from ..sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K,
                         MIN_REPETITION_PENALTY, is_int, logit_bias_pairs)
 from .errors import RequestError
@@ -27,7 +27,6 @@ Message = dict[str, Any]  # role, content (text), and tool_calls / tool_call_id 
 MAX_STOPS = 16
 MAX_CHOICES = 16  # n: choices run one after another, so a request's time grows with it
 MAX_PROMPTS = 16  # a completions batch, answered one prompt after another
-RESERVED_TEMPLATE_NAMES = {"messages", "add_generation_prompt", "tools"}
 
 # field -> its values that change nothing; any other value is refused (we cannot honour it)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -332,7 +331,7 @@ def parse_template_kwargs(value: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(value, dict):
         raise RequestError("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
-    taken = sorted(set(value) & RESERVED_TEMPLATE_NAMES)
+    taken = sorted(set(value) & SERVER_TEMPLATE_NAMES)
     if taken:
         raise RequestError(f"'chat_template_kwargs' may not set {taken[0]!r}: the server sets it", "chat_template_kwargs")
     return value
