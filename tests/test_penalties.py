@@ -149,6 +149,8 @@ def test_min_tokens_holds_off_the_end() -> None:
         assert "".join(llm.stream(prompt, max_tokens=60, min_tokens=30, temperature=temperature, seed=2)) == held.text
     with pytest.raises(AtlasError, match="min_tokens"):
         llm.generate(prompt, max_tokens=4, min_tokens=-1)
+    with pytest.raises(AtlasError, match=r"min_tokens \(5\) must be <= max_tokens \(4\)"):  # as vLLM
+        llm.generate(prompt, max_tokens=4, min_tokens=5)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -30,6 +30,7 @@ openai = pytest.importorskip("openai", reason="the openai client is in the test 
 uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is an atlas dependency: pip install .")
 
 from atlas import LLM  # noqa: E402
+from atlas.llm import DEFAULT_MAX_TOKENS  # noqa: E402
 from atlas.demo import DEMO_NAME, zen_of_python  # noqa: E402
 from atlas.sampling import is_int  # noqa: E402
 from atlas.server.app import ServerState, create_app  # noqa: E402
@@ -485,6 +486,10 @@ def test_stop_token_ids_and_ignore_eos(served: Served, rng: np.random.Generator)
     held = served.client().completions.create(model=DEMO_NAME, prompt="Namespaces are one honking great", max_tokens=60,
                                               temperature=0, extra_body={"min_tokens": 30})
     assert held.usage.completion_tokens >= 30
+    beyond = DEFAULT_MAX_TOKENS + int(rng.integers(1, 40))  # no max_tokens: the length stretches to min_tokens
+    held = served.client().completions.create(model=DEMO_NAME, prompt="Namespaces are one honking great",
+                                              temperature=0, extra_body={"min_tokens": beyond})
+    assert held.usage.completion_tokens >= beyond
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -828,6 +833,8 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("stop_token_ids beyond the vocabulary", {**GOOD, "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("ignore_eos not bool", {**GOOD, "ignore_eos": 1}, "ignore_eos"),
     ("min_tokens negative", {**GOOD, "min_tokens": -1}, "min_tokens"),
+    ("min_tokens above max_tokens", {**GOOD, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("min_tokens beyond context", {"model": DEMO_NAME, "prompt": "Beautiful", "min_tokens": 10**6}, "min_tokens"),
     ("json schema with lookaround", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "string", "pattern": "^(?!a)"}}}}, "response_format"),
     ("json schema not a schema", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {

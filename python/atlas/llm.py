@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -584,13 +585,11 @@ def token_ids(prompt: object) -> list[int]:
 def options_from(options: dict[str, Any]) -> GenerateOptions:
     """generate_options(**options), an unknown name one line with the nearest known one."""
     import difflib
-    import inspect
 
-    known = inspect.signature(generate_options).parameters
     for name in options:
-        if name not in known:
-            near = difflib.get_close_matches(name, known, n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else f"; the options are {', '.join(known)}"
+        if name not in OPTION_NAMES:
+            near = difflib.get_close_matches(name, OPTION_NAMES, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; the options are {', '.join(OPTION_NAMES)}"
             raise AtlasError(f"unknown option {name!r}{hint}")
     return generate_options(**options)
 
@@ -656,6 +655,9 @@ def generate_options(
                            stop_strings(stop), output, skip_special_tokens, include_stop_str_in_output,
                            truncate_prompt_tokens, as_tuple(allowed_token_ids), as_tuple(bad_words),
                            thinking_token_budget)
+
+
+OPTION_NAMES = tuple(inspect.signature(generate_options).parameters)  # options_from's known names
 
 
 def as_tuple(value: Any) -> Any:
@@ -726,6 +728,8 @@ def check_options(opts: GenerateOptions) -> None:
         opts.output.shape()  # compiled (and kept) now: a format generation cannot follow fails here
     check_budget(opts.thinking_token_budget)
     check_sampling(sampling_params(opts))
+    if opts.extras.min_tokens > max_tokens:  # as vLLM: it could never be honoured
+        raise AtlasError(f"min_tokens ({opts.extras.min_tokens}) must be <= max_tokens ({max_tokens})")
 
 
 def sampling_params(opts: GenerateOptions) -> SamplingParams:

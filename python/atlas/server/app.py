@@ -532,7 +532,14 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
             "max_tokens", "context_length_exceeded",
         )
     s = body.sampling
-    max_tokens = wanted if wanted is not None else min(state.default_max_tokens, room)
+    if s.extras.min_tokens > room:
+        raise RequestError(
+            f"min_tokens {s.extras.min_tokens} does not fit: the prompt has {prompt_tokens} tokens and the "
+            f"context holds {capacity}, so at most {room} new tokens; lower min_tokens",
+            "min_tokens", "context_length_exceeded",
+        )
+    # no max_tokens: the server's default, or min_tokens where that asks for more
+    max_tokens = wanted if wanted is not None else min(max(state.default_max_tokens, s.extras.min_tokens), room)
     scored = [body.prompt_logprobs, echo_scores(body, max_tokens)]
     prompt_logprobs = max((top for top in scored if top is not None), default=None)
     output = body.output

@@ -245,15 +245,18 @@ def parse_sampling(body: dict[str, Any], echo: bool = False) -> SamplingFields:
     top_p = optional_number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise RequestError(f"'top_p' must be in (0, 1] (1 = off), got {top_p}", "top_p")
+    max_tokens, extras = max_tokens_field(body, echo), parse_extras(body)
+    if max_tokens is not None and extras.min_tokens > max_tokens:  # as vLLM: it could never be honoured
+        raise RequestError(f"'min_tokens' ({extras.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
     return SamplingFields(
-        max_tokens=max_tokens_field(body, echo),
+        max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=0 if top_k in (None, -1) else top_k,
         seed=optional_int(body, "seed", minimum=0),  # numpy seeds are non-negative
         stop=Stops(parse_stop(body.get("stop")), parse_stop_token_ids(body.get("stop_token_ids")),
                    optional_bool(body, "ignore_eos") or False),
-        extras=parse_extras(body),
+        extras=extras,
         allowed_token_ids=parse_allowed_token_ids(body.get("allowed_token_ids")),
         bad_words=parse_bad_words(body.get("bad_words")),
         thinking_token_budget=optional_int(body, "thinking_token_budget", minimum=0),
