@@ -108,3 +108,39 @@ def test_threads_sharing_an_llm_each_get_their_own_answer(tiny: LLM, rng: np.ran
     for thread in threads:
         thread.join()
     assert [found[i] for i in range(len(texts))] == alone
+
+
+def test_the_engine_step_api_takes_turns_for_every_caller(tiny: LLM, rng: np.random.Generator) -> None:
+    """The guard is the engine's, so callers below LLM (the server's worker runs iter_tokens) get it:
+    a token generator overtaken by another generation fails instead of going on."""
+    from atlas.llm import generate_options, iter_tokens
+
+    engine, eos = tiny.parts.engine, tiny.eos_ids()
+    first, second = (tiny.tokenizer.encode(p) for p in prompts(rng, 2))
+    opts = generate_options(max_tokens=8, min_tokens=8)
+    alone = list(iter_tokens(engine, second, opts, eos))
+    older = iter_tokens(engine, first, opts, eos)
+    next(older)
+    assert list(iter_tokens(engine, second, opts, eos)) == alone
+    with pytest.raises(AtlasError, match=OVERTAKEN_START):
+        next(older)
+
+
+def test_engine_run_refuses_a_generation_started_from_on_token(tiny: LLM, rng: np.random.Generator) -> None:
+    from atlas.engine import GenerationRequest
+    from atlas.llm import generate_options, sampling_params
+
+    engine, eos = tiny.parts.engine, tiny.eos_ids()
+    outer, inner = (tiny.tokenizer.encode(p) for p in prompts(rng, 2))
+    sampling = sampling_params(generate_options(min_tokens=6))
+    nested = GenerationRequest(inner, 3, sampling, None, eos)
+    inner_alone = engine.run(nested).token_ids
+    found: list[list[int]] = []
+
+    def on_token(token: int) -> None:
+        if not found:
+            found.append(engine.run(nested).token_ids)
+
+    with pytest.raises(AtlasError, match=OVERTAKEN_START):
+        engine.run(GenerationRequest(outer, 6, sampling, None, eos, on_token))
+    assert found == [inner_alone]

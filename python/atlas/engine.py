@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from .sampling import (
     pick_state, token_logprob,
 )
 from .snapshot import DeltaNetSnapshot
+from .turns import GenerationTurns
 
 if TYPE_CHECKING:
     from .structured import TokenConstraint
@@ -112,6 +113,7 @@ class Engine:
         self.model = load_model(spec, checkpoint, backend)
         self.dump: Dump | None = env_dump  # set to receive every named intermediate (not during graphs)
         self.prompt_cache = PromptCache(backend, prompt_cache)
+        self.turns = GenerationTurns()  # one sequence's state: generations take turns on it
         self.reset()
 
     def reset(self) -> None:
@@ -395,6 +397,13 @@ class Engine:
         return self.run(request)
 
     def run(self, request: GenerationRequest) -> GenerationStats:
+        """One generation as one turn (atlas.turns): calls from other threads wait for it, and
+        request.on_token may not start another generation on this engine."""
+        with self.turns.lock:
+            mine = self.turns.start()
+            return self._generate(replace(request, on_token=self.turns.guarded(request.on_token, mine)))
+
+    def _generate(self, request: GenerationRequest) -> GenerationStats:
         check_sampling(request.sampling)
         check_logit_bias_ids(request.sampling, self.spec.vocab_size)
         self.check_ids(request.prompt_ids, max(request.max_tokens - 1, 0))  # the last token is not fed

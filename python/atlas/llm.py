@@ -102,6 +102,7 @@ class EngineLike(Protocol):
     """What LLM needs of atlas.engine.Engine."""
 
     backend: Any  # atlas.backends.base.Backend
+    turns: GenerationTurns  # its generations take turns: run() is one, iter_tokens one per token
 
     def run(self, request: Any) -> Any: ...  # atlas.engine.GenerationRequest -> GenerationStats
 
@@ -124,7 +125,6 @@ class LoadedModel:
     engine: EngineLike
     device: str  # which backend runs and why, e.g. "cpu (numpy ...; cuda unavailable: ...)"
     speculation: str = "off"  # e.g. "MTP k=2" or why it is off
-    turns: GenerationTurns = field(default_factory=GenerationTurns)  # one generation at a time on the engine
 
 
 def load_model(
@@ -206,7 +206,7 @@ class LLM:
         """Free the model's memory now (device memory on a GPU) rather than when the LLM is
         collected; idempotent. Generating afterwards, or reading a stream opened before, is one
         AtlasError line. `with LLM(...) as llm:` closes at the end of the block."""
-        turns = self.parts.turns
+        turns = self.parts.engine.turns
         with turns.lock:  # after a generation running on another thread
             turns.closed = True
             self.parts.engine.backend.close()
@@ -273,7 +273,7 @@ class LLM:
         (atlas.turns): calls from other threads wait for it."""
         from .engine import GenerationRequest
 
-        eos_ids, turns = self.eos_ids(), self.parts.turns
+        eos_ids = self.eos_ids()
         out, pieces = OutputText(self.parts.tokenizer, opts, opts.stop, eos_ids), []
 
         def emit(token: int) -> bool:
@@ -282,16 +282,13 @@ class LLM:
                 pieces.append(piece)
                 if on_text:
                     on_text(piece)
-                    turns.check(mine)  # on_text may not start a generation on this LLM
             return out.stopped
 
         watch = on_text is not None or bool(opts.stop)
         request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, eos_ids,
                                     emit if watch else None, opts.logprobs, opts.prompt_logprobs,
                                     self.output_constraint(opts, eos_ids, prompt_ids))
-        with turns.lock:
-            mine = turns.start()
-            stats = self.parts.engine.run(request)
+        stats = self.parts.engine.run(request)
         if watch and (rest := out.flush()):
             pieces.append(rest)
             if on_text:
@@ -358,18 +355,8 @@ class LLM:
         prompt_ids = self.prepare(prompt, opts)
         eos_ids = self.eos_ids()
         out = OutputText(self.parts.tokenizer, opts, opts.stop, eos_ids)
-        tokens = iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids,
-                             constraint=self.output_constraint(opts, eos_ids, prompt_ids))
-        turns, mine = self.parts.turns, None
-        while True:
-            with turns.lock:  # one token's steps at a time; calls from other threads wait between them
-                if mine is None:
-                    mine = turns.start()
-                else:
-                    turns.check(mine)
-                token = next(tokens, None)
-            if token is None:
-                break
+        for token in iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids,
+                                 constraint=self.output_constraint(opts, eos_ids, prompt_ids)):
             if piece := out.push(token):
                 yield piece
             if out.stopped:
@@ -461,7 +448,18 @@ def iter_tokens(
     opts.logprobs, each token's TokenLogprob is appended to `scores` before the token is yielded;
     with opts.prompt_logprobs, the prompt's go to `prompt_scores` before the first token. A
     speculative engine counts its verify passes and drafts into `spec_stats` (a
-    speculative.SpecStats) when given."""
+    speculative.SpecStats) when given. Each token's steps are one turn of the engine (atlas.turns):
+    a token read after another generation started on it is one AtlasError line."""
+    return engine.turns.taken(engine_tokens(engine, prompt_ids, opts, eos_ids, scores=scores, prompt_scores=prompt_scores,
+                                            constraint=constraint, spec_stats=spec_stats))
+
+
+def engine_tokens(
+    engine: EngineLike, prompt_ids: list[int], opts: GenerateOptions, eos_ids: set[int], *,
+    scores: list[TokenLogprob] | None, prompt_scores: list[TokenLogprob | None] | None,
+    constraint: TokenConstraint | None, spec_stats: Any,
+) -> Iterator[int]:
+    """iter_tokens without the turns."""
     import numpy as np
 
     from .sampling import pick_state

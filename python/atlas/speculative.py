@@ -163,9 +163,9 @@ class SpeculativeEngine(Engine):
         return logits
 
     # --- generation ---------------------------------------------------------------------------
-    def run(self, request: GenerationRequest) -> GenerationStats:
+    def _generate(self, request: GenerationRequest) -> GenerationStats:
         if request.prompt_logprobs is not None or request.max_tokens <= 0:
-            return super().run(request)
+            return super()._generate(request)
         check_sampling(request.sampling)
         check_logit_bias_ids(request.sampling, self.spec.vocab_size)
         self.check_ids(request.prompt_ids, request.max_tokens - 1)  # the last token is not fed
