@@ -115,6 +115,8 @@ def test_default_is_the_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     (tmp_path / "config.json").write_text("{}", encoding="utf-8")
     assert resolve_model(None) == tmp_path
     assert resolve_model("atlas-demo") == tmp_path
+    for empty in ("", "  "):  # `--model "$MODEL"` with MODEL unset asked for some model, not the demo
+        assert error_of(empty).startswith("--model is empty; give a checkpoint directory")
 
 
 def test_tilde_of_an_unknown_user(hub: Path, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:

@@ -88,8 +88,11 @@ def registry_repo(name: str) -> tuple[str | None, list[str]]:
 
 def resolve_model(arg: str | None, flag: str = "--model") -> Path:
     """Map a --model value (or another flag's, named in errors) to a checkpoint directory holding config.json."""
-    if arg is None or arg == "" or arg.lower() == DEMO_NAME:
+    if arg is None or arg.lower() == DEMO_NAME:
         return demo_dir()
+    if not arg.strip():  # `--model "$MODEL"` with MODEL unset: not a request for the demo
+        raise AtlasError(f"{flag} is empty; give a checkpoint directory, a Hugging Face repo id (Org/Name) or a "
+                         f"registry name ({', '.join(registry_repo(DEMO_NAME)[1])}), or leave it out for the demo model")
     path = expand_user(arg, flag)
     try:
         is_dir, exists = path.is_dir(), path.exists()
