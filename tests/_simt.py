@@ -315,6 +315,13 @@ class SimtDriver:
     def stream_create(self) -> Any:
         return object()
 
+    def stream_destroy(self, stream: Any) -> None:
+        self._refuse_in_capture("cuStreamDestroy")
+
+    def module_unload(self, module: Any) -> None:
+        """The built library stays loaded: later runtimes on this driver load the same one."""
+        self._refuse_in_capture("cuModuleUnload")
+
     def stream_synchronize(self, stream: Any) -> None:
         self._refuse_in_capture("cuStreamSynchronize")
 

@@ -139,6 +139,7 @@ class FakeDriver:
     capturing: bool = False
     recorded: list[Any] = field(default_factory=list)
     graph_launches: int = 0
+    live: dict[str, int] = field(default_factory=lambda: {"modules": 0, "streams": 0, "graphs": 0})
 
     def __post_init__(self) -> None:
         self.heap = ctypes.create_string_buffer(64 << 20)
@@ -151,7 +152,12 @@ class FakeDriver:
         return 100 << 30, 141 << 30
 
     def module_load(self, image: bytes) -> Any:
+        self.live["modules"] += 1
         return ("module", image)
+
+    def module_unload(self, module: Any) -> None:
+        assert self.live["modules"] > 0, "cuModuleUnload of no loaded module"
+        self.live["modules"] -= 1
 
     def get_function(self, module: Any, name: str) -> Any:
         if not name.startswith("atlas_"):
@@ -198,7 +204,12 @@ class FakeDriver:
         self._op(lambda: self.launches.append((launch.kernel, launch.grid, params, launch.smem)))
 
     def stream_create(self) -> Any:
+        self.live["streams"] += 1
         return "stream"
+
+    def stream_destroy(self, stream: Any) -> None:
+        assert self.live["streams"] > 0 and not self.capturing, "cuStreamDestroy of no stream, or mid-capture"
+        self.live["streams"] -= 1
 
     def stream_synchronize(self, stream: Any) -> None:
         assert not self.capturing
@@ -220,6 +231,7 @@ class FakeDriver:
 
     def end_capture(self, stream: Any) -> Any:
         self.capturing = False
+        self.live["graphs"] += 1
         return list(self.recorded)
 
     def graph_launch(self, graph_exec: Any, stream: Any) -> None:
@@ -228,7 +240,8 @@ class FakeDriver:
             op()
 
     def graph_destroy(self, graph_exec: Any) -> None:
-        pass
+        assert self.live["graphs"] > 0, "cuGraphExecDestroy of no graph"
+        self.live["graphs"] -= 1
 
 
 def make_runtime(arena_bytes: int = 1 << 20) -> tuple[CudaRuntime, FakeDriver]:
@@ -382,6 +395,28 @@ def test_decode_graph_captures_once_and_feeds_inputs(rng: np.random.Generator) -
     assert len(driver.launches) == len(tokens)
 
 
+def test_a_closed_runtime_gives_back_its_graphs_stream_and_module(rng: np.random.Generator) -> None:
+    """Closing (or collecting) a runtime had freed its memory but kept its module (the kernels'
+    code on the device), its stream and its captured graphs until the process ended."""
+    import gc
+
+    for close in (True, False):
+        rt, driver = make_runtime()
+        graphed = GraphedDecodeStep(rt, _fake_step(rt))
+        ids = rt.persistent((1,), "i32")
+        rt.write(ids, rng.integers(0, 50000, size=1).astype(np.int32))
+        graphed(ids, np.zeros(1, dtype=np.int32))
+        assert driver.live == {"modules": 1, "streams": 1, "graphs": 1}
+        if close:
+            rt.close()
+            rt.close()  # idempotent
+            graphed._drop()  # its runtime destroyed the graph: not destroyed twice
+        else:
+            del rt, graphed, ids
+            gc.collect()
+        assert driver.live == {"modules": 0, "streams": 0, "graphs": 0} and driver.allocs == {}
+
+
 def test_decode_graph_recaptures_after_arena_moves() -> None:
     rt, _ = make_runtime(arena_bytes=1 << 20)
     graphed = GraphedDecodeStep(rt, _fake_step(rt))
@@ -463,7 +498,12 @@ static __thread void* current = 0;
 int cuCtxSetCurrent(void* c) { if (c != (void*)0x10) return 201; current = c; return 0; }
 int cuMemGetInfo_v2(size_t* f, size_t* t) { NEED_CONTEXT; *f = (size_t)100 << 30; *t = (size_t)141 << 30; return 0; }
 int cuMemGetInfo(size_t* f, size_t* t) { return cuMemGetInfo_v2(f, t); }
-int cuModuleLoadData(void** m, const void* img) { NEED_CONTEXT; *m = (void*)0x20; return ((const char*)img)[0] ? 0 : 200; }
+/* live modules, streams and graph executables: a closed runtime leaves none */
+static int live[3];
+int fake_live(int which) { return live[which]; }
+int cuModuleLoadData(void** m, const void* img) {
+  NEED_CONTEXT; *m = (void*)0x20; if (!((const char*)img)[0]) return 200; live[0]++; return 0; }
+int cuModuleUnload(void* m) { NEED_CONTEXT; if (m != (void*)0x20 || live[0] < 1) return 400; live[0]--; return 0; }
 int cuModuleGetFunction(void** f, void* m, const char* name) {
   if (m != (void*)0x20) return 400; if (strncmp(name, "atlas_", 6)) return 500; *f = strdup(name); return 0; }
 int cuFuncSetAttribute(void* f, int a, int v) { return a == 8 && v > 0 ? 0 : 1; }
@@ -490,7 +530,9 @@ int cuLaunchKernelEx(const fake_config* c, void* f, void** params, void** extra)
   if (c->st != (void*)0x30 || !params || extra || c->nattrs != 1 || c->attrs[0].id != 6) return 1;
   last_programmatic = c->attrs[0].value.allowed; last_grid[0] = c->gx; last_grid[1] = c->gy; last_grid[2] = c->gz;
   memcpy(last_params, params[0], 64); strncpy(last_kernel, (const char*)f, 255); launches++; return 0; }
-int cuStreamCreate(void** s, unsigned f) { NEED_CONTEXT; *s = (void*)0x30; return 0; }
+int cuStreamCreate(void** s, unsigned f) { NEED_CONTEXT; *s = (void*)0x30; live[1]++; return 0; }
+int cuStreamDestroy_v2(void* s) { NEED_CONTEXT; if (s != (void*)0x30 || live[1] < 1) return 400; live[1]--; return 0; }
+int cuStreamDestroy(void* s) { return cuStreamDestroy_v2(s); }
 int cuStreamSynchronize(void* s) { return 0; }
 int cuEventCreate(void** e, unsigned f) { NEED_CONTEXT; *e = malloc(8); return 0; }
 int cuEventRecord(void* e, void* s) { return 0; }
@@ -500,10 +542,11 @@ int cuEventElapsedTime_v2(float* ms, void* a, void* b) { *ms = 1.5f; return 0; }
 int cuStreamBeginCapture_v2(void* s, int mode) { return mode == 2 ? 0 : 1; }
 int cuStreamBeginCapture(void* s, int mode) { return cuStreamBeginCapture_v2(s, mode); }
 int cuStreamEndCapture(void* s, void** g) { *g = (void*)0x40; return 0; }
-int cuGraphInstantiateWithFlags(void** e, void* g, unsigned long long f) { *e = (void*)0x50; return g == (void*)0x40 ? 0 : 1; }
+int cuGraphInstantiateWithFlags(void** e, void* g, unsigned long long f) {
+  *e = (void*)0x50; if (g != (void*)0x40) return 1; live[2]++; return 0; }
 int cuGraphLaunch(void* e, void* s) { NEED_CONTEXT; return e == (void*)0x50 && s == (void*)0x30 ? 0 : 1; }
 int cuGraphDestroy(void* g) { return 0; }
-int cuGraphExecDestroy(void* e) { return 0; }
+int cuGraphExecDestroy(void* e) { if (e != (void*)0x50 || live[2] < 1) return 400; live[2]--; return 0; }
 int cuGetErrorString(int e, const char** s) { *s = "fake error"; return 0; }
 int cuGetErrorName(int e, const char** s) { *s = "CUDA_ERROR_FAKE"; return 0; }
 int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, unsigned long long flags, int* status) {
@@ -590,6 +633,9 @@ def bare():  # the fake enforces it: a thread that never set the context gets IN
     found["bare"] = int(raw.cuMemAlloc(16)[0])
 worker = threading.Thread(target=bare); worker.start(); worker.join()
 assert found["bare"] == 201, found
+assert [fake.fake_live(i) for i in range(3)] == [2, 2, 1], "modules, streams, graphs before closing"
+rt.close(); pdl.close(); g._drop()
+assert [fake.fake_live(i) for i in range(3)] == [0, 0, 0], "a closed runtime keeps none"
 print("ALL OK")
 """
 

@@ -104,6 +104,9 @@ class CudaBindingsDriver:
         (module,) = self._call("cuModuleLoadData", image)
         return module
 
+    def module_unload(self, module: Handle) -> None:
+        self._call("cuModuleUnload", module)
+
     def get_function(self, module: Handle, name: str) -> Handle:
         (function,) = self._call("cuModuleGetFunction", module, name.encode())
         return function
@@ -172,6 +175,9 @@ class CudaBindingsDriver:
     def stream_create(self) -> Handle:
         (stream,) = self._call("cuStreamCreate", int(self._d.CUstream_flags.CU_STREAM_NON_BLOCKING))
         return stream
+
+    def stream_destroy(self, stream: Handle) -> None:
+        self._call("cuStreamDestroy", stream)
 
     def stream_synchronize(self, stream: Handle) -> None:
         self._call("cuStreamSynchronize", stream)

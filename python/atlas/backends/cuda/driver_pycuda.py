@@ -124,6 +124,12 @@ class PycudaDriver:
     def module_load(self, image: bytes) -> Handle:
         return self._call("module_from_buffer", self._cuda.module_from_buffer, image)
 
+    def module_unload(self, module: Handle) -> None:
+        """Nothing to call: pycuda unloads a module when its object is collected."""
+
+    def stream_destroy(self, stream: Handle) -> None:
+        """Nothing to call: pycuda destroys a stream when its object is collected."""
+
     def get_function(self, module: Handle, name: str) -> Handle:
         return self._call(f"Module.get_function({name})", module.get_function, name)
 

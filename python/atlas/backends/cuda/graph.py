@@ -74,6 +74,7 @@ class GraphedDecodeStep:
             raise
         rt.capturing = False
         exec_handle = rt.driver.end_capture(rt.stream)
+        rt.graphs[id(exec_handle)] = exec_handle  # a closing runtime destroys it
         self.captures += 1
         self._graph = _Captured(exec_handle, ids_buf, positions_buf, output, rt.arena.generation,
                                 rt.arena.mark())
@@ -87,8 +88,10 @@ class GraphedDecodeStep:
             self.rt.write(dst, to_storage(np.asarray(src), "i32"))
 
     def _drop(self) -> None:
+        """Destroy the graph, unless its runtime closed and so destroyed it already."""
         if self._graph is not None:
-            self.rt.driver.graph_destroy(self._graph.exec_handle)
+            if self.rt.graphs.pop(id(self._graph.exec_handle), None) is not None:
+                self.rt.driver.graph_destroy(self._graph.exec_handle)
             self._graph = None
 
     def __del__(self) -> None:

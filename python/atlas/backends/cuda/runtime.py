@@ -66,9 +66,12 @@ class CudaRuntime:
         self.stream: Handle = driver.stream_create()
         self.arena = StepArena(driver, options.arena_bytes)
         self.pool = PersistentPool(driver)
-        # Device memory goes back when the runtime is closed or collected (an LLM dropped in a
-        # notebook or a test process); not at interpreter exit, where the process frees it anyway.
-        self._release = weakref.finalize(self, release_memory, driver, self.stream, self.arena, self.pool)
+        self.graphs: dict[int, Handle] = {}  # live executable graphs by id(): destroyed before the module goes
+        # Device memory, graphs, stream and module go back when the runtime is closed or collected (an
+        # LLM dropped in a notebook or a test process); not at interpreter exit, where the process
+        # frees them anyway.
+        held = HeldResources(driver, self.module, self.stream, self.arena, self.pool, self.graphs)
+        self._release = weakref.finalize(self, release_resources, held)
         self._release.atexit = False
         self.capturing = False
         self.programmatic = options.programmatic  # bench/decode.py sets it to time both forms
@@ -78,8 +81,10 @@ class CudaRuntime:
         self._smem_set: dict[str, int] = {}
 
     def close(self) -> None:
-        """Free every device allocation now (idempotent); nothing may run on this runtime after."""
+        """Free every device allocation, graph, the stream and the module now (idempotent);
+        nothing may run on this runtime after."""
         self._release()
+        self._functions.clear()  # handles into the unloaded module
 
     @property
     def closed(self) -> bool:
@@ -196,13 +201,32 @@ class CudaRuntime:
             )
 
 
-def release_memory(driver: Driver, stream: Handle, arena: StepArena, pool: PersistentPool) -> None:
-    """A runtime's arena and pool, freed once its queued work is done (a closing runtime runs no
-    graph again, so freeing what its graphs reference is safe)."""
+@dataclass(frozen=True)
+class HeldResources:
+    """What a runtime holds on the device (kept apart from it, for its finalizer)."""
+
+    driver: Driver
+    module: Handle
+    stream: Handle
+    arena: StepArena
+    pool: PersistentPool
+    graphs: dict[int, Handle]
+
+
+def release_resources(held: HeldResources) -> None:
+    """A runtime's device resources, freed once its queued work is done (a closing runtime runs
+    no graph again, so freeing what its graphs reference is safe); its graphs go before the
+    module whose kernels they launch."""
+    driver = held.driver
     try:
-        driver.stream_synchronize(stream)
-        arena.release()
-        pool.release()
+        driver.stream_synchronize(held.stream)
+        held.arena.release()
+        held.pool.release()
+        for graph in held.graphs.values():
+            driver.graph_destroy(graph)
+        held.graphs.clear()
+        driver.stream_destroy(held.stream)
+        driver.module_unload(held.module)
     except CudaError:  # a kernel fault lost the context: nothing can be freed, nor used, any more
         pass
 
