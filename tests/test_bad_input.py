@@ -279,3 +279,36 @@ def test_quantize_refuses_what_it_would_write_wrong(tmp_path: Path, capsys: pyte
         rewrite_header(model_dir / "model.safetensors", add, extra=np.ones(1, np.float32).tobytes())
         line = quantize_one_line(model_dir, tmp_path / f"q-{label}", capsys)
         assert re.search(message, line), line
+
+
+@pytest.mark.parametrize(("flags", "named"), [(["--choice", "\udcff"], "--choice"), (["--regex=a\udcff"], "--regex"),
+                                              (["--grammar", 'root ::= "\udcff"'], "--grammar")])
+def test_arguments_that_are_not_utf8(flags: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bytes that are not UTF-8 reach Python as lone surrogates: --choice had crashed encoding them,
+    --regex and --grammar had loaded the weights to say no token continues the text."""
+    from atlas.run import main
+
+    line = one_line(capsys, main([*flags, "--device", "cpu"]), "atlas.run")
+    assert line.startswith(f"atlas.run: error: {named}: not UTF-8 text (byte 0xff at character "), line
+
+
+def test_a_file_name_that_is_not_utf8_is_still_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from atlas.run import main
+
+    prompt = tmp_path / "prompt-\udcff.txt"  # the bytes b"prompt-\xff.txt": a valid Linux file name
+    prompt.write_text("Flat is", encoding="utf-8")
+    assert main(["--prompt-file", str(prompt), "-n", "2", "--device", "cpu"]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schema", ['{"const": "\\ud800"}', '{"enum": ["a\\udcff"]}',
+                                    '{"type": "object", "properties": {"\\udcff": {"type": "string"}}}'])
+def test_a_schema_with_a_lone_surrogate(schema: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """No UTF-8 output can match such a schema: it had crashed (a property name) or been called
+    NaN (a const)."""
+    from atlas import LLM
+    from atlas.run import main
+
+    line = one_line(capsys, main(["--json-schema", schema, "-n", "2", "--device", "cpu"]), "atlas.run")
+    assert "holds an unpaired UTF-16 surrogate" in line, line
+    with pytest.raises(AtlasError, match="holds an unpaired UTF-16 surrogate"):
+        LLM(device="cpu").generate("Flat is", max_tokens=2, json_schema=json.loads(schema))

@@ -993,7 +993,7 @@ FUZZ_BASES = {
 
 
 def test_the_first_unpaired_surrogate_is_named_by_its_path() -> None:
-    from atlas.server.protocol import unpaired_surrogate_path
+    from atlas.json_text import unpaired_surrogate_path
 
     body = {"model": "m", "messages": [{"role": "user", "content": ["ok", "\udc00"]}], "metadata": {"b": "\ud800"}}
     assert unpaired_surrogate_path(body) == "messages[0].content[1]"

@@ -27,7 +27,7 @@ from .dump import atomic_path, check_writable
 from .engine_flags import EngineFlags, engine_options
 from .errors import AtlasError
 from .run import MODEL_HELP
-from .server.protocol import utf8_clean
+from .json_text import utf8_clean
 from .server.reasoning import PARSERS
 from .server.tools import PARSERS as TOOL_PARSERS
 from . import json_text

@@ -3,6 +3,9 @@ is one line on stderr and exit code 2, never a traceback; Ctrl-C is a short mess
 
 from __future__ import annotations
 
+import os
+import sys
+
 import click
 
 from .errors import AtlasError
@@ -19,6 +22,7 @@ def run_command(command: click.Command, argv: list[str] | None, prog: str, quiet
     """Runs a click command as `python -m <prog>`; returns its exit code (the command's own int,
     else 0). quiet_interrupt: Ctrl-C is the normal way to stop (a server), exit 0 silently."""
     try:
+        check_arguments(sys.argv[1:] if argv is None else argv)
         code = command.main(args=argv, prog_name=f"python -m {prog}", standalone_mode=False)
     except click.exceptions.Exit as done:  # --help
         return done.exit_code
@@ -38,3 +42,22 @@ def run_command(command: click.Command, argv: list[str] | None, prog: str, quiet
         click.echo(f"\n{prog}: interrupted", err=True)
         return INTERRUPT_EXIT
     return 0 if code is None else int(code)
+
+
+def check_arguments(argv: list[str]) -> None:
+    """An argument whose bytes are not UTF-8 (Python keeps them as lone surrogates, which no
+    tokenizer, regex or template expects) is one line naming its flag; a path that exists is left
+    alone (Linux file names may be any bytes)."""
+    for i, arg in enumerate(argv):
+        joined = arg.startswith("--") and "=" in arg
+        flag, value = arg.split("=", 1) if joined else (argv[i - 1] if i and argv[i - 1].startswith("-") else
+                                                       f"argument {i + 1}", arg)
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            if os.path.lexists(value):
+                continue
+            byte = ord(value[err.start]) - 0xDC00  # surrogateescape: U+DC80..U+DCFF stand for bytes 0x80..0xFF
+            shown = f"byte 0x{byte:02x}" if 0x80 <= byte <= 0xFF else f"U+{ord(value[err.start]):04X}"
+            raise AtlasError(f"{flag}: not UTF-8 text ({shown} at character {err.start}); give UTF-8 text "
+                             "(a UTF-8 locale, or the text in a file)") from None

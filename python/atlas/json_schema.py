@@ -29,6 +29,7 @@ from .errors import AtlasError
 from .json_match import ANY_VALUE, Array, Literal, Node, Number, Object, String, Union, alternatives
 from .json_number import DecimalRange, Interval, is_finite_number, parsed_float
 from .json_regex import RegexError, compile_patterns
+from .json_text import unpaired_surrogate_path
 
 _OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
 _DAY = r"((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8]))"
@@ -76,6 +77,10 @@ class SchemaError(AtlasError):
 
 def compile_schema(schema: Any) -> Node:
     """The shape of the texts `schema` admits (a JSON schema as parsed JSON)."""
+    where = unpaired_surrogate_path(schema)  # no UTF-8 text holds it: no output could match
+    if where is not None:
+        raise SchemaError(f"json schema: {where or 'a key of the schema'} holds an unpaired UTF-16 surrogate; "
+                          "write the text as UTF-8 or with paired \\u escapes")
     return SchemaCompiler(schema).root
 
 

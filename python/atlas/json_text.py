@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 
@@ -53,4 +54,47 @@ def encodable(value: Any) -> bool:
         return all(encodable(key) and encodable(item) for key, item in value.items())
     if isinstance(value, list):
         return all(encodable(item) for item in value)
+    return True
+
+
+PATH_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def unpaired_surrogate_path(body: object) -> str | None:
+    """The parameter path ("messages[0].content") of the first string, in document order, that is
+    not valid Unicode, or of the object holding such a key; None when there is none ("" for the
+    body itself). Paths are built only for the one found."""
+    Link = tuple[object, object] | None  # (parent link, key or index)
+    pending: list[tuple[object, Link]] = [(body, None)]
+    while pending:
+        value, link = pending.pop()
+        if isinstance(value, str):
+            if not value.isascii() and not utf8_clean(value):
+                return _path(link)
+        elif isinstance(value, dict):
+            if not all(utf8_clean(key) for key in value):
+                return _path(link)
+            pending.extend((item, (link, key)) for key, item in reversed(value.items()) if isinstance(item, (str, dict, list)))
+        elif isinstance(value, list):
+            pending.extend((item, (link, i)) for i, item in reversed(list(enumerate(value))) if isinstance(item, (str, dict, list)))
+    return None
+
+
+def _path(link: tuple[object, object] | None) -> str:
+    parts: list[str] = []
+    while link is not None:
+        link, key = link  # type: ignore[misc]
+        if isinstance(key, int):
+            parts.append(f"[{key}]")
+        else:
+            shown = str(key) if PATH_KEY.fullmatch(str(key)) else json.dumps(str(key)[:32])  # ASCII, one line
+            parts.append(f".{shown}")
+    return "".join(reversed(parts)).lstrip(".")
+
+
+def utf8_clean(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
     return True

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..llm import SamplingExtras
 from ..errors import AtlasError
+from ..json_text import unpaired_surrogate_path
 from ..tokenizer import SERVER_TEMPLATE_NAMES, first_line
 from ..sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K,
                         MIN_REPETITION_PENALTY, is_int, logit_bias_pairs)
@@ -75,49 +76,6 @@ def parse_json_body(raw: bytes) -> object:
 
 
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-PATH_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-def unpaired_surrogate_path(body: object) -> str | None:
-    """The parameter path ("messages[0].content") of the first string, in document order, that is
-    not valid Unicode, or of the object holding such a key; None when there is none ("" for the
-    body itself). Paths are built only for the one found."""
-    Link = tuple[object, object] | None  # (parent link, key or index)
-    pending: list[tuple[object, Link]] = [(body, None)]
-    while pending:
-        value, link = pending.pop()
-        if isinstance(value, str):
-            if not value.isascii() and not utf8_clean(value):
-                return _path(link)
-        elif isinstance(value, dict):
-            if not all(utf8_clean(key) for key in value):
-                return _path(link)
-            pending.extend((item, (link, key)) for key, item in reversed(value.items()) if isinstance(item, (str, dict, list)))
-        elif isinstance(value, list):
-            pending.extend((item, (link, i)) for i, item in reversed(list(enumerate(value))) if isinstance(item, (str, dict, list)))
-    return None
-
-
-def _path(link: tuple[object, object] | None) -> str:
-    parts: list[str] = []
-    while link is not None:
-        link, key = link  # type: ignore[misc]
-        if isinstance(key, int):
-            parts.append(f"[{key}]")
-        else:
-            shown = str(key) if PATH_KEY.fullmatch(str(key)) else json.dumps(str(key)[:32])  # ASCII, one line
-            parts.append(f".{shown}")
-    return "".join(reversed(parts)).lstrip(".")
-
-
-def utf8_clean(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 @dataclass(frozen=True)
 class SamplingFields:
     max_tokens: int | None  # None: as many as fit, up to the server default
