@@ -46,3 +46,17 @@ def test_api_key_as_anthropic_sends_it() -> None:
         anthropic.Anthropic(base_url="http://testserver", api_key="nope", http_client=http, max_retries=0).messages.create(**request)
     refused = http.post("/v1/messages", json=request).json()  # in Anthropic's error shape there
     assert refused["type"] == "error" and refused["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize(("flags", "env"), [(["--api-key", " "], None), ([], ""), ([], "  ")])
+def test_an_empty_key_is_refused(flags: list[str], env: str | None, monkeypatch: pytest.MonkeyPatch,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty ATLAS_API_KEY (`ATLAS_API_KEY=$UNSET`) had started a server open to anyone: click
+    reads an empty variable as unset."""
+    from atlas.serve import main
+
+    if env is not None:
+        monkeypatch.setenv("ATLAS_API_KEY", env)
+    assert main([*flags, "--port", "0", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "atlas.serve: error: --api-key (or ATLAS_API_KEY) is empty; give a key or leave it out"

@@ -12,6 +12,7 @@ print one line on stderr and exit with code 2.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from dataclasses import dataclass, replace
@@ -96,7 +97,9 @@ def serve(args: ServeArgs) -> None:
     from .server.worker import EngineWorker
 
     args.engine.check()
-    if args.api_key is not None and not args.api_key.strip():
+    # click takes an empty ATLAS_API_KEY for unset: `ATLAS_API_KEY=$UNSET` would serve with no key
+    key = args.api_key if args.api_key is not None else os.environ.get("ATLAS_API_KEY")
+    if key is not None and not key.strip():
         raise AtlasError("--api-key (or ATLAS_API_KEY) is empty; give a key or leave it out")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise AtlasError("--served-model-name is empty; give a name or leave the flag out")
