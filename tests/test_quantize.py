@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -213,6 +214,28 @@ def test_a_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         with pytest.raises(MemoryError):
             main(["--to", "nvfp4", "--out", str(out), "--shard-mb", "1"])
     assert len(calls) > 5 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP])
+def test_a_termination_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, number: int) -> None:
+    """kill / timeout / docker stop (SIGTERM) or a closed terminal (SIGHUP) mid-write had left the
+    staging directory and its shards behind: their default ends the process before any cleanup."""
+    import atlas.quant.convert as convert
+
+    calls = []
+    real = convert.quantized_parts
+
+    def signalled(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 6:
+            os.kill(os.getpid(), number)  # the handler runs at the next bytecode: inside the write
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(convert, "quantized_parts", signalled)
+    with pytest.raises(SystemExit) as ended:
+        main(["--to", "nvfp4", "--out", str(tmp_path / "out"), "--shard-mb", "1"])
+    assert ended.value.code == 128 + number and list(tmp_path.iterdir()) == []
+    assert signal.getsignal(number) is signal.SIG_DFL  # put back after the write
 
 
 def test_a_full_disk_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,8 +3,12 @@ is one line on stderr and exit code 2, never a traceback; Ctrl-C is a short mess
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 import click
 
@@ -61,3 +65,26 @@ def check_arguments(argv: list[str]) -> None:
             shown = f"byte 0x{byte:02x}" if 0x80 <= byte <= 0xFF else f"U+{ord(value[err.start]):04X}"
             raise AtlasError(f"{flag}: not UTF-8 text ({shown} at character {err.start}); give UTF-8 text "
                              "(a UTF-8 locale, or the text in a file)") from None
+
+
+@contextlib.contextmanager
+def termination_as_exit() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP (kill, timeout, a closed terminal, docker stop) raise
+    SystemExit(128 + signal) so the block's cleanup runs (their default ends the process at once,
+    leaving a half-written directory behind); a handler someone else set is kept."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(number) is signal.SIG_DFL:
+            previous[number] = signal.signal(number, _exit_on_signal)
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _exit_on_signal(number: int, frame: object) -> None:
+    raise SystemExit(128 + number)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from .cli import run_command
+from .cli import run_command, termination_as_exit
 from .errors import AtlasError
 
 METHODS = ("fp8", "nvfp4")
@@ -148,10 +148,11 @@ def quantize(args: QuantizeArgs) -> Path:
     except OSError as err:
         raise write_error(out, err) from None
     try:
-        excluded = write_weights(source, staging, args)
-        write_configs(source, staging, args.method, excluded)
-        staging.chmod(0o755)
-        os.rename(staging, out)
+        with termination_as_exit():
+            excluded = write_weights(source, staging, args)
+            write_configs(source, staging, args.method, excluded)
+            staging.chmod(0o755)
+            os.rename(staging, out)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(err, OSError):
