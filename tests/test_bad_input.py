@@ -312,3 +312,19 @@ def test_a_schema_with_a_lone_surrogate(schema: str, capsys: pytest.CaptureFixtu
     assert "holds an unpaired UTF-16 surrogate" in line, line
     with pytest.raises(AtlasError, match="holds an unpaired UTF-16 surrogate"):
         LLM(device="cpu").generate("Flat is", max_tokens=2, json_schema=json.loads(schema))
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux) to fill standard output")
+@pytest.mark.parametrize("tool", [["atlas.run", "-n", "3", "--device", "cpu"], ["atlas.info"]])
+def test_a_full_standard_output_is_one_line(tool: list[str]) -> None:
+    """`atlas.run > file` on a full disk had ended in a traceback (OSError: No space left on device)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "python")}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", *tool], stdout=full, stderr=subprocess.PIPE, text=True,
+                              env=env, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.rstrip().endswith(f"{tool[0]}: error: cannot write the output (No space left on device); "
+                                         "free some space or write elsewhere"), done.stderr[-500:]

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import click
 
-from .errors import AtlasError
+from .errors import OUTPUT_ERRNOS, AtlasError, silence_stdout
 
 USAGE_EXIT = 2
 INTERRUPT_EXIT = 130
@@ -39,6 +39,13 @@ def run_command(command: click.Command, argv: list[str] | None, prog: str, quiet
     except RecursionError:  # a schema or grammar nested past Python's recursion limit
         click.echo(f"{prog}: error: an input nests too deeply to read (a JSON schema, grammar or JSON value); "
                    "flatten it", err=True)
+        return USAGE_EXIT
+    except OSError as err:
+        if err.errno not in OUTPUT_ERRNOS:
+            raise
+        silence_stdout()  # its buffered rest would fail again at exit, as a traceback-like report
+        click.echo(f"{prog}: error: cannot write {err.filename or 'the output'} ({err.strerror}); free some space "
+                   "or write elsewhere", err=True)
         return USAGE_EXIT
     except (KeyboardInterrupt, click.exceptions.Abort):
         if quiet_interrupt:
@@ -88,3 +95,4 @@ def termination_as_exit() -> Iterator[None]:
 
 def _exit_on_signal(number: int, frame: object) -> None:
     raise SystemExit(128 + number)
+

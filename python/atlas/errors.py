@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import sys
+
+# a write the machine refused (standard output on a full disk or quota, a failing device)
+OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
 
 class AtlasError(Exception):
     """A problem with the user's input (model, checkpoint, flag, environment).
 
     CLIs print `str(err)` on one line and exit with code 2; no traceback is shown.
     """
+
+
+def silence_stdout() -> None:
+    """Point standard output at /dev/null, dropping what is still buffered for it (a second
+    failure to write it at exit would print a report)."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, AttributeError, ValueError):  # no stdout at all, or not a file
+        pass

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any, NoReturn
 
 import atlas
 
 from . import kernels
+from .errors import OUTPUT_ERRNOS, silence_stdout
 
 
 def collect() -> dict[str, Any]:
@@ -63,7 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(json.dumps(info, indent=1) if args.json else render_text(info), flush=True)
     except BrokenPipeError:  # `atlas.info | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        silence_stdout()
+    except OSError as err:
+        if err.errno not in OUTPUT_ERRNOS:
+            raise
+        silence_stdout()
+        print(f"atlas.info: error: cannot write the output ({err.strerror}); free some space or write elsewhere",
+              file=sys.stderr)
+        return 2
     return 0
 
 
