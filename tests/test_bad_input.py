@@ -328,3 +328,29 @@ def test_a_full_standard_output_is_one_line(tool: list[str]) -> None:
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.rstrip().endswith(f"{tool[0]}: error: cannot write the output (No space left on device); "
                                          "free some space or write elsewhere"), done.stderr[-500:]
+
+
+@pytest.mark.parametrize(("tool", "flags", "expected"), [
+    ("atlas.run", ["--json-schema", ""], "--json-schema is empty"),  # had read the current directory
+    ("atlas.run", ["--json-schema", "[]"], "--json-schema [] is JSON but not an object"),  # had been "no such file"
+    ("atlas.run", ["--json-schema", "true"], "--json-schema true is JSON but not an object"),
+    ("atlas.run", ["--temperature", "inf"], "temperature must be a finite number >= 0"),
+    ("atlas.quantize", ["--to", "fp8", "--out", ""], "--out is empty"),  # had said the current directory exists
+    ("atlas.quantize", ["--to", "fp8", "--out", " "], "--out is empty"),
+    ("atlas.serve", ["--host", ""], "--host is empty"),  # had been "cannot listen on :0"
+])
+def test_empty_or_mistyped_values_are_named(tool: str, flags: list[str], expected: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+
+    main = importlib.import_module(tool).main
+    line = one_line(capsys, main([*flags, "--device", "cpu"] if tool != "atlas.quantize" else flags), tool)
+    assert line.startswith(f"{tool}: error: {expected}"), line
+
+
+def test_a_write_refused_for_another_reason_does_not_ask_for_space(tmp_path: Path) -> None:
+    from atlas.quantize import write_error
+
+    full = write_error(tmp_path / "out", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    missing = write_error(tmp_path / "out", OSError(errno.ENOENT, os.strerror(errno.ENOENT)))
+    assert "free some space" in str(full) and "free some space" not in str(missing)

@@ -88,6 +88,7 @@ def test_missing_repo_says_how_to_download(hub: Path, rng: np.random.Generator) 
     repo = f"Org/{random_name(rng)}"
     message = error_of(repo)
     assert f"hf download {repo}" in message and str(hub) in message
+    assert message.startswith(f"--model {repo}: no such directory, and ")  # a relative path mistyped reads the same
 
 
 def test_incomplete_snapshot(hub: Path, rng: np.random.Generator) -> None:

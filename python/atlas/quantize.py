@@ -7,6 +7,7 @@ failure (or Ctrl-C) leaves nothing behind. Bad input prints one line and exits w
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -163,7 +164,9 @@ def quantize(args: QuantizeArgs) -> Path:
 
 def write_error(out: Path, err: OSError) -> AtlasError:
     """A full disk or a read-only place: one line, not a traceback."""
-    return AtlasError(f"cannot write --out {out} ({err.strerror or err}); free some space or choose another directory")
+    full = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    return AtlasError(f"cannot write --out {out} ({err.strerror or err}); "
+                      f"{'free some space or ' if full else ''}choose another directory")
 
 
 MODEL_HELP = "bf16 checkpoint: a directory, an HF repo id in the cache, a registry name (default: the demo)."
@@ -172,11 +175,13 @@ MODEL_HELP = "bf16 checkpoint: a directory, an HF repo id in the cache, a regist
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--to", "method", type=click.Choice(METHODS), required=True, help="Target format.")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output directory (must not exist).")
+@click.option("--out", required=True, help="Output directory (must not exist).")
 @click.option("--shard-mb", type=click.IntRange(min=1), default=4096, show_default=True, help="Largest shard (MiB).")
-def command(model: str | None, method: str, out: Path, shard_mb: int) -> None:
+def command(model: str | None, method: str, out: str, shard_mb: int) -> None:
     """Quantize a bf16 checkpoint to block FP8 or ModelOpt NVFP4."""
-    written = quantize(QuantizeArgs(model, method, out, shard_mb * 1024**2))
+    if not out.strip():  # Path("") would be the current directory
+        raise AtlasError("--out is empty; give the directory to write (it must not exist)")
+    written = quantize(QuantizeArgs(model, method, Path(out), shard_mb * 1024**2))
     click.echo(f"atlas.quantize: wrote {written}", err=True)
 
 

@@ -104,8 +104,11 @@ def resolve_model(arg: str | None, flag: str = "--model") -> Path:
         return path.resolve()
     if exists:
         raise AtlasError(f"{flag} {arg}: is a file; pass the checkpoint directory that holds it")
-    if REPO_ID.match(arg):
-        return find_in_hf_cache(arg)
+    if REPO_ID.match(arg):  # Org/Name, or a mistyped relative path: the line says both
+        try:
+            return find_in_hf_cache(arg)
+        except AtlasError as err:
+            raise AtlasError(f"{flag} {arg}: no such directory, and {err}") from None
     repo, names = registry_repo(arg)
     if repo is not None:
         return find_in_hf_cache(repo) if repo else demo_dir()

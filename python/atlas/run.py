@@ -96,16 +96,30 @@ def read_schema(arg: str | None) -> Any:
     """--json-schema's schema: the JSON text itself when it starts with '{', else a file's."""
     if arg is None:
         return None
+    if not arg.strip():
+        raise AtlasError("--json-schema is empty; give a JSON schema file or its text")
     text = arg
     if not arg.lstrip().startswith("{"):
         try:
             text = Path(arg).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
+            if not_object_json(arg):
+                raise AtlasError(f"--json-schema {arg[:40]} is JSON but not an object; a schema is an object "
+                                 "such as '{\"type\": \"object\"}'") from None
             raise AtlasError(f"--json-schema {arg} cannot be read ({err}); give a JSON schema file or its text") from None
     try:
         return json_text.loads(text)
     except ValueError as err:
         raise AtlasError(f"--json-schema {arg[:40]} is not JSON ({err}); give a JSON schema file or its text") from None
+
+
+def not_object_json(text: str) -> bool:
+    """True when text is JSON other than an object (a list, a number, true): a schema mistyped."""
+    try:
+        value = json_text.loads(text)
+    except ValueError:
+        return False
+    return not isinstance(value, dict)
 
 
 def read_grammar(args: RunArgs) -> str | None:

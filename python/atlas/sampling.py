@@ -50,7 +50,7 @@ def is_real(value: object) -> bool:
 def check_sampling(params: SamplingParams) -> None:
     """Reject settings no backend can honour, with one line naming the setting and the fix."""
     if not np.isfinite(params.temperature) or params.temperature < 0:
-        raise AtlasError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
+        raise AtlasError(f"temperature must be a finite number >= 0 (0 = greedy), got {params.temperature}")
     if not 0 <= params.top_k <= MAX_TOP_K:
         raise AtlasError(f"top_k must be in 0..{MAX_TOP_K} (0 = off), got {params.top_k}")
     if not 0.0 < params.top_p <= 1.0:

@@ -75,6 +75,8 @@ def engine_summary(llm: LLM) -> str:
 def listen_socket(host: str, port: int) -> socket.socket:
     """Bind and listen before the weights load, so a taken port fails at once and in one line, and
     a client told 'listening on' is not refused before uvicorn runs."""
+    if not host.strip():
+        raise AtlasError("--host is empty; give an address to listen on, e.g. 127.0.0.1 (0.0.0.0: every interface)")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, address = infos[0]
