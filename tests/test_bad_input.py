@@ -354,3 +354,18 @@ def test_a_write_refused_for_another_reason_does_not_ask_for_space(tmp_path: Pat
     full = write_error(tmp_path / "out", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
     missing = write_error(tmp_path / "out", OSError(errno.ENOENT, os.strerror(errno.ENOENT)))
     assert "free some space" in str(full) and "free some space" not in str(missing)
+
+
+@pytest.mark.parametrize("flags", [["-n", "99999999999"], ["--max-seq-len", "1"]])
+def test_a_length_that_cannot_fit_is_refused_before_the_weights_load(
+        flags: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The check had waited for the weights (minutes for a 35B model) to say the context is too small."""
+    from atlas.engine_flags import EngineFlags
+    from atlas.run import main
+
+    def load(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the weights loaded before the length was checked")
+
+    monkeypatch.setattr(EngineFlags, "load", load)
+    line = one_line(capsys, main([*flags, "--device", "cpu", "-p", "Flat is"]), "atlas.run")
+    assert "positions but this model holds" in line, line

@@ -197,7 +197,7 @@ def one_error_line(code: int, err: str) -> str:
         (["--device", "tpu"], "--device"),
         (["--no-such-flag"], "--no-such-flag"),
         (["--prompt"], "--prompt"),
-        (["--prompt", "Flat \udcff", "--device", "cpu"], "not valid Unicode"),  # argv bytes that are not UTF-8
+        (["--prompt", "Flat \udcff", "--device", "cpu"], "--prompt: not UTF-8 text (byte 0xff"),  # argv bytes that are not UTF-8
         (["--spec-k", "2", "--no-spec"], "--no-spec"),
         (["--kv-high-precision-layers", "few"], "--kv-high-precision-layers"),
         (["--max-seq-len", "0"], "--max-seq-len"),

@@ -384,7 +384,7 @@ class LLM:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise AtlasError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        check_length(self.parts.spec, self.parts.engine, len(prompt_ids), opts.max_tokens)
+        check_length(self.parts.spec, context_capacity(self.parts.spec, self.parts.engine), len(prompt_ids), opts.max_tokens)
         return prompt_ids
 
     def output_constraint(self, opts: GenerateOptions, end_ids: set[int], prompt_ids: list[int]) -> TokenConstraint | None:
@@ -741,10 +741,10 @@ def sampling_params(opts: GenerateOptions) -> SamplingParams:
                           **extra)
 
 
-def check_length(spec: ModelSpec, engine: EngineLike, prompt_tokens: int, max_tokens: int) -> None:
-    """Positions used: the prompt, then every new token but the last (it is never fed back)."""
+def check_length(spec: ModelSpec, capacity: int, prompt_tokens: int, max_tokens: int) -> None:
+    """Positions used: the prompt, then every new token but the last (it is never fed back);
+    capacity: context_capacity's."""
     positions = prompt_tokens + max_tokens - 1
-    capacity = context_capacity(spec, engine)
     if positions > capacity:
         raise AtlasError(
             f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {positions} "

@@ -137,7 +137,8 @@ def read_grammar(args: RunArgs) -> str | None:
 def run(args: RunArgs) -> None:
     from .chat import converse
     from .config import load_spec
-    from .llm import DEFAULT_PROMPT_CACHE
+    from .backends.run_plan import context_length
+    from .llm import DEFAULT_PROMPT_CACHE, check_length
     from .resolve import resolve_model
 
     args.engine.check()
@@ -152,6 +153,8 @@ def run(args: RunArgs) -> None:
         raise AtlasError(f"{model_dir} has no chat template, which --interactive needs; run without it")
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     prompt_ids = None if args.interactive else first_prompt(tokenizer, prompt, args.chat, system)
+    if prompt_ids is not None:  # before the weights load
+        check_length(spec, context_length(args.engine.max_seq_len, spec.context_length), len(prompt_ids), opts.max_tokens)
     engine = replace(args.engine, prompt_cache=DEFAULT_PROMPT_CACHE) if args.interactive else args.engine
     llm = engine.load(str(model_dir))
     announce(llm, args.engine)
