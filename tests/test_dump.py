@@ -231,3 +231,32 @@ def test_cuda_dump_matches_numpy_on_the_demo(tmp_path: Path, monkeypatch: pytest
     assert set(norms["cuda"]) == set(norms["cpu"])
     for name, values in norms["cpu"].items():
         np.testing.assert_allclose(norms["cuda"][name], values, rtol=0.02, err_msg=name)
+
+
+def test_a_full_disk_mid_run_keeps_whole_steps_only(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    rng: np.random.Generator) -> None:
+    """A dump that ran out of room had left the failing step's directory half written."""
+    import errno
+
+    import atlas.dump as dump
+
+    real_save, saved = np.save, []
+
+    def save(handle: Any, array: np.ndarray) -> None:
+        if "step-0001" in handle.name:
+            saved.append(handle.name)
+            if len(saved) == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(handle, array)
+
+    monkeypatch.setattr(dump.np, "save", save)
+    monkeypatch.setenv("ATLAS_DUMP", "all")
+    monkeypatch.setenv("ATLAS_DUMP_DIR", str(tmp_path / "dumps"))
+    with pytest.raises(AtlasError, match="No space left on device.*ATLAS_DUMP_DIR"):
+        new_engine(model_dir).generate(random_prompt(rng), NEW_TOKENS, SamplingParams(), None, set())
+    [run_dir] = list((tmp_path / "dumps").iterdir())
+    index, steps = read_steps(run_dir)
+    assert [s["step"] for s in steps] == [0] and len(saved) == 3
+    assert sorted(p.name for p in run_dir.iterdir()) == ["index.json", "step-0000", "step-0000.json"]
+    assert all((run_dir / entry["file"]).is_file() for entry in steps[0]["tensors"].values())
+    assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]

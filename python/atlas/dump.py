@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -70,6 +71,9 @@ def dump_from_env(backend: Backend, run_info: dict[str, Any]) -> LayerDump | Non
     except OSError as err:
         raise dump_dir_error(root, err) from None
     return LayerDump(backend, mode, root, run_info)
+
+
+DUMP_FIX = "free some space, or point ATLAS_DUMP_DIR at a disk with room"
 
 
 def dump_dir_error(root: Path, err: OSError) -> AtlasError:
@@ -140,9 +144,15 @@ class LayerDump:
             self.steps.append(StepRecord(0, []))
         step = self.steps[-1]
         self.names.add(name)
-        self.record(step, name, array)
-        if name in ("final_norm", "logits"):
-            self.write_step(step)
+        try:
+            self.record(step, name, array)
+            if name in ("final_norm", "logits"):
+                self.write_step(step)
+        except AtlasError:  # a full disk: this step goes whole (the index never listed it); earlier steps stay
+            shutil.rmtree(self.run_dir / step.stem, ignore_errors=True)
+            with suppress(OSError):
+                (self.run_dir / f"{step.stem}.json").unlink(missing_ok=True)
+            raise
 
     def record(self, step: StepRecord, name: str, array: np.ndarray) -> None:
         if self.mode in ("layers", "all") and HIDDEN_NAME.match(name):
@@ -160,16 +170,16 @@ class LayerDump:
             path.parent.mkdir(exist_ok=True)
         except OSError as err:
             raise dump_dir_error(self.root, err) from None
-        with atomic_path(path) as scratch:
+        with atomic_path(path, DUMP_FIX) as scratch:
             with open(scratch, "wb") as handle:
                 np.save(handle, array)
         return {"file": relative, "shape": list(array.shape), "dtype": str(array.dtype)}
 
     def write_step(self, step: StepRecord) -> None:
-        write_json(self.run_dir / f"{step.stem}.json", step.as_json(), indent=None)
+        write_json(self.run_dir / f"{step.stem}.json", step.as_json(), indent=None, fix=DUMP_FIX)
         steps = [s.index_entry() for s in self.steps]
         index = {**self.run_info, "steps": steps, "names": sorted(self.names)}
-        write_json(self.run_dir / "index.json", index)
+        write_json(self.run_dir / "index.json", index, fix=DUMP_FIX)
 
 
 def row_norms(array: np.ndarray) -> list[float]:
@@ -193,9 +203,9 @@ def expert_fields(kind: str, array: np.ndarray) -> dict[str, Any]:
 
 
 @contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
+def atomic_path(path: Path, fix: str = "write elsewhere") -> Iterator[Path]:
     """Write to a scratch name beside `path` (one per process), then rename: no partial file is
-    ever left, also when the rename fails."""
+    ever left, also when the rename fails. fix: what the error line tells the user to do."""
     scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         yield scratch
@@ -204,7 +214,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
         with suppress(OSError):
             scratch.unlink(missing_ok=True)
         if isinstance(err, OSError):  # a full disk, a directory that takes no files after all
-            raise AtlasError(f"{path} cannot be written ({err.strerror or err}); write elsewhere") from None
+            raise AtlasError(f"{path} cannot be written ({err.strerror or err}); {fix}") from None
         raise
 
 
@@ -223,6 +233,6 @@ def check_writable(path: Path, flag: str) -> None:
         raise AtlasError(f"{flag} {path} is a directory; name a file")
 
 
-def write_json(path: Path, payload: dict[str, Any], indent: int | None = 1) -> None:
-    with atomic_path(path) as scratch:
+def write_json(path: Path, payload: dict[str, Any], indent: int | None = 1, fix: str = "write elsewhere") -> None:
+    with atomic_path(path, fix) as scratch:
         scratch.write_text(json.dumps(payload, indent=indent) + "\n")
