@@ -95,4 +95,3 @@ def termination_as_exit() -> Iterator[None]:
 
 def _exit_on_signal(number: int, frame: object) -> None:
     raise SystemExit(128 + number)
-
