@@ -5,9 +5,9 @@ and write plausible text that is wrong.
 The engine holds the turns, so every caller gets them (LLM, the server's worker). Across threads,
 its steps run one at a time (a re-entrant lock: a whole Engine.run, i.e. `generate()`, is one turn,
 so concurrent calls queue and each answers as if alone; iter_tokens, i.e. a stream, holds it for
-one token at a time). Each generation takes a number when it starts; one that finds a newer number when it
-resumes (a stream read after another generation ran, `generate()` called from an `on_text`
-callback) fails with one line instead of continuing.
+one token at a time). Each generation takes a number when it starts; one that finds a newer
+number when it resumes (a stream read after another generation ran, `generate()` called from an
+`on_text` callback) fails with one line instead of continuing.
 """
 
 from __future__ import annotations
