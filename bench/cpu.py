@@ -35,8 +35,11 @@ from _checkpoints import TinyModel, write_checkpoint  # noqa: E402
 from atlas.backends.base import SamplingParams  # noqa: E402
 from atlas.backends.numpy_backend import NumpyBackend  # noqa: E402
 from atlas.config import load_spec  # noqa: E402
+from atlas.dump import check_writable, write_json  # noqa: E402
 from atlas.engine import Engine  # noqa: E402
+from atlas.errors import AtlasError  # noqa: E402
 from atlas.safetensors import Checkpoint  # noqa: E402
+from bench_cli import run_click  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 BENCH_MODEL = TinyModel(
@@ -47,9 +50,13 @@ BENCH_MODEL = TinyModel(
 )  # fmt: skip
 
 
+WARMUP_TOKENS = 4
+
+
 def numpy_decode(model_dir: Path, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
-    engine = Engine(load_spec(model_dir), Checkpoint.open(model_dir), NumpyBackend(), max_seq_len=len(prompt) + tokens)
-    engine.generate(prompt, 4, SamplingParams(), None, set())  # warm-up
+    engine = Engine(load_spec(model_dir), Checkpoint.open(model_dir), NumpyBackend(),
+                    max_seq_len=len(prompt) + max(tokens, WARMUP_TOKENS))  # the warm-up's tokens fit too
+    engine.generate(prompt, WARMUP_TOKENS, SamplingParams(), None, set())  # warm-up
     stats = engine.generate(prompt, tokens, SamplingParams(), None, set())
     return (len(stats.token_ids) - 1) / stats.decode_seconds, stats.token_ids
 
@@ -64,10 +71,19 @@ def transformers_decode(model: torch.nn.Module, prompt: list[int], tokens: int) 
             out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         return time.perf_counter() - started, out
 
-    timed(4)  # warm-up
+    timed(WARMUP_TOKENS)  # warm-up
     one, _ = timed(1)
     full, out = timed(tokens)
     return (tokens - 1) / (full - one), out[0, len(prompt) :].tolist()
+
+
+def result_path(out: Path) -> None:
+    """--out's directory made (as the default bench/results/ may need) and checked before the run."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise AtlasError(f"--out {out}: cannot make its directory ({err.strerror or err}); write elsewhere") from None
+    check_writable(out, "--out")
 
 
 def machine() -> dict[str, object]:
@@ -83,11 +99,13 @@ def machine() -> dict[str, object]:
 
 
 @click.command()
-@click.option("--tokens", default=64, show_default=True, help="tokens to decode")
-@click.option("--prompt-tokens", default=32, show_default=True)
+@click.option("--tokens", type=click.IntRange(min=2), default=64, show_default=True, help="tokens to decode")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="result JSON (default bench/results/cpu-<date>.json)")
 def main(tokens: int, prompt_tokens: int, out: Path | None) -> None:
     now = datetime.now(timezone.utc)
+    out = out or REPO / "bench" / "results" / f"cpu-{now:%Y%m%d-%H%M%S}.json"
+    result_path(out)  # before the model is built
     prompt = np.random.default_rng(0).integers(0, BENCH_MODEL.vocab_size, prompt_tokens).tolist()
     with tempfile.TemporaryDirectory() as tmp:
         reference = write_checkpoint(Path(tmp), BENCH_MODEL, seed=0)
@@ -105,11 +123,9 @@ def main(tokens: int, prompt_tokens: int, out: Path | None) -> None:
         "ratio_numpy_over_transformers": round(numpy_rate / hf_rate, 3),
         "tokens_match": numpy_tokens == hf_tokens,
     }
-    out = out or REPO / "bench" / "results" / f"cpu-{now:%Y%m%d-%H%M%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result, indent=2)
     click.echo(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_click(main, "bench/cpu.py"))

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cli  # noqa: E402
 import kv_prefill  # noqa: E402
 import step_profile  # noqa: E402
 import synthetic  # noqa: E402
@@ -48,6 +49,7 @@ SAMPLED_TOKENS = 64
 RECOMMENDED_SAMPLING = {"temperature": 1.0, "top_k": 20, "top_p": 0.95, "presence_penalty": 1.5}  # Qwen3.6's card
 WARMUP_TOKENS = 64  # the warm-up generation's prompt: loads the modules, captures the graph
 COPY_BYTES = 2 << 30
+PROG = "bench/decode.py"
 
 
 def log(message: str) -> None:
@@ -342,9 +344,13 @@ def kernel_forms() -> dict[str, str]:
     return {switch.env: switch.read() for switch in switches}
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked before any work (bad ones raise AtlasError)."""
+    from atlas.dump import check_writable
+    from atlas.errors import AtlasError
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="result JSON (its directory must exist)")
     parser.add_argument("--budget-s", type=float, default=170.0)
     parser.add_argument("--layers", type=int, default=synthetic.QWEN_LAYERS,
                         help="decoder layers (every 4th full attention); fewer for a quick run")
@@ -353,9 +359,12 @@ def parse_args() -> argparse.Namespace:
                         help="decode tok/s only (no prefill timing, no transformers)")
     parser.add_argument("--prefill-only", action="store_true",
                         help="prefill tok/s per prefill attention form only (no decode, no transformers)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.layers < 1:
-        parser.error(f"--layers {args.layers}: give at least 1 layer")
+        raise AtlasError(f"--layers {args.layers}: give at least 1 layer")
+    if not args.budget_s > 0:
+        raise AtlasError(f"--budget-s {args.budget_s}: must be a positive number of seconds")
+    check_writable(args.out, "--out")
     return args
 
 
@@ -389,23 +398,44 @@ def compare_transformers(result: dict[str, Any], config: dict[str, Any], rng: np
     }
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    """Bad flags, no GPU or an AtlasError from the run: one line on stderr, exit code 2, no JSON."""
+    from atlas.errors import AtlasError
+
+    try:
+        args = parse_args(argv)
+    except AtlasError as err:
+        return bench_cli.fail(PROG, str(err))
+    try:
+        return run(args)
+    except bench_cli.NoGpu as err:
+        return bench_cli.no_gpu(str(err))
+    except AtlasError as err:  # the device refused, or the JSON could not be written
+        return bench_cli.fail(PROG, str(err))
+
+
+def run(args: argparse.Namespace) -> int:
+    from atlas.config import load_spec
+    from atlas.dump import write_json
+    from atlas.errors import AtlasError
+
     started = time.perf_counter()
     rng = np.random.default_rng(synthetic.SEED)
-    from atlas.config import load_spec
-
     with tempfile.TemporaryDirectory() as tmp:
         config = synthetic.write_config(Path(tmp), args.layers)
         spec = load_spec(Path(tmp))
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
                               "machine": machine(), "model": synthetic.model_label(args.layers),
                               "batch": 1, "notes": [], "kernel_forms": kernel_forms()}
+    try:
+        result.update(run_prefill_forms(spec, rng) if args.prefill_only else atlas_result(spec, rng, args.decode_only))
+    except (AtlasError, ImportError, OSError):
+        if (missing := bench_cli.gpu_missing()) is not None:  # atlas finds no driver, binding or GPU
+            raise bench_cli.NoGpu(missing) from None
+        raise
     if args.prefill_only:
-        result.update(run_prefill_forms(spec, rng))
         shown = ("prefill_attention", "prefill_tok_s_by_form")
     else:
-        result.update(atlas_result(spec, rng, args.decode_only))
         spent = time.perf_counter() - started
         if args.skip_transformers or args.decode_only or spent > 0.5 * args.budget_s:
             why = "flag" if args.skip_transformers or args.decode_only else f"{spent:.0f}s spent"
@@ -414,7 +444,7 @@ def main() -> int:
             compare_transformers(result, config, rng, spec.vocab_size)
         shown = ("prefill_tok_s", "decode_tok_s", "roofline_pct")
     result["seconds"] = time.perf_counter() - started
-    args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    write_json(args.out, result)  # atomic: a killed run leaves no half-written JSON
     log(json.dumps({k: result[k] for k in shown}))
     return 0
 

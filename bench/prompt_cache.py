@@ -36,9 +36,11 @@ from _checkpoints import write_checkpoint  # noqa: E402
 from atlas.backends.base import SamplingParams  # noqa: E402
 from atlas.backends.numpy_backend import NumpyBackend  # noqa: E402
 from atlas.config import load_spec  # noqa: E402
+from atlas.dump import write_json  # noqa: E402
 from atlas.engine import Engine  # noqa: E402
 from atlas.safetensors import Checkpoint  # noqa: E402
-from cpu import BENCH_MODEL, machine  # noqa: E402
+from bench_cli import run_click  # noqa: E402
+from cpu import BENCH_MODEL, machine, result_path  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 
@@ -60,14 +62,19 @@ def run_turns(engine: Engine, first: list[int], user: list[int], turns: int, ans
 
 
 @click.command()
-@click.option("--turns", default=6, show_default=True)
-@click.option("--first-tokens", default=1024, show_default=True, help="tokens of the first prompt")
-@click.option("--user-tokens", default=64, show_default=True, help="tokens of each later user message")
-@click.option("--answer-tokens", default=16, show_default=True)
+@click.option("--turns", type=click.IntRange(min=2), default=6, show_default=True,
+              help="turns of the conversation (the first has nothing to reuse)")
+@click.option("--first-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="tokens of the first prompt")
+@click.option("--user-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="tokens of each later user message")
+@click.option("--answer-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="result JSON (default bench/results/prompt-cache-cpu-<date>.json)")
 def main(turns: int, first_tokens: int, user_tokens: int, answer_tokens: int, out: Path | None) -> None:
     now = datetime.now(timezone.utc)
+    out = out or REPO / "bench" / "results" / f"prompt-cache-cpu-{now:%Y%m%d-%H%M}.json"
+    result_path(out)  # before the model is built
     first, user = conversation(np.random.default_rng(0), first_tokens, user_tokens)
     capacity = first_tokens + turns * (user_tokens + answer_tokens + 8)
     runs = {}
@@ -95,13 +102,11 @@ def main(turns: int, first_tokens: int, user_tokens: int, answer_tokens: int, ou
         **{name: [{k: v for k, v in r.items() if k != "answer"} for r in runs[name]] for name in ("with_cache", "without_cache")},
         "total_s": {name: runs[name + "_total_s"] for name in ("with_cache", "without_cache")},
     }
-    out = out or REPO / "bench" / "results" / f"prompt-cache-cpu-{now:%Y%m%d-%H%M}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result, indent=2)
     click.echo(json.dumps(result, indent=2))
     if not same:
         raise SystemExit("the prompt cache changed the answers")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_click(main, "bench/prompt_cache.py"))

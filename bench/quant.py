@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode  # noqa: E402
 import synthetic  # noqa: E402
+from bench_cli import gpu_missing  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 PARTS = ("moe", "fp8", "nvfp4")
@@ -225,19 +226,6 @@ def write(out: Path, result: dict[str, Any]) -> None:
     partial = out.with_name(out.name + ".partial")
     partial.write_text(json.dumps(result, indent=1), encoding="utf-8")
     partial.replace(out)
-
-
-def gpu_missing() -> str | None:
-    """Why no GPU can be used here, or None."""
-    from atlas.errors import AtlasError
-
-    try:
-        from atlas.backends.cuda.driver import open_driver
-
-        open_driver()
-    except (AtlasError, ImportError, OSError) as err:
-        return str(err).splitlines()[0] if str(err) else type(err).__name__
-    return None
 
 
 def run_parts(args: argparse.Namespace, spec: Any, result: dict[str, Any], started: float) -> int:

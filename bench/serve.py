@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,6 +43,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 from provenance import git_commit  # noqa: E402
+
+
+class BenchError(click.ClickException):
+    """Bad input found past the flags (an unreachable --url, a --model atlas.serve refuses): click's
+    one `Error: ...` line, and exit code 2 as for a bad flag."""
+
+    exit_code = 2
+
 
 STARTUP_S = 600.0  # a real model's weights load first
 REQUEST_TIMEOUT_S = 600.0
@@ -159,7 +168,7 @@ def started_server(model: str, device: str) -> Iterator[str]:
         deadline, said = time.monotonic() + STARTUP_S, []
         while True:
             if time.monotonic() > deadline or process.poll() is not None:
-                raise click.ClickException("atlas.serve did not start: " + " | ".join(said[-3:]))
+                raise BenchError("atlas.serve did not start: " + " | ".join(said[-3:]))
             try:
                 said.append(lines.get(timeout=1).strip())
             except queue.Empty:
@@ -212,12 +221,18 @@ def main(model: str | None, url: str | None, device: str, count: int, concurrenc
         raise click.UsageError("give --model (the script starts atlas.serve) or --url (a running server), not both")
     if out is not None and not out.resolve().parent.is_dir():
         raise click.UsageError(f"--out {out}: its directory does not exist")
+    if url is not None:
+        check_url(url)
     with started_server(model, device) if model is not None else _given(url) as base:  # type: ignore[arg-type]
-        name = get_json(f"{base}/models")["data"][0]["id"]
-        prompts = random_prompts(base, name, np.random.default_rng(seed), count, input_tokens)
-        stream_request(base, name, prompts[0][:8], 2)  # warm-up: the first request pays for lazy setup
-        results, seconds = run_load(base, name, prompts, output_tokens, concurrency)
-        health = get_json(base.removesuffix("/v1") + "/health")
+        try:
+            name = get_json(f"{base}/models")["data"][0]["id"]
+            prompts = random_prompts(base, name, np.random.default_rng(seed), count, input_tokens)
+            stream_request(base, name, prompts[0][:8], 2)  # warm-up: the first request pays for lazy setup
+            results, seconds = run_load(base, name, prompts, output_tokens, concurrency)
+            health = get_json(base.removesuffix("/v1") + "/health")
+        except (OSError, ValueError, LookupError, TypeError) as err:  # URLError and HTTPError are OSErrors
+            raise BenchError(f"talking to the server at {base} failed ({server_failure(err)}); check that an "
+                             "OpenAI-compatible server is running there") from None
     now = datetime.now(timezone.utc)
     document = {"date": now.isoformat(timespec="seconds"), "commit": git_commit(), "model": name,
                 "device": health.get("device"), "requests": count, "concurrency": concurrency,
@@ -229,6 +244,27 @@ def main(model: str | None, url: str | None, device: str, count: int, concurrenc
         out.write_text(text + "\n", encoding="utf-8")
     if document["results"]["failed"]:
         sys.exit(1)
+
+
+def check_url(url: str) -> None:
+    """--url is an http(s) URL with a host (urllib's own error for one that is not is a traceback)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError as err:  # a port out of range, a bad IPv6 address
+        raise BenchError(f"--url {url}: {err}; give the server's base URL, e.g. http://127.0.0.1:8000/v1") from None
+    if not usable:
+        raise BenchError(f"--url {url}: not the http:// or https:// URL of a server; give its base URL, "
+                         "e.g. http://127.0.0.1:8000/v1")
+
+
+def server_failure(err: BaseException) -> str:
+    """What went wrong talking to the server, on one line."""
+    if isinstance(err, urllib.error.HTTPError):
+        return f"HTTP {err.code} {err.reason}"
+    if isinstance(err, urllib.error.URLError):
+        return str(err.reason)
+    return " ".join(f"{type(err).__name__}: {err}".split())[:200]
 
 
 @contextmanager

@@ -31,20 +31,25 @@ from atlas.backends.base import SamplingParams  # noqa: E402
 from atlas.backends.numpy_backend import NumpyBackend  # noqa: E402
 from atlas.config import load_spec  # noqa: E402
 from atlas.demo import DEMO_PROMPT  # noqa: E402
+from atlas.dump import check_writable, write_json  # noqa: E402
 from atlas.engine import Engine  # noqa: E402
+from atlas.errors import AtlasError  # noqa: E402
+from atlas.models.qwen3_5_moe_mtp import MTP_PREFIX, check_mtp_head, has_mtp_head  # noqa: E402
 from atlas.safetensors import Checkpoint  # noqa: E402
 from atlas.speculative import SpeculativeEngine  # noqa: E402
 from atlas.tokenizer import Tokenizer  # noqa: E402
+from bench_cli import run_click  # noqa: E402
 from decode import RECOMMENDED_SAMPLING  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 RUNS = 3
 SEED = 1234
+WARMUP_TOKENS = 8
 MODES = {"greedy": SamplingParams(), "sampled": SamplingParams(**RECOMMENDED_SAMPLING)}
 
 
 def measure(engine: Engine, prompt: list[int], tokens: int, sampling: SamplingParams) -> dict[str, Any]:
-    engine.generate(prompt, 8, sampling, SEED, set())  # warm-up
+    engine.generate(prompt, WARMUP_TOKENS, sampling, SEED, set())  # warm-up
     runs = [engine.generate(prompt, tokens, sampling, SEED, set()) for _ in range(RUNS)]
     best = min(runs, key=lambda s: s.decode_seconds)
     result: dict[str, Any] = {
@@ -65,9 +70,15 @@ def measure(engine: Engine, prompt: list[int], tokens: int, sampling: SamplingPa
 @click.option("--tokens", type=click.IntRange(min=2), default=185, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(model_dir: Path, tokens: int, out: Path | None) -> None:
+    if out is not None:
+        check_writable(out, "--out")  # before the measurements
     spec, checkpoint = load_spec(model_dir), Checkpoint.open(model_dir)
+    if not has_mtp_head(checkpoint):
+        raise AtlasError(f"--model {model_dir}: the checkpoint has no MTP head (no {MTP_PREFIX}* tensors); give a "
+                         "model with one (python scripts/train_demo_mtp.py /tmp/demo-mtp trains the demo's)")
+    check_mtp_head(spec, checkpoint)
     prompt = Tokenizer.open(model_dir).encode(DEMO_PROMPT)
-    capacity = len(prompt) + tokens
+    capacity = len(prompt) + max(tokens, WARMUP_TOKENS)  # the warm-up's tokens fit too
     configs: dict[str, Any] = {}
     for mode, sampling in MODES.items():
         plain = measure(Engine(spec, checkpoint, NumpyBackend(), max_seq_len=capacity), prompt, tokens, sampling)
@@ -88,8 +99,8 @@ def main(model_dir: Path, tokens: int, out: Path | None) -> None:
     text = json.dumps(report, indent=1)
     click.echo(text)
     if out is not None:
-        out.write_text(text + "\n", encoding="utf-8")
+        write_json(out, report)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_click(main, "bench/spec.py"))

@@ -11,7 +11,6 @@ state: `first_walk_s` fills the shape's moves cache, `second_walk_s` reads it.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -28,7 +27,9 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
 
 from _json_grammar import JSON_GRAMMAR  # noqa: E402
+from atlas.dump import check_writable, write_json  # noqa: E402
 from atlas.structured import OutputConstraint, OutputFormat  # noqa: E402
+from bench_cli import run_click  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 ALPHABET = b'abcdefghijklmnopqrstuvwxyz  ,."{}:0123456789ABCDEF_-\n'
@@ -70,10 +71,13 @@ def time_shape(tokens: list[bytes], kind: str, spec: object, written: bytes) -> 
 
 
 @click.command()
-@click.option("--vocab", default=248320, show_default=True, help="tokens in the synthetic vocabulary (Qwen3.6: 248320)")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--vocab", type=click.IntRange(min=2), default=248320, show_default=True,
+              help="tokens in the synthetic vocabulary, the last one the end token (Qwen3.6: 248320)")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="JSON result file")
 def main(vocab: int, seed: int, out: Path | None) -> None:
+    if out is not None:
+        check_writable(out, "--out")  # before the minutes of timing
     tokens = vocabulary(vocab, seed)
     shapes = {}
     for name, (kind, spec, written) in SHAPES.items():
@@ -84,9 +88,9 @@ def main(vocab: int, seed: int, out: Path | None) -> None:
                           "load_average_1m": round(os.getloadavg()[0], 2)},
               "vocab": vocab, "seed": seed, "shapes": shapes}
     if out is not None:
-        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(out, result, indent=2)
         print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_click(main, "bench/structured.py"))
