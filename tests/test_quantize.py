@@ -232,10 +232,14 @@ def test_a_termination_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
         return real(*args, **kwargs)
 
     monkeypatch.setattr(convert, "quantized_parts", signalled)
-    with pytest.raises(SystemExit) as ended:
-        main(["--to", "nvfp4", "--out", str(tmp_path / "out"), "--shard-mb", "1"])
+    inherited = signal.signal(number, signal.SIG_DFL)  # under nohup SIGHUP is ignored, and so kept ignored
+    try:
+        with pytest.raises(SystemExit) as ended:
+            main(["--to", "nvfp4", "--out", str(tmp_path / "out"), "--shard-mb", "1"])
+        assert signal.getsignal(number) is signal.SIG_DFL  # put back after the write
+    finally:
+        signal.signal(number, inherited)
     assert ended.value.code == 128 + number and list(tmp_path.iterdir()) == []
-    assert signal.getsignal(number) is signal.SIG_DFL  # put back after the write
 
 
 def test_a_full_disk_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
