@@ -42,14 +42,8 @@ def no_gpu(missing: str) -> int:
 
 
 def run_click(command: Any, prog: str) -> int:
-    """atlas.cli.run_command for a click script run as `python <prog>` (its usage line says so):
-    an AtlasError or a flag click rejects is `<prog>: error: ...` and exit code 2."""
+    """atlas.cli.run_command for a click script run as `python <prog>`: an AtlasError or a flag
+    click rejects is `<prog>: error: ...` and exit code 2."""
     from atlas.cli import run_command
 
-    plain_main = command.main
-
-    def main(*args: Any, **kwargs: Any) -> Any:
-        return plain_main(*args, **{**kwargs, "prog_name": f"python {prog}"})
-
-    command.main = main
-    return run_command(command, None, prog)
+    return run_command(command, None, prog, usage=f"python {prog}")

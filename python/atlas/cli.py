@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import click
 
-from .errors import OUTPUT_ERRNOS, AtlasError, silence_stdout
+from .errors import AtlasError, refused_write_line
 
 USAGE_EXIT = 2
 INTERRUPT_EXIT = 130
@@ -22,12 +22,14 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def run_command(command: click.Command, argv: list[str] | None, prog: str, quiet_interrupt: bool = False) -> int:
-    """Runs a click command as `python -m <prog>`; returns its exit code (the command's own int,
-    else 0). quiet_interrupt: Ctrl-C is the normal way to stop (a server), exit 0 silently."""
+def run_command(command: click.Command, argv: list[str] | None, prog: str, quiet_interrupt: bool = False,
+                usage: str | None = None) -> int:
+    """Runs a click command as `python -m <prog>` (or as `usage` says, e.g. `python bench/x.py`);
+    returns its exit code (the command's own int, else 0). quiet_interrupt: Ctrl-C is the normal
+    way to stop (a server), exit 0 silently."""
     try:
         check_arguments(sys.argv[1:] if argv is None else argv)
-        code = command.main(args=argv, prog_name=f"python -m {prog}", standalone_mode=False)
+        code = command.main(args=argv, prog_name=usage or f"python -m {prog}", standalone_mode=False)
     except click.exceptions.Exit as done:  # --help
         return done.exit_code
     except click.ClickException as err:
@@ -41,11 +43,9 @@ def run_command(command: click.Command, argv: list[str] | None, prog: str, quiet
                    "flatten it", err=True)
         return USAGE_EXIT
     except OSError as err:
-        if err.errno not in OUTPUT_ERRNOS:
+        if (line := refused_write_line(prog, err)) is None:
             raise
-        silence_stdout()  # its buffered rest would fail again at exit, as a traceback-like report
-        click.echo(f"{prog}: error: cannot write {err.filename or 'the output'} ({err.strerror}); free some space "
-                   "or write elsewhere", err=True)
+        click.echo(line, err=True)
         return USAGE_EXIT
     except (KeyboardInterrupt, click.exceptions.Abort):
         if quiet_interrupt:

@@ -17,6 +17,16 @@ class AtlasError(Exception):
     """
 
 
+def refused_write_line(prog: str, err: OSError) -> str | None:
+    """The one error line for a write the machine refused (OUTPUT_ERRNOS), with standard output
+    silenced; None for any other OSError."""
+    if err.errno not in OUTPUT_ERRNOS:
+        return None
+    silence_stdout()
+    return (f"{prog}: error: cannot write {err.filename or 'the output'} ({err.strerror}); "
+            "free some space or write elsewhere")
+
+
 def silence_stdout() -> None:
     """Point standard output at /dev/null, dropping what is still buffered for it (a second
     failure to write it at exit would print a report)."""

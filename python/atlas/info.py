@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 import atlas
 
 from . import kernels
-from .errors import OUTPUT_ERRNOS, silence_stdout
+from .errors import refused_write_line, silence_stdout
 
 
 def collect() -> dict[str, Any]:
@@ -65,11 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `atlas.info | head`: the reader has what it wanted
         silence_stdout()
     except OSError as err:
-        if err.errno not in OUTPUT_ERRNOS:
+        if (line := refused_write_line("atlas.info", err)) is None:
             raise
-        silence_stdout()
-        print(f"atlas.info: error: cannot write the output ({err.strerror}); free some space or write elsewhere",
-              file=sys.stderr)
+        print(line, file=sys.stderr)
         return 2
     return 0
 
