@@ -41,15 +41,12 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "python"))
 
+from atlas.dump import check_writable, write_json  # noqa: E402
+from atlas.errors import AtlasError  # noqa: E402
+from bench_cli import run_click  # noqa: E402
 from provenance import git_commit  # noqa: E402
-
-
-class BenchError(click.ClickException):
-    """Bad input found past the flags (an unreachable --url, a --model atlas.serve refuses): click's
-    one `Error: ...` line, and exit code 2 as for a bad flag."""
-
-    exit_code = 2
 
 
 STARTUP_S = 600.0  # a real model's weights load first
@@ -168,7 +165,7 @@ def started_server(model: str, device: str) -> Iterator[str]:
         deadline, said = time.monotonic() + STARTUP_S, []
         while True:
             if time.monotonic() > deadline or process.poll() is not None:
-                raise BenchError("atlas.serve did not start: " + " | ".join(said[-3:]))
+                raise AtlasError("atlas.serve did not start: " + " | ".join(said[-3:]))
             try:
                 said.append(lines.get(timeout=1).strip())
             except queue.Empty:
@@ -219,8 +216,8 @@ def main(model: str | None, url: str | None, device: str, count: int, concurrenc
     """Load the server with streamed completions and print the latency and throughput JSON."""
     if (model is None) == (url is None):
         raise click.UsageError("give --model (the script starts atlas.serve) or --url (a running server), not both")
-    if out is not None and not out.resolve().parent.is_dir():
-        raise click.UsageError(f"--out {out}: its directory does not exist")
+    if out is not None:
+        check_writable(out, "--out")  # before the server starts
     if url is not None:
         check_url(url)
     with started_server(model, device) if model is not None else _given(url) as base:  # type: ignore[arg-type]
@@ -231,7 +228,7 @@ def main(model: str | None, url: str | None, device: str, count: int, concurrenc
             results, seconds = run_load(base, name, prompts, output_tokens, concurrency)
             health = get_json(base.removesuffix("/v1") + "/health")
         except (OSError, ValueError, LookupError, TypeError) as err:  # URLError and HTTPError are OSErrors
-            raise BenchError(f"talking to the server at {base} failed ({server_failure(err)}); check that an "
+            raise AtlasError(f"talking to the server at {base} failed ({server_failure(err)}); check that an "
                              "OpenAI-compatible server is running there") from None
     now = datetime.now(timezone.utc)
     document = {"date": now.isoformat(timespec="seconds"), "commit": git_commit(), "model": name,
@@ -241,7 +238,7 @@ def main(model: str | None, url: str | None, device: str, count: int, concurrenc
     text = json.dumps(document, indent=1)
     click.echo(text)
     if out is not None:
-        out.write_text(text + "\n", encoding="utf-8")
+        write_json(out, document)
     if document["results"]["failed"]:
         sys.exit(1)
 
@@ -252,9 +249,9 @@ def check_url(url: str) -> None:
         parts = urllib.parse.urlsplit(url)
         usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
     except ValueError as err:  # a port out of range, a bad IPv6 address
-        raise BenchError(f"--url {url}: {err}; give the server's base URL, e.g. http://127.0.0.1:8000/v1") from None
+        raise AtlasError(f"--url {url}: {err}; give the server's base URL, e.g. http://127.0.0.1:8000/v1") from None
     if not usable:
-        raise BenchError(f"--url {url}: not the http:// or https:// URL of a server; give its base URL, "
+        raise AtlasError(f"--url {url}: not the http:// or https:// URL of a server; give its base URL, "
                          "e.g. http://127.0.0.1:8000/v1")
 
 
@@ -275,4 +272,4 @@ def _given(url: str) -> Iterator[str]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_click(main, "bench/serve.py"))

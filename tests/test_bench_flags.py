@@ -199,11 +199,16 @@ def test_prompt_cache_bad_flags(flags: list[str], out_dir: Path) -> None:
     assert flags[0] in assert_one_line(done, "bench/prompt_cache.py: error: ", out_dir)
 
 
-# bench/serve.py (click's own "Error: " line, as tests/test_bench_serve.py expects)
+# bench/serve.py
 
 
-@pytest.mark.parametrize("flags", [["--url", "http://127.0.0.1:1/v1"], ["--url", "notaurl"], ["--url", "http:///v1"],
-                                   ["--model", "/nonexistent"]])
-def test_serve_unreachable_or_bad(flags: list[str], out_dir: Path) -> None:
-    done = run_bench("serve.py", *flags, "--out", str(out_dir / "serve.json"))
-    assert flags[1] in assert_one_line(done, "Error: ", out_dir)
+@pytest.mark.parametrize(("flags", "named"), [(["--url", "http://127.0.0.1:1/v1"], "127.0.0.1:1"),
+                                              (["--url", "notaurl"], "notaurl"), (["--url", "http:///v1"], "http:///v1"),
+                                              (["--model", "/nonexistent"], "/nonexistent"),
+                                              (["--url", "http://x/v1", "--out", "."], "is a directory"),
+                                              (["--url", "http://x/v1", "--requests", "0"], "--requests")])
+def test_serve_unreachable_or_bad(flags: list[str], named: str, out_dir: Path) -> None:
+    flags = [str(out_dir) if f == "." else f for f in flags]
+    with_out = flags if "--out" in flags else [*flags, "--out", str(out_dir / "serve.json")]
+    done = run_bench("serve.py", *with_out)
+    assert named in assert_one_line(done, "bench/serve.py: error: ", out_dir)
