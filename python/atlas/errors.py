@@ -6,8 +6,10 @@ import errno
 import os
 import sys
 
-# a write the machine refused (standard output on a full disk or quota, a failing device)
-OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+# no room left: a full disk or quota, a file past the size limit (freeing space is the fix)
+NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# a write the machine refused (standard output with no room, a failing device)
+OUTPUT_ERRNOS = (*NO_ROOM_ERRNOS, errno.EIO)
 
 
 class AtlasError(Exception):

@@ -7,7 +7,6 @@ failure (or Ctrl-C) leaves nothing behind. Bad input prints one line and exits w
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 import click
 
 from .cli import run_command, termination_as_exit
-from .errors import AtlasError
+from .errors import NO_ROOM_ERRNOS, AtlasError
 
 METHODS = ("fp8", "nvfp4")
 WEIGHT_FILES = (".safetensors",)
@@ -164,7 +163,7 @@ def quantize(args: QuantizeArgs) -> Path:
 
 def write_error(out: Path, err: OSError) -> AtlasError:
     """A full disk or a read-only place: one line, not a traceback."""
-    full = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    full = err.errno in NO_ROOM_ERRNOS
     return AtlasError(f"cannot write --out {out} ({err.strerror or err}); "
                       f"{'free some space or ' if full else ''}choose another directory")
 
