@@ -123,6 +123,38 @@ def test_device_ordinal_is_read_or_refused_in_one_line(rng: np.random.Generator)
             device_ordinal({"ATLAS_CUDA_DEVICE": bad})
 
 
+GPU_SETTINGS = {"ATLAS_CUDA_DEVICE": ("1", "one"), "ATLAS_CUDA_BINDING": ("pycuda", "cupy"),
+                "ATLAS_ROUTER": ("fused", "fussed"), "ATLAS_GEMM": ("wgmma", "wmma"),
+                "ATLAS_PREFILL_ATTENTION": ("mma", "flash"), "ATLAS_DELTANET_DECODE": ("fused", "fuse"),
+                "ATLAS_DELTA_RULE": ("chunked", "wy"), "ATLAS_LAUNCH": ("pdl", "graph"),
+                "ATLAS_CUDA_CHECK": ("1", "yes"), "ATLAS_CUDA_GRAPHS": ("0", "off")}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_SETTINGS))
+def test_every_gpu_setting_is_checked_up_front(name: str) -> None:
+    from atlas.backends.cuda.select import check_gpu_settings
+
+    good, bad = GPU_SETTINGS[name]
+    check_gpu_settings({})
+    check_gpu_settings({name: good})
+    with pytest.raises(AtlasError, match=f"^{name}='{bad}' is not a "):
+        check_gpu_settings({name: bad})
+
+
+def test_auto_device_refuses_a_bad_gpu_setting_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--device auto refuses a mistyped setting whether or not a GPU is here; --device cpu, which
+    reads none of them, runs."""
+    from atlas.backends import create_backend
+    from atlas.config import load_spec
+    from atlas.demo import DEMO_DIR
+
+    monkeypatch.setenv("ATLAS_ROUTER", "fussed")
+    with pytest.raises(AtlasError, match="^ATLAS_ROUTER='fussed' is not a router form"):
+        create_backend("auto", DEMO_DIR, load_spec(DEMO_DIR))
+    backend, reason = create_backend("cpu", DEMO_DIR, load_spec(DEMO_DIR))
+    assert backend.name == "numpy" and reason.startswith("cpu")
+
+
 # --- an emulated driver: device memory is host RAM -----------------------------------------------
 @dataclass
 class FakeDriver:

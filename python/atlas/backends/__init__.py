@@ -29,6 +29,8 @@ def create_backend(device: str, model_dir: Path, spec: ModelSpec, run: RunPlan |
     if device == "cpu":
         check_numpy_fits(Path(model_dir), spec, run)
         return open_numpy_backend(), "cpu (numpy float32 reference backend, as requested)"
+    if device == "auto":
+        check_gpu_settings()  # a bad value refuses here as it would on a GPU, not a quiet CPU run
     try:
         backend = open_cuda_backend(Path(model_dir), spec, run)
     except AtlasError as err:
@@ -53,6 +55,14 @@ def open_numpy_backend() -> Backend:
     from .numpy_backend import NumpyBackend
 
     return NumpyBackend()
+
+
+def check_gpu_settings() -> None:
+    try:
+        from .cuda.select import check_gpu_settings as check
+    except ImportError:  # the auto fall-back says why the CUDA backend cannot be imported
+        return
+    check()
 
 
 def open_cuda_backend(model_dir: Path, spec: ModelSpec, run: RunPlan) -> Backend:

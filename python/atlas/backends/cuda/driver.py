@@ -9,6 +9,7 @@ result is checked; a failure raises `CudaError` naming the call and the driver's
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -125,20 +126,28 @@ def no_such_device(ordinal: int, count: int) -> AtlasError:
                       "set it to one of those or unset it")
 
 
+BINDING_ENV = "ATLAS_CUDA_BINDING"
+BINDING_NAMES = {"": "cuda-bindings", "cuda-bindings": "cuda-bindings", "cuda-python": "cuda-bindings",
+                 "cuda_bindings": "cuda-bindings", "pycuda": "pycuda"}
+
+
+def binding_name(environ: Mapping[str, str] = os.environ) -> str:
+    """"cuda-bindings" (the default) or "pycuda", as ATLAS_CUDA_BINDING names it; checked."""
+    given = environ.get(BINDING_ENV, "cuda-bindings").strip().lower()
+    if given not in BINDING_NAMES:
+        raise AtlasError(f"{BINDING_ENV}={given!r} is not a CUDA binding atlas knows; "
+                         "use 'cuda-bindings' (default) or 'pycuda'")
+    return BINDING_NAMES[given]
+
+
 def open_driver(ordinal: int = 0) -> Driver:
     """The driver binding named by ATLAS_CUDA_BINDING (cuda-bindings by default), initialised
     with the primary context of device `ordinal` current. Raises AtlasError when no binding,
     no driver or no GPU is present."""
-    binding = os.environ.get("ATLAS_CUDA_BINDING", "cuda-bindings").strip().lower()
-    if binding in ("", "cuda-bindings", "cuda-python", "cuda_bindings"):
-        from .driver_cuda_bindings import CudaBindingsDriver
-
-        return CudaBindingsDriver(ordinal)
-    if binding == "pycuda":
+    if binding_name() == "pycuda":
         from .driver_pycuda import PycudaDriver
 
         return PycudaDriver(ordinal)
-    raise AtlasError(
-        f"ATLAS_CUDA_BINDING={binding!r} is not a CUDA binding atlas knows; "
-        "use 'cuda-bindings' (default) or 'pycuda'"
-    )
+    from .driver_cuda_bindings import CudaBindingsDriver
+
+    return CudaBindingsDriver(ordinal)

@@ -99,6 +99,24 @@ def device_ordinal(env: Mapping[str, str] = os.environ) -> int:
     return int(value)
 
 
+def check_gpu_settings(environ: Mapping[str, str] = os.environ) -> None:
+    """Every GPU setting checked (AtlasError on a bad value): ATLAS_CUDA_DEVICE,
+    ATLAS_CUDA_BINDING and each kernel-form switch, some of which are read only when their op
+    first runs. --device auto checks them before it looks for a GPU, so a mistyped value is the
+    same one line on a machine without one as on one with, not a quiet fall-back to the CPU."""
+    from .driver import binding_name
+    from .ops_dense import GEMM_SWITCH, PREFILL_ATTENTION_SWITCH
+    from .ops_delta_decode import DECODE_SWITCH
+    from .ops_linear_moe import DELTA_RULE_SWITCH, ROUTER_SWITCH
+    from .runtime import CHECK_SWITCH, GRAPHS_SWITCH, LAUNCH_SWITCH
+
+    device_ordinal(environ)
+    binding_name(environ)
+    for switch in (GEMM_SWITCH, PREFILL_ATTENTION_SWITCH, DECODE_SWITCH, DELTA_RULE_SWITCH, ROUTER_SWITCH,
+                   CHECK_SWITCH, GRAPHS_SWITCH, LAUNCH_SWITCH):
+        switch.read(environ=environ)
+
+
 def _open(driver: Driver, selection: Selection) -> CudaBackend:
     from .backend import CudaBackend
     from .runtime import CHECK_SWITCH, LAUNCH_SWITCH, CudaRuntime, RuntimeOptions
@@ -114,6 +132,7 @@ def open_backend(model_dir: Path, spec: ModelSpec | None = None, run: RunPlan | 
     from ...targets import load_registry, recognise_model, recognise_quant
     from .driver import open_driver
 
+    check_gpu_settings()
     registry = load_registry()
     # the spec when given: config.json as loaded, --hf-overrides applied (its fields are the registry's names)
     config = asdict(spec) if spec is not None else read_json_object(Path(model_dir) / "config.json")
@@ -132,6 +151,7 @@ def open_backend_for_model(model: str, quant: str = "bf16") -> CudaBackend:
     from ...targets import load_registry
     from .driver import open_driver
 
+    check_gpu_settings()
     driver = open_driver(device_ordinal())
     selection = select_tuple(driver.device_info().cc, model, quant, installed_tuples(), load_registry())
     return _open(driver, selection)
