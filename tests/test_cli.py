@@ -452,3 +452,32 @@ def test_llama_cpp_flag_names(capsys: pytest.CaptureFixture[str], rng: np.random
     assert texts[0] == texts[1] and texts[0] != texts[2]  # near-uniform draws: another seed, another text
     code = main(["-p", "Flat is", "-n", "100", "-c", "64", "--device", "cpu"])
     assert code == 2 and "this model holds 64" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("partial", ["Beautiful is", "Beautiful is\n"])
+def test_an_error_mid_reply_starts_its_own_line(partial: str, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Text already streamed and then an error (a full dump disk, a GPU fault): the text ends its
+    line before the error line, in a one-shot run and in a conversation turn, and no blank line
+    is added after text that ended one."""
+    from atlas.chat import reply
+    from atlas.errors import AtlasError
+    from atlas.llm import LLM
+
+    def cut_short(self: object, prompt_ids: list[int], opts: object, on_text: object) -> None:
+        on_text(partial)  # type: ignore[operator]
+        raise AtlasError("the dump disk is full")
+
+    monkeypatch.setattr(LLM, "generate_with", cut_short)
+    code = main(["--prompt", "x", "--device", "cpu", "--max-tokens", "4"])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == partial.removesuffix("\n") + "\n"
+    assert out.err.splitlines()[-1] == "atlas.run: error: the dump disk is full"
+
+    class Turn:
+        def turn(self, text: str, on_text: object) -> None:
+            cut_short(self, [], None, on_text)
+
+    reply(Turn(), "x", str)  # type: ignore[arg-type]
+    out = capsys.readouterr()
+    assert out.out == partial.removesuffix("\n") + "\n" and out.err == "atlas: the dump disk is full\n"

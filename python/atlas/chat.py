@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 
 import click
@@ -77,15 +78,17 @@ def converse(llm: LLM, opts: GenerateOptions, first: str | None, stats: Callable
 
 
 def reply(conversation: Conversation, text: str, stats: Callable[[GenerationResult], str]) -> None:
+    out = TextOut()
     try:
-        result = conversation.turn(text, write_stdout)
+        result = conversation.turn(text, out.write)
     except KeyboardInterrupt:
         click.echo("\natlas: reply stopped; the conversation is as it was before this turn", err=True)
         return
     except AtlasError as err:  # e.g. a turn too long for the context alone
+        out.end_line()
         click.echo(f"atlas: {err}", err=True)
         return
-    write_stdout("\n")
+    out.write("\n")
     click.echo(stats(result), err=True)
 
 
@@ -96,7 +99,23 @@ def read_turn() -> str | None:
     return line if line else None
 
 
-def write_stdout(text: str) -> None:
-    """Generated text goes out unaltered (click.echo would strip escape sequences off a pipe)."""
-    sys.stdout.write(text)
-    sys.stdout.flush()
+@dataclass
+class TextOut:
+    """Generated text to stdout, unaltered (click.echo would strip escape sequences off a pipe).
+    It knows whether its last line is unterminated, so that an error line after a reply cut short
+    starts a line of its own on a terminal that shows both streams."""
+
+    line_open: bool = False
+
+    def write(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.line_open = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        """A newline after unterminated text, when standard output still takes one (the error
+        being reported may be its own)."""
+        if self.line_open:
+            with suppress(OSError, ValueError):
+                self.write("\n")

@@ -16,7 +16,7 @@ from .cli import run_command
 from .engine_flags import EngineFlags, engine_options
 from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL
-from .chat import write_stdout
+from .chat import TextOut
 from .llm import SamplingExtras
 from .sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from . import json_text
@@ -161,8 +161,13 @@ def run(args: RunArgs) -> None:
     if prompt_ids is None:
         converse(llm, opts, prompt, lambda result: stats_line(llm, result), system)
         return
-    result = llm.generate_with(llm.prepare(prompt_ids, replace(opts, chat=False)), opts, on_text=write_stdout)
-    write_stdout("\n")
+    out = TextOut()
+    try:
+        result = llm.generate_with(llm.prepare(prompt_ids, replace(opts, chat=False)), opts, on_text=out.write)
+    except Exception:
+        out.end_line()  # the error line that follows starts its own line
+        raise
+    out.write("\n")
     click.echo(stats_line(llm, result), err=True)
 
 
