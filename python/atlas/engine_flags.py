@@ -1,6 +1,6 @@
 """The engine's command-line flags, defined once for `atlas.run` and `atlas.serve`: --device,
 --spec-k / --no-spec (MTP speculation), --kv-cache-dtype, --kv-high-precision-layers,
---chat-template, --chat-template-kwargs, --hf-overrides and --max-seq-len.
+--chat-template, --chat-template-kwargs, --hf-overrides, --max-seq-len and --check-weights.
 
 Imports stay light (click and the level names): `--help` must not load numpy.
 """
@@ -41,6 +41,7 @@ class EngineFlags:
     chat_template: str | None = None  # a jinja file used instead of the model's chat template
     chat_template_kwargs: str | None = None  # JSON object: default template variables (enable_thinking ...)
     hf_overrides: str | None = None  # JSON object merged into config.json (vLLM's --hf-overrides)
+    check_weights: bool = False  # read every float tensor for NaN / infinity before loading
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> EngineFlags:
@@ -111,7 +112,8 @@ class EngineFlags:
 
         spec_k = self.spec_k_value()
         llm = LLM(model_dir, self.device, self.kv_cache_dtype, self.kv_high_precision_layers, spec_k,
-                  self.max_seq_len, prompt_cache=self.prompt_cache, hf_overrides=self.config_overrides())
+                  self.max_seq_len, prompt_cache=self.prompt_cache, hf_overrides=self.config_overrides(),
+                  check_weights=self.check_weights)
         llm.parts.tokenizer = self.dress(llm.parts.tokenizer)
         return llm
 
@@ -190,6 +192,10 @@ ENGINE_OPTIONS = (
     click.option(
         "--max-seq-len", "--max-model-len", "--ctx-size", "-c", "max_seq_len", type=ContextLength(), default=None,
         help="Context held in the KV cache: prompt + generated tokens (default 4096, at most the model's max_position_embeddings, or YaRN's stretched context; -1 or auto: all of it; 32k = 32000, 32K = 32768; --max-model-len is vLLM's name for it, -c / --ctx-size llama.cpp's).",
+    ),
+    click.option(
+        "--check-weights", "--check-tensors", "check_weights", is_flag=True,
+        help="Read every weight before loading and refuse a checkpoint holding NaN or infinity (about a minute for 70 GB; --check-tensors is llama.cpp's name).",
     ),
 )  # fmt: skip
 
