@@ -445,7 +445,7 @@ def test_stream_with_logprobs_speculates_and_equals_plain(demo_mtp: Path, rng: n
     for llm in (spec, plain):
         scores: list = []
         tokens = []
-        for token in iter_tokens(llm.parts.engine, prompt, opts, set(), scores):
+        for token in iter_tokens(llm.parts.engine, prompt, opts, set(), scores=scores):
             tokens.append(token)
             assert len(scores) == len(tokens) and scores[-1].token == token
         runs.append((tokens, [s.logprob for s in scores]))

@@ -446,7 +446,7 @@ class LLM:
 
 
 def iter_tokens(
-    engine: EngineLike, prompt_ids: list[int], opts: GenerateOptions, eos_ids: set[int],
+    engine: EngineLike, prompt_ids: list[int], opts: GenerateOptions, eos_ids: set[int], *,
     scores: list[TokenLogprob] | None = None,
     prompt_scores: list[TokenLogprob | None] | None = None,
     constraint: TokenConstraint | None = None,

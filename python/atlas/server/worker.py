@@ -221,7 +221,8 @@ def generate(llm: LLM, job: Job) -> Finished:
     constraint = llm.output_constraint(job.opts, eos_ids, job.prompt_ids)
     spec = SpecStats()
     echo = job.returns.echo
-    tokens = iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, pending.scores, prompt_scores, constraint, spec)
+    tokens = iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, scores=pending.scores,
+                         prompt_scores=prompt_scores, constraint=constraint, spec_stats=spec)
     for last_token in tokens:
         if count == 0:
             job.first_token_at = time.perf_counter()
