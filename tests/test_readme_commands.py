@@ -1,7 +1,8 @@
 """README.md stays true: every `python -m atlas.*` command in its shell blocks runs, in the order
 written, with the embedded demo standing in for the checkpoints it names (Qwen3.6 is not on this
-machine) and the files it reads made beforehand. A GPU-only command skips without a GPU; the
-server, which runs until stopped, is covered by tests/test_serve.py."""
+machine) and the files it reads made beforehand (the server on a free port, until it listens),
+and its Python API block runs as written. A GPU-only command skips without a GPU; the openai
+client's block, which talks to a server, is tests/test_serve.py's."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
@@ -27,20 +28,30 @@ CHECKPOINTS = ("my-checkpoint", "bf16-checkpoint")  # the README's own paths, ma
 QWEN_CONTEXT = 262144  # the stand-ins' max_position_embeddings, as Qwen3.6's (the demo's is 2048)
 INPUTS = ("long-prompt.txt", "wiki.test.raw")
 STDIN = "Flat is better\n/exit\n"  # for --interactive
-LONG_RUNNING = ("atlas.serve",)
+SERVERS = ("atlas.serve",)  # run until stopped: started on a free port, stopped once listening
 TIMEOUT_S = 300
 
 
+def readme_blocks(language: str) -> list[tuple[int, str]]:
+    """(first line number, text) of each ```language block."""
+    blocks, start, lines = [], 0, (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, 1):
+        if not start and line == f"```{language}":
+            start = number + 1
+        elif start and line.startswith("```"):
+            blocks.append((start, "\n".join(lines[start - 1 : number - 1])))
+            start = 0
+    return blocks
+
+
 def readme_commands() -> list[tuple[int, list[str]]]:
-    """(line number, argv with its leading VAR=value words) of each atlas command in a shell block."""
-    commands, in_block = [], False
-    for number, line in enumerate((REPO / "README.md").read_text(encoding="utf-8").splitlines(), 1):
-        if line.startswith("```"):
-            in_block = not in_block
-            continue
-        command = line.split("&&")[-1]  # `pip install . && python -m atlas.run`: the command after the install
-        if in_block and re.search(r"(^|\s)python -m atlas\.", command):
-            commands.append((number, shlex.split(command, comments=True)))
+    """(line number, argv with its leading VAR=value words) of each atlas command in a bash block."""
+    commands = []
+    for start, text in readme_blocks("bash"):
+        for number, line in enumerate(text.splitlines(), start):
+            command = line.split("&&")[-1]  # `pip install . && python -m atlas.run`: the command after the install
+            if re.search(r"(^|\s)python -m atlas\.", command):
+                commands.append((number, shlex.split(command, comments=True)))
     return commands
 
 
@@ -64,16 +75,47 @@ def test_the_readme_commands_run(tmp_path: Path) -> None:
     for name in INPUTS:
         (tmp_path / name).write_text(zen_of_python(), encoding="utf-8")
     gpu_absent = gpu_missing() is not None
-    ran, failed = 0, []
+    failed = []
     for number, argv in commands:
         extra, command = runnable(argv)
-        if command[2] in LONG_RUNNING or (gpu_absent and "cuda" in command):
+        if gpu_absent and "cuda" in command:
             continue
         env = {**os.environ, "PYTHONPATH": str(REPO / "python"), **extra}
-        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-                              input=STDIN if {"-i", "--interactive"} & set(command) else "")
-        ran += 1
-        if done.returncode != 0:
-            failed.append(f"README.md:{number}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+        if command[2] in SERVERS:
+            code, said = served(command, tmp_path, env)
+        else:
+            done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+                                  input=STDIN if {"-i", "--interactive"} & set(command) else "")
+            code, said = done.returncode, done.stderr
+        if code != 0:
+            failed.append(f"README.md:{number}: exit {code}: {said.strip().splitlines()[-1:]}")
     assert not failed, "\n".join(failed)
-    assert ran >= 13
+
+
+def served(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    """A server command on a free port: (its exit code after Ctrl-C once it listens, its stderr);
+    a server that stops before it listens gives its own exit code."""
+    process = subprocess.Popen([*command, "--port", "0"], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True)
+    said, watchdog = [], threading.Timer(TIMEOUT_S, process.kill)  # a server that never listens
+    watchdog.start()
+    try:
+        for line in process.stderr:  # type: ignore[union-attr]
+            said.append(line)
+            if "listening on" in line:
+                process.send_signal(signal.SIGINT)
+                break
+        said.append(process.communicate(timeout=TIMEOUT_S)[1])
+    finally:
+        watchdog.cancel()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return process.returncode, "".join(said)
+
+def test_the_readme_python_blocks_run(tmp_path: Path) -> None:
+    blocks = [(start, text) for start, text in readme_blocks("python") if "openai" not in text]
+    assert blocks and "LLM(" in blocks[0][1]
+    for start, text in blocks:
+        done = subprocess.run([sys.executable, "-c", text], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(REPO / "python")})
+        assert done.returncode == 0, f"README.md:{start}: {done.stderr[-2000:]}"
