@@ -3,10 +3,10 @@
 Routes: /v1/models, /v1/completions, /v1/chat/completions (`stream: true` as server-sent events),
 /v1/responses (OpenAI's Responses API, server/responses_api.py), /health, /metrics, /tokenize,
 /detokenize. The engine flags (--device, --spec-k / --no-spec, --kv-cache-dtype,
---kv-high-precision-layers, --chat-template, --chat-template-kwargs, --hf-overrides, --max-seq-len)
-are atlas.run's (engine_flags.py); --prompt-cache
-(atlas.prompt_cache), --max-waiting (the queue's bound: server/app.py check_room) and
---response-store (server/response_store.py) are the server's. Bad flags, models or addresses
+--kv-high-precision-layers, --chat-template, --chat-template-kwargs, --hf-overrides, --max-seq-len,
+--check-weights) are atlas.run's (engine_flags.py); --prompt-cache (atlas.prompt_cache),
+--max-waiting (the queue's bound: server/app.py check_room), --response-store
+(server/response_store.py) and the CORS flags (server/cors.py) are the server's. Bad flags, models or addresses
 print one line on stderr and exit with code 2.
 """
 
@@ -28,6 +28,7 @@ from .errors import AtlasError
 from .llm import DEFAULT_PROMPT_CACHE, MAX_PROMPT_CACHE
 from .run import MODEL_HELP
 from .server.reasoning import PARSERS
+from .server.cors import cors_policy
 from .server.response_store import DEFAULT_RESPONSE_STORE, ResponseStore
 from .server.tools import PARSERS as TOOL_PARSERS
 
@@ -53,6 +54,10 @@ class ServeArgs:
     max_waiting: int  # generation requests queued behind the running one before a 503 (0: no limit)
     response_store: int  # /v1/responses kept for previous_response_id and GET (0: none)
     reasoning_budget: int  # a request's thinking_token_budget when it gives none (-1: no cap)
+    allowed_origins: str  # CORS, JSON lists as vLLM's flags (server/cors.py)
+    allowed_methods: str
+    allowed_headers: str
+    allowed_credentials: bool
     engine: EngineFlags
 
 
@@ -105,6 +110,7 @@ def serve(args: ServeArgs) -> None:
         raise AtlasError("--api-key (or ATLAS_API_KEY) is empty; give a key or leave it out")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise AtlasError("--served-model-name is empty; give a name or leave the flag out")
+    cors = cors_policy(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allowed_credentials)
     model_dir = resolve_model(args.model)
     sock = listen_socket(args.host, args.port)
     worker = EngineWorker(lambda: args.engine.load(str(model_dir)))
@@ -124,7 +130,8 @@ def serve(args: ServeArgs) -> None:
             click.echo(f"atlas.serve: reasoning blocks closed after {args.reasoning_budget} tokens "
                        "(a request's thinking_token_budget or thinking.budget_tokens overrides it)", err=True)
         app = create_app(ServerState(name, worker, llm, **parsers, api_key=args.api_key, sampling_defaults=defaults,
-                                     max_waiting=args.max_waiting, responses=ResponseStore(args.response_store)))
+                                     max_waiting=args.max_waiting, responses=ResponseStore(args.response_store),
+                                     cors=cors))
         config = uvicorn.Config(
             app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
         )
@@ -184,6 +191,11 @@ def serve(args: ServeArgs) -> None:
     help="A thinking model's reasoning block gets at most this many tokens, then is closed for it, in requests that "
     "set no thinking_token_budget (-1: no cap; llama.cpp's flag).",
 )
+@click.option("--allowed-origins", default='["*"]', show_default=True,
+              help="CORS: origins whose web pages may call the server, a JSON list (vLLM's flag).")
+@click.option("--allowed-methods", default='["*"]', show_default=True, help="CORS: allowed methods, a JSON list.")
+@click.option("--allowed-headers", default='["*"]', show_default=True, help="CORS: allowed headers, a JSON list.")
+@click.option("--allowed-credentials", is_flag=True, help="CORS: allow cookies and credentials.")
 @engine_options
 @vllm_options
 def command(**kwargs: Any) -> None:

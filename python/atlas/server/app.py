@@ -22,6 +22,7 @@ from ..errors import AtlasError
 from ..llm import DEFAULT_MAX_TOKENS, LLM, GenerateOptions, context_capacity, truncate_prompt
 from .answer import AnswerShaper
 from .auth import ApiKeyGate
+from .cors import CorsPolicy
 from .choices import ChoiceRun, collect_choices, stream_choices
 from .errors import RequestError, error_body, request_error_body
 from .protocol import GenerationBody, Prompt, TokenizeBody, parse_body, parse_detokenize, parse_json_body, parse_tokenize
@@ -59,6 +60,7 @@ class ServerState:
     max_waiting: int = 0  # a generation request finding this many waiting gets a 503 (0: no limit)
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for previous_response_id
     background: BackgroundRuns = field(default_factory=BackgroundRuns)  # /v1/responses generating beside their requests
+    cors: CorsPolicy | None = None  # cross-origin requests from browsers (None: no CORS headers)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -85,7 +87,8 @@ def create_app(state: ServerState) -> Starlette:
 
     routes = [Route(path, bound(handler), methods=list(methods)) for path, handler, methods in ROUTES]
     handlers = {RequestError: on_request_error, HTTPException: on_http_error, Exception: on_crash}
-    middleware = [Middleware(ApiKeyGate, key=state.api_key)] if state.api_key else []
+    middleware = [state.cors.middleware()] if state.cors else []  # outermost: a preflight needs no key
+    middleware += [Middleware(ApiKeyGate, key=state.api_key)] if state.api_key else []
     return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware,  # type: ignore[arg-type]
                      lifespan=lambda app: stopping_background(state))
 
