@@ -13,13 +13,13 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 from _demo_copy import demo_copy  # noqa: E402
+from _served import serving  # noqa: E402
 from atlas.demo import zen_of_python  # noqa: E402
 from bench_cli import gpu_missing  # noqa: E402
 
@@ -93,24 +93,13 @@ def test_the_readme_commands_run(tmp_path: Path) -> None:
 
 
 def served(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
-    """A server command on a free port: (its exit code after Ctrl-C once it listens, its stderr);
-    a server that stops before it listens gives its own exit code."""
-    process = subprocess.Popen([*command, "--port", "0"], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True)
-    said, watchdog = [], threading.Timer(TIMEOUT_S, process.kill)  # a server that never listens
-    watchdog.start()
+    """A server command on a free port: (its exit code after Ctrl-C once it listens, what went wrong)."""
     try:
-        for line in process.stderr:  # type: ignore[union-attr]
-            said.append(line)
-            if "listening on" in line:
-                process.send_signal(signal.SIGINT)
-                break
-        said.append(process.communicate(timeout=TIMEOUT_S)[1])
-    finally:
-        watchdog.cancel()
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    return process.returncode, "".join(said)
+        with serving(command, cwd, env) as (process, _):
+            process.send_signal(signal.SIGINT)
+            return process.wait(TIMEOUT_S), "it did not stop on Ctrl-C"
+    except AssertionError as err:
+        return 1, str(err)
 
 def test_the_readme_python_blocks_run(tmp_path: Path) -> None:
     blocks = [(start, text) for start, text in readme_blocks("python") if "openai" not in text]

@@ -6,7 +6,8 @@ Routes: /v1/models, /v1/completions, /v1/chat/completions (`stream: true` as ser
 --kv-high-precision-layers, --chat-template, --chat-template-kwargs, --hf-overrides, --max-seq-len,
 --check-weights) are atlas.run's (engine_flags.py); --prompt-cache (atlas.prompt_cache),
 --max-waiting (the queue's bound: server/app.py check_room), --response-store
-(server/response_store.py) and the CORS flags (server/cors.py) are the server's. Bad flags, models or addresses
+(server/response_store.py), the CORS flags (server/cors.py) and HTTPS's (server/tls.py) are
+the server's. Bad flags, models or addresses
 print one line on stderr and exit with code 2.
 """
 
@@ -28,8 +29,9 @@ from .errors import AtlasError
 from .llm import DEFAULT_PROMPT_CACHE, MAX_PROMPT_CACHE
 from .run import MODEL_HELP
 from .server.reasoning import PARSERS
-from .server.cors import cors_policy
+from .server.cors import CorsPolicy, cors_policy
 from .server.response_store import DEFAULT_RESPONSE_STORE, ResponseStore
+from .server.tls import TlsFiles
 from .server.tools import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -54,10 +56,8 @@ class ServeArgs:
     max_waiting: int  # generation requests queued behind the running one before a 503 (0: no limit)
     response_store: int  # /v1/responses kept for previous_response_id and GET (0: none)
     reasoning_budget: int  # a request's thinking_token_budget when it gives none (-1: no cap)
-    allowed_origins: str  # CORS, JSON lists as vLLM's flags (server/cors.py)
-    allowed_methods: str
-    allowed_headers: str
-    allowed_credentials: bool
+    cors: CorsPolicy  # browsers' cross-origin requests (server/cors.py)
+    tls: TlsFiles  # HTTPS when it holds a certificate (server/tls.py)
     engine: EngineFlags
 
 
@@ -110,7 +110,7 @@ def serve(args: ServeArgs) -> None:
         raise AtlasError("--api-key (or ATLAS_API_KEY) is empty; give a key or leave it out")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise AtlasError("--served-model-name is empty; give a name or leave the flag out")
-    cors = cors_policy(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allowed_credentials)
+    args.tls.check()
     model_dir = resolve_model(args.model)
     sock = listen_socket(args.host, args.port)
     worker = EngineWorker(lambda: args.engine.load(str(model_dir)))
@@ -131,12 +131,12 @@ def serve(args: ServeArgs) -> None:
                        "(a request's thinking_token_budget or thinking.budget_tokens overrides it)", err=True)
         app = create_app(ServerState(name, worker, llm, **parsers, api_key=args.api_key, sampling_defaults=defaults,
                                      max_waiting=args.max_waiting, responses=ResponseStore(args.response_store),
-                                     cors=cors))
-        config = uvicorn.Config(
-            app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
-        )
+                                     cors=args.cors))
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                **args.tls.uvicorn_options())
         host, port = sock.getsockname()[:2]
-        click.echo(f"atlas.serve: listening on http://{host}:{port}/v1", err=True)
+        scheme = "https" if args.tls.enabled else "http"
+        click.echo(f"atlas.serve: listening on {scheme}://{host}:{port}/v1", err=True)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         worker.stop()
@@ -196,6 +196,11 @@ def serve(args: ServeArgs) -> None:
 @click.option("--allowed-methods", default='["*"]', show_default=True, help="CORS: allowed methods, a JSON list.")
 @click.option("--allowed-headers", default='["*"]', show_default=True, help="CORS: allowed headers, a JSON list.")
 @click.option("--allowed-credentials", is_flag=True, help="CORS: allow cookies and credentials.")
+@click.option("--ssl-certfile", default=None, help="HTTPS: the server's PEM certificate (it may hold the key too).")
+@click.option("--ssl-keyfile", default=None, help="HTTPS: the certificate's PEM private key.")
+@click.option("--ssl-ca-certs", default=None, help="HTTPS: PEM CA certificates that client certificates are checked against.")
+@click.option("--ssl-cert-reqs", type=click.IntRange(0, 2), default=0, show_default=True,
+              help="HTTPS: client certificates 0: not asked for, 1: optional, 2: required (vLLM's).")
 @engine_options
 @vllm_options
 def command(**kwargs: Any) -> None:
@@ -208,7 +213,9 @@ def command(**kwargs: Any) -> None:
     engine = replace(engine, prompt_cache=vllm.prompt_cache(engine.prompt_cache))
     for note in vllm.notes():
         click.echo(f"atlas.serve: {note}", err=True)
-    serve(ServeArgs(**kwargs, engine=engine))
+    cors = cors_policy(*(kwargs.pop(f"allowed_{name}") for name in ("origins", "methods", "headers", "credentials")))
+    tls = TlsFiles(*(kwargs.pop(f"ssl_{name}") for name in ("keyfile", "certfile", "ca_certs", "cert_reqs")))
+    serve(ServeArgs(**kwargs, cors=cors, tls=tls, engine=engine))
 
 
 def main(argv: list[str] | None = None) -> int:

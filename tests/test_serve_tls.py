@@ -1,0 +1,79 @@
+"""atlas.serve over HTTPS (vLLM's --ssl-certfile / --ssl-keyfile / --ssl-ca-certs / --ssl-cert-reqs)
+a real server with a certificate made here answers the openai client, keeps /health open and the
+rest behind the API key, and every unusable TLS flag is one line before the model loads."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _served import serving
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+REPO = Path(__file__).resolve().parent.parent
+needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificate")
+
+
+def certificate(directory: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key: (cert.pem, key.pem)."""
+    cert, key = directory / f"{name}-cert.pem", directory / f"{name}-key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+@needs_openssl
+def test_https(tmp_path: Path) -> None:
+    cert, key = certificate(tmp_path, "server")
+    command = [sys.executable, "-m", "atlas.serve", "--device", "cpu", "--api-key", "s3cret",
+               "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "python")}
+    with serving(command, tmp_path, env) as (process, url):
+        assert url.startswith("https://127.0.0.1:") and url.endswith("/v1"), url
+        origin = url.removesuffix("/v1")
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(cert))) as http:
+            assert http.get(f"{origin}/health").status_code == 200
+            assert http.get(f"{url}/models").status_code == 401
+            answer = http.post(f"{url}/messages", json={}, headers={"x-api-key": "wrong"})
+            assert answer.status_code == 401 and answer.json()["type"] == "error"  # Anthropic's shape
+            client = openai.OpenAI(base_url=url, api_key="s3cret", http_client=http, max_retries=0)
+            assert client.completions.create(model="atlas-demo", prompt="Flat is", max_tokens=3).choices[0].text
+        with pytest.raises(httpx.ConnectError):  # the certificate is not trusted by default
+            httpx.get(f"{origin}/health")
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0
+
+
+@needs_openssl
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--ssl-keyfile", "{key}"], "--ssl-keyfile needs --ssl-certfile"),
+    (["--ssl-cert-reqs", "2"], "--ssl-cert-reqs needs --ssl-certfile"),
+    (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{other_key}"], "cannot be used"),
+    (["--ssl-certfile", "{cert}"], "cannot be used"),  # the key is in neither file
+    (["--ssl-certfile", "{missing}", "--ssl-keyfile", "{key}"], "No such file or directory"),
+    (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-cert-reqs", "2"], "give it"),
+    (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-ca-certs", "{junk}"], "--ssl-ca-certs"),
+    (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-cert-reqs", "3"], "--ssl-cert-reqs"),
+])
+def test_unusable_tls_flags_are_one_line(flags: list[str], needle: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from atlas.serve import main
+
+    cert, key = certificate(tmp_path, "server")
+    _, other_key = certificate(tmp_path, "other")
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    paths = {"cert": cert, "key": key, "other_key": other_key, "missing": tmp_path / "none.pem",
+             "junk": tmp_path / "junk.pem"}
+    argv = [flag.format(**paths) for flag in flags]
+    assert main([*argv, "--port", "0", "--device", "cpu"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("atlas.serve: error: ") and needle in lines[0], lines
