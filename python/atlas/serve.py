@@ -7,8 +7,7 @@ Routes: /v1/models, /v1/completions, /v1/chat/completions (`stream: true` as ser
 --check-weights) are atlas.run's (engine_flags.py); --prompt-cache (atlas.prompt_cache),
 --max-waiting (the queue's bound: server/app.py check_room), --response-store
 (server/response_store.py), the CORS flags (server/cors.py) and HTTPS's (server/tls.py) are
-the server's. Bad flags, models or addresses
-print one line on stderr and exit with code 2.
+the server's. Bad flags, models or addresses print one line on stderr and exit with code 2.
 """
 
 from __future__ import annotations
