@@ -141,7 +141,7 @@ def test_every_gpu_setting_is_checked_up_front(name: str) -> None:
         check_gpu_settings({name: bad})
 
 
-def test_auto_device_refuses_a_bad_gpu_setting_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_device_refuses_a_bad_gpu_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """--device auto refuses a mistyped setting whether or not a GPU is here; --device cpu, which
     reads none of them, runs."""
     from atlas.backends import create_backend
