@@ -22,12 +22,13 @@ REPO = Path(__file__).resolve().parent.parent
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificate")
 
 
-def certificate(directory: Path, name: str) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 and its key: (cert.pem, key.pem)."""
+def certificate(directory: Path, name: str, *key_flags: str) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key (unencrypted unless `key_flags` give a
+    passphrase): (cert.pem, key.pem)."""
     cert, key = directory / f"{name}-cert.pem", directory / f"{name}-key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", *(key_flags or ["-nodes"]), "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key),
+                    "-out", str(cert)], check=True, capture_output=True)
     return cert, key
 
 
@@ -63,6 +64,7 @@ def test_https(tmp_path: Path) -> None:
     (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-cert-reqs", "2"], "give it"),
     (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-ca-certs", "{junk}"], "--ssl-ca-certs"),
     (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-cert-reqs", "3"], "--ssl-cert-reqs"),
+    (["--ssl-certfile", "{encrypted_cert}", "--ssl-keyfile", "{encrypted_key}"], "the private key is encrypted"),
 ])
 def test_unusable_tls_flags_are_one_line(flags: list[str], needle: str, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
@@ -70,9 +72,10 @@ def test_unusable_tls_flags_are_one_line(flags: list[str], needle: str, tmp_path
 
     cert, key = certificate(tmp_path, "server")
     _, other_key = certificate(tmp_path, "other")
+    encrypted_cert, encrypted_key = certificate(tmp_path, "encrypted", "-passout", "pass:secret")
     (tmp_path / "junk.pem").write_text("not a certificate\n")
     paths = {"cert": cert, "key": key, "other_key": other_key, "missing": tmp_path / "none.pem",
-             "junk": tmp_path / "junk.pem"}
+             "junk": tmp_path / "junk.pem", "encrypted_cert": encrypted_cert, "encrypted_key": encrypted_key}
     argv = [flag.format(**paths) for flag in flags]
     assert main([*argv, "--port", "0", "--device", "cpu"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from ..errors import AtlasError

@@ -38,8 +38,8 @@ class TlsFiles:
         if self.cert_reqs and self.ca_certs is None:
             raise AtlasError("--ssl-cert-reqs 1 or 2 checks client certificates against --ssl-ca-certs; give it")
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        try:
-            context.load_cert_chain(self.certfile, self.keyfile)
+        try:  # an encrypted key would have OpenSSL prompt for its passphrase on the terminal
+            context.load_cert_chain(self.certfile, self.keyfile, password=encrypted_key)
         except (OSError, ssl.SSLError) as err:
             named = f"--ssl-certfile {self.certfile}" + (f" with --ssl-keyfile {self.keyfile}" if self.keyfile else "")
             raise AtlasError(f"{named} cannot be used ({reason(err)}); give a PEM certificate and its private key") from None
@@ -55,6 +55,11 @@ class TlsFiles:
             return {}
         return {"ssl_certfile": self.certfile, "ssl_keyfile": self.keyfile, "ssl_ca_certs": self.ca_certs,
                 "ssl_cert_reqs": CERT_REQS[self.cert_reqs]}
+
+
+def encrypted_key() -> bytes:
+    raise AtlasError("the private key is encrypted (it asks for a passphrase); give an unencrypted key "
+                     "(`openssl pkey -in KEY -out PLAIN`), readable only by the server's user")
 
 
 def reason(err: OSError | ssl.SSLError) -> str:
