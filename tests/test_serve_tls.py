@@ -1,23 +1,26 @@
-"""atlas.serve over HTTPS (vLLM's --ssl-certfile / --ssl-keyfile / --ssl-ca-certs / --ssl-cert-reqs)
-a real server with a certificate made here answers the openai client, keeps /health open and the
-rest behind the API key, and every unusable TLS flag is one line before the model loads."""
+"""atlas.serve over HTTPS (vLLM's --ssl-certfile / --ssl-keyfile / --ssl-ca-certs / --ssl-cert-reqs):
+a real server with a certificate made here answers completions to a client that trusts it, keeps
+/health open and the rest behind the API key, and every unusable TLS flag is one line before the
+model loads. The standard library's HTTP client (the test extra's openai client brings its own)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from _served import serving
 
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
 REPO = Path(__file__).resolve().parent.parent
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificate")
 
@@ -40,18 +43,30 @@ def test_https(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO / "python")}
     with serving(command, tmp_path, env) as (process, url):
         assert url.startswith("https://127.0.0.1:") and url.endswith("/v1"), url
-        origin = url.removesuffix("/v1")
-        with httpx.Client(verify=ssl.create_default_context(cafile=str(cert))) as http:
-            assert http.get(f"{origin}/health").status_code == 200
-            assert http.get(f"{url}/models").status_code == 401
-            answer = http.post(f"{url}/messages", json={}, headers={"x-api-key": "wrong"})
-            assert answer.status_code == 401 and answer.json()["type"] == "error"  # Anthropic's shape
-            client = openai.OpenAI(base_url=url, api_key="s3cret", http_client=http, max_retries=0)
-            assert client.completions.create(model="atlas-demo", prompt="Flat is", max_tokens=3).choices[0].text
-        with pytest.raises(httpx.ConnectError):  # the certificate is not trusted by default
-            httpx.get(f"{origin}/health")
+        trusted = ssl.create_default_context(cafile=str(cert))
+        assert fetch(url.removesuffix("/v1") + "/health", trusted)[0] == 200
+        assert fetch(f"{url}/models", trusted)[0] == 401
+        status, body = fetch(f"{url}/messages", trusted, {}, {"x-api-key": "wrong"})
+        assert status == 401 and body["type"] == "error"  # Anthropic's shape
+        request = {"model": "atlas-demo", "prompt": "Flat is", "max_tokens": 3}
+        status, body = fetch(f"{url}/completions", trusted, request, {"Authorization": "Bearer s3cret"})
+        assert status == 200 and body["choices"][0]["text"], body
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # not trusted by default
+            fetch(f"{url}/models", ssl.create_default_context())
         process.send_signal(signal.SIGINT)
         assert process.wait(60) == 0
+
+
+def fetch(url: str, context: ssl.SSLContext, body: dict[str, Any] | None = None,
+          headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """(status, JSON body) of a GET, or a POST of `body`; an HTTP error status is answered too."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60, context=context) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
 
 
 @needs_openssl

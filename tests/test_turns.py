@@ -38,7 +38,7 @@ def prompts(rng: np.random.Generator, count: int) -> list[str]:
 def test_a_stream_overtaken_by_generate_fails(tiny: LLM, rng: np.random.Generator) -> None:
     first, second = prompts(rng, 2)
     alone = tiny.generate(second, max_tokens=8).text
-    stream = tiny.stream(first, max_tokens=12)
+    stream = tiny.stream(first, max_tokens=12, min_tokens=12)  # no eos before the first piece
     next(stream)
     assert tiny.generate(second, max_tokens=8).text == alone  # the later generation is unharmed
     with pytest.raises(AtlasError, match=OVERTAKEN_START):
@@ -47,7 +47,7 @@ def test_a_stream_overtaken_by_generate_fails(tiny: LLM, rng: np.random.Generato
 
 def test_two_streams_read_in_turn_fail_at_the_older(tiny: LLM, rng: np.random.Generator) -> None:
     first, second = prompts(rng, 2)
-    older, newer = tiny.stream(first, max_tokens=6), tiny.stream(second, max_tokens=6)
+    older, newer = tiny.stream(first, max_tokens=6, min_tokens=6), tiny.stream(second, max_tokens=6)
     next(older)
     expected = "".join(tiny.stream(second, max_tokens=6))
     assert "".join(newer) == expected  # started after `older`'s token: runs whole, on its own state
@@ -58,7 +58,7 @@ def test_two_streams_read_in_turn_fail_at_the_older(tiny: LLM, rng: np.random.Ge
 def test_a_closed_stream_leaves_the_next_generation_alone(tiny: LLM, rng: np.random.Generator) -> None:
     first, second = prompts(rng, 2)
     alone = tiny.generate(second, max_tokens=8).text
-    stream = tiny.stream(first, max_tokens=12)
+    stream = tiny.stream(first, max_tokens=12, min_tokens=12)
     next(stream)
     stream.close()
     assert tiny.generate(second, max_tokens=8).text == alone
@@ -81,7 +81,7 @@ def test_generate_from_on_text_fails_the_outer_generation(tiny: LLM, rng: np.ran
 def test_a_closed_llm_refuses_to_go_on(tiny_dir: Path, rng: np.random.Generator) -> None:
     first, second = prompts(rng, 2)
     with LLM(str(tiny_dir), device="cpu") as llm:
-        stream = llm.stream(first, max_tokens=8)
+        stream = llm.stream(first, max_tokens=8, min_tokens=8)
         next(stream)
     for attempt in (lambda: next(stream), lambda: llm.generate(second, max_tokens=2),
                     lambda: "".join(llm.stream(second, max_tokens=2))):
