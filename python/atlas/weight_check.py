@@ -8,6 +8,7 @@ the memory-mapped files are read in bounded slices.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -52,7 +53,7 @@ def check_weights(checkpoint: Checkpoint) -> None:
             if count:
                 raise AtlasError(
                     f"tensor {name!r} in {info.path} holds {count} NaN or infinite value(s) of "
-                    f"{info.nbytes // np.dtype(EXPONENT_BITS[info.dtype][0]).itemsize}; the checkpoint is damaged: "
+                    f"{math.prod(info.shape)}; the checkpoint is damaged: "
                     "fetch it again, or redo the conversion that wrote it"
                 )
             bar.update(info.nbytes)

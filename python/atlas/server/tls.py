@@ -40,13 +40,13 @@ class TlsFiles:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:  # an encrypted key would have OpenSSL prompt for its passphrase on the terminal
             context.load_cert_chain(self.certfile, self.keyfile, password=encrypted_key)
-        except (OSError, ssl.SSLError) as err:
+        except OSError as err:  # ssl.SSLError is one
             named = f"--ssl-certfile {self.certfile}" + (f" with --ssl-keyfile {self.keyfile}" if self.keyfile else "")
             raise AtlasError(f"{named} cannot be used ({reason(err)}); give a PEM certificate and its private key") from None
         if self.ca_certs is not None:
             try:
                 context.load_verify_locations(self.ca_certs)
-            except (OSError, ssl.SSLError) as err:
+            except OSError as err:  # ssl.SSLError is one
                 raise AtlasError(f"--ssl-ca-certs {self.ca_certs} cannot be used ({reason(err)}); give PEM "
                                  "CA certificates") from None
 
@@ -62,7 +62,7 @@ def encrypted_key() -> bytes:
                      "(`openssl pkey -in KEY -out PLAIN`), readable only by the server's user")
 
 
-def reason(err: OSError | ssl.SSLError) -> str:
+def reason(err: OSError) -> str:
     """The error's words without its errno or library prefix."""
     if isinstance(err, ssl.SSLError):
         return err.reason or str(err)
