@@ -849,6 +849,8 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("guided_regex with lookaround", {**GOOD, "guided_regex": "(?=a)"}, "guided_regex"),
     ("guided_choice empty", {**GOOD, "guided_choice": []}, "guided_choice"),
     ("guided_json not JSON", {**GOOD, "guided_json": "{oops"}, "guided_json"),
+    ("guided_json the text null", {**GOOD, "guided_json": "null"}, "guided_json"),
+    ("json_schema the text null", {**GOOD, "json_schema": "null"}, "json_schema"),
     ("structured_outputs grammar undefined rule", {**GOOD, "structured_outputs": {"grammar": "root ::= a"}},
      "structured_outputs"),
     ("structured_outputs not an object", {**GOOD, "structured_outputs": "json"}, "structured_outputs"),

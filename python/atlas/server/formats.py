@@ -102,5 +102,6 @@ def output_format(kind: str, spec: Any, param: str) -> OutputFormat:
         made = OutputFormat.of(**{kind: spec})
     except AtlasError as err:
         raise RequestError(str(err), param) from None
-    assert made is not None
+    if made is None:  # a schema sent as the text "null"
+        raise RequestError(f"'{param}' must be a JSON schema, got null", param)
     return made
