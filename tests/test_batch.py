@@ -77,7 +77,7 @@ def test_lines_that_fail_get_their_errors_and_the_batch_goes_on(tmp_path: Path, 
     assert code == 0 and len(results) == len(lines), err
     refused, model = results[0]["response"], results[-1]["response"]
     assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "max_tokens"
-    assert model["status_code"] in (400, 404) and model["body"]["error"]["code"] == "model_not_found"
+    assert model["status_code"] == 404 and model["body"]["error"]["code"] == "model_not_found"
     codes = [r["error"]["code"] if r["error"] else None for r in results]
     assert codes == [None, "invalid_json", "invalid_request", "missing_custom_id", None, "duplicate_custom_id",
                      "invalid_url", "invalid_method", "invalid_body", "invalid_body", None]

@@ -249,7 +249,6 @@ GOOD = {"model": DEMO_NAME, "max_tokens": 4, "messages": [{"role": "user", "cont
     ({**GOOD, "thinking": {"type": "on"}}, "'thinking'"),
     ({**GOOD, "mcp_servers": [{"url": "x"}]}, "MCP servers"),
     ({**GOOD, "stop_sequences": [""]}, "'stop_sequences' must be a non-empty string or a list"),
-    ({**GOOD, "model": "claude-opus"}, "is not served here"),
     ({**GOOD, "system": [{"type": "image"}]}, "'system'"),
     ({**GOOD, "tools": [{"name": "s", "input_schema": {"type": "string"}}]}, "input_schema must be a JSON schema of type object"),
     ({**GOOD, "tool_choice": {"type": "any"}}, "tool_choice any needs 'tools'"),
@@ -270,6 +269,15 @@ def test_bad_requests(generating: tuple[Any, TestClient, LLM], body: dict[str, A
         with pytest.raises(anthropic.BadRequestError):
             client.messages.create(**core, extra_body={k: v for k, v in body.items() if k not in core})
     assert http.post("/v1/messages", content=b"{not json").json()["error"]["type"] == "invalid_request_error"
+
+
+def test_another_model_is_not_found(generating: tuple[Any, TestClient, LLM]) -> None:
+    """A 404 not_found_error, as Anthropic's API answers a model it does not have."""
+    client, _, _ = generating
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        client.messages.create(model="claude-opus", max_tokens=4, messages=GOOD["messages"])
+    assert unknown.value.body["error"]["type"] == "not_found_error"
+    assert "'claude-opus' is not served here" in unknown.value.body["error"]["message"]
 
 
 @pytest.mark.parametrize(("method", "path", "status"), [("GET", "/v1/messages", 405), ("POST", "/v1/messages/batches", 404)])

@@ -185,7 +185,7 @@ async def models(request: Request, state: ServerState) -> Response:
 
 async def model(request: Request, state: ServerState) -> Response:
     """The openai client's models.retrieve(id); another id is a 404 as OpenAI answers it."""
-    check_model(state, request.path_params["name"], status=404)
+    check_model(state, request.path_params["name"])
     return JSONResponse(model_card(state))
 
 
@@ -422,11 +422,13 @@ def check_room(state: ServerState) -> None:
         )
 
 
-def check_model(state: ServerState, model: str, status: int = 400) -> None:
-    if model != state.model_name:
+def check_model(state: ServerState, model: str) -> None:
+    """A request that names no model ("") gets the served one, and another name is a 404, as
+    vLLM and OpenAI answer."""
+    if model and model != state.model_name:
         raise RequestError(
             f"model {model!r} is not served here; use {state.model_name!r} (see /v1/models)",
-            "model", "model_not_found", status,
+            "model", "model_not_found", 404,
         )
 
 

@@ -140,7 +140,7 @@ def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = Non
     tools = parse_tools(body.get("tools")) if chat else None
     choice = parse_tool_choice(body.get("tool_choice"), tools) if chat else ToolChoice("none")
     return GenerationBody(
-        model=required_str(body, "model"),
+        model=optional_model(body),
         prompts=None if chat else parse_prompts(body.get("prompt")),
         messages=parse_messages(body.get("messages")) if chat else None,
         sampling=parse_sampling(body, echo),
@@ -406,11 +406,12 @@ def parse_stream_options(value: Any) -> tuple[bool, bool]:
 
 
 # --- typed field access --------------------------------------------------------------------------
-def required_str(body: dict[str, Any], name: str) -> str:
-    value = body.get(name)
-    if not isinstance(value, str) or not value:
-        raise RequestError(f"'{name}' is required and must be a non-empty string", name)
-    return value
+def optional_model(body: dict[str, Any]) -> str:
+    """The model a request names; "" when it names none (vLLM's reading: the served one)."""
+    value = body.get("model")
+    if value is not None and not isinstance(value, str):
+        raise RequestError("'model' must be a string: the served model's name (see /v1/models)", "model")
+    return value or ""
 
 
 def optional_int(body: dict[str, Any], name: str, minimum: int | None = None, maximum: int | None = None) -> int | None:
@@ -469,7 +470,7 @@ def parse_tokenize(body: Any) -> TokenizeBody:
                            "tools")
     text = parse_text_options(body, chat=messages is not None)
     return TokenizeBody(
-        model=required_str(body, "model"),
+        model=optional_model(body),
         prompt=prompt,
         messages=parse_messages(messages) if messages is not None else None,
         add_special_tokens=optional_bool(body, "add_special_tokens") is not False,
@@ -487,4 +488,4 @@ def parse_detokenize(body: Any, vocab: int) -> tuple[str, list[int]]:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
         raise RequestError(f"'tokens' must be a list of token ids in 0..{vocab - 1}", "tokens")
-    return required_str(body, "model"), [int(t) for t in tokens]
+    return optional_model(body), [int(t) for t in tokens]
