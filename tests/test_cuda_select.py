@@ -840,6 +840,43 @@ def test_open_backend_refuses_before_allocating(
         assert "\n" not in str(err.value) and driver.allocs == {}
 
 
+@pytest.mark.parametrize(("eager", "switch", "graphs"), [(False, "", True), (False, "0", False), (True, "", False),
+                                                       (True, "1", False)])
+def test_enforce_eager_turns_graphs_off(tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                        eager: bool, switch: str, graphs: bool) -> None:
+    """vLLM's --enforce-eager (RunPlan.eager): no CUDA graphs whatever ATLAS_CUDA_GRAPHS says;
+    without it the switch decides."""
+    import atlas.backends.cuda.driver as driver_mod
+    import atlas.backends.cuda.select as select_mod
+
+    key = TupleKey("h200", "atlas-demo", "bf16")
+    monkeypatch.setattr(select_mod, "select_tuple", lambda *args: select_mod.Selection(key, "cubin"))
+    monkeypatch.setattr(select_mod, "load_image", lambda *args: KernelImage("fake", b"\x7fELF", "cubin", 90))
+    monkeypatch.setattr(driver_mod, "open_driver", lambda ordinal: FakeDriver())
+    monkeypatch.setenv("ATLAS_CUDA_GRAPHS", switch)
+    backend = select_mod.open_backend(tiny_checkpoints["bf16"], None, RunPlan(eager=eager))
+    assert backend.use_graphs is graphs and ("no CUDA graphs" in backend.describe()) is not graphs
+
+
+@pytest.mark.parametrize("flag", [[], ["--enforce-eager"]])
+def test_enforce_eager_flag_reaches_the_backend(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                                flag: list[str]) -> None:
+    """atlas.run --enforce-eager hands the CUDA backend a run plan that says so (no GPU here: the
+    refusal sends --device auto to the CPU, as on a machine without one)."""
+    import atlas.backends as backends
+    from atlas.run import main
+
+    plans: list[RunPlan] = []
+
+    def no_gpu(model_dir: Path, spec: Any, run: RunPlan) -> Any:
+        plans.append(run)
+        raise AtlasError("no GPU in this test")
+
+    monkeypatch.setattr(backends, "open_cuda_backend", no_gpu)
+    assert main([*flag, "--device", "auto", "--max-tokens", "2"]) == 0
+    assert [plan.eager for plan in plans] == [bool(flag)] and "no GPU in this test" in capsys.readouterr().err
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["bf16", "fp8", "nvfp4"])
 def test_gpu_footprint_matches_the_device(tmp_path: Path, rng: np.random.Generator, method: str) -> None:

@@ -1,6 +1,7 @@
 """The engine's command-line flags, defined once for `atlas.run` and `atlas.serve`: --device,
 --spec-k / --no-spec (MTP speculation), --kv-cache-dtype, --kv-high-precision-layers,
---chat-template, --chat-template-kwargs, --hf-overrides, --max-seq-len and --check-weights.
+--chat-template, --chat-template-kwargs, --hf-overrides, --max-seq-len, --check-weights and
+--enforce-eager.
 
 Imports stay light (click and the level names): `--help` must not load numpy.
 """
@@ -42,6 +43,7 @@ class EngineFlags:
     chat_template_kwargs: str | None = None  # JSON object: default template variables (enable_thinking ...)
     hf_overrides: str | None = None  # JSON object merged into config.json (vLLM's --hf-overrides)
     check_weights: bool = False  # read every float tensor for NaN / infinity before loading
+    enforce_eager: bool = False  # no CUDA graphs (vLLM's --enforce-eager)
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> EngineFlags:
@@ -113,7 +115,7 @@ class EngineFlags:
         spec_k = self.spec_k_value()
         llm = LLM(model_dir, self.device, self.kv_cache_dtype, self.kv_high_precision_layers, spec_k,
                   self.max_seq_len, prompt_cache=self.prompt_cache, hf_overrides=self.config_overrides(),
-                  check_weights=self.check_weights)
+                  check_weights=self.check_weights, enforce_eager=self.enforce_eager)
         llm.parts.tokenizer = self.dress(llm.parts.tokenizer)
         return llm
 
@@ -196,6 +198,10 @@ ENGINE_OPTIONS = (
     click.option(
         "--check-weights", "--check-tensors", "check_weights", is_flag=True,
         help="Read every weight before loading and refuse a checkpoint holding NaN or infinity (about a minute for 70 GB; --check-tensors is llama.cpp's name).",
+    ),
+    click.option(
+        "--enforce-eager", is_flag=True,
+        help="Decode without CUDA graphs, each kernel launched from Python (vLLM's flag; ATLAS_CUDA_GRAPHS=0 for this run).",
     ),
 )  # fmt: skip
 

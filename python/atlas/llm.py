@@ -130,14 +130,15 @@ class LoadedModel:
 def load_model(
     model: str | PathLike[str] | None, device: str, kv_cache: KVCacheOptions | None = None, spec_k: int | None = None,
     max_seq_len: int | None = None, prompt_cache: int = 0, *, hf_overrides: dict[str, Any] | None = None,
-    check_weights: bool = False,
+    check_weights: bool = False, enforce_eager: bool = False,
 ) -> LoadedModel:
     """Resolve, read config and tokenizer, open the weights and build the engine. spec_k: MTP
     speculation (atlas.speculative.build_engine): None = k=2 when the checkpoint has the head,
     0 = off (the head is not loaded), 1..3 = that k. max_seq_len: KV cache positions (None: 4096,
     capped by the model's context; -1: all of it). prompt_cache: checkpoints of the prompt cache (0: off).
     hf_overrides: merged into config.json before it is read (vLLM's --hf-overrides).
-    check_weights: every float tensor read and checked for NaN / infinity first (atlas.weight_check)."""
+    check_weights: every float tensor read and checked for NaN / infinity first (atlas.weight_check).
+    enforce_eager: the CUDA backend decodes without CUDA graphs (vLLM's flag)."""
     if isinstance(model, PathLike):
         model = fspath(model)
     if model is not None and not isinstance(model, str):
@@ -160,7 +161,8 @@ def load_model(
     spec = load_spec(model_dir, hf_overrides)
     tokenizer = Tokenizer.open(model_dir)
     capacity = context_length(max_seq_len, spec.context_length)
-    run = RunPlan(capacity, kv_cache or KVCacheOptions(), load_mtp=spec_k != 0, prompt_cache=prompt_cache)
+    run = RunPlan(capacity, kv_cache or KVCacheOptions(), load_mtp=spec_k != 0, prompt_cache=prompt_cache,
+                  eager=bool(enforce_eager))
     checkpoint = Checkpoint.open(model_dir)
     if check_weights:
         from .weight_check import check_weights as check
@@ -182,7 +184,8 @@ class LLM:
     request's resumes after the shared tokens (atlas.prompt_cache; 0: off);
     `hf_overrides`: merged into config.json before it is read (vLLM's --hf-overrides), e.g.
     {"text_config": {"rope_parameters": {...}}} for YaRN;
-    `check_weights`: read every float tensor first and refuse one holding NaN or infinity."""
+    `check_weights`: read every float tensor first and refuse one holding NaN or infinity;
+    `enforce_eager`: decode without CUDA graphs on a GPU (vLLM's; ATLAS_CUDA_GRAPHS=0 for this LLM)."""
 
     def __init__(
         self,
@@ -196,6 +199,7 @@ class LLM:
         prompt_cache: int = DEFAULT_PROMPT_CACHE,
         hf_overrides: dict[str, Any] | None = None,
         check_weights: bool = False,
+        enforce_eager: bool = False,
     ) -> None:
         from .kvcache.options import KVCacheOptions
 
@@ -203,7 +207,7 @@ class LLM:
             python_scalar(v) for v in (kv_high_precision_layers, spec_k, max_seq_len, prompt_cache))
         kv_cache = KVCacheOptions(kv_cache_dtype, kv_high_precision_layers)
         self.parts = load_model(model, device, kv_cache, spec_k, max_seq_len, prompt_cache, hf_overrides=hf_overrides,
-                                check_weights=check_weights)
+                                check_weights=check_weights, enforce_eager=enforce_eager)
 
     @classmethod
     def from_loaded(cls, parts: LoadedModel) -> LLM:

@@ -17,6 +17,7 @@ class RunPlan:
     kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)
     load_mtp: bool = True  # build_engine loads the MTP head when the checkpoint has one
     prompt_cache: int = 0  # checkpoints the prompt cache keeps, each a copy of the DeltaNet states (0: off)
+    eager: bool = False  # the CUDA backend decodes without graphs (vLLM's enforce_eager; ATLAS_CUDA_GRAPHS=0 for one run)
 
     def state_copies(self) -> int:
         """DeltaNet state sets held: the live one and one per prompt-cache checkpoint."""

@@ -117,12 +117,14 @@ def check_gpu_settings(environ: Mapping[str, str] = os.environ) -> None:
         switch.read(environ=environ)
 
 
-def _open(driver: Driver, selection: Selection) -> CudaBackend:
+def _open(driver: Driver, selection: Selection, eager: bool = False) -> CudaBackend:
+    """eager: no CUDA graphs whatever ATLAS_CUDA_GRAPHS says (else it decides)."""
     from .backend import CudaBackend
     from .runtime import CHECK_SWITCH, LAUNCH_SWITCH, CudaRuntime, RuntimeOptions
 
     options = RuntimeOptions(check_launches=CHECK_SWITCH.read() == "1", programmatic=LAUNCH_SWITCH.read() == "pdl")
-    return CudaBackend(CudaRuntime(driver, load_image(selection.key, selection.kind), options))
+    runtime = CudaRuntime(driver, load_image(selection.key, selection.kind), options)
+    return CudaBackend(runtime, use_graphs=False if eager else None)
 
 
 def open_backend(model_dir: Path, spec: ModelSpec | None = None, run: RunPlan | None = None) -> CudaBackend:
@@ -143,7 +145,7 @@ def open_backend(model_dir: Path, spec: ModelSpec | None = None, run: RunPlan | 
     footprint = checkpoint_footprint(Path(model_dir), spec, run)
     free, total = driver.mem_get_info()
     check_fits(footprint, free, total)
-    return _open(driver, selection)  # the loader shows the weight progress bar
+    return _open(driver, selection, eager=run is not None and run.eager)  # the loader shows the weight progress bar
 
 
 def open_backend_for_model(model: str, quant: str = "bf16") -> CudaBackend:
