@@ -158,3 +158,21 @@ def test_an_interrupted_batch_leaves_no_output(tmp_path: Path, capsys: pytest.Ca
     code, results, err = run_batch(tmp_path, capsys, lines)
     assert code != 0 and "interrupted" in err and results == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"], "a partial output was left"
+
+
+def test_seed_makes_seedless_requests_reproducible(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   rng: np.random.Generator) -> None:
+    """vLLM's --seed: sampled requests that give no seed answer alike in a batch run again with the
+    same seed; each request of a run draws its own seed (the same request twice in a run differs)."""
+    prompt = random_prompt(rng)
+    line = request("x", "/v1/completions", prompt=prompt, max_tokens=24, temperature=2.0, top_p=1.0)
+    lines = [line, line.replace('"x"', '"y"')]
+    seed = str(int(rng.integers(1 << 30)))
+    texts = []
+    for flags in (("--seed", seed), ("--seed", seed)):
+        code, results, err = run_batch(tmp_path, capsys, lines, *flags)
+        assert code == 0, err
+        texts.append([r["response"]["body"]["choices"][0]["text"] for r in results])
+    assert texts[0] == texts[1] and texts[0][0] != texts[0][1], texts
+    code, _, err = run_batch(tmp_path, capsys, lines, "--seed", "-1")
+    assert code == 2 and err.count("\n") == 1 and "--seed" in err

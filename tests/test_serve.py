@@ -1318,11 +1318,14 @@ def cli_env() -> dict[str, str]:
 
 @contextlib.contextmanager
 def cli_server(*args: str) -> Iterator[tuple[int, list[str]]]:
-    """`python -m atlas.serve` on a free port: (port, its stderr lines so far); stopped with Ctrl-C,
+    """`python -m atlas.serve` on a free port: (port, its output lines, stderr and stdout (uvicorn's
+    access log): those until it listened, and the rest once it stopped); stopped with Ctrl-C,
     which must exit 0."""
-    process = subprocess.Popen(serve_command("--host", HOST, "--port", "0", *args), stderr=subprocess.PIPE, text=True, env=cli_env())
+    process = subprocess.Popen(serve_command("--host", HOST, "--port", "0", *args), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=cli_env())
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()  # type: ignore[union-attr]
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True)  # type: ignore[union-attr]
+    reader.start()
     seen: list[str] = []
     try:
         yield listening_port(lines, seen), seen
@@ -1333,6 +1336,8 @@ def cli_server(*args: str) -> Iterator[tuple[int, list[str]]]:
         except subprocess.TimeoutExpired:
             process.kill()
             raise
+        reader.join(TIMEOUT_S)
+        seen.extend(iter(lambda: lines.get() if not lines.empty() else "", ""))
     assert process.returncode == 0
 
 
@@ -1354,7 +1359,7 @@ def test_a_vllm_command_line_serves(rng: np.random.Generator) -> None:
             "--speculative-config", json.dumps(config), "--gpu-memory-utilization", "0.9", "-tp", "1", "-dp", "1",
             "--trust-remote-code", "--dtype", "auto", "--max-model-len", "1024", "--kv-cache-dtype", "fp8_e4m3", "--kv-high-precision-layers", "0",
             "--no-enable-prefix-caching", "--language-model-only", "--max-num-seqs", "256", "--disable-log-requests",
-            "--uvicorn-log-level", "warning")
+            "--uvicorn-log-level", "warning", "--enforce-eager", "--seed", "0", "--disable-uvicorn-access-log")
     with cli_server(*args) as (port, stderr):
         health = get_json(port, "/health")
         card = get_json(port, "/v1/models")["data"][0]
@@ -1365,6 +1370,22 @@ def test_a_vllm_command_line_serves(rng: np.random.Generator) -> None:
     for said in ("--gpu-memory-utilization 0.9 is not used", "--max-num-seqs 256 is not used",
                  "disable_padded_drafter_batch not used"):
         assert any(said in line for line in stderr), (said, stderr)
+
+
+def test_cli_seed_and_access_log(rng: np.random.Generator) -> None:
+    """vLLM's --seed: two servers given it answer the same seedless sampled requests alike, and the
+    two requests of one server differ (each draws its seed); --disable-uvicorn-access-log leaves
+    out the line per request that the other server's log has."""
+    body = {"model": DEMO_NAME, "prompt": random_prompt(rng), "max_tokens": 24, "temperature": 2.0, "top_p": 1.0}
+    seed = str(int(rng.integers(1 << 30)))
+    texts, logs = [], []
+    for quiet in ((), ("--disable-uvicorn-access-log",)):
+        with cli_server("--seed", seed, "--log-level", "info", *quiet) as (port, stderr):
+            texts.append([post(port, "/v1/completions", json.dumps(body))[1]["choices"][0]["text"] for _ in range(2)])
+            assert get_json(port, "/health")["status"] == "ok"
+        logs.append("".join(stderr))
+    assert texts[0] == texts[1] and texts[0][0] != texts[0][1], texts
+    assert '"POST /v1/completions HTTP/1.1" 200' in logs[0] and "POST /v1/completions" not in logs[1], logs
 
 
 @pytest.mark.parametrize(("args", "words"), [

@@ -45,6 +45,7 @@ class BatchArgs:
     reasoning_parser: str | None
     tool_call_parser: str | None
     generation_config: str
+    seed: int | None  # requests without a seed draw theirs from a stream seeded by it (as atlas.serve's)
     engine: EngineFlags
 
 
@@ -166,7 +167,7 @@ def batch(args: BatchArgs) -> tuple[int, int]:
     from tqdm import tqdm
 
     from .resolve import resolve_model
-    from .serve import served_name
+    from .serve import seed_stream, served_name
     from .server.app import ServerState, create_app
     from .server.response_store import ResponseStore
     from .server.worker import EngineWorker
@@ -184,7 +185,8 @@ def batch(args: BatchArgs) -> tuple[int, int]:
         defaults = dict(llm.parts.spec.sampling_defaults) if args.generation_config == "auto" else {}
         app = create_app(ServerState(name, worker, llm, reasoning_parser=args.reasoning_parser,
                                      tool_call_parser=args.tool_call_parser, sampling_defaults=defaults,
-                                     responses=ResponseStore(0)))  # lines are independent: nothing to keep
+                                     responses=ResponseStore(0),  # lines are independent: nothing to keep
+                                     seeds=seed_stream(args.seed)))
 
         async def run_all() -> list[dict[str, Any]]:
             seen = set[str]()
@@ -209,6 +211,9 @@ def batch(args: BatchArgs) -> tuple[int, int]:
 @click.option("--tool-call-parser", type=click.Choice(TOOL_PARSERS), default=None, help="As atlas.serve's.")
 @click.option("--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
               help="As atlas.serve's: auto takes the model's generation_config.json sampling defaults.")
+@click.option("--seed", type=click.IntRange(min=0), default=None,
+              help="As atlas.serve's: requests without a seed draw theirs from a stream seeded by this, so a batch "
+              "run again gives the same results (vLLM's flag).")
 @engine_options
 def command(**kwargs: Any) -> None:
     """Run an OpenAI batch file (chat completions, completions, responses) through the model."""

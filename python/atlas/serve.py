@@ -13,6 +13,7 @@ the server's. Bad flags, models or addresses print one line on stderr and exit w
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from dataclasses import dataclass, replace
@@ -57,6 +58,8 @@ class ServeArgs:
     reasoning_budget: int  # a request's thinking_token_budget when it gives none (-1: no cap)
     cors: CorsPolicy  # browsers' cross-origin requests (server/cors.py)
     tls: TlsFiles  # HTTPS when it holds a certificate (server/tls.py)
+    seed: int | None  # requests without a seed draw theirs from a stream seeded by it (vLLM's --seed)
+    disable_uvicorn_access_log: bool  # no log line per request (vLLM's flag)
     engine: EngineFlags
 
 
@@ -74,6 +77,11 @@ def engine_summary(llm: LLM) -> str:
 
     settings = engine_settings(llm)
     return f"speculation {settings['speculation']}; kv cache {settings['kv_cache']}; prompt cache {settings['prompt_cache']}"
+
+
+def seed_stream(seed: int | None) -> random.Random | None:
+    """--seed: the stream seedless requests draw their seeds from (None: each draws fresh entropy)."""
+    return None if seed is None else random.Random(seed)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -130,9 +138,9 @@ def serve(args: ServeArgs) -> None:
                        "(a request's thinking_token_budget or thinking.budget_tokens overrides it)", err=True)
         app = create_app(ServerState(name, worker, llm, **parsers, api_key=args.api_key, sampling_defaults=defaults,
                                      max_waiting=args.max_waiting, responses=ResponseStore(args.response_store),
-                                     cors=args.cors))
+                                     cors=args.cors, seeds=seed_stream(args.seed)))
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                **args.tls.uvicorn_options())
+                                access_log=not args.disable_uvicorn_access_log, **args.tls.uvicorn_options())
         host, port = sock.getsockname()[:2]
         scheme = "https" if args.tls.enabled else "http"
         click.echo(f"atlas.serve: listening on {scheme}://{host}:{port}/v1", err=True)
@@ -200,6 +208,10 @@ def serve(args: ServeArgs) -> None:
 @click.option("--ssl-ca-certs", default=None, help="HTTPS: PEM CA certificates that client certificates are checked against.")
 @click.option("--ssl-cert-reqs", type=click.IntRange(0, 2), default=0, show_default=True,
               help="HTTPS: client certificates 0: not asked for, 1: optional, 2: required (vLLM's).")
+@click.option("--seed", type=click.IntRange(min=0), default=None,
+              help="Requests that give no seed sample with seeds drawn from a stream seeded by this, so the same "
+              "requests in the same order get the same answers (vLLM's flag; default: fresh entropy).")
+@click.option("--disable-uvicorn-access-log", is_flag=True, help="No log line per request (vLLM's flag).")
 @engine_options
 @vllm_options
 def command(**kwargs: Any) -> None:

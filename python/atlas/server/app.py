@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -61,6 +62,7 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for previous_response_id
     background: BackgroundRuns = field(default_factory=BackgroundRuns)  # /v1/responses generating beside their requests
     cors: CorsPolicy | None = None  # cross-origin requests from browsers (None: no CORS headers)
+    seeds: random.Random | None = None  # --seed: a request that gives no seed samples with the next one drawn here
 
 
 class EventStreamResponse(StreamingResponse):
@@ -393,13 +395,16 @@ def prepare_inputs(state: ServerState, body: GenerationBody) -> list[PromptInput
 
 def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInput], report_start: bool = False) -> list[ChoiceRun]:
     """n runs per prompt, in order; choice i (index prompt x n + j) samples with seed + i, so a
-    seeded request stays reproducible. The first of a prompt's runs scores it for prompt_logprobs
-    (collect_choices hands the list to the others)."""
+    seeded request stays reproducible (one without a seed takes the next of --seed's stream, so a
+    server given --seed answers the same requests in the same order alike). The first of a
+    prompt's runs scores it for prompt_logprobs (collect_choices hands the list to the others)."""
     runs = []
+    drawn = None if state.seeds is None else state.seeds.randrange(1 << 31)
     for p, prompt in enumerate(inputs):
+        base = drawn if prompt.opts.seed is None else prompt.opts.seed
         for j in range(body.n):
             index = p * body.n + j
-            seeded = replace(prompt.opts, seed=None if prompt.opts.seed is None else prompt.opts.seed + index)
+            seeded = replace(prompt.opts, seed=None if base is None else base + index)
             if j:
                 seeded = replace(seeded, prompt_logprobs=echo_scores(body, seeded.max_tokens))
             returns = Returns(prompt.echo, None if j else body.prompt_logprobs, body.text.return_token_ids, report_start)
