@@ -553,11 +553,12 @@ def read_metrics(port: int) -> dict[str, float]:
 
 def test_metrics_count_requests_and_tokens(served: Served, rng: np.random.Generator) -> None:
     before = read_metrics(served.port)
-    usages = []
+    usages, reasons = [], []
     for _ in range(2):
         answer = served.client().completions.create(model=DEMO_NAME, prompt=random_prompt(rng),
                                                     max_tokens=int(rng.integers(1, 20)), temperature=0)
         usages.append(answer.usage)
+        reasons.append(answer.choices[0].finish_reason)
     after = read_metrics(served.port)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     assert delta['atlas_requests_total{outcome="finished"}'] == 2
@@ -569,6 +570,29 @@ def test_metrics_count_requests_and_tokens(served: Served, rng: np.random.Genera
     assert after["atlas_requests_running"] == 0 and after["atlas_requests_waiting"] == 0
     for counter in ("atlas_spec_verify_passes_total", "atlas_spec_draft_tokens_total", "atlas_spec_accepted_tokens_total"):
         assert delta[counter] == 0  # the demo has no MTP head
+    assert_vllm_metrics(delta, after, usages, reasons)
+
+
+def assert_vllm_metrics(delta: dict[str, float], after: dict[str, float], usages: list[Any], reasons: list[str]) -> None:
+    """The same requests under vLLM's names (labelled with the served model): its counters, its
+    latencies counted from arrival, a token-time histogram only for answers of 2+ tokens."""
+    label = f'model_name="{DEMO_NAME}"'
+    for reason in ("stop", "length", "abort", "error"):
+        assert delta[f'vllm:request_success_total{{{label},finished_reason="{reason}"}}'] == reasons.count(reason)
+    prompt, generated = sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
+    assert delta[f"vllm:prompt_tokens_total{{{label}}}"] == delta[f"vllm:prefix_cache_queries_total{{{label}}}"] == prompt
+    assert delta[f"vllm:generation_tokens_total{{{label}}}"] == generated
+    assert delta[f"vllm:prefix_cache_hits_total{{{label}}}"] == sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_inference_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens"):
+        assert delta[f"vllm:{name}_count{{{label}}}"] == 2 and delta[f'vllm:{name}_bucket{{{label},le="+Inf"}}'] == 2
+    assert delta[f"vllm:request_generation_tokens_sum{{{label}}}"] == generated
+    multi = sum(u.completion_tokens > 1 for u in usages)
+    assert delta[f"vllm:request_time_per_output_token_seconds_count{{{label}}}"] == multi
+    ttft, queued = (delta[f"vllm:{name}_sum{{{label}}}"] for name in ("time_to_first_token_seconds", "request_queue_time_seconds"))
+    assert ttft == pytest.approx(queued + delta["atlas_time_to_first_token_seconds_sum"])  # from arrival
+    assert after[f"vllm:num_requests_running{{{label}}}"] == after[f"vllm:num_requests_waiting{{{label}}}"] == 0
 
 
 def test_metrics_sum_the_speculation_of_each_request() -> None:
@@ -578,9 +602,33 @@ def test_metrics_sum_the_speculation_of_each_request() -> None:
     for counts in (SpecCounts(3, 6, 2), SpecCounts(), SpecCounts(1, 2, 2)):
         metrics.started()
         metrics.record(RequestRecord("finished", spec=counts))
-    lines = set(metrics.render(0).splitlines())
+    lines = set(metrics.render(0, "m").splitlines())
     assert {"atlas_spec_verify_passes_total 4", "atlas_spec_draft_tokens_total 8",
             "atlas_spec_accepted_tokens_total 4"} <= lines
+    assert {'vllm:spec_decode_num_drafts_total{model_name="m"} 4', 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 8',
+            'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 4'} <= lines
+
+
+def test_vllm_metrics_name_each_ending_and_escape_the_model_name() -> None:
+    """A cancelled request is vLLM's "abort", a failed one "error"; the served name is a label
+    value escaped as Prometheus' text format wants; every sample line parses."""
+    from atlas.server.metrics import Metrics, RequestRecord
+
+    metrics = Metrics()
+    for record in (RequestRecord("cancelled", "abort", 5, 0, 2, first_token_s=0.1, run_s=0.3), RequestRecord("failed"),
+                   RequestRecord("finished", "stop", 7, 4, 1, first_token_s=0.2, run_s=0.2)):
+        metrics.started()
+        metrics.record(record)
+    text = metrics.render(3, 'my "model"\\x')
+    label = 'model_name="my \\"model\\"\\\\x"'
+    lines = set(text.splitlines())
+    for reason, count in (("stop", 1), ("length", 0), ("abort", 1), ("error", 1)):
+        assert f'vllm:request_success_total{{{label},finished_reason="{reason}"}} {count}' in lines
+    assert {f"vllm:num_requests_waiting{{{label}}} 3", f"vllm:prompt_tokens_total{{{label}}} 12",
+            f"vllm:prefix_cache_hits_total{{{label}}} 4", f"vllm:request_time_per_output_token_seconds_count{{{label}}} 1",
+            f"vllm:request_prompt_tokens_count{{{label}}} 2", f"vllm:e2e_request_latency_seconds_count{{{label}}} 3"} <= lines
+    sample = re.compile(r'[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-z_]+="([^"\\]|\\.)*",?)+\})? [0-9.e+-]+')
+    assert all(sample.fullmatch(line) for line in text.splitlines() if not line.startswith("#")), text
 
 
 def test_batch_of_prompts(served: Served, rng: np.random.Generator) -> None:

@@ -206,7 +206,7 @@ async def version(request: Request, state: ServerState) -> Response:
 
 
 async def metrics(request: Request, state: ServerState) -> Response:
-    text = state.worker.metrics.render(state.worker.waiting)
+    text = state.worker.metrics.render(state.worker.waiting, state.model_name)
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

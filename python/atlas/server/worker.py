@@ -329,6 +329,7 @@ def request_record(job: Job, finished: Finished | None, started: float) -> Reque
     timing = {"queue_s": started - job.queued_at, "first_token_s": first, "run_s": now - started}
     if finished is None:
         return RequestRecord("failed", **timing)
-    outcome = "cancelled" if job.cancelled.is_set() else "finished"
-    return RequestRecord(outcome, finished.prompt_tokens, finished.cached_tokens, finished.completion_tokens,
+    cancelled = job.cancelled.is_set()
+    return RequestRecord("cancelled" if cancelled else "finished", "abort" if cancelled else finished.finish_reason,
+                         finished.prompt_tokens, finished.cached_tokens, finished.completion_tokens,
                          spec=finished.spec, **timing)
