@@ -30,10 +30,9 @@ openai = pytest.importorskip("openai", reason="the openai client is in the test 
 uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is an atlas dependency: pip install .")
 
 from atlas import LLM  # noqa: E402
-from atlas.llm import DEFAULT_MAX_TOKENS  # noqa: E402
 from atlas.demo import DEMO_NAME, zen_of_python  # noqa: E402
 from atlas.sampling import is_int  # noqa: E402
-from atlas.server.app import ServerState, create_app  # noqa: E402
+from atlas.server.app import COMPLETION_MAX_TOKENS, ServerState, create_app  # noqa: E402
 from atlas.server.worker import EngineWorker  # noqa: E402
 from _engine_app import serving  # noqa: E402
 
@@ -507,10 +506,35 @@ def test_stop_token_ids_and_ignore_eos(served: Served, rng: np.random.Generator)
     held = served.client().completions.create(model=DEMO_NAME, prompt="Namespaces are one honking great", max_tokens=60,
                                               temperature=0, extra_body={"min_tokens": 30})
     assert held.usage.completion_tokens >= 30
-    beyond = DEFAULT_MAX_TOKENS + int(rng.integers(1, 40))  # no max_tokens: the length stretches to min_tokens
+    beyond = COMPLETION_MAX_TOKENS + int(rng.integers(1, 40))  # no max_tokens: the length stretches to min_tokens
     held = served.client().completions.create(model=DEMO_NAME, prompt="Namespaces are one honking great",
                                               temperature=0, extra_body={"min_tokens": beyond})
     assert held.usage.completion_tokens >= beyond
+
+
+def test_max_tokens_left_out_is_vllms_default(rng: np.random.Generator) -> None:
+    """A chat (and a Responses request) without max_tokens may fill the rest of the context, as
+    vLLM's; a completion gets OpenAI's 16 (ignore_eos: the length is the default's alone)."""
+    from starlette.testclient import TestClient
+
+    capacity = int(rng.integers(96, 160))
+    worker = EngineWorker(lambda: LLM(device="cpu", prompt_cache=0, max_seq_len=capacity))
+    llm = worker.start()
+    try:
+        http = TestClient(create_app(ServerState(DEMO_NAME, worker, llm)))
+        messages = [{"role": "user", "content": random_prompt(rng)}]
+        room = capacity - len(llm.tokenizer.encode_chat(messages)) + 1  # the last token needs no position
+        chat = http.post("/v1/chat/completions", json={"model": DEMO_NAME, "messages": messages, "ignore_eos": True,
+                                                       "temperature": 0}).json()
+        assert chat["usage"]["completion_tokens"] == room and chat["choices"][0]["finish_reason"] == "length", chat
+        answer = http.post("/v1/responses", json={"model": DEMO_NAME, "input": messages, "ignore_eos": True,
+                                                  "temperature": 0}).json()
+        assert answer["usage"]["output_tokens"] == room and answer["status"] == "incomplete", answer
+        text = http.post("/v1/completions", json={"model": DEMO_NAME, "prompt": messages[0]["content"],
+                                                  "ignore_eos": True, "temperature": 0}).json()
+        assert text["usage"]["completion_tokens"] == COMPLETION_MAX_TOKENS, text
+    finally:
+        worker.stop()
 
 
 @pytest.mark.parametrize("stream", [False, True])

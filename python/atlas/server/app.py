@@ -20,7 +20,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ..errors import AtlasError
-from ..llm import DEFAULT_MAX_TOKENS, LLM, GenerateOptions, context_capacity, truncate_prompt
+from ..llm import LLM, GenerateOptions, context_capacity, truncate_prompt
 from .answer import AnswerShaper
 from .auth import ApiKeyGate
 from .cors import CorsPolicy
@@ -45,6 +45,7 @@ MAX_BODY_BYTES = 64 << 20  # a full Qwen3.6 context (262144 ids) in JSON is ~2.1
 PARSE_INLINE_BYTES = 1 << 18  # larger bodies are parsed in a worker thread
 T = TypeVar("T")
 Handler = Callable[[Request, "ServerState"], Awaitable[Response]]  # a route's endpoint, given the server's state
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's and vLLM's default
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,6 @@ class ServerState:
     model_name: str
     worker: EngineWorker
     llm: LLM
-    default_max_tokens: int = DEFAULT_MAX_TOKENS  # when a request names none (and the context has room)
     reasoning_parser: str | None = None  # "qwen3": chat answers' <think> block goes to reasoning_content
     tool_call_parser: str | None = None  # "qwen3_coder": chat requests may carry tools; calls parsed
     api_key: str | None = None  # /v1/* requests must send "Authorization: Bearer <api_key>"
@@ -548,8 +548,10 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
             f"context holds {capacity}, so at most {room} new tokens; lower min_tokens",
             "min_tokens", "context_length_exceeded",
         )
-    # no max_tokens: the server's default, or min_tokens where that asks for more
-    max_tokens = wanted if wanted is not None else min(max(state.default_max_tokens, s.extras.min_tokens), room)
+    # no max_tokens: as vLLM, the rest of the context for a chat (a thinking model's answer is not
+    # cut at an arbitrary length), OpenAI's 16 for a completion; more where min_tokens asks for it
+    default = room if body.messages is not None else COMPLETION_MAX_TOKENS
+    max_tokens = wanted if wanted is not None else min(max(default, s.extras.min_tokens), room)
     scored = [body.prompt_logprobs, echo_scores(body, max_tokens)]
     prompt_logprobs = max((top for top in scored if top is not None), default=None)
     output = body.output
