@@ -217,6 +217,32 @@ def test_max_seq_len_sizes_the_cache_and_the_limit(tiny_dir: Path, rng: np.rando
             LLM(tiny_dir, device="cpu", max_seq_len=bad)  # type: ignore[arg-type]
 
 
+def test_max_num_batched_tokens_sets_the_prefill_passes(tiny: LLM, tiny_dir: Path, rng: np.random.Generator,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's max_num_batched_tokens: a prompt runs in passes of that many tokens (at most the
+    engine's 4096, which the memory checks assume), with the output of one pass."""
+    from atlas import engine
+
+    passes = int(rng.integers(1, 9))
+    chunked = LLM(tiny_dir, device="cpu", max_num_batched_tokens=passes)
+    assert chunked.parts.engine.prefill_chunk == passes
+    ranges: list[tuple[int, int]] = []
+    original = engine.prefill_chunks
+
+    def spied(tokens: int, chunk: int) -> list[tuple[int, int]]:
+        ranges.extend(original(tokens, chunk))
+        return original(tokens, chunk)
+
+    monkeypatch.setattr(engine, "prefill_chunks", spied)
+    prompt = [int(t) for t in rng.integers(0, tiny.parts.spec.vocab_size, size=int(rng.integers(10, 40)))]
+    assert chunked.generate(prompt, max_tokens=6).token_ids == tiny.generate(prompt, max_tokens=6).token_ids
+    assert max(stop - start for start, stop in ranges[: -(-len(prompt) // passes)]) == passes, ranges
+    assert LLM(tiny_dir, device="cpu", max_num_batched_tokens=10**6).parts.engine.prefill_chunk == engine.PREFILL_CHUNK
+    for bad in (0, -3, 2.5, True, "8"):
+        with pytest.raises(AtlasError, match="max_num_batched_tokens must be a positive integer"):
+            LLM(tiny_dir, device="cpu", max_num_batched_tokens=bad)  # type: ignore[arg-type]
+
+
 def test_bad_prompts(tiny: LLM) -> None:
     vocab = tiny.parts.spec.vocab_size
     with pytest.raises(AtlasError, match="outside the vocabulary"):

@@ -1431,7 +1431,9 @@ def test_a_vllm_command_line_serves(rng: np.random.Generator) -> None:
             "--speculative-config", json.dumps(config), "--gpu-memory-utilization", "0.9", "-tp", "1", "-dp", "1",
             "--trust-remote-code", "--dtype", "auto", "--max-model-len", "1024", "--kv-cache-dtype", "fp8_e4m3", "--kv-high-precision-layers", "0",
             "--no-enable-prefix-caching", "--language-model-only", "--max-num-seqs", "256", "--disable-log-requests",
-            "--uvicorn-log-level", "warning", "--enforce-eager", "--seed", "0", "--disable-uvicorn-access-log")
+            "--uvicorn-log-level", "warning", "--enforce-eager", "--seed", "0", "--disable-uvicorn-access-log",
+            "--max-num-batched-tokens", "8192", "--enable-chunked-prefill", "--enable-expert-parallel", "--async-scheduling",
+            "--mm-encoder-tp-mode", "data", "--mm-processor-cache-type", "shm")
     with cli_server(*args) as (port, stderr):
         health = get_json(port, "/health")
         card = get_json(port, "/v1/models")["data"][0]
@@ -1439,8 +1441,12 @@ def test_a_vllm_command_line_serves(rng: np.random.Generator) -> None:
     assert (card["id"], card["max_model_len"]) == (DEMO_NAME, 1024)
     assert health["tool_call_parser"] == "qwen3_coder" and health["prompt_cache"] == "off", health
     assert health["kv_cache"].startswith("fp8 on layers"), health
+    assert health["prefill_pass_tokens"] == "4096", health  # --max-num-batched-tokens, capped
     for said in ("--gpu-memory-utilization 0.9 is not used", "--max-num-seqs 256 is not used",
-                 "disable_padded_drafter_batch not used"):
+                 "disable_padded_drafter_batch not used", "--max-num-batched-tokens 8192: prompts run in passes of at most 4096",
+                 "--enable-chunked-prefill: prompts always run in passes of 4096", "--enable-expert-parallel changes nothing",
+                 "--async-scheduling changes nothing", "--mm-encoder-tp-mode data is not used",
+                 "--mm-processor-cache-type shm is not used"):
         assert any(said in line for line in stderr), (said, stderr)
 
 
@@ -1487,9 +1493,9 @@ def test_cli_engine_flags_reach_the_engine(rng: np.random.Generator) -> None:
     level = str(rng.choice(["fp8", "nvfp4", "turbo8", "turbo4", "turbo3"]))
     k = int(rng.integers(1, 4))
     full = [i for i, kind in enumerate(load_spec(DEMO_DIR).layer_types) if kind == "full_attention"]
-    checkpoints = int(rng.integers(0, 9))
+    checkpoints, passes = int(rng.integers(0, 9)), int(rng.integers(1, 4097))
     args = ("--kv-cache-dtype", level, "--kv-high-precision-layers", "0", "--spec-k", str(k), "--prompt-cache", str(checkpoints),
-            "--reasoning-parser", "qwen3")
+            "--reasoning-parser", "qwen3", "--max-num-batched-tokens", str(passes))
     with cli_server(*args) as (port, stderr):
         health = get_json(port, "/health")
         answer = openai.OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0) \
@@ -1497,7 +1503,7 @@ def test_cli_engine_flags_reach_the_engine(rng: np.random.Generator) -> None:
     assert health["kv_cache"] == f"{level} on layers {', '.join(map(str, full))}", health
     assert f"--spec-k {k} is ignored" in health["speculation"], health  # the demo has no MTP head
     assert health["prompt_cache"] == (f"{checkpoints} checkpoints" if checkpoints else "off"), health
-    assert health["reasoning_parser"] == "qwen3", health
+    assert health["reasoning_parser"] == "qwen3" and health["prefill_pass_tokens"] == str(passes), health
     assert any(f"kv cache {level} on layers" in line for line in stderr), stderr
     assert answer.choices[0].text
 

@@ -44,6 +44,7 @@ class EngineFlags:
     hf_overrides: str | None = None  # JSON object merged into config.json (vLLM's --hf-overrides)
     check_weights: bool = False  # read every float tensor for NaN / infinity before loading
     enforce_eager: bool = False  # no CUDA graphs (vLLM's --enforce-eager)
+    max_num_batched_tokens: int | None = None  # prompt tokens per pass (vLLM's flag, atlas.serve's; None: 4096)
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> EngineFlags:
@@ -115,7 +116,8 @@ class EngineFlags:
         spec_k = self.spec_k_value()
         llm = LLM(model_dir, self.device, self.kv_cache_dtype, self.kv_high_precision_layers, spec_k,
                   self.max_seq_len, prompt_cache=self.prompt_cache, hf_overrides=self.config_overrides(),
-                  check_weights=self.check_weights, enforce_eager=self.enforce_eager)
+                  check_weights=self.check_weights, enforce_eager=self.enforce_eager,
+                  max_num_batched_tokens=self.max_num_batched_tokens)
         llm.parts.tokenizer = self.dress(llm.parts.tokenizer)
         return llm
 

@@ -130,7 +130,7 @@ class LoadedModel:
 def load_model(
     model: str | PathLike[str] | None, device: str, kv_cache: KVCacheOptions | None = None, spec_k: int | None = None,
     max_seq_len: int | None = None, prompt_cache: int = 0, *, hf_overrides: dict[str, Any] | None = None,
-    check_weights: bool = False, enforce_eager: bool = False,
+    check_weights: bool = False, enforce_eager: bool = False, max_num_batched_tokens: int | None = None,
 ) -> LoadedModel:
     """Resolve, read config and tokenizer, open the weights and build the engine. spec_k: MTP
     speculation (atlas.speculative.build_engine): None = k=2 when the checkpoint has the head,
@@ -138,7 +138,8 @@ def load_model(
     capped by the model's context; -1: all of it). prompt_cache: checkpoints of the prompt cache (0: off).
     hf_overrides: merged into config.json before it is read (vLLM's --hf-overrides).
     check_weights: every float tensor read and checked for NaN / infinity first (atlas.weight_check).
-    enforce_eager: the CUDA backend decodes without CUDA graphs (vLLM's flag)."""
+    enforce_eager: the CUDA backend decodes without CUDA graphs (vLLM's flag).
+    max_num_batched_tokens: prompt tokens per forward pass (vLLM's name; at most engine.PREFILL_CHUNK)."""
     if isinstance(model, PathLike):
         model = fspath(model)
     if model is not None and not isinstance(model, str):
@@ -146,6 +147,7 @@ def load_model(
     if kv_cache is not None:
         kv_cache.check()
     check_prompt_cache(prompt_cache)
+    prefill_chunk = prefill_pass_tokens(max_num_batched_tokens)
     if hf_overrides is not None and not isinstance(hf_overrides, dict):
         raise AtlasError(f"hf_overrides must be a dict of config.json fields, got {hf_overrides!r}")
     from .backends import create_backend
@@ -162,7 +164,7 @@ def load_model(
     tokenizer = Tokenizer.open(model_dir)
     capacity = context_length(max_seq_len, spec.context_length)
     run = RunPlan(capacity, kv_cache or KVCacheOptions(), load_mtp=spec_k != 0, prompt_cache=prompt_cache,
-                  eager=bool(enforce_eager))
+                  eager=bool(enforce_eager), prefill_chunk=prefill_chunk)
     checkpoint = Checkpoint.open(model_dir)
     if check_weights:
         from .weight_check import check_weights as check
@@ -185,7 +187,8 @@ class LLM:
     `hf_overrides`: merged into config.json before it is read (vLLM's --hf-overrides), e.g.
     {"text_config": {"rope_parameters": {...}}} for YaRN;
     `check_weights`: read every float tensor first and refuse one holding NaN or infinity;
-    `enforce_eager`: decode without CUDA graphs on a GPU (vLLM's; ATLAS_CUDA_GRAPHS=0 for this LLM)."""
+    `enforce_eager`: decode without CUDA graphs on a GPU (vLLM's; ATLAS_CUDA_GRAPHS=0 for this LLM);
+    `max_num_batched_tokens`: prompt tokens per forward pass (vLLM's; default and most: 4096)."""
 
     def __init__(
         self,
@@ -200,6 +203,7 @@ class LLM:
         hf_overrides: dict[str, Any] | None = None,
         check_weights: bool = False,
         enforce_eager: bool = False,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         from .kvcache.options import KVCacheOptions
 
@@ -207,7 +211,8 @@ class LLM:
             python_scalar(v) for v in (kv_high_precision_layers, spec_k, max_seq_len, prompt_cache))
         kv_cache = KVCacheOptions(kv_cache_dtype, kv_high_precision_layers)
         self.parts = load_model(model, device, kv_cache, spec_k, max_seq_len, prompt_cache, hf_overrides=hf_overrides,
-                                check_weights=check_weights, enforce_eager=enforce_eager)
+                                check_weights=check_weights, enforce_eager=enforce_eager,
+                                max_num_batched_tokens=max_num_batched_tokens)
 
     @classmethod
     def from_loaded(cls, parts: LoadedModel) -> LLM:
@@ -700,6 +705,20 @@ def check_token_terminals(terminals: frozenset[tuple[int | bytes, bool]], tokeni
         if not negated and (token if isinstance(token, int) else tokenizer.text_ids[token]) in end_ids:
             raise AtlasError(f"grammar: token terminal {shown} is an end-of-sequence token, which ends the text "
                              "after the grammar's root: leave it out of the grammar")
+
+
+def prefill_pass_tokens(max_num_batched_tokens: object) -> int | None:
+    """vLLM's max_num_batched_tokens -> the engine's prompt tokens per pass: at most PREFILL_CHUNK,
+    which the memory checks assume (None: the engine's default)."""
+    from .engine import PREFILL_CHUNK
+    from .sampling import is_int
+
+    if max_num_batched_tokens is None:
+        return None
+    if not is_int(max_num_batched_tokens) or max_num_batched_tokens < 1:  # type: ignore[operator]
+        raise AtlasError(f"max_num_batched_tokens must be a positive integer (prompt tokens per pass), "
+                         f"got {max_num_batched_tokens!r}")
+    return min(int(max_num_batched_tokens), PREFILL_CHUNK)  # type: ignore[call-overload]
 
 
 def check_prompt_cache(checkpoints: object) -> None:

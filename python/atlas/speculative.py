@@ -346,18 +346,21 @@ def build_engine(
 
     run = run or RunPlan()
     caches = {"max_seq_len": run.max_seq_len, "kv_cache": run.kv_cache, "prompt_cache": run.prompt_cache}
-    if spec_k == 0:
-        return Engine(spec, checkpoint, backend, **caches), "off (--no-spec)"
-    if spec_k is not None:
+    if spec_k is not None and spec_k != 0:
         check_spec_k(spec_k)
-    if not has_mtp_head(checkpoint):
-        reason = "off: the checkpoint has no MTP head (mtp.* tensors)"
+    if spec_k == 0:
+        engine, speculation = Engine(spec, checkpoint, backend, **caches), "off (--no-spec)"
+    elif not has_mtp_head(checkpoint):
+        speculation = "off: the checkpoint has no MTP head (mtp.* tensors)"
         if spec_k is not None:
-            reason += f", so --spec-k {spec_k} is ignored"
-        return Engine(spec, checkpoint, backend, **caches), reason
-    k = DEFAULT_SPEC_K if spec_k is None else spec_k
-    engine = SpeculativeEngine(spec, checkpoint, backend, k, **caches)
-    return engine, f"MTP k={k}"
+            speculation += f", so --spec-k {spec_k} is ignored"
+        engine = Engine(spec, checkpoint, backend, **caches)
+    else:
+        k = DEFAULT_SPEC_K if spec_k is None else spec_k
+        engine, speculation = SpeculativeEngine(spec, checkpoint, backend, k, **caches), f"MTP k={k}"
+    if run.prefill_chunk is not None:
+        engine.prefill_chunk = run.prefill_chunk
+    return engine, speculation
 
 
 def spec_k_from_flags(spec_k: int | None, no_spec: bool) -> int | None:

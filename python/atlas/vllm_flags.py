@@ -1,11 +1,13 @@
 """vLLM's `vllm serve` command line, accepted by atlas.serve so a deployment's flags carry over:
 the model as a positional argument, --enable-auto-tool-choice, --speculative-config (MTP: as
---spec-k), --no-enable-prefix-caching (as --prompt-cache 0), and flags that have no work to do on
-one GPU at batch 1 (--tensor-parallel-size / --data-parallel-size 1, --gpu-memory-utilization,
---max-num-seqs, --trust-remote-code, --language-model-only, --dtype auto / bfloat16; --kv-cache-dtype
+--spec-k), --no-enable-prefix-caching (as --prompt-cache 0), --max-num-batched-tokens (prompt
+tokens per pass), and flags that have no work to do on one GPU at batch 1 (--tensor-parallel-size
+/ --data-parallel-size 1, --gpu-memory-utilization, --max-num-seqs, --trust-remote-code,
+--language-model-only, --dtype auto / bfloat16, --enable-chunked-prefill, --enable-expert-parallel,
+--async-scheduling, the multimodal --mm-encoder-tp-mode / --mm-processor-cache-type); --kv-cache-dtype
 auto / fp8_e4m3 are engine_flags' aliases; --max-model-len, --chat-template and --hf-overrides are
-engine flags). What atlas cannot honour (several GPUs, another draft
-method) is one line, exit 2, before the model loads."""
+engine flags. What atlas cannot honour (several GPUs, another draft method) is one line, exit 2,
+before the model loads."""
 
 from __future__ import annotations
 
@@ -39,6 +41,12 @@ class VllmFlags:
     language_model_only: bool = False
     max_num_seqs: int | None = None
     log_requests: bool | None = None  # atlas logs no request contents either way
+    max_num_batched_tokens: int | None = None  # prompt tokens per pass (at most PREFILL_CHUNK)
+    enable_chunked_prefill: bool | None = None  # prompts always run in passes
+    enable_expert_parallel: bool = False  # one GPU holds every expert
+    async_scheduling: bool = False
+    mm_encoder_tp_mode: str | None = None  # no vision encoder here
+    mm_processor_cache_type: str | None = None
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> VllmFlags:
@@ -59,7 +67,9 @@ class VllmFlags:
                              "as in vLLM")
 
     def engine(self, flags: EngineFlags) -> EngineFlags:
-        """The engine flags with --speculative-config's draft count as --spec-k."""
+        """The engine flags with --speculative-config's draft count as --spec-k and
+        --max-num-batched-tokens as the prompt tokens per pass."""
+        flags = replace(flags, max_num_batched_tokens=self.max_num_batched_tokens)
         drafts = spec_drafts(self.speculative_config)
         if drafts is None:
             return flags
@@ -86,6 +96,28 @@ class VllmFlags:
         unused = sorted(set(spec_config(self.speculative_config) or {}) - {"method", "num_speculative_tokens"})
         if unused:
             notes.append(f"--speculative-config: {', '.join(unused)} not used (the checkpoint's MTP head drafts)")
+        return notes + self.batching_notes()
+
+    def batching_notes(self) -> list[str]:
+        """The scheduling and multimodal flags: what atlas does instead."""
+        from .engine import PREFILL_CHUNK
+
+        notes = []
+        passes = min(self.max_num_batched_tokens or PREFILL_CHUNK, PREFILL_CHUNK)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens > PREFILL_CHUNK:
+            notes.append(f"--max-num-batched-tokens {self.max_num_batched_tokens}: prompts run in passes of at most "
+                         f"{PREFILL_CHUNK} tokens (the memory checks assume that much)")
+        if self.enable_chunked_prefill is not None:
+            notes.append(f"--{'' if self.enable_chunked_prefill else 'no-'}enable-chunked-prefill: prompts always run "
+                         f"in passes of {passes} tokens (--max-num-batched-tokens sets fewer)")
+        if self.enable_expert_parallel:
+            notes.append("--enable-expert-parallel changes nothing: one GPU holds every expert")
+        if self.async_scheduling:
+            notes.append("--async-scheduling changes nothing: one request runs at a time")
+        for flag, value in (("--mm-encoder-tp-mode", self.mm_encoder_tp_mode),
+                            ("--mm-processor-cache-type", self.mm_processor_cache_type)):
+            if value is not None:
+                notes.append(f"{flag} {value} is not used: atlas runs the text model (no vision encoder)")
         return notes
 
 
@@ -137,6 +169,16 @@ VLLM_OPTIONS = (
     click.option("--trust-remote-code", is_flag=True, help="vLLM's: accepted; atlas runs no checkpoint code."),
     click.option("--dtype", type=click.Choice(["auto", "bfloat16"]), default="auto", show_default=True,
                  help="vLLM's: the checkpoint's own (bf16, or its quantized format)."),
+    click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
+                 help="vLLM's: prompt tokens per forward pass (default and most: 4096)."),
+    click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
+                 help="vLLM's: accepted; prompts always run in passes (--max-num-batched-tokens tokens)."),
+    click.option("--enable-expert-parallel", is_flag=True, help="vLLM's: accepted; one GPU holds every expert."),
+    click.option("--async-scheduling", is_flag=True, help="vLLM's: accepted; one request runs at a time."),
+    click.option("--mm-encoder-tp-mode", type=click.Choice(["weights", "data"]), default=None,
+                 help="vLLM's: accepted, not used (the text model only)."),
+    click.option("--mm-processor-cache-type", type=click.Choice(["lru", "shm"]), default=None,
+                 help="vLLM's: accepted, not used (the text model only)."),
 )
 
 

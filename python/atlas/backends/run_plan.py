@@ -18,6 +18,7 @@ class RunPlan:
     load_mtp: bool = True  # build_engine loads the MTP head when the checkpoint has one
     prompt_cache: int = 0  # checkpoints the prompt cache keeps, each a copy of the DeltaNet states (0: off)
     eager: bool = False  # the CUDA backend decodes without graphs (vLLM's enforce_eager; ATLAS_CUDA_GRAPHS=0 for one run)
+    prefill_chunk: int | None = None  # prompt tokens per forward pass (None: atlas.engine.PREFILL_CHUNK, also the most)
 
     def state_copies(self) -> int:
         """DeltaNet state sets held: the live one and one per prompt-cache checkpoint."""

@@ -226,14 +226,15 @@ async def detokenize(request: Request, state: ServerState) -> Response:
 
 def engine_settings(llm: LLM) -> dict[str, str]:
     """What the engine flags chose: backend, MTP speculation, KV cache level per full-attention layer,
-    prompt cache."""
+    prompt cache, prompt tokens per prefill pass."""
     from ..kvcache.options import describe
 
     plan = getattr(llm.parts.engine, "kv_plan", None)
     cache = getattr(llm.parts.engine, "prompt_cache", None)
     checkpoints = f"{cache.capacity} checkpoints" if cache is not None and cache.enabled else "off"
+    passes = getattr(llm.parts.engine, "prefill_chunk", None)
     return {"device": llm.device, "speculation": llm.speculation, "kv_cache": describe(plan) if plan else "default",
-            "prompt_cache": checkpoints}
+            "prompt_cache": checkpoints, "prefill_pass_tokens": str(passes) if passes else "default"}
 
 
 def model_card(state: ServerState) -> dict[str, object]:
