@@ -512,6 +512,38 @@ def test_stop_token_ids_and_ignore_eos(served: Served, rng: np.random.Generator)
     assert held.usage.completion_tokens >= beyond
 
 
+def test_request_ids_name_the_answers(served: Served, rng: np.random.Generator) -> None:
+    """vLLM's: an X-Request-Id header (else the body's request_id) names the answer, streamed too;
+    --enable-request-id-headers sends the id back on every response, a new one where the client
+    gave none (the same one that names the answer)."""
+    from starlette.testclient import TestClient
+
+    chat = {"model": DEMO_NAME, "messages": [{"role": "user", "content": random_prompt(rng)}], "max_tokens": 2}
+    given = f"trace-{int(rng.integers(1 << 30))}"
+    for extra, headers, want in (({}, {"X-Request-Id": given}, f"chatcmpl-{given}"),
+                                 ({"request_id": "mine"}, {}, "chatcmpl-mine"),
+                                 ({"request_id": "mine"}, {"X-Request-Id": given}, f"chatcmpl-{given}")):
+        answer = served.client().chat.completions.create(**chat, extra_body=extra, extra_headers=headers)
+        assert answer.id == want
+    stream = served.client().completions.create(model=DEMO_NAME, prompt="Flat is", max_tokens=3, stream=True,
+                                                extra_headers={"X-Request-Id": given})
+    assert {chunk.id for chunk in stream} == {f"cmpl-{given}"}
+    status, refused = post(served.port, "/v1/chat/completions", json.dumps({**chat, "request_id": 5}))
+    assert status == 400 and refused["error"]["param"] == "request_id"
+    worker = EngineWorker(lambda: LLM(device="cpu", prompt_cache=0))
+    llm = worker.start()
+    try:
+        http = TestClient(create_app(ServerState(DEMO_NAME, worker, llm, request_id_headers=True, api_key="k")))
+        answer = http.post("/v1/chat/completions", json=chat, headers={"Authorization": "Bearer k"})
+        fresh = answer.headers["x-request-id"]
+        assert re.fullmatch("[0-9a-f]{32}", fresh) and answer.json()["id"] == f"chatcmpl-{fresh}"
+        for path, status in (("/health", 200), ("/v1/models", 401)):
+            response = http.get(path, headers={"X-Request-Id": given})
+            assert response.status_code == status and response.headers["x-request-id"] == given
+    finally:
+        worker.stop()
+
+
 def test_max_tokens_left_out_is_vllms_default(rng: np.random.Generator) -> None:
     """A chat (and a Responses request) without max_tokens may fill the rest of the context, as
     vLLM's; a completion gets OpenAI's 16 (ignore_eos: the length is the default's alone)."""
@@ -1433,7 +1465,7 @@ def test_a_vllm_command_line_serves(rng: np.random.Generator) -> None:
             "--no-enable-prefix-caching", "--language-model-only", "--max-num-seqs", "256", "--disable-log-requests",
             "--uvicorn-log-level", "warning", "--enforce-eager", "--seed", "0", "--disable-uvicorn-access-log",
             "--max-num-batched-tokens", "8192", "--enable-chunked-prefill", "--enable-expert-parallel", "--async-scheduling",
-            "--mm-encoder-tp-mode", "data", "--mm-processor-cache-type", "shm")
+            "--mm-encoder-tp-mode", "data", "--mm-processor-cache-type", "shm", "--enable-request-id-headers")
     with cli_server(*args) as (port, stderr):
         health = get_json(port, "/health")
         card = get_json(port, "/v1/models")["data"][0]

@@ -60,6 +60,7 @@ class ServeArgs:
     tls: TlsFiles  # HTTPS when it holds a certificate (server/tls.py)
     seed: int | None  # requests without a seed draw theirs from a stream seeded by it (vLLM's --seed)
     disable_uvicorn_access_log: bool  # no log line per request (vLLM's flag)
+    enable_request_id_headers: bool  # every response carries X-Request-Id (vLLM's flag)
     engine: EngineFlags
 
 
@@ -138,7 +139,8 @@ def serve(args: ServeArgs) -> None:
                        "(a request's thinking_token_budget or thinking.budget_tokens overrides it)", err=True)
         app = create_app(ServerState(name, worker, llm, **parsers, api_key=args.api_key, sampling_defaults=defaults,
                                      max_waiting=args.max_waiting, responses=ResponseStore(args.response_store),
-                                     cors=args.cors, seeds=seed_stream(args.seed)))
+                                     cors=args.cors, seeds=seed_stream(args.seed),
+                                     request_id_headers=args.enable_request_id_headers))
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 access_log=not args.disable_uvicorn_access_log, **args.tls.uvicorn_options())
         host, port = sock.getsockname()[:2]
@@ -212,6 +214,9 @@ def serve(args: ServeArgs) -> None:
               help="Requests that give no seed sample with seeds drawn from a stream seeded by this, so the same "
               "requests in the same order get the same answers (vLLM's flag; default: fresh entropy).")
 @click.option("--disable-uvicorn-access-log", is_flag=True, help="No log line per request (vLLM's flag).")
+@click.option("--enable-request-id-headers", is_flag=True,
+              help="Every response carries X-Request-Id: the client's, else a new one that also names the answer "
+              "(vLLM's flag).")
 @engine_options
 @vllm_options
 def command(**kwargs: Any) -> None:

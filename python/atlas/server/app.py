@@ -24,6 +24,7 @@ from ..llm import LLM, GenerateOptions, context_capacity, truncate_prompt
 from .answer import AnswerShaper
 from .auth import ApiKeyGate
 from .cors import CorsPolicy
+from .request_ids import RequestIdHeaders
 from .choices import ChoiceRun, collect_choices, stream_choices
 from .errors import RequestError, error_body, request_error_body
 from .protocol import GenerationBody, Prompt, TokenizeBody, parse_body, parse_detokenize, parse_json_body, parse_tokenize
@@ -63,6 +64,7 @@ class ServerState:
     background: BackgroundRuns = field(default_factory=BackgroundRuns)  # /v1/responses generating beside their requests
     cors: CorsPolicy | None = None  # cross-origin requests from browsers (None: no CORS headers)
     seeds: random.Random | None = None  # --seed: a request that gives no seed samples with the next one drawn here
+    request_id_headers: bool = False  # --enable-request-id-headers: every response carries X-Request-Id
 
 
 class EventStreamResponse(StreamingResponse):
@@ -89,7 +91,8 @@ def create_app(state: ServerState) -> Starlette:
 
     routes = [Route(path, bound(handler), methods=list(methods)) for path, handler, methods in ROUTES]
     handlers = {RequestError: on_request_error, HTTPException: on_http_error, Exception: on_crash}
-    middleware = [state.cors.middleware()] if state.cors else []  # outermost: a preflight needs no key
+    middleware = [Middleware(RequestIdHeaders)] if state.request_id_headers else []  # outermost: every answer has it
+    middleware += [state.cors.middleware()] if state.cors else []  # a preflight needs no key
     middleware += [Middleware(ApiKeyGate, key=state.api_key)] if state.api_key else []
     return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware,  # type: ignore[arg-type]
                      lifespan=lambda app: stopping_background(state))
@@ -249,9 +252,10 @@ def model_card(state: ServerState) -> dict[str, object]:
 async def generation(request: Request, state: ServerState, chat: bool) -> Response:
     body = await parsed_body(await read_json(request), chat, state)
     runs = await checked_runs(state, body)
+    named = request.headers.get("x-request-id") or body.request_id  # vLLM's: the header wins
     reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None,
                   token_ids=body.text.return_token_ids, tokens_as_ids=body.text.tokens_as_ids,
-                  usage_each_chunk=body.usage_each_chunk)
+                  usage_each_chunk=body.usage_each_chunk, id=f"{'chatcmpl' if chat else 'cmpl'}-{named}" if named else "")
     if body.stream:
         return EventStreamResponse(stream_choices(reply, runs, body.include_usage, body.n))
     answer = await unless_disconnected(request, collect_choices(reply, runs, body.n))

@@ -123,6 +123,7 @@ class GenerationBody:
     n: int = 1  # choices, generated one after another
     output: OutputFormat | None = None  # response_format, vLLM's structured outputs, a forced call (formats.py)
     text: TextOptions = TextOptions()
+    request_id: str | None = None  # vLLM's: names the answer (an X-Request-Id header wins)
 
 
 def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = None) -> GenerationBody:
@@ -157,7 +158,15 @@ def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = Non
         n=n,
         output=parse_output_format(body, tools, choice),
         text=parse_text_options(body, chat),
+        request_id=parse_request_id(body.get("request_id")),
     )
+
+
+def parse_request_id(value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise RequestError("'request_id' must be a non-empty string (it names the answer: chatcmpl-<request_id>)",
+                           "request_id")
+    return value
 
 
 def parse_prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
