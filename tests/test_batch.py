@@ -176,3 +176,15 @@ def test_seed_makes_seedless_requests_reproducible(tmp_path: Path, capsys: pytes
     assert texts[0] == texts[1] and texts[0][0] != texts[0][1], texts
     code, _, err = run_batch(tmp_path, capsys, lines, "--seed", "-1")
     assert code == 2 and err.count("\n") == 1 and "--seed" in err
+
+
+def test_override_generation_config_sets_the_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      rng: np.random.Generator, reference: LLM) -> None:
+    """--override-generation-config: a request that leaves temperature out samples with the
+    override's (0: greedy), over --generation-config vllm's OpenAI default of 1."""
+    prompt, tokens = random_prompt(rng), int(rng.integers(4, 16))
+    line = request("x", "/v1/completions", prompt=prompt, max_tokens=tokens)
+    code, results, err = run_batch(tmp_path, capsys, [line], "--generation-config", "vllm",
+                                   "--override-generation-config", '{"temperature": 0}')
+    assert code == 0, err
+    assert results[0]["response"]["body"]["choices"][0]["text"] == reference.generate(prompt, max_tokens=tokens).text

@@ -44,7 +44,8 @@ class BatchArgs:
     served_model_name: str | None
     reasoning_parser: str | None
     tool_call_parser: str | None
-    generation_config: str
+    generation_config: str  # as atlas.serve's: auto, vllm or a folder
+    override_generation_config: str | None
     seed: int | None  # requests without a seed draw theirs from a stream seeded by it (as atlas.serve's)
     engine: EngineFlags
 
@@ -166,6 +167,7 @@ def batch(args: BatchArgs) -> tuple[int, int]:
     import anyio
     from tqdm import tqdm
 
+    from .generation_defaults import GenerationDefaults
     from .resolve import resolve_model
     from .serve import seed_stream, served_name
     from .server.app import ServerState, create_app
@@ -173,6 +175,8 @@ def batch(args: BatchArgs) -> tuple[int, int]:
     from .server.worker import EngineWorker
 
     args.engine.check()
+    generation = GenerationDefaults(args.generation_config, args.override_generation_config)
+    generation.check()
     lines = read_lines(args.input_file)
     out_path = Path(args.output_file)
     check_output(out_path, args.input_file)
@@ -182,9 +186,9 @@ def batch(args: BatchArgs) -> tuple[int, int]:
         llm = worker.start()
         name = args.served_model_name or served_name(args.model, model_dir)
         click.echo(f"atlas.batch: model {name} ({model_dir}), device {llm.device}; {len(lines)} requests", err=True)
-        defaults = dict(llm.parts.spec.sampling_defaults) if args.generation_config == "auto" else {}
         app = create_app(ServerState(name, worker, llm, reasoning_parser=args.reasoning_parser,
-                                     tool_call_parser=args.tool_call_parser, sampling_defaults=defaults,
+                                     tool_call_parser=args.tool_call_parser,
+                                     sampling_defaults=generation.resolve(llm.parts.spec.sampling_defaults),
                                      responses=ResponseStore(0),  # lines are independent: nothing to keep
                                      seeds=seed_stream(args.seed)))
 
@@ -209,8 +213,11 @@ def batch(args: BatchArgs) -> tuple[int, int]:
 @click.option("--served-model-name", default=None, help="The model name the requests' bodies give (default: as atlas.serve's).")
 @click.option("--reasoning-parser", type=click.Choice(PARSERS), default=None, help="As atlas.serve's.")
 @click.option("--tool-call-parser", type=click.Choice(TOOL_PARSERS), default=None, help="As atlas.serve's.")
-@click.option("--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
-              help="As atlas.serve's: auto takes the model's generation_config.json sampling defaults.")
+@click.option("--generation-config", default="auto", show_default=True,
+              help="As atlas.serve's: auto takes the model's generation_config.json sampling defaults; vllm: none; "
+              "a folder: its generation_config.json's.")
+@click.option("--override-generation-config", default=None,
+              help="As atlas.serve's: a JSON object of sampling defaults over those.")
 @click.option("--seed", type=click.IntRange(min=0), default=None,
               help="As atlas.serve's: requests without a seed draw theirs from a stream seeded by this, so a batch "
               "run again gives the same results (vLLM's flag).")

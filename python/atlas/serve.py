@@ -52,7 +52,8 @@ class ServeArgs:
     reasoning_parser: str | None
     tool_call_parser: str | None
     api_key: str | None
-    generation_config: str  # "auto": requests' sampling defaults from generation_config.json; "vllm": none
+    generation_config: str  # "auto": requests' sampling defaults from generation_config.json; "vllm": none; a folder's
+    override_generation_config: str | None  # JSON object: sampling defaults over those (vLLM's flag)
     max_waiting: int  # generation requests queued behind the running one before a 503 (0: no limit)
     response_store: int  # /v1/responses kept for previous_response_id and GET (0: none)
     reasoning_budget: int  # a request's thinking_token_budget when it gives none (-1: no cap)
@@ -107,6 +108,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def serve(args: ServeArgs) -> None:
     import uvicorn
 
+    from .generation_defaults import GenerationDefaults
     from .resolve import resolve_model
     from .server.app import ServerState, create_app
     from .server.worker import EngineWorker
@@ -119,6 +121,8 @@ def serve(args: ServeArgs) -> None:
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise AtlasError("--served-model-name is empty; give a name or leave the flag out")
     args.tls.check()
+    generation = GenerationDefaults(args.generation_config, args.override_generation_config)
+    generation.check()
     model_dir = resolve_model(args.model)
     sock = listen_socket(args.host, args.port)
     worker = EngineWorker(lambda: args.engine.load(str(model_dir)))
@@ -128,10 +132,10 @@ def serve(args: ServeArgs) -> None:
         click.echo(f"atlas.serve: model {name} ({model_dir}), device {llm.device}", err=True)
         click.echo(f"atlas.serve: {engine_summary(llm)}", err=True)
         parsers = {"reasoning_parser": args.reasoning_parser, "tool_call_parser": args.tool_call_parser}
-        defaults = dict(llm.parts.spec.sampling_defaults) if args.generation_config == "auto" else {}
+        defaults = generation.resolve(llm.parts.spec.sampling_defaults)
         if defaults:
             listed = ", ".join(f"{k} {v:g}" for k, v in defaults.items())
-            click.echo(f"atlas.serve: sampling defaults from generation_config.json: {listed} "
+            click.echo(f"atlas.serve: sampling defaults from {generation.describe()}: {listed} "
                        "(requests override them; --generation-config vllm: none)", err=True)
         if args.reasoning_budget >= 0:
             defaults["thinking_token_budget"] = args.reasoning_budget  # an int: parse_body checks it as a request's
@@ -176,9 +180,14 @@ def serve(args: ServeArgs) -> None:
     "back as tool_calls (qwen3_coder: the XML calls of Qwen3.5 / 3.6 and Qwen3-Coder).",
 )
 @click.option(
-    "--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
+    "--generation-config", default="auto", show_default=True,
     help="auto: sampling fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty) take the "
-    "model's generation_config.json values, as vLLM's default; vllm: OpenAI's defaults.",
+    "model's generation_config.json values, as vLLM's default; vllm: OpenAI's defaults; a folder: its "
+    "generation_config.json's.",
+)
+@click.option(
+    "--override-generation-config", default=None,
+    help="""A JSON object of sampling defaults over --generation-config's, e.g. '{"temperature": 0.6}' (vLLM's flag).""",
 )
 @click.option(
     "--prompt-cache", type=click.IntRange(0, MAX_PROMPT_CACHE), default=DEFAULT_PROMPT_CACHE, show_default=True,
