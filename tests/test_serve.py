@@ -1154,6 +1154,8 @@ def fuzzed_body(rng: np.random.Generator) -> tuple[str, str]:
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):  # keep each answer short
         if is_int(body.get(name)) and 8 < body[name] < 10**6:
             body[name] = 3
+    if "ignore_eos" in body or "min_tokens" in body:  # with no length, a chat may fill the context without an eos
+        body.update({name: 3 for name, value in body.items() if value is None and name.startswith("max_")})
     raw = json.dumps(body)
     return path, raw.replace('"temperature": 3', '"temperature": NaN') if rng.random() < 0.2 else raw
 
