@@ -396,3 +396,36 @@ def test_stop_strings_end_the_text(rng: np.random.Generator) -> None:
     assert llm.generate("Beautiful is better than", max_tokens=3).finish_reason == "length"
     with pytest.raises(AtlasError, match="stop must be"):
         llm.generate("Flat is", max_tokens=2, stop=[""])
+
+
+def test_ignore_eos_and_stop_token_ids(rng: np.random.Generator, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's ignore_eos (llama.cpp's --ignore-eos): the demo's eos ends nothing, so max_tokens are
+    made after the text it ends; stop_token_ids: the first of them ends the text, its text kept;
+    stream() gives generate()'s text under both."""
+    from atlas.run import main
+
+    demo = LLM(device="cpu", prompt_cache=0)
+    prompt = "Namespaces are one honking great"
+    ended = demo.generate(prompt, max_tokens=60)
+    assert ended.finish_reason == "stop" and ended.token_ids[-1] in demo.eos_ids()
+    longer = len(ended.token_ids) + int(rng.integers(1, 20))
+    kept = demo.generate(prompt, max_tokens=longer, ignore_eos=True)
+    assert len(kept.token_ids) == longer and kept.finish_reason == "length"
+    assert kept.token_ids[: len(ended.token_ids)] == ended.token_ids
+    assert "".join(demo.stream(prompt, max_tokens=longer, ignore_eos=True)) == kept.text
+    cut = int(rng.integers(0, len(ended.token_ids) - 1))
+    stop = ended.token_ids[cut]
+    first = ended.token_ids.index(stop)
+    stopped = demo.generate(prompt, max_tokens=60, stop_token_ids=[stop])
+    assert stopped.token_ids == ended.token_ids[: first + 1] and stopped.finish_reason == "stop"
+    assert stopped.text == demo.tokenizer.decode(ended.token_ids[: first + 1])
+    assert "".join(demo.stream(prompt, max_tokens=60, stop_token_ids=[stop])) == stopped.text
+    for options, words in (({"stop_token_ids": [demo.parts.spec.vocab_size]}, "stop_token_ids must be a list of token ids"),
+                           ({"ignore_eos": "yes"}, "ignore_eos must be True or False"),
+                           ({"ignore_eos": True, "json_object": True}, "leave ignore_eos out")):
+        with pytest.raises(AtlasError, match=re.escape(words)):
+            demo.generate(prompt, max_tokens=4, **options)
+    assert main(["--device", "cpu", "--prompt", prompt, "--max-tokens", str(longer), "--ignore-eos"]) == 0
+    assert f"({longer} tokens)" in capsys.readouterr().err
+    assert main(["--device", "cpu", "--ignore-eos", "--json-object"]) == 2
+    assert "--ignore-eos leaves a structured output no end" in capsys.readouterr().err

@@ -79,6 +79,8 @@ class GenerateOptions:
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these ids may be picked
     bad_words: tuple[str, ...] = ()  # vLLM's: no text ends with one of these words' tokens
     thinking_token_budget: int | None = None  # vLLM's: the reasoning block's most tokens (atlas.thinking_budget)
+    ignore_eos: bool = False  # vLLM's (llama.cpp's --ignore-eos): the model's eos ends nothing; max_tokens are made
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: these ids end the text too (their text kept)
 
     def __post_init__(self) -> None:
         python_scalars(self)
@@ -291,8 +293,8 @@ class LLM:
         (atlas.turns): calls from other threads wait for it."""
         from .engine import GenerationRequest
 
-        eos_ids = self.eos_ids()
-        out, pieces = OutputText(self.parts.tokenizer, opts, opts.stop, eos_ids), []
+        eos_ids = self.end_ids(opts)
+        out, pieces = OutputText(self.parts.tokenizer, opts, opts.stop, self.ending_ids(opts)), []
 
         def emit(token: int) -> bool:
             """Pass the text on; True (stop) once a stop string is complete."""
@@ -371,8 +373,8 @@ class LLM:
         if is_batch(prompt):
             raise AtlasError("stream() takes one prompt; give a list of prompts to generate()")
         prompt_ids = self.prepare(prompt, opts)
-        eos_ids = self.eos_ids()
-        out = OutputText(self.parts.tokenizer, opts, opts.stop, eos_ids)
+        eos_ids = self.end_ids(opts)
+        out = OutputText(self.parts.tokenizer, opts, opts.stop, self.ending_ids(opts))
         for token in iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids,
                                  constraint=self.output_constraint(opts, eos_ids, prompt_ids)):
             if piece := out.push(token):
@@ -391,9 +393,13 @@ class LLM:
         check_options(opts)
         check_logit_bias_ids(sampling_params(opts), self.parts.spec.vocab_size)
         check_token_rules(opts.allowed_token_ids, opts.bad_words, self.parts.spec.vocab_size)
-        if opts.output is not None and opts.allowed_token_ids is not None and not self.eos_ids() & set(opts.allowed_token_ids):
+        check_stop_token_ids(opts, self.parts.spec.vocab_size)
+        if opts.output is not None and not self.end_ids(opts):
+            raise AtlasError("structured output ends with an end-of-sequence token: leave ignore_eos out "
+                             "(or give stop_token_ids)")
+        if opts.output is not None and opts.allowed_token_ids is not None and not self.end_ids(opts) & set(opts.allowed_token_ids):
             raise AtlasError("structured output ends with an end-of-sequence token: allowed_token_ids must hold one "
-                             f"({sorted(self.eos_ids())}) beside a structured output format")
+                             f"({sorted(self.end_ids(opts))}) beside a structured output format")
         if opts.output is not None:
             check_token_terminals(opts.output.shape().tokens, self.parts.tokenizer, self.eos_ids())
         prompt_ids = encode_prompt(self.parts.tokenizer, prompt, opts.chat)
@@ -445,6 +451,14 @@ class LLM:
             last_turn.append(data)
         closing = tokenizer.encode(CLOSING, add_special_tokens=False)
         return ThinkingBudget(budget, lambda t: piece(t) or b"", closing, b"".join(reversed(last_turn)))
+
+    def end_ids(self, opts: GenerateOptions) -> set[int]:
+        """The ids that end a generation under opts: the eos ids (none under ignore_eos) and stop_token_ids."""
+        return self.ending_ids(opts) | set(opts.stop_token_ids)
+
+    def ending_ids(self, opts: GenerateOptions) -> set[int]:
+        """The eos ids whose text stays out of the answer (none under ignore_eos)."""
+        return set() if opts.ignore_eos else self.eos_ids()
 
     def eos_ids(self) -> set[int]:
         """The config's eos ids (generation_config.json first); else the tokenizer's eos."""
@@ -639,6 +653,8 @@ def generate_options(
     allowed_token_ids: Sequence[int] | None = None,
     bad_words: Sequence[str] = (),
     thinking_token_budget: int | None = None,
+    ignore_eos: bool = False,
+    stop_token_ids: Sequence[int] = (),
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. logprobs (0..20): each token's
     log-probability and that many most likely alternatives (the model's distribution before
@@ -660,7 +676,9 @@ def generate_options(
     allowed_token_ids: only these ids may be picked; bad_words: no text ends with one of these words
     (vLLM's five; the last two pick on the host, as structured output does); thinking_token_budget:
     the most tokens of a reasoning block before "</think>" is written for the model (vLLM's;
-    atlas.thinking_budget). Values are checked by LLM.prepare."""
+    atlas.thinking_budget); ignore_eos: the model's end-of-sequence tokens end nothing (vLLM's,
+    llama.cpp's --ignore-eos: benchmarks); stop_token_ids: ids that end the text too, their text
+    kept (vLLM's). Values are checked by LLM.prepare."""
     from .structured import OutputFormat
     from .sampling import logit_bias_pairs
 
@@ -670,7 +688,7 @@ def generate_options(
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
                            stop_strings(stop), output, skip_special_tokens, include_stop_str_in_output,
                            truncate_prompt_tokens, as_tuple(allowed_token_ids), as_tuple(bad_words),
-                           thinking_token_budget)
+                           thinking_token_budget, ignore_eos, as_tuple(stop_token_ids))
 
 
 OPTION_NAMES = tuple(inspect.signature(generate_options).parameters)  # options_from's known names
@@ -719,6 +737,15 @@ def prefill_pass_tokens(max_num_batched_tokens: object) -> int | None:
         raise AtlasError(f"max_num_batched_tokens must be a positive integer (prompt tokens per pass), "
                          f"got {max_num_batched_tokens!r}")
     return min(int(max_num_batched_tokens), PREFILL_CHUNK)  # type: ignore[call-overload]
+
+
+def check_stop_token_ids(opts: GenerateOptions, vocab: int) -> None:
+    from .sampling import is_int
+
+    if not isinstance(opts.ignore_eos, bool):
+        raise AtlasError(f"ignore_eos must be True or False, got {opts.ignore_eos!r}")
+    if not isinstance(opts.stop_token_ids, tuple) or not all(is_int(t) and 0 <= t < vocab for t in opts.stop_token_ids):
+        raise AtlasError(f"stop_token_ids must be a list of token ids in [0, {vocab}), got {opts.stop_token_ids!r:.80}")
 
 
 def check_prompt_cache(checkpoints: object) -> None:

@@ -63,6 +63,7 @@ class RunArgs:
     grammar: str | None  # --grammar: GBNF rules whose root derives the output
     grammar_file: str | None  # --grammar-file: the same from a file
     reasoning_budget: int  # --reasoning-budget: a reasoning block's most tokens (-1: no cap)
+    ignore_eos: bool  # --ignore-eos: the model's eos ends nothing (llama.cpp's flag)
     engine: EngineFlags
     extras: SamplingExtras
 
@@ -183,9 +184,12 @@ def run_options(args: RunArgs, vocab: int) -> GenerateOptions:
         raise AtlasError("--stop needs a non-empty string: the text that ends the output")
     output = OutputFormat.of(args.json_object, read_schema(args.json_schema), args.regex, args.choice or None,
                              grammar=read_grammar(args))
+    if output is not None and args.ignore_eos:
+        raise AtlasError("--ignore-eos leaves a structured output no end (it ends with the eos token); give one of them")
     opts = GenerateOptions(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat,
                            extras=args.extras, stop=stop_strings(list(args.stop)), output=output,
-                           thinking_token_budget=None if args.reasoning_budget < 0 else args.reasoning_budget)
+                           thinking_token_budget=None if args.reasoning_budget < 0 else args.reasoning_budget,
+                           ignore_eos=args.ignore_eos)
     check_options(opts)
     check_logit_bias_ids(sampling_params(opts), vocab)
     return opts
@@ -268,6 +272,8 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
                    "(-1: no cap; llama.cpp's flag, vLLM's thinking_token_budget).")
 @click.option("--logit-bias", type=LogitBiasEntry(), multiple=True,
               help="Add BIAS (-100..100; -100 bans the token) to TOKEN_ID's logit; repeatable.")
+@click.option("--ignore-eos", is_flag=True,
+              help="Generate --max-tokens tokens whatever the model's end-of-sequence token (llama.cpp's flag; benchmarks).")
 @engine_options
 def command(**kwargs: object) -> None:
     """Run a model: stream generated text to stdout, then a stats line to stderr."""
