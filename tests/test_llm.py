@@ -241,6 +241,9 @@ def test_max_num_batched_tokens_sets_the_prefill_passes(tiny: LLM, tiny_dir: Pat
     for bad in (0, -3, 2.5, True, "8"):
         with pytest.raises(AtlasError, match="max_num_batched_tokens must be a positive integer"):
             LLM(tiny_dir, device="cpu", max_num_batched_tokens=bad)  # type: ignore[arg-type]
+    for name in ("enforce_eager", "check_weights"):
+        with pytest.raises(AtlasError, match=f"{name} must be True or False, got 'yes'"):
+            LLM(tiny_dir, device="cpu", **{name: "yes"})
 
 
 def test_bad_prompts(tiny: LLM) -> None:

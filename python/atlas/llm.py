@@ -150,6 +150,9 @@ def load_model(
         kv_cache.check()
     check_prompt_cache(prompt_cache)
     prefill_chunk = prefill_pass_tokens(max_num_batched_tokens)
+    for name, flag in (("check_weights", check_weights), ("enforce_eager", enforce_eager)):
+        if not isinstance(flag, bool):
+            raise AtlasError(f"{name} must be True or False, got {flag!r:.60}")
     if hf_overrides is not None and not isinstance(hf_overrides, dict):
         raise AtlasError(f"hf_overrides must be a dict of config.json fields, got {hf_overrides!r}")
     from .backends import create_backend
@@ -166,7 +169,7 @@ def load_model(
     tokenizer = Tokenizer.open(model_dir)
     capacity = context_length(max_seq_len, spec.context_length)
     run = RunPlan(capacity, kv_cache or KVCacheOptions(), load_mtp=spec_k != 0, prompt_cache=prompt_cache,
-                  eager=bool(enforce_eager), prefill_chunk=prefill_chunk)
+                  eager=enforce_eager, prefill_chunk=prefill_chunk)
     checkpoint = Checkpoint.open(model_dir)
     if check_weights:
         from .weight_check import check_weights as check
