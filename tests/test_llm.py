@@ -432,3 +432,24 @@ def test_ignore_eos_and_stop_token_ids(rng: np.random.Generator, capsys: pytest.
     assert f"({longer} tokens)" in capsys.readouterr().err
     assert main(["--device", "cpu", "--ignore-eos", "--json-object"]) == 2
     assert "--ignore-eos leaves a structured output no end" in capsys.readouterr().err
+
+
+def test_chat_takes_vllms_chat_template_kwargs_and_tools(rng: np.random.Generator, tmp_path: Path) -> None:
+    """LLM.chat(..., chat_template_kwargs=..., tools=[...]) as vLLM's: the template gets the
+    variables and describes the tools (the prompt is encode_chat's with them); template_kwargs and
+    chat_template_kwargs together are one line."""
+    from _demo_copy import demo_copy
+    from test_tools import TOOLS_TEMPLATE
+
+    llm = LLM(str(demo_copy(tmp_path / "demo", TOOLS_TEMPLATE)), device="cpu", prompt_cache=0)
+    messages = [{"role": "user", "content": "What is the weather?"}]
+    tools = [{"type": "function", "function": {"name": f"tool_{int(rng.integers(1000))}", "description": "d",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    with_tools = llm.chat(messages, tools=tools, chat_template_kwargs={"enable_thinking": False}, max_tokens=3)
+    ids = llm.tokenizer.encode_chat(messages, True, {"enable_thinking": False, "tools": tools})
+    assert with_tools.prompt_tokens == len(ids) > len(llm.tokenizer.encode_chat(messages))
+    assert with_tools.token_ids == llm.generate(ids, max_tokens=3).token_ids
+    with pytest.raises(AtlasError, match="one option under two names"):
+        llm.chat(messages, template_kwargs={}, chat_template_kwargs={})
+    with pytest.raises(AtlasError, match="tools must be a list of OpenAI tool dicts"):
+        llm.chat(messages, tools={"name": "f"})

@@ -336,24 +336,29 @@ class LLM:
     @overload
     def chat(self, messages: list[dict[str, Any]], *, template_kwargs: dict[str, Any] | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
              **options: Any) -> GenerationResult: ...
 
     @overload
     def chat(self, messages: list[list[dict[str, Any]]], *, template_kwargs: dict[str, Any] | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
              **options: Any) -> list[GenerationResult]: ...
 
     def chat(
         self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], *,
         template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
-        continue_final_message: bool = False, **options: Any,
+        continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None, **options: Any,
     ) -> GenerationResult | list[GenerationResult]:
         """The assistant's next turn after `messages` ({"role", "content"} dicts, as vLLM's
         LLM.chat takes them; a list of such conversations is a batch, as generate()'s), rendered
-        with the model's chat template (`template_kwargs`: extra template variables, e.g.
-        enable_thinking=False; add_generation_prompt and continue_final_message as vLLM's: with
-        the second, and the first False, the model goes on with the final message, e.g. an answer
-        already started); `options` are generate()'s."""
+        with the model's chat template (`template_kwargs`, or vLLM's name `chat_template_kwargs`:
+        extra template variables, e.g. enable_thinking=False; `tools`: OpenAI function tools the
+        template describes, as vLLM's, the answer's calls left in its text; add_generation_prompt
+        and continue_final_message as vLLM's: with the second, and the first False, the model goes
+        on with the final message, e.g. an answer already started); `options` are generate()'s."""
+        template_kwargs = chat_variables(template_kwargs, chat_template_kwargs, tools)
         batch = isinstance(messages, list) and bool(messages) and all(isinstance(c, list) for c in messages)
         conversations = messages if batch else [messages]
         for conversation in conversations:
@@ -740,6 +745,21 @@ def prefill_pass_tokens(max_num_batched_tokens: object) -> int | None:
         raise AtlasError(f"max_num_batched_tokens must be a positive integer (prompt tokens per pass), "
                          f"got {max_num_batched_tokens!r}")
     return min(int(max_num_batched_tokens), PREFILL_CHUNK)  # type: ignore[call-overload]
+
+
+def chat_variables(template_kwargs: object, chat_template_kwargs: object, tools: object) -> dict[str, Any] | None:
+    """LLM.chat's template variables: template_kwargs or vLLM's chat_template_kwargs (one of
+    them), with `tools` among them when given."""
+    if template_kwargs is not None and chat_template_kwargs is not None:
+        raise AtlasError("template_kwargs and chat_template_kwargs are one option under two names; give one")
+    variables = template_kwargs if template_kwargs is not None else chat_template_kwargs
+    if tools is None:
+        return variables  # type: ignore[return-value]  # encode_chat says what is wrong with it
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise AtlasError("tools must be a list of OpenAI tool dicts ({'type': 'function', 'function': {...}})")
+    if not isinstance(variables, (dict, type(None))):
+        raise AtlasError(f"template_kwargs must be a dict of template variables by name, got {variables!r:.60}")
+    return {**(variables or {}), "tools": tools}
 
 
 def check_stop_token_ids(opts: GenerateOptions, vocab: int) -> None:
