@@ -1458,10 +1458,12 @@ def test_cli_serves_and_stops() -> None:
 
 def test_a_vllm_command_line_serves(rng: np.random.Generator) -> None:
     """`vllm serve MODEL` flags: the positional model, --enable-auto-tool-choice beside the tool
-    parser, --speculative-config as --spec-k, and the flags with nothing to do here (said once)."""
+    parser, --speculative-config as --spec-k, several --served-model-name names, and the flags
+    with nothing to do here (said once)."""
     k = int(rng.integers(1, 4))
     config = {"method": "qwen3_next_mtp", "num_speculative_tokens": k, "disable_padded_drafter_batch": False}
-    args = (DEMO_NAME, "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3",
+    args = (DEMO_NAME, "--enable-auto-tool-choice", "--served-model-name", "qwen-a", "gpt-x",
+            "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3",
             "--speculative-config", json.dumps(config), "--gpu-memory-utilization", "0.9", "-tp", "1", "-dp", "1",
             "--trust-remote-code", "--dtype", "auto", "--max-model-len", "1024", "--kv-cache-dtype", "fp8_e4m3", "--kv-high-precision-layers", "0",
             "--no-enable-prefix-caching", "--language-model-only", "--max-num-seqs", "256", "--disable-log-requests",
@@ -1470,9 +1472,11 @@ def test_a_vllm_command_line_serves(rng: np.random.Generator) -> None:
             "--mm-encoder-tp-mode", "data", "--mm-processor-cache-type", "shm", "--enable-request-id-headers")
     with cli_server(*args) as (port, stderr):
         health = get_json(port, "/health")
-        card = get_json(port, "/v1/models")["data"][0]
+        cards = get_json(port, "/v1/models")["data"]
+        status, answer = post(port, "/v1/completions", json.dumps({"model": "gpt-x", "prompt": "Flat", "max_tokens": 2}))
     assert f"--spec-k {k} is ignored" in health["speculation"], health  # the demo has no MTP head
-    assert (card["id"], card["max_model_len"]) == (DEMO_NAME, 1024)
+    assert [(card["id"], card["max_model_len"]) for card in cards] == [("qwen-a", 1024), ("gpt-x", 1024)]
+    assert status == 200 and answer["model"] == "qwen-a", answer
     assert health["tool_call_parser"] == "qwen3_coder" and health["prompt_cache"] == "off", health
     assert health["kv_cache"].startswith("fp8 on layers"), health
     assert health["prefill_pass_tokens"] == "4096", health  # --max-num-batched-tokens, capped
@@ -1611,3 +1615,16 @@ def test_tokenize_and_detokenize(served: Served, rng: np.random.Generator) -> No
                              ("/detokenize", {"model": "gpt-4o", "tokens": [1]}, "model")):
         status, body = post(served.port, path, json.dumps(bad))
         assert status == (404 if param == "model" else 400) and body["error"]["param"] == param, body
+
+
+@pytest.mark.parametrize(("argv", "spread"), [
+    (["M", "--served-model-name", "a", "b", "--port", "1"], ["M", "--served-model-name", "a", "--served-model-name", "b", "--port", "1"]),
+    (["--served-model-name", "a"], ["--served-model-name", "a"]),
+    (["--served-model-name", "a", "b", "c"], ["--served-model-name", "a", "--served-model-name", "b", "--served-model-name", "c"]),
+    (["--served-model-name=a", "b"], ["--served-model-name=a", "b"]),  # the joined form takes one name; b is MODEL
+    (["--served-model-name"], ["--served-model-name"]),  # click says it needs a value
+])  # fmt: skip
+def test_several_served_model_names_as_vllm_reads_them(argv: list[str], spread: list[str]) -> None:
+    from atlas.serve import spread_names
+
+    assert spread_names(argv) == spread

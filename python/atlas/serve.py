@@ -47,7 +47,7 @@ class ServeArgs:
     model: str | None
     host: str
     port: int
-    served_model_name: str | None
+    served_model_name: tuple[str, ...]  # the names requests may give; the first names the answers
     log_level: str
     reasoning_parser: str | None
     tool_call_parser: str | None
@@ -118,7 +118,7 @@ def serve(args: ServeArgs) -> None:
     key = args.api_key if args.api_key is not None else os.environ.get("ATLAS_API_KEY")
     if key is not None and not key.strip():
         raise AtlasError("--api-key (or ATLAS_API_KEY) is empty; give a key or leave it out")
-    if args.served_model_name is not None and not args.served_model_name.strip():
+    if any(not name.strip() for name in args.served_model_name):
         raise AtlasError("--served-model-name is empty; give a name or leave the flag out")
     args.tls.check()
     generation = GenerationDefaults(args.generation_config, args.override_generation_config)
@@ -128,7 +128,7 @@ def serve(args: ServeArgs) -> None:
     worker = EngineWorker(lambda: args.engine.load(str(model_dir)))
     try:
         llm = worker.start()
-        name = args.served_model_name or served_name(args.model, model_dir)
+        name, *aliases = args.served_model_name or (served_name(args.model, model_dir),)
         click.echo(f"atlas.serve: model {name} ({model_dir}), device {llm.device}", err=True)
         click.echo(f"atlas.serve: {engine_summary(llm)}", err=True)
         parsers = {"reasoning_parser": args.reasoning_parser, "tool_call_parser": args.tool_call_parser}
@@ -144,7 +144,7 @@ def serve(args: ServeArgs) -> None:
         app = create_app(ServerState(name, worker, llm, **parsers, api_key=args.api_key, sampling_defaults=defaults,
                                      max_waiting=args.max_waiting, responses=ResponseStore(args.response_store),
                                      cors=args.cors, seeds=seed_stream(args.seed),
-                                     request_id_headers=args.enable_request_id_headers))
+                                     request_id_headers=args.enable_request_id_headers, aliases=tuple(aliases)))
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 access_log=not args.disable_uvicorn_access_log, **args.tls.uvicorn_options())
         host, port = sock.getsockname()[:2]
@@ -160,7 +160,9 @@ def serve(args: ServeArgs) -> None:
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--served-model-name", default=None, help="The model id clients send (default: atlas-demo or --model).")
+@click.option("--served-model-name", multiple=True,
+              help="The model id clients send (default: atlas-demo or --model); several (vLLM's `--served-model-name A B`): "
+              "any of them is taken, the first names the answers.")
 @click.option(
     "--log-level", "--uvicorn-log-level", "log_level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
     default="info", show_default=True, help="The server's log level (--uvicorn-log-level: vLLM's name).",
@@ -245,7 +247,24 @@ def command(**kwargs: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    return run_command(command, argv, "atlas.serve", quiet_interrupt=True)
+    return run_command(command, spread_names(sys.argv[1:] if argv is None else argv), "atlas.serve", quiet_interrupt=True)
+
+
+def spread_names(argv: list[str]) -> list[str]:
+    """vLLM's `--served-model-name A B ...` (argparse takes every word up to the next flag) as the
+    option repeated, as click takes it."""
+    out: list[str] = []
+    taken: int | None = None  # names after the flag so far; None: not after it
+    for arg in argv:
+        if arg == "--served-model-name":
+            taken = 0
+        elif taken is not None and not arg.startswith("-"):
+            out += ["--served-model-name"] if taken else []
+            taken += 1
+        else:
+            taken = None
+        out.append(arg)
+    return out
 
 
 if __name__ == "__main__":

@@ -65,6 +65,10 @@ class ServerState:
     cors: CorsPolicy | None = None  # cross-origin requests from browsers (None: no CORS headers)
     seeds: random.Random | None = None  # --seed: a request that gives no seed samples with the next one drawn here
     request_id_headers: bool = False  # --enable-request-id-headers: every response carries X-Request-Id
+    aliases: tuple[str, ...] = ()  # further --served-model-name names a request may give (answers say model_name)
+
+    def served_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.aliases)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -183,15 +187,15 @@ async def stored_input_items(request: Request, state: ServerState) -> Response:
 
 
 async def models(request: Request, state: ServerState) -> Response:
-    card = model_card(state)  # OpenAI's list, and Anthropic's page fields
-    return JSONResponse({"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
-                         "last_id": card["id"]})
+    cards = [model_card(state, name) for name in state.served_names()]  # OpenAI's list, and Anthropic's page fields
+    return JSONResponse({"object": "list", "data": cards, "has_more": False, "first_id": cards[0]["id"],
+                         "last_id": cards[-1]["id"]})
 
 
 async def model(request: Request, state: ServerState) -> Response:
     """The openai client's models.retrieve(id); another id is a 404 as OpenAI answers it."""
     check_model(state, request.path_params["name"])
-    return JSONResponse(model_card(state))
+    return JSONResponse(model_card(state, request.path_params["name"]))
 
 
 async def health(request: Request, state: ServerState) -> Response:
@@ -240,13 +244,12 @@ def engine_settings(llm: LLM) -> dict[str, str]:
             "prompt_cache": checkpoints, "prefill_pass_tokens": str(passes) if passes else "default"}
 
 
-def model_card(state: ServerState) -> dict[str, object]:
-    """OpenAI's model object, with vLLM's max_model_len (the context a request may fill), and the
-    fields of Anthropic's (the anthropic client's models.list / retrieve)."""
+def model_card(state: ServerState, name: str) -> dict[str, object]:
+    """OpenAI's model object for one served name, with vLLM's max_model_len (the context a request
+    may fill), and the fields of Anthropic's (the anthropic client's models.list / retrieve)."""
     capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
-    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "atlas", "max_model_len": capacity,
-            "type": "model", "display_name": state.model_name, "created_at": "1970-01-01T00:00:00Z",
-            "max_input_tokens": capacity}
+    return {"id": name, "object": "model", "created": 0, "owned_by": "atlas", "max_model_len": capacity,
+            "type": "model", "display_name": name, "created_at": "1970-01-01T00:00:00Z", "max_input_tokens": capacity}
 
 
 async def generation(request: Request, state: ServerState, chat: bool) -> Response:
@@ -435,9 +438,9 @@ def check_room(state: ServerState) -> None:
 def check_model(state: ServerState, model: str) -> None:
     """A request that names no model ("") gets the served one, and another name is a 404, as
     vLLM and OpenAI answer."""
-    if model and model != state.model_name:
+    if model and model not in state.served_names():
         raise RequestError(
-            f"model {model!r} is not served here; use {state.model_name!r} (see /v1/models)",
+            f"model {model!r} is not served here; use {' or '.join(map(repr, state.served_names()))} (see /v1/models)",
             "model", "model_not_found", 404,
         )
 
