@@ -1,4 +1,4 @@
-"""atlas.serve --api-key (ATLAS_API_KEY): /v1/* answers 401 with an OpenAI error body without
+"""atlas.serve --api-key (ATLAS_API_KEY, VLLM_API_KEY): /v1/* answers 401 with an OpenAI error body without
 the bearer key, the official client works with it, /health stays open."""
 
 from __future__ import annotations
@@ -48,15 +48,33 @@ def test_api_key_as_anthropic_sends_it() -> None:
     assert refused["type"] == "error" and refused["error"]["type"] == "authentication_error"
 
 
-@pytest.mark.parametrize(("flags", "env"), [(["--api-key", " "], None), ([], ""), ([], "  ")])
-def test_an_empty_key_is_refused(flags: list[str], env: str | None, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(("flags", "env", "name"), [(["--api-key", " "], None, ""), ([], "", "ATLAS_API_KEY"),
+                                                    ([], "  ", "ATLAS_API_KEY"), ([], "", "VLLM_API_KEY")])
+def test_an_empty_key_is_refused(flags: list[str], env: str | None, name: str, monkeypatch: pytest.MonkeyPatch,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     """An empty ATLAS_API_KEY (`ATLAS_API_KEY=$UNSET`) had started a server open to anyone: click
     reads an empty variable as unset."""
     from atlas.serve import main
 
+    for variable in ("ATLAS_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(variable, raising=False)
     if env is not None:
-        monkeypatch.setenv("ATLAS_API_KEY", env)
+        monkeypatch.setenv(name, env)
     assert main([*flags, "--port", "0", "--device", "cpu"]) == 2
     assert capsys.readouterr().err.strip() == \
-        "atlas.serve: error: --api-key (or ATLAS_API_KEY) is empty; give a key or leave it out"
+        "atlas.serve: error: --api-key (or ATLAS_API_KEY / VLLM_API_KEY) is empty; give a key or leave it out"
+
+
+@pytest.mark.parametrize(("atlas_key", "vllm_key", "taken"), [(None, "v", "v"), ("a", "v", "a"), ("", "v", "v"),
+                                                              (None, None, None)])
+def test_vllms_key_variable_guards_the_server(atlas_key: str | None, vllm_key: str | None, taken: str | None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM deployment's VLLM_API_KEY keeps its server guarded here (ATLAS_API_KEY first)."""
+    from atlas.serve import command
+
+    for variable, value in (("ATLAS_API_KEY", atlas_key), ("VLLM_API_KEY", vllm_key)):
+        if value is None:
+            monkeypatch.delenv(variable, raising=False)
+        else:
+            monkeypatch.setenv(variable, value)
+    assert command.make_context("atlas.serve", ["--device", "cpu"]).params["api_key"] == taken

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 GRACEFUL_SHUTDOWN_S = 5
 LISTEN_BACKLOG = 2048  # uvicorn's default
+API_KEY_ENV = ("ATLAS_API_KEY", "VLLM_API_KEY")  # vLLM's variable too: a vLLM deployment's key keeps guarding
 DEFAULT_MAX_WAITING = 64  # the next request waiting gets a 503: at batch 1 the queue drains one by one
 
 
@@ -115,9 +116,9 @@ def serve(args: ServeArgs) -> None:
 
     args.engine.check()
     # click takes an empty ATLAS_API_KEY for unset: `ATLAS_API_KEY=$UNSET` would serve with no key
-    key = args.api_key if args.api_key is not None else os.environ.get("ATLAS_API_KEY")
-    if key is not None and not key.strip():
-        raise AtlasError("--api-key (or ATLAS_API_KEY) is empty; give a key or leave it out")
+    keys = [args.api_key] if args.api_key is not None else [os.environ.get(name) for name in API_KEY_ENV]
+    if any(key is not None and not key.strip() for key in keys):
+        raise AtlasError(f"--api-key (or {' / '.join(API_KEY_ENV)}) is empty; give a key or leave it out")
     if any(not name.strip() for name in args.served_model_name):
         raise AtlasError("--served-model-name is empty; give a name or leave the flag out")
     args.tls.check()
@@ -172,9 +173,9 @@ def serve(args: ServeArgs) -> None:
     help="Chat answers' <think> ... </think> block goes to message.reasoning_content (as vLLM's); default: left in content.",
 )
 @click.option(
-    "--api-key", envvar="ATLAS_API_KEY", default=None,
+    "--api-key", envvar=list(API_KEY_ENV), default=None,
     help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health, /metrics and /version "
-    "(env ATLAS_API_KEY).",
+    "(env ATLAS_API_KEY, or vLLM's VLLM_API_KEY).",
 )
 @click.option(
     "--tool-call-parser", type=click.Choice(TOOL_PARSERS), default=None,
