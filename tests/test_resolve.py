@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -146,3 +147,55 @@ def test_impossible_paths_are_one_line(tmp_path: Path) -> None:
     assert "is not in the Hugging Face cache" in error_of("Org/" + "n" * 300)  # its cache folder: a name too long
     with pytest.raises(AtlasError, match="^--reference /no/such: no such directory"):
         resolve_model("/no/such", "--reference")
+
+
+def commit_hash(rng: np.random.Generator) -> str:
+    return "".join(rng.choice(list("0123456789abcdef"), size=40))
+
+
+def test_revision_pins_a_snapshot(hub: Path, rng: np.random.Generator) -> None:
+    """vLLM's --revision: a commit hash the cache holds, or a branch / tag it has a ref for, picks
+    that snapshot over refs/main; one the cache lacks is one line saying how to fetch it."""
+    repo = f"{random_name(rng)}/{random_name(rng)}"
+    main, old, tagged = (commit_hash(rng) for _ in range(3))
+    snapshots = {revision: make_snapshot(hub, repo, revision) for revision in (main, old, tagged)}
+    set_ref(hub, repo, main)
+    (hub / ("models--" + repo.replace("/", "--")) / "refs" / "v1.0").write_text(tagged, encoding="utf-8")
+    assert resolve_model(repo) == snapshots[main]
+    assert resolve_model(repo, revision=old) == snapshots[old]
+    assert resolve_model(repo, revision="v1.0") == snapshots[tagged]
+    assert resolve_model(repo, revision="main") == snapshots[main]
+    for missing in (commit_hash(rng), "v2.0", "../../etc", old[:12]):
+        with pytest.raises(AtlasError, match=f"revision '{re.escape(missing)}' of {repo} is not in the Hugging Face "
+                                             f"cache .*hf download {repo} --revision"):
+            resolve_model(repo, revision=missing)
+
+
+def test_download_dir_is_the_cache_to_look_in(hub: Path, tmp_path: Path, rng: np.random.Generator) -> None:
+    repo = f"{random_name(rng)}/{random_name(rng)}"
+    elsewhere = tmp_path / "models"
+    snapshot = make_snapshot(elsewhere, repo, commit_hash(rng))
+    assert resolve_model(repo, download_dir=str(elsewhere)) == snapshot
+    assert "is not in the Hugging Face cache" in error_of(repo)  # not in HF_HUB_CACHE
+
+
+def test_revision_of_a_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}", encoding="utf-8")
+    for model in (str(tmp_path), None):
+        with pytest.raises(AtlasError, match="--revision picks a snapshot of a Hugging Face repo id"):
+            resolve_model(model, revision="main")
+    with pytest.raises(AtlasError, match="--revision must be a non-empty string"):
+        resolve_model("org/name", revision=5)  # type: ignore[arg-type]
+
+
+def test_the_commands_take_revision_and_download_dir(hub: Path, tmp_path: Path, rng: np.random.Generator,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """atlas.run --revision / --download-dir reach the lookup: a revision the cache lacks is the
+    one-line refusal, before anything loads."""
+    from atlas.run import main
+
+    repo = f"{random_name(rng)}/{random_name(rng)}"
+    make_snapshot(tmp_path / "models", repo, commit_hash(rng))
+    assert main(["--model", repo, "--download-dir", str(tmp_path / "models"), "--revision", "v9", "-p", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"revision 'v9' of {repo} is not in the Hugging Face cache ({tmp_path / 'models'})" in err

@@ -168,7 +168,6 @@ def batch(args: BatchArgs) -> tuple[int, int]:
     from tqdm import tqdm
 
     from .generation_defaults import GenerationDefaults
-    from .resolve import resolve_model
     from .serve import seed_stream, served_name
     from .server.app import ServerState, create_app
     from .server.response_store import ResponseStore
@@ -180,7 +179,7 @@ def batch(args: BatchArgs) -> tuple[int, int]:
     lines = read_lines(args.input_file)
     out_path = Path(args.output_file)
     check_output(out_path, args.input_file)
-    model_dir = resolve_model(args.model)
+    model_dir = args.engine.resolve(args.model)
     worker = EngineWorker(lambda: args.engine.load(str(model_dir)))
     try:
         llm = worker.start()

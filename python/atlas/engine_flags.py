@@ -1,7 +1,7 @@
 """The engine's command-line flags, defined once for `atlas.run` and `atlas.serve`: --device,
 --spec-k / --no-spec (MTP speculation), --kv-cache-dtype, --kv-high-precision-layers,
---chat-template, --chat-template-kwargs, --hf-overrides, --max-seq-len, --check-weights and
---enforce-eager.
+--chat-template, --chat-template-kwargs, --hf-overrides, --max-seq-len, --check-weights,
+--revision, --download-dir and --enforce-eager.
 
 Imports stay light (click and the level names): `--help` must not load numpy.
 """
@@ -45,6 +45,8 @@ class EngineFlags:
     check_weights: bool = False  # read every float tensor for NaN / infinity before loading
     enforce_eager: bool = False  # no CUDA graphs (vLLM's --enforce-eager)
     max_num_batched_tokens: int | None = None  # prompt tokens per pass (vLLM's flag, atlas.serve's; None: 4096)
+    revision: str | None = None  # a repo id's snapshot: branch, tag or commit hash (vLLM's --revision)
+    download_dir: str | None = None  # the Hugging Face cache repo ids are looked up in (vLLM's --download-dir)
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> EngineFlags:
@@ -109,6 +111,12 @@ class EngineFlags:
         if self.chat_template is not None:
             tokenizer = tokenizer.with_chat_template(Path(self.chat_template))
         return replace(tokenizer, template_defaults=self.template_defaults())
+
+    def resolve(self, model: str | None) -> Path:
+        """--model as a checkpoint directory, a repo id's snapshot picked by --revision in --download-dir."""
+        from .resolve import resolve_model
+
+        return resolve_model(model, revision=self.revision, download_dir=self.download_dir)
 
     def load(self, model_dir: str) -> LLM:
         from .llm import LLM
@@ -200,6 +208,14 @@ ENGINE_OPTIONS = (
     click.option(
         "--check-weights", "--check-tensors", "check_weights", is_flag=True,
         help="Read every weight before loading and refuse a checkpoint holding NaN or infinity (about a minute for 70 GB; --check-tensors is llama.cpp's name).",
+    ),
+    click.option(
+        "--revision", default=None,
+        help="The snapshot of a Hugging Face repo id to run: a branch or tag the cache has, or a commit hash (vLLM's flag; pins what runs).",
+    ),
+    click.option(
+        "--download-dir", default=None,
+        help="The Hugging Face cache to find repo ids in (vLLM's flag; default: HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub).",
     ),
     click.option(
         "--enforce-eager", is_flag=True,

@@ -133,6 +133,7 @@ def load_model(
     model: str | PathLike[str] | None, device: str, kv_cache: KVCacheOptions | None = None, spec_k: int | None = None,
     max_seq_len: int | None = None, prompt_cache: int = 0, *, hf_overrides: dict[str, Any] | None = None,
     check_weights: bool = False, enforce_eager: bool = False, max_num_batched_tokens: int | None = None,
+    revision: str | None = None, download_dir: str | None = None,
 ) -> LoadedModel:
     """Resolve, read config and tokenizer, open the weights and build the engine. spec_k: MTP
     speculation (atlas.speculative.build_engine): None = k=2 when the checkpoint has the head,
@@ -141,7 +142,8 @@ def load_model(
     hf_overrides: merged into config.json before it is read (vLLM's --hf-overrides).
     check_weights: every float tensor read and checked for NaN / infinity first (atlas.weight_check).
     enforce_eager: the CUDA backend decodes without CUDA graphs (vLLM's flag).
-    max_num_batched_tokens: prompt tokens per forward pass (vLLM's name; at most engine.PREFILL_CHUNK)."""
+    max_num_batched_tokens: prompt tokens per forward pass (vLLM's name; at most engine.PREFILL_CHUNK).
+    revision, download_dir: a repo id's snapshot and the cache it is found in (atlas.resolve)."""
     if isinstance(model, PathLike):
         model = fspath(model)
     if model is not None and not isinstance(model, str):
@@ -164,7 +166,7 @@ def load_model(
     from .speculative import build_engine
     from .tokenizer import Tokenizer
 
-    model_dir = resolve_model(model)
+    model_dir = resolve_model(model, revision=revision, download_dir=download_dir)
     spec = load_spec(model_dir, hf_overrides)
     tokenizer = Tokenizer.open(model_dir)
     capacity = context_length(max_seq_len, spec.context_length)
@@ -193,7 +195,9 @@ class LLM:
     {"text_config": {"rope_parameters": {...}}} for YaRN;
     `check_weights`: read every float tensor first and refuse one holding NaN or infinity;
     `enforce_eager`: decode without CUDA graphs on a GPU (vLLM's; ATLAS_CUDA_GRAPHS=0 for this LLM);
-    `max_num_batched_tokens`: prompt tokens per forward pass (vLLM's; default and most: 4096)."""
+    `max_num_batched_tokens`: prompt tokens per forward pass (vLLM's; default and most: 4096);
+    `revision`, `download_dir`: a repo id's snapshot (branch, tag or commit hash) and the Hugging
+    Face cache to find it in (vLLM's)."""
 
     def __init__(
         self,
@@ -209,6 +213,8 @@ class LLM:
         check_weights: bool = False,
         enforce_eager: bool = False,
         max_num_batched_tokens: int | None = None,
+        revision: str | None = None,
+        download_dir: str | None = None,
     ) -> None:
         from .kvcache.options import KVCacheOptions
 
@@ -217,7 +223,8 @@ class LLM:
         kv_cache = KVCacheOptions(kv_cache_dtype, kv_high_precision_layers)
         self.parts = load_model(model, device, kv_cache, spec_k, max_seq_len, prompt_cache, hf_overrides=hf_overrides,
                                 check_weights=check_weights, enforce_eager=enforce_eager,
-                                max_num_batched_tokens=max_num_batched_tokens)
+                                max_num_batched_tokens=max_num_batched_tokens, revision=revision,
+                                download_dir=download_dir)
 
     @classmethod
     def from_loaded(cls, parts: LoadedModel) -> LLM:

@@ -140,10 +140,9 @@ def run(args: RunArgs) -> None:
     from .config import load_spec
     from .backends.run_plan import context_length
     from .llm import DEFAULT_PROMPT_CACHE, check_length
-    from .resolve import resolve_model
 
     args.engine.check()
-    model_dir = resolve_model(args.model)
+    model_dir = args.engine.resolve(args.model)
     prompt = prompt_text(args)
     if prompt is None and not args.interactive:
         prompt = default_prompt(model_dir, args.model)

@@ -110,7 +110,6 @@ def serve(args: ServeArgs) -> None:
     import uvicorn
 
     from .generation_defaults import GenerationDefaults
-    from .resolve import resolve_model
     from .server.app import ServerState, create_app
     from .server.worker import EngineWorker
 
@@ -124,7 +123,7 @@ def serve(args: ServeArgs) -> None:
     args.tls.check()
     generation = GenerationDefaults(args.generation_config, args.override_generation_config)
     generation.check()
-    model_dir = resolve_model(args.model)
+    model_dir = args.engine.resolve(args.model)
     sock = listen_socket(args.host, args.port)
     worker = EngineWorker(lambda: args.engine.load(str(model_dir)))
     try:
