@@ -9,7 +9,6 @@ Imports stay light (click and the level names): `--help` must not load numpy.
 from __future__ import annotations
 
 from collections.abc import Callable
-import json
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -77,11 +76,8 @@ class EngineFlags:
         """--chat-template-kwargs parsed: a JSON object of template variables, or one line."""
         if self.chat_template_kwargs is None:
             return {}
-        try:
-            value = json_text.loads(self.chat_template_kwargs)
-        except json.JSONDecodeError as err:
-            raise AtlasError(f"--chat-template-kwargs is not JSON ({err.msg}); give an object such as "
-                             "'{\"enable_thinking\": false}'") from None
+        value = json_text.flag_value(self.chat_template_kwargs, "--chat-template-kwargs",
+                                     "give an object such as '{\"enable_thinking\": false}'")
         if not isinstance(value, dict) or SERVER_TEMPLATE_NAMES & set(value):
             raise AtlasError("--chat-template-kwargs must be a JSON object of template variables other than "
                              + ", ".join(sorted(SERVER_TEMPLATE_NAMES)))
@@ -92,11 +88,8 @@ class EngineFlags:
         if self.hf_overrides is None:
             return None
         example = "'{\"text_config\": {\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4.0, ...}}}'"
-        try:
-            value = json_text.loads(self.hf_overrides)
-        except json.JSONDecodeError as err:
-            raise AtlasError(f"--hf-overrides is not JSON ({err.msg}); give an object of config.json fields, such as "
-                             f"{example}") from None
+        value = json_text.flag_value(self.hf_overrides, "--hf-overrides",
+                                     f"give an object of config.json fields, such as {example}")
         if not isinstance(value, dict):
             raise AtlasError(f"--hf-overrides must be a JSON object of config.json fields, such as {example}")
         return value

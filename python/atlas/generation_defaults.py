@@ -5,7 +5,6 @@ model loads, so a bad value is one line at start."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,10 +50,7 @@ class GenerationDefaults:
     def overrides(self) -> dict[str, float]:
         if self.override is None:
             return {}
-        try:
-            value = json_text.loads(self.override)
-        except json.JSONDecodeError as err:
-            raise AtlasError(f"--override-generation-config is not JSON ({err.msg}); give e.g. {EXAMPLE}") from None
+        value = json_text.flag_value(self.override, "--override-generation-config", f"give e.g. {EXAMPLE}")
         if not isinstance(value, dict):
             raise AtlasError(f"--override-generation-config must be a JSON object, e.g. {EXAMPLE}")
         return {key: checked_default(key, field) for key, field in value.items()}

@@ -24,6 +24,17 @@ def loads(text: str | bytes, **kwargs: Any) -> Any:
         raise json.JSONDecodeError("an integer too long to read (over 4300 digits)", doc, 0) from None
 
 
+def flag_value(text: str, flag: str, hint: str) -> Any:
+    """A command-line flag's JSON text, parsed; text that is not JSON is one AtlasError line:
+    "<flag> is not JSON (<why>); <hint>"."""
+    from .errors import AtlasError
+
+    try:
+        return loads(text)
+    except json.JSONDecodeError as err:
+        raise AtlasError(f"{flag} is not JSON ({err.msg}); {hint}") from None
+
+
 def loads_finite(text: str) -> Any:
     """RFC 8259 JSON only, for text a response writes back as JSON (a model's tool arguments):
     NaN / Infinity, numbers past the float range (1e999) and strings with an unpaired UTF-16

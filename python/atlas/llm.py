@@ -152,9 +152,7 @@ def load_model(
         kv_cache.check()
     check_prompt_cache(prompt_cache)
     prefill_chunk = prefill_pass_tokens(max_num_batched_tokens)
-    for name, flag in (("check_weights", check_weights), ("enforce_eager", enforce_eager)):
-        if not isinstance(flag, bool):
-            raise AtlasError(f"{name} must be True or False, got {flag!r:.60}")
+    check_bools(check_weights=check_weights, enforce_eager=enforce_eager)
     if hf_overrides is not None and not isinstance(hf_overrides, dict):
         raise AtlasError(f"hf_overrides must be a dict of config.json fields, got {hf_overrides!r}")
     from .backends import create_backend
@@ -371,9 +369,7 @@ class LLM:
         for conversation in conversations:
             if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
                 raise AtlasError("messages must be a list of {'role': ..., 'content': ...} dicts (or a list of such lists)")
-        for name, flag in (("add_generation_prompt", add_generation_prompt), ("continue_final_message", continue_final_message)):
-            if not isinstance(flag, bool):
-                raise AtlasError(f"{name} must be True or False, got {flag!r}")
+        check_bools(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt, template_kwargs, continue_final_message)  # type: ignore[arg-type]
                    for c in conversations]
         return self.generate(prompts, **options) if batch else self.generate(prompts[0], **options)
@@ -772,10 +768,16 @@ def chat_variables(template_kwargs: object, chat_template_kwargs: object, tools:
 def check_stop_token_ids(opts: GenerateOptions, vocab: int) -> None:
     from .sampling import is_int
 
-    if not isinstance(opts.ignore_eos, bool):
-        raise AtlasError(f"ignore_eos must be True or False, got {opts.ignore_eos!r}")
+    check_bools(ignore_eos=opts.ignore_eos)
     if not isinstance(opts.stop_token_ids, tuple) or not all(is_int(t) and 0 <= t < vocab for t in opts.stop_token_ids):
         raise AtlasError(f"stop_token_ids must be a list of token ids in [0, {vocab}), got {opts.stop_token_ids!r:.80}")
+
+
+def check_bools(**flags: object) -> None:
+    """Each keyword a bool, else one line naming it (a truthy string is not True)."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise AtlasError(f"{name} must be True or False, got {flag!r:.60}")
 
 
 def check_prompt_cache(checkpoints: object) -> None:

@@ -11,7 +11,6 @@ before the model loads."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
@@ -125,11 +124,8 @@ def spec_config(config: str | None) -> dict[str, Any] | None:
     """vLLM's --speculative-config JSON, parsed (None: not given)."""
     if config is None:
         return None
-    try:
-        value = json_text.loads(config)
-    except json.JSONDecodeError as err:
-        raise AtlasError(f"--speculative-config is not JSON ({err.msg}); give e.g. "
-                         "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'") from None
+    value = json_text.flag_value(config, "--speculative-config",
+                                 "give e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'")
     if not isinstance(value, dict) or value.get("method") not in MTP_METHODS:
         raise AtlasError("--speculative-config: only the checkpoint's MTP head drafts here: "
                          "{\"method\": \"mtp\", \"num_speculative_tokens\": 1..3} (or qwen3_next_mtp)")
