@@ -75,7 +75,7 @@ class CannedWorker:
 
     alive = True
 
-    async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...], returns: Any = None) -> AsyncIterator[Any]:
+    async def events(self, prompt_ids: list[int], opts: Any, returns: Any = None) -> AsyncIterator[Any]:
         for piece in ANSWER:
             yield TextPiece(piece)
         yield Finished("stop", len(prompt_ids), len(ANSWER))

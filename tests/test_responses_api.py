@@ -224,7 +224,7 @@ def canned_tools(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, CannedW
 class FailingWorker(CannedWorker):
     """Writes one piece, then fails as a lost GPU would."""
 
-    async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...], returns: Any = None) -> Any:
+    async def events(self, prompt_ids: list[int], opts: Any, returns: Any = None) -> Any:
         yield TextPiece("Partly")
         yield Failed("the CUDA context was lost; restart the server", status=503)
 
@@ -434,7 +434,7 @@ class ScoredThinkingWorker:
 
     alive = True
 
-    async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...], returns: Any = None) -> Any:
+    async def events(self, prompt_ids: list[int], opts: Any, returns: Any = None) -> Any:
         from atlas.server.worker import Finished, ScoredToken
 
         for i, piece in enumerate(THINKING_ANSWER):
@@ -475,7 +475,7 @@ class PiecesWorker:
     def __init__(self, pieces: list[str], reason: str) -> None:
         self.pieces, self.reason = pieces, reason
 
-    async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...], returns: Any = None) -> Any:
+    async def events(self, prompt_ids: list[int], opts: Any, returns: Any = None) -> Any:
         from atlas.server.worker import Finished
 
         for piece in self.pieces:

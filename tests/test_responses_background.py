@@ -49,7 +49,7 @@ class GatedWorker:
         self.started = 0
         self.closed_early = 0
 
-    async def events(self, prompt_ids: list[int], opts: Any, stops: Any, returns: Any = None) -> AsyncIterator[Any]:
+    async def events(self, prompt_ids: list[int], opts: Any, returns: Any = None) -> AsyncIterator[Any]:
         ended = False
         try:
             while not self.taking:
@@ -250,7 +250,7 @@ def test_a_response_stored_again_counts_once_and_becomes_the_newest() -> None:
 
 def background_stream(worker: GatedWorker, kept: list[dict[str, Any]]) -> tuple[ResponseStream, Any]:
     meta = ResponseMeta(DEMO_NAME, {"input": "hi", "background": True}, keep=kept.append)
-    return ResponseStream(meta, None), worker.events([1, 2], None, ())
+    return ResponseStream(meta, None), worker.events([1, 2], None)
 
 
 def test_a_run_cancelled_before_its_first_step_is_stored_cancelled() -> None:

@@ -1269,7 +1269,7 @@ def test_stopped_engine_answers_instead_of_hanging() -> None:
     assert not worker.alive
 
     async def first_event() -> object:
-        events = worker.events([1, 2], GenerateOptions(max_tokens=2), ())
+        events = worker.events([1, 2], GenerateOptions(max_tokens=2))
         return await asyncio.wait_for(events.__anext__(), timeout=5)
 
     event = asyncio.run(first_event())

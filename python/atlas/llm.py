@@ -302,7 +302,7 @@ class LLM:
         from .engine import GenerationRequest
 
         eos_ids = self.end_ids(opts)
-        out, pieces = OutputText(self.parts.tokenizer, opts, opts.stop, self.ending_ids(opts)), []
+        out, pieces = OutputText(self.parts.tokenizer, opts, self.ending_ids(opts)), []
 
         def emit(token: int) -> bool:
             """Pass the text on; True (stop) once a stop string is complete."""
@@ -385,7 +385,7 @@ class LLM:
             raise AtlasError("stream() takes one prompt; give a list of prompts to generate()")
         prompt_ids = self.prepare(prompt, opts)
         eos_ids = self.end_ids(opts)
-        out = OutputText(self.parts.tokenizer, opts, opts.stop, self.ending_ids(opts))
+        out = OutputText(self.parts.tokenizer, opts, self.ending_ids(opts))
         for token in iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids,
                                  constraint=self.output_constraint(opts, eos_ids, prompt_ids)):
             if piece := out.push(token):
@@ -544,17 +544,17 @@ def engine_tokens(
 
 class OutputText:
     """Generated ids -> the text a reader gets: decoded as they come (special tokens skipped
-    unless opts.skip_special_tokens is false), cut at the first of `stops` (which stays at its end
+    unless opts.skip_special_tokens is false), cut at the first of opts.stop (which stays at its end
     under opts.include_stop_str_in_output). With special tokens written, the end-of-sequence token
     that ends the text (one of `ending`) stays out of it unless include_stop_str_in_output, as vLLM
     leaves it out."""
 
-    def __init__(self, tokenizer: Tokenizer, opts: GenerateOptions, stops: tuple[str, ...], ending: set[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, opts: GenerateOptions, ending: set[int]) -> None:
         from .stop_strings import StopMatcher
 
         self.tokenizer, self.skip_special = tokenizer, opts.skip_special_tokens
         self.decoder = tokenizer.stream_decoder(opts.skip_special_tokens)
-        self.matcher = StopMatcher(stops, opts.include_stop_str_in_output)
+        self.matcher = StopMatcher(opts.stop, opts.include_stop_str_in_output)
         shown = opts.skip_special_tokens or opts.include_stop_str_in_output
         self.hidden = frozenset() if shown else frozenset(ending)
 

@@ -416,7 +416,7 @@ def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInp
             if j:
                 seeded = replace(seeded, prompt_logprobs=echo_scores(body, seeded.max_tokens))
             returns = Returns(prompt.echo, None if j else body.prompt_logprobs, body.text.return_token_ids, report_start)
-            events = state.worker.events(prompt.ids, seeded, body.sampling.stop, returns)
+            events = state.worker.events(prompt.ids, seeded, returns)
             runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt.opened), tuple(prompt.ids)))
     return runs
 
@@ -463,7 +463,7 @@ def tokenize_body(llm: LLM, body: TokenizeBody) -> list[int]:
 
 def check_stop_ids(state: ServerState, body: GenerationBody) -> None:
     vocab = state.llm.parts.spec.vocab_size
-    for param, ids in (("stop_token_ids", body.sampling.stop.token_ids), ("allowed_token_ids", body.sampling.allowed_token_ids)):
+    for param, ids in (("stop_token_ids", body.sampling.stop_token_ids), ("allowed_token_ids", body.sampling.allowed_token_ids)):
         bad = [t for t in ids or () if t >= vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} in '{param}' is outside the vocabulary (0..{vocab - 1})", param)
@@ -570,7 +570,8 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
                            skip_special_tokens=body.text.skip_special_tokens,
                            include_stop_str_in_output=body.text.include_stop_str_in_output,
                            allowed_token_ids=s.allowed_token_ids, bad_words=s.bad_words,
-                           thinking_token_budget=s.thinking_token_budget)
+                           thinking_token_budget=s.thinking_token_budget, ignore_eos=s.ignore_eos,
+                           stop=s.stop, stop_token_ids=s.stop_token_ids)
 
 
 def echo_scores(body: GenerationBody, max_tokens: int) -> int | None:

@@ -18,7 +18,6 @@ from ..tokenizer import SERVER_TEMPLATE_NAMES, first_line
 from ..sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K,
                         MIN_REPETITION_PENALTY, is_int, logit_bias_pairs)
 from .errors import RequestError
-from .stops import Stops
 from ..structured import OutputFormat
 from .formats import parse_output_format
 from .tools import ToolChoice, parse_tool_choice, parse_tools, template_tool_calls
@@ -83,7 +82,9 @@ class SamplingFields:
     top_p: float
     top_k: int
     seed: int | None
-    stop: Stops
+    stop: tuple[str, ...]  # strings that end the text
+    stop_token_ids: tuple[int, ...]  # vLLM's: ids that end the text (their text kept)
+    ignore_eos: bool  # vLLM's: the model's eos ends nothing (benchmarks)
     extras: SamplingExtras  # min_p, presence / frequency / repetition penalties
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these may be picked
     bad_words: tuple[str, ...] = ()  # vLLM's: no text ends with one of these words
@@ -221,8 +222,9 @@ def parse_sampling(body: dict[str, Any], echo: bool = False) -> SamplingFields:
         top_p=top_p,
         top_k=0 if top_k in (None, -1) else top_k,
         seed=optional_int(body, "seed", minimum=0),  # numpy seeds are non-negative
-        stop=Stops(parse_stop(body.get("stop")), parse_stop_token_ids(body.get("stop_token_ids")),
-                   optional_bool(body, "ignore_eos") or False),
+        stop=parse_stop(body.get("stop")),
+        stop_token_ids=parse_stop_token_ids(body.get("stop_token_ids")),
+        ignore_eos=optional_bool(body, "ignore_eos") or False,
         extras=extras,
         allowed_token_ids=parse_allowed_token_ids(body.get("allowed_token_ids")),
         bad_words=parse_bad_words(body.get("bad_words")),

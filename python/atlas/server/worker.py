@@ -21,7 +21,6 @@ from ..sampling import TokenLogprob
 from ..speculative import SpecStats
 from ..structured import NoAllowedToken
 from .metrics import Metrics, RequestRecord, SpecCounts
-from .stops import Stops
 
 log = logging.getLogger("atlas.serve")
 MIN_WIRE_LOGPROB = -9999.0  # what a body carries for -inf (vLLM's value)
@@ -94,7 +93,6 @@ Event = TextPiece | Finished | Failed | Started
 class Job:
     prompt_ids: list[int]
     opts: GenerateOptions
-    stops: Stops
     emit: Callable[[Event], None]  # called on the engine thread
     cancelled: threading.Event = field(default_factory=threading.Event)
     returns: Returns = Returns()
@@ -138,7 +136,7 @@ class EngineWorker:
         return self._thread.is_alive() and self.llm is not None and self.lost is None
 
     async def events(
-        self, prompt_ids: list[int], opts: GenerateOptions, stops: Stops, returns: Returns = Returns()
+        self, prompt_ids: list[int], opts: GenerateOptions, returns: Returns = Returns()
     ) -> AsyncIterator[Event]:
         """Queue a generation and yield its events; closing the iterator early cancels the job."""
         loop = asyncio.get_running_loop()
@@ -156,7 +154,7 @@ class EngineWorker:
         if self.lost is not None:
             yield Failed(self.lost, status=503)
             return
-        job = Job(prompt_ids, opts, stops, emit, returns=returns)
+        job = Job(prompt_ids, opts, emit, returns=returns)
         self._jobs.put(job)
         try:
             while True:
@@ -212,8 +210,8 @@ class EngineWorker:
 
 def generate(llm: LLM, job: Job) -> Finished:
     """Run one job on the calling (engine) thread, emitting text as it completes."""
-    out = OutputText(llm.tokenizer, job.opts, job.stops.strings, set() if job.stops.ignore_eos else llm.eos_ids())
-    eos_ids = job.stops.end_ids(llm.eos_ids())
+    out = OutputText(llm.tokenizer, job.opts, llm.ending_ids(job.opts))
+    eos_ids = llm.end_ids(job.opts)
     pending = Pending(llm, job.returns.token_ids)
     prompt_scores: list[TokenLogprob | None] = []
     count = 0
@@ -245,7 +243,7 @@ def generate(llm: LLM, job: Job) -> Finished:
     spec_counts = SpecCounts(spec.rounds, spec.drafted, spec.accepted)
     top = job.returns.prompt_logprobs
     listed = None if top is None else prompt_logprobs(llm, prompt_scores, top)
-    stop_ids = set(job.stops.token_ids) - (set() if job.stops.ignore_eos else llm.eos_ids())
+    stop_ids = set(job.opts.stop_token_ids) - llm.ending_ids(job.opts)
     reason = out.matched if out.stopped else last_token if count and last_token in stop_ids else None
     return Finished("stop" if stopped else "length", len(job.prompt_ids), count, cached, spec_counts,
                     stop_reason=reason, prompt_logprobs=listed)
