@@ -687,6 +687,57 @@ def test_vllm_metrics_name_each_ending_and_escape_the_model_name() -> None:
     assert all(sample.fullmatch(line) for line in text.splitlines() if not line.startswith("#")), text
 
 
+def test_kv_cache_usage_is_the_running_requests_share(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    """vllm:kv_cache_usage_perc: the positions the running request holds over the context's, 0
+    when no request runs; generate counts the prompt and each token as it comes."""
+    from starlette.testclient import TestClient
+
+    import atlas.server.worker as worker_module
+    from atlas.llm import GenerateOptions, context_capacity
+    from atlas.server.worker import Finished, Job, TextPiece
+
+    generate = worker_module.generate
+    worker = EngineWorker(lambda: LLM(None, device="cpu", prompt_cache=0))
+    llm = worker.start()
+    capacity = context_capacity(llm.parts.spec, llm.parts.engine)
+    held, entered, release = int(rng.integers(1, capacity)), threading.Event(), threading.Event()
+
+    def holding(llm: LLM, job: Job) -> Finished:
+        job.held_positions = held
+        entered.set()
+        release.wait(10)
+        return Finished("length", held, 0)
+
+    def usage(http: TestClient) -> float:
+        line = next(line for line in http.get("/metrics").text.splitlines() if line.startswith("vllm:kv_cache_usage_perc{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    try:
+        http = TestClient(create_app(ServerState(DEMO_NAME, worker, llm)))
+        assert usage(http) == 0
+        monkeypatch.setattr(worker_module, "generate", holding)
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(http.post, "/v1/completions", json={"prompt": "Flat", "max_tokens": 1})
+            assert entered.wait(10)
+            assert usage(http) == pytest.approx(held / capacity)
+            release.set()
+            assert answer.result(10).status_code == 200
+        assert usage(http) == 0
+    finally:
+        release.set()
+        worker.stop()
+    prompt_ids = llm.tokenizer.encode(random_prompt(rng))
+    seen: list[tuple[int, int]] = []  # (tokens so far, positions held) at each piece
+
+    def emit(event: object) -> None:
+        if isinstance(event, TextPiece):
+            seen.append((event.tokens + (seen[-1][0] if seen else 0), job.held_positions))
+
+    job = Job(prompt_ids, GenerateOptions(max_tokens=12, ignore_eos=True), emit)
+    generate(llm, job)
+    assert seen[-1][0] == 12 and all(held == len(prompt_ids) + count for count, held in seen), seen
+
+
 def test_batch_of_prompts(served: Served, rng: np.random.Generator) -> None:
     """A completions batch (text and token ids) with n choices each: choice p * n + j answers
     prompt p with seed + that index; usage counts every prompt once."""
@@ -1299,8 +1350,8 @@ def test_a_lost_cuda_context_makes_the_server_unhealthy(monkeypatch: pytest.Monk
         monkeypatch.setattr(worker_module, "generate", faulting)
         first = http.post("/v1/completions", json=request)
         assert first.status_code == 500 and "CUDA_ERROR_ILLEGAL_ADDRESS" in first.json()["error"]["message"]
-        health = http.get("/health")
-        assert health.status_code == 503 and "CUDA context is lost" in health.json()["status"], health.text
+        for health in (http.get("/health"), http.get("/ping"), http.post("/ping")):  # /ping: vLLM's probe
+            assert health.status_code == 503 and "CUDA context is lost" in health.json()["status"], health.text
         for route, body in (("/v1/completions", request), ("/v1/chat/completions", chat_request(request))):
             later = http.post(route, json=body)
             assert later.status_code == 503 and "restart the server" in later.json()["error"]["message"], later.text

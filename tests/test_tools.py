@@ -123,7 +123,10 @@ class CannedWorker:
         self.opts: Any = None
         self.metrics = Metrics()
 
-    async def events(self, prompt_ids: list[int], opts: Any, stops: tuple[str, ...], returns: Any = None) -> AsyncIterator[Any]:
+    def kv_cache_usage(self) -> float:
+        return 0.0
+
+    async def events(self, prompt_ids: list[int], opts: Any, returns: Any = None) -> AsyncIterator[Any]:
         self.prompt = self.llm.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         self.opts = opts
         for piece in ANSWER:

@@ -173,7 +173,7 @@ def serve(args: ServeArgs) -> None:
 )
 @click.option(
     "--api-key", envvar=list(API_KEY_ENV), default=None,
-    help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health, /metrics and /version "
+    help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health, /ping, /metrics and /version "
     "(env ATLAS_API_KEY, or vLLM's VLLM_API_KEY).",
 )
 @click.option(

@@ -213,7 +213,8 @@ async def version(request: Request, state: ServerState) -> Response:
 
 
 async def metrics(request: Request, state: ServerState) -> Response:
-    text = state.worker.metrics.render(state.worker.waiting, state.model_name)
+    worker = state.worker
+    text = worker.metrics.render(worker.waiting, state.model_name, worker.kv_cache_usage())
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -627,6 +628,7 @@ async def on_crash(request: Request, err: Exception) -> Response:
 
 ROUTES: tuple[tuple[str, Handler, tuple[str, ...]], ...] = (
     ("/health", health, ("GET",)),
+    ("/ping", health, ("GET", "POST")),  # vLLM's (SageMaker's probe): /health's answer
     ("/tokenize", tokenize, ("POST",)),
     ("/detokenize", detokenize, ("POST",)),
     ("/metrics", metrics, ("GET",)),

@@ -10,7 +10,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from . import messages_api
 from .errors import error_body
 
-OPEN_PATHS = {"/health", "/metrics", "/version"}  # for load balancers and scrapers; every other route needs the key
+OPEN_PATHS = {"/health", "/ping", "/metrics", "/version"}  # for load balancers and scrapers; every other route needs the key
 
 
 class ApiKeyGate:

@@ -1,10 +1,10 @@
 """GET /metrics: the server's counters in Prometheus' text format (as vLLM's and llama.cpp's
 servers expose theirs): requests by outcome, prompt / cached / generated tokens, MTP speculation's
 verify passes, drafted and accepted tokens (vLLM's spec_decode counters), histograms of queue
-time, time to first token and request time, and the requests waiting and running now. The same
-numbers go out under vLLM's names too (`vllm:*`, labelled with the served model_name, vLLM's
-definitions: latencies counted from arrival), so a dashboard or alert written for a vLLM server
-reads an atlas one."""
+time, time to first token and request time, the requests waiting and running now and the KV cache's
+share held. The same numbers go out under vLLM's names too (`vllm:*`, labelled with the served
+model_name, vLLM's definitions: latencies counted from arrival), so a dashboard or alert written
+for a vLLM server reads an atlas one."""
 
 from __future__ import annotations
 
@@ -124,12 +124,13 @@ class VllmMetrics:
         for name, value in observed.items():
             self.histograms[name].observe(value)
 
-    def lines(self, model_name: str, waiting: int, running: int) -> list[str]:
+    def lines(self, model_name: str, gauges: Gauges) -> list[str]:
         label = f'model_name="{escaped(model_name)}"'
         lines = []
-        for name, value in (("num_requests_running", running), ("num_requests_waiting", waiting)):
-            lines += [f"# HELP vllm:{name} Requests {name.rsplit('_', 1)[1]} now.",
-                      f"# TYPE vllm:{name} gauge", f"vllm:{name}{{{label}}} {value}"]
+        for name, text, value in (("num_requests_running", "Requests running now.", gauges.running),
+                                  ("num_requests_waiting", "Requests waiting now.", gauges.waiting),
+                                  ("kv_cache_usage_perc", "KV-cache usage (1 = 100 percent).", gauges.kv_cache_usage)):
+            lines += [f"# HELP vllm:{name} {text}", f"# TYPE vllm:{name} gauge", f"vllm:{name}{{{label}}} {value}"]
         for name, text in VLLM_COUNTERS.items():
             lines += [f"# HELP vllm:{name}_total {text}", f"# TYPE vllm:{name}_total counter",
                       f"vllm:{name}_total{{{label}}} {self.counters[name]}"]
@@ -140,6 +141,15 @@ class VllmMetrics:
         for histogram in self.histograms.values():
             lines += histogram.lines(label)
         return lines
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """What /metrics reads of the server now."""
+
+    waiting: int  # requests queued behind the running one
+    running: int
+    kv_cache_usage: float  # the share of the KV cache's positions the running request holds
 
 
 def escaped(value: str) -> str:
@@ -185,7 +195,7 @@ class Metrics:
                 self.first_token.observe(request.first_token_s)
             self.vllm.record(request)
 
-    def render(self, waiting: int, model_name: str) -> str:
+    def render(self, waiting: int, model_name: str, kv_cache_usage: float = 0.0) -> str:
         with self._lock:
             lines = ["# HELP atlas_requests_total Requests the engine ran, by outcome.", "# TYPE atlas_requests_total counter"]
             lines += [f'atlas_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()]
@@ -201,5 +211,5 @@ class Metrics:
                 lines += [f"# HELP {name} Requests {name.rsplit('_', 1)[1]} now.", f"# TYPE {name} gauge", f"{name} {value}"]
             for histogram in (self.queue, self.first_token, self.run):
                 lines += histogram.lines()
-            lines += self.vllm.lines(model_name, waiting, self.running)
+            lines += self.vllm.lines(model_name, Gauges(waiting, self.running, kv_cache_usage))
         return "\n".join(lines) + "\n"

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..backends.cuda.driver import context_lost
 from ..errors import AtlasError
-from ..llm import LLM, GenerateOptions, OutputText, iter_tokens
+from ..llm import LLM, GenerateOptions, OutputText, context_capacity, iter_tokens
 from ..sampling import TokenLogprob
 from ..speculative import SpecStats
 from ..structured import NoAllowedToken
@@ -98,6 +98,7 @@ class Job:
     returns: Returns = Returns()
     queued_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None  # set by generate
+    held_positions: int = 0  # KV-cache positions it holds while it runs (prompt + tokens so far; set by generate)
 
 
 class EngineWorker:
@@ -112,6 +113,7 @@ class EngineWorker:
         self.llm: LLM | None = None
         self.metrics = Metrics()
         self.lost: str | None = None  # why no generation can run again (the GPU's context is lost)
+        self.running: Job | None = None  # the job on the engine thread now
 
     @property
     def waiting(self) -> int:
@@ -130,6 +132,14 @@ class EngineWorker:
     def stop(self, timeout: float = 10.0) -> None:
         self._jobs.put(None)
         self._thread.join(timeout)
+
+    def kv_cache_usage(self) -> float:
+        """The share of the KV cache the running job holds (0 when idle: rows the prompt cache keeps
+        are free to overwrite, as vLLM counts its cached blocks)."""
+        job = self.running
+        if job is None or self.llm is None:
+            return 0.0
+        return min(1.0, job.held_positions / context_capacity(self.llm.parts.spec, self.llm.parts.engine))
 
     @property
     def alive(self) -> bool:
@@ -176,7 +186,9 @@ class EngineWorker:
             self._loaded.set()
         while (job := self._jobs.get()) is not None:
             if not job.cancelled.is_set():
+                self.running = job
                 self._run(job)
+                self.running = None
 
     def _run(self, job: Job) -> None:
         """One job; its metrics are recorded before its last event, so a client that has its
@@ -219,6 +231,7 @@ def generate(llm: LLM, job: Job) -> Finished:
     constraint = llm.output_constraint(job.opts, eos_ids, job.prompt_ids)
     spec = SpecStats()
     echo = job.returns.echo
+    job.held_positions = len(job.prompt_ids)
     tokens = iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, scores=pending.scores,
                          prompt_scores=prompt_scores, constraint=constraint, spec_stats=spec)
     for last_token in tokens:
@@ -227,6 +240,7 @@ def generate(llm: LLM, job: Job) -> Finished:
             if echo is not None:
                 job.emit(TextPiece(echo, scored_prompt(llm, job, prompt_scores)))
         count += 1
+        job.held_positions += 1
         pending.ids.append(last_token)
         if text := out.push(last_token):
             job.emit(pending.piece(text))
