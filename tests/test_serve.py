@@ -1504,12 +1504,17 @@ def cli_server(*args: str) -> Iterator[tuple[int, list[str]]]:
 
 
 def test_cli_serves_and_stops() -> None:
-    with cli_server() as (port, _):
-        client = openai.OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
+    """Behind a proxy that strips --root-path (uvicorn puts it back before each path), the routes,
+    the key's open paths and the Anthropic error shape read the path without it."""
+    with cli_server("--root-path", "/proxy/", "--api-key", "k") as (port, _):
+        client = openai.OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key="k", timeout=TIMEOUT_S, max_retries=0)
         answer = client.chat.completions.create(
             model=DEMO_NAME, messages=[{"role": "user", "content": "Flat"}], max_tokens=6, temperature=0
         )
         assert answer.choices[0].message.content
+        assert get_json(port, "/health")["status"] == "ok"  # open without the key
+        status, refused = post(port, "/v1/messages", "{}")
+        assert status == 401 and refused["type"] == "error", refused  # Anthropic's shape on its route
 
 
 def test_a_vllm_command_line_serves(rng: np.random.Generator) -> None:
@@ -1630,6 +1635,8 @@ def listening_port(lines: queue.Queue[str], seen: list[str]) -> int:
     (["--reasoning-parser", "deepthink"], "--reasoning-parser"),
     (["--api-key", " "], "--api-key"),
     (["--prompt-cache", "65"], "--prompt-cache"),
+    (["--root-path", "atlas"], "--root-path"),
+    (["--root-path", "/a?b"], "--root-path"),
 ])
 def test_cli_bad_input_is_one_line(args: list[str], needle: str) -> None:
     done = subprocess.run(serve_command(*args), capture_output=True, text=True, env=cli_env(), timeout=TIMEOUT_S)

@@ -63,6 +63,7 @@ class ServeArgs:
     seed: int | None  # requests without a seed draw theirs from a stream seeded by it (vLLM's --seed)
     disable_uvicorn_access_log: bool  # no log line per request (vLLM's flag)
     enable_request_id_headers: bool  # every response carries X-Request-Id (vLLM's flag)
+    root_path: str  # the prefix a path-routing proxy serves the app under and strips (vLLM's --root-path)
     engine: EngineFlags
 
 
@@ -120,6 +121,7 @@ def serve(args: ServeArgs) -> None:
         raise AtlasError(f"--api-key (or {' / '.join(API_KEY_ENV)}) is empty; give a key or leave it out")
     if any(not name.strip() for name in args.served_model_name):
         raise AtlasError("--served-model-name is empty; give a name or leave the flag out")
+    check_root_path(args.root_path)
     args.tls.check()
     generation = GenerationDefaults(args.generation_config, args.override_generation_config)
     generation.check()
@@ -146,7 +148,8 @@ def serve(args: ServeArgs) -> None:
                                      cors=args.cors, seeds=seed_stream(args.seed),
                                      request_id_headers=args.enable_request_id_headers, aliases=tuple(aliases)))
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                access_log=not args.disable_uvicorn_access_log, **args.tls.uvicorn_options())
+                                access_log=not args.disable_uvicorn_access_log, root_path=args.root_path.rstrip("/"),
+                                **args.tls.uvicorn_options())
         host, port = sock.getsockname()[:2]
         scheme = "https" if args.tls.enabled else "http"
         click.echo(f"atlas.serve: listening on {scheme}://{host}:{port}/v1", err=True)
@@ -154,6 +157,11 @@ def serve(args: ServeArgs) -> None:
     finally:
         worker.stop()
         sock.close()
+
+
+def check_root_path(root_path: str) -> None:
+    if root_path and (not root_path.startswith("/") or any(c in root_path for c in "?# \t\r\n")):
+        raise AtlasError(f"--root-path {root_path[:80]!r} is not a URL path; give one such as /atlas (or leave it out)")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -225,6 +233,8 @@ def serve(args: ServeArgs) -> None:
               help="Requests that give no seed sample with seeds drawn from a stream seeded by this, so the same "
               "requests in the same order get the same answers (vLLM's flag; default: fresh entropy).")
 @click.option("--disable-uvicorn-access-log", is_flag=True, help="No log line per request (vLLM's flag).")
+@click.option("--root-path", default="",
+              help="The path prefix a proxy serves the server under and strips from requests, e.g. /atlas (vLLM's flag).")
 @click.option("--enable-request-id-headers", is_flag=True,
               help="Every response carries X-Request-Id: the client's, else a new one that also names the answer "
               "(vLLM's flag).")

@@ -27,6 +27,7 @@ from .cors import CorsPolicy
 from .request_ids import RequestIdHeaders
 from .choices import ChoiceRun, collect_choices, stream_choices
 from .errors import RequestError, error_body, request_error_body
+from .paths import route_path
 from .protocol import GenerationBody, Prompt, TokenizeBody, parse_body, parse_detokenize, parse_json_body, parse_tokenize
 from .reasoning import END as REASONING_END
 from .reasoning import START as REASONING_START
@@ -610,7 +611,7 @@ async def on_request_error(request: Request, err: Exception) -> Response:
 
 def shaped_error(request: Request, message: str, status: int) -> dict[str, Any]:
     """OpenAI's error body, or Anthropic's under /v1/messages (its clients read that shape)."""
-    if messages_api.is_messages_path(request.url.path):
+    if messages_api.is_messages_path(route_path(request.scope)):
         return messages_api.error_body(message, status)
     return error_body(message, "invalid_request_error" if status < 500 else "server_error")
 

@@ -9,6 +9,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import messages_api
 from .errors import error_body
+from .paths import route_path
 
 OPEN_PATHS = {"/health", "/ping", "/metrics", "/version"}  # for load balancers and scrapers; every other route needs the key
 
@@ -22,9 +23,9 @@ class ApiKeyGate:
         self.key = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self.authorized(scope):
+        if scope["type"] == "http" and route_path(scope) not in OPEN_PATHS and not self.authorized(scope):
             message = "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
-            anthropic = messages_api.is_messages_path(scope["path"])
+            anthropic = messages_api.is_messages_path(route_path(scope))
             body = messages_api.error_body(message, 401) if anthropic else \
                 error_body(message, "invalid_request_error", code="invalid_api_key")
             await JSONResponse(body, status_code=401)(scope, receive, send)
