@@ -507,17 +507,19 @@ def test_top_ids_match_reference(env: Env, rng: np.random.Generator, k: int) -> 
             assert np.all(got == -1) or np.array_equal(got, want), got[:8]
 
 
-@pytest.mark.parametrize("top, temperature", [(0, 1.0), (5, 1.0), (20, 1.0), (256, 0.6)])
+@pytest.mark.parametrize("top, temperature", [(0, 1.0), (5, 1.0), (20, 1.0), (256, 0.6), (20, 1e300)])
 def test_logprob_rows_match_reference(env: Env, rng: np.random.Generator, top: int, temperature: float) -> None:
     """Per row: the log-sum-exp of logits / T (double, as hi + lo) within 1e-12 of the numpy op's,
     the token's logit and rank and the top ids and logits exactly, into poisoned outputs; a row with
-    NaN and +-inf logits (its token a NaN: ranked as -inf) and an all -inf row too, a row scoring
-    its most likely token. T 0.6 with 256 ids: structured output's summary."""
+    NaN and +-inf logits (its token a NaN: ranked as -inf), an all -inf row and one with a few -inf
+    too, a row scoring its most likely token. T 0.6 with 256 ids: structured output's summary; T
+    1e300 rounds to inf in float32."""
     v, rows = env.d("vocab_size"), 5
     logits = normal(rng, rows, v, scale=4)  # [R, V]
     odd = rng.choice(v, 6, replace=False)
     logits[1, odd] = [np.nan, np.nan, -np.inf, -np.inf, np.inf, logits[1].max()]
     logits[2] = -np.inf
+    logits[4, rng.choice(v, 3, replace=False)] = -np.inf  # a masked row's: weight 0 at any T, never NaN
     tokens = rng.integers(0, v, rows).astype(np.int32)
     tokens[1], tokens[3] = odd[0], np.argmax(logits[3])
     env.gpu.rt.reset_step()
@@ -561,12 +563,13 @@ def test_sample_extremes_match_reference(env: Env, rng: np.random.Generator) -> 
         (SamplingParams(1e-30, 0, 1.0), "large"), (SamplingParams(1e-45, 5, 1.0), "plain"),
         (SamplingParams(1e-60, 0, 0.9), "plain"), (SamplingParams(1.0, 0, 1e-50), "plain"),
         (SamplingParams(0.9, 20, 0.95), "nan"), (SamplingParams(1.0, 0, 1.0), "inf"),
+        (SamplingParams(1e300, 0, 1.0), "masked"),  # T rounds to inf in float32: masked stay 0, not NaN
     ]
     for params, kind in cases:
         for _ in range(3):
             logits = normal(rng, 1, v, scale=4)
             if kind == "large":
                 logits *= 1e10
-            elif kind in ("nan", "inf"):
-                logits[0, rng.choice(v, size=7, replace=False)] = np.nan if kind == "nan" else np.inf
+            elif kind in ("nan", "inf", "masked"):
+                logits[0, rng.choice(v, size=7, replace=False)] = {"nan": np.nan, "inf": np.inf}.get(kind, -np.inf)
             check_sample(env, logits, params, draw_uniform(rng), kind)

@@ -286,6 +286,16 @@ def test_greedy_json_on_the_demo(demo: LLM, rng: np.random.Generator) -> None:
         assert_greedy_allowed(demo, prompt, result.token_ids, OutputConstraint(tokenizer.token_bytes, eos))
 
 
+def test_json_at_a_temperature_past_float32(demo: LLM, rng: np.random.Generator) -> None:
+    """T = 1e308 rounds to inf in the sampler's float32: the masked tokens' weights must stay 0
+    (-inf / inf had made them NaN, and a token the format does not allow was drawn)."""
+    for _ in range(3):
+        prompt = rng.integers(3, 512, int(rng.integers(2, 20))).tolist()
+        result = demo.generate(prompt, max_tokens=12, json_object=True, temperature=1e308,
+                               presence_penalty=2.0, seed=int(rng.integers(1 << 31)))
+        check_json_text(result, demo.eos_ids())
+
+
 def test_greedy_json_reads_back_ids_not_rows(demo: LLM, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     """A greedy structured pick asks the backend for its 64 most likely ids and reads a row only
     when none of them is allowed: over a generation, fewer rows than tokens are read (inside a

@@ -336,6 +336,12 @@ def test_sample_extreme_top_p_and_temperature(rng: np.random.Generator) -> None:
         assert be.sample(logits, SamplingParams(1.0, 0, 1e-50), float(uniform))[0] == np.argmax(logits[0])
     draws = {int(be.sample(logits, SamplingParams(1e300, 0, 1.0), float(u))[0]) for u in rng.uniform(0, 1, 400)}
     assert len(draws) > 40
+    masked = rng.choice(50, size=10, replace=False)  # structured output's and min_tokens' -inf logits
+    logits[0, masked] = -np.inf
+    draws = {int(be.sample(logits, SamplingParams(1e300, 0, 1.0), float(u))[0]) for u in rng.uniform(0, 1, 400)}
+    assert not draws & set(masked.tolist()) and len(draws) > 30
+    lse = be.logprob_rows(logits, np.zeros(1, np.int32), 5, 1e300).lse  # structured output's summary at T
+    assert np.all(np.isfinite(lse[:, 0])), lse
 
 
 def test_ops_leave_their_inputs_unchanged(rng: np.random.Generator) -> None:

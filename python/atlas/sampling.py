@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .backends.base import Backend, PenaltyOperands, SamplingParams, Tensor
+from .backends.base import Backend, PenaltyOperands, SamplingParams, Tensor, kernel_temperature
 from .errors import AtlasError
 
 if TYPE_CHECKING:
@@ -206,12 +206,12 @@ def check_logprobs(logprobs: object) -> None:
 def softmax_probs(logits: np.ndarray, temperature: float) -> np.ndarray:
     """logits [V] -> softmax(logits / temperature) [V] float32, as (z - max z) / T so a tiny T
     cannot overflow: z is the logit with NaN read as -inf; the maximal logits (+inf included) get
-    exp(0) = 1, so the sum is >= 1 (an all -inf / NaN row is uniform). T below float32's smallest
-    normal (it would round to 0 or a denormal) is that smallest normal, as in sampling.cuh."""
+    exp(0) = 1, so the sum is >= 1 (an all -inf / NaN row is uniform). T is the kernels' float32
+    (kernel_temperature), as in sampling.cuh."""
     z = np.where(np.isnan(logits), -np.inf, logits).astype(np.float32)  # [V]
     top = z.max()
-    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf on the maxima (replaced by 0); T > float32 max
-        t = max(np.float32(temperature), np.finfo(np.float32).tiny)
+    t = np.float32(kernel_temperature(temperature))
+    with np.errstate(invalid="ignore"):  # inf - inf on the maxima (replaced by 0)
         scaled = np.where(z == top, np.float32(0), (z - top) / t)  # [V] <= 0
     exp = np.exp(scaled)  # [V]
     return exp / exp.sum()

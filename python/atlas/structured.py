@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .backends.base import SamplingParams
+from .backends.base import SamplingParams, kernel_temperature
 from .errors import AtlasError
 from .gbnf import compile_grammar_tokens
 from .sampling import choose_token
@@ -175,7 +175,7 @@ class TokenConstraint:
         likely allowed one. Weights are float64 exp((logit - max) / temperature): the allowed
         tokens may lie far below the most likely ones, where float32 probabilities underflow."""
         z = np.where(np.isnan(logits), -np.inf, logits).astype(np.float64)  # [V]
-        top, t = z.max(), max(temperature, float(np.finfo(np.float32).tiny))  # softmax_probs' guards
+        top, t = z.max(), kernel_temperature(temperature)  # the sampler's T
         with np.errstate(invalid="ignore", over="ignore"):
             probs = np.exp(np.where(z == top, 0.0, (z - top) / t))  # [V] unnormalised, the maxima 1
         allowed, _ = self.walk(descending(probs), top_k, min_p)
@@ -213,7 +213,7 @@ class TokenConstraint:
         ids = listed.ids[listed.ids >= 0]  # [N] descending
         if ids.size == 0 or not np.isfinite(listed.lse):
             return None
-        t = max(sampling.temperature, float(np.finfo(np.float32).tiny))
+        t = kernel_temperature(sampling.temperature)  # the T of listed.lse
         values = listed.values[: ids.size].astype(np.float64)  # [N] their logits, the first the peak
         weights = np.exp((values - values[0]) / t)  # [N] as mask()'s, the peak's 1
         total = float(np.exp(listed.lse - values[0] / t))  # the whole row's weight

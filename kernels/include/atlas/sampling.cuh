@@ -124,7 +124,8 @@ __device__ __forceinline__ double block_sum_f64(double value) {
 // probs[i] = exp((z[i] - max z) / T) / sum, sampling.py's float32 order of operations: subtracting
 // first keeps a tiny T from overflowing. z is the logit with NaN read as -inf; the maxima (+inf
 // included) get exp(0) = 1, so sum >= 1 (an all -inf row is uniform). T below FLT_MIN (a launch
-// parameter that rounded to 0 or a denormal) is FLT_MIN. Returns the largest p, 1 / sum, and in
+// parameter that rounded to 0 or a denormal) is FLT_MIN; T that rounded to inf is FLT_MAX (-inf /
+// inf would make a masked token's weight NaN). Returns the largest p, 1 / sum, and in
 // thread_max the largest p among the entries this thread normalised.
 __device__ __forceinline__ float sample_logit(const float* logits, int i) {
   const float v = logits[i];
@@ -134,7 +135,7 @@ __device__ __forceinline__ float sample_logit(const float* logits, int i) {
 __device__ float sample_softmax(const SampleParams& p, float* scratch, float& thread_max) {
   const float* logits = static_cast<const float*>(p.logits);
   float* probs = static_cast<float*>(p.probs);
-  const float temperature = p.temperature > FLT_MIN ? p.temperature : FLT_MIN;
+  const float temperature = fminf(fmaxf(p.temperature, FLT_MIN), FLT_MAX);
   float zmax = -INFINITY;
   for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) zmax = fmaxf(zmax, sample_logit(logits, i));
   zmax = block_max(zmax, scratch);
@@ -469,7 +470,7 @@ __device__ void logprob_rows(const LogprobParams& p) {
     if (!isnan(v)) mine = fmaxf(mine, v);
   }
   const float peak = block_max(mine, scratch);
-  const double temperature = p.temperature > FLT_MIN ? static_cast<double>(p.temperature) : static_cast<double>(FLT_MIN);
+  const double temperature = static_cast<double>(fminf(fmaxf(p.temperature, FLT_MIN), FLT_MAX));
   const float token_logit = logits[static_cast<const int32_t*>(p.tokens)[row]];
   const float picked = isnan(token_logit) ? -INFINITY : token_logit;
   double partial = 0.0;

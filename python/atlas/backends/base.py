@@ -25,6 +25,14 @@ Tensor = Any  # backend-native tensor: has .shape and .reshape(*shape) (a view, 
 StorageDType = Literal["f32", "bf16", "i32"]
 
 
+def kernel_temperature(temperature: float) -> float:
+    """The temperature the sampling kernels divide by: float32's, at least its smallest normal (a
+    tiny T would round to 0 or a denormal) and at most its largest (a huge T would round to inf,
+    and -inf / inf makes a masked token's weight NaN instead of 0), as sampling.cuh clamps it."""
+    f32 = np.finfo(np.float32)
+    return float(np.float32(min(max(temperature, float(f32.tiny)), float(f32.max))))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings; temperature 0 means greedy. Backends' `sample` takes temperature, top_k,

@@ -19,6 +19,7 @@ from .base import (
     StorageDType,
     Tensor,
     check_split_widths,
+    kernel_temperature,
     compose_gated_delta_net,
 )
 from .host_weights import HostMatrix, HostQuantized, compact, dense, expert_matrix, matmul_t, row_parts
@@ -329,7 +330,7 @@ class NumpyBackend:
         z = np.where(np.isnan(logits), -np.inf, logits).astype(np.float64)  # [R, V]
         peak = z.max(axis=-1)  # [R]
         finite = np.isfinite(peak)
-        t = max(float(np.float32(temperature)), float(np.finfo(np.float32).tiny))  # LogprobParams.temperature is f32
+        t = kernel_temperature(temperature)  # LogprobParams.temperature is f32
         with np.errstate(invalid="ignore", over="ignore"):  # rows whose peak is not finite: reported as it
             total = np.exp((z - peak[:, None]) / t).sum(-1)  # [R]
             lse = np.where(finite, peak / t + np.log(total), peak)  # [R]
