@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .llm import LLM
+    from .vllm_api import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,6 +20,10 @@ def __getattr__(name: str) -> Any:
         from .llm import LLM
 
         return LLM
+    if name in ("SamplingParams", "StructuredOutputsParams"):  # vLLM's offline API (atlas.vllm_api)
+        from . import vllm_api
+
+        return getattr(vllm_api, name)
     if name == "__version__":
         try:
             from ._version import version

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from os import PathLike, fspath
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL
@@ -21,7 +22,12 @@ if TYPE_CHECKING:
     from .kvcache.options import KVCacheOptions
     from .config import ModelSpec
     from .tokenizer import Tokenizer
+    from .vllm_api import RequestOutput
+    from .vllm_api import SamplingParams as VllmSamplingParams
 
+    SamplingParamsLike = VllmSamplingParams | Sequence[VllmSamplingParams]
+
+T = TypeVar("T")
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PROMPT_CACHE = 4  # prompt-cache checkpoints of LLM and atlas.serve (an Engine made directly has none)
 MAX_PROMPT_CACHE = 64
@@ -42,6 +48,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
     finish_reason: str = "length"  # "stop": an eos token or a stop string ended it
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None), when asked for
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids id that ended it (None: eos, length)
 
 
 @dataclass(frozen=True)
@@ -262,17 +269,22 @@ class LLM:
         return self.parts.model_dir
 
     @overload
-    def generate(self, prompt: str | list[int], *, on_text: Callable[[str], None] | None = None,
+    def generate(self, prompt: str | list[int], sampling_params: None = None, *,
+                 on_text: Callable[[str], None] | None = None, use_tqdm: bool = True,
                  **options: Any) -> GenerationResult: ...
 
     @overload
-    def generate(self, prompt: Sequence[str | list[int]], *, on_text: None = None,
-                 **options: Any) -> list[GenerationResult]: ...
+    def generate(self, prompt: Sequence[str | list[int]], sampling_params: None = None, *, on_text: None = None,
+                 use_tqdm: bool = True, **options: Any) -> list[GenerationResult]: ...
+
+    @overload
+    def generate(self, prompt: object, sampling_params: SamplingParamsLike, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]: ...
 
     def generate(
-        self, prompt: str | list[int] | Sequence[str | list[int]], *, on_text: Callable[[str], None] | None = None,
-        **options: Any,
-    ) -> GenerationResult | list[GenerationResult]:
+        self, prompt: object, sampling_params: SamplingParamsLike | None = None, *,
+        on_text: Callable[[str], None] | None = None, use_tqdm: bool = True, **options: Any,
+    ) -> GenerationResult | list[GenerationResult] | list[RequestOutput]:
         """Generate from a text prompt or prompt token ids; greedy when temperature is 0. A list of
         prompts (texts or token-id lists, as vLLM's LLM.generate takes) is a batch: every prompt
         is checked first, then each is generated in turn as if alone (the same seed for each),
@@ -280,7 +292,16 @@ class LLM:
         complete; `options`: generate_options()'s (max_tokens, temperature, top_k, top_p, seed,
         chat, logprobs, prompt_logprobs, min_p, presence_penalty, frequency_penalty,
         repetition_penalty, min_tokens, stop, logit_bias, json_object, json_schema, regex, choice,
-        grammar, output_after, thinking_token_budget)."""
+        grammar, output_after, thinking_token_budget). With `sampling_params` (an
+        atlas.SamplingParams, or one per prompt) instead of options: vLLM's LLM.generate, a list
+        of RequestOutput (atlas.vllm_api). use_tqdm: a progress bar over a batch of prompts."""
+        check_bools(use_tqdm=use_tqdm)
+        if sampling_params is not None:
+            if options or on_text is not None:
+                raise AtlasError("give sampling_params or keyword options (and on_text), not both")
+            from .vllm_api import generate_outputs
+
+            return generate_outputs(self, prompt, sampling_params, progress=use_tqdm)
         opts = options_from(options)
         if on_text is not None and not callable(on_text):
             raise AtlasError(f"on_text must be a function taking each text piece, got {on_text!r:.60}")
@@ -288,11 +309,8 @@ class LLM:
             return self.generate_with(self.prepare(prompt, opts), opts, on_text)  # type: ignore[arg-type]
         if on_text is not None:
             raise AtlasError("on_text streams one prompt's text; give one prompt, or leave on_text out for a batch")
-        prepared = [self.prepare(p, opts) for p in prompt]
-        from tqdm import tqdm
-
-        batch = tqdm(prepared, desc="prompts", unit="prompt", file=sys.stderr, leave=False, disable=len(prepared) < 2)
-        return [self.generate_with(ids, opts, None) for ids in batch]
+        prepared = [self.prepare(p, opts) for p in prompt]  # type: ignore[union-attr]
+        return [self.generate_with(ids, opts, None) for ids in progress_bar(prepared, use_tqdm)]
 
     def generate_with(
         self, prompt_ids: list[int], opts: GenerateOptions, on_text: Callable[[str], None] | None
@@ -327,6 +345,7 @@ class LLM:
             token_ids=token_ids,
             text="".join(pieces) if opts.stop else out.whole(token_ids),
             finish_reason="stop" if stopped else "length",
+            stop_reason=self.stop_reason(out, opts, token_ids),
             prompt_tokens=int(stats.prompt_tokens),
             prefill_tok_s=rate(int(stats.prompt_tokens) - int(stats.cached_tokens), stats.prefill_seconds),
             decode_tok_s=rate(max(len(token_ids) - 1, 0), stats.decode_seconds),
@@ -339,30 +358,38 @@ class LLM:
         )
 
     @overload
-    def chat(self, messages: list[dict[str, Any]], *, template_kwargs: dict[str, Any] | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-             **options: Any) -> GenerationResult: ...
+    def chat(self, messages: list[dict[str, Any]], sampling_params: None = None, *,
+             template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None, **options: Any) -> GenerationResult: ...
 
     @overload
-    def chat(self, messages: list[list[dict[str, Any]]], *, template_kwargs: dict[str, Any] | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-             **options: Any) -> list[GenerationResult]: ...
+    def chat(self, messages: list[list[dict[str, Any]]], sampling_params: None = None, *,
+             template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None, **options: Any) -> list[GenerationResult]: ...
+
+    @overload
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], sampling_params: SamplingParamsLike,
+             *, template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None, use_tqdm: bool = True) -> list[RequestOutput]: ...
 
     def chat(
-        self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], *,
+        self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParamsLike | None = None, *,
         template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
         continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None, **options: Any,
-    ) -> GenerationResult | list[GenerationResult]:
+    ) -> GenerationResult | list[GenerationResult] | list[RequestOutput]:
         """The assistant's next turn after `messages` ({"role", "content"} dicts, as vLLM's
         LLM.chat takes them; a list of such conversations is a batch, as generate()'s), rendered
         with the model's chat template (`template_kwargs`, or vLLM's name `chat_template_kwargs`:
         extra template variables, e.g. enable_thinking=False; `tools`: OpenAI function tools the
         template describes, as vLLM's, the answer's calls left in its text; add_generation_prompt
         and continue_final_message as vLLM's: with the second, and the first False, the model goes
-        on with the final message, e.g. an answer already started); `options` are generate()'s."""
+        on with the final message, e.g. an answer already started); `options` are generate()'s,
+        or `sampling_params` as there (vLLM's: a list of RequestOutput, one per conversation)."""
         template_kwargs = chat_variables(template_kwargs, chat_template_kwargs, tools)
         batch = isinstance(messages, list) and bool(messages) and all(isinstance(c, list) for c in messages)
         conversations = messages if batch else [messages]
@@ -372,6 +399,14 @@ class LLM:
         check_bools(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt, template_kwargs, continue_final_message)  # type: ignore[arg-type]
                    for c in conversations]
+        if sampling_params is not None:
+            from .vllm_api import generate_outputs
+
+            progress = options.pop("use_tqdm", True)
+            check_bools(use_tqdm=progress)
+            if options:
+                raise AtlasError("give sampling_params or keyword options, not both")
+            return generate_outputs(self, prompts, sampling_params, progress=progress, rendered=True)
         return self.generate(prompts, **options) if batch else self.generate(prompts[0], **options)
 
     def stream(self, prompt: str | list[int], **options: Any) -> Iterator[str]:
@@ -462,6 +497,19 @@ class LLM:
             last_turn.append(data)
         closing = tokenizer.encode(CLOSING, add_special_tokens=False)
         return ThinkingBudget(budget, lambda t: piece(t) or b"", closing, b"".join(reversed(last_turn)))
+
+    def next_request_id(self) -> str:
+        """vLLM's request ids: "0", "1", ... per LLM."""
+        return str(next(self.__dict__.setdefault("_request_ids", itertools.count())))
+
+    def stop_reason(self, out: OutputText, opts: GenerateOptions, token_ids: Sequence[int]) -> str | int | None:
+        """What ended a generation, as vLLM's stop_reason: the stop string, else the last token
+        when it is one of stop_token_ids and not an eos; None after an eos or at max_tokens."""
+        if out.stopped:
+            return out.matched
+        if token_ids and token_ids[-1] in set(opts.stop_token_ids) - self.ending_ids(opts):
+            return token_ids[-1]
+        return None
 
     def end_ids(self, opts: GenerateOptions) -> set[int]:
         """The ids that end a generation under opts: the eos ids (none under ignore_eos) and stop_token_ids."""
@@ -587,6 +635,13 @@ def truncate_prompt(prompt_ids: list[int], keep: int | None, capacity: int) -> l
         return prompt_ids
     keep = capacity if keep == -1 else keep
     return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
+
+
+def progress_bar(items: list[T], shown: bool) -> Iterable[T]:
+    """A progress bar over a batch's prompts on stderr (none for one prompt)."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc="prompts", unit="prompt", file=sys.stderr, leave=False, disable=not shown or len(items) < 2)
 
 
 def is_batch(prompt: object) -> bool:

@@ -257,10 +257,8 @@ def generate(llm: LLM, job: Job) -> Finished:
     spec_counts = SpecCounts(spec.rounds, spec.drafted, spec.accepted)
     top = job.returns.prompt_logprobs
     listed = None if top is None else prompt_logprobs(llm, prompt_scores, top)
-    stop_ids = set(job.opts.stop_token_ids) - llm.ending_ids(job.opts)
-    reason = out.matched if out.stopped else last_token if count and last_token in stop_ids else None
     return Finished("stop" if stopped else "length", len(job.prompt_ids), count, cached, spec_counts,
-                    stop_reason=reason, prompt_logprobs=listed)
+                    stop_reason=llm.stop_reason(out, job.opts, pending.ids), prompt_logprobs=listed)
 
 
 @dataclass
