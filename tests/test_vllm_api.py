@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,11 +20,16 @@ WORDS = ["Beautiful", "is", "better", "than", "ugly", "Flat", "dense.", "Sparse"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Random weights: sampled completions differ from one seed to the next."""
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"tiny checkpoint seed: {seed}")
-    return LLM(str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed)), device="cpu", max_seq_len=96)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir: Path) -> LLM:
+    return LLM(str(tiny_dir), device="cpu", max_seq_len=96)
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +152,35 @@ def test_vllms_import_paths() -> None:
     assert sampling_params.SamplingParams is SamplingParams
     assert sampling_params.StructuredOutputsParams is StructuredOutputsParams
     assert SamplingParams().max_tokens == 16 and SamplingParams().temperature == 1.0  # vLLM's defaults
+
+
+def test_vllms_engine_arguments(tiny_dir: Path, rng: np.random.Generator) -> None:
+    """LLM(max_model_len=, seed=, enable_prefix_caching=False, kv_cache_dtype="auto", and the ones
+    with nothing to do on one GPU): the context; calls without a seed draw theirs from the seed's
+    stream, so two LLMs given one seed sample alike (the keyword API too) and another seed differs."""
+    seed, length = int(rng.integers(1 << 30)), int(rng.integers(40, 90))
+    settings = {"max_model_len": length, "enable_prefix_caching": False, "kv_cache_dtype": "auto",
+                "gpu_memory_utilization": 0.9, "trust_remote_code": True, "tensor_parallel_size": 1, "dtype": "auto"}
+    runs = []
+    for s in (seed, seed, seed + 1):
+        llm = LLM(str(tiny_dir), device="cpu", seed=s, **settings)
+        assert context_capacity(llm.parts.spec, llm.parts.engine) == length and llm.parts.engine.prompt_cache.capacity == 0
+        vllm_style = llm.generate(["Flat is", "Sparse is"], SamplingParams(max_tokens=8, ignore_eos=True))
+        keyword = llm.generate("Flat is", temperature=1.0, max_tokens=8, ignore_eos=True)
+        runs.append(([o.outputs[0].token_ids for o in vllm_style], keyword.token_ids))
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+@pytest.mark.parametrize("args, needle", [
+    ({"tensor_parallel_size": 2}, "one GPU"),
+    ({"max_model_len": 64, "max_seq_len": 32}, "disagree"),
+    ({"max_modle_len": 64}, "did you mean 'max_model_len'"),
+    ({"dtype": "float16"}, "dtype='float16'"),
+    ({"seed": -1}, "seed"),
+    ({"speculative_config": {"method": "eagle"}}, "MTP head"),
+    ({"speculative_config": {"method": "mtp"}, "spec_k": 1}, "exclude each other"),
+])
+def test_bad_engine_arguments_are_one_line(tiny_dir: Path, args: dict[str, object], needle: str) -> None:
+    with pytest.raises(AtlasError) as err:
+        LLM(str(tiny_dir), device="cpu", **args)  # type: ignore[arg-type]
+    assert needle in str(err.value) and "\n" not in str(err.value), err.value

@@ -18,7 +18,7 @@ import click
 
 from .backends import DEVICES
 from .errors import AtlasError
-from .kvcache.names import DEFAULT_LEVEL, LEVEL_NAMES
+from .kvcache.names import DEFAULT_LEVEL, LEVEL_NAMES, VLLM_KV_NAMES
 from . import json_text
 from .tokenizer import SERVER_TEMPLATE_NAMES
 
@@ -157,7 +157,6 @@ class ContextLength(click.ParamType):
         return int(number)
 
 
-VLLM_KV_NAMES = {"auto": DEFAULT_LEVEL, "fp8_e4m3": "fp8"}  # vLLM's --kv-cache-dtype values, as atlas levels
 
 
 def kv_level_value(ctx: click.Context, param: click.Parameter, value: str) -> str:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import random
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from os import PathLike, fspath
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
@@ -202,7 +203,9 @@ class LLM:
     `enforce_eager`: decode without CUDA graphs on a GPU (vLLM's; ATLAS_CUDA_GRAPHS=0 for this LLM);
     `max_num_batched_tokens`: prompt tokens per forward pass (vLLM's; default and most: 4096);
     `revision`, `download_dir`: a repo id's snapshot (branch, tag or commit hash) and the Hugging
-    Face cache to find it in (vLLM's)."""
+    Face cache to find it in (vLLM's); `engine_args`: vLLM's LLM(...) arguments
+    (atlas.vllm_api.EngineArgs: max_model_len, seed, enable_prefix_caching, speculative_config, and
+    the ones with nothing to do on one GPU)."""
 
     def __init__(
         self,
@@ -220,12 +223,18 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         revision: str | None = None,
         download_dir: str | None = None,
+        **engine_args: Any,
     ) -> None:
+        from .kvcache.names import VLLM_KV_NAMES
         from .kvcache.options import KVCacheOptions
+        from .vllm_api import EngineArgs
 
         kv_high_precision_layers, spec_k, max_seq_len, prompt_cache = (
             python_scalar(v) for v in (kv_high_precision_layers, spec_k, max_seq_len, prompt_cache))
-        kv_cache = KVCacheOptions(kv_cache_dtype, kv_high_precision_layers)
+        vllm = EngineArgs.of({name: python_scalar(value) for name, value in engine_args.items()})
+        max_seq_len, spec_k, prompt_cache = vllm.max_seq_len(max_seq_len), vllm.spec_k(spec_k), vllm.prompt_cache(prompt_cache)
+        self.seeds = None if vllm.seed is None else random.Random(vllm.seed)
+        kv_cache = KVCacheOptions(VLLM_KV_NAMES.get(kv_cache_dtype, kv_cache_dtype), kv_high_precision_layers)
         self.parts = load_model(model, device, kv_cache, spec_k, max_seq_len, prompt_cache, hf_overrides=hf_overrides,
                                 check_weights=check_weights, enforce_eager=enforce_eager,
                                 max_num_batched_tokens=max_num_batched_tokens, revision=revision,
@@ -234,7 +243,7 @@ class LLM:
     @classmethod
     def from_loaded(cls, parts: LoadedModel) -> LLM:
         llm = cls.__new__(cls)
-        llm.parts = parts
+        llm.parts, llm.seeds = parts, None
         return llm
 
     def close(self) -> None:
@@ -302,7 +311,7 @@ class LLM:
             from .vllm_api import generate_outputs
 
             return generate_outputs(self, prompt, sampling_params, progress=use_tqdm)
-        opts = options_from(options)
+        opts = self.seeded(options_from(options))
         if on_text is not None and not callable(on_text):
             raise AtlasError(f"on_text must be a function taking each text piece, got {on_text!r:.60}")
         if not is_batch(prompt):
@@ -413,7 +422,7 @@ class LLM:
         """Yield text pieces as they are generated (options: generate()'s; logprobs are generate()'s
         alone); stop reading to stop generating. The engine runs one sequence: a stream read after
         a later generation started on this LLM fails with one line (atlas.turns)."""
-        opts = options_from(options)
+        opts = self.seeded(options_from(options))
         if opts.logprobs is not None or opts.prompt_logprobs is not None:
             raise AtlasError("stream() yields text only; ask generate() for logprobs")
         if is_batch(prompt):
@@ -497,6 +506,13 @@ class LLM:
             last_turn.append(data)
         closing = tokenizer.encode(CLOSING, add_special_tokens=False)
         return ThinkingBudget(budget, lambda t: piece(t) or b"", closing, b"".join(reversed(last_turn)))
+
+    def seeded(self, opts: GenerateOptions) -> GenerateOptions:
+        """opts with a seed drawn from LLM(seed=N)'s stream when they give none (vLLM's: the same
+        calls in the same order sample alike)."""
+        if opts.seed is not None or self.seeds is None:
+            return opts
+        return replace(opts, seed=self.seeds.randrange(1 << 31))
 
     def next_request_id(self) -> str:
         """vLLM's request ids: "0", "1", ... per LLM."""

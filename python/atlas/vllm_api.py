@@ -157,7 +157,7 @@ def prepare(llm: LLM, prompt: object, params: object, rendered: bool) -> Prepare
     if not isinstance(params.n, int) or isinstance(params.n, bool) or not 1 <= params.n <= MAX_N:
         raise AtlasError(f"SamplingParams.n must be an integer in 1..{MAX_N}, got {params.n!r}")
     text, given = prompt_parts(prompt)
-    opts = options_from({**params.options(), "max_tokens": 1 if params.max_tokens is None else params.max_tokens})
+    opts = llm.seeded(options_from({**params.options(), "max_tokens": 1 if params.max_tokens is None else params.max_tokens}))
     ids = llm.prepare(given, opts)
     if params.max_tokens is None:  # vLLM's: as many as the context holds after the prompt
         room = context_capacity(llm.parts.spec, llm.parts.engine) - len(ids) + 1
@@ -208,4 +208,67 @@ def logprob_entry(llm: LLM, score: TokenLogprob) -> dict[int, Logprob]:
     for rank, (token, logprob) in enumerate(score.top, start=1):
         entry.setdefault(token, Logprob(logprob, rank, text(token)))
     return entry
+
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """vLLM's LLM(...) engine arguments that atlas.LLM takes beside its own keywords."""
+
+    max_model_len: int | None = None  # atlas's max_seq_len
+    seed: int | None = None  # generations without a seed draw theirs from a stream seeded by it
+    enable_prefix_caching: bool | None = None  # False: prompt_cache 0
+    speculative_config: dict[str, Any] | None = None  # {"method": "mtp", "num_speculative_tokens": k}: spec_k
+    tensor_parallel_size: int = 1  # atlas runs a model on one GPU
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    dtype: str = "auto"  # the checkpoint's own
+    gpu_memory_utilization: float | None = None  # not used: the KV cache holds max_model_len positions
+    trust_remote_code: bool = False  # not used: atlas runs no checkpoint code
+    max_num_seqs: int | None = None  # not used: one sequence at a time
+
+    @classmethod
+    def of(cls, args: dict[str, Any]) -> EngineArgs:
+        """The arguments LLM's own keywords did not take; an unknown one is one line."""
+        import difflib
+        import inspect
+
+        from .llm import LLM
+
+        known = [f.name for f in fields(cls)]
+        own = [name for name in inspect.signature(LLM.__init__).parameters if name not in ("self", "engine_args")]
+        for name in args:
+            if name not in known:
+                near = difflib.get_close_matches(name, [*known, *own], n=1)
+                raise AtlasError(f"LLM() got an unknown argument {name!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
+        engine = cls(**args)
+        engine.check()
+        return engine
+
+    def check(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) != 1:
+                raise AtlasError(f"{name}={getattr(self, name)!r}: atlas runs a model on one GPU; leave it out or give 1")
+        if self.dtype not in ("auto", "bfloat16"):
+            raise AtlasError(f"dtype={self.dtype!r}: atlas runs the checkpoint's own (bf16 or its quantized format); "
+                             "give 'auto' or leave it out")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+            raise AtlasError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    def max_seq_len(self, max_seq_len: int | None) -> int | None:
+        if self.max_model_len is not None and max_seq_len is not None and self.max_model_len != max_seq_len:
+            raise AtlasError(f"max_seq_len={max_seq_len} and max_model_len={self.max_model_len} disagree; give one")
+        return max_seq_len if self.max_model_len is None else self.max_model_len
+
+    def spec_k(self, spec_k: int | None) -> int | None:
+        from .vllm_flags import spec_drafts
+
+        if self.speculative_config is None:
+            return spec_k
+        if spec_k is not None:
+            raise AtlasError("speculative_config and spec_k exclude each other; give one of them")
+        return spec_drafts(json.dumps(self.speculative_config))
+
+    def prompt_cache(self, checkpoints: int) -> int:
+        return 0 if self.enable_prefix_caching is False else checkpoints
 
