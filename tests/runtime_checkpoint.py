@@ -7,6 +7,7 @@ tokenizer is a byte-level BPE trained on the spot, so multi-byte characters spli
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from _checkpoints import randomise
@@ -91,3 +92,10 @@ def transformers_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: 
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
         )  # fmt: skip
     return out[0, len(prompt_ids) :].tolist()
+
+
+def fresh_tiny_checkpoint(parent: Path) -> Path:
+    """make_tiny_checkpoint under parent with a fresh seed, printed (shown when a test fails)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"tiny checkpoint seed: {seed}")
+    return make_tiny_checkpoint(parent, seed)

@@ -14,7 +14,7 @@ import pytest
 
 from atlas.run import main
 from _conditioning import draw_conditioned
-from runtime_checkpoint import make_tiny_checkpoint, train_tokenizer
+from runtime_checkpoint import fresh_tiny_checkpoint, train_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,9 +30,7 @@ def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"tiny checkpoint seed: {seed}")
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed)
+    return fresh_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.mark.oracle

@@ -18,16 +18,14 @@ from atlas.config import load_spec
 from atlas.errors import AtlasError
 from atlas.llm import GenerateOptions
 from _conditioning import draw_conditioned
-from runtime_checkpoint import make_tiny_checkpoint
+from runtime_checkpoint import fresh_tiny_checkpoint
 
 PROMPT_WORDS = ["Beautiful", "is", "better", "than", "ugly", "café", "你好", "🙂", "Flat", "dense."]
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"tiny checkpoint seed: {seed}")
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed)
+    return fresh_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

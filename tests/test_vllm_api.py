@@ -5,7 +5,6 @@ atlas's keyword API generates for the same settings, in vLLM's field names and s
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 from atlas import LLM, SamplingParams, StructuredOutputsParams
 from atlas.errors import AtlasError
 from atlas.llm import context_capacity
-from runtime_checkpoint import make_tiny_checkpoint
+from runtime_checkpoint import fresh_tiny_checkpoint
 
 WORDS = ["Beautiful", "is", "better", "than", "ugly", "Flat", "dense.", "Sparse", "nested"]
 
@@ -22,9 +21,7 @@ WORDS = ["Beautiful", "is", "better", "than", "ugly", "Flat", "dense.", "Sparse"
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Random weights: sampled completions differ from one seed to the next."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"tiny checkpoint seed: {seed}")
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed)
+    return fresh_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
