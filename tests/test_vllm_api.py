@@ -181,3 +181,15 @@ def test_bad_engine_arguments_are_one_line(tiny_dir: Path, args: dict[str, objec
     with pytest.raises(AtlasError) as err:
         LLM(str(tiny_dir), device="cpu", **args)  # type: ignore[arg-type]
     assert needle in str(err.value) and "\n" not in str(err.value), err.value
+
+
+def test_get_tokenizer_renders_a_chat_as_vllm_scripts_do(demo: LLM, rng: np.random.Generator) -> None:
+    """vLLM's llm.get_tokenizer().apply_chat_template(messages, tokenize=False / True) -> the text /
+    ids LLM.chat runs."""
+    messages = [{"role": "user", "content": text_prompt(rng)}]
+    tokenizer = demo.get_tokenizer()
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ids == tokenizer.encode_chat(messages) == tokenizer.encode(text, add_special_tokens=False)
+    (output,) = demo.generate(text, SamplingParams(temperature=0, max_tokens=6))
+    assert output.outputs[0].text == demo.chat(messages, max_tokens=6).text

@@ -269,6 +269,10 @@ class LLM:
     def speculation(self) -> str:
         return self.parts.speculation
 
+    def get_tokenizer(self) -> Tokenizer:
+        """vLLM's name for the tokenizer (encode, decode, apply_chat_template)."""
+        return self.parts.tokenizer
+
     @property
     def tokenizer(self) -> Tokenizer:
         return self.parts.tokenizer

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from .config import read_json_object
 from .errors import AtlasError
@@ -125,9 +125,22 @@ class Tokenizer:
         return StreamDecoder(self, skip_special_tokens)
 
     # --- chat ---------------------------------------------------------------------------------
+    @overload
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                            tokenize: Literal[False] = False, **extra: Any) -> str: ...
+
+    @overload
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                            tokenize: Literal[True], **extra: Any) -> list[int]: ...
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
-    ) -> str:
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *, tokenize: bool = False,
+        **extra: Any,
+    ) -> str | list[int]:
+        """The rendered conversation (extra: template variables, e.g. tools, enable_thinking);
+        tokenize=True: its token ids, as Hugging Face's tokenizers give them (whose default it is)."""
+        if tokenize:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_special_tokens=False)
         if self.chat_template is None:
             raise AtlasError(
                 f"{self.source} has no chat template (tokenizer_config.json 'chat_template' or "
