@@ -13,6 +13,7 @@ import pytest
 from atlas import LLM, SamplingParams, StructuredOutputsParams
 from atlas.errors import AtlasError
 from atlas.llm import context_capacity
+from atlas.sampling_params import GuidedDecodingParams
 from runtime_checkpoint import fresh_tiny_checkpoint
 
 WORDS = ["Beautiful", "is", "better", "than", "ugly", "Flat", "dense.", "Sparse", "nested"]
@@ -107,7 +108,7 @@ def test_max_tokens_none_fills_the_context(tiny: LLM, rng: np.random.Generator) 
 def test_per_prompt_params_and_structured_outputs(demo: LLM, rng: np.random.Generator) -> None:
     choices = [str(w) for w in rng.choice(WORDS, size=3, replace=False)]
     schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
-    params = [SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(choice=choices)),
+    params = [SamplingParams(temperature=0, guided_decoding=GuidedDecodingParams(choice=choices)),  # the earlier names
               SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))]
     picked, shaped = demo.generate([text_prompt(rng), text_prompt(rng)], params)
     assert picked.outputs[0].text in choices
@@ -135,6 +136,8 @@ def test_chat_answers_as_the_keyword_api(demo: LLM, rng: np.random.Generator) ->
     (lambda llm: llm.generate("Flat", SamplingParams(temperature=-1)), "temperature"),
     (lambda llm: llm.generate("Flat", SamplingParams(structured_outputs=StructuredOutputsParams(json="{"))), "not JSON"),
     (lambda llm: llm.generate("Flat", SamplingParams(), use_tqdm="no"), "use_tqdm"),
+    (lambda llm: llm.generate("Flat", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"),
+                                                     guided_decoding=StructuredOutputsParams(regex="b"))), "give one"),
     (lambda llm: llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(), max_tokens=2), "not both"),
 ])
 def test_bad_input_is_one_line(demo: LLM, call: object, needle: str) -> None:

@@ -67,6 +67,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's earlier name of structured_outputs
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -76,14 +77,19 @@ class SamplingParams:
         shared = {f.name: getattr(self, f.name) for f in fields(self)} | {
             "top_k": 0 if self.top_k == -1 else self.top_k,
             "stop_token_ids": self.stop_token_ids or (), "bad_words": self.bad_words or ()}
-        for name in ("n", "max_tokens", "structured_outputs"):
+        for name in ("n", "max_tokens", "structured_outputs", "guided_decoding"):
             del shared[name]
-        if self.structured_outputs is None:
+        if self.structured_outputs is not None and self.guided_decoding is not None:
+            raise AtlasError("structured_outputs and guided_decoding (its earlier name) are both given; give one")
+        shape = self.structured_outputs if self.guided_decoding is None else self.guided_decoding
+        if shape is None:
             return shared
-        if not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise AtlasError("structured_outputs must be a StructuredOutputsParams, "
-                             f"got {type(self.structured_outputs).__name__}")
-        return shared | self.structured_outputs.options()
+        if not isinstance(shape, StructuredOutputsParams):
+            raise AtlasError(f"structured_outputs must be a StructuredOutputsParams, got {type(shape).__name__}")
+        return shared | shape.options()
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's earlier name
 
 
 @dataclass
