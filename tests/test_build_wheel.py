@@ -84,6 +84,9 @@ def test_isolated_wheel_with_only_pip_cuda_installs_and_lists_its_tuple(tmp_path
     assert data["tuples"][0]["kernels"] and all(k.startswith("atlas_") for k in data["tuples"][0]["kernels"])
     assert "13.0" in data["nvcc"]
     text = subprocess.run([str(py), "-m", "atlas.info"], cwd=tmp_path, env=_base_env(), capture_output=True, text=True, check=True)
+    script = subprocess.run([str(tmp_path / "venv" / "bin" / "atlas"), "info", "--json"], cwd=tmp_path, env=_base_env(),
+                            capture_output=True, text=True, check=True)  # the console script the wheel declares
+    assert {k: json.loads(script.stdout)[k] for k in ("version", "tuples")} == {k: data[k] for k in ("version", "tuples")}
     assert "gb10/atlas-demo/bf16" in text.stdout and data["tuples"][0]["kernels"][0] in text.stdout
 
 
