@@ -177,6 +177,7 @@ def test_vllms_engine_arguments(tiny_dir: Path, rng: np.random.Generator) -> Non
     ({"max_modle_len": 64}, "did you mean 'max_model_len'"),
     ({"dtype": "float16"}, "dtype='float16'"),
     ({"seed": -1}, "seed"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
     ({"speculative_config": {"method": "eagle"}}, "MTP head"),
     ({"speculative_config": {"method": "mtp"}, "spec_k": 1}, "exclude each other"),
 ])

@@ -252,6 +252,11 @@ class EngineArgs:
         return engine
 
     def check(self) -> None:
+        from .llm import check_bools
+
+        check_bools(trust_remote_code=self.trust_remote_code)
+        if self.enable_prefix_caching is not None:
+            check_bools(enable_prefix_caching=self.enable_prefix_caching)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) != 1:
                 raise AtlasError(f"{name}={getattr(self, name)!r}: atlas runs a model on one GPU; leave it out or give 1")
