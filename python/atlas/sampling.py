@@ -211,7 +211,7 @@ def softmax_probs(logits: np.ndarray, temperature: float) -> np.ndarray:
     z = np.where(np.isnan(logits), -np.inf, logits).astype(np.float32)  # [V]
     top = z.max()
     t = np.float32(kernel_temperature(temperature))
-    with np.errstate(invalid="ignore"):  # inf - inf on the maxima (replaced by 0)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf on the maxima (replaced by 0); a tiny T: -inf
         scaled = np.where(z == top, np.float32(0), (z - top) / t)  # [V] <= 0
     exp = np.exp(scaled)  # [V]
     return exp / exp.sum()
