@@ -234,6 +234,7 @@ class LLM:
         vllm = EngineArgs.of({name: python_scalar(value) for name, value in engine_args.items()})
         max_seq_len, spec_k, prompt_cache = vllm.max_seq_len(max_seq_len), vllm.spec_k(spec_k), vllm.prompt_cache(prompt_cache)
         self.seeds = None if vllm.seed is None else random.Random(vllm.seed)
+        self.request_ids = itertools.count()  # vLLM's RequestOutput ids: "0", "1", ...
         kv_cache = KVCacheOptions(VLLM_KV_NAMES.get(kv_cache_dtype, kv_cache_dtype), kv_high_precision_layers)
         self.parts = load_model(model, device, kv_cache, spec_k, max_seq_len, prompt_cache, hf_overrides=hf_overrides,
                                 check_weights=check_weights, enforce_eager=enforce_eager,
@@ -243,7 +244,7 @@ class LLM:
     @classmethod
     def from_loaded(cls, parts: LoadedModel) -> LLM:
         llm = cls.__new__(cls)
-        llm.parts, llm.seeds = parts, None
+        llm.parts, llm.seeds, llm.request_ids = parts, None, itertools.count()
         return llm
 
     def close(self) -> None:
@@ -520,7 +521,7 @@ class LLM:
 
     def next_request_id(self) -> str:
         """vLLM's request ids: "0", "1", ... per LLM."""
-        return str(next(self.__dict__.setdefault("_request_ids", itertools.count())))
+        return str(next(self.request_ids))
 
     def stop_reason(self, out: OutputText, opts: GenerateOptions, token_ids: Sequence[int]) -> str | int | None:
         """What ended a generation, as vLLM's stop_reason: the stop string, else the last token

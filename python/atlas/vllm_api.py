@@ -242,9 +242,9 @@ class EngineArgs:
         from .llm import LLM
 
         known = [f.name for f in fields(cls)]
-        own = [name for name in inspect.signature(LLM.__init__).parameters if name not in ("self", "engine_args")]
         for name in args:
             if name not in known:
+                own = [n for n in inspect.signature(LLM.__init__).parameters if n not in ("self", "engine_args")]
                 near = difflib.get_close_matches(name, [*known, *own], n=1)
                 raise AtlasError(f"LLM() got an unknown argument {name!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
         engine = cls(**args)
