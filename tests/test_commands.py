@@ -33,6 +33,15 @@ def test_no_or_an_unknown_command_is_exit_2(capsys: pytest.CaptureFixture[str], 
     assert needle in err and ("serve" in err)
 
 
+@pytest.mark.parametrize("name", sorted(commands.COMMANDS))
+def test_a_commands_help_names_it_as_typed(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """`atlas serve --help` shows `atlas serve` as the way to run it, not `python -m atlas.serve`."""
+    capsys.readouterr()
+    assert commands.main([name, "--help"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.lower().startswith(f"usage: atlas {name} ["), first
+
+
 def test_a_command_runs_its_module(capsys: pytest.CaptureFixture[str], rng: np.random.Generator) -> None:
     """`atlas run ...` writes what `python -m atlas.run ...` writes; a bad flag is its one line."""
     from atlas import run

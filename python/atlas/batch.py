@@ -228,8 +228,8 @@ def command(**kwargs: Any) -> None:
     click.echo(f"atlas.batch: {ok} of {total} requests answered 200; results in {kwargs['output_file']}", err=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(command, argv, "atlas.batch")
+def main(argv: list[str] | None = None, usage: str | None = None) -> int:
+    return run_command(command, argv, "atlas.batch", usage=usage)
 
 
 if __name__ == "__main__":

@@ -203,8 +203,8 @@ def command(**kwargs: Any) -> None:
     bench(BenchArgs(n_prompt=prompts, n_gen=gens, engine=engine, **kwargs))
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(command, argv, "atlas.bench")
+def main(argv: list[str] | None = None, usage: str | None = None) -> int:
+    return run_command(command, argv, "atlas.bench", usage=usage)
 
 
 if __name__ == "__main__":

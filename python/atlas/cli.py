@@ -24,9 +24,9 @@ def one_line(text: str) -> str:
 
 def run_command(command: click.Command, argv: list[str] | None, prog: str, quiet_interrupt: bool = False,
                 usage: str | None = None) -> int:
-    """Runs a click command as `python -m <prog>` (or as `usage` says, e.g. `python bench/x.py`);
-    returns its exit code (the command's own int, else 0). quiet_interrupt: Ctrl-C is the normal
-    way to stop (a server), exit 0 silently."""
+    """Runs a click command as `python -m <prog>` (or as `usage` says, e.g. `python bench/x.py` or
+    `atlas run`: the name its --help shows); returns its exit code (the command's own int, else 0).
+    quiet_interrupt: Ctrl-C is the normal way to stop (a server), exit 0 silently."""
     try:
         check_arguments(sys.argv[1:] if argv is None else argv)
         code = command.main(args=argv, prog_name=usage or f"python -m {prog}", standalone_mode=False)

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"atlas: error: unknown command {name[:60]!r}; the commands are {', '.join(COMMANDS)} (see atlas --help)",
               file=sys.stderr)
         return USAGE_EXIT
-    return int(importlib.import_module(f"atlas.{name}").main(rest))
+    return int(importlib.import_module(f"atlas.{name}").main(rest, usage=f"atlas {name}"))
 
 
 if __name__ == "__main__":

@@ -272,9 +272,9 @@ def command(**kwargs: object) -> int:
     return compare(CompareArgs(**kwargs))  # type: ignore[arg-type]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, usage: str | None = None) -> int:
     """Entry point; returns the exit code."""
-    return run_command(command, argv, "atlas.compare")
+    return run_command(command, argv, "atlas.compare", usage=usage)
 
 
 if __name__ == "__main__":

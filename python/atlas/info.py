@@ -55,10 +55,13 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"atlas.info: error: {message} (see --help)\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m atlas.info", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, usage: str | None = None) -> int:
+    parser = OneLineParser(prog=usage or "python -m atlas.info", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the same as JSON")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, or a usage error already printed: the code, as the other tools return it
+        return int(done.code or 0)
     info = collect()
     try:
         print(json.dumps(info, indent=1) if args.json else render_text(info), flush=True)

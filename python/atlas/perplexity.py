@@ -305,8 +305,8 @@ def command(**kwargs: Any) -> None:
         write_json(Path(kwargs["json_out"]), report)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_command(command, argv, "atlas.perplexity")
+def main(argv: list[str] | None = None, usage: str | None = None) -> int:
+    return run_command(command, argv, "atlas.perplexity", usage=usage)
 
 
 if __name__ == "__main__":

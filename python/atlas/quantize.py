@@ -184,9 +184,9 @@ def command(model: str | None, method: str, out: str, shard_mb: int) -> None:
     click.echo(f"atlas.quantize: wrote {written}", err=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, usage: str | None = None) -> int:
     """Entry point; returns the exit code."""
-    return run_command(command, argv, "atlas.quantize")
+    return run_command(command, argv, "atlas.quantize", usage=usage)
 
 
 if __name__ == "__main__":

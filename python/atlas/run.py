@@ -282,9 +282,9 @@ def command(**kwargs: object) -> None:
     run(RunArgs(**kwargs, engine=engine, extras=extras))  # type: ignore[arg-type]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, usage: str | None = None) -> int:
     """Entry point; returns the exit code."""
-    return run_command(command, argv, "atlas.run")
+    return run_command(command, argv, "atlas.run", usage=usage)
 
 
 if __name__ == "__main__":

@@ -255,9 +255,10 @@ def command(**kwargs: Any) -> None:
     serve(ServeArgs(**kwargs, cors=cors, tls=tls, engine=engine))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, usage: str | None = None) -> int:
     """Entry point; returns the exit code."""
-    return run_command(command, spread_names(sys.argv[1:] if argv is None else argv), "atlas.serve", quiet_interrupt=True)
+    return run_command(command, spread_names(sys.argv[1:] if argv is None else argv), "atlas.serve", quiet_interrupt=True,
+                       usage=usage)
 
 
 def spread_names(argv: list[str]) -> list[str]:

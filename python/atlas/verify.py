@@ -169,9 +169,9 @@ def command(model: str | None, layers: int | None, seed: int | None, tolerance: 
     return verify(model, layers, seed, tolerance)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, usage: str | None = None) -> int:
     """Entry point; returns the exit code."""
-    return run_command(command, argv, "atlas.verify")
+    return run_command(command, argv, "atlas.verify", usage=usage)
 
 
 if __name__ == "__main__":
