@@ -59,6 +59,8 @@ def test_a_batch_answers_as_the_keyword_api(tiny: LLM, rng: np.random.Generator)
             assert completion.finish_reason == "length" and completion.stop_reason is None
             assert completion.logprobs is None and completion.cumulative_logprob is None
     assert len({tuple(c.token_ids) for c in outputs[0].outputs}) > 1 or params.max_tokens < 4  # seeds differ
+    by_keyword = tiny.generate(prompts=texts, sampling_params=params, use_tqdm=False)  # vLLM's argument names
+    assert [[c.token_ids for c in o.outputs] for o in by_keyword] == [[c.token_ids for c in o.outputs] for o in outputs[:2]]
 
 
 def test_logprobs_in_vllms_shape(tiny: LLM, rng: np.random.Generator) -> None:

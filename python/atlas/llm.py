@@ -283,24 +283,24 @@ class LLM:
         return self.parts.model_dir
 
     @overload
-    def generate(self, prompt: str | list[int], sampling_params: None = None, *,
+    def generate(self, prompts: str | list[int], sampling_params: None = None, *,
                  on_text: Callable[[str], None] | None = None, use_tqdm: bool = True,
                  **options: Any) -> GenerationResult: ...
 
     @overload
-    def generate(self, prompt: Sequence[str | list[int]], sampling_params: None = None, *, on_text: None = None,
+    def generate(self, prompts: Sequence[str | list[int]], sampling_params: None = None, *, on_text: None = None,
                  use_tqdm: bool = True, **options: Any) -> list[GenerationResult]: ...
 
     @overload
-    def generate(self, prompt: object, sampling_params: SamplingParamsLike, *,
+    def generate(self, prompts: object, sampling_params: SamplingParamsLike, *,
                  use_tqdm: bool = True) -> list[RequestOutput]: ...
 
     def generate(
-        self, prompt: object, sampling_params: SamplingParamsLike | None = None, *,
+        self, prompts: object, sampling_params: SamplingParamsLike | None = None, *,
         on_text: Callable[[str], None] | None = None, use_tqdm: bool = True, **options: Any,
     ) -> GenerationResult | list[GenerationResult] | list[RequestOutput]:
         """Generate from a text prompt or prompt token ids; greedy when temperature is 0. A list of
-        prompts (texts or token-id lists, as vLLM's LLM.generate takes) is a batch: every prompt
+        `prompts` (texts or token-id lists, as vLLM's LLM.generate takes) is a batch: every prompt
         is checked first, then each is generated in turn as if alone (the same seed for each),
         and the results come back in order. `on_text` receives one prompt's text pieces as they
         complete; `options`: generate_options()'s (max_tokens, temperature, top_k, top_p, seed,
@@ -315,15 +315,15 @@ class LLM:
                 raise AtlasError("give sampling_params or keyword options (and on_text), not both")
             from .vllm_api import generate_outputs
 
-            return generate_outputs(self, prompt, sampling_params, progress=use_tqdm)
+            return generate_outputs(self, prompts, sampling_params, progress=use_tqdm)
         opts = self.seeded(options_from(options))
         if on_text is not None and not callable(on_text):
             raise AtlasError(f"on_text must be a function taking each text piece, got {on_text!r:.60}")
-        if not is_batch(prompt):
-            return self.generate_with(self.prepare(prompt, opts), opts, on_text)  # type: ignore[arg-type]
+        if not is_batch(prompts):
+            return self.generate_with(self.prepare(prompts, opts), opts, on_text)  # type: ignore[arg-type]
         if on_text is not None:
             raise AtlasError("on_text streams one prompt's text; give one prompt, or leave on_text out for a batch")
-        prepared = [self.prepare(p, opts) for p in prompt]  # type: ignore[union-attr]
+        prepared = [self.prepare(p, opts) for p in prompts]  # type: ignore[union-attr]
         return [self.generate_with(ids, opts, None) for ids in progress_bar(prepared, use_tqdm)]
 
     def generate_with(
