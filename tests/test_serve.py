@@ -1175,6 +1175,8 @@ FUZZ_BASES = {
     "/v1/messages/count_tokens": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}]},
     "/tokenize": {"model": DEMO_NAME, "prompt": "Hi"},
     "/detokenize": {"model": DEMO_NAME, "tokens": [1, 2, 3]},
+    "/apply-template": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}]},
+    "/invocations": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
 }
 
 
@@ -1678,6 +1680,40 @@ def test_tokenize_and_detokenize(served: Served, rng: np.random.Generator) -> No
                              ("/detokenize", {"model": "gpt-4o", "tokens": [1]}, "model")):
         status, body = post(served.port, path, json.dumps(bad))
         assert status == (404 if param == "model" else 400) and body["error"]["param"] == param, body
+
+
+def test_apply_template_renders_what_tokenize_encodes(served: Served, rng: np.random.Generator) -> None:
+    """llama.cpp's /apply-template: the chat's prompt text, whose ids are /tokenize's for the messages."""
+    tokenizer = served.reference.tokenizer
+    messages = [{"role": "user", "content": random_prompt(rng)}, {"role": "assistant", "content": random_prompt(rng)}]
+    for extra in ({}, {"add_generation_prompt": False, "continue_final_message": True}):
+        status, body = post(served.port, "/apply-template", json.dumps({"messages": messages, **extra}))
+        assert status == 200, body
+        _, tokenized = post(served.port, "/tokenize", json.dumps({"messages": messages, **extra}))
+        assert tokenizer.encode(body["prompt"], add_special_tokens=False) == tokenized["tokens"]
+        assert body["prompt"].endswith(messages[-1]["content"]) == bool(extra)
+    for bad, param in (({"prompt": "Flat"}, "messages"), ({"messages": "Flat"}, "messages"), ({"model": "gpt-4o",
+                       "messages": messages}, "model")):
+        status, body = post(served.port, "/apply-template", json.dumps(bad))
+        assert status == (404 if param == "model" else 400) and body["error"]["param"] == param, body
+
+
+def test_invocations_answers_as_the_route_its_body_names(served: Served, rng: np.random.Generator) -> None:
+    """vLLM's /invocations (SageMaker): a body with messages is a chat completion, one with a
+    prompt a text completion, each the same answer as its own route's."""
+    prompt, max_tokens = random_prompt(rng), int(rng.integers(2, 9))
+    chat = {"model": DEMO_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+    text = {"model": DEMO_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    for body, route, kind in ((chat, "/v1/chat/completions", "chat.completion"), (text, "/v1/completions", "text_completion")):
+        status, answer = post(served.port, "/invocations", json.dumps(body))
+        assert status == 200 and answer["object"] == kind, answer
+        _, direct = post(served.port, route, json.dumps(body))
+        assert answer["choices"] == direct["choices"]
+        counts = ("prompt_tokens", "completion_tokens")  # the second run finds its prompt cached
+        assert [answer["usage"][k] for k in counts] == [direct["usage"][k] for k in counts]
+    for bad in ({"model": DEMO_NAME}, {**chat, "prompt": prompt}, [chat]):
+        status, answer = post(served.port, "/invocations", json.dumps(bad))
+        assert status == 400 and "'messages'" in answer["error"]["message"], answer
 
 
 @pytest.mark.parametrize(("argv", "spread"), [

@@ -154,22 +154,30 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None,
         continue_final: bool = False,
     ) -> list[int]:
-        """The rendered template already holds its special tokens, so none are added.
-        template_kwargs: extra template variables (e.g. Qwen's enable_thinking), over template_defaults.
-        continue_final (vLLM's continue_final_message): the text ends right after the final
-        message's content, left open for the model to go on with (e.g. a started assistant answer)."""
+        """render_chat()'s text as token ids: it already holds its special tokens, so none are added."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, template_kwargs, continue_final),
+                           add_special_tokens=False)
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None,
+        continue_final: bool = False,
+    ) -> str:
+        """The prompt text of a conversation. template_kwargs: extra template variables (e.g. Qwen's
+        enable_thinking), over template_defaults. continue_final (vLLM's continue_final_message):
+        the text ends right after the final message's content, left open for the model to go on
+        with (e.g. a started assistant answer)."""
         if continue_final and add_generation_prompt:
             raise AtlasError("continue_final_message and add_generation_prompt exclude each other: "
                              "set add_generation_prompt to false to continue the final message")
         check_template_kwargs(template_kwargs)
         variables = {**self.template_defaults, **(template_kwargs or {})}
         if not continue_final:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **variables), add_special_tokens=False)
+            return self.apply_chat_template(messages, add_generation_prompt, **variables)
         marked = self.apply_chat_template(marked_final_message(messages), False, **variables)
         if marked.count(FINAL_MARK) != 1:
             raise AtlasError("continue_final_message: the chat template does not write the final message's text, "
                              "so there is no place to continue it from")
-        return self.encode(marked[: marked.index(FINAL_MARK)], add_special_tokens=False)
+        return marked[: marked.index(FINAL_MARK)]
 
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "self"})  # arguments of their own

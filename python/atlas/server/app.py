@@ -227,6 +227,17 @@ async def tokenize(request: Request, state: ServerState) -> Response:
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": capacity})
 
 
+async def apply_template(request: Request, state: ServerState) -> Response:
+    """llama.cpp's /apply-template: a chat's prompt text through the model's chat template (what
+    /tokenize's messages encode), for a client that sends it on as a completions prompt."""
+    body = parse_tokenize(await read_json(request))
+    if body.messages is None:
+        raise RequestError("/apply-template renders 'messages'; a prompt is already text", "messages")
+    check_model(state, body.model)
+    text = await anyio.to_thread.run_sync(rendered_chat, state.llm, body)
+    return JSONResponse({"prompt": text})
+
+
 async def detokenize(request: Request, state: ServerState) -> Response:
     model_name, tokens = parse_detokenize(await read_json(request), state.llm.parts.spec.vocab_size)
     check_model(state, model_name)
@@ -254,8 +265,20 @@ def model_card(state: ServerState, name: str) -> dict[str, object]:
             "type": "model", "display_name": name, "created_at": "1970-01-01T00:00:00Z", "max_input_tokens": capacity}
 
 
-async def generation(request: Request, state: ServerState, chat: bool) -> Response:
-    body = await parsed_body(await read_json(request), chat, state)
+async def invocations(request: Request, state: ServerState) -> Response:
+    """vLLM's /invocations (SageMaker's one route): a chat completions body (it has 'messages') or a
+    completions body ('prompt'), answered as its own route answers it."""
+    raw = await read_json(request)
+    kind = [key for key in ("messages", "prompt") if isinstance(raw, dict) and key in raw]
+    if len(kind) != 1:
+        raise RequestError("/invocations takes a chat completions request (with 'messages') or a completions request "
+                           "(with 'prompt'): give exactly one of the two")
+    return await generation(request, state, chat=kind[0] == "messages", raw=raw)
+
+
+async def generation(request: Request, state: ServerState, chat: bool, raw: object = None) -> Response:
+    """raw: the body already read (else it is read here)."""
+    body = await parsed_body(await read_json(request) if raw is None else raw, chat, state)
     runs = await checked_runs(state, body)
     named = request.headers.get("x-request-id") or body.request_id  # vLLM's: the header wins
     reply = Reply(chat=chat, model=state.model_name, logprobs=body.logprobs is not None,
@@ -452,15 +475,23 @@ def template_extras(body: TokenizeBody | GenerationBody) -> dict[str, object]:
     return {**(body.template_kwargs or {}), **({"tools": body.tools} if body.tools else {})}
 
 
-def tokenize_body(llm: LLM, body: TokenizeBody) -> list[int]:
+def rendered_chat(llm: LLM, body: TokenizeBody) -> str:
+    assert body.messages is not None
     try:
-        if body.messages is not None:
-            return llm.tokenizer.encode_chat(body.messages, body.add_generation_prompt, template_extras(body),
-                                             body.continue_final_message)
-        assert body.prompt is not None
+        return llm.tokenizer.render_chat(body.messages, body.add_generation_prompt, template_extras(body),
+                                         body.continue_final_message)
+    except AtlasError as err:
+        raise RequestError(str(err), "messages") from None
+
+
+def tokenize_body(llm: LLM, body: TokenizeBody) -> list[int]:
+    if body.messages is not None:  # the rendered chat holds its special tokens
+        return llm.tokenizer.encode(rendered_chat(llm, body), add_special_tokens=False)
+    assert body.prompt is not None
+    try:
         return llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     except AtlasError as err:
-        raise RequestError(str(err), "messages" if body.messages is not None else "prompt") from None
+        raise RequestError(str(err), "prompt") from None
 
 
 def check_stop_ids(state: ServerState, body: GenerationBody) -> None:
@@ -632,6 +663,8 @@ ROUTES: tuple[tuple[str, Handler, tuple[str, ...]], ...] = (
     ("/ping", health, ("GET", "POST")),  # vLLM's (SageMaker's probe): /health's answer
     ("/tokenize", tokenize, ("POST",)),
     ("/detokenize", detokenize, ("POST",)),
+    ("/apply-template", apply_template, ("POST",)),  # llama.cpp's
+    ("/invocations", invocations, ("POST",)),  # vLLM's (SageMaker's): by the body, chat or text completions
     ("/metrics", metrics, ("GET",)),
     ("/version", version, ("GET",)),
     ("/v1/models", models, ("GET",)),
