@@ -25,6 +25,7 @@ def test_api_key_gates_the_v1_routes() -> None:
     assert http.get("/v1/models").status_code == 401
     assert http.post("/tokenize", json={"model": DEMO_NAME, "prompt": "Flat"}).status_code == 401
     assert http.post("/invocations", json=body).status_code == 401  # it generates, as /v1/completions
+    assert http.post("/completion", json={"prompt": "Flat"}).status_code == 401 and http.get("/props").status_code == 401
     assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
     assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200  # vLLM's probe, open too
     import atlas

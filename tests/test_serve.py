@@ -1166,7 +1166,8 @@ FUZZ_FIELDS = ("model", "prompt", "messages", "input", "text", "metadata", "inst
                "response_format", "tools", "tool_choice", "guided_regex", "guided_choice", "structured_outputs",
                "min_tokens", "stop_token_ids", "chat_template_kwargs", "prompt_logprobs", "tokens", "add_special_tokens",
                "system", "stop_sequences", "thinking", "output_config", "return_token_ids", "background", "store",
-               "thinking_token_budget")
+               "thinking_token_budget", "n_predict", "n_probs", "repeat_penalty", "repeat_last_n", "mirostat",
+               "return_tokens")
 FUZZ_BASES = {
     "/v1/completions": {"model": DEMO_NAME, "prompt": "Beautiful is", "max_tokens": 3},
     "/v1/chat/completions": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
@@ -1177,6 +1178,7 @@ FUZZ_BASES = {
     "/detokenize": {"model": DEMO_NAME, "tokens": [1, 2, 3]},
     "/apply-template": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}]},
     "/invocations": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+    "/completion": {"prompt": "Beautiful is", "n_predict": 3, "n_probs": 2},  # llama.cpp's
 }
 
 
@@ -1209,9 +1211,11 @@ def fuzzed_body(rng: np.random.Generator) -> tuple[str, str]:
     body = dict(FUZZ_BASES[path])
     for _ in range(int(rng.integers(1, 4))):
         body[str(rng.choice(FUZZ_FIELDS))] = FUZZ_VALUES[int(rng.integers(len(FUZZ_VALUES)))]
-    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):  # keep each answer short
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "n_predict"):  # keep each answer short
         if is_int(body.get(name)) and 8 < body[name] < 10**6:
             body[name] = 3
+    if path == "/completion" and body.get("n_predict") == -1:  # llama.cpp's: until the context is full
+        body["n_predict"] = 3
     if "ignore_eos" in body or "min_tokens" in body:  # with no length, a chat may fill the context without an eos
         body.update({name: 3 for name, value in body.items() if value is None and name.startswith("max_")})
     raw = json.dumps(body)

@@ -33,7 +33,7 @@ from .reasoning import END as REASONING_END
 from .reasoning import START as REASONING_START
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
-from . import messages_api
+from . import llama_api, messages_api
 from .background import BackgroundRuns, resume_after
 from .response_store import ResponseStore, StoredResponse, item_page, not_found
 from .responses_api import (ResponseMeta, ResponseStream, chat_request, input_items, renamed, replayed, stream_response,
@@ -206,6 +206,20 @@ async def health(request: Request, state: ServerState) -> Response:
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
+async def props(request: Request, state: ServerState) -> Response:
+    """llama.cpp's GET /props: the context, the sampling a /completion request that sets none gets
+    (the model's generation_config over the server's defaults, under llama.cpp's names), one slot,
+    the chat template."""
+    from .. import __version__
+
+    capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
+    params = llama_api.default_params(parse_body({"prompt": "x"}, False, state.sampling_defaults).sampling)
+    return JSONResponse({"default_generation_settings": {"n_ctx": capacity, "params": params}, "total_slots": 1,
+                         "model_alias": state.model_name, "model_path": str(state.llm.model_dir),
+                         "chat_template": state.llm.tokenizer.chat_template or "",
+                         "modalities": {"vision": False, "audio": False}, "build_info": f"atlas {__version__}"})
+
+
 async def version(request: Request, state: ServerState) -> Response:
     """vLLM's GET /version: the server's own."""
     from .. import __version__
@@ -324,6 +338,19 @@ async def responses_generation(request: Request, state: ServerState) -> Response
     if body.stream:
         return EventStreamResponse(stream_response(ResponseStream(meta, run.shaper), run.events))
     answer = await unless_disconnected(request, whole_response(meta, run.events, run.shaper))
+    return JSONResponse(answer) if answer is not None else Response(status_code=499)
+
+
+async def llama_completion(request: Request, state: ServerState) -> Response:
+    """llama.cpp's /completion: the request as a completions request, its one answer in llama-server's shape."""
+    ask = llama_api.completion_request(await read_json(request))
+    body = replace(await parsed_body(ask.body, False, state), until_context=ask.until_context)
+    run = (await checked_runs(state, body))[0]
+    prompt = state.llm.tokenizer.decode(list(run.prompt_ids), skip_special_tokens=False)
+    meta = llama_api.CompletionMeta(state.model_name, prompt, len(run.prompt_ids), ask)
+    if body.stream:
+        return EventStreamResponse(llama_api.stream_completion(meta, run.events))
+    answer = await unless_disconnected(request, llama_api.whole_completion(meta, run.events))
     return JSONResponse(answer) if answer is not None else Response(status_code=499)
 
 
@@ -591,7 +618,7 @@ def generate_options(state: ServerState, body: GenerationBody, prompt_tokens: in
         )
     # no max_tokens: as vLLM, the rest of the context for a chat (a thinking model's answer is not
     # cut at an arbitrary length), OpenAI's 16 for a completion; more where min_tokens asks for it
-    default = room if body.messages is not None else COMPLETION_MAX_TOKENS
+    default = room if body.messages is not None or body.until_context else COMPLETION_MAX_TOKENS
     max_tokens = wanted if wanted is not None else min(max(default, s.extras.min_tokens), room)
     scored = [body.prompt_logprobs, echo_scores(body, max_tokens)]
     prompt_logprobs = max((top for top in scored if top is not None), default=None)
@@ -665,6 +692,9 @@ ROUTES: tuple[tuple[str, Handler, tuple[str, ...]], ...] = (
     ("/detokenize", detokenize, ("POST",)),
     ("/apply-template", apply_template, ("POST",)),  # llama.cpp's
     ("/invocations", invocations, ("POST",)),  # vLLM's (SageMaker's): by the body, chat or text completions
+    ("/completion", llama_completion, ("POST",)),  # llama.cpp's own API, and its alias
+    ("/completions", llama_completion, ("POST",)),
+    ("/props", props, ("GET",)),  # llama.cpp's
     ("/metrics", metrics, ("GET",)),
     ("/version", version, ("GET",)),
     ("/v1/models", models, ("GET",)),

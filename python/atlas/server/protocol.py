@@ -125,6 +125,7 @@ class GenerationBody:
     output: OutputFormat | None = None  # response_format, vLLM's structured outputs, a forced call (formats.py)
     text: TextOptions = TextOptions()
     request_id: str | None = None  # vLLM's: names the answer (an X-Request-Id header wins)
+    until_context: bool = False  # completions without max_tokens: the rest of the context (llama.cpp's n_predict -1)
 
 
 def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = None) -> GenerationBody:

@@ -73,6 +73,8 @@ class Finished:
     spec: SpecCounts = SpecCounts()  # MTP speculation, when it ran
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids id that ended it
     prompt_logprobs: tuple[PromptLogprobs | None, ...] | None = None  # vLLM's, when asked for (the first token: None)
+    prompt_seconds: float = 0.0  # from the engine taking the job to its first new token (llama.cpp's timings)
+    generation_seconds: float = 0.0  # from the first new token to the last
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,7 @@ class EngineWorker:
 
 def generate(llm: LLM, job: Job) -> Finished:
     """Run one job on the calling (engine) thread, emitting text as it completes."""
+    taken = time.perf_counter()
     out = OutputText(llm.tokenizer, job.opts, llm.ending_ids(job.opts))
     eos_ids = llm.end_ids(job.opts)
     pending = Pending(llm, job.returns.token_ids)
@@ -257,8 +260,10 @@ def generate(llm: LLM, job: Job) -> Finished:
     spec_counts = SpecCounts(spec.rounds, spec.drafted, spec.accepted)
     top = job.returns.prompt_logprobs
     listed = None if top is None else prompt_logprobs(llm, prompt_scores, top)
+    first = job.first_token_at or time.perf_counter()
     return Finished("stop" if stopped else "length", len(job.prompt_ids), count, cached, spec_counts,
-                    stop_reason=llm.stop_reason(out, job.opts, pending.ids), prompt_logprobs=listed)
+                    stop_reason=llm.stop_reason(out, job.opts, pending.ids), prompt_logprobs=listed,
+                    prompt_seconds=first - taken, generation_seconds=time.perf_counter() - first)
 
 
 @dataclass

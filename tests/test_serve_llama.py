@@ -1,0 +1,137 @@
+"""llama.cpp's own API (/completion, /props): llama-server's request fields answered with what
+atlas's in-process model generates for the same settings, in llama-server's shape."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atlas import LLM
+from atlas.demo import DEMO_NAME
+from atlas.server.app import ServerState, create_app
+from atlas.server.worker import EngineWorker
+from test_serve import HOST, TIMEOUT_S, Served, get_json, post, random_prompt
+from test_serve import served as served  # noqa: F401  (the module-scoped server)
+
+
+def events(port: int, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A streamed /completion's `data:` events, in order."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=TIMEOUT_S)
+    try:
+        conn.request("POST", "/completion", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("content-type", "").startswith("text/event-stream")
+        lines = response.read().decode().split("\n\n")
+    finally:
+        conn.close()
+    assert lines[-1] == "" and all(line.startswith("data: ") for line in lines[:-1]), lines
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_a_completion_is_the_models_own(served: Served, rng: np.random.Generator) -> None:
+    """Greedy or seeded sampling (llama.cpp's names: n_predict, repeat_penalty), the generated
+    ids (return_tokens), per-token probabilities (n_probs) and the stop, as generate() has them."""
+    prompt, n_predict, n_probs = random_prompt(rng), int(rng.integers(1, 24)), int(rng.integers(1, 4))
+    sampled = {"temperature": float(rng.choice([0.0, 0.8])), "seed": int(rng.integers(1000)), "top_k": int(rng.integers(0, 8)),
+               "repetition_penalty": float(rng.choice([1.0, 1.3]))}
+    want = served.reference.generate(prompt, max_tokens=n_predict, logprobs=n_probs, **sampled)
+    llama = {k: v for k, v in sampled.items() if k != "repetition_penalty"} | {"repeat_penalty": sampled["repetition_penalty"]}
+    status, answer = post(served.port, "/completion", json.dumps({"prompt": prompt, "n_predict": n_predict, "n_probs": n_probs,
+                                                                  "return_tokens": True, "cache_prompt": True, **llama}))
+    assert status == 200, answer
+    assert (answer["content"], answer["tokens"]) == (want.text, want.token_ids)
+    assert answer["stop"] is True and answer["stop_type"] == ("eos" if want.finish_reason == "stop" else "limit")
+    assert answer["tokens_predicted"] == len(want.token_ids) == answer["timings"]["predicted_n"]
+    prompt_ids = served.reference.tokenizer.encode(prompt)
+    assert answer["tokens_evaluated"] == len(prompt_ids) == answer["timings"]["prompt_n"] + answer["timings"]["cache_n"]
+    assert answer["prompt"] == served.reference.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    probabilities = answer["completion_probabilities"]
+    assert [p["id"] for p in probabilities] == want.token_ids
+    for listed, scored in zip(probabilities, want.logprobs or [], strict=True):
+        assert listed["logprob"] == pytest.approx(scored.logprob, abs=1e-6)
+        assert [t["id"] for t in listed["top_logprobs"]] == [t for t, _ in scored.top[:n_probs]]
+
+
+def test_a_stream_is_the_whole_answer_in_pieces(served: Served, rng: np.random.Generator) -> None:
+    body = {"prompt": random_prompt(rng), "n_predict": int(rng.integers(2, 20)), "temperature": 0, "stream": True}
+    streamed = events(served.port, body)
+    _, whole = post(served.port, "/completion", json.dumps(body | {"stream": False}))
+    assert [e["stop"] for e in streamed] == [False] * (len(streamed) - 1) + [True]
+    assert "".join(e["content"] for e in streamed) == whole["content"]
+    counts = [e["tokens_predicted"] for e in streamed]
+    assert counts == sorted(counts) and counts[-1] == whole["tokens_predicted"]
+    assert {k: v for k, v in streamed[-1].items() if k not in ("content", "timings", "tokens")} == \
+        {k: v for k, v in whole.items() if k not in ("content", "timings", "tokens", "has_new_line")}
+
+
+def test_stop_words_and_banned_tokens(served: Served, rng: np.random.Generator) -> None:
+    """A stop string ends it (stop_type word, the word named); logit_bias [[id, false]] bans an id."""
+    prompt = random_prompt(rng)
+    free = served.reference.generate(prompt, max_tokens=12, temperature=0)
+    word = free.text.split()[int(rng.integers(len(free.text.split())))] if free.text.split() else "is"
+    _, answer = post(served.port, "/completion", json.dumps({"prompt": prompt, "n_predict": 12, "temperature": 0,
+                                                             "stop": [word]}))
+    want = served.reference.generate(prompt, max_tokens=12, temperature=0, stop=[word])
+    assert answer["content"] == want.text
+    assert (answer["stop_type"], answer["stopping_word"]) == (("word", word) if want.stop_reason == word else
+                                                              ("eos" if want.finish_reason == "stop" else "limit", ""))
+    _, banned = post(served.port, "/completion", json.dumps({"prompt": prompt, "n_predict": 1, "temperature": 0,
+                                                             "return_tokens": True,
+                                                             "logit_bias": [[free.token_ids[0], False]]}))
+    assert banned["tokens"] and banned["tokens"][0] != free.token_ids[0]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "Flat", "mirostat": 2}, "mirostat"),
+    ({"prompt": "Flat", "n_predict": 0}, "n_predict"),
+    ({"prompt": "Flat", "n_predict": "8"}, "n_predict"),
+    ({"prompt": "Flat", "n_probs": 50}, "n_probs"),
+    ({"prompt": ["Flat", "Sparse"]}, "prompt"),
+    ({"prompt": "Flat", "logit_bias": [["Flat", 1.0]]}, "logit_bias"),
+    ({"prompt": "Flat", "repeat_penalty": 1.1, "repeat_last_n": 64}, "repeat_last_n"),
+    ({"prompt": "Flat", "return_tokens": "yes"}, "return_tokens"),
+    ({"prompt": "Flat", "temperature": -1}, "temperature"),
+    ({"n_predict": 4}, "prompt"),
+])  # fmt: skip
+def test_bad_requests_are_one_400(served: Served, body: dict[str, Any], param: str) -> None:
+    status, answer = post(served.port, "/completion", json.dumps(body))
+    assert status == 400 and answer["error"]["param"] == param and "\n" not in answer["error"]["message"], answer
+
+
+@pytest.fixture(scope="module")
+def short_context() -> Iterator[tuple[Any, LLM]]:
+    from starlette.testclient import TestClient
+
+    worker = EngineWorker(lambda: LLM(None, device="cpu", max_seq_len=40))
+    llm = worker.start()
+    try:
+        defaults = {"temperature": 0.6, "top_k": 20}  # as a model's generation_config gives them
+        yield TestClient(create_app(ServerState(DEMO_NAME, worker, llm, sampling_defaults=defaults))), llm
+    finally:
+        worker.stop()
+
+
+def test_no_n_predict_runs_to_the_end_of_the_context(short_context: tuple[Any, LLM], rng: np.random.Generator) -> None:
+    http, llm = short_context
+    prompt = random_prompt(rng)
+    answer = http.post("/completion", json={"prompt": prompt, "ignore_eos": True, "seed": int(rng.integers(100))}).json()
+    room = 40 - len(llm.tokenizer.encode(prompt)) + 1
+    assert (answer["tokens_predicted"], answer["stop_type"]) == (room, "limit"), answer
+
+
+def test_props_names_the_servers_defaults(short_context: tuple[Any, LLM]) -> None:
+    http, llm = short_context
+    props = http.get("/props").json()
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] == 40 == http.get("/v1/models").json()["data"][0]["max_model_len"]
+    assert (settings["params"]["temperature"], settings["params"]["top_k"], settings["params"]["n_predict"]) == (0.6, 20, -1)
+    assert props["chat_template"] == llm.tokenizer.chat_template and props["total_slots"] == 1
+
+
+def test_the_served_server_answers_props(served: Served) -> None:
+    assert get_json(served.port, "/props")["default_generation_settings"]["n_ctx"] > 0
