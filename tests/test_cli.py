@@ -329,11 +329,13 @@ def test_interactive_conversation(rng: np.random.Generator) -> None:
     assert len(stats) == 3 and "cached" in stats[1] and "never" not in done.stdout
 
 
-def test_interactive_conversation_drops_its_oldest_turns_to_fit(rng: np.random.Generator,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("max_tokens", [10, None])
+def test_interactive_conversation_drops_its_oldest_turns_to_fit(rng: np.random.Generator, capsys: pytest.CaptureFixture[str],
+                                                                max_tokens: int | None) -> None:
     """In a 64-position context, turn after turn: each is answered (none refused), the oldest turns
     go first (the system message stays), each reply is what the model gives for the kept
-    conversation, and stderr says how many turns were left out."""
+    conversation, and stderr says how many turns were left out. max_tokens None (-n -1): room is
+    kept for a reply of half the context, which may run to its end."""
     from atlas import LLM
     from atlas.chat import Conversation
     from atlas.demo import zen_of_python
@@ -342,7 +344,7 @@ def test_interactive_conversation_drops_its_oldest_turns_to_fit(rng: np.random.G
 
     lines = [line for line in zen_of_python().splitlines() if line.strip()]
     llm = LLM(device="cpu", max_seq_len=64)
-    conversation = Conversation(llm, generate_options(max_tokens=10), [{"role": "system", "content": "Zen."}])
+    conversation = Conversation(llm, generate_options(max_tokens=max_tokens), [{"role": "system", "content": "Zen."}])
     reference = LLM(device="cpu")
     for _ in range(6):
         turn = " ".join(lines[int(rng.integers(len(lines)))].split()[:4])
@@ -350,7 +352,8 @@ def test_interactive_conversation_drops_its_oldest_turns_to_fit(rng: np.random.G
         kept = conversation.messages[:-1]
         assert kept[0] == {"role": "system", "content": "Zen."} and kept[-1] == {"role": "user", "content": turn}
         prompt = reference.tokenizer.encode_chat(kept)
-        assert len(prompt) + 10 - 1 <= 64 and result.text == reference.generate(prompt, max_tokens=10).text
+        assert len(prompt) + (max_tokens or 32) - 1 <= 64
+        assert result.text == reference.generate(prompt, max_tokens=max_tokens or 64 - len(prompt) + 1).text
     assert sum(m["role"] == "user" for m in conversation.messages) < 6
     assert "turn(s) are left out" in capsys.readouterr().err
     before = list(conversation.messages)

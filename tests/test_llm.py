@@ -16,7 +16,7 @@ from atlas import LLM
 from atlas.backends import create_backend
 from atlas.config import load_spec
 from atlas.errors import AtlasError
-from atlas.llm import GenerateOptions
+from atlas.llm import GenerateOptions, context_capacity
 from _conditioning import draw_conditioned
 from runtime_checkpoint import fresh_tiny_checkpoint
 
@@ -397,6 +397,29 @@ def test_stop_strings_end_the_text(rng: np.random.Generator) -> None:
     assert llm.generate("Beautiful is better than", max_tokens=3).finish_reason == "length"
     with pytest.raises(AtlasError, match="stop must be"):
         llm.generate("Flat is", max_tokens=2, stop=[""])
+
+
+def test_no_max_tokens_fills_the_context(tiny: LLM, rng: np.random.Generator, capsys: pytest.CaptureFixture[str]) -> None:
+    """max_tokens None (vLLM's) and atlas.run -n -1 (llama.cpp's): new tokens until an end token or
+    the context's last position; stream() the same."""
+    from atlas.run import main
+
+    prompt = " ".join(rng.choice(PROMPT_WORDS, size=int(rng.integers(2, 9))))
+    capacity = context_capacity(tiny.parts.spec, tiny.parts.engine)
+    room = capacity - len(tiny.tokenizer.encode(prompt)) + 1
+    seed = int(rng.integers(1000))
+    filled = tiny.generate(prompt, max_tokens=None, ignore_eos=True, temperature=0.8, seed=seed)
+    assert len(filled.token_ids) == room and filled.finish_reason == "length"
+    assert "".join(tiny.stream(prompt, max_tokens=None, ignore_eos=True, temperature=0.8, seed=seed)) == filled.text
+    with pytest.raises(AtlasError, match="min_tokens"):
+        tiny.generate(prompt, max_tokens=None, min_tokens=room + 1)
+    capsys.readouterr()
+    demo = ["--device", "cpu", "-p", prompt, "--ignore-eos", "-c", str(int(rng.integers(16, 40)))]
+    assert main([*demo, "-n", str(rng.choice(["-1", "-2"]))]) == 0
+    assert f"({int(demo[-1]) - len(LLM(device='cpu').tokenizer.encode(prompt)) + 1} tokens)" in capsys.readouterr().err
+    for bad in ("0", "-3", "many"):
+        assert main([*demo, "-n", bad]) == 2
+        assert "--max-tokens" in capsys.readouterr().err
 
 
 def test_ignore_eos_and_stop_token_ids(rng: np.random.Generator, capsys: pytest.CaptureFixture[str]) -> None:

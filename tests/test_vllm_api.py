@@ -105,6 +105,11 @@ def test_max_tokens_none_fills_the_context(tiny: LLM, rng: np.random.Generator) 
     (output,) = tiny.generate(prompt, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
     room = context_capacity(tiny.parts.spec, tiny.parts.engine) - len(output.prompt_token_ids) + 1
     assert len(output.outputs[0].token_ids) == room
+    least = int(rng.integers(2, room + 1))  # min_tokens is held to the room, not to a stand-in max_tokens
+    (held,) = tiny.generate(prompt, SamplingParams(max_tokens=None, min_tokens=least, temperature=0))
+    assert len(held.outputs[0].token_ids) >= least
+    with pytest.raises(AtlasError, match="min_tokens"):
+        tiny.generate(prompt, SamplingParams(max_tokens=None, min_tokens=room + 1))
 
 
 def test_per_prompt_params_and_structured_outputs(demo: LLM, rng: np.random.Generator) -> None:

@@ -18,6 +18,7 @@ from .errors import AtlasError
 from .llm import LLM, GenerateOptions, GenerationResult, context_capacity
 
 COMMANDS = {"/exit": "leave", "/quit": "leave", "/reset": "forget the conversation"}
+REPLY_ROOM = 256  # -n -1: the reply tokens a conversation keeps room for before it drops its oldest turns
 
 
 @dataclass
@@ -36,10 +37,12 @@ class Conversation:
 
     def fitted(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
         """The conversation without its oldest turns (a user message and the replies after it;
-        system messages and the new turn stay) until its prompt and max_tokens fit the context. A
-        new turn too long alone is left to prepare's one-line refusal."""
+        system messages and the new turn stay) until its prompt and max_tokens fit the context
+        (max_tokens None, -n -1: a reply of up to REPLY_ROOM tokens; it may then go on to the
+        context's end). A new turn too long alone is left to prepare's one-line refusal."""
         capacity = context_capacity(self.llm.parts.spec, self.llm.parts.engine)
-        room = capacity - self.opts.max_tokens + 1  # the prompt tokens that fit
+        reply = self.opts.max_tokens if self.opts.max_tokens is not None else min(REPLY_ROOM, capacity // 2)
+        room = capacity - reply + 1  # the prompt tokens that fit
         kept, dropped = messages, 0
         while (over := len(self.llm.tokenizer.encode_chat(kept)) > room) and (turn := oldest_turn(kept)) is not None:
             kept = kept[: turn.start] + kept[turn.stop :]
@@ -47,8 +50,8 @@ class Conversation:
         if over:  # the new turn alone does not fit: nothing is left out for it
             return messages
         if dropped:
-            click.echo(f"atlas: the conversation outgrew the context ({capacity} positions with --max-tokens "
-                       f"{self.opts.max_tokens}); its oldest {dropped} turn(s) are left out", err=True)
+            click.echo(f"atlas: the conversation outgrew the context ({capacity} positions with room for a reply of "
+                       f"{reply} tokens); its oldest {dropped} turn(s) are left out", err=True)
         return kept
 
 

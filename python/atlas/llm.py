@@ -70,7 +70,8 @@ class SamplingExtras:
 
 @dataclass(frozen=True)
 class GenerateOptions:
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: as many as the context holds after the prompt (vLLM's
+    # max_tokens None, llama.cpp's -n -1)
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
@@ -333,6 +334,7 @@ class LLM:
         (atlas.turns): calls from other threads wait for it."""
         from .engine import GenerationRequest
 
+        opts = self.fitted(opts, prompt_ids)
         eos_ids = self.end_ids(opts)
         out, pieces = OutputText(self.parts.tokenizer, opts, self.ending_ids(opts)), []
 
@@ -433,6 +435,7 @@ class LLM:
         if is_batch(prompt):
             raise AtlasError("stream() takes one prompt; give a list of prompts to generate()")
         prompt_ids = self.prepare(prompt, opts)
+        opts = self.fitted(opts, prompt_ids)
         eos_ids = self.end_ids(opts)
         out = OutputText(self.parts.tokenizer, opts, self.ending_ids(opts))
         for token in iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids,
@@ -468,8 +471,19 @@ class LLM:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise AtlasError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        check_length(self.parts.spec, context_capacity(self.parts.spec, self.parts.engine), len(prompt_ids), opts.max_tokens)
+        check_length(self.parts.spec, context_capacity(self.parts.spec, self.parts.engine), len(prompt_ids),
+                     1 if opts.max_tokens is None else opts.max_tokens)
         return prompt_ids
+
+    def fitted(self, opts: GenerateOptions, prompt_ids: list[int]) -> GenerateOptions:
+        """opts with max_tokens None made the new tokens the context holds after prompt_ids."""
+        if opts.max_tokens is not None:
+            return opts
+        room = context_capacity(self.parts.spec, self.parts.engine) - len(prompt_ids) + 1
+        if opts.extras.min_tokens > room:
+            raise AtlasError(f"min_tokens ({opts.extras.min_tokens}) does not fit: the prompt has {len(prompt_ids)} "
+                             f"tokens, so the context holds at most {room} new ones; lower min_tokens")
+        return replace(opts, max_tokens=room)
 
     def output_constraint(self, opts: GenerateOptions, end_ids: set[int], prompt_ids: list[int]) -> TokenConstraint | None:
         """The per-generation rule of the picks when opts give one (end_ids: what may end the
@@ -713,7 +727,7 @@ def options_from(options: dict[str, Any]) -> GenerateOptions:
 
 def generate_options(
     *,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_tokens: int | None = DEFAULT_MAX_TOKENS,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -743,7 +757,8 @@ def generate_options(
     ignore_eos: bool = False,
     stop_token_ids: Sequence[int] = (),
 ) -> GenerateOptions:
-    """LLM.generate / stream keyword arguments -> GenerateOptions. logprobs (0..20): each token's
+    """LLM.generate / stream keyword arguments -> GenerateOptions. max_tokens None: as many as the
+    context holds after the prompt (vLLM's). logprobs (0..20): each token's
     log-probability and that many most likely alternatives (the model's distribution before
     temperature, top-k and top-p); prompt_logprobs: the same for the prompt's tokens after the first
     (scoring a text: max_tokens may then be 0); min_p, the penalties, min_tokens: as vLLM's
@@ -871,8 +886,9 @@ def check_options(opts: GenerateOptions) -> None:
     check_logprobs(opts.prompt_logprobs)
     max_tokens = opts.max_tokens
     least = 0 if opts.prompt_logprobs is not None else 1  # scoring a prompt needs no new token
-    if not is_int(max_tokens) or max_tokens < least:
-        raise AtlasError(f"max_tokens must be an integer >= {least}, got {max_tokens!r}")
+    if max_tokens is not None and (not is_int(max_tokens) or max_tokens < least):
+        raise AtlasError(f"max_tokens must be an integer >= {least} (or None: as many as the context holds), "
+                         f"got {max_tokens!r}")
     seed = opts.seed
     if seed is not None and (not is_int(seed) or seed < 0):
         raise AtlasError(f"seed must be a non-negative integer, got {seed!r}")
@@ -893,7 +909,7 @@ def check_options(opts: GenerateOptions) -> None:
         opts.output.shape()  # compiled (and kept) now: a format generation cannot follow fails here
     check_budget(opts.thinking_token_budget)
     check_sampling(sampling_params(opts))
-    if opts.extras.min_tokens > max_tokens:  # as vLLM: it could never be honoured
+    if max_tokens is not None and opts.extras.min_tokens > max_tokens:  # as vLLM: it could never be honoured
         raise AtlasError(f"min_tokens ({opts.extras.min_tokens}) must be <= max_tokens ({max_tokens})")
 
 

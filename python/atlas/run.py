@@ -26,6 +26,26 @@ if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 
+class TokenCount(click.ParamType):
+    """--max-tokens: a count >= 1, or llama.cpp's -1 (-2) for as many as the context holds (None)."""
+
+    name = "INTEGER"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int | None:
+        if value is None or isinstance(value, int):
+            count = value
+        else:
+            try:
+                count = int(str(value))
+            except ValueError:
+                self.fail(f"{value!r} is not an integer", param, ctx)
+        if count is None or count in (-1, -2):
+            return None
+        if count < 1:
+            self.fail(f"{count} is not a count >= 1 (or -1: until an end token or the full context)", param, ctx)
+        return count
+
+
 class LogitBiasEntry(click.ParamType):
     """--logit-bias TOKEN_ID=BIAS -> (id, bias); the range and the vocabulary are checked with
     the other sampling settings."""
@@ -47,7 +67,7 @@ class RunArgs:
     model: str | None
     prompt: str | None
     prompt_file: str | None  # --prompt-file: the prompt's text from a file, "-" for stdin
-    max_tokens: int
+    max_tokens: int | None  # None: -n -1, as many as the context holds
     temperature: float
     top_k: int
     top_p: float
@@ -154,7 +174,8 @@ def run(args: RunArgs) -> None:
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     prompt_ids = None if args.interactive else first_prompt(tokenizer, prompt, args.chat, system)
     if prompt_ids is not None:  # before the weights load
-        check_length(spec, context_length(args.engine.max_seq_len, spec.context_length), len(prompt_ids), opts.max_tokens)
+        check_length(spec, context_length(args.engine.max_seq_len, spec.context_length), len(prompt_ids),
+                     1 if opts.max_tokens is None else opts.max_tokens)
     engine = replace(args.engine, prompt_cache=DEFAULT_PROMPT_CACHE) if args.interactive else args.engine
     llm = engine.load(str(model_dir))
     announce(llm, args.engine)
@@ -234,7 +255,8 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 @click.option("--model", "-m", default=None, help=MODEL_HELP)
 @click.option("--prompt", "-p", default=None, help="Prompt text (default for the demo: its first words).")
 @click.option("--prompt-file", "-f", default=None, help="Read the prompt from this UTF-8 file ('-': stdin).")
-@click.option("--max-tokens", "-n", "--n-predict", "max_tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--max-tokens", "-n", "--n-predict", "max_tokens", type=TokenCount(), default=256, show_default=True,
+              help="-1: until an end token or the full context (llama.cpp's).")
 @click.option("--temperature", "--temp", "temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off.")
 @click.option(

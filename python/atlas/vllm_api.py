@@ -156,18 +156,15 @@ def single_prompt(prompts: object) -> bool:
 
 
 def prepare(llm: LLM, prompt: object, params: object, rendered: bool) -> PreparedPrompt:
-    from .llm import context_capacity, options_from
+    from .llm import options_from
 
     if not isinstance(params, SamplingParams):
         raise AtlasError(f"sampling_params must be an atlas.SamplingParams (or a list of them), got {type(params).__name__}")
     if not isinstance(params.n, int) or isinstance(params.n, bool) or not 1 <= params.n <= MAX_N:
         raise AtlasError(f"SamplingParams.n must be an integer in 1..{MAX_N}, got {params.n!r}")
     text, given = prompt_parts(prompt)
-    opts = llm.seeded(options_from({**params.options(), "max_tokens": 1 if params.max_tokens is None else params.max_tokens}))
+    opts = llm.seeded(options_from({**params.options(), "max_tokens": params.max_tokens}))  # None: LLM.fitted's
     ids = llm.prepare(given, opts)
-    if params.max_tokens is None:  # vLLM's: as many as the context holds after the prompt
-        room = context_capacity(llm.parts.spec, llm.parts.engine) - len(ids) + 1
-        opts = replace(opts, max_tokens=max(room, 1))
     if rendered:
         text = llm.tokenizer.decode(ids, skip_special_tokens=False)
     return PreparedPrompt(text, ids, opts, params.n)
