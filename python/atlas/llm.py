@@ -18,6 +18,7 @@ from .turns import GenerationTurns
 
 if TYPE_CHECKING:
     from .backends.base import SamplingParams
+    from .beam_search import BeamSearchOutput, BeamSearchParams
     from .sampling import TokenLogprob
     from .structured import OutputFormat, TokenConstraint
     from .kvcache.options import KVCacheOptions
@@ -424,6 +425,14 @@ class LLM:
                 raise AtlasError("give sampling_params or keyword options, not both")
             return generate_outputs(self, prompts, sampling_params, progress=progress, rendered=True)
         return self.generate(prompts, **options) if batch else self.generate(prompts[0], **options)
+
+    def beam_search(self, prompts: object, params: BeamSearchParams, *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: for each prompt (a text, token ids, or vLLM's prompt dict; or a
+        list of them), the params.beam_width best continuations (atlas.beam_search)."""
+        from .beam_search import beam_search
+
+        check_bools(use_tqdm=use_tqdm)
+        return beam_search(self, prompts, params, use_tqdm)
 
     def stream(self, prompt: str | list[int], **options: Any) -> Iterator[str]:
         """Yield text pieces as they are generated (options: generate()'s; logprobs are generate()'s
