@@ -194,6 +194,27 @@ def test_bad_engine_arguments_are_one_line(tiny_dir: Path, args: dict[str, objec
     assert needle in str(err.value) and "\n" not in str(err.value), err.value
 
 
+def test_default_sampling_params_are_the_models_recommended(tiny_dir: Path, tmp_path: Path, rng: np.random.Generator) -> None:
+    import shutil
+
+    recommended = {"temperature": round(float(rng.uniform(0.1, 1.5)), 3), "top_p": 0.95, "top_k": int(rng.integers(1, 50))}
+    model = Path(shutil.copytree(tiny_dir, tmp_path / "model"))
+    (model / "generation_config.json").write_text(json.dumps({**recommended, "do_sample": True}))
+    params = LLM(str(model), device="cpu", max_seq_len=32).get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k) == tuple(recommended.values())
+    assert params.max_tokens == SamplingParams().max_tokens and params.min_p == SamplingParams().min_p
+
+
+def test_reset_prefix_cache_runs_the_next_prompt_whole(tiny: LLM, rng: np.random.Generator) -> None:
+    prompt = text_prompt(rng)
+    first = tiny.generate(prompt, max_tokens=3)
+    again = tiny.generate(prompt, max_tokens=3)
+    assert again.cached_tokens > 0 and again.token_ids == first.token_ids
+    assert tiny.reset_prefix_cache() is True
+    fresh = tiny.generate(prompt, max_tokens=3)
+    assert fresh.cached_tokens == 0 and fresh.token_ids == first.token_ids
+
+
 def test_get_tokenizer_renders_a_chat_as_vllm_scripts_do(demo: LLM, rng: np.random.Generator) -> None:
     """vLLM's llm.get_tokenizer().apply_chat_template(messages, tokenize=False / True) -> the text /
     ids LLM.chat runs."""

@@ -426,6 +426,22 @@ class LLM:
             return generate_outputs(self, prompts, sampling_params, progress=progress, rendered=True)
         return self.generate(prompts, **options) if batch else self.generate(prompts[0], **options)
 
+    def get_default_sampling_params(self) -> VllmSamplingParams:
+        """vLLM's: SamplingParams holding the sampling generation_config.json recommends
+        (temperature, top_p, top_k, min_p, repetition_penalty) over vLLM's defaults."""
+        from .vllm_api import SamplingParams as VllmParams
+
+        recommended = {name: int(value) if name == "top_k" else value for name, value in self.parts.spec.sampling_defaults}
+        return VllmParams(**recommended)  # type: ignore[arg-type]
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget the prompt cache's checkpoints, so the next prompt runs from its first token."""
+        with self.parts.engine.turns.lock:  # not in the middle of another thread's step
+            cache = getattr(self.parts.engine, "prompt_cache", None)
+            if cache is not None:
+                cache.forget()
+        return True
+
     def beam_search(self, prompts: object, params: BeamSearchParams, *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: for each prompt (a text, token ids, or vLLM's prompt dict; or a
         list of them), the params.beam_width best continuations (atlas.beam_search)."""
