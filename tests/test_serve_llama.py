@@ -103,6 +103,23 @@ def test_bad_requests_are_one_400(served: Served, body: dict[str, Any], param: s
     assert status == 400 and answer["error"]["param"] == param and "\n" not in answer["error"]["message"], answer
 
 
+def test_tokenize_and_detokenize_as_llama_cpp_names_them(served: Served, rng: np.random.Generator) -> None:
+    """llama.cpp's /tokenize body (`content`, `with_pieces`, `add_special`) and /detokenize's `content`."""
+    tokenizer = served.reference.tokenizer
+    text = random_prompt(rng) + " <|im_end|>"  # a special token's text is read as the token
+    status, body = post(served.port, "/tokenize", json.dumps({"content": text}))
+    assert status == 200 and body["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    _, pieces = post(served.port, "/tokenize", json.dumps({"content": text, "with_pieces": True, "add_special": True}))
+    assert [p["id"] for p in pieces["tokens"]] == tokenizer.encode(text)
+    assert "".join(p["piece"] for p in pieces["tokens"]) == tokenizer.decode(tokenizer.encode(text), skip_special_tokens=False)
+    _, back = post(served.port, "/detokenize", json.dumps({"tokens": body["tokens"]}))
+    assert back["content"] == back["prompt"] == tokenizer.decode(body["tokens"])
+    for bad, param in (({"content": 5}, "content"), ({"content": "x", "with_pieces": "yes"}, "with_pieces"),
+                       ({"content": "x", "parse_special": False}, "parse_special")):
+        status, answer = post(served.port, "/tokenize", json.dumps(bad))
+        assert status == 400 and answer["error"]["param"] == param, answer
+
+
 @pytest.fixture(scope="module")
 def short_context() -> Iterator[tuple[Any, LLM]]:
     from starlette.testclient import TestClient

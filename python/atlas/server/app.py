@@ -238,7 +238,19 @@ async def tokenize(request: Request, state: ServerState) -> Response:
     check_model(state, body.model)
     ids = await anyio.to_thread.run_sync(tokenize_body, state.llm, body)
     capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": capacity})
+    tokens = [{"id": t, "piece": token_piece(state.llm, t)} for t in ids] if body.with_pieces else ids
+    return JSONResponse({"tokens": tokens, "count": len(ids), "max_model_len": capacity})
+
+
+def token_piece(llm: LLM, token: int) -> str | list[int]:
+    """llama.cpp's piece of a token: its text, or its bytes where they are not whole UTF-8."""
+    raw = llm.tokenizer.token_bytes[token]
+    if raw is None:  # a special token: its text
+        return llm.tokenizer.decode([token], skip_special_tokens=False)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
 
 
 async def apply_template(request: Request, state: ServerState) -> Response:
@@ -255,7 +267,8 @@ async def apply_template(request: Request, state: ServerState) -> Response:
 async def detokenize(request: Request, state: ServerState) -> Response:
     model_name, tokens = parse_detokenize(await read_json(request), state.llm.parts.spec.vocab_size)
     check_model(state, model_name)
-    return JSONResponse({"prompt": state.llm.tokenizer.decode(tokens)})
+    text = state.llm.tokenizer.decode(tokens)
+    return JSONResponse({"prompt": text, "content": text})  # vLLM's name, and llama.cpp's
 
 
 def engine_settings(llm: LLM) -> dict[str, str]:

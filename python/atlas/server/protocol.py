@@ -457,7 +457,7 @@ def optional_bool(body: dict[str, Any], name: str, param: str | None = None) -> 
 
 @dataclass(frozen=True)
 class TokenizeBody:
-    """vLLM's /tokenize: a completions prompt or chat messages."""
+    """vLLM's /tokenize: a completions prompt or chat messages (or llama.cpp's: `content`)."""
 
     model: str
     prompt: str | None
@@ -467,11 +467,14 @@ class TokenizeBody:
     template_kwargs: dict[str, Any] | None
     continue_final_message: bool = False  # messages: end right after the final message's text
     tools: list[dict[str, Any]] | None = None  # messages: the tools the chat template describes
+    with_pieces: bool = False  # llama.cpp's: each token as {"id", "piece"}
 
 
 def parse_tokenize(body: Any) -> TokenizeBody:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    if "content" in body and "prompt" not in body and "messages" not in body:
+        return parse_llama_tokenize(body)
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise RequestError("give exactly one of 'prompt' (text) and 'messages'", "prompt")
@@ -491,6 +494,19 @@ def parse_tokenize(body: Any) -> TokenizeBody:
         continue_final_message=text.continue_final_message,
         tools=parse_tools(body.get("tools")) if messages is not None else None,
     )
+
+
+def parse_llama_tokenize(body: dict[str, Any]) -> TokenizeBody:
+    """llama.cpp's /tokenize: `content` text, `add_special` (default false: no BOS added),
+    `with_pieces`."""
+    if not isinstance(body["content"], str):
+        raise RequestError("'content' must be text", "content")
+    if optional_bool(body, "parse_special") is False:
+        raise RequestError("'parse_special' false is not supported: special tokens' text is read as the tokens",
+                           "parse_special")
+    return TokenizeBody(model=optional_model(body), prompt=body["content"], messages=None,
+                        add_special_tokens=optional_bool(body, "add_special") or False, add_generation_prompt=False,
+                        template_kwargs=None, with_pieces=optional_bool(body, "with_pieces") or False)
 
 
 def parse_detokenize(body: Any, vocab: int) -> tuple[str, list[int]]:
