@@ -202,6 +202,17 @@ def test_embedding_is_an_exact_row_gather(env: Env, rng: np.random.Generator) ->
     np.testing.assert_array_equal(out, bf16_round(table)[ids])
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_nonfinite_count_counts_nan_and_infinity(env: Env, rng: np.random.Generator, rows: int) -> None:
+    x = normal(rng, rows, env.d("hidden_size"), scale=1e30)  # [R, H] near float32's largest: still finite
+    flat = x.reshape(-1)
+    flat[int(rng.integers(flat.size))] = np.finfo(np.float32).max
+    bad = rng.choice(flat.size, int(rng.integers(0, 40)), replace=False)
+    flat[bad] = rng.choice([np.nan, np.inf, -np.inf], bad.size)
+    (count,) = run_op(env, "nonfinite_count", [In(x, "f32")], 0.0)
+    assert count.tolist() == [bad.size]
+
+
 @pytest.mark.parametrize("tokens", [1, 17])
 def test_norms_and_elementwise(env: Env, rng: np.random.Generator, tokens: int) -> None:
     h = env.d("hidden_size")

@@ -3,6 +3,7 @@ own isfinite, and a damaged checkpoint refused in one line only when the flag as
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import ml_dtypes
@@ -30,12 +31,12 @@ def test_nonfinite_count_matches_isfinite(dtype: str, rng: np.random.Generator, 
     assert nonfinite_count(largest, dtype) == 0
 
 
-def poison(model_dir: Path, rng: np.random.Generator) -> str:
-    """One value of a random bf16 matrix of the checkpoint overwritten with NaN or infinity, in
-    place in the file; the tensor's name."""
+def poison(model_dir: Path, rng: np.random.Generator, name: str | None = None) -> str:
+    """One value of a bf16 tensor of the checkpoint (`name`, else a random matrix) overwritten with
+    NaN or infinity, in place in the file; the tensor's name."""
     checkpoint = Checkpoint.open(model_dir)
     names = [n for n in checkpoint.names() if checkpoint.dtype(n) == "BF16" and len(checkpoint.shape(n)) == 2]
-    name = names[int(rng.integers(len(names)))]
+    name = name or names[int(rng.integers(len(names)))]
     info = checkpoint.info(name)
     checkpoint.close()
     code = rng.choice([0x7FC0, 0x7F80, 0xFF80]).astype("<u2").tobytes()  # NaN, +inf, -inf
@@ -56,5 +57,56 @@ def test_a_damaged_checkpoint_is_refused_only_when_asked(tmp_path: Path, rng: np
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith(f"atlas.run: error: tensor {name!r} in {model / 'model.safetensors'} holds 1 NaN")
     assert "fetch it again" in lines[-1] and not any("Traceback" in line for line in lines)
-    assert main(flags) == 0  # unchecked, the damaged model runs (the flag is opt-in)
-    assert capsys.readouterr().out.count("\n") == clean.count("\n")
+    code = main(flags)  # unchecked, the damaged model runs (the flag is opt-in) unless the damage reaches the output
+    out, err = capsys.readouterr()
+    if code == 0:
+        assert out.count("\n") == clean.count("\n")
+    else:
+        assert code == 2 and err.strip().splitlines()[-1].startswith("atlas.run: error: the model's hidden state"), err
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_nonfinite_hidden_state_is_one_line(tmp_path: Path, rng: np.random.Generator, capsys: pytest.CaptureFixture[str],
+                                              speculative: bool) -> None:
+    """NaN or infinity in the final norm's weight reaches every prompt's last hidden row: generate,
+    stream and atlas.run stop with one line (no numpy warnings) instead of picking from NaN logits,
+    with and without MTP speculation."""
+    from test_speculative import add_mtp_head, new_seed
+
+    from atlas import LLM
+    from atlas.errors import AtlasError
+
+    model = demo_copy(tmp_path / "demo")
+    if speculative:
+        add_mtp_head(model, new_seed(), fused=True)
+    poison(model, rng, "model.norm.weight")
+    llm = LLM(str(model), device="cpu", spec_k=2 if speculative else 0)
+    assert llm.speculation.startswith("off") != speculative
+    for call in (lambda: llm.generate("Flat is", max_tokens=4), lambda: "".join(llm.stream("Flat is", max_tokens=4))):
+        for _ in range(2):  # the second time finds no checkpoint of the first
+            with pytest.raises(AtlasError, match="hidden state after the prompt") as err:
+                call()
+            assert "\n" not in str(err.value) and "--check-weights" in str(err.value)
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:  # numpy's would print lines beside the one
+        warnings.simplefilter("always")
+        assert main(["--model", str(model), "--device", "cpu", "--max-tokens", "4", "--prompt", "Flat is"]) == 2
+    assert not caught, [str(w.message) for w in caught]
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("atlas.run: error: the model's hidden state")
+
+
+def test_the_reference_ops_pass_nonfinite_values_on_without_warnings(rng: np.random.Generator) -> None:
+    """Infinity in an activation (inf / inf, inf - inf: numpy's invalid-value warnings) flows on as
+    NaN, as on a GPU, for the hidden-state check to report in one line."""
+    from atlas.backends.numpy_backend import NumpyBackend
+
+    backend = NumpyBackend()
+    x = rng.standard_normal((2, 8)).astype(np.float32)  # [T, H]
+    x[0, int(rng.integers(8))] = rng.choice([np.inf, -np.inf])
+    gate_up = np.concatenate([x, x], axis=-1)  # [T, 2H]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        normed = backend.rms_norm(x, np.ones(8, np.float32), 1e-6)  # [T, H]
+        mixed = backend.silu_mul(gate_up)  # [T, H]
+    assert not caught, [str(w.message) for w in caught]
+    assert not np.isfinite(normed[0]).all() and np.isfinite(normed[1]).all() and not np.isfinite(mixed[0]).all()

@@ -168,13 +168,26 @@ class Engine:
         if resume.start == len(prompt_ids):  # the whole prompt is a checkpoint's: its last row gives the logits
             assert resume.checkpoint is not None
             _, positions = self._ids(prompt_ids[-1:], len(prompt_ids) - 1)
-            return self.model.logits(Step(self.backend, positions, self.dump), resume.checkpoint.hidden), scores
+            last = self.finite_row(resume.checkpoint.hidden, len(prompt_ids))
+            return self.model.logits(Step(self.backend, positions, self.dump), last), scores
         passes = self.prompt_forwards(prompt_ids, resume.start, lambda ids, positions: (self.forward(ids, positions), None))
         for start, stop, positions, hidden, _ in passes:
             if score_top is not None:
                 scores += self._score_rows(hidden, positions, prompt_ids, (start, stop), score_top)
-        last = self._row(hidden, stop - start - 1)  # [1, H]
+        last = self.finite_row(self._row(hidden, stop - start - 1), len(prompt_ids))  # [1, H]
         return self.model.logits(Step(self.backend, positions, self.dump), last), scores
+
+    def finite_row(self, hidden: Tensor, prompt_tokens: int) -> Tensor:
+        """The prompt's last hidden row [1, H], checked: NaN or infinity there (a NaN or infinite
+        weight, an activation that overflowed) makes every logit NaN and every pick noise, so the
+        generation stops with one line instead (the prompt cache forgets states that hold it)."""
+        if not int(self.backend.to_numpy(self.backend.nonfinite_count(hidden))[0]):
+            return hidden
+        self.prompt_cache.forget()
+        raise AtlasError(f"the model's hidden state after the prompt ({prompt_tokens} tokens) holds NaN or infinity, so "
+                         "its output would be noise: a weight may hold NaN or infinity (--check-weights scans them) or "
+                         "an activation overflowed (ATLAS_DUMP=layers writes each layer's output, to find the first "
+                         "that goes bad)")
 
     def prompt_forwards(self, prompt_ids: list[int], start: int, forward: PromptForward) -> Iterator[PromptPass]:
         """The prompt's tokens from `start` on in passes through `forward` (-> hidden [n, H], the

@@ -259,7 +259,7 @@ class SpeculativeEngine(Engine):
             head_input = persist(self.backend, resume.checkpoint.head_input)  # [1, H] the head's row start-1
             if resume.start == n:  # all of the prompt was a checkpoint's
                 _, positions = self._ids(prompt_ids[-1:], n - 1)
-                token = self._targets(resume.checkpoint.hidden, positions, picks, [])[0]
+                token = self._targets(self.finite_row(resume.checkpoint.hidden, n), positions, picks, [])[0]
                 return Cursor(n, token, [], n - 1, [token], head_input, 0)
             self._head_rows(prompt_ids, resume.start - 1, resume.start, head_input)
         for start, stop, positions, out, mtp_in in self.prompt_forwards(prompt_ids, resume.start, self._main_forward):
@@ -267,7 +267,7 @@ class SpeculativeEngine(Engine):
                 self._head_rows(prompt_ids, start, stop, persist(self.backend, mtp_in))
         mtp_hidden = persist(self.backend, mtp_in)
         last = stop - start - 1
-        token = self._targets(self._row(out, last), positions, picks, [])[0]
+        token = self._targets(self.finite_row(self._row(out, last), n), positions, picks, [])[0]
         return Cursor(n, token, [], start, [*prompt_ids[start + 1 :], token], mtp_hidden, last)
 
     def _head_rows(self, prompt_ids: list[int], start: int, stop: int, hidden: Tensor) -> None:

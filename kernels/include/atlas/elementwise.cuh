@@ -1,4 +1,5 @@
-// Elementwise f32 ops, grid-stride loops: add, silu(gate) * up, x * sigmoid(gate).
+// Elementwise f32 ops, grid-stride loops: add, silu(gate) * up, x * sigmoid(gate); and the count of
+// NaN / infinite values in a vector (one block).
 #pragma once
 
 #include "atlas/common.cuh"
@@ -34,6 +35,17 @@ __device__ void sigmoid_mul(const SigmoidMulParams& p) {
   const float* gate = static_cast<const float*>(p.gate);
   float* out = static_cast<float*>(p.out);
   for (int64_t i = global_thread(); i < p.n; i += grid_stride()) out[i] = x[i] * sigmoid(gate[i]);
+}
+
+// One block (a prompt's last hidden row, checked once a prompt): out[0] is written whole, so it
+// needs no zeroing first, and only that one int comes back to the host.
+__device__ void nonfinite_count(const NonfiniteCountParams& p) {
+  __shared__ float scratch_s[kWarpSize];
+  const float* x = static_cast<const float*>(p.x);
+  float mine = 0.0f;  // exact: a block counts far fewer than 2^24
+  for (int64_t i = threadIdx.x; i < p.n; i += blockDim.x) mine += isfinite(x[i]) ? 0.0f : 1.0f;
+  const float total = block_sum(mine, scratch_s);
+  if (threadIdx.x == 0) *static_cast<int32_t*>(p.out) = static_cast<int32_t>(total);
 }
 
 }  // namespace atlas

@@ -192,6 +192,10 @@ class Backend(Protocol):
     def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor:
         """x, gate [T, N] -> x * sigmoid(gate)."""
 
+    def nonfinite_count(self, x: Tensor) -> Tensor:
+        """x (f32, any shape) -> [1] i32: how many of its values are NaN or infinite (a check that
+        reads one int back, not the tensor)."""
+
     # --- full attention -----------------------------------------------------------------------
     def head_norm_rope(
         self,

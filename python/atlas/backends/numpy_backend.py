@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -158,6 +160,29 @@ def delta_rule_chunked(x: DeltaInputs, state: np.ndarray) -> np.ndarray:
     return out.reshape(out.shape[0], padded, -1)[:, :tokens]
 
 
+C = TypeVar("C", bound=type)
+
+
+def quiet_float_errors(cls: C) -> C:
+    """Every public op of cls under np.errstate(all="ignore"): NaN and infinity flow through the
+    reference ops as through the GPU's (Engine.finite_row reports them in one line) instead of
+    printing numpy's RuntimeWarnings."""
+    for name, op in list(vars(cls).items()):
+        if callable(op) and not name.startswith("_") and not isinstance(op, type):
+            setattr(cls, name, quietly(op))
+    return cls
+
+
+def quietly(op: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(op)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with np.errstate(all="ignore"):
+            return op(*args, **kwargs)
+
+    return run
+
+
+@quiet_float_errors
 class NumpyBackend:
     """Reference backend: computes in float32 (int32 for ids) on the host. Matrices uploaded with
     the bf16 hint stay as stored (bf16, or packed when quantized: host_weights.py) and are
@@ -223,6 +248,9 @@ class NumpyBackend:
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         half = gate_up.shape[-1] // 2
         return _silu(gate_up[..., :half]) * gate_up[..., half:]
+
+    def nonfinite_count(self, x: Tensor) -> Tensor:
+        return np.array([np.count_nonzero(~np.isfinite(x))], dtype=np.int32)
 
     def sigmoid_mul(self, x: Tensor, gate: Tensor) -> Tensor:
         return x * _sigmoid(gate)

@@ -60,6 +60,12 @@ class SigmoidMulParams(ctypes.Structure):
     _fields_ = [("x", c_ptr), ("gate", c_ptr), ("out", c_ptr), ("n", c_i32)]
 
 
+class NonfiniteCountParams(ctypes.Structure):
+    """atlas_nonfinite_count: out[0] = the NaN and infinite values among n f32 (one block)."""
+
+    _fields_ = [("x", c_ptr), ("out", c_ptr), ("n", c_i32)]  # out: [1] i32
+
+
 class LinearParams(ctypes.Structure):
     """atlas_gemv_t{1..8} / atlas_gemv_narrow_t{1..8} (tokens <= 8) and atlas_gemm_bf16
     (tokens > 8): out = x @ weight.T."""
@@ -244,6 +250,7 @@ ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (
     AddParams,
     SiluMulParams,
     SigmoidMulParams,
+    NonfiniteCountParams,
     LinearParams,
     HeadNormRopeParams,
     KvCacheWriteParams,

@@ -15,3 +15,8 @@ extern "C" __global__ void __launch_bounds__(256) atlas_sigmoid_mul(const Sigmoi
   atlas::pdl_enter();
   atlas::sigmoid_mul(p);
 }
+
+extern "C" __global__ void __launch_bounds__(256) atlas_nonfinite_count(const NonfiniteCountParams p) {
+  atlas::pdl_enter();
+  atlas::nonfinite_count(p);
+}

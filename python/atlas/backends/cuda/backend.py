@@ -173,6 +173,9 @@ class CudaBackend:
     def sigmoid_mul(self, x: DeviceTensor, gate: DeviceTensor) -> DeviceTensor:
         return ops_dense.sigmoid_mul(self.rt, x, gate)
 
+    def nonfinite_count(self, x: DeviceTensor) -> DeviceTensor:
+        return ops_dense.nonfinite_count(self.rt, x)
+
     # --- full attention -----------------------------------------------------------------------
     def head_norm_rope(self, x: DeviceTensor, weight: DeviceTensor, positions: DeviceTensor,
                        inv_freq: DeviceTensor, scaling: float, eps: float) -> DeviceTensor:

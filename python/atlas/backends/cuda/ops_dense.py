@@ -168,6 +168,15 @@ def sigmoid_mul(rt: CudaRuntime, x: DeviceTensor, gate: DeviceTensor) -> DeviceT
     return out
 
 
+def nonfinite_count(rt: CudaRuntime, x: DeviceTensor) -> DeviceTensor:
+    _expect_dtype("nonfinite_count", "x", x, "f32")
+    _expect(x.numel < 1 << 24, f"nonfinite_count: {x.numel} values; the kernel counts in f32, exact below 2^24")
+    out = rt.empty((1,), "i32")
+    params = kp.NonfiniteCountParams(x=x.ptr, out=out.ptr, n=x.numel)
+    rt.launch("atlas_nonfinite_count", (1, 1, 1), (ELEMENTWISE_THREADS, 1, 1), params)
+    return out
+
+
 def gemm_form(rt: CudaRuntime, form: str | None = None) -> str:
     """`form`, or with None the ATLAS_GEMM environment variable (default "mma"), checked; "wgmma"
     also against the device's compute capability. The CUDA backend reads it once, when it is built."""
