@@ -1063,7 +1063,7 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("include_usage wrong type", {**GOOD, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ("continuous_usage_stats wrong type", {**GOOD, "stream_options": {"include_usage": True, "continuous_usage_stats": 1}},
      "stream_options.continuous_usage_stats"),
-    ("beam search", {**GOOD, "use_beam_search": True}, "use_beam_search"),
+    ("beam search with top_p", {**GOOD, "use_beam_search": True, "top_p": 0.9}, "top_p"),
     ("bad_words not strings", {**GOOD, "bad_words": [5]}, "bad_words"),
     ("bad_words empty word", {**GOOD, "bad_words": [" "]}, "bad_words"),
     ("allowed_token_ids empty", {**GOOD, "allowed_token_ids": []}, "allowed_token_ids"),
@@ -1167,7 +1167,7 @@ FUZZ_FIELDS = ("model", "prompt", "messages", "input", "text", "metadata", "inst
                "min_tokens", "stop_token_ids", "chat_template_kwargs", "prompt_logprobs", "tokens", "add_special_tokens",
                "system", "stop_sequences", "thinking", "output_config", "return_token_ids", "background", "store",
                "thinking_token_budget", "n_predict", "n_probs", "repeat_penalty", "repeat_last_n", "mirostat",
-               "return_tokens")
+               "return_tokens", "use_beam_search", "length_penalty")
 FUZZ_BASES = {
     "/v1/completions": {"model": DEMO_NAME, "prompt": "Beautiful is", "max_tokens": 3},
     "/v1/chat/completions": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},

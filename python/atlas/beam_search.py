@@ -77,16 +77,23 @@ def beam_search(llm: LLM, prompts: object, params: object, progress: bool) -> li
     batch = [prompts] if single_prompt(prompts) else list(prompts)  # type: ignore[call-overload]
     fits = generate_options(max_tokens=params.max_tokens)
     starts = [llm.prepare(prompt_parts(prompt)[1], fits) for prompt in batch]
+    return [search(llm, ids, params) for ids in progress_bar(starts, progress)]
+
+
+def search(llm: LLM, prompt_ids: list[int], params: BeamSearchParams,
+           stopped: Callable[[], bool] = lambda: False) -> BeamSearchOutput:
+    """The search for prompt ids already checked by LLM.prepare; `stopped` is asked before each
+    step (the server's cancelled request): true ends the search with the beams it has."""
+    from .llm import generate_options
+
     step = generate_options(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature)
-    return [search(llm, ids, params, step) for ids in progress_bar(starts, progress)]
-
-
-def search(llm: LLM, prompt_ids: list[int], params: BeamSearchParams, step: GenerateOptions) -> BeamSearchOutput:
     ends = set() if params.ignore_eos else llm.eos_ids()
     score: Callable[[BeamSearchSequence], float] = lambda beam: beam_search_score(  # noqa: E731
         beam.tokens, beam.cum_logprob, ends, params.length_penalty)
     beams, completed = [BeamSearchSequence(list(prompt_ids))], []
     for _ in range(params.max_tokens):
+        if stopped():
+            break
         grown = [child for beam in beams for child in children(llm, beam, step)]
         completed += [child for child in grown if child.tokens[-1] in ends]
         beams = sorted((c for c in grown if c.tokens[-1] not in ends), key=score, reverse=True)[: params.beam_width]

@@ -35,6 +35,7 @@ from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
 from . import llama_api, messages_api
 from .background import BackgroundRuns, resume_after
+from .beams import SharedSearch
 from .response_store import ResponseStore, StoredResponse, item_page, not_found
 from .responses_api import (ResponseMeta, ResponseStream, chat_request, input_items, renamed, replayed, stream_response,
                             whole_response)
@@ -471,6 +472,8 @@ def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInp
     seeded request stays reproducible (one without a seed takes the next of --seed's stream, so a
     server given --seed answers the same requests in the same order alike). The first of a
     prompt's runs scores it for prompt_logprobs (collect_choices hands the list to the others)."""
+    if body.beam_search:
+        return [run for p, prompt in enumerate(inputs) for run in beam_runs(state, body, prompt, p)]
     runs = []
     drawn = None if state.seeds is None else state.seeds.randrange(1 << 31)
     for p, prompt in enumerate(inputs):
@@ -484,6 +487,19 @@ def choice_runs(state: ServerState, body: GenerationBody, inputs: list[PromptInp
             events = state.worker.events(prompt.ids, seeded, returns)
             runs.append(ChoiceRun(index, events, answer_shaper(state, body, prompt.opened), tuple(prompt.ids)))
     return runs
+
+
+def beam_runs(state: ServerState, body: GenerationBody, prompt: PromptInput, p: int) -> list[ChoiceRun]:
+    """vLLM's use_beam_search: one search for the prompt, its n best beams the n choices."""
+    from ..beam_search import BeamSearchParams
+
+    opts = prompt.opts
+    assert opts.max_tokens is not None  # generate_options always sets it
+    params = BeamSearchParams(beam_width=body.n, max_tokens=opts.max_tokens, ignore_eos=opts.ignore_eos,
+                              temperature=opts.temperature, length_penalty=body.length_penalty)
+    search = SharedSearch(state.worker.events(prompt.ids, opts, beam=params), len(prompt.ids))
+    return [ChoiceRun(p * body.n + j, search.choice(j), answer_shaper(state, body, prompt.opened), tuple(prompt.ids))
+            for j in range(body.n)]
 
 
 def check_room(state: ServerState) -> None:

@@ -19,7 +19,7 @@ from ..sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITIO
                         MIN_REPETITION_PENALTY, is_int, logit_bias_pairs)
 from .errors import RequestError
 from ..structured import OutputFormat
-from .formats import parse_output_format
+from .formats import GUIDED, parse_output_format
 from .tools import ToolChoice, parse_tool_choice, parse_tools, template_tool_calls
 
 Prompt = str | list[int]
@@ -36,8 +36,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "audio": (None,),
     # vLLM's fields that this server does not honour: refused rather than silently ignored
-    "use_beam_search": (None, False),
-    "length_penalty": (None, 1, 1.0),
     "guided_whitespace_pattern": (None,),
     "detokenize": (None, True),
 }
@@ -126,12 +124,15 @@ class GenerationBody:
     text: TextOptions = TextOptions()
     request_id: str | None = None  # vLLM's: names the answer (an X-Request-Id header wins)
     until_context: bool = False  # completions without max_tokens: the rest of the context (llama.cpp's n_predict -1)
+    beam_search: bool = False  # vLLM's use_beam_search: the n best beams are the n choices (atlas.beam_search)
+    length_penalty: float = 1.0  # vLLM's, for the beams' score
 
 
 def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = None) -> GenerationBody:
     """defaults: sampling fields a request leaves out take these (the model's generation_config)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    beam_search, length_penalty = parse_beam_search(body, chat)  # before the defaults: what the request itself sets
     body = with_defaults(body, defaults or {})
     check_unsupported(body)
     n = optional_int(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
@@ -161,7 +162,42 @@ def parse_body(body: Any, chat: bool, defaults: Mapping[str, float] | None = Non
         output=parse_output_format(body, tools, choice),
         text=parse_text_options(body, chat),
         request_id=parse_request_id(body.get("request_id")),
+        beam_search=beam_search,
+        length_penalty=length_penalty,
     )
+
+
+def parse_beam_search(body: dict[str, Any], chat: bool) -> tuple[bool, float]:
+    """vLLM's use_beam_search (n: the beam width) and length_penalty; a field beam search would
+    ignore (the beams' picks are scored by logprob alone) is refused beside it, and so is a length
+    whose search would hold the engine for long (a chat's default is the rest of the context)."""
+    from ..beam_search import MAX_BEAM_WIDTH
+
+    beam = optional_bool(body, "use_beam_search") or False
+    penalty = optional_number(body, "length_penalty", 1.0)
+    if not beam:
+        if penalty != 1.0:
+            raise RequestError("'length_penalty' scores beams: give it with use_beam_search true", "length_penalty")
+        return False, penalty
+    for name in BEAM_IGNORES:
+        if body.get(name) not in (None, False, [], {}):
+            raise RequestError(f"'{name}' does not apply to beam search (use_beam_search true); leave it out", name)
+    n = body.get("n", 1)
+    if is_int(n) and not 1 <= n <= MAX_BEAM_WIDTH:
+        raise RequestError(f"'n' is the beam width under use_beam_search: 1..{MAX_BEAM_WIDTH}, got {n}", "n")
+    length = max_tokens_field(body)
+    if (length is None and chat) or (length is not None and length > MAX_BEAM_TOKENS):
+        raise RequestError(f"give max_tokens of at most {MAX_BEAM_TOKENS} with use_beam_search: a search runs about "
+                           "n x max_tokens^2 / 2 prompt tokens", "max_tokens")
+    return True, penalty
+
+
+MAX_BEAM_TOKENS = 512
+
+BEAM_IGNORES = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "stop", "stop_token_ids", "min_tokens",
+                "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_p", "top_k", "min_p",
+                "seed", "allowed_token_ids", "bad_words", "response_format", "structured_outputs", *GUIDED, "tools",
+                "thinking_token_budget")
 
 
 def parse_request_id(value: Any) -> str | None:

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..backends.cuda.driver import context_lost
 from ..errors import AtlasError
@@ -21,6 +21,9 @@ from ..sampling import TokenLogprob
 from ..speculative import SpecStats
 from ..structured import NoAllowedToken
 from .metrics import Metrics, RequestRecord, SpecCounts
+
+if TYPE_CHECKING:
+    from ..beam_search import BeamSearchParams, BeamSearchSequence
 
 log = logging.getLogger("atlas.serve")
 MIN_WIRE_LOGPROB = -9999.0  # what a body carries for -inf (vLLM's value)
@@ -78,6 +81,13 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class Searched(Finished):
+    """A beam search's end (atlas.beam_search): its best beams, best first; the counts are the best's."""
+
+    beams: tuple[BeamSearchSequence, ...] = ()
+
+
+@dataclass(frozen=True)
 class Failed:
     message: str
     status: int = 500  # 503: the engine cannot run any request again
@@ -101,6 +111,7 @@ class Job:
     queued_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None  # set by generate
     held_positions: int = 0  # KV-cache positions it holds while it runs (prompt + tokens so far; set by generate)
+    beam: BeamSearchParams | None = None  # a beam search (its one event: Searched) instead of a generation
 
 
 class EngineWorker:
@@ -148,9 +159,11 @@ class EngineWorker:
         return self._thread.is_alive() and self.llm is not None and self.lost is None
 
     async def events(
-        self, prompt_ids: list[int], opts: GenerateOptions, returns: Returns = Returns()
+        self, prompt_ids: list[int], opts: GenerateOptions, returns: Returns = Returns(),
+        beam: BeamSearchParams | None = None,
     ) -> AsyncIterator[Event]:
-        """Queue a generation and yield its events; closing the iterator early cancels the job."""
+        """Queue a generation (or a beam search) and yield its events; closing the iterator early
+        cancels the job."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -166,7 +179,7 @@ class EngineWorker:
         if self.lost is not None:
             yield Failed(self.lost, status=503)
             return
-        job = Job(prompt_ids, opts, emit, returns=returns)
+        job = Job(prompt_ids, opts, emit, returns=returns, beam=beam)
         self._jobs.put(job)
         try:
             while True:
@@ -224,6 +237,8 @@ class EngineWorker:
 
 def generate(llm: LLM, job: Job) -> Finished:
     """Run one job on the calling (engine) thread, emitting text as it completes."""
+    if job.beam is not None:
+        return beam_searched(llm, job)
     taken = time.perf_counter()
     out = OutputText(llm.tokenizer, job.opts, llm.ending_ids(job.opts))
     eos_ids = llm.end_ids(job.opts)
@@ -264,6 +279,20 @@ def generate(llm: LLM, job: Job) -> Finished:
     return Finished("stop" if stopped else "length", len(job.prompt_ids), count, cached, spec_counts,
                     stop_reason=llm.stop_reason(out, job.opts, pending.ids), prompt_logprobs=listed,
                     prompt_seconds=first - taken, generation_seconds=time.perf_counter() - first)
+
+
+def beam_searched(llm: LLM, job: Job) -> Searched:
+    """A beam search job: its beams in one event; a cancelled job's search stops before its next step."""
+    from ..beam_search import search
+
+    assert job.beam is not None
+    taken = time.perf_counter()
+    job.held_positions = len(job.prompt_ids) + job.beam.max_tokens
+    beams = tuple(search(llm, job.prompt_ids, job.beam, job.cancelled.is_set).sequences)
+    job.first_token_at = time.perf_counter()
+    best = beams[0]
+    return Searched(best.finish_reason or "length", len(job.prompt_ids), len(best.tokens) - len(job.prompt_ids),
+                    generation_seconds=job.first_token_at - taken, beams=beams)
 
 
 @dataclass
