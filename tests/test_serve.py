@@ -1448,9 +1448,10 @@ def leave_mid_stream(served: Served, prompt: str) -> None:
     stream.close()
 
 
-def leave_while_waiting(served: Served, prompt: str) -> None:
-    """A non-streaming request whose client gives up (times out) before the answer."""
-    body = {"model": DEMO_NAME, "prompt": prompt, "max_tokens": 1000, "temperature": 0}
+def leave_while_waiting(served: Served, prompt: str, **fields: Any) -> None:
+    """A non-streaming request (a completion, with `fields` over the defaults) whose client gives
+    up (times out) before the answer."""
+    body = {"model": DEMO_NAME, "prompt": prompt, "max_tokens": 1000, "temperature": 0, **fields}
     conn = http.client.HTTPConnection(HOST, served.port, timeout=0.3)
     try:
         conn.request("POST", "/v1/completions", body=json.dumps(body))

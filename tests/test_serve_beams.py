@@ -3,7 +3,6 @@ beams of atlas.beam_search on the same prompt, whole or streamed, with the usage
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
 from collections import defaultdict
@@ -14,7 +13,7 @@ import pytest
 
 from atlas.demo import DEMO_NAME
 from atlas.sampling_params import BeamSearchParams
-from test_serve import HOST, Served, post, random_prompt
+from test_serve import Served, leave_while_waiting, post, random_prompt
 from test_serve import served as served  # noqa: F401  (the module-scoped server)
 
 
@@ -74,15 +73,7 @@ def test_a_chat_beam_search_needs_its_length(served: Served) -> None:
 def test_a_client_that_leaves_stops_its_search(served: Served) -> None:
     """A 512-token search of 4 beams runs for minutes here; the client giving up stops it between
     steps, so the next request is answered at once."""
-    body = {"model": DEMO_NAME, "prompt": "Beautiful is", "n": 4, "max_tokens": 512, "use_beam_search": True,
-            "ignore_eos": True}
-    conn = http.client.HTTPConnection(HOST, served.port, timeout=0.5)
-    try:
-        conn.request("POST", "/v1/completions", body=json.dumps(body))
-        with pytest.raises(TimeoutError):
-            conn.getresponse()
-    finally:
-        conn.close()
+    leave_while_waiting(served, "Beautiful is", n=4, max_tokens=512, use_beam_search=True, ignore_eos=True)
     began = time.monotonic()
     answer = served.client().completions.create(model=DEMO_NAME, prompt="Flat is", max_tokens=3, temperature=0)
     assert answer.choices[0].text and time.monotonic() - began < 10.0
