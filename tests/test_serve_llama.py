@@ -97,6 +97,8 @@ def test_stop_words_and_banned_tokens(served: Served, rng: np.random.Generator) 
     ({"prompt": "Flat", "return_tokens": "yes"}, "return_tokens"),
     ({"prompt": "Flat", "temperature": -1}, "temperature"),
     ({"n_predict": 4}, "prompt"),
+    ({"prompt": "Flat", "n_predict": 10**6}, "n_predict"),
+    ({"prompt": "Flat", "repeat_penalty": 0}, "repeat_penalty"),
 ])  # fmt: skip
 def test_bad_requests_are_one_400(served: Served, body: dict[str, Any], param: str) -> None:
     status, answer = post(served.port, "/completion", json.dumps(body))

@@ -358,8 +358,11 @@ async def responses_generation(request: Request, state: ServerState) -> Response
 async def llama_completion(request: Request, state: ServerState) -> Response:
     """llama.cpp's /completion: the request as a completions request, its one answer in llama-server's shape."""
     ask = llama_api.completion_request(await read_json(request))
-    body = replace(await parsed_body(ask.body, False, state), until_context=ask.until_context)
-    run = (await checked_runs(state, body))[0]
+    try:
+        body = replace(await parsed_body(ask.body, False, state), until_context=ask.until_context)
+        run = (await checked_runs(state, body))[0]
+    except RequestError as err:
+        raise llama_api.renamed(err) from None
     prompt = state.llm.tokenizer.decode(list(run.prompt_ids), skip_special_tokens=False)
     meta = llama_api.CompletionMeta(state.model_name, prompt, len(run.prompt_ids), ask)
     if body.stream:

@@ -83,6 +83,18 @@ def default_params(sampling: SamplingFields) -> dict[str, Any]:
             "seed": -1 if sampling.seed is None else sampling.seed, "ignore_eos": sampling.ignore_eos}
 
 
+def renamed(err: RequestError) -> RequestError:
+    """A completions request's error named with the llama.cpp field it came from."""
+    message, param = err.message, err.param
+    for ours, theirs in LLAMA_NAMES.items():
+        message = message.replace(ours, theirs)
+        param = theirs if param == ours else param
+    return RequestError(message, param, err.code, err.status)
+
+
+LLAMA_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty"}
+
+
 def check_neutral(raw: dict[str, Any]) -> None:
     for name, neutral in NEUTRAL.items():
         value = raw.get(name)
