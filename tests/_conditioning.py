@@ -23,11 +23,11 @@ MAX_DRAWS = 20
 
 
 class RouterMargins(NumpyBackend):
-    """The numpy backend, noting each router call's smallest gap at the top-k cut."""
+    """The numpy backend, noting each router call's gap at the top-k cut, per token."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.margins: list[float] = []
+        self.margins: list[np.ndarray] = []  # per call: [T]
 
     def router(self, x, weight, top_k, renormalize, *, shared_expert=False):  # type: ignore[no-untyped-def]
         dense = np.asarray(weight)  # [E (+ 1), H] float32, however the backend stores it
@@ -35,8 +35,15 @@ class RouterMargins(NumpyBackend):
         probs = np.sort(np.exp(logits - logits.max(axis=-1, keepdims=True)), axis=-1)[:, ::-1]
         probs /= probs.sum(axis=-1, keepdims=True)
         if top_k < probs.shape[-1]:
-            self.margins.append(float((probs[:, top_k - 1] - probs[:, top_k]).min()))
+            self.margins.append(probs[:, top_k - 1] - probs[:, top_k])
         return super().router(x, weight, top_k, renormalize, shared_expert=shared_expert)
+
+
+def router_margins(model_dir: Path, ids: list[int]) -> np.ndarray:
+    """Each token's smallest router gap at the top-k cut over the layers [T], on the numpy backend."""
+    backend = RouterMargins()
+    Engine(load_spec(model_dir), Checkpoint.open(model_dir), backend, max_seq_len=len(ids) + 1).logits(ids)
+    return np.min(np.stack(backend.margins), axis=0) if backend.margins else np.ones(len(ids))
 
 
 def well_conditioned(model_dir: Path, prompt: list[int], tokens: list[int]) -> bool:
@@ -47,7 +54,7 @@ def well_conditioned(model_dir: Path, prompt: list[int], tokens: list[int]) -> b
     logits = engine.logits(prompt + tokens)[len(prompt) - 1 : -1]  # [N, V], the greedy choices
     top2 = np.sort(logits, axis=-1)[:, -2:]
     gap = float((top2[:, 1] - top2[:, 0]).min() / np.abs(logits).max())
-    return min(backend.margins, default=1.0) > TIE_MARGIN and gap > TIE_MARGIN
+    return min((float(m.min()) for m in backend.margins), default=1.0) > TIE_MARGIN and gap > TIE_MARGIN
 
 
 def draw_conditioned(

@@ -63,6 +63,7 @@ def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Gen
         caches = [_tensor(rt, "bf16", capacity, hkv, d) for _ in range(2)]
         ops_dense.attention(rt, f(t, hq, d), f(t, hkv, d), f(t, hkv, d), KVCache(*caches), _tensor(rt, "i32", t), d**-0.5)
     ops_dense.argmax(rt, f(tokens, v))
+    ops_dense.nonfinite_count(rt, f(1, h))
     ops_dense.sample(rt, f(1, v), SamplingParams(0.8, 20, 0.9), float(rng.random()))
     i32 = lambda *s: _tensor(rt, "i32", *s)  # noqa: E731
     for bias in (None, f(v)):

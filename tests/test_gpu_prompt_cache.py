@@ -11,12 +11,14 @@ import pytest
 
 from atlas.backends.base import SamplingParams
 from atlas.prompt_cache import CHECKPOINT_TAIL, MIN_TAIL_PROMPT
+from _conditioning import MAX_DRAWS, router_margins
 from test_gpu_model import PASSES_FLOOR, demo_text_excerpt, gpu_llm
 
 pytestmark = pytest.mark.gpu
 
 STEPS = 16
 AFTER = 2  # prompt tokens after the resume point: the demo's DeltaNet layers forget a state in ~8 tokens
+ROUTER_NEAR_TIE = 1e-4  # the failing draw's gap: 7e-6; draws at 8e-5 and up passed
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,23 @@ def chain(engine: Any, logits: Any, position: int) -> list[int]:
         token, token_t = engine.pick_tensor(engine.decode_tensor(token_t, position + step, token), SamplingParams(), rng)
         tokens.append(token)
     return tokens
+
+
+def resumable_draw(llm: Any, rng: np.random.Generator, cut: str) -> tuple[list[int], int, int, list[int]]:
+    """(first prompt, its length, the resume point, the second prompt: the first cut there, a token
+    left out so nothing live is reused, AFTER more). The AFTER tokens run in a pass of their own when
+    resumed and inside one long pass when fresh, so a router near-tie there lets rounding pick
+    other experts (a 3 % logits gap, 1 draw in ~100): such draws are drawn again."""
+    from atlas.demo import DEMO_DIR
+
+    for _ in range(MAX_DRAWS):
+        text = demo_text_excerpt(llm, rng, MIN_TAIL_PROMPT + 40, 300)
+        split = len(text) - 20
+        resume_at = split if cut == "end" else split - CHECKPOINT_TAIL
+        second = text[:resume_at] + text[resume_at + 1 : resume_at + 1 + AFTER]
+        if router_margins(DEMO_DIR, second)[-AFTER:].min() > ROUTER_NEAR_TIE:
+            return text, split, resume_at, second
+    pytest.fail(f"no draw without a router near-tie after the resume point in {MAX_DRAWS}")
 
 
 def delta_states(engine: Any) -> list[np.ndarray]:
@@ -57,10 +76,7 @@ def test_resume_on_the_gpu_matches_a_fresh_prefill(demo_gpu: Any, rng: np.random
 
     engine = demo_gpu.parts.engine
     assert engine.prompt_cache.enabled, "LLM keeps prompt-cache checkpoints by default"
-    text = demo_text_excerpt(demo_gpu, rng, MIN_TAIL_PROMPT + 40, 300)
-    split = len(text) - 20
-    resume_at = split if cut == "end" else split - CHECKPOINT_TAIL
-    second = text[:resume_at] + text[resume_at + 1 : resume_at + 1 + AFTER]  # a token left out: no live reuse
+    text, split, resume_at, second = resumable_draw(demo_gpu, rng, cut)
     cpu = LLM(device="cpu").parts.engine
     want = np.asarray(cpu.prefill(second), dtype=np.float64)  # [1, V]
     want_states = delta_states(cpu)
