@@ -496,8 +496,7 @@ class LLM:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise AtlasError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        check_length(self.parts.spec, context_capacity(self.parts.spec, self.parts.engine), len(prompt_ids),
-                     1 if opts.max_tokens is None else opts.max_tokens)
+        check_length(self.parts.spec, context_capacity(self.parts.spec, self.parts.engine), len(prompt_ids), opts.max_tokens)
         return prompt_ids
 
     def fitted(self, opts: GenerateOptions, prompt_ids: list[int]) -> GenerateOptions:
@@ -949,9 +948,10 @@ def sampling_params(opts: GenerateOptions) -> SamplingParams:
                           **extra)
 
 
-def check_length(spec: ModelSpec, capacity: int, prompt_tokens: int, max_tokens: int) -> None:
+def check_length(spec: ModelSpec, capacity: int, prompt_tokens: int, max_tokens: int | None) -> None:
     """Positions used: the prompt, then every new token but the last (it is never fed back);
-    capacity: context_capacity's."""
+    capacity: context_capacity's; max_tokens None (the rest of the context) needs room for one."""
+    max_tokens = 1 if max_tokens is None else max_tokens
     positions = prompt_tokens + max_tokens - 1
     if positions > capacity:
         raise AtlasError(

@@ -174,8 +174,7 @@ def run(args: RunArgs) -> None:
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     prompt_ids = None if args.interactive else first_prompt(tokenizer, prompt, args.chat, system)
     if prompt_ids is not None:  # before the weights load
-        check_length(spec, context_length(args.engine.max_seq_len, spec.context_length), len(prompt_ids),
-                     1 if opts.max_tokens is None else opts.max_tokens)
+        check_length(spec, context_length(args.engine.max_seq_len, spec.context_length), len(prompt_ids), opts.max_tokens)
     engine = replace(args.engine, prompt_cache=DEFAULT_PROMPT_CACHE) if args.interactive else args.engine
     llm = engine.load(str(model_dir))
     announce(llm, args.engine)

@@ -371,11 +371,10 @@ class NumpyBackend:
         peak = z.max(axis=-1)  # [R]
         finite = np.isfinite(peak)
         t = kernel_temperature(temperature)  # LogprobParams.temperature is f32
-        with np.errstate(invalid="ignore", over="ignore"):  # rows whose peak is not finite: reported as it
-            total = np.exp((z - peak[:, None]) / t).sum(-1)  # [R]
-            lse = np.where(finite, peak / t + np.log(total), peak)  # [R]
-            hi = lse.astype(np.float32)  # [R]
-            lo = np.where(np.isfinite(hi), lse - hi.astype(np.float64), 0.0).astype(np.float32)  # [R]
+        total = np.exp((z - peak[:, None]) / t).sum(-1)  # [R]; a row whose peak is not finite is reported as it
+        lse = np.where(finite, peak / t + np.log(total), peak)  # [R]
+        hi = lse.astype(np.float32)  # [R]
+        lo = np.where(np.isfinite(hi), lse - hi.astype(np.float64), 0.0).astype(np.float32)  # [R]
         ids = np.stack([self.top_ids(row[None], top) for row in logits]) if top else np.zeros((len(logits), 0), np.int32)
         values = np.take_along_axis(logits, np.maximum(ids, 0), axis=-1).astype(np.float32)  # [R, k]
         picked = z[np.arange(len(z)), tokens]  # [R]

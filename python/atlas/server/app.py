@@ -28,7 +28,8 @@ from .request_ids import RequestIdHeaders
 from .choices import ChoiceRun, collect_choices, stream_choices
 from .errors import RequestError, error_body, request_error_body
 from .paths import route_path
-from .protocol import GenerationBody, Prompt, TokenizeBody, parse_body, parse_detokenize, parse_json_body, parse_tokenize
+from .protocol import (GenerationBody, Prompt, TokenizeBody, parse_body, parse_detokenize, parse_json_body, parse_sampling,
+                       parse_tokenize, with_defaults)
 from .reasoning import END as REASONING_END
 from .reasoning import START as REASONING_START
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
@@ -214,7 +215,7 @@ async def props(request: Request, state: ServerState) -> Response:
     from .. import __version__
 
     capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
-    params = llama_api.default_params(parse_body({"prompt": "x"}, False, state.sampling_defaults).sampling)
+    params = llama_api.default_params(parse_sampling(with_defaults({}, state.sampling_defaults)))
     return JSONResponse({"default_generation_settings": {"n_ctx": capacity, "params": params}, "total_slots": 1,
                          "model_alias": state.model_name, "model_path": str(state.llm.model_dir),
                          "chat_template": state.llm.tokenizer.chat_template or "",

@@ -41,9 +41,13 @@ class SharedSearch:
         if isinstance(outcome, Failed):
             yield outcome
             return
-        beam = outcome.beams[index] if index < len(outcome.beams) else None  # a vocabulary narrower than n
-        generated = tuple(beam.tokens[self.prompt_tokens :]) if beam is not None else ()
-        yield TextPiece(beam.text or "" if beam is not None else "", token_ids=generated, tokens=len(generated))
-        reason = beam.finish_reason if beam is not None and beam.finish_reason else "length"
-        yield Finished(reason, outcome.prompt_tokens, len(generated), outcome.cached_tokens,
+        if index >= len(outcome.beams):  # a vocabulary narrower than n: an empty choice
+            yield TextPiece("")
+            yield Finished("length", outcome.prompt_tokens, 0, outcome.cached_tokens,
+                           generation_seconds=outcome.generation_seconds)
+            return
+        beam = outcome.beams[index]
+        generated = tuple(beam.tokens[self.prompt_tokens :])
+        yield TextPiece(beam.text or "", token_ids=generated, tokens=len(generated))
+        yield Finished(beam.finish_reason or "length", outcome.prompt_tokens, len(generated), outcome.cached_tokens,
                        generation_seconds=outcome.generation_seconds)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..sampling import is_int
 from .errors import RequestError, error_body
-from .protocol import SamplingFields
+from .protocol import SamplingFields, check_unsupported
 from .worker import Event, Failed, Finished, ScoredToken, TextPiece
 
 PASSED_THROUGH = ("model", "prompt", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -45,7 +45,7 @@ class CompletionAsk:
 def completion_request(raw: Any) -> CompletionAsk:
     if not isinstance(raw, dict):
         raise RequestError("the request body must be a JSON object")
-    check_neutral(raw)
+    check_unsupported(raw, NEUTRAL)
     body = {key: raw[key] for key in PASSED_THROUGH if key in raw}
     body |= {new: raw[old] for old, new in RENAMED.items() if old in raw}
     if repeat_window(raw) == 0:  # llama.cpp: a window of no tokens turns the penalty off
@@ -93,13 +93,6 @@ def renamed(err: RequestError) -> RequestError:
 
 
 LLAMA_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty"}
-
-
-def check_neutral(raw: dict[str, Any]) -> None:
-    for name, neutral in NEUTRAL.items():
-        value = raw.get(name)
-        if name in raw and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
-            raise RequestError(f"'{name}' is not supported by this server; leave it out (or at {neutral[0]!r})", name)
 
 
 def repeat_window(raw: dict[str, Any]) -> int:

@@ -346,8 +346,9 @@ def parse_template_kwargs(value: Any) -> dict[str, Any] | None:
     return value
 
 
-def check_unsupported(body: dict[str, Any]) -> None:
-    for name, neutral in UNSUPPORTED.items():
+def check_unsupported(body: dict[str, Any], table: Mapping[str, tuple[Any, ...]] = UNSUPPORTED) -> None:
+    """A field of `table` (name -> the values that change nothing) holding another value is refused."""
+    for name, neutral in table.items():
         value = body.get(name)
         if name in body and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
             raise RequestError(f"'{name}' is not supported by this server; leave it out", name)
