@@ -369,7 +369,7 @@ async def llama_completion(request: Request, state: ServerState) -> Response:
         run = (await checked_runs(state, body))[0]
     except RequestError as err:
         raise llama_api.renamed(err) from None
-    prompt = state.llm.tokenizer.decode(list(run.prompt_ids), skip_special_tokens=False)
+    prompt = await anyio.to_thread.run_sync(lambda: state.llm.tokenizer.decode(list(run.prompt_ids), skip_special_tokens=False))
     meta = llama_api.CompletionMeta(state.model_name, prompt, len(run.prompt_ids), ask)
     if body.stream:
         return EventStreamResponse(llama_api.stream_completion(meta, run.events))
