@@ -409,8 +409,9 @@ def test_thinking_budget_speculates_and_equals_plain(demo_mtp: Path, rng: np.ran
     spec, plain = LLM(str(demo_mtp), "cpu", spec_k=int(rng.integers(1, 4))), LLM(str(demo_mtp), "cpu", spec_k=0)
     tokenizer = Tokenizer.open(demo_mtp)
     prompt = tokenizer.encode(DEMO_PROMPT + "<think>\n")
+    # ignore_eos: a sampled end of text inside the budget would end the answer before its closing
     opts = {"max_tokens": 30, "temperature": temperature, "seed": int(rng.integers(1 << 30)),
-            "thinking_token_budget": int(rng.integers(0, 12))}
+            "thinking_token_budget": int(rng.integers(0, 12)), "ignore_eos": True}
     result = spec.generate(prompt, **opts)
     assert result.spec_rounds > 0 and result.token_ids == plain.generate(prompt, **opts).token_ids
     assert tokenizer.decode(tokenizer.encode(CLOSING, add_special_tokens=False)) in result.text

@@ -188,14 +188,16 @@ def test_demo_closes_its_block_and_answers_on(llm: LLM, rng: np.random.Generator
     closing = llm.tokenizer.encode(CLOSING, add_special_tokens=False)
     budget = int(rng.integers(0, 12))
     seed = int(rng.integers(1 << 30))
+    # ignore_eos: a sampled end of text inside the budget would end the answer before its closing
     prompt, tokens = ask_demo(llm, rng, max_tokens=budget + len(closing) + 10, thinking_token_budget=budget,
-                              temperature=temperature, seed=seed)
+                              temperature=temperature, seed=seed, ignore_eos=True)
     at = next(i for i in range(len(tokens)) if tokens[i:i + len(closing)] == closing)
     assert budget <= at <= budget + (WAIT if temperature else 0), (budget, tokens)
     fed = at + len(closing)
     if temperature == 0:
-        assert llm.generate(prompt + tokens[:fed], max_tokens=len(tokens) - fed).token_ids == tokens[fed:]
-        free = llm.generate(prompt, max_tokens=len(tokens)).token_ids
+        rest = llm.generate(prompt + tokens[:fed], max_tokens=len(tokens) - fed, ignore_eos=True).token_ids
+        assert rest == tokens[fed:]
+        free = llm.generate(prompt, max_tokens=len(tokens), ignore_eos=True).token_ids
         assert free[:at] == tokens[:at] and free != tokens
 
 
