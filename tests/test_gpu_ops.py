@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from atlas.backends.base import KVCache, SamplingParams
+from atlas.backends.base import NO_TOKEN, KVCache, SamplingParams
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.config import Yarn, yarn_mscale
 from atlas.errors import AtlasError
@@ -414,6 +414,27 @@ def test_argmax_lowest_index_on_ties(env: Env, rng: np.random.Generator, tokens:
     env.gpu.rt.poison_scratch()
     out = env.gpu.to_numpy(env.gpu.argmax(device_logits))
     np.testing.assert_array_equal(out, env.ref.argmax(logits))
+
+
+def test_a_row_of_nan_alone_picks_no_token(env: Env, rng: np.random.Generator) -> None:
+    """argmax and sample over a row of NaN alone (a model state gone NaN) give NO_TOKEN for the host
+    to report, into poisoned outputs; a row with one number among the NaN, or of -inf alone, still
+    picks (the number; greedy the first, sampled any, as the reference)."""
+    v = env.d("vocab_size")
+    logits = np.full((3, v), np.nan, np.float32)  # [3, V] rows: NaN alone, one number, -inf alone
+    number = int(rng.integers(v))
+    logits[1, number] = rng.standard_normal()
+    logits[2] = -np.inf
+    env.gpu.rt.reset_step()
+    env.gpu.rt.poison_scratch()
+    np.testing.assert_array_equal(env.gpu.to_numpy(env.gpu.argmax(env.gpu.upload(logits, "f32"))), [NO_TOKEN, number, 0])
+    params = SamplingParams(float(rng.uniform(0.5, 1.5)), int(rng.choice([0, 20])), float(rng.choice([1.0, 0.9])))
+    for row, want in ((0, NO_TOKEN), (1, number)):
+        env.gpu.rt.reset_step()
+        env.gpu.rt.poison_scratch()
+        got = env.gpu.to_numpy(env.gpu.sample(env.gpu.upload(logits[row : row + 1], "f32"), params, draw_uniform(rng)))
+        assert int(got[0]) == want == int(env.ref.sample(logits[row : row + 1], params, 0.5)[0]), (row, params)
+    check_sample(env, logits[2:], params, draw_uniform(rng), "-inf alone")
 
 
 def test_sample_matches_reference(env: Env, rng: np.random.Generator) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atlas.backends.base import KVCache, SamplingParams
+from atlas.backends.base import NO_TOKEN, KVCache, SamplingParams
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.config import spec_from_config
 from atlas.layers.rotary import default_inv_freq, rope_frequencies
@@ -251,13 +251,13 @@ def test_argmax_lowest_index_on_ties(rng: np.random.Generator) -> None:
 
 
 def test_argmax_reads_nan_as_minus_infinity(rng: np.random.Generator) -> None:
-    """As the device's argmax does: NaN never wins, an all-NaN row gives 0."""
+    """As the device's argmax does: NaN never wins, an all-NaN row gives NO_TOKEN."""
     logits = randn(rng, 3, 40)
     logits[0, rng.integers(0, 40, size=5)] = np.nan
     logits[1, :] = np.nan
     logits[2, 7] = np.nan
     out = be.argmax(logits)
-    np.testing.assert_array_equal(out, [np.nanargmax(logits[0]), 0, np.nanargmax(logits[2])])
+    np.testing.assert_array_equal(out, [np.nanargmax(logits[0]), NO_TOKEN, np.nanargmax(logits[2])])
 
 
 def sort_based_choice(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:

@@ -95,6 +95,54 @@ def test_a_nonfinite_hidden_state_is_one_line(tmp_path: Path, rng: np.random.Gen
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("atlas.run: error: the model's hidden state")
 
 
+def poison_row(model_dir: Path, name: str, row: int) -> None:
+    """Row `row` of a bf16 matrix of the checkpoint overwritten with NaN, in place in the file."""
+    checkpoint = Checkpoint.open(model_dir)
+    info, width = checkpoint.info(name), checkpoint.shape(name)[1]
+    checkpoint.close()
+    with open(info.path, "r+b") as file:
+        file.seek(info.start + 2 * row * width)
+        file.write(np.full(width, 0x7FC0, "<u2").tobytes())
+
+
+REGEX = "[a-z ]{60}"  # longer than the answer: no end of text is allowed
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative", "regex"])
+def test_logits_gone_nan_mid_answer_are_one_line(tmp_path: Path, rng: np.random.Generator, mode: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A generated token whose embedding row is NaN (the prompt's are sound, so the prompt's check
+    passes) turns the next logits to NaN alone: the pick is no token, and generate, stream and
+    atlas.run stop there with one line instead of answering with token 0 (the NaN row's argmax
+    was 0), greedy or sampled, with and without MTP speculation or structured output."""
+    from test_speculative import add_mtp_head, new_seed
+
+    from atlas import LLM
+    from atlas.errors import AtlasError
+
+    model = demo_copy(tmp_path / "demo")
+    if mode == "speculative":
+        add_mtp_head(model, new_seed(), fused=True)
+    opts = {"max_tokens": 12, "temperature": float(rng.choice([0.0, 0.8])), "seed": int(rng.integers(1 << 30)),
+            **({"regex": REGEX} if mode == "regex" else {"ignore_eos": True})}
+    prompt = LLM(str(model), device="cpu", spec_k=0).tokenizer.encode("Flat is")
+    tokens = LLM(str(model), device="cpu", spec_k=0).generate(prompt, **opts).token_ids
+    fresh = [t for i, t in enumerate(tokens[:-1]) if t not in prompt and t not in tokens[:i]]
+    if not fresh:
+        pytest.skip(f"the answer {tokens} repeats the prompt's tokens alone")
+    poison_row(model, "model.embed_tokens.weight", fresh[0])
+    llm = LLM(str(model), device="cpu", spec_k=2 if mode == "speculative" else 0)
+    for call in (lambda: llm.generate(prompt, **opts), lambda: "".join(llm.stream(prompt, **opts))):
+        with pytest.raises(AtlasError, match="logits went NaN during the generation") as err:
+            call()
+        assert "\n" not in str(err.value) and "--check-weights" in str(err.value)
+    capsys.readouterr()
+    flags = ["--temperature", str(opts["temperature"]), "--seed", str(opts["seed"])]
+    flags += ["--regex", REGEX] if mode == "regex" else ["--ignore-eos"]
+    assert main(["--model", str(model), "--device", "cpu", "--max-tokens", "12", "--prompt", "Flat is", *flags]) == 2
+    assert "logits went NaN during the generation" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_the_reference_ops_pass_nonfinite_values_on_without_warnings(rng: np.random.Generator) -> None:
     """Infinity in an activation (inf / inf, inf - inf: numpy's invalid-value warnings) flows on as
     NaN, as on a GPU, for the hidden-state check to report in one line."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .backends.base import Backend, SamplingParams, Tensor
+from .backends.base import NO_TOKEN, Backend, SamplingParams, Tensor
 from .backends.run_plan import DEFAULT_MAX_SEQ_LEN
 from .config import ModelSpec
 from .dump import dump_from_env
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 
 PREFILL_CHUNK = 4096  # prompt tokens per forward: bounds a step's activations at any context length
+NAN_CAUSES = ("a weight may hold NaN or infinity (--check-weights scans them) or an activation overflowed "
+              "(ATLAS_DUMP=layers writes each layer's output, to find the first that goes bad)")
 SCORE_ROWS = 64  # prompt rows whose logits [rows, V] are made at once when prompt tokens are scored
 PromptForward = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]  # ids, positions -> hidden, head input
 PromptPass = tuple[int, int, Tensor, Tensor, Tensor | None]  # start, stop, positions, hidden, head input
@@ -185,9 +187,18 @@ class Engine:
             return hidden
         self.prompt_cache.forget()
         raise AtlasError(f"the model's hidden state after the prompt ({prompt_tokens} tokens) holds NaN or infinity, so "
-                         "its output would be noise: a weight may hold NaN or infinity (--check-weights scans them) or "
-                         "an activation overflowed (ATLAS_DUMP=layers writes each layer's output, to find the first "
-                         "that goes bad)")
+                         f"its output would be noise: {NAN_CAUSES}")
+
+    def checked(self, tokens: list[int], model: str = "model") -> list[int]:
+        """Picks read back, checked: NO_TOKEN (a row of logits of NaN alone: the state went NaN
+        mid-answer, past finite_row's check of the prompt) stops the generation with one line."""
+        if NO_TOKEN in tokens:
+            raise self.went_nan(model)
+        return tokens
+
+    def went_nan(self, model: str = "model") -> AtlasError:
+        self.prompt_cache.forget()  # its newest states hold the NaN
+        return AtlasError(f"the {model}'s logits went NaN during the generation, so its output would be noise: {NAN_CAUSES}")
 
     def prompt_forwards(self, prompt_ids: list[int], start: int, forward: PromptForward) -> Iterator[PromptPass]:
         """The prompt's tokens from `start` on in passes through `forward` (-> hidden [n, H], the
@@ -349,7 +360,7 @@ class Engine:
             token_t = self.backend.upload(np.array([token], dtype=np.int32), "i32")
         else:
             token_t = self.backend.argmax(logits) if sampling.temperature == 0 else self.backend.sample(logits, sampling, uniform)
-            token = int(self.backend.to_numpy(token_t)[0])
+            token = self.checked([int(self.backend.to_numpy(token_t)[0])])[0]
         if penalties is not None:
             penalties.add(token, token_t)
         return token, token_t
@@ -373,7 +384,10 @@ class Engine:
             token = constraint.sample_listed(ListedRow(ids, values, float(lse[0] + lse[1]), vocab), sampling, uniform)
         if token is not None:
             return token
-        return host_pick(self.backend.to_numpy(logits)[0], sampling, uniform, constraint)
+        row = self.backend.to_numpy(logits)[0]  # [V]
+        if np.isnan(row).all():
+            raise self.went_nan()
+        return host_pick(row, sampling, uniform, constraint)
 
     def token_logprob(self, logits: Tensor, token: int, top: int) -> TokenLogprob:
         """The picked token's log-probability under logits [1, V] and the `top` most likely."""

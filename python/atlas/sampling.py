@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .backends.base import Backend, PenaltyOperands, SamplingParams, Tensor, kernel_temperature
+from .backends.base import NO_TOKEN, Backend, PenaltyOperands, SamplingParams, Tensor, kernel_temperature
 from .errors import AtlasError
 
 if TYPE_CHECKING:
@@ -273,7 +273,10 @@ def top_order(values: np.ndarray, top: int) -> np.ndarray:
 
 def choose_token(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
     """The reference token choice of `Backend.sample` for one row of logits [V]; min_p keeps the
-    tokens with p >= min_p * the largest p before top_p sees them."""
+    tokens with p >= min_p * the largest p before top_p sees them. A row of NaN alone has no token:
+    NO_TOKEN."""
+    if np.isnan(logits).all():
+        return NO_TOKEN
     probs = softmax_probs(logits, params.temperature)  # [V]
     keep = top_k_mask(probs, params.top_k)
     if params.min_p > 0:

@@ -233,7 +233,7 @@ class SpeculativeEngine(Engine):
         With picks.logprobs the picked rows' raw logits are scored into picks.scores."""
         logits = self.model.logits(Step(self.backend, positions, self.dump), hidden)  # [T, V]
         if picks.sampling.raw_greedy:
-            greedy = [int(t) for t in self.backend.to_numpy(self.backend.argmax(logits))][skip:]
+            greedy = self.checked([int(t) for t in self.backend.to_numpy(self.backend.argmax(logits))][skip:])
             chosen = picks.follow(drafts, greedy)
         else:
             chosen = []
@@ -292,7 +292,7 @@ class SpeculativeEngine(Engine):
         drafts: list[int] = []
         for i in range(k):
             logits = self.head.logits(Step(self.backend, positions), hidden)  # [1, V]
-            drafts.append(int(self.backend.to_numpy(self.backend.argmax(logits))[0]))
+            drafts += self.checked([int(self.backend.to_numpy(self.backend.argmax(logits))[0])], "MTP head")
             if i + 1 < k:
                 ids, positions = self._ids([drafts[-1]], cursor.position + i)
                 hidden = persist(self.backend, hidden)

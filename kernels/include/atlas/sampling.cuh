@@ -88,8 +88,9 @@ __device__ void argmax_final(const ArgmaxParams& p) {
   ArgBest best{-INFINITY, INT_MAX};
   for (int c = threadIdx.x; c < p.chunks; c += blockDim.x) best = better(best, ArgBest{values[c], indices[c]});
   best = block_best(best);
-  // All-NaN rows leave INT_MAX: answer 0 rather than an index outside the vocabulary.
-  if (threadIdx.x == 0) static_cast<int32_t*>(p.out)[row] = best.index < p.vocab ? best.index : 0;
+  // An all-NaN row leaves INT_MAX: it has no token, -1 (the embedding reads a zero row for it; the
+  // host reads the -1 and stops the generation, the model's state having gone NaN).
+  if (threadIdx.x == 0) static_cast<int32_t*>(p.out)[row] = best.index < p.vocab ? best.index : -1;
 }
 
 // ---- sample ----------------------------------------------------------------------------------
@@ -126,18 +127,23 @@ __device__ __forceinline__ double block_sum_f64(double value) {
 // included) get exp(0) = 1, so sum >= 1 (an all -inf row is uniform). T below FLT_MIN (a launch
 // parameter that rounded to 0 or a denormal) is FLT_MIN; T that rounded to inf is FLT_MAX (-inf /
 // inf would make a masked token's weight NaN). Returns the largest p, 1 / sum, and in
-// thread_max the largest p among the entries this thread normalised.
+// thread_max the largest p among the entries this thread normalised; all_nan: the row held only NaN.
 __device__ __forceinline__ float sample_logit(const float* logits, int i) {
   const float v = logits[i];
   return isnan(v) ? -INFINITY : v;
 }
 
-__device__ float sample_softmax(const SampleParams& p, float* scratch, float& thread_max) {
+__device__ float sample_softmax(const SampleParams& p, float* scratch, float& thread_max, bool& all_nan) {
   const float* logits = static_cast<const float*>(p.logits);
   float* probs = static_cast<float*>(p.probs);
   const float temperature = fminf(fmaxf(p.temperature, FLT_MIN), FLT_MAX);
   float zmax = -INFINITY;
-  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) zmax = fmaxf(zmax, sample_logit(logits, i));
+  float numbers = 0.0f;  // 1 once this thread read a value that is not NaN
+  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
+    numbers = isnan(logits[i]) ? numbers : 1.0f;
+    zmax = fmaxf(zmax, sample_logit(logits, i));
+  }
+  all_nan = block_max(numbers, scratch) == 0.0f;
   zmax = block_max(zmax, scratch);
   float partial = 0.0f;
   for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
@@ -376,7 +382,12 @@ __device__ void sample(const SampleParams& p) {
   __shared__ SampleCandidates candidates;
   if (p.vocab <= 0) return;
   float thread_max;
-  const float pmax = sample_softmax(p, scratch, thread_max);
+  bool all_nan;
+  const float pmax = sample_softmax(p, scratch, thread_max, all_nan);
+  if (all_nan) {  // no token, as argmax_final's -1: the host stops the generation
+    if (threadIdx.x == 0) static_cast<int32_t*>(p.out)[0] = -1;
+    return;
+  }
   const float bound = sample_lower_bound(p, thread_max, pmax);
   const float* probs = static_cast<const float*>(p.probs);
   if (bound >= 0.0f && gather_at_least(probs, p.vocab, bound, candidates) <= kSampleCandidates) {

@@ -23,6 +23,10 @@ import numpy as np
 
 Tensor = Any  # backend-native tensor: has .shape and .reshape(*shape) (a view, no copy)
 StorageDType = Literal["f32", "bf16", "i32"]
+# argmax's and sample's pick from a row of NaN alone (a model state gone NaN): no token. The
+# embedding reads a zero row for it, so a GPU's chained decode step stays in bounds until the host
+# reads it and stops the generation (Engine.checked).
+NO_TOKEN = -1
 
 
 def kernel_temperature(temperature: float) -> float:
@@ -263,8 +267,8 @@ class Backend(Protocol):
 
     # --- sampling -----------------------------------------------------------------------------
     def argmax(self, logits: Tensor) -> Tensor:
-        """logits [T, V] -> [T] i32 (lowest index on ties; NaN reads as -inf, so an all-NaN row
-        gives 0). Stays on the device."""
+        """logits [T, V] -> [T] i32 (lowest index on ties; NaN reads as -inf; a row of NaN alone
+        gives NO_TOKEN). Stays on the device."""
 
     def sample(self, logits: Tensor, params: SamplingParams, uniform: float) -> Tensor:
         """logits [1, V] -> [1] i32, without sorting, so a GPU computes the same token:
@@ -273,7 +277,8 @@ class Backend(Protocol):
         the largest threshold such that the kept mass sum(p >= t) reaches top_p * kept mass
         (ties kept); then with c the cumulative sum of the kept p in index order, return the first
         index with c > uniform * c[-1]. `uniform` in [0, 1) comes from the caller's seeded RNG.
-        min_p > 0 also drops the tokens whose p is below min_p * the largest p, before top_p."""
+        min_p > 0 also drops the tokens whose p is below min_p * the largest p, before top_p.
+        A row of NaN alone gives NO_TOKEN."""
 
     def penalize(self, logits: Tensor, operands: PenaltyOperands, params: SamplingParams, mask_ends: bool) -> Tensor:
         """logits [1, V] -> a new [1, V] (logits untouched: logprobs read them) with, in vLLM's

@@ -16,6 +16,7 @@ from .base import (
     DeltaNetInputs,
     DeltaNetOperands,
     KVCache,
+    NO_TOKEN,
     LogprobTensors,
     PenaltyOperands,
     SamplingParams,
@@ -354,7 +355,8 @@ class NumpyBackend:
     # --- sampling -----------------------------------------------------------------------------
     def argmax(self, logits: Tensor) -> Tensor:
         finite = np.where(np.isnan(logits), -np.inf, logits)  # NaN never wins, as on the GPU
-        return np.argmax(finite, axis=-1).astype(np.int32)
+        picks = np.argmax(finite, axis=-1)  # [R]
+        return np.where(np.isnan(logits).all(axis=-1), NO_TOKEN, picks).astype(np.int32)  # [R]
 
     def sample(self, logits: Tensor, params: SamplingParams, uniform: float) -> Tensor:
         return np.array([choose_token(logits[0], params, uniform)], dtype=np.int32)
