@@ -352,7 +352,8 @@ def test_interactive_conversation_drops_its_oldest_turns_to_fit(rng: np.random.G
         kept = conversation.messages[:-1]
         assert kept[0] == {"role": "system", "content": "Zen."} and kept[-1] == {"role": "user", "content": turn}
         prompt = reference.tokenizer.encode_chat(kept)
-        assert len(prompt) + (max_tokens or 32) - 1 <= 64
+        alone = sum(m["role"] == "user" for m in kept) == 1  # under None, a long turn alone gets what room is left
+        assert len(prompt) + (max_tokens or 32) - 1 <= 64 or (max_tokens is None and alone and len(prompt) < 64)
         assert result.text == reference.generate(prompt, max_tokens=max_tokens or 64 - len(prompt) + 1).text
     assert sum(m["role"] == "user" for m in conversation.messages) < 6
     assert "turn(s) are left out" in capsys.readouterr().err

@@ -47,7 +47,9 @@ class Conversation:
         while (over := len(self.llm.tokenizer.encode_chat(kept)) > room) and (turn := oldest_turn(kept)) is not None:
             kept = kept[: turn.start] + kept[turn.stop :]
             dropped += 1
-        if over:  # the new turn alone does not fit: nothing is left out for it
+        # The new turn alone leaves less room than that: under a max_tokens, nothing is left out for
+        # it (prepare refuses it in one line); under None it is answered in what room the context has.
+        if over and (self.opts.max_tokens is not None or len(self.llm.tokenizer.encode_chat(kept)) >= capacity):
             return messages
         if dropped:
             click.echo(f"atlas: the conversation outgrew the context ({capacity} positions with room for a reply of "
