@@ -363,6 +363,24 @@ def test_interactive_conversation_drops_its_oldest_turns_to_fit(rng: np.random.G
     assert conversation.messages == before and "left out" not in capsys.readouterr().err
 
 
+def test_interactive_long_turn_under_no_max_tokens_drops_every_older_turn() -> None:
+    """-n -1 keeps room for a reply of half the context; a new turn that leaves less (but fits)
+    is answered alone, every older turn left out, instead of sent with them past the context."""
+    from atlas import LLM
+    from atlas.chat import Conversation
+    from atlas.llm import generate_options
+
+    llm = LLM(device="cpu", max_seq_len=64)
+    conversation = Conversation(llm, generate_options(max_tokens=None), [{"role": "system", "content": "Zen."}])
+    conversation.turn("Flat is", lambda text: None)
+    long_turn = "Although practicality beats purity."
+    alone = len(llm.tokenizer.encode_chat([*conversation.messages[:1], {"role": "user", "content": long_turn}]))
+    assert 33 < alone < 64  # past the room for a 32-token reply, within the context
+    result = conversation.turn(long_turn, lambda text: None)
+    assert [m["role"] for m in conversation.messages] == ["system", "user", "assistant"]
+    assert result.token_ids and alone + len(result.token_ids) <= 65
+
+
 def test_interactive_needs_a_chat_template(tiny_dir: Path) -> None:
     import shutil
 
