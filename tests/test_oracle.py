@@ -148,6 +148,17 @@ def test_greedy_generation_matches_transformers(case: Case) -> None:
     assert stats.prompt_tokens == PROMPT_TOKENS
 
 
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_pooled_hidden_state_matches_transformers(case: Case, pooling: str) -> None:
+    """atlas.embed's vector before normalising: transformers' last hidden state (after the final
+    norm) at the last token, or averaged over the prompt."""
+    with torch.no_grad():
+        hidden = case.reference(torch.tensor([case.prompt]), output_hidden_states=True).hidden_states[-1][0].numpy()
+    reference = hidden[-1] if pooling == "last" else hidden.mean(axis=0)  # [H]
+    ours = case.engine.pooled(case.prompt, pooling)  # [H]
+    assert ours.shape == (case.tiny.hidden_size,) and relative_error(ours, reference) < RELATIVE_TOLERANCE
+
+
 def test_prefill_then_decode_equals_recompute(case: Case) -> None:
     engine = case.engine
     generated = engine.generate(case.prompt, 12, SamplingParams(), None, set()).token_ids

@@ -1148,8 +1148,8 @@ def test_client_sees_bad_requests(served: Served) -> None:
     with pytest.raises(openai.BadRequestError) as several:
         client.chat.completions.create(model=DEMO_NAME, messages=[{"role": "user", "content": "x"}], n=17)
     assert several.value.param == "n"
-    with pytest.raises(openai.NotFoundError):
-        client.embeddings.create(model=DEMO_NAME, input="x")
+    with pytest.raises(openai.NotFoundError):  # a route this server has not
+        client.images.generate(model=DEMO_NAME, prompt="x")
     assert_still_serving(served)
 
 
@@ -1167,7 +1167,8 @@ FUZZ_FIELDS = ("model", "prompt", "messages", "input", "text", "metadata", "inst
                "min_tokens", "stop_token_ids", "chat_template_kwargs", "prompt_logprobs", "tokens", "add_special_tokens",
                "system", "stop_sequences", "thinking", "output_config", "return_token_ids", "background", "store",
                "thinking_token_budget", "n_predict", "n_probs", "repeat_penalty", "repeat_last_n", "mirostat",
-               "return_tokens", "use_beam_search", "length_penalty")
+               "return_tokens", "use_beam_search", "length_penalty", "encoding_format", "dimensions", "normalize",
+               "content", "embd_normalize", "truncate_prompt_tokens")
 FUZZ_BASES = {
     "/v1/completions": {"model": DEMO_NAME, "prompt": "Beautiful is", "max_tokens": 3},
     "/v1/chat/completions": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
@@ -1179,6 +1180,8 @@ FUZZ_BASES = {
     "/apply-template": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}]},
     "/invocations": {"model": DEMO_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
     "/completion": {"prompt": "Beautiful is", "n_predict": 3, "n_probs": 2},  # llama.cpp's
+    "/v1/embeddings": {"model": DEMO_NAME, "input": ["Beautiful is", "Hi"], "encoding_format": "base64"},
+    "/embedding": {"content": "Beautiful is", "embd_normalize": 2},  # llama.cpp's
 }
 
 

@@ -628,3 +628,21 @@ def head_router_gaps(engine: SpeculativeEngine, ids: np.ndarray, hidden: np.ndar
     engine.head.forward(step, be.upload(ids, "i32"), be.upload(hidden, "f32"), engine.head.new_state(be, 16))
     logits = -np.sort(-seen["mtp.mlp.router_logits"], axis=-1)  # [T, E], descending
     return logits[:, k - 1] - logits[:, k] if k < logits.shape[-1] else np.full(len(ids), np.inf)
+
+
+def test_an_embedding_between_generations_keeps_speculation_exact(demo_mtp: Path, rng: np.random.Generator) -> None:
+    """An embedding resumes the main model from the prompt cache but writes none of the head's rows
+    (its checkpoints have no head input): a speculative generation after it, on a prompt that
+    extends both, still gives the plain tokens."""
+    from atlas.llm import LLM
+
+    spec, plain = LLM(str(demo_mtp), "cpu", spec_k=int(rng.integers(1, 4))), LLM(str(demo_mtp), "cpu", spec_k=0)
+    first = spec.generate(DEMO_PROMPT, max_tokens=int(rng.integers(2, 8)))
+    longer = spec.tokenizer.encode(DEMO_PROMPT) + first.token_ids + spec.tokenizer.encode(" Flat is")
+    spec.embed([longer])
+    assert spec.parts.engine.prompt_cache.last_hit > 0  # the embedding resumed after the first generation
+    opts = {"max_tokens": 16, "temperature": float(rng.choice([0.0, 0.8])), "seed": int(rng.integers(1 << 30))}
+    prompt = longer + spec.tokenizer.encode(" is")
+    result = spec.generate(prompt, **opts)
+    assert result.spec_rounds > 0
+    assert result.token_ids == plain.generate(prompt, **opts).token_ids

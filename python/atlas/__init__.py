@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .embed import PoolingParams
     from .llm import LLM
     from .vllm_api import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from . import vllm_api
 
         return getattr(vllm_api, name)
+    if name == "PoolingParams":  # vLLM's, for LLM.embed (atlas.embed)
+        from .embed import PoolingParams
+
+        return PoolingParams
     if name == "__version__":
         try:
             from ._version import version

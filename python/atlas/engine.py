@@ -179,6 +179,25 @@ class Engine:
         last = self.finite_row(self._row(hidden, stop - start - 1), len(prompt_ids))  # [1, H]
         return self.model.logits(Step(self.backend, positions, self.dump), last), scores
 
+    def pooled(self, prompt_ids: list[int], pooling: str) -> np.ndarray:
+        """The prompt's final-normed hidden rows pooled into one vector [H] f32 (atlas.embed), as one
+        turn (atlas.turns): "last" its last row (resuming from the prompt cache), "mean" the mean
+        of every row (from a fresh state: a cached start has no rows)."""
+        with self.turns.lock:
+            self.turns.start()
+            self.check_ids(prompt_ids, 0)
+            resume = self.resume(prompt_ids, None if pooling == "last" else lambda start, checkpoint: False)
+            if resume.start == len(prompt_ids):
+                assert resume.checkpoint is not None
+                return self.backend.to_numpy(self.finite_row(resume.checkpoint.hidden, len(prompt_ids)))[0]
+            total = np.zeros(self.spec.hidden_size, np.float64)  # [H]
+            passes = self.prompt_forwards(prompt_ids, resume.start, lambda ids, positions: (self.forward(ids, positions), None))
+            for start, stop, _, hidden, _ in passes:
+                if pooling == "mean":
+                    total += self.backend.to_numpy(hidden).sum(axis=0, dtype=np.float64)  # [H]
+            last = self.backend.to_numpy(self.finite_row(self._row(hidden, stop - start - 1), len(prompt_ids)))[0]  # [H]
+            return (total / len(prompt_ids)).astype(np.float32) if pooling == "mean" else last
+
     def finite_row(self, hidden: Tensor, prompt_tokens: int) -> Tensor:
         """The prompt's last hidden row [1, H], checked: NaN or infinity there (a NaN or infinite
         weight, an activation that overflowed) makes every logit NaN and every pick noise, so the

@@ -19,6 +19,7 @@ from .turns import GenerationTurns
 if TYPE_CHECKING:
     from .backends.base import SamplingParams
     from .beam_search import BeamSearchOutput, BeamSearchParams
+    from .embed import EmbeddingRequestOutput, PoolingParams
     from .sampling import TokenLogprob
     from .structured import OutputFormat, TokenConstraint
     from .kvcache.options import KVCacheOptions
@@ -127,6 +128,8 @@ class EngineLike(Protocol):
     def decode_tensor(self, ids: Any, position: int, token: int | None = None) -> Any: ...  # logits [1, V]; ids, token from pick_tensor
 
     def token_logprob(self, logits: Any, token: int, top: int) -> TokenLogprob: ...
+
+    def pooled(self, prompt_ids: list[int], pooling: str) -> Any: ...  # np.ndarray [H] (atlas.embed)
 
 
 @dataclass
@@ -449,6 +452,15 @@ class LLM:
 
         check_bools(use_tqdm=use_tqdm)
         return beam_search(self, prompts, params, use_tqdm)
+
+    def embed(self, prompts: object, pooling_params: PoolingParams | None = None, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: for each prompt (a text, token ids, or vLLM's prompt dict; or a list of
+        them), its final hidden state pooled and L2-normalised (atlas.embed)."""
+        from .embed import embed
+
+        check_bools(use_tqdm=use_tqdm)
+        return embed(self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm)
 
     def stream(self, prompt: str | list[int], **options: Any) -> Iterator[str]:
         """Yield text pieces as they are generated (options: generate()'s; logprobs are generate()'s

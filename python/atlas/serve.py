@@ -26,6 +26,7 @@ from .cli import run_command
 from .engine_flags import EngineFlags, engine_options
 from .vllm_flags import VllmFlags, vllm_options
 from .errors import AtlasError
+from .embed import POOLINGS
 from .llm import DEFAULT_PROMPT_CACHE, MAX_PROMPT_CACHE
 from .run import MODEL_HELP
 from .server.reasoning import PARSERS
@@ -64,6 +65,7 @@ class ServeArgs:
     disable_uvicorn_access_log: bool  # no log line per request (vLLM's flag)
     enable_request_id_headers: bool  # every response carries X-Request-Id (vLLM's flag)
     root_path: str  # the prefix a path-routing proxy serves the app under and strips (vLLM's --root-path)
+    pooling: str  # how /v1/embeddings and /embedding pool a prompt's hidden states (atlas.embed)
     engine: EngineFlags
 
 
@@ -146,7 +148,8 @@ def serve(args: ServeArgs) -> None:
         app = create_app(ServerState(name, worker, llm, **parsers, api_key=args.api_key, sampling_defaults=defaults,
                                      max_waiting=args.max_waiting, responses=ResponseStore(args.response_store),
                                      cors=args.cors, seeds=seed_stream(args.seed),
-                                     request_id_headers=args.enable_request_id_headers, aliases=tuple(aliases)))
+                                     request_id_headers=args.enable_request_id_headers, aliases=tuple(aliases),
+                                     pooling=args.pooling))
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 access_log=not args.disable_uvicorn_access_log, root_path=args.root_path.rstrip("/"),
                                 **args.tls.uvicorn_options())
@@ -238,6 +241,9 @@ def check_root_path(root_path: str) -> None:
 @click.option("--enable-request-id-headers", is_flag=True,
               help="Every response carries X-Request-Id: the client's, else a new one that also names the answer "
               "(vLLM's flag).")
+@click.option("--pooling", type=click.Choice(POOLINGS), default="last", show_default=True,
+              help="How /v1/embeddings and /embedding pool a prompt's final hidden states: the last token's (vLLM's "
+              "default for decoder models) or their mean (llama.cpp's flag).")
 @engine_options
 @vllm_options
 def command(**kwargs: Any) -> None:

@@ -162,6 +162,12 @@ class SpeculativeEngine(Engine):
         self.mtp_rows = min(self.mtp_rows, self.prompt_cache.last_hit)
         return logits
 
+    def pooled(self, prompt_ids: list[int], pooling: str) -> np.ndarray:
+        """The plain path's pooled rows (atlas.embed): the head's rows past the resume point are not written."""
+        vector = super().pooled(prompt_ids, pooling)
+        self.mtp_rows = min(self.mtp_rows, self.prompt_cache.last_hit)
+        return vector
+
     # --- generation ---------------------------------------------------------------------------
     def _generate(self, request: GenerationRequest) -> GenerationStats:
         if request.prompt_logprobs is not None or request.max_tokens <= 0:

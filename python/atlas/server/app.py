@@ -34,7 +34,7 @@ from .reasoning import END as REASONING_END
 from .reasoning import START as REASONING_START
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
-from . import llama_api, messages_api
+from . import embeddings, llama_api, messages_api
 from .background import BackgroundRuns, resume_after
 from .beams import SharedSearch
 from .response_store import ResponseStore, StoredResponse, item_page, not_found
@@ -69,6 +69,7 @@ class ServerState:
     seeds: random.Random | None = None  # --seed: a request that gives no seed samples with the next one drawn here
     request_id_headers: bool = False  # --enable-request-id-headers: every response carries X-Request-Id
     aliases: tuple[str, ...] = ()  # further --served-model-name names a request may give (answers say model_name)
+    pooling: str = "last"  # --pooling: how an embedding pools the prompt's hidden states (atlas.embed)
 
     def served_names(self) -> tuple[str, ...]:
         return (self.model_name, *self.aliases)
@@ -269,6 +270,19 @@ async def apply_template(request: Request, state: ServerState) -> Response:
     check_model(state, body.model)
     text = await anyio.to_thread.run_sync(rendered_chat, state.llm, body)
     return JSONResponse({"prompt": text})
+
+
+async def openai_embeddings(request: Request, state: ServerState) -> Response:
+    """OpenAI's and vLLM's /v1/embeddings (server/embeddings.py)."""
+    ask = embeddings.openai_request(await read_json(request), state.llm.parts.spec.hidden_size)
+    vectors, tokens = await embeddings.embedded(state, ask)
+    return JSONResponse(embeddings.openai_answer(ask, vectors, tokens, state.model_name))
+
+
+async def llama_embedding(request: Request, state: ServerState) -> Response:
+    """llama.cpp's /embedding (server/embeddings.py)."""
+    vectors, _ = await embeddings.embedded(state, embeddings.llama_request(await read_json(request)))
+    return JSONResponse(embeddings.llama_answer(vectors))
 
 
 async def detokenize(request: Request, state: ServerState) -> Response:
@@ -733,6 +747,9 @@ ROUTES: tuple[tuple[str, Handler, tuple[str, ...]], ...] = (
     ("/completion", llama_completion, ("POST",)),  # llama.cpp's own API, and its alias
     ("/completions", llama_completion, ("POST",)),
     ("/props", props, ("GET",)),  # llama.cpp's
+    ("/embedding", llama_embedding, ("POST",)),  # llama.cpp's, and its alias
+    ("/embeddings", llama_embedding, ("POST",)),
+    ("/v1/embeddings", openai_embeddings, ("POST",)),
     ("/metrics", metrics, ("GET",)),
     ("/version", version, ("GET",)),
     ("/v1/models", models, ("GET",)),

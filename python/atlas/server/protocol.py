@@ -361,27 +361,27 @@ def max_tokens_field(body: dict[str, Any], echo: bool = False) -> int | None:
     return newer if newer is not None else optional_int(body, "max_tokens", minimum=least)
 
 
-def parse_prompts(value: Any) -> list[Prompt]:
-    """OpenAI's prompt: a string, token ids, or a batch (a list of strings or of token-id lists),
-    each answered in turn."""
+def parse_prompts(value: Any, field: str = "prompt", most: int = MAX_PROMPTS) -> list[Prompt]:
+    """OpenAI's prompt (an embedding's `input`): a string, token ids, or a batch (a list of strings
+    or of token-id lists, at most `most`), each answered in turn."""
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-        if len(value) > MAX_PROMPTS:
-            raise RequestError(f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
-        return [parse_prompt(p) for p in value]
-    return [parse_prompt(value)]
+        if len(value) > most:
+            raise RequestError(f"'{field}' holds {len(value)} prompts; at most {most} are allowed", field)
+        return [parse_prompt(p, field) for p in value]
+    return [parse_prompt(value, field)]
 
 
-def parse_prompt(value: Any) -> Prompt:
+def parse_prompt(value: Any, field: str = "prompt") -> Prompt:
     """One prompt: a non-empty string or non-empty list of token ids."""
     if isinstance(value, str):
         if not value:
-            raise RequestError("'prompt' is empty; give some text", "prompt")
+            raise RequestError(f"'{field}' is empty; give some text", field)
         return value
     if isinstance(value, list) and value and all(is_int(t) for t in value):
         return [int(t) for t in value]
     if value is None:
-        raise RequestError("'prompt' is required", "prompt")
-    raise RequestError("'prompt' must be a non-empty string, a list of token ids, or a list of those", "prompt")
+        raise RequestError(f"'{field}' is required", field)
+    raise RequestError(f"'{field}' must be a non-empty string, a list of token ids, or a list of those", field)
 
 
 def parse_messages(value: Any) -> list[Message]:

@@ -88,6 +88,13 @@ class Searched(Finished):
 
 
 @dataclass(frozen=True)
+class Pooled(Finished):
+    """An embedding job's end (atlas.embed): the prompt's final hidden state pooled, not normalised."""
+
+    vector: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class Failed:
     message: str
     status: int = 500  # 503: the engine cannot run any request again
@@ -112,6 +119,7 @@ class Job:
     first_token_at: float | None = None  # set by generate
     held_positions: int = 0  # KV-cache positions it holds while it runs (prompt + tokens so far; set by generate)
     beam: BeamSearchParams | None = None  # a beam search (its one event: Searched) instead of a generation
+    pooling: str | None = None  # an embedding (its one event: Pooled), pooled so (atlas.embed.POOLINGS)
 
 
 class EngineWorker:
@@ -160,10 +168,10 @@ class EngineWorker:
 
     async def events(
         self, prompt_ids: list[int], opts: GenerateOptions, returns: Returns = Returns(),
-        beam: BeamSearchParams | None = None,
+        beam: BeamSearchParams | None = None, pooling: str | None = None,
     ) -> AsyncIterator[Event]:
-        """Queue a generation (or a beam search) and yield its events; closing the iterator early
-        cancels the job."""
+        """Queue a generation (or a beam search, or an embedding) and yield its events; closing the
+        iterator early cancels the job."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -179,7 +187,7 @@ class EngineWorker:
         if self.lost is not None:
             yield Failed(self.lost, status=503)
             return
-        job = Job(prompt_ids, opts, emit, returns=returns, beam=beam)
+        job = Job(prompt_ids, opts, emit, returns=returns, beam=beam, pooling=pooling)
         self._jobs.put(job)
         try:
             while True:
@@ -239,6 +247,8 @@ def generate(llm: LLM, job: Job) -> Finished:
     """Run one job on the calling (engine) thread, emitting text as it completes."""
     if job.beam is not None:
         return beam_searched(llm, job)
+    if job.pooling is not None:
+        return pooled(llm, job)
     taken = time.perf_counter()
     out = OutputText(llm.tokenizer, job.opts, llm.ending_ids(job.opts))
     eos_ids = llm.end_ids(job.opts)
@@ -293,6 +303,16 @@ def beam_searched(llm: LLM, job: Job) -> Searched:
     best = beams[0]
     return Searched(best.finish_reason or "length", len(job.prompt_ids), len(best.tokens) - len(job.prompt_ids),
                     generation_seconds=job.first_token_at - taken, beams=beams)
+
+
+def pooled(llm: LLM, job: Job) -> Pooled:
+    """An embedding job: the prompt's pooled vector in one event."""
+    taken = time.perf_counter()
+    job.held_positions = len(job.prompt_ids)
+    vector = llm.parts.engine.pooled(job.prompt_ids, job.pooling)
+    cache = getattr(llm.parts.engine, "prompt_cache", None)
+    return Pooled("stop", len(job.prompt_ids), 0, cache.last_hit if cache is not None else 0,
+                  prompt_seconds=time.perf_counter() - taken, vector=tuple(vector.tolist()))
 
 
 @dataclass

@@ -1,0 +1,132 @@
+"""Embeddings over HTTP (atlas.embed): OpenAI's and vLLM's POST /v1/embeddings, and llama.cpp's own
+POST /embedding (alias /embeddings). Each input is one engine job, queued with the generations; its
+vector is the prompt's final hidden state pooled as `atlas serve --pooling` says (last, the default,
+or mean), then normalised: L2 on /v1/embeddings (vLLM's `normalize: false` leaves it raw), llama.cpp's
+`embd_normalize` on /embedding. `encoding_format: "base64"` (what the openai client asks for by
+default) sends each vector as its little-endian float32 bytes in base64."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+
+from ..errors import AtlasError
+from ..llm import generate_options
+from ..sampling import is_int
+from .errors import RequestError
+from .protocol import Prompt, check_unsupported, optional_bool, optional_int, parse_prompts
+from .worker import Failed, Pooled
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+MAX_INPUTS = 256  # inputs of one request, embedded one after another
+ENCODINGS = ("float", "base64")
+UNSUPPORTED = {"add_special_tokens": (None, True), "messages": (None,)}  # vLLM's, with the values that change nothing
+Normalise = Callable[[np.ndarray], np.ndarray]  # a pooled vector [H] f64 -> the one sent
+
+
+@dataclass(frozen=True)
+class EmbeddingAsk:
+    model: str
+    prompts: list[Prompt]
+    normalise: Normalise
+    truncate: int | None = None  # vLLM's truncate_prompt_tokens
+    base64: bool = False
+
+
+def l2(vector: np.ndarray) -> np.ndarray:
+    return vector / max(float(np.linalg.norm(vector)), 1e-12)  # a zero vector stays zero, as torch's normalize
+
+
+def p_norm(p: int) -> Normalise:
+    """llama.cpp's embd_normalize: -1 none, 0 max-abs scaled to int16 (32760), 1 taxicab, 2 L2, > 2 p-norm."""
+    if p < 0:
+        return lambda vector: vector
+    if p == 0:
+        return lambda vector: vector * (32760.0 / max(float(np.abs(vector).max()), 1e-12))
+    return lambda vector: vector / max(float((np.abs(vector) ** p).sum() ** (1.0 / p)), 1e-12)
+
+
+def openai_request(raw: Any, hidden_size: int) -> EmbeddingAsk:
+    if not isinstance(raw, dict):
+        raise RequestError("the request body must be a JSON object")
+    check_unsupported(raw, UNSUPPORTED)
+    if raw.get("encoding_format", "float") not in ENCODINGS:
+        raise RequestError(f"'encoding_format' must be one of {', '.join(ENCODINGS)}, got {raw['encoding_format']!r:.40}",
+                           "encoding_format")
+    model = raw.get("model", "")
+    if not isinstance(model, str):
+        raise RequestError("'model' must be a string", "model")
+    dimensions = optional_int(raw, "dimensions", minimum=1)
+    if dimensions is not None and dimensions != hidden_size:
+        raise RequestError(f"'dimensions' {dimensions}: this model embeds in its hidden size, {hidden_size}, and was not "
+                           "trained for shorter vectors; leave it out", "dimensions")
+    keep = raw.get("truncate_prompt_tokens")
+    if keep is not None and (not is_int(keep) or (keep < 1 and keep != -1)):
+        raise RequestError(f"'truncate_prompt_tokens' must be an integer >= 1 (or -1: as many as the context holds), "
+                           f"got {keep!r}", "truncate_prompt_tokens")
+    raw_vectors = optional_bool(raw, "normalize") is False
+    return EmbeddingAsk(model, parse_prompts(raw.get("input"), "input", MAX_INPUTS), p_norm(-1) if raw_vectors else l2,
+                        keep, raw.get("encoding_format") == "base64")
+
+
+def llama_request(raw: Any) -> EmbeddingAsk:
+    """llama.cpp's body: `content` (or `input`) and `embd_normalize`."""
+    if not isinstance(raw, dict):
+        raise RequestError("the request body must be a JSON object")
+    field = "content" if "content" in raw or "input" not in raw else "input"
+    norm = optional_int(raw, "embd_normalize", minimum=-1)
+    model = raw.get("model", "")
+    if not isinstance(model, str):
+        raise RequestError("'model' must be a string", "model")
+    return EmbeddingAsk(model, parse_prompts(raw.get(field), field, MAX_INPUTS), p_norm(2 if norm is None else norm))
+
+
+async def embedded(state: ServerState, ask: EmbeddingAsk) -> tuple[list[np.ndarray], int]:
+    """Every input encoded and checked first, then each pooled by the engine in turn -> (the
+    normalised vectors, the prompt tokens in all)."""
+    from .app import check_model, check_room
+
+    check_model(state, ask.model)
+    check_room(state)
+    prompts = await anyio.to_thread.run_sync(prepared, state, ask)
+    vectors = []
+    for ids in prompts:
+        async for event in state.worker.events(ids, generate_options(max_tokens=1), pooling=state.pooling):
+            if isinstance(event, Failed):
+                raise RequestError(event.message, None, "server_error" if event.status >= 500 else None, event.status)
+            if isinstance(event, Pooled):
+                vectors.append(ask.normalise(np.asarray(event.vector, np.float64)))
+    return vectors, sum(len(ids) for ids in prompts)
+
+
+def prepared(state: ServerState, ask: EmbeddingAsk) -> list[list[int]]:
+    # max_tokens 0 (allowed beside prompt_logprobs, which only prepare reads here): the prompt alone must fit
+    fits = generate_options(max_tokens=0, prompt_logprobs=0, truncate_prompt_tokens=ask.truncate)
+    try:
+        return [state.llm.prepare(prompt, fits) for prompt in ask.prompts]
+    except AtlasError as err:
+        raise RequestError(str(err), "input") from None
+
+
+def openai_answer(ask: EmbeddingAsk, vectors: list[np.ndarray], tokens: int, model: str) -> dict[str, Any]:
+    def encoded(vector: np.ndarray) -> list[float] | str:
+        as_f32 = vector.astype("<f4")
+        return base64.b64encode(as_f32.tobytes()).decode("ascii") if ask.base64 else as_f32.tolist()
+
+    data = [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)]
+    return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+            "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def llama_answer(vectors: list[np.ndarray]) -> list[dict[str, Any]]:
+    """llama-server's: per input its index and, with a pooling, the one pooled vector in a list."""
+    return [{"index": i, "embedding": [v.astype(np.float32).tolist()]} for i, v in enumerate(vectors)]
