@@ -55,6 +55,7 @@ def test_demo_model_tests_pass(stand_in: None, rng: np.random.Generator) -> None
     test_gpu_model.test_graph_replay_equals_eager_decode(demo_gpu, rng)
     test_gpu_model.test_graph_replay_logits_equal_eager(demo_gpu, rng)
     test_gpu_model.test_prompt_in_passes_on_the_gpu(demo_gpu, rng)
+    test_gpu_model.test_embeddings_on_the_gpu_match_numpy(demo_gpu, rng)
 
 
 @pytest.mark.slow

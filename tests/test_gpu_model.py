@@ -41,6 +41,11 @@ PASSES_FLOOR = 5e-3
 # of the 256 next tokens flipped for each of 9 prompts, at gaps up to 1.0e-2, and 4 of the 9 fell
 # under the former 99 % agreement over all positions. ~15 % of positions lie under 3e-2.
 QWEN_NEAR_TIE = 3e-2
+# test_embeddings_on_the_gpu_match_numpy: on the CPU stand-in (the kernels' bf16 roundings) the last
+# row's relative error was 7.7e-4 median, 2.1e-2 at most over 40 excerpts (a row after bf16 prefill
+# GEMMs can move far, as the logits do: test_prompt_in_passes_on_the_gpu); the mean's 4.4e-3 at most.
+# A wrong row or count is off by ~1: the bound checks the pooling, the op tests the kernels' accuracy.
+EMBED_RTOL = 5e-2
 GRAPH_STEPS = 24
 GRAPH_RTOL = 1e-5  # graph replay against eager decoding, per step's logits
 CROSS_CHECK_TOKENS = 28  # test_qwen_dims_each_op_matches_numpy: 24 prefilled (GEMMs), 4 decode steps
@@ -219,6 +224,26 @@ def test_prompt_in_passes_on_the_gpu(demo_gpu: Any, rng: np.random.Generator) ->
     # (one pass 3.5e-3; numpy's own passes 1.6e-6): off the demo's text a bf16 rounding moves the
     # last row's logits far. The prompt is an excerpt of the demo's text and the floor 5e-3.
     assert passes <= 2 * whole + PASSES_FLOOR, f"passes err {passes:.3e} vs one pass {whole:.3e}"
+
+
+def test_embeddings_on_the_gpu_match_numpy(demo_gpu: Any, rng: np.random.Generator) -> None:
+    """LLM.embed on the GPU: each pooling's vector (the final hidden state, not normalised) within
+    EMBED_RTOL of numpy's, and the "last" vector from a prompt-cache hit the fresh one's."""
+    from atlas import LLM, PoolingParams
+
+    prompt = demo_text_excerpt(demo_gpu, rng, 20, 200)
+    cpu = LLM(device="cpu")
+    got = {}
+    for pooling in ("last", "mean"):  # mean runs fresh and leaves a checkpoint at the prompt's end
+        params = PoolingParams(pooling=pooling, normalize=False)
+        want = np.array(cpu.embed([prompt], params)[0].outputs.embedding, dtype=np.float64)  # [H]
+        demo_gpu.reset_prefix_cache()
+        got[pooling] = np.array(demo_gpu.embed([prompt], params)[0].outputs.embedding, dtype=np.float64)  # [H]
+        error = float(np.linalg.norm(got[pooling] - want) / np.linalg.norm(want))
+        assert error < EMBED_RTOL, f"{pooling}: {error:.3e}"
+    hit = np.array(demo_gpu.embed([prompt], PoolingParams(normalize=False))[0].outputs.embedding)  # [H]
+    assert demo_gpu.parts.engine.prompt_cache.last_hit == len(prompt)
+    np.testing.assert_allclose(hit, got["last"], rtol=1e-4, atol=1e-5)
 
 
 def test_qwen_dims_each_op_matches_numpy(qwen4: tuple[Path, Any], rng: np.random.Generator) -> None:
