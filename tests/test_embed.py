@@ -174,3 +174,54 @@ def test_serve_pooling_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> No
 
     assert main(["--pooling", "cls"]) == 2
     assert "'cls' is not one of 'last', 'mean'" in capsys.readouterr().err
+
+
+# --- atlas embed ------------------------------------------------------------------------------
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    from atlas.embed import main
+
+    capsys.readouterr()
+    code = main([*args, "--device", "cpu"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_array_is_llm_embed(llm: LLM, rng: np.random.Generator, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = [random_prompt(rng) for _ in range(int(rng.integers(1, 4)))]
+    pooling = str(rng.choice(["last", "mean"]))
+    code, out, _ = cli(capsys, "-p", "<#sep#>".join(prompts), "--embd-separator", "<#sep#>", "--pooling", pooling,
+                       "--embd-output-format", "array")
+    assert code == 0
+    want = [o.outputs.embedding for o in llm.embed(prompts, PoolingParams(pooling=pooling))]
+    np.testing.assert_allclose(json.loads(out), want, rtol=1e-5, atol=1e-7)
+
+
+def test_cli_text_and_json_formats(llm: LLM, rng: np.random.Generator, capsys: pytest.CaptureFixture[str],
+                                   tmp_path: Any) -> None:
+    """'': a line per prompt (a file's lines, the default separator); json+: OpenAI's shape and the
+    cosine similarities; --embd-normalize -1: the raw vectors."""
+    prompts = [random_prompt(rng) for _ in range(3)]
+    (tmp_path / "texts.txt").write_text("\n".join(prompts) + "\n\n", encoding="utf-8")
+    raw = np.array([o.outputs.embedding for o in llm.embed(prompts, PoolingParams(normalize=False))])  # [3, H]
+    code, out, _ = cli(capsys, "-f", str(tmp_path / "texts.txt"), "--embd-normalize", "-1")
+    lines = out.splitlines()
+    assert code == 0 and [line.split(":")[0] for line in lines] == ["embedding 0", "embedding 1", "embedding 2"]
+    np.testing.assert_allclose([[float(v) for v in line.split(":")[1].split()] for line in lines], raw, atol=1e-6)
+    code, out, _ = cli(capsys, "-f", str(tmp_path / "texts.txt"), "--embd-output-format", "json+")
+    answer = json.loads(out)
+    unit = raw / np.linalg.norm(raw, axis=1, keepdims=True)  # [3, H]
+    np.testing.assert_allclose([d["embedding"] for d in answer["data"]], unit, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(answer["cosineSimilarity"], unit @ unit.T, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "give the text to embed with --prompt or --file"),
+    (("-p", "x", "-f", "y"), "give the text to embed with --prompt or --file"),
+    (("-p", "\n \n"), "the text to embed is empty"),
+    (("-f", "/no/such/file"), "--file /no/such/file cannot be read"),
+    (("-p", "x", "--embd-separator", ""), "--embd-separator is empty"),
+    (("-p", "x", "--embd-output-format", "csv"), "'csv' is not one of"),
+])  # fmt: skip
+def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str) -> None:
+    code, out, err = cli(capsys, *args)
+    assert code == 2 and not out and message in err and err.count("\n") == 1, err

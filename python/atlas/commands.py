@@ -16,6 +16,7 @@ COMMANDS = {  # name -> what it does (the module atlas.<name> runs it)
     "verify": "the installed GPU kernels against the numpy backend",
     "compare": "layer by layer against transformers, or one backend against another",
     "perplexity": "perplexity and KL divergence of a text (llama.cpp's llama-perplexity)",
+    "embed": "embeddings of texts: the final hidden state pooled (llama.cpp's llama-embedding)",
     "quantize": "a bf16 checkpoint to fp8 or nvfp4",
     "info": "what the installed wheel holds and what this machine has",
 }

@@ -10,13 +10,13 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
 
+from ..embed import Normalise, p_norm
 from ..errors import AtlasError
 from ..llm import generate_options
 from ..sampling import is_int
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 MAX_INPUTS = 256  # inputs of one request, embedded one after another
 ENCODINGS = ("float", "base64")
 UNSUPPORTED = {"add_special_tokens": (None, True), "messages": (None,)}  # vLLM's, with the values that change nothing
-Normalise = Callable[[np.ndarray], np.ndarray]  # a pooled vector [H] f64 -> the one sent
 
 
 @dataclass(frozen=True)
@@ -40,19 +39,6 @@ class EmbeddingAsk:
     normalise: Normalise
     truncate: int | None = None  # vLLM's truncate_prompt_tokens
     base64: bool = False
-
-
-def l2(vector: np.ndarray) -> np.ndarray:
-    return vector / max(float(np.linalg.norm(vector)), 1e-12)  # a zero vector stays zero, as torch's normalize
-
-
-def p_norm(p: int) -> Normalise:
-    """llama.cpp's embd_normalize: -1 none, 0 max-abs scaled to int16 (32760), 1 taxicab, 2 L2, > 2 p-norm."""
-    if p < 0:
-        return lambda vector: vector
-    if p == 0:
-        return lambda vector: vector * (32760.0 / max(float(np.abs(vector).max()), 1e-12))
-    return lambda vector: vector / max(float((np.abs(vector) ** p).sum() ** (1.0 / p)), 1e-12)
 
 
 def openai_request(raw: Any, hidden_size: int) -> EmbeddingAsk:
@@ -74,7 +60,7 @@ def openai_request(raw: Any, hidden_size: int) -> EmbeddingAsk:
         raise RequestError(f"'truncate_prompt_tokens' must be an integer >= 1 (or -1: as many as the context holds), "
                            f"got {keep!r}", "truncate_prompt_tokens")
     raw_vectors = optional_bool(raw, "normalize") is False
-    return EmbeddingAsk(model, parse_prompts(raw.get("input"), "input", MAX_INPUTS), p_norm(-1) if raw_vectors else l2,
+    return EmbeddingAsk(model, parse_prompts(raw.get("input"), "input", MAX_INPUTS), p_norm(-1 if raw_vectors else 2),
                         keep, raw.get("encoding_format") == "base64")
 
 
