@@ -29,7 +29,7 @@ from .run import MODEL_HELP
 from .vllm_api import prompt_parts, single_prompt
 
 if TYPE_CHECKING:
-    from .llm import LLM
+    from .llm import LLM, GenerateOptions
 
 POOLINGS = ("last", "mean")
 OUTPUT_FORMATS = ("", "array", "json", "json+")  # llama-embedding's --embd-output-format
@@ -75,18 +75,24 @@ class EmbeddingRequestOutput:
 def embed(llm: LLM, prompts: object, params: object, truncate_prompt_tokens: int | None,
           progress: bool) -> list[EmbeddingRequestOutput]:
     """LLM.embed: every prompt checked (encoded, truncated, within the context) before any runs."""
-    from .llm import generate_options, progress_bar
+    from .llm import progress_bar
 
     params = PoolingParams() if params is None else params
     if not isinstance(params, PoolingParams):
         raise AtlasError(f"pooling_params must be an atlas.PoolingParams, got {type(params).__name__}")
     params.check(llm.parts.spec.hidden_size)
     batch = [prompts] if single_prompt(prompts) else list(prompts)  # type: ignore[call-overload]
-    # max_tokens 0 (allowed beside prompt_logprobs, which only prepare reads here): the prompt alone must fit
-    fits = generate_options(max_tokens=0, prompt_logprobs=0, truncate_prompt_tokens=truncate_prompt_tokens)
-    prepared = [llm.prepare(prompt_parts(prompt)[1], fits) for prompt in batch]
+    prepared = [llm.prepare(prompt_parts(prompt)[1], fitting(truncate_prompt_tokens)) for prompt in batch]
     return [EmbeddingRequestOutput(llm.next_request_id(), EmbeddingOutput(embedding(llm, ids, params)), ids)
             for ids in progress_bar(prepared, progress)]
+
+
+def fitting(truncate_prompt_tokens: int | None) -> GenerateOptions:
+    """The options LLM.prepare checks an embedding's prompt under: max_tokens 0 (allowed beside
+    prompt_logprobs, which nothing else reads here), so the prompt alone must fit the context."""
+    from .llm import generate_options
+
+    return generate_options(max_tokens=0, prompt_logprobs=0, truncate_prompt_tokens=truncate_prompt_tokens)
 
 
 def embedding(llm: LLM, prompt_ids: list[int], params: PoolingParams) -> list[float]:

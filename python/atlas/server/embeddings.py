@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
-from ..embed import Normalise, p_norm
+from ..embed import Normalise, fitting, p_norm
 from ..errors import AtlasError
 from ..llm import generate_options
-from ..sampling import is_int
 from .errors import RequestError
-from .protocol import Prompt, check_unsupported, optional_bool, optional_int, parse_prompts
+from .protocol import Prompt, check_unsupported, optional_bool, optional_int, parse_prompts, parse_truncation
 from .worker import Failed, Pooled
 
 if TYPE_CHECKING:
@@ -55,10 +54,7 @@ def openai_request(raw: Any, hidden_size: int) -> EmbeddingAsk:
     if dimensions is not None and dimensions != hidden_size:
         raise RequestError(f"'dimensions' {dimensions}: this model embeds in its hidden size, {hidden_size}, and was not "
                            "trained for shorter vectors; leave it out", "dimensions")
-    keep = raw.get("truncate_prompt_tokens")
-    if keep is not None and (not is_int(keep) or (keep < 1 and keep != -1)):
-        raise RequestError(f"'truncate_prompt_tokens' must be an integer >= 1 (or -1: as many as the context holds), "
-                           f"got {keep!r}", "truncate_prompt_tokens")
+    keep = parse_truncation(raw)
     raw_vectors = optional_bool(raw, "normalize") is False
     return EmbeddingAsk(model, parse_prompts(raw.get("input"), "input", MAX_INPUTS), p_norm(-1 if raw_vectors else 2),
                         keep, raw.get("encoding_format") == "base64")
@@ -95,10 +91,8 @@ async def embedded(state: ServerState, ask: EmbeddingAsk) -> tuple[list[np.ndarr
 
 
 def prepared(state: ServerState, ask: EmbeddingAsk) -> list[list[int]]:
-    # max_tokens 0 (allowed beside prompt_logprobs, which only prepare reads here): the prompt alone must fit
-    fits = generate_options(max_tokens=0, prompt_logprobs=0, truncate_prompt_tokens=ask.truncate)
     try:
-        return [state.llm.prepare(prompt, fits) for prompt in ask.prompts]
+        return [state.llm.prepare(prompt, fitting(ask.truncate)) for prompt in ask.prompts]
     except AtlasError as err:
         raise RequestError(str(err), "input") from None
 

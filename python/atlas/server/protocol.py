@@ -219,11 +219,17 @@ def parse_prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
     return top
 
 
-def parse_text_options(body: dict[str, Any], chat: bool) -> TextOptions:
+def parse_truncation(body: dict[str, Any]) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the context holds)."""
     keep = body.get("truncate_prompt_tokens")
     if keep is not None and (not is_int(keep) or (keep < 1 and keep != -1)):
         raise RequestError(f"'truncate_prompt_tokens' must be an integer >= 1 (or -1: as many as the context "
                            f"holds), got {keep!r}", "truncate_prompt_tokens")
+    return keep
+
+
+def parse_text_options(body: dict[str, Any], chat: bool) -> TextOptions:
+    keep = parse_truncation(body)
     add = optional_bool(body, "add_generation_prompt") is not False if chat else True
     final = bool(optional_bool(body, "continue_final_message")) if chat else False
     if add and final:  # as vLLM: the generation prompt opens a new turn, which is not the final one
