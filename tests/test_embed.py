@@ -99,6 +99,19 @@ def test_openai_client_gets_the_vectors(served: Served, rng: np.random.Generator
         assert answer.usage.prompt_tokens == sum(len(served.reference.tokenizer.encode(p)) for p in prompts)
 
 
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+def test_chat_embedding_renders_the_template(served: Served, rng: np.random.Generator, add_generation_prompt: bool) -> None:
+    """vLLM's chat form: the conversation's template text (no generation prompt unless asked) embedded."""
+    messages = [{"role": "user", "content": random_prompt(rng)}, {"role": "assistant", "content": random_prompt(rng)}]
+    status, body = post(served.port, "/v1/embeddings", json.dumps({"messages": messages,
+                                                                   "add_generation_prompt": add_generation_prompt}))
+    assert status == 200, body
+    ids = served.reference.tokenizer.encode_chat(messages, add_generation_prompt)
+    want = served.reference.embed([ids])[0].outputs.embedding
+    np.testing.assert_allclose(body["data"][0]["embedding"], want, rtol=1e-6, atol=1e-7)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+
+
 def test_base64_is_little_endian_float32(served: Served, rng: np.random.Generator) -> None:
     prompt = random_prompt(rng)
     status, body = post(served.port, "/v1/embeddings", f'{{"input": "{prompt}", "encoding_format": "base64", '
@@ -133,7 +146,11 @@ def test_llama_embedding_normalises_as_asked(served: Served, rng: np.random.Gene
     ("/v1/embeddings", {"input": [[1] * 5000]}, "input"),
     ("/v1/embeddings", {"input": "Hi", "normalize": "no"}, "normalize"),
     ("/v1/embeddings", {"input": "Hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ("/v1/embeddings", {"input": "Hi", "messages": [{"role": "user", "content": "Hi"}]}, "messages"),
+    ("/v1/embeddings", {"input": "Hi", "messages": [{"role": "user", "content": "Hi"}]}, "input"),
+    ("/v1/embeddings", {"messages": []}, "messages"),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": True,
+                        "continue_final_message": True}, "continue_final_message"),
+    ("/v1/embeddings", {"input": "Hi", "add_special_tokens": False}, "add_special_tokens"),
     ("/embedding", {"content": "Hi", "embd_normalize": -2}, "embd_normalize"),
     ("/embedding", {"content": 3}, "content"),
 ])  # fmt: skip

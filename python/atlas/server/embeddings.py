@@ -3,7 +3,9 @@ POST /embedding (alias /embeddings). Each input is one engine job, queued with t
 vector is the prompt's final hidden state pooled as `atlas serve --pooling` says (last, the default,
 or mean), then normalised: L2 on /v1/embeddings (vLLM's `normalize: false` leaves it raw), llama.cpp's
 `embd_normalize` on /embedding. `encoding_format: "base64"` (what the openai client asks for by
-default) sends each vector as its little-endian float32 bytes in base64."""
+default) sends each vector as its little-endian float32 bytes in base64. vLLM's chat form, `messages`
+instead of `input`, embeds the conversation as the chat template renders it (no generation prompt
+unless `add_generation_prompt`)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,10 @@ from ..embed import Normalise, fitting, p_norm
 from ..errors import AtlasError
 from ..llm import generate_options
 from .errors import RequestError
-from .protocol import Prompt, check_unsupported, optional_bool, optional_int, parse_prompts, parse_truncation
+from .protocol import (
+    Message, Prompt, check_unsupported, optional_bool, optional_int, parse_messages, parse_prompts, parse_template_kwargs,
+    parse_truncation,
+)
 from .worker import Failed, Pooled
 
 if TYPE_CHECKING:
@@ -28,13 +33,23 @@ if TYPE_CHECKING:
 
 MAX_INPUTS = 256  # inputs of one request, embedded one after another
 ENCODINGS = ("float", "base64")
-UNSUPPORTED = {"add_special_tokens": (None, True), "messages": (None,)}  # vLLM's, with the values that change nothing
+UNSUPPORTED = {"add_special_tokens": (None, True)}  # vLLM's, with the values that change nothing
+
+
+@dataclass(frozen=True)
+class ChatInput:
+    """vLLM's chat embedding request: a conversation through the chat template."""
+
+    messages: list[Message]
+    add_generation_prompt: bool = False
+    continue_final: bool = False
+    template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
 class EmbeddingAsk:
     model: str
-    prompts: list[Prompt]
+    prompts: list[Prompt | ChatInput]
     normalise: Normalise
     truncate: int | None = None  # vLLM's truncate_prompt_tokens
     base64: bool = False
@@ -56,8 +71,22 @@ def openai_request(raw: Any, hidden_size: int) -> EmbeddingAsk:
                            "trained for shorter vectors; leave it out", "dimensions")
     keep = parse_truncation(raw)
     raw_vectors = optional_bool(raw, "normalize") is False
-    return EmbeddingAsk(model, parse_prompts(raw.get("input"), "input", MAX_INPUTS), p_norm(-1 if raw_vectors else 2),
-                        keep, raw.get("encoding_format") == "base64")
+    return EmbeddingAsk(model, openai_inputs(raw), p_norm(-1 if raw_vectors else 2), keep,
+                        raw.get("encoding_format") == "base64")
+
+
+def openai_inputs(raw: dict[str, Any]) -> list[Prompt | ChatInput]:
+    """`input` (texts or token ids), or vLLM's `messages` with its template fields."""
+    if "messages" not in raw:
+        return list(parse_prompts(raw.get("input"), "input", MAX_INPUTS))
+    if "input" in raw:
+        raise RequestError("give 'input' (texts or token ids) or 'messages' (a conversation), not both", "input")
+    add, final = optional_bool(raw, "add_generation_prompt"), optional_bool(raw, "continue_final_message")
+    if add and final:
+        raise RequestError("'continue_final_message' needs 'add_generation_prompt' left false (both would open a new "
+                           "turn and continue the last one)", "continue_final_message")
+    return [ChatInput(parse_messages(raw["messages"]), bool(add), bool(final),
+                      parse_template_kwargs(raw.get("chat_template_kwargs")))]
 
 
 def llama_request(raw: Any) -> EmbeddingAsk:
@@ -92,9 +121,16 @@ async def embedded(state: ServerState, ask: EmbeddingAsk) -> tuple[list[np.ndarr
 
 def prepared(state: ServerState, ask: EmbeddingAsk) -> list[list[int]]:
     try:
-        return [state.llm.prepare(prompt, fitting(ask.truncate)) for prompt in ask.prompts]
+        return [state.llm.prepare(encoded(state, prompt), fitting(ask.truncate)) for prompt in ask.prompts]
     except AtlasError as err:
-        raise RequestError(str(err), "input") from None
+        raise RequestError(str(err), "messages" if isinstance(ask.prompts[0], ChatInput) else "input") from None
+
+
+def encoded(state: ServerState, prompt: Prompt | ChatInput) -> Prompt:
+    if not isinstance(prompt, ChatInput):
+        return prompt
+    return state.llm.tokenizer.encode_chat(prompt.messages, prompt.add_generation_prompt, prompt.template_kwargs,
+                                           prompt.continue_final)
 
 
 def openai_answer(ask: EmbeddingAsk, vectors: list[np.ndarray], tokens: int, model: str) -> dict[str, Any]:
