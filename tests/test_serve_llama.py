@@ -154,3 +154,28 @@ def test_props_names_the_servers_defaults(short_context: tuple[Any, LLM]) -> Non
 
 def test_the_served_server_answers_props(served: Served) -> None:
     assert get_json(served.port, "/props")["default_generation_settings"]["n_ctx"] > 0
+
+
+def test_slots_show_the_one_slot_idle_then_processing(served: Served) -> None:
+    """llama.cpp's GET /slots: one slot with the context and /props' default params; while a stream
+    runs it is processing, its decoded tokens counted, and ?fail_on_no_slot=1 is a 503."""
+    idle = get_json(served.port, "/slots")
+    props = get_json(served.port, "/props")["default_generation_settings"]
+    assert len(idle) == 1 and idle[0]["id"] == 0 and not idle[0]["is_processing"]
+    assert idle[0]["n_ctx"] == props["n_ctx"] and idle[0]["params"] == props["params"]
+    served.engine.delay_s = 0.05
+    try:
+        stream = served.client().completions.create(model=DEMO_NAME, prompt="Beautiful is", max_tokens=200,
+                                                     temperature=0, stream=True)
+        for _, _ in zip(range(3), stream):  # the job is on the engine now
+            pass
+        busy = get_json(served.port, "/slots")[0]
+        assert busy["is_processing"] and busy["next_token"]["n_decoded"] >= 2, busy
+        conn = http.client.HTTPConnection(HOST, served.port, timeout=TIMEOUT_S)
+        conn.request("GET", "/slots?fail_on_no_slot=1")
+        answer = conn.getresponse()
+        assert answer.status == 503 and json.loads(answer.read())["error"]["code"] == "unavailable"
+        conn.close()
+        stream.close()
+    finally:
+        served.engine.delay_s = 0.0

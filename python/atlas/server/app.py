@@ -215,12 +215,33 @@ async def props(request: Request, state: ServerState) -> Response:
     the chat template."""
     from .. import __version__
 
-    capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
-    params = llama_api.default_params(parse_sampling(with_defaults({}, state.sampling_defaults)))
+    capacity, params = llama_settings(state)
     return JSONResponse({"default_generation_settings": {"n_ctx": capacity, "params": params}, "total_slots": 1,
                          "model_alias": state.model_name, "model_path": str(state.llm.model_dir),
                          "chat_template": state.llm.tokenizer.chat_template or "",
                          "modalities": {"vision": False, "audio": False}, "build_info": f"atlas {__version__}"})
+
+
+async def slots(request: Request, state: ServerState) -> Response:
+    """llama.cpp's GET /slots: the one slot, processing while the engine runs a job (a generation,
+    search or embedding); with ?fail_on_no_slot=1 a busy slot is a 503, as llama-server answers."""
+    job = state.worker.running
+    if job is not None and request.query_params.get("fail_on_no_slot") in ("1", "true"):
+        raise RequestError("no slot available: the engine is running a request; retry later", None, "unavailable", 503)
+    capacity, params = llama_settings(state)
+    decoded = job.held_positions - len(job.prompt_ids) if job is not None else 0
+    return JSONResponse([{
+        "id": 0, "id_task": -1, "n_ctx": capacity, "speculative": not state.llm.speculation.startswith("off"),
+        "is_processing": job is not None, "params": params,
+        "next_token": {"has_next_token": job is not None, "has_new_line": False, "n_remain": -1,
+                       "n_decoded": max(decoded, 0), "stopping_word": ""},
+    }])
+
+
+def llama_settings(state: ServerState) -> tuple[int, dict[str, Any]]:
+    """(the context, the sampling a request that sets none gets, under llama.cpp's names)."""
+    capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
+    return capacity, llama_api.default_params(parse_sampling(with_defaults({}, state.sampling_defaults)))
 
 
 async def version(request: Request, state: ServerState) -> Response:
@@ -747,6 +768,7 @@ ROUTES: tuple[tuple[str, Handler, tuple[str, ...]], ...] = (
     ("/completion", llama_completion, ("POST",)),  # llama.cpp's own API, and its alias
     ("/completions", llama_completion, ("POST",)),
     ("/props", props, ("GET",)),  # llama.cpp's
+    ("/slots", slots, ("GET",)),  # llama.cpp's
     ("/embedding", llama_embedding, ("POST",)),  # llama.cpp's, and its alias
     ("/embeddings", llama_embedding, ("POST",)),
     ("/v1/embeddings", openai_embeddings, ("POST",)),
