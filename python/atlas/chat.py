@@ -44,12 +44,15 @@ class Conversation:
         reply = self.opts.max_tokens if self.opts.max_tokens is not None else min(REPLY_ROOM, capacity // 2)
         room = capacity - reply + 1  # the prompt tokens that fit
         kept, dropped = messages, 0
-        while (over := len(self.llm.tokenizer.encode_chat(kept)) > room) and (turn := oldest_turn(kept)) is not None:
+        length = len(self.llm.tokenizer.encode_chat(kept))
+        while length > room and (turn := oldest_turn(kept)) is not None:
             kept = kept[: turn.start] + kept[turn.stop :]
             dropped += 1
+            length = len(self.llm.tokenizer.encode_chat(kept))
+        over = length > room
         # The new turn alone leaves less room than that: under a max_tokens, nothing is left out for
         # it (prepare refuses it in one line); under None it is answered in what room the context has.
-        if over and (self.opts.max_tokens is not None or len(self.llm.tokenizer.encode_chat(kept)) >= capacity):
+        if over and (self.opts.max_tokens is not None or length >= capacity):
             return messages
         if dropped:
             click.echo(f"atlas: the conversation outgrew the context ({capacity} positions with room for a reply of "

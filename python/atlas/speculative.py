@@ -159,14 +159,18 @@ class SpeculativeEngine(Engine):
         """The plain path's prefill (requests for prompt logprobs): the head's rows past the resume
         point are not written, so they no longer match."""
         logits = super().prefill(prompt_ids)
-        self.mtp_rows = min(self.mtp_rows, self.prompt_cache.last_hit)
+        self._head_rows_past_resume_stale()
         return logits
 
     def pooled(self, prompt_ids: list[int], pooling: str) -> np.ndarray:
         """The plain path's pooled rows (atlas.embed): the head's rows past the resume point are not written."""
         vector = super().pooled(prompt_ids, pooling)
-        self.mtp_rows = min(self.mtp_rows, self.prompt_cache.last_hit)
+        self._head_rows_past_resume_stale()
         return vector
+
+    def _head_rows_past_resume_stale(self) -> None:
+        """After a plain-path prompt: the head's rows hold this prefix's inputs only up to where it resumed."""
+        self.mtp_rows = min(self.mtp_rows, self.prompt_cache.last_hit)
 
     # --- generation ---------------------------------------------------------------------------
     def _generate(self, request: GenerationRequest) -> GenerationStats:

@@ -23,7 +23,7 @@ from ..errors import AtlasError
 from ..llm import generate_options
 from .errors import RequestError
 from .protocol import (
-    Message, Prompt, check_unsupported, optional_bool, optional_int, parse_messages, parse_prompts, parse_template_kwargs,
+    Message, Prompt, check_unsupported, optional_bool, optional_int, optional_model, parse_messages, parse_prompts, parse_template_kwargs,
     parse_truncation,
 )
 from .worker import Failed, Pooled
@@ -62,9 +62,7 @@ def openai_request(raw: Any, hidden_size: int) -> EmbeddingAsk:
     if raw.get("encoding_format", "float") not in ENCODINGS:
         raise RequestError(f"'encoding_format' must be one of {', '.join(ENCODINGS)}, got {raw['encoding_format']!r:.40}",
                            "encoding_format")
-    model = raw.get("model", "")
-    if not isinstance(model, str):
-        raise RequestError("'model' must be a string", "model")
+    model = optional_model(raw)
     dimensions = optional_int(raw, "dimensions", minimum=1)
     if dimensions is not None and dimensions != hidden_size:
         raise RequestError(f"'dimensions' {dimensions}: this model embeds in its hidden size, {hidden_size}, and was not "
@@ -95,9 +93,7 @@ def llama_request(raw: Any) -> EmbeddingAsk:
         raise RequestError("the request body must be a JSON object")
     field = "content" if "content" in raw or "input" not in raw else "input"
     norm = optional_int(raw, "embd_normalize", minimum=-1)
-    model = raw.get("model", "")
-    if not isinstance(model, str):
-        raise RequestError("'model' must be a string", "model")
+    model = optional_model(raw)
     return EmbeddingAsk(model, parse_prompts(raw.get(field), field, MAX_INPUTS), p_norm(2 if norm is None else norm))
 
 
