@@ -81,11 +81,11 @@ stage info 20 "cd /tmp && $PY -m atlas.info --json && $PY -m atlas.info | head -
 stage demo 45 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --max-tokens 80"
 
 # The installed kernels op by op against numpy on the demo (bf16, in passes, each KV level, fp8,
-# nvfp4), with the opt-in forms (the fused DeltaNet decode kernel and router, wgmma, tensor-core
-# prefill attention) in the whole model: a table a line per check, in this call's output. The
+# nvfp4), with the opt-in forms (the fused DeltaNet decode kernel, router and attention prep, wgmma,
+# tensor-core prefill attention) in the whole model: a table a line per check, in this call's output. The
 # default forms get the same check in the model stage (tests/test_cross_check.py) and the ops
 # stage (the op-by-op tests of test_gpu_quant.py, test_gpu_kv.py).
-OPT_IN_FORMS="ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused ATLAS_GEMM=wgmma ATLAS_PREFILL_ATTENTION=mma"
+OPT_IN_FORMS="ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused ATLAS_ATTENTION_PREP=fused ATLAS_GEMM=wgmma ATLAS_PREFILL_ATTENTION=mma"
 stage verify 40 "cd /tmp && ATLAS_CUDA_CHECK=1 $OPT_IN_FORMS $PY -m atlas.verify"
 
 # gpu_pytest JUNIT ARGS...: pytest over GPU tests; a sticky CUDA error (a kernel fault loses the
@@ -100,7 +100,7 @@ gpu_pytest() {
 KERNEL_TESTS="tests/test_gpu_ops.py tests/test_gpu_split_linear.py tests/test_gpu_moe_shared.py tests/test_gpu_chain.py \
   tests/test_gpu_quant.py tests/test_gpu_kv.py"
 OPTIN_TESTS="tests/test_gpu_router_fused.py tests/test_gpu_delta_decode.py tests/test_gpu_attention_mma.py \
-  tests/test_gpu_gemm_wgmma.py tests/test_gpu_delta_chunked.py"
+  tests/test_gpu_gemm_wgmma.py tests/test_gpu_delta_chunked.py tests/test_gpu_attention_prep.py"
 stage ops 90 "$(gpu_pytest "$OUT/junit-ops.xml" --maxfail=40 $KERNEL_TESTS)"
 stage optin 60 "$(gpu_pytest "$OUT/junit-optin.xml" --maxfail=40 $OPTIN_TESTS)"
 
@@ -112,11 +112,12 @@ stage bench 115 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json
 
 stage qbench 90 "cd /tmp && $PY '$REPO/bench/quant.py' --out '$OUT/qbench.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
 
-# The opt-in forms, measured beside bench's defaults: decode with the fused DeltaNet decode kernel
-# and the one-launch router (120 fewer launches per Qwen3.6 token), prefill with the tensor-core
+# The opt-in forms, measured beside bench's defaults: decode with the fused DeltaNet decode kernel,
+# the one-launch router and the one-launch attention prep (120 + 20 fewer launches per Qwen3.6
+# token), prefill with the tensor-core
 # attention (and the SIMT one on the same model), both with the wgmma GEMM (ATLAS_GEMM=wgmma; bench's
 # simt prefill number is the mma.sync GEMM beside it). Both land in $OUT/variants.json (8 files at most).
-stage fused 45 "cd /tmp && ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused $PY '$REPO/bench/decode.py' --decode-only \
+stage fused 45 "cd /tmp && ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused ATLAS_ATTENTION_PREP=fused $PY '$REPO/bench/decode.py' --decode-only \
   --out $VARIANTS_DIR/fused_decode.json"
 stage prefill 40 "cd /tmp && ATLAS_PREFILL_ATTENTION=mma ATLAS_GEMM=wgmma $PY '$REPO/bench/decode.py' --prefill-only --out $VARIANTS_DIR/mma_prefill.json"
 $PY "$REPO/scripts/device_summary.py" variants "$VARIANTS_DIR" "$OUT/variants.json"

@@ -62,7 +62,8 @@ def variant_lines(r: dict[str, Any]) -> list[str]:
     if "fused_decode" in r:
         d = r["fused_decode"]
         forms = d.get("kernel_forms", {})
-        lines.append(f"fused decode ({forms.get('ATLAS_DELTANET_DECODE')} DeltaNet, {forms.get('ATLAS_ROUTER')} router): "
+        lines.append(f"fused decode ({forms.get('ATLAS_DELTANET_DECODE')} DeltaNet, {forms.get('ATLAS_ROUTER')} router, "
+                     f"{forms.get('ATLAS_ATTENTION_PREP')} attention prep): "
                      f"{d['decode_tok_s']:.1f} tok/s, roofline {d['roofline_pct']:.1f}%")
         if "decode_profile" in d:
             lines.append(f"fused {step_profile.summary_line(d['decode_profile'])}")

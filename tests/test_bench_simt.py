@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.background("emulator-bench"),  # ~9 
               pytest.mark.skipif(shutil.which("g++") is None, reason="the host emulator is built with g++")]
 
 LAYERS = "4"  # 3 DeltaNet + 1 full-attention layer
-FORM_SWITCHES = ("ATLAS_GEMM", "ATLAS_PREFILL_ATTENTION", "ATLAS_ROUTER", "ATLAS_DELTA_RULE", "ATLAS_DELTANET_DECODE")
+FORM_SWITCHES = ("ATLAS_GEMM", "ATLAS_PREFILL_ATTENTION", "ATLAS_ROUTER", "ATLAS_DELTA_RULE", "ATLAS_DELTANET_DECODE",
+                 "ATLAS_ATTENTION_PREP")
 
 
 @pytest.fixture
@@ -103,11 +104,12 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
 
     emulated.setenv("ATLAS_DELTANET_DECODE", "fused")
     emulated.setenv("ATLAS_ROUTER", "fused")
+    emulated.setenv("ATLAS_ATTENTION_PREP", "fused")
     fused = run_decode_bench(emulated, variants / "fused_decode.json", "--decode-only")
     check_decode_result(fused)
     check_launch_and_profile(fused)
     assert fused["prefill_tok_s"] == {}
-    assert fused["kernel_forms"]["ATLAS_DELTANET_DECODE"] == fused["kernel_forms"]["ATLAS_ROUTER"] == "fused"
+    assert {fused["kernel_forms"][name] for name in ("ATLAS_DELTANET_DECODE", "ATLAS_ROUTER", "ATLAS_ATTENTION_PREP")} == {"fused"}
 
     emulated.setenv("ATLAS_PREFILL_ATTENTION", "mma")
     emulated.setenv("ATLAS_GEMM", "wgmma")
@@ -125,7 +127,7 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
     device_summary.merge_variants(variants, out / "variants.json")
     lines = "\n".join(device_summary.report(out))
     assert "unreadable" not in lines, lines
-    for expected in ("decode_tok_s: ", "decode_sampled_tok_s: ", "roofline_pct: ", "copy_gb_s: ", "fused decode (fused DeltaNet, fused router): ",
+    for expected in ("decode_tok_s: ", "decode_sampled_tok_s: ", "roofline_pct: ", "copy_gb_s: ", "fused decode (fused DeltaNet, fused router, fused attention prep): ",
                      "decode step: ", "fused decode step: ",
                      'prefill tok/s by attention form: {"mma": ', "prefill attention us per layer at 8 tokens: bf16 simt "):
         assert expected in lines, lines

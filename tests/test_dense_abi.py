@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from atlas.backends.base import KVCache, PenaltyOperands, SamplingParams
+from atlas.backends.base import AttentionInputs, AttentionOperands, KVCache, PenaltyOperands, SamplingParams
 from atlas.backends.cuda import ops_dense
 from atlas.backends.cuda.tensor import DeviceTensor
 
@@ -62,6 +62,8 @@ def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Gen
     for t in (tokens % 4 + 1, prefill):
         caches = [_tensor(rt, "bf16", capacity, hkv, d) for _ in range(2)]
         ops_dense.attention(rt, f(t, hq, d), f(t, hkv, d), f(t, hkv, d), KVCache(*caches), _tensor(rt, "i32", t), d**-0.5)
+        layer = AttentionOperands(f(d), f(d), 1e-6, 1e-6, f(dims["rotary_dim"] // 2), 1.0, KVCache(*caches), d**-0.5)
+        ops_dense.fused_attention(rt, AttentionInputs(f(t, hq, d), f(t, hkv, d), f(t, hkv, d), _tensor(rt, "i32", t)), layer)
     ops_dense.argmax(rt, f(tokens, v))
     ops_dense.nonfinite_count(rt, f(1, h))
     ops_dense.sample(rt, f(1, v), SamplingParams(0.8, 20, 0.9), float(rng.random()))
@@ -118,6 +120,10 @@ def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
             elif launch.kernel == "atlas_head_norm_rope":
                 warps = launch.block[0] // 32
                 assert launch.grid[0] * warps >= p.tokens * p.heads and launch.smem == warps * p.head_dim * 4
+            elif launch.kernel == "atlas_attention_prep":
+                warps = launch.block[0] // 32
+                assert launch.grid[0] * warps >= p.tokens * (p.q_heads + p.kv_heads) and launch.smem == warps * p.head_dim * 4
+                assert p.capacity == shapes["capacity"] and p.rotary_dim == dims["rotary_dim"]
             elif launch.kernel in ("atlas_rms_norm", "atlas_add_rms_norm"):
                 assert launch.grid[0] == p.rows
             elif launch.kernel == "atlas_argmax_partial":

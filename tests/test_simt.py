@@ -224,7 +224,7 @@ QWEN_HEAVY = (
 DEMO = ["-k", "not qwen", "tests"]
 # The opt-in forms the device run measures before any becomes a default.
 OPT_IN = {"ATLAS_GEMM": "wgmma", "ATLAS_PREFILL_ATTENTION": "mma", "ATLAS_DELTANET_DECODE": "fused",
-          "ATLAS_ROUTER": "fused", "ATLAS_LAUNCH": "pdl"}  # pdl: its launch path (the emulator has nothing to order)
+          "ATLAS_ROUTER": "fused", "ATLAS_ATTENTION_PREP": "fused", "ATLAS_LAUNCH": "pdl"}  # pdl: its launch path (the emulator has nothing to order)
 SUITES: dict[str, tuple[list[str], dict[str, str]]] = {
     # every gpu-marked test at the demo dimensions, with the default forms and with the opt-in ones
     "demo": (DEMO, {}),
@@ -232,7 +232,7 @@ SUITES: dict[str, tuple[list[str], dict[str, str]]] = {
     # the real-dimension kernel instances (head_dim 256, 256 experts, the DeltaNet heads, the KV levels)
     "qwen-dims": (["-k", "qwen", *(f"--deselect=tests/{t}" for t in QWEN_HEAVY),
                    *(f"tests/test_gpu_{f}.py" for f in ("ops", "delta_decode", "delta_chunked", "router_fused",
-                                                        "moe_shared", "kv"))], {}),
+                                                        "moe_shared", "kv", "attention_prep"))], {}),
 }
 
 

@@ -106,6 +106,37 @@ class LogprobTensors:
 
 
 @dataclass(frozen=True)
+class AttentionInputs:
+    """One step's q, k, v of a full-attention layer, before the head norms and the rotary."""
+
+    q: Tensor  # [T, Hq, D]
+    k: Tensor  # [T, Hkv, D]
+    v: Tensor  # [T, Hkv, D]
+    positions: Tensor  # [T] i32, consecutive
+
+
+@dataclass(frozen=True)
+class AttentionOperands:
+    """A full-attention layer's head norms, rotary table and KV cache as `full_attention` takes them."""
+
+    q_norm: Tensor  # [D] f32
+    k_norm: Tensor  # [D] f32
+    q_eps: float
+    k_eps: float
+    inv_freq: Tensor  # [R/2] f32
+    rope_scaling: float
+    cache: KVCache  # written in place at the step's positions
+    scale: float  # the softmax scale, D^-0.5
+
+
+def compose_full_attention(backend: Backend, x: AttentionInputs, layer: AttentionOperands) -> Tensor:
+    """`Backend.full_attention` as its three ops: q and k head norm + rotary, attention."""
+    q = backend.head_norm_rope(x.q, layer.q_norm, x.positions, layer.inv_freq, layer.rope_scaling, layer.q_eps)
+    k = backend.head_norm_rope(x.k, layer.k_norm, x.positions, layer.inv_freq, layer.rope_scaling, layer.k_eps)
+    return backend.attention(q, k, x.v, layer.cache, x.positions, layer.scale)  # [T, Hq, D]
+
+
+@dataclass(frozen=True)
 class DeltaNetInputs:
     """One step's inputs of a Gated DeltaNet layer (parts of its fused input projection)."""
 
@@ -219,6 +250,13 @@ class Backend(Protocol):
         """q [T, Hq, D]; k, v [T, Hkv, D]; cache.k, cache.v [S, Hkv, D] updated in place at rows
         positions[0] .. positions[0]+T-1 (positions [T] i32 are consecutive). Causal GQA softmax
         attention of each query over cache rows 0 .. its own position. -> [T, Hq, D]."""
+
+    def full_attention(self, x: AttentionInputs, layer: AttentionOperands) -> Tensor:
+        """head_norm_rope of x.q and x.k, then attention (`compose_full_attention`) -> [T, Hq, D];
+        a backend may run them as fewer kernels, with the same result."""
+
+    def fuses_full_attention(self, cache: KVCache) -> bool:
+        """Whether `full_attention` over this cache runs as one fused kernel (then a dump has no .q / .k)."""
 
     # --- linear attention (Gated DeltaNet) ----------------------------------------------------
     def causal_conv1d(self, x: Tensor, weight: Tensor, conv_state: Tensor) -> Tensor:

@@ -13,6 +13,8 @@ import numpy as np
 from ..quant.stored import QuantizedWeight
 from ..sampling import choose_token, penalize_row, top_order
 from .base import (
+    AttentionInputs,
+    AttentionOperands,
     DeltaNetInputs,
     DeltaNetOperands,
     KVCache,
@@ -23,8 +25,9 @@ from .base import (
     StorageDType,
     Tensor,
     check_split_widths,
-    kernel_temperature,
+    compose_full_attention,
     compose_gated_delta_net,
+    kernel_temperature,
 )
 from .host_weights import HostMatrix, HostQuantized, compact, dense, expert_matrix, matmul_t, row_parts
 
@@ -291,6 +294,12 @@ class NumpyBackend:
             visible = int(block[-1]) + 1
             outputs.append(_attend(q[i : i + QUERY_BLOCK], k_cache[:visible], v_cache[:visible], block, scale))
         return np.concatenate(outputs)
+
+    def full_attention(self, x: AttentionInputs, layer: AttentionOperands) -> Tensor:
+        return compose_full_attention(self, x, layer)
+
+    def fuses_full_attention(self, cache: KVCache) -> bool:
+        return False
 
     # --- linear attention (Gated DeltaNet) ----------------------------------------------------
     def causal_conv1d(self, x: Tensor, weight: Tensor, conv_state: Tensor) -> Tensor:

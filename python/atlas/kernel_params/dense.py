@@ -98,6 +98,34 @@ class HeadNormRopeParams(ctypes.Structure):
     ]
 
 
+class AttentionPrepParams(ctypes.Structure):
+    """atlas_attention_prep: atlas_head_norm_rope of q and of k, then atlas_kv_cache_write of the
+    rotated k and of v, in one launch: one warp per (token, q head), then per (token, kv head);
+    dynamic smem = warps * head_dim * 4."""
+
+    _fields_ = [
+        ("q", c_ptr),  # [tokens, q_heads, head_dim] f32
+        ("k", c_ptr),  # [tokens, kv_heads, head_dim] f32
+        ("v", c_ptr),  # [tokens, kv_heads, head_dim] f32
+        ("q_weight", c_ptr),  # [head_dim] f32
+        ("k_weight", c_ptr),  # [head_dim] f32
+        ("positions", c_ptr),  # [tokens] i32
+        ("inv_freq", c_ptr),  # [rotary_dim / 2] f32
+        ("q_out", c_ptr),  # [tokens, q_heads, head_dim] f32
+        ("k_cache", c_ptr),  # [capacity, kv_heads, head_dim] bf16
+        ("v_cache", c_ptr),  # [capacity, kv_heads, head_dim] bf16
+        ("tokens", c_i32),
+        ("q_heads", c_i32),
+        ("kv_heads", c_i32),
+        ("head_dim", c_i32),
+        ("rotary_dim", c_i32),
+        ("capacity", c_i32),
+        ("scaling", c_f32),
+        ("q_eps", c_f32),
+        ("k_eps", c_f32),
+    ]
+
+
 class KvCacheWriteParams(ctypes.Structure):
     """atlas_kv_cache_write: cache[positions[t], h, :] = bf16(k[t, h, :]) for k and v."""
 
@@ -253,6 +281,7 @@ ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (
     NonfiniteCountParams,
     LinearParams,
     HeadNormRopeParams,
+    AttentionPrepParams,
     KvCacheWriteParams,
     AttentionParams,
     AttentionCombineParams,

@@ -2,7 +2,7 @@
 
 Intermediates reach `Step.dump` (when set) under these names, per layer i:
   positions (emitted by the engine first in each forward), embed, layer.i.input_norm,
-  layer.i.attn.{q,k,v,core,gated} (full attention: q/k after norm + rope),
+  layer.i.attn.{v,q,k,core,gated} (full attention: q/k after norm + rope; not with a fused prep),
   layer.i.attn.{qkv,z,b,a,conv,core,gated_norm} (Gated DeltaNet: qkv, z, b, a from the input
   projection), layer.i.attn_out, layer.i.post_norm,
   layer.i.mlp.{router_logits,router_ids,router_weights,routed,shared,shared.act} (router_logits

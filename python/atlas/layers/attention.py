@@ -1,10 +1,14 @@
-"""Full attention: gated query, per-head q/k RMSNorm, partial rotary, GQA over a KV cache, o_proj."""
+"""Full attention: gated query, per-head q/k RMSNorm, partial rotary, GQA over a KV cache, o_proj.
+
+Without a dump the head norms, rotary and attention run as one backend op (`full_attention`: the
+CUDA backend may fuse the norms, rotary and cache write into one kernel); with a dump attached as
+their ops, so the rotated q and k (.q, .k) can be emitted, except where the backend fuses."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..backends.base import Backend, KVCache, Tensor
+from ..backends.base import AttentionInputs, AttentionOperands, Backend, KVCache, Tensor
 from .norm import RMSNorm
 from .rotary import Rotary
 from .split_linear import SplitLinear
@@ -45,15 +49,24 @@ class Attention:
         q, gate, k, v = w.qgkv(be, x)  # [T, Hq*D] x 2, [T, Hkv*D] x 2
         q = q.reshape(tokens, d.num_heads, d.head_dim)  # [T, Hq, D]
         k = k.reshape(tokens, d.num_kv_heads, d.head_dim)  # [T, Hkv, D]
-        v = v.reshape(tokens, d.num_kv_heads, d.head_dim)  # [T, Hkv, D]
-        q = step.emit(f"{name}.q", self._norm_rope(step, q, w.q_norm))
-        k = step.emit(f"{name}.k", self._norm_rope(step, k, w.k_norm))
-        v = step.emit(f"{name}.v", v)
-        out = be.attention(q, k, v, cache, step.positions, d.head_dim**-0.5)  # [T, Hq, D]
+        v = step.emit(f"{name}.v", v.reshape(tokens, d.num_kv_heads, d.head_dim))  # [T, Hkv, D]
+        inputs, operands = AttentionInputs(q, k, v, step.positions), self.operands(cache)
+        if step.dump is None or be.fuses_full_attention(cache):
+            out = be.full_attention(inputs, operands)  # [T, Hq, D]
+        else:
+            out = self._dumped_core(step, inputs, operands, name)
         out = step.emit(f"{name}.core", out.reshape(tokens, d.num_heads * d.head_dim))
         gated = step.emit(f"{name}.gated", be.sigmoid_mul(out, gate))  # [T, Hq*D]
         return be.linear(gated, w.o)  # [T, H]
 
-    def _norm_rope(self, step: Step, x: Tensor, norm: RMSNorm) -> Tensor:
-        r = self.rotary
-        return step.backend.head_norm_rope(x, norm.weight, step.positions, r.inv_freq, r.scaling, norm.eps)
+    def operands(self, cache: KVCache) -> AttentionOperands:
+        w, r = self.weights, self.rotary
+        return AttentionOperands(w.q_norm.weight, w.k_norm.weight, w.q_norm.eps, w.k_norm.eps, r.inv_freq, r.scaling,
+                                 cache, self.dims.head_dim**-0.5)
+
+    def _dumped_core(self, step: Step, x: AttentionInputs, op: AttentionOperands, name: str) -> Tensor:
+        """`full_attention` as its ops, emitting the rotated q and k."""
+        be = step.backend
+        q = step.emit(f"{name}.q", be.head_norm_rope(x.q, op.q_norm, x.positions, op.inv_freq, op.rope_scaling, op.q_eps))
+        k = step.emit(f"{name}.k", be.head_norm_rope(x.k, op.k_norm, x.positions, op.inv_freq, op.rope_scaling, op.k_eps))
+        return be.attention(q, k, x.v, op.cache, x.positions, op.scale)  # [T, Hq, D]

@@ -5,3 +5,8 @@ extern "C" __global__ void __launch_bounds__(atlas::kRopeThreads) atlas_head_nor
   atlas::pdl_enter();
   atlas::head_norm_rope(p);
 }
+
+extern "C" __global__ void __launch_bounds__(atlas::kRopeThreads) atlas_attention_prep(const AttentionPrepParams p) {
+  atlas::pdl_enter();
+  atlas::attention_prep(p);
+}

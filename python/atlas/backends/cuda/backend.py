@@ -11,6 +11,8 @@ import numpy as np
 
 from ...errors import AtlasError
 from ..base import (
+    AttentionInputs,
+    AttentionOperands,
     DeltaNetInputs,
     DeltaNetOperands,
     KVCache,
@@ -19,6 +21,7 @@ from ..base import (
     SamplingParams,
     StorageDType,
     check_split_widths,
+    compose_full_attention,
     compose_gated_delta_net,
 )
 from . import ops_delta_decode, ops_dense, ops_kv, ops_linear_moe, ops_quant
@@ -35,8 +38,10 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, rt: CudaRuntime, use_graphs: bool | None = None, router: str | None = None,
-                 delta_net: str | None = None) -> None:
-        """`router` "split" | "fused" (ops_linear_moe.router_form; None: ATLAS_ROUTER decides)."""
+                 delta_net: str | None = None, attention_prep: str | None = None) -> None:
+        """`router` "split" | "fused" (ops_linear_moe.router_form; None: ATLAS_ROUTER decides);
+        `delta_net` and `attention_prep` "separate" | "fused" the same way (ATLAS_DELTANET_DECODE,
+        ATLAS_ATTENTION_PREP)."""
         self.rt = rt
         self.prefill_attention = ops_dense.prefill_attention_form()  # ATLAS_PREFILL_ATTENTION: "simt" | "mma"
         self.gemm_form = ops_dense.gemm_form(rt)  # ATLAS_GEMM: "mma" | "wgmma" (h200 only)
@@ -47,6 +52,7 @@ class CudaBackend:
         ops_linear_moe.DELTA_RULE_SWITCH.read()  # read per prompt; a bad value is one line now, not at the first
         fused_delta = self.delta_net_form == "fused"
         self._delta_arrivals = ops_delta_decode.decode_arrivals(rt) if fused_delta else None
+        self.attention_prep_form = ops_dense.ATTENTION_PREP_SWITCH.read(attention_prep)  # "separate" | "fused"
         self.uploader = Uploader(rt)
         if use_graphs is None:
             use_graphs = GRAPHS_SWITCH.read() == "1"
@@ -59,10 +65,11 @@ class CudaBackend:
     def describe(self) -> str:
         info = self.rt.info
         graphs = "CUDA graphs" if self.use_graphs else "no CUDA graphs"
-        router = ", fused router" if self._router_arrivals is not None else ""
+        fused = (("router", self._router_arrivals is not None), ("attention prep", self.attention_prep_form == "fused"))
+        forms = "".join(f", fused {name}" for name, on in fused if on)
         launch = ", programmatic launches" if self.rt.programmatic else ""
         return (f"{info.name} (cc {info.cc[0]}.{info.cc[1]}, {info.sm_count} SMs), "
-                f"{self.rt.image.label}, {self.rt.driver.binding}, {graphs}{router}{launch}")
+                f"{self.rt.image.label}, {self.rt.driver.binding}, {graphs}{forms}{launch}")
 
     # --- memory -------------------------------------------------------------------------------
     def upload(self, array: np.ndarray, dtype: StorageDType) -> DeviceTensor:
@@ -188,6 +195,16 @@ class CudaBackend:
             return ops_kv.attention(self.rt, q, k, v, cache, positions, scale, prefill=self.prefill_attention)
         return ops_dense.attention(self.rt, q, k, v, cache, positions, scale,
                                    prefill=self.prefill_attention)
+
+    def full_attention(self, x: AttentionInputs, layer: AttentionOperands) -> DeviceTensor:
+        """With `attention_prep` "fused" over bf16 caches: atlas_attention_prep, then attention;
+        otherwise the three ops in a row."""
+        if self.fuses_full_attention(layer.cache):
+            return ops_dense.fused_attention(self.rt, x, layer, prefill=self.prefill_attention)
+        return compose_full_attention(self, x, layer)
+
+    def fuses_full_attention(self, cache: KVCache) -> bool:
+        return self.attention_prep_form == "fused" and not isinstance(cache.k, QuantizedKVCache)
 
     def quantized_kv_cache(self, level: str, shape: tuple[int, int, int]) -> QuantizedKVCache:
         """A K or V cache [S, Hkv, D] at a quantized --kv-cache-dtype level (atlas.kvcache.storage)."""

@@ -19,7 +19,7 @@ from ..base import LogprobTensors, SamplingParams
 from .ops_common import INT32_MAX, FormSwitch, ceil_div as _ceil_div, expect as _expect
 
 if TYPE_CHECKING:
-    from ..base import KVCache, PenaltyOperands
+    from ..base import AttentionInputs, AttentionOperands, KVCache, PenaltyOperands
     from .runtime import CudaRuntime
     from .tensor import DeviceTensor
 
@@ -68,6 +68,12 @@ ATTN_MMA_PAD = 8  # kMmaAttnPad (bf16 per smem row)
 PREFILL_ATTENTION_ENV = "ATLAS_PREFILL_ATTENTION"
 PREFILL_ATTENTION_FORMS = ("simt", "mma")
 PREFILL_ATTENTION_SWITCH = FormSwitch(PREFILL_ATTENTION_ENV, "prefill attention form", PREFILL_ATTENTION_FORMS)
+# Full attention's head norms, rotary and cache write over a bf16 cache: "separate" (default: two
+# atlas_head_norm_rope launches and atlas_kv_cache_write) or "fused" (atlas_attention_prep, one
+# launch; opt-in until the device has confirmed it).
+ATTENTION_PREP_ENV = "ATLAS_ATTENTION_PREP"
+ATTENTION_PREP_FORMS = ("separate", "fused")
+ATTENTION_PREP_SWITCH = FormSwitch(ATTENTION_PREP_ENV, "attention prep form", ATTENTION_PREP_FORMS)
 ARGMAX_THREADS = 256  # sampling.cuh kArgmaxThreads
 ARGMAX_CHUNK = 2048
 SAMPLE_THREADS = 1024  # sampling.cuh kSampleThreads
@@ -335,6 +341,35 @@ def attention(rt: CudaRuntime, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor
                                   tokens=tokens, kv_heads=kv_heads, head_dim=dim, capacity=capacity)
     rt.launch("atlas_kv_cache_write", _elementwise_grid(k.numel), (ELEMENTWISE_THREADS, 1, 1), write)
     return attend(rt, q, CachedKV(k_cache.ptr, v_cache.ptr, capacity, kv_heads), positions, scale, prefill=prefill)
+
+
+def fused_attention(rt: CudaRuntime, x: AttentionInputs, layer: AttentionOperands, *,
+                    prefill: str = "simt") -> DeviceTensor:
+    """`Backend.full_attention` over bf16 caches: atlas_attention_prep (q and k head norm + rotary,
+    the rotated k and v written into the caches) in one launch, then `attend`."""
+    k_cache, v_cache = layer.cache.k, layer.cache.v  # [S, Hkv, D] bf16
+    _check_attention(x.q, x.k, x.v, k_cache, v_cache, x.positions)
+    tokens, q_heads, dim = x.q.shape
+    capacity, kv_heads, _ = k_cache.shape
+    rotary_dim = 2 * layer.inv_freq.numel
+    _expect(layer.q_norm.numel == dim and layer.k_norm.numel == dim,
+            f"attention_prep: norm weights {layer.q_norm.shape} / {layer.k_norm.shape} vs head dim {dim}")
+    _expect(rotary_dim <= dim, f"attention_prep: inv_freq {layer.inv_freq.shape} rotates more than head dim {dim}")
+    for name, t in (("q_norm", layer.q_norm), ("k_norm", layer.k_norm), ("inv_freq", layer.inv_freq)):
+        _expect_dtype("attention_prep", name, t, "f32")
+    q = rt.empty(x.q.shape, "f32")
+    if tokens == 0:
+        return q
+    params = kp.AttentionPrepParams(q=x.q.ptr, k=x.k.ptr, v=x.v.ptr, q_weight=layer.q_norm.ptr, k_weight=layer.k_norm.ptr,
+                                    positions=x.positions.ptr, inv_freq=layer.inv_freq.ptr, q_out=q.ptr,
+                                    k_cache=k_cache.ptr, v_cache=v_cache.ptr, tokens=tokens, q_heads=q_heads,
+                                    kv_heads=kv_heads, head_dim=dim, rotary_dim=rotary_dim, capacity=capacity,
+                                    scaling=layer.rope_scaling, q_eps=layer.q_eps, k_eps=layer.k_eps)
+    warps = ROPE_THREADS // WARP
+    rt.launch("atlas_attention_prep", (_ceil_div(tokens * (q_heads + kv_heads), warps), 1, 1), (ROPE_THREADS, 1, 1),
+              params, smem=warps * dim * 4)
+    cached = CachedKV(k_cache.ptr, v_cache.ptr, capacity, kv_heads)
+    return attend(rt, q, cached, x.positions, layer.scale, prefill=prefill)
 
 
 def prefill_token_chunks(tokens: int, group: int) -> list[tuple[int, int]]:
