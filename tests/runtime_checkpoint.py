@@ -20,6 +20,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]  # Qwen's
 CORPUS = [
     "Beautiful is better than ugly. Explicit is better than implicit.",
     "Simple is better than complex. Complex is better than complicated.",
@@ -29,8 +30,10 @@ CORPUS = [
 ]
 
 
-def train_tokenizer(model_dir: Path, vocab_size: int = 320, chat_template: str | None = CHATML_TEMPLATE) -> int:
-    """Write tokenizer.json and tokenizer_config.json; return the vocabulary size."""
+def train_tokenizer(model_dir: Path, vocab_size: int = 320, chat_template: str | None = CHATML_TEMPLATE,
+                    extra_special: tuple[str, ...] = ()) -> int:
+    """Write tokenizer.json and tokenizer_config.json; return the vocabulary size. extra_special:
+    special tokens after SPECIAL_TOKENS (FIM_TOKENS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -38,7 +41,7 @@ def train_tokenizer(model_dir: Path, vocab_size: int = 320, chat_template: str |
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=[*SPECIAL_TOKENS, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -55,14 +58,14 @@ def train_tokenizer(model_dir: Path, vocab_size: int = 320, chat_template: str |
     return tokenizer.get_vocab_size()
 
 
-def make_tiny_checkpoint(model_dir: Path, seed: int, dtype: str = "float32") -> Path:
+def make_tiny_checkpoint(model_dir: Path, seed: int, dtype: str = "float32", extra_special: tuple[str, ...] = ()) -> Path:
     """A random Qwen3.5-MoE text model (2 linear-attention + 2 full-attention layers) saved with
-    transformers, plus a matching tokenizer. Returns model_dir."""
+    transformers, plus a matching tokenizer (train_tokenizer's extra_special too). Returns model_dir."""
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     model_dir.mkdir(parents=True, exist_ok=True)
-    vocab_size = train_tokenizer(model_dir)
+    vocab_size = train_tokenizer(model_dir, extra_special=extra_special)
     eos_id = json.loads((model_dir / "tokenizer.json").read_text())["added_tokens"][2]["id"]
     config = Qwen3_5MoeTextConfig(
         vocab_size=vocab_size, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

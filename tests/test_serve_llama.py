@@ -19,11 +19,11 @@ from test_serve import HOST, TIMEOUT_S, Served, get_json, post, random_prompt
 from test_serve import served as served  # noqa: F401  (the module-scoped server)
 
 
-def events(port: int, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """A streamed /completion's `data:` events, in order."""
+def events(port: int, body: dict[str, Any], path: str = "/completion") -> list[dict[str, Any]]:
+    """A streamed /completion's (or /infill's) `data:` events, in order."""
     conn = http.client.HTTPConnection(HOST, port, timeout=TIMEOUT_S)
     try:
-        conn.request("POST", "/completion", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
         response = conn.getresponse()
         assert response.status == 200 and response.getheader("content-type", "").startswith("text/event-stream")
         lines = response.read().decode().split("\n\n")

@@ -34,7 +34,7 @@ from .reasoning import END as REASONING_END
 from .reasoning import START as REASONING_START
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
-from . import embeddings, llama_api, messages_api
+from . import embeddings, infill, llama_api, messages_api
 from .background import BackgroundRuns, resume_after
 from .beams import SharedSearch
 from .response_store import ResponseStore, StoredResponse, item_page, not_found
@@ -398,14 +398,35 @@ async def responses_generation(request: Request, state: ServerState) -> Response
 
 async def llama_completion(request: Request, state: ServerState) -> Response:
     """llama.cpp's /completion: the request as a completions request, its one answer in llama-server's shape."""
-    ask = llama_api.completion_request(await read_json(request))
+    return await llama_answer(request, state, llama_api.completion_request(await read_json(request)))
+
+
+async def llama_infill(request: Request, state: ServerState) -> Response:
+    """llama.cpp's /infill: the fill-in-the-middle fields as one prompt of the model's FIM tokens
+    (infill.py), cut to leave the answer its n_predict (or a quarter of the context), answered as /completion."""
+    raw = await read_json(request)
+    fim = infill.fim_tokens(state.llm.tokenizer)
+    if fim is None:
+        raise RequestError("/infill: this model's vocabulary has no fill-in-the-middle tokens (<|fim_prefix|>, "
+                           "<|fim_suffix|>, <|fim_middle|>); use /completion", code="not_supported_error", status=501)
+    ask = llama_api.completion_request(raw if not isinstance(raw, dict) else raw | {"prompt": ""})
+    parts = infill.infill_parts(raw)
+    capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
+    room = capacity - (ask.body.get("max_tokens") or capacity // 4)
+    built = await anyio.to_thread.run_sync(lambda: infill.infill_prompt(state.llm.tokenizer, fim, parts, room))
+    return await llama_answer(request, state, replace(ask, body=ask.body | {"prompt": built.ids}), built.truncated)
+
+
+async def llama_answer(request: Request, state: ServerState, ask: llama_api.CompletionAsk,
+                       truncated: bool = False) -> Response:
+    """A /completion-shaped request run, answered in llama-server's shape."""
     try:
         body = replace(await parsed_body(ask.body, False, state), until_context=ask.until_context)
         run = (await checked_runs(state, body))[0]
     except RequestError as err:
         raise llama_api.renamed(err) from None
     prompt = await anyio.to_thread.run_sync(lambda: state.llm.tokenizer.decode(list(run.prompt_ids), skip_special_tokens=False))
-    meta = llama_api.CompletionMeta(state.model_name, prompt, len(run.prompt_ids), ask)
+    meta = llama_api.CompletionMeta(state.model_name, prompt, len(run.prompt_ids), ask, truncated)
     if body.stream:
         return EventStreamResponse(llama_api.stream_completion(meta, run.events))
     answer = await unless_disconnected(request, llama_api.whole_completion(meta, run.events))
@@ -767,6 +788,7 @@ ROUTES: tuple[tuple[str, Handler, tuple[str, ...]], ...] = (
     ("/invocations", invocations, ("POST",)),  # vLLM's (SageMaker's): by the body, chat or text completions
     ("/completion", llama_completion, ("POST",)),  # llama.cpp's own API, and its alias
     ("/completions", llama_completion, ("POST",)),
+    ("/infill", llama_infill, ("POST",)),  # llama.cpp's
     ("/props", props, ("GET",)),  # llama.cpp's
     ("/slots", slots, ("GET",)),  # llama.cpp's
     ("/embedding", llama_embedding, ("POST",)),  # llama.cpp's, and its alias

@@ -125,6 +125,7 @@ class CompletionMeta:
     prompt: str  # the prompt's text
     prompt_tokens: int
     ask: CompletionAsk
+    truncated: bool = False  # /infill cut its prompt to fit
 
 
 def piece_fields(meta: CompletionMeta, piece: TextPiece) -> dict[str, Any]:
@@ -147,7 +148,7 @@ def final_fields(meta: CompletionMeta, finished: Finished) -> dict[str, Any]:
     word = finished.stop_reason if isinstance(finished.stop_reason, str) else ""
     stop_type = "limit" if finished.finish_reason == "length" else "word" if word else "eos"
     return {"index": 0, "id_slot": 0, "stop": True, "model": meta.model, "tokens_predicted": finished.completion_tokens,
-            "tokens_evaluated": finished.prompt_tokens, "prompt": meta.prompt, "truncated": False,
+            "tokens_evaluated": finished.prompt_tokens, "prompt": meta.prompt, "truncated": meta.truncated,
             "stop_type": stop_type, "stopping_word": word,
             "tokens_cached": finished.prompt_tokens + finished.completion_tokens, "timings": timings(finished)}
 
