@@ -14,6 +14,7 @@ room), the suffix's start, then the extra files' end; the answer says `truncated
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,9 +94,11 @@ def infill_prompt(tokenizer: Tokenizer, fim: FimTokens, parts: InfillParts, room
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     opening = tokenizer.encode("", add_special_tokens=True)  # a BOS where the tokenizer adds one
     prefix, suffix, typed = encode(parts.prefix), encode(parts.suffix), encode(parts.prompt)
-    repo_level = fim.repo is not None and fim.file_sep is not None
-    extra = repo_files(encode, fim, parts.extra) if repo_level else encode("".join(text for _, text in parts.extra))
-    current = [fim.file_sep, *encode(f"{CURRENT_FILE}\n")] if repo_level else []  # type: ignore[list-item]
+    if fim.repo is not None and fim.file_sep is not None:
+        extra = repo_files(encode, fim.repo, fim.file_sep, parts.extra)
+        current = [fim.file_sep, *encode(f"{CURRENT_FILE}\n")]
+    else:
+        extra, current = encode("".join(text for _, text in parts.extra)), []
     room -= len(opening) + len(current) + len(typed) + 3  # the three FIM tokens
     prefix_take = min(len(prefix), max(0, int(room * PREFIX_SHARE)))
     suffix_take = min(len(suffix), max(0, room - prefix_take))
@@ -106,9 +109,9 @@ def infill_prompt(tokenizer: Tokenizer, fim: FimTokens, parts: InfillParts, room
     return InfillPrompt(ids, truncated)
 
 
-def repo_files(encode: Any, fim: FimTokens, files: tuple[tuple[str, str], ...]) -> list[int]:
+def repo_files(encode: Callable[[str], list[int]], repo: int, file_sep: int, files: tuple[tuple[str, str], ...]) -> list[int]:
     """Qwen's repo-level context: the project's name, then each file's name and text."""
-    ids = [fim.repo, *encode(f"{REPO_NAME}\n")]
+    ids = [repo, *encode(f"{REPO_NAME}\n")]
     for filename, text in files:
-        ids += [fim.file_sep, *encode(f"{filename}\n"), *encode(text)]
-    return ids  # type: ignore[return-value]
+        ids += [file_sep, *encode(f"{filename}\n"), *encode(text)]
+    return ids
