@@ -7,6 +7,7 @@ noted while other differences are flagged."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -271,4 +272,5 @@ def test_the_gpu_head_matches_numpy_op_by_op(demo_mtp: Path, capsys: pytest.Capt
     code, out = run(["--model", str(demo_mtp), "--device", "cuda", "--decode-steps", "3"], capsys)
     print(out)
     assert code == 0, out
-    assert HEAD_NAMES <= set(rows(out)), out
+    fused_prep = os.environ.get("ATLAS_ATTENTION_PREP", "").strip() == "fused"  # the kernel serves a dump: no rotated q
+    assert HEAD_NAMES - ({"mtp.attn.q"} if fused_prep else set()) | {"mtp.attn.v"} <= set(rows(out)), out
