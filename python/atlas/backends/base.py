@@ -129,10 +129,19 @@ class AttentionOperands:
     scale: float  # the softmax scale, D^-0.5
 
 
-def compose_full_attention(backend: Backend, x: AttentionInputs, layer: AttentionOperands) -> Tensor:
-    """`Backend.full_attention` as its three ops: q and k head norm + rotary, attention."""
-    q = backend.head_norm_rope(x.q, layer.q_norm, x.positions, layer.inv_freq, layer.rope_scaling, layer.q_eps)
-    k = backend.head_norm_rope(x.k, layer.k_norm, x.positions, layer.inv_freq, layer.rope_scaling, layer.k_eps)
+Emit = Callable[[str, Tensor], Tensor]  # (part, tensor) -> the tensor to go on with: a layer's dump hook
+
+
+def passed_on(part: str, tensor: Tensor) -> Tensor:
+    """The Emit of a composition that no dump watches."""
+    return tensor
+
+
+def compose_full_attention(backend: Backend, x: AttentionInputs, layer: AttentionOperands,
+                           emit: Emit = passed_on) -> Tensor:
+    """`Backend.full_attention` as its three ops: q and k head norm + rotary ("q", "k" emitted), attention."""
+    q = emit("q", backend.head_norm_rope(x.q, layer.q_norm, x.positions, layer.inv_freq, layer.rope_scaling, layer.q_eps))
+    k = emit("k", backend.head_norm_rope(x.k, layer.k_norm, x.positions, layer.inv_freq, layer.rope_scaling, layer.k_eps))
     return backend.attention(q, k, x.v, layer.cache, x.positions, layer.scale)  # [T, Hq, D]
 
 
@@ -160,10 +169,11 @@ class DeltaNetOperands:
     num_k_heads: int
 
 
-def compose_gated_delta_net(backend: Backend, x: DeltaNetInputs, layer: DeltaNetOperands) -> Tensor:
-    """`Backend.gated_delta_net` as its three ops: conv, delta rule, gated norm."""
-    mixed = backend.causal_conv1d(x.mixed, layer.conv_weight, layer.conv_state)  # [T, C]
-    core = backend.gated_delta_rule(mixed, x.a, x.b, layer)  # [T, Hv, Dv]
+def compose_gated_delta_net(backend: Backend, x: DeltaNetInputs, layer: DeltaNetOperands,
+                            emit: Emit = passed_on) -> Tensor:
+    """`Backend.gated_delta_net` as its three ops: conv, delta rule ("conv", "core" emitted), gated norm."""
+    mixed = emit("conv", backend.causal_conv1d(x.mixed, layer.conv_weight, layer.conv_state))  # [T, C]
+    core = emit("core", backend.gated_delta_rule(mixed, x.a, x.b, layer))  # [T, Hv, Dv]
     return backend.gated_rms_norm(core, x.z, layer.norm_weight, layer.norm_eps)  # [T, Hv, Dv]
 
 

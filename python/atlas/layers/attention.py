@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..backends.base import AttentionInputs, AttentionOperands, Backend, KVCache, Tensor
+from ..backends.base import AttentionInputs, AttentionOperands, Backend, KVCache, Tensor, compose_full_attention
 from .norm import RMSNorm
 from .rotary import Rotary
 from .split_linear import SplitLinear
@@ -53,8 +53,8 @@ class Attention:
         inputs, operands = AttentionInputs(q, k, v, step.positions), self.operands(cache)
         if step.dump is None or be.fuses_full_attention(cache):
             out = be.full_attention(inputs, operands)  # [T, Hq, D]
-        else:
-            out = self._dumped_core(step, inputs, operands, name)
+        else:  # the ops apart, the rotated q and k emitted
+            out = compose_full_attention(be, inputs, operands, lambda part, t: step.emit(f"{name}.{part}", t))
         out = step.emit(f"{name}.core", out.reshape(tokens, d.num_heads * d.head_dim))
         gated = step.emit(f"{name}.gated", be.sigmoid_mul(out, gate))  # [T, Hq*D]
         return be.linear(gated, w.o)  # [T, H]
@@ -63,10 +63,3 @@ class Attention:
         w, r = self.weights, self.rotary
         return AttentionOperands(w.q_norm.weight, w.k_norm.weight, w.q_norm.eps, w.k_norm.eps, r.inv_freq, r.scaling,
                                  cache, self.dims.head_dim**-0.5)
-
-    def _dumped_core(self, step: Step, x: AttentionInputs, op: AttentionOperands, name: str) -> Tensor:
-        """`full_attention` as its ops, emitting the rotated q and k."""
-        be = step.backend
-        q = step.emit(f"{name}.q", be.head_norm_rope(x.q, op.q_norm, x.positions, op.inv_freq, op.rope_scaling, op.q_eps))
-        k = step.emit(f"{name}.k", be.head_norm_rope(x.k, op.k_norm, x.positions, op.inv_freq, op.rope_scaling, op.k_eps))
-        return be.attention(q, k, x.v, op.cache, x.positions, op.scale)  # [T, Hq, D]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..backends.base import Backend, DeltaNetInputs, DeltaNetOperands, Tensor
+from ..backends.base import Backend, DeltaNetInputs, DeltaNetOperands, Tensor, compose_gated_delta_net
 from .norm import RMSNorm
 from .split_linear import SplitLinear
 from .step import Step
@@ -64,8 +64,9 @@ class GatedDeltaNet:
         inputs = DeltaNetInputs(mixed, z.reshape(tokens, d.num_v_heads, d.v_head_dim), a, b)
         if step.dump is None or be.fuses_gated_delta_net(tokens):
             normed = be.gated_delta_net(inputs, self.operands(state))  # [T, Hv, Dv]
-        else:
-            normed = self._dumped_core(step, inputs, state, name)
+        else:  # the three ops apart, the conv output and the delta rule's emitted
+            normed = compose_gated_delta_net(be, inputs, self.operands(state),
+                                             lambda part, t: step.emit(f"{name}.{part}", t))
         normed = step.emit(f"{name}.gated_norm", normed.reshape(tokens, d.num_v_heads * d.v_head_dim))
         return be.linear(normed, self.weights.out)  # [T, H]
 
@@ -73,10 +74,3 @@ class GatedDeltaNet:
         w = self.weights
         return DeltaNetOperands(w.conv, w.A_log, w.dt_bias, w.norm.weight, w.norm.eps, state.conv, state.recurrent,
                                 self.dims.num_k_heads)
-
-    def _dumped_core(self, step: Step, x: DeltaNetInputs, state: DeltaNetState, name: str) -> Tensor:
-        """`gated_delta_net` as its three ops, emitting the conv output and the delta rule's."""
-        be, op = step.backend, self.operands(state)
-        mixed = step.emit(f"{name}.conv", be.causal_conv1d(x.mixed, op.conv_weight, op.conv_state))  # [T, C]
-        core = step.emit(f"{name}.core", be.gated_delta_rule(mixed, x.a, x.b, op))  # [T, Hv, Dv]
-        return be.gated_rms_norm(core, x.z, op.norm_weight, op.norm_eps)  # [T, Hv, Dv]
