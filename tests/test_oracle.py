@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from _checkpoints import TinyModel, write_checkpoint
+from _conditioning import TIE_MARGIN
 from atlas.backends.base import SamplingParams
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.config import load_spec
@@ -29,8 +30,10 @@ pytestmark = pytest.mark.oracle
 PROMPT_TOKENS = 83  # > 64: the chunked delta rule crosses a chunk boundary
 NEW_TOKENS = 32
 RELATIVE_TOLERANCE = 1e-4
-TIE_MARGIN = 1e-5  # router probability / relative logit gap below which rounding could decide
-MAX_DRAWS = 20
+# About 1 draw in 4 of the qwen3.6 proportions (32 experts, top-8, 115 positions x 4 routers) has no
+# router cut closer than TIE_MARGIN, where atlas and transformers differ by up to ~5e-6 in router
+# probability: 20 draws failed about 1 CI run in 500, 60 fail about 1 in 10^8.
+MAX_DRAWS = 60
 
 CASES = {
     "flat-fp32-per_expert-untied": TinyModel(),
