@@ -1513,10 +1513,12 @@ def cli_server(*args: str) -> Iterator[tuple[int, list[str]]]:
     assert process.returncode == 0
 
 
-def test_cli_serves_and_stops() -> None:
+def test_cli_serves_and_stops(tmp_path: Path) -> None:
     """Behind a proxy that strips --root-path (uvicorn puts it back before each path), the routes,
-    the key's open paths and the Anthropic error shape read the path without it."""
-    with cli_server("--root-path", "/proxy/", "--api-key", "k") as (port, _):
+    the key's open paths and the Anthropic error shape read the path without it; --slot-save-path
+    (made when missing) takes the slot's saves."""
+    slots = tmp_path / "slots"
+    with cli_server("--root-path", "/proxy/", "--api-key", "k", "--slot-save-path", str(slots)) as (port, _):
         client = openai.OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key="k", timeout=TIMEOUT_S, max_retries=0)
         answer = client.chat.completions.create(
             model=DEMO_NAME, messages=[{"role": "user", "content": "Flat"}], max_tokens=6, temperature=0
@@ -1525,6 +1527,12 @@ def test_cli_serves_and_stops() -> None:
         assert get_json(port, "/health")["status"] == "ok"  # open without the key
         status, refused = post(port, "/v1/messages", "{}")
         assert status == 401 and refused["type"] == "error", refused  # Anthropic's shape on its route
+        conn = http.client.HTTPConnection(HOST, port, timeout=TIMEOUT_S)
+        conn.request("POST", "/slots/0?action=save", body=json.dumps({"filename": "chat.bin"}),
+                     headers={"Authorization": "Bearer k"})
+        save = json.loads(conn.getresponse().read())
+        conn.close()
+        assert save["n_saved"] > 0 and (slots / "chat.bin").stat().st_size == save["n_written"]
 
 
 def test_a_vllm_command_line_serves(rng: np.random.Generator) -> None:
@@ -1647,6 +1655,7 @@ def listening_port(lines: queue.Queue[str], seen: list[str]) -> int:
     (["--prompt-cache", "65"], "--prompt-cache"),
     (["--root-path", "atlas"], "--root-path"),
     (["--root-path", "/a?b"], "--root-path"),
+    (["--slot-save-path", "/dev/null/slots"], "--slot-save-path"),
 ])
 def test_cli_bad_input_is_one_line(args: list[str], needle: str) -> None:
     done = subprocess.run(serve_command(*args), capture_output=True, text=True, env=cli_env(), timeout=TIMEOUT_S)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .backends.base import NO_TOKEN, Backend, SamplingParams, Tensor
+from .backends.base import NO_TOKEN, Backend, KVCache, SamplingParams, Tensor
 from .backends.run_plan import DEFAULT_MAX_SEQ_LEN
 from .config import ModelSpec
 from .dump import dump_from_env
@@ -19,7 +19,7 @@ from .errors import AtlasError
 from .kvcache import KVCacheOptions, new_states
 from .layers.step import Dump, Step
 from .models import load_model
-from .prompt_cache import PromptCache, Resume, ResumeFilter
+from .prompt_cache import PromptCache, Resume, ResumeFilter, StateCheckpoint
 from .safetensors import Checkpoint
 from .sampling import (
     Penalties, TokenLogprob, check_logit_bias_ids, check_logprobs, check_sampling, draw_uniform, host_pick, is_int,
@@ -272,6 +272,19 @@ class Engine:
             self.restore_states(resume.checkpoint.states)
         self.prompt_cache.resumed(resume)
         return resume
+
+    def resumable(self, start: int, checkpoint: StateCheckpoint | None) -> bool:
+        """Whether a generation can resume after `start` tokens from `checkpoint` (None: the live
+        states): anywhere here; a speculative engine needs its head's rows too."""
+        return True
+
+    def extra_caches(self) -> dict[str, tuple[KVCache, int]]:
+        """KV caches beside the layers' that a saved sequence keeps (atlas.sequence_state), each
+        with how many of its rows hold the live sequence: none here."""
+        return {}
+
+    def extra_caches_restored(self, rows: dict[str, int]) -> None:
+        """extra_caches' first rows[name] rows were written back from a saved sequence."""
 
     def restore_states(self, snapshot: DeltaNetSnapshot) -> None:
         """Copy a snapshot back into the DeltaNet states; the prompt cache forgets them if it fails."""

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .beam_search import BeamSearchOutput, BeamSearchParams
     from .embed import EmbeddingRequestOutput, PoolingParams
     from .sampling import TokenLogprob
+    from .sequence_state import SequenceFile
     from .structured import OutputFormat, TokenConstraint
     from .kvcache.options import KVCacheOptions
     from .config import ModelSpec
@@ -444,6 +445,21 @@ class LLM:
             if cache is not None:
                 cache.forget()
         return True
+
+    def save_state(self, path: str | PathLike[str]) -> SequenceFile:
+        """Save the sequence this LLM holds (its prompt cache's longest resume point: a chat's turns
+        so far) to a file; load_state puts it back, here or in another process with this model and
+        cache setting, so the next prompt that extends it runs only its new tokens (llama.cpp's slot
+        save; atlas.sequence_state)."""
+        from .sequence_state import save_sequence
+
+        return save_sequence(self.parts.engine, Path(path))
+
+    def load_state(self, path: str | PathLike[str]) -> SequenceFile:
+        """Put back a sequence save_state wrote (llama.cpp's slot restore)."""
+        from .sequence_state import restore_sequence
+
+        return restore_sequence(self.parts.engine, Path(path))
 
     def beam_search(self, prompts: object, params: BeamSearchParams, *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: for each prompt (a text, token ids, or vLLM's prompt dict; or a

@@ -110,6 +110,11 @@ class PromptCache:
         self.history, self.beyond, self.last_hit = [], [], 0
         self._drop(list(self.checkpoints))
 
+    def restored(self, ids: list[int]) -> None:
+        """After reset, the states were written back from a saved sequence of `ids` (atlas.sequence_state)."""
+        if self.enabled:
+            self.history, self.beyond = list(ids), []
+
     def forget(self) -> None:
         """What the states hold is unknown (a pass that failed half way, a token fed without its
         id): nothing can be reused until the next fresh start."""

@@ -76,6 +76,25 @@ class ShardFile:
 
 def parse_header(path: Path) -> dict[str, TensorInfo]:
     """Read and validate the header of one safetensors file."""
+    header, data_start, file_size = read_header(path)
+    header.pop("__metadata__", None)
+    tensors = {
+        name: parse_entry(path, name, entry, data_start, file_size) for name, entry in header.items()
+    }
+    check_no_overlap(path, tensors)
+    return tensors
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The header's __metadata__ (string to string); {} when it has none."""
+    metadata = read_header(path)[0].get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise AtlasError(f"{path}: __metadata__ is not a string-to-string object; {REFETCH_HINT}")
+    return metadata
+
+
+def read_header(path: Path) -> tuple[dict[str, object], int, int]:
+    """(the header as JSON, where the data starts, the file's size)."""
     try:
         file_size = path.stat().st_size
         with open(path, "rb") as f:
@@ -98,12 +117,7 @@ def parse_header(path: Path) -> dict[str, TensorInfo]:
         raise AtlasError(f"{path}: the header is not valid JSON; {REFETCH_HINT}") from None
     if not isinstance(header, dict):
         raise AtlasError(f"{path}: the header is not a JSON object; {REFETCH_HINT}")
-    header.pop("__metadata__", None)
-    tensors = {
-        name: parse_entry(path, name, entry, data_start, file_size) for name, entry in header.items()
-    }
-    check_no_overlap(path, tensors)
-    return tensors
+    return header, data_start, file_size
 
 
 MAX_DIMS = 64  # numpy's limit

@@ -66,6 +66,7 @@ class ServeArgs:
     enable_request_id_headers: bool  # every response carries X-Request-Id (vLLM's flag)
     root_path: str  # the prefix a path-routing proxy serves the app under and strips (vLLM's --root-path)
     pooling: str  # how /v1/embeddings and /embedding pool a prompt's hidden states (atlas.embed)
+    slot_save_path: str | None  # POST /slots/0?action=save|restore files go here (llama.cpp's flag; None: off)
     engine: EngineFlags
 
 
@@ -114,6 +115,7 @@ def serve(args: ServeArgs) -> None:
 
     from .generation_defaults import GenerationDefaults
     from .server.app import ServerState, create_app
+    from .server.slot_files import check_slot_dir
     from .server.worker import EngineWorker
 
     args.engine.check()
@@ -124,6 +126,7 @@ def serve(args: ServeArgs) -> None:
     if any(not name.strip() for name in args.served_model_name):
         raise AtlasError("--served-model-name is empty; give a name or leave the flag out")
     check_root_path(args.root_path)
+    slot_dir = check_slot_dir(args.slot_save_path)
     args.tls.check()
     generation = GenerationDefaults(args.generation_config, args.override_generation_config)
     generation.check()
@@ -149,7 +152,7 @@ def serve(args: ServeArgs) -> None:
                                      max_waiting=args.max_waiting, responses=ResponseStore(args.response_store),
                                      cors=args.cors, seeds=seed_stream(args.seed),
                                      request_id_headers=args.enable_request_id_headers, aliases=tuple(aliases),
-                                     pooling=args.pooling))
+                                     pooling=args.pooling, slot_dir=slot_dir))
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 access_log=not args.disable_uvicorn_access_log, root_path=args.root_path.rstrip("/"),
                                 **args.tls.uvicorn_options())
@@ -244,6 +247,10 @@ def check_root_path(root_path: str) -> None:
 @click.option("--pooling", type=click.Choice(POOLINGS), default="last", show_default=True,
               help="How /v1/embeddings and /embedding pool a prompt's final hidden states: the last token's (vLLM's "
               "default for decoder models) or their mean (llama.cpp's flag).")
+@click.option("--slot-save-path", default=None,
+              help="A directory for POST /slots/0?action=save|restore: the slot's sequence (a chat so far: KV rows "
+              "and DeltaNet states) saved to a file there and put back later, also by a restarted server "
+              "(llama.cpp's flag; made when missing; default: slot actions off).")
 @engine_options
 @vllm_options
 def command(**kwargs: Any) -> None:

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .backends.base import Backend, SamplingParams, Tensor
+from .backends.base import Backend, KVCache, SamplingParams, Tensor
 from .backends.run_plan import DEFAULT_MAX_SEQ_LEN, RunPlan
 from .config import ModelSpec
 from .engine import Engine, GenerationRequest, GenerationStats
@@ -262,7 +262,7 @@ class SpeculativeEngine(Engine):
         but the last at once (their next tokens are known), the last pass's with the first draft."""
         self.check_ids(prompt_ids, 0)
         picks = picks if picks is not None else Picks.greedy()
-        resume = self.resume(prompt_ids, self._head_ready)
+        resume = self.resume(prompt_ids, self.resumable)
         n = len(prompt_ids)
         if resume.checkpoint is not None:
             self.mtp_rows = min(self.mtp_rows, resume.start - 1)
@@ -286,10 +286,16 @@ class SpeculativeEngine(Engine):
         self.head.forward(Step(self.backend, positions), ids, hidden, self.mtp_cache)
         self.mtp_rows = stop
 
-    def _head_ready(self, start: int, checkpoint: StateCheckpoint | None) -> bool:
+    def resumable(self, start: int, checkpoint: StateCheckpoint | None) -> bool:
         """Whether a speculative prefill can resume at `start`: the head's rows before start-1 hold
         this prefix's inputs, and the checkpoint has the row start-1 reads (the live states have not)."""
         return checkpoint is not None and checkpoint.has_head_input and self.mtp_rows >= start - 1
+
+    def extra_caches(self) -> dict[str, tuple[KVCache, int]]:
+        return {"mtp": (self.mtp_cache, self.mtp_rows)}
+
+    def extra_caches_restored(self, rows: dict[str, int]) -> None:
+        self.mtp_rows = rows.get("mtp", 0)
 
     def _draft(self, cursor: Cursor, k: int) -> list[int]:
         """k draft tokens: the head over its pending rows, then k-1 single steps on its own output."""

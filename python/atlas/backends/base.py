@@ -203,6 +203,14 @@ class Backend(Protocol):
         """t [T, ...] -> its rows start..stop-1 [stop - start, ...], a view (no copy, no read-back;
         valid while t is)."""
 
+    def cache_rows(self, cache: Any, stop: int) -> dict[str, np.ndarray]:
+        """A K or V cache's rows 0..stop-1 exactly as stored, one host array [stop, Hkv, ...] per
+        field (a plain cache has one, "rows"; a quantized level's has its packed fields): what a
+        saved sequence file holds (atlas.sequence_state)."""
+
+    def write_cache_rows(self, cache: Any, fields: dict[str, np.ndarray]) -> None:
+        """The inverse of cache_rows: rows 0.. of `cache` from the arrays cache_rows gave."""
+
     def close(self) -> None:
         """Give the backend's memory back now (idempotent; its tensors are invalid after). The
         CUDA backend frees its device memory, as it does when collected; host arrays need nothing."""

@@ -232,6 +232,18 @@ class NumpyBackend:
     def rows(self, t: Tensor, start: int, stop: int) -> Tensor:
         return t[start:stop]
 
+    def cache_rows(self, cache: Any, stop: int) -> dict[str, np.ndarray]:
+        if isinstance(cache, np.ndarray):  # a plain cache keeps the rows as attention wrote them
+            return {"rows": cache[:stop].copy()}
+        return cache.stored_rows(stop)  # a quantized level's (atlas.kvcache.storage.QuantizedRows)
+
+    def write_cache_rows(self, cache: Any, fields: dict[str, np.ndarray]) -> None:
+        if isinstance(cache, np.ndarray):
+            rows = fields["rows"]
+            cache[: len(rows)] = rows
+        else:
+            cache.write_stored_rows(fields)
+
     def close(self) -> None:
         pass  # host arrays go with their last reference
 

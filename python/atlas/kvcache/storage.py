@@ -49,6 +49,18 @@ class QuantizedRows:
     def __getitem__(self, rows: slice) -> np.ndarray:
         return self.decoded[rows]
 
+    def stored_rows(self, stop: int) -> dict[str, np.ndarray]:
+        """Rows 0..stop-1 as stored: a copy of each packed field [stop, Hkv, ...]."""
+        return {name: array[:stop].copy() for name, array in self.fields.items()}
+
+    def write_stored_rows(self, fields: dict[str, np.ndarray]) -> None:
+        """The inverse of stored_rows: rows 0.. of each field, and their decoded rows."""
+        tokens = len(next(iter(fields.values())))
+        for name, array in fields.items():
+            self.fields[name][:tokens] = array
+        flat = {name: array.reshape(tokens * self.shape[1], *array.shape[2:]) for name, array in fields.items()}
+        self.decoded[:tokens] = self.level.decode(flat).reshape(tokens, *self.shape[1:])
+
 
 def new_states(layers: Sequence[DecoderLayer], backend: Any, capacity: int, plan: list[str | None]) -> list[Any]:
     """One state per layer, as each mixer's `new_state` makes it, except that a full-attention layer

@@ -25,8 +25,8 @@ def storage_name(array: np.ndarray) -> str:
     return name
 
 
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for name, array in tensors.items():
         header[name] = {

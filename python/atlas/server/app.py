@@ -7,6 +7,7 @@ import random
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -34,7 +35,7 @@ from .reasoning import END as REASONING_END
 from .reasoning import START as REASONING_START
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .responses import Reply
-from . import embeddings, infill, llama_api, messages_api
+from . import embeddings, infill, llama_api, messages_api, slot_files
 from .background import BackgroundRuns, resume_after
 from .beams import SharedSearch
 from .response_store import ResponseStore, StoredResponse, item_page, not_found
@@ -70,6 +71,7 @@ class ServerState:
     request_id_headers: bool = False  # --enable-request-id-headers: every response carries X-Request-Id
     aliases: tuple[str, ...] = ()  # further --served-model-name names a request may give (answers say model_name)
     pooling: str = "last"  # --pooling: how an embedding pools the prompt's hidden states (atlas.embed)
+    slot_dir: Path | None = None  # --slot-save-path: where POST /slots/0?action=save|restore files go (None: off)
 
     def served_names(self) -> tuple[str, ...]:
         return (self.model_name, *self.aliases)
@@ -236,6 +238,17 @@ async def slots(request: Request, state: ServerState) -> Response:
         "next_token": {"has_next_token": job is not None, "has_new_line": False, "n_remain": -1,
                        "n_decoded": max(decoded, 0), "stopping_word": ""},
     }])
+
+
+async def slot_action(request: Request, state: ServerState) -> Response:
+    """llama.cpp's POST /slots/{id}?action=save|restore|erase (server/slot_files.py), in turn with
+    the generations on the engine thread."""
+    action = request.query_params.get("action")
+    body = await read_json(request) if action in ("save", "restore") else None
+    asked = slot_files.slot_request(request.path_params["slot"], action, state.slot_dir, body)
+    directory = state.slot_dir
+    assert directory is not None  # slot_request refused the request otherwise
+    return JSONResponse(await state.worker.call(lambda llm: slot_files.slot_action(llm, directory, asked)))
 
 
 def llama_settings(state: ServerState) -> tuple[int, dict[str, Any]]:
@@ -791,6 +804,7 @@ ROUTES: tuple[tuple[str, Handler, tuple[str, ...]], ...] = (
     ("/infill", llama_infill, ("POST",)),  # llama.cpp's
     ("/props", props, ("GET",)),  # llama.cpp's
     ("/slots", slots, ("GET",)),  # llama.cpp's
+    ("/slots/{slot}", slot_action, ("POST",)),  # llama.cpp's
     ("/embedding", llama_embedding, ("POST",)),  # llama.cpp's, and its alias
     ("/embeddings", llama_embedding, ("POST",)),
     ("/v1/embeddings", openai_embeddings, ("POST",)),

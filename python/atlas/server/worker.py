@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..backends.cuda.driver import context_lost
 from ..errors import AtlasError
@@ -20,12 +20,14 @@ from ..llm import LLM, GenerateOptions, OutputText, context_capacity, iter_token
 from ..sampling import TokenLogprob
 from ..speculative import SpecStats
 from ..structured import NoAllowedToken
+from .errors import RequestError
 from .metrics import Metrics, RequestRecord, SpecCounts
 
 if TYPE_CHECKING:
     from ..beam_search import BeamSearchParams, BeamSearchSequence
 
 log = logging.getLogger("atlas.serve")
+T = TypeVar("T")
 MIN_WIRE_LOGPROB = -9999.0  # what a body carries for -inf (vLLM's value)
 
 
@@ -105,7 +107,14 @@ class Started:
     """The job left the queue: the engine runs it now (sent only when Returns.started asks)."""
 
 
-Event = TextPiece | Finished | Failed | Started
+@dataclass(frozen=True)
+class Called:
+    """A call's end (EngineWorker.call): what the function returned."""
+
+    value: Any
+
+
+Event = TextPiece | Finished | Failed | Started | Called
 
 
 @dataclass
@@ -120,6 +129,7 @@ class Job:
     held_positions: int = 0  # KV-cache positions it holds while it runs (prompt + tokens so far; set by generate)
     beam: BeamSearchParams | None = None  # a beam search (its one event: Searched) instead of a generation
     pooling: str | None = None  # an embedding (its one event: Pooled), pooled so (atlas.embed.POOLINGS)
+    call: Callable[[LLM], Any] | None = None  # a function run on the engine (its one event: Called), no request
 
 
 class EngineWorker:
@@ -166,9 +176,19 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.llm is not None and self.lost is None
 
+    async def call(self, function: Callable[[LLM], T]) -> T:
+        """function(llm) on the engine thread, in turn with the queued jobs (slot save / restore);
+        an AtlasError it raises comes back as RequestError (400), a lost engine as a 503."""
+        async for event in self.events([], GenerateOptions(), call=function):
+            if isinstance(event, Called):
+                return event.value
+            if isinstance(event, Failed):
+                raise RequestError(event.message, None, "unavailable" if event.status == 503 else None, event.status)
+        raise AssertionError("a call ends with Called or Failed")
+
     async def events(
         self, prompt_ids: list[int], opts: GenerateOptions, returns: Returns = Returns(),
-        beam: BeamSearchParams | None = None, pooling: str | None = None,
+        beam: BeamSearchParams | None = None, pooling: str | None = None, call: Callable[[LLM], Any] | None = None,
     ) -> AsyncIterator[Event]:
         """Queue a generation (or a beam search, or an embedding) and yield its events; closing the
         iterator early cancels the job."""
@@ -187,13 +207,13 @@ class EngineWorker:
         if self.lost is not None:
             yield Failed(self.lost, status=503)
             return
-        job = Job(prompt_ids, opts, emit, returns=returns, beam=beam, pooling=pooling)
+        job = Job(prompt_ids, opts, emit, returns=returns, beam=beam, pooling=pooling, call=call)
         self._jobs.put(job)
         try:
             while True:
                 event = await inbox.get()
                 yield event
-                if isinstance(event, (Finished, Failed)):
+                if isinstance(event, (Finished, Failed, Called)):
                     return
         finally:
             job.cancelled.set()
@@ -220,6 +240,9 @@ class EngineWorker:
         if self.lost is not None:  # queued before the context was lost
             job.emit(Failed(self.lost, status=503))
             return
+        if job.call is not None:
+            self._call(job, job.call)
+            return
         self.metrics.started()
         if job.returns.started:
             job.emit(Started())
@@ -241,6 +264,22 @@ class EngineWorker:
             return
         self.metrics.record(request_record(job, finished, started))
         job.emit(finished)
+
+
+    def _call(self, job: Job, function: Callable[[LLM], Any]) -> None:
+        assert self.llm is not None
+        try:
+            value = function(self.llm)
+        except AtlasError as err:  # the request's file or the engine's settings: one line back
+            job.emit(Failed(str(err), status=400))
+            return
+        except Exception as err:  # noqa: BLE001 - one failed call must not stop the server
+            log.exception("engine call failed")
+            if context_lost(err):
+                self.lost = f"the GPU's CUDA context is lost ({type(err).__name__}: {err}); restart the server"
+            job.emit(Failed(f"{type(err).__name__}: {err}"))
+            return
+        job.emit(Called(value))
 
 
 def generate(llm: LLM, job: Job) -> Finished:

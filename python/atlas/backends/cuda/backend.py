@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from ...errors import AtlasError
@@ -83,6 +84,20 @@ class CudaBackend:
 
     def rows(self, t: DeviceTensor, start: int, stop: int) -> DeviceTensor:
         return t.rows(start, stop)
+
+    def cache_rows(self, cache: DeviceTensor | QuantizedKVCache, stop: int) -> dict[str, np.ndarray]:
+        if isinstance(cache, QuantizedKVCache):
+            return ops_kv.stored_rows(self.rt, cache, stop)
+        return {"rows": self.rt.read(cache.rows(0, stop)).view(ml_dtypes.bfloat16)}  # bf16 kept as bf16
+
+    def write_cache_rows(self, cache: DeviceTensor | QuantizedKVCache, fields: dict[str, np.ndarray]) -> None:
+        if isinstance(cache, QuantizedKVCache):
+            ops_kv.write_stored_rows(self.rt, cache, fields)
+            return
+        rows = fields["rows"]
+        if rows.dtype != ml_dtypes.bfloat16 or rows.shape[1:] != cache.shape[1:]:
+            raise AtlasError(f"cache rows {rows.shape} {rows.dtype} do not fit a bf16 cache {cache.shape}")
+        self.rt.write(cache.rows(0, len(rows)), rows.view(np.uint16))
 
     def close(self) -> None:
         self.rt.close()

@@ -7,6 +7,7 @@ level's encoder kernel, then attends through ops_dense.attend with the level's k
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -73,6 +74,32 @@ def fields_from_bytes(level: str, shape: tuple[int, int, int], raw: np.ndarray) 
         fields[name] = flat[offset : offset + size].view(dt).reshape(capacity, heads, *field_shape)
         offset += size
     return fields
+
+
+def field_rows(cache: QuantizedKVCache, stop: int) -> Iterator[tuple[str, DeviceTensor, tuple[int, ...], np.dtype]]:
+    """(name, the view of the field's rows 0..stop-1 in bytes, its shape per row, its dtype) of
+    each field: the buffer holds each field's S rows back to back (fields_from_bytes)."""
+    capacity, heads, dim = cache.shape
+    offset = 0
+    for name, (field_shape, dt) in get_level(cache.level).layout(dim).items():
+        row_bytes = heads * int(np.prod(field_shape, dtype=np.int64)) * np.dtype(dt).itemsize
+        yield name, cache.data.elements(offset, offset + stop * row_bytes), (heads, *field_shape), np.dtype(dt)
+        offset += capacity * row_bytes
+
+
+def stored_rows(rt: CudaRuntime, cache: QuantizedKVCache, stop: int) -> dict[str, np.ndarray]:
+    """Rows 0..stop-1 of each field, as numpy's fields [stop, Hkv, ...] (Backend.cache_rows)."""
+    return {name: rt.read(view).view(dt).reshape(stop, *row) for name, view, row, dt in field_rows(cache, stop)}
+
+
+def write_stored_rows(rt: CudaRuntime, cache: QuantizedKVCache, fields: dict[str, np.ndarray]) -> None:
+    """The inverse of stored_rows."""
+    stop = len(next(iter(fields.values())))
+    for name, view, row, dt in field_rows(cache, stop):
+        array = fields[name]
+        _expect(array.shape == (stop, *row) and array.dtype == dt,
+                f"write_stored_rows: field {name} {array.shape} {array.dtype}, expected {(stop, *row)} {dt}")
+        rt.write(view, np.ascontiguousarray(array).view(np.uint8).reshape(-1))
 
 
 def _check(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, k_cache: QuantizedKVCache,
