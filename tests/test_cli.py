@@ -207,6 +207,10 @@ def one_error_line(code: int, err: str) -> str:
         (["--logit-bias", "7=1000", "--device", "cpu"], "logit_bias of token 7 must be a number in [-100, 100]"),
         (["--logit-bias", "600=1", "--device", "cpu"], "logit_bias token id 600 is outside the vocabulary"),
         (["--max-seq-len", "2049", "--device", "cpu"], "max_seq_len 2049 exceeds the model's context of 2048"),
+        (["--prompt-cache-ro"], "go with --prompt-cache FILE"),
+        (["--prompt-cache", "/no/such/dir/p.seq"], "--prompt-cache /no/such/dir/p.seq: not a file"),
+        (["--prompt-cache", "p.seq", "--interactive"], "--interactive"),
+        (["--prompt-cache", "p.seq", "--prompt-cache-all", "--prompt-cache-ro"], "--prompt-cache-all"),
         (["--hf-overrides", "{rope", "--device", "cpu"], "--hf-overrides is not JSON (Expecting property name"),
         (["--hf-overrides", "[1]", "--device", "cpu"], "--hf-overrides must be a JSON object"),
         (["--hf-overrides", '{"rope_parameters": {"rope_type": "longrope"}}', "--device", "cpu"],
@@ -455,6 +459,37 @@ def test_prompt_file(tmp_path: Path) -> None:
                          (["--prompt-file", str(path), "--prompt", "x"], "exclude each other")):
         done = run_cli(*args)
         assert done.returncode == 2 and needle in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_prompt_cache_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], rng: np.random.Generator) -> None:
+    """--prompt-cache FILE (llama.cpp's): a run restores the state an earlier run saved of its prompt, so
+    that prompt needs no pass and a longer one runs only its new tokens, writing the text a run without
+    the file writes; -ro leaves the file as it is, -all saves the generated tokens' state too."""
+    from atlas import LLM
+
+    session, words = tmp_path / "prompt.seq", "Beautiful is better than"
+    longer = f"{words} {rng.choice(['ugly', 'implicit', 'complex'])}"
+    reference = LLM(device="cpu", prompt_cache=0)
+    prompt_tokens = len(reference.tokenizer.encode(words))
+    capsys.readouterr()  # the rng fixture's seed line
+
+    def run(prompt: str, *flags: str) -> tuple[str, str]:
+        assert main(["-p", prompt, "-n", "8", "--device", "cpu", "--prompt-cache", str(session), *flags]) == 0
+        out, err = capsys.readouterr()
+        assert out == reference.generate(prompt, max_tokens=8).text + "\n"
+        return out, err
+
+    assert f"{prompt_tokens} tokens saved" in run(words)[1] and session.is_file()
+    _, err = run(words)
+    assert f"{prompt_tokens} tokens restored" in err and f"({prompt_tokens} cached)" in err
+    saved = session.read_bytes()
+    _, err = run(longer, "--prompt-cache-ro")
+    assert f"({prompt_tokens} cached)" in err and "saved" not in err and session.read_bytes() == saved
+    _, err = run(words, "--prompt-cache-all")
+    assert f"{prompt_tokens + 7} tokens saved" in err  # the last generated token is never fed
+    session.write_bytes(rng.bytes(100))
+    assert main(["-p", words, "--device", "cpu", "--prompt-cache", str(session)]) == 2
+    assert "is not a saved sequence" in one_error_line(2, capsys.readouterr().err)
 
 
 def test_llama_cpp_flag_names(capsys: pytest.CaptureFixture[str], rng: np.random.Generator) -> None:

@@ -446,14 +446,14 @@ class LLM:
                 cache.forget()
         return True
 
-    def save_state(self, path: str | PathLike[str]) -> SequenceFile:
+    def save_state(self, path: str | PathLike[str], within: list[int] | None = None) -> SequenceFile:
         """Save the sequence this LLM holds (its prompt cache's longest resume point: a chat's turns
-        so far) to a file; load_state puts it back, here or in another process with this model and
-        cache setting, so the next prompt that extends it runs only its new tokens (llama.cpp's slot
-        save; atlas.sequence_state)."""
+        so far; with `within`, the longest whose tokens begin it, e.g. the last prompt's) to a file;
+        load_state puts it back, here or in another process with this model and cache setting, so the
+        next prompt that extends it runs only its new tokens (llama.cpp's slot save; atlas.sequence_state)."""
         from .sequence_state import save_sequence
 
-        return save_sequence(self.parts.engine, Path(path))
+        return save_sequence(self.parts.engine, Path(path), within)
 
     def load_state(self, path: str | PathLike[str]) -> SequenceFile:
         """Put back a sequence save_state wrote (llama.cpp's slot restore)."""

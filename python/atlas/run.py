@@ -84,6 +84,9 @@ class RunArgs:
     grammar_file: str | None  # --grammar-file: the same from a file
     reasoning_budget: int  # --reasoning-budget: a reasoning block's most tokens (-1: no cap)
     ignore_eos: bool  # --ignore-eos: the model's eos ends nothing (llama.cpp's flag)
+    prompt_cache_file: str | None  # --prompt-cache FILE: the prompt's state restored from / saved to it (llama.cpp's)
+    prompt_cache_all: bool  # --prompt-cache-all: save the generation's state too
+    prompt_cache_ro: bool  # --prompt-cache-ro: restore only, never write the file
     engine: EngineFlags
     extras: SamplingExtras
 
@@ -175,12 +178,16 @@ def run(args: RunArgs) -> None:
     prompt_ids = None if args.interactive else first_prompt(tokenizer, prompt, args.chat, system)
     if prompt_ids is not None:  # before the weights load
         check_length(spec, context_length(args.engine.max_seq_len, spec.context_length), len(prompt_ids), opts.max_tokens)
-    engine = replace(args.engine, prompt_cache=DEFAULT_PROMPT_CACHE) if args.interactive else args.engine
+    session = check_session(args)
+    keeps = args.interactive or session is not None  # a prompt cache to resume the conversation / the file's state
+    engine = replace(args.engine, prompt_cache=DEFAULT_PROMPT_CACHE) if keeps else args.engine
     llm = engine.load(str(model_dir))
     announce(llm, args.engine)
     if prompt_ids is None:
         converse(llm, opts, prompt, lambda result: stats_line(llm, result), system)
         return
+    if session is not None and session.is_file():
+        click.echo(f"atlas: prompt cache {session}: {llm.load_state(session).tokens} tokens restored", err=True)
     out = TextOut()
     try:
         result = llm.generate_with(llm.prepare(prompt_ids, replace(opts, chat=False)), opts, on_text=out.write)
@@ -189,6 +196,30 @@ def run(args: RunArgs) -> None:
         raise
     out.write("\n")
     click.echo(stats_line(llm, result), err=True)
+    if session is not None and not args.prompt_cache_ro:
+        saved = llm.save_state(session, None if args.prompt_cache_all else prompt_ids)
+        click.echo(f"atlas: prompt cache {session}: {saved.tokens} tokens saved", err=True)
+
+
+def check_session(args: RunArgs) -> Path | None:
+    """--prompt-cache FILE (with -all / -ro), checked before the weights load."""
+    if args.prompt_cache_file is None:
+        if args.prompt_cache_all or args.prompt_cache_ro:
+            raise AtlasError("--prompt-cache-all and --prompt-cache-ro go with --prompt-cache FILE; give the file")
+        return None
+    if args.interactive:
+        raise AtlasError("--prompt-cache FILE keeps one prompt's state; --interactive keeps its turns in memory: "
+                         "give one of them")
+    if args.prompt_cache_all and args.prompt_cache_ro:
+        raise AtlasError("--prompt-cache-all saves the file and --prompt-cache-ro never does; give one of them")
+    session = Path(args.prompt_cache_file).expanduser()
+    if session.is_dir() or not session.parent.is_dir():
+        raise AtlasError(f"--prompt-cache {args.prompt_cache_file}: not a file in an existing directory; give a file path")
+    if session.is_file():  # a file that is no saved sequence at all fails before the weights load
+        from .sequence_state import open_sequence_file
+
+        open_sequence_file(session).close()
+    return session
 
 
 def run_options(args: RunArgs, vocab: int) -> GenerateOptions:
@@ -294,6 +325,11 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
               help="Add BIAS (-100..100; -100 bans the token) to TOKEN_ID's logit; repeatable.")
 @click.option("--ignore-eos", is_flag=True,
               help="Generate --max-tokens tokens whatever the model's end-of-sequence token (llama.cpp's flag; benchmarks).")
+@click.option("--prompt-cache", "prompt_cache_file", metavar="FILE", default=None,
+              help="Restore the state of an earlier run's prompt from FILE (when it exists), so a prompt that starts "
+              "the same runs only its new tokens, and save this prompt's state there after the run (llama.cpp's flag).")
+@click.option("--prompt-cache-all", is_flag=True, help="With --prompt-cache: save the generated text's state too.")
+@click.option("--prompt-cache-ro", is_flag=True, help="With --prompt-cache: restore only, leave the file as it is.")
 @engine_options
 def command(**kwargs: object) -> None:
     """Run a model: stream generated text to stdout, then a stats line to stderr."""

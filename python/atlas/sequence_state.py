@@ -31,7 +31,7 @@ import numpy as np
 from .backends.base import KVCache, Tensor
 from .errors import AtlasError
 from .layers.linear_attention import DeltaNetState
-from .prompt_cache import StateCheckpoint
+from .prompt_cache import StateCheckpoint, common_prefix
 from .quant.writer import write_safetensors
 from .safetensors import Checkpoint, read_metadata
 from .snapshot import copy_tensor
@@ -55,10 +55,11 @@ class ResumePoint:
     checkpoint: StateCheckpoint | None  # None: the live states
 
 
-def save_sequence(engine: Engine, path: Path) -> SequenceFile:
-    """Write the engine's longest resumable point to `path` (replaced whole, never half written)."""
+def save_sequence(engine: Engine, path: Path, within: list[int] | None = None) -> SequenceFile:
+    """Write the engine's longest resumable point to `path` (replaced whole, never half written);
+    with `within`, the longest whose tokens begin it (a prompt's own state, not its answer's)."""
     with engine.turns.lock:  # not in the middle of another thread's step
-        point = resume_point(engine)
+        point = resume_point(engine, within)
         tensors = sequence_tensors(engine, point)
     metadata = {"format": FORMAT, "layout": json.dumps(layout(engine), sort_keys=True)}
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
@@ -109,9 +110,9 @@ def erase_sequence(engine: Engine) -> int:
 
 
 # --- saving --------------------------------------------------------------------------------------
-def resume_point(engine: Engine) -> ResumePoint:
-    """The longest point the engine could resume at (a checkpoint over the live states on a tie:
-    it also serves a prompt equal to its tokens)."""
+def resume_point(engine: Engine, within: list[int] | None = None) -> ResumePoint:
+    """The longest point the engine could resume at, among those whose tokens begin `within` when
+    given (a checkpoint over the live states on a tie: it also serves a prompt equal to its tokens)."""
     cache = engine.prompt_cache
     if not cache.enabled:
         raise AtlasError("the prompt cache is off (prompt_cache=0, --prompt-cache 0), so no sequence is kept "
@@ -119,6 +120,7 @@ def resume_point(engine: Engine) -> ResumePoint:
     points = [ResumePoint(list(c.ids), c) for c in cache.checkpoints if engine.resumable(len(c.ids), c)]
     if cache.history and engine.resumable(len(cache.history), None):
         points.append(ResumePoint(list(cache.history), None))
+    points = [p for p in points if within is None or common_prefix(p.ids, within)]
     return max(points, key=lambda p: (len(p.ids), p.checkpoint is not None), default=ResumePoint([], None))
 
 
