@@ -1,8 +1,10 @@
 """The fused attention prep (ATLAS_ATTENTION_PREP=fused, issue 4's decode launches) on the CPU: the
 form switch, and the launches of one demo decode step on the emulated driver: one
 atlas_attention_prep in place of two atlas_head_norm_rope and an atlas_kv_cache_write per
-full-attention layer, with a dump attached too (the fused kernel serves; the dump has no .q / .k);
-a quantized KV cache keeps the separate ops. The numerics are tests/test_gpu_attention_prep.py's."""
+full-attention layer, and the output gate inside atlas_attention_combine (no atlas_sigmoid_mul);
+with a dump attached the prep kernel serves (the dump has no .q / .k) and the gate stays apart (the
+dump has .core and .gated); a quantized KV cache keeps the separate ops. The numerics are
+tests/test_gpu_attention_prep.py's."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from test_cuda_select import make_runtime
 
 SEPARATE = ("atlas_head_norm_rope", "atlas_kv_cache_write")
 FUSED = "atlas_attention_prep"
+GATE = "atlas_sigmoid_mul"  # the attention output gate (the MoE's shared-expert gate is another kernel)
 
 
 def decode_launches(form: str, *, dump: dict[str, Any] | None = None, kv: KVCacheOptions | None = None) -> Counter[str]:
@@ -40,7 +43,7 @@ def decode_launches(form: str, *, dump: dict[str, Any] | None = None, kv: KVCach
 
 
 def other_kernels(launched: Counter[str]) -> dict[str, int]:
-    return {name: n for name, n in launched.items() if name not in (*SEPARATE, FUSED)}
+    return {name: n for name, n in launched.items() if name not in (*SEPARATE, FUSED, GATE)}
 
 
 def full_attention_layers() -> int:
@@ -54,8 +57,9 @@ def test_fused_prep_is_one_launch_per_full_attention_layer(dumped: bool) -> None
     separate, fused = decode_launches("separate"), decode_launches("fused", dump=names if dumped else None)
     assert layers > 0 and (separate[SEPARATE[0]], separate[SEPARATE[1]], separate[FUSED]) == (2 * layers, layers, 0)
     assert (fused[SEPARATE[0]], fused[SEPARATE[1]], fused[FUSED]) == (0, 0, layers)
+    assert separate[GATE] == layers and fused[GATE] == (layers if dumped else 0)
     if not dumped:
-        assert sum(separate.values()) - sum(fused.values()) == 2 * layers
+        assert sum(separate.values()) - sum(fused.values()) == 3 * layers
         assert other_kernels(separate) == other_kernels(fused)
     else:
         attention = {name.rsplit(".", 1)[1] for name in names if ".attn." in name and name.startswith("layer.")}
@@ -64,7 +68,8 @@ def test_fused_prep_is_one_launch_per_full_attention_layer(dumped: bool) -> None
 
 def test_a_quantized_kv_cache_keeps_the_separate_ops() -> None:
     launched = decode_launches("fused", kv=KVCacheOptions("fp8", high_precision_layers=0))
-    assert launched[FUSED] == 0 and launched["atlas_head_norm_rope"] == 2 * full_attention_layers()
+    layers = full_attention_layers()
+    assert launched[FUSED] == 0 and launched["atlas_head_norm_rope"] == 2 * layers and launched[GATE] == layers
 
 
 def test_attention_prep_form_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,7 +85,7 @@ def test_attention_prep_form_is_checked(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_numpy_backend_composes_the_same_ops(rng: np.random.Generator) -> None:
-    """full_attention is head_norm_rope of q and k, then attention, on the reference."""
+    """full_attention is head_norm_rope of q and k, then attention, then the output gate, on the reference."""
     from atlas.backends.base import AttentionInputs, AttentionOperands, KVCache
     from atlas.backends.numpy_backend import NumpyBackend
     from atlas.layers.rotary import default_inv_freq
@@ -90,10 +95,11 @@ def test_numpy_backend_composes_the_same_ops(rng: np.random.Generator) -> None:
     q_norm, k_norm = rng.standard_normal(d, dtype=np.float32), rng.standard_normal(d, dtype=np.float32)
     positions, inv_freq = np.arange(7, 7 + t, dtype=np.int32), default_inv_freq(16, 1e4)
     caches = [KVCache(np.zeros((16, hkv, d), np.float32), np.zeros((16, hkv, d), np.float32)) for _ in range(2)]
-    fused = be.full_attention(AttentionInputs(q, k, v, positions),
+    gate = rng.standard_normal((t, hq, d), dtype=np.float32)
+    fused = be.full_attention(AttentionInputs(q, k, v, positions, gate),
                               AttentionOperands(q_norm, k_norm, 1e-6, 0.5, inv_freq, 1.25, caches[0], 0.2))
     apart = be.attention(be.head_norm_rope(q, q_norm, positions, inv_freq, 1.25, 1e-6),
                          be.head_norm_rope(k, k_norm, positions, inv_freq, 1.25, 0.5), v, caches[1], positions, 0.2)
-    np.testing.assert_array_equal(fused, apart)
+    np.testing.assert_array_equal(fused, be.sigmoid_mul(apart, gate))
     np.testing.assert_array_equal(caches[0].k, caches[1].k)
     assert not be.fuses_full_attention(caches[0])

@@ -1,8 +1,9 @@
 """The fused attention prep (atlas_attention_prep, ATLAS_ATTENTION_PREP=fused) on the GPU: q and k
-head norm + rotary and the cache write of the rotated k and of v in one launch, then attention.
-Bit for bit the separate form's result (two atlas_head_norm_rope launches and
-atlas_kv_cache_write run the same per-element arithmetic): the output and both caches, at decode
-and prefill sizes, and within the flash-attention bound of the numpy reference. Step scratch is
+head norm + rotary and the cache write of the rotated k and of v in one launch, then attention,
+and the output gate inside atlas_attention_combine when decoding. Bit for bit the separate form's
+result (two atlas_head_norm_rope launches, atlas_kv_cache_write and atlas_sigmoid_mul run the same
+per-element arithmetic): the output and both caches, at decode and prefill sizes, gated or not, and
+within the flash-attention bound of the numpy reference. Step scratch is
 poisoned with NaN before each run and the cache rows the step writes start as NaN, so a row or
 element left unwritten shows."""
 
@@ -27,7 +28,7 @@ CAPACITY = 1024
 EPS = (1e-6, 0.5)  # q_norm's and k_norm's: far apart, so a swapped eps shows through bf16 rounding
 
 
-def _host_case(env: Env, rng: np.random.Generator, tokens: int, start: int) -> dict[str, np.ndarray]:
+def _host_case(env: Env, rng: np.random.Generator, tokens: int, start: int, gated: bool) -> dict[str, np.ndarray]:
     hq, hkv, d = env.d("num_attention_heads"), env.d("num_key_value_heads"), env.d("head_dim")
     case = {"q": normal(rng, tokens, hq, d, scale=2), "k": normal(rng, tokens, hkv, d, scale=2),
             "v": normal(rng, tokens, hkv, d), "q_norm": normal(rng, d) + 1, "k_norm": normal(rng, d) + 1,
@@ -36,6 +37,8 @@ def _host_case(env: Env, rng: np.random.Generator, tokens: int, start: int) -> d
             "positions": np.arange(start, start + tokens, dtype=np.int32)}
     for cache in (case["k_cache"], case["v_cache"]):
         cache[start : start + tokens] = np.nan  # the rows this step writes
+    if gated:
+        case["gate"] = normal(rng, tokens, hq, d, scale=3)
     return case
 
 
@@ -44,7 +47,8 @@ def _run(backend: Any, case: dict[str, np.ndarray], scaling: float) -> tuple[Att
     reference takes the host arrays themselves (its caches are written in place)."""
     up = (lambda a, dtype: a) if isinstance(backend, NumpyBackend) else backend.upload  # noqa: E731
     caches = KVCache(up(case["k_cache"], "bf16"), up(case["v_cache"], "bf16"))
-    x = AttentionInputs(up(case["q"], "f32"), up(case["k"], "f32"), up(case["v"], "f32"), up(case["positions"], "i32"))
+    gate = up(case["gate"], "f32") if "gate" in case else None
+    x = AttentionInputs(up(case["q"], "f32"), up(case["k"], "f32"), up(case["v"], "f32"), up(case["positions"], "i32"), gate)
     layer = AttentionOperands(up(case["q_norm"], "f32"), up(case["k_norm"], "f32"), *EPS, up(case["inv_freq"], "f32"),
                               scaling, caches, 1.0 / math.sqrt(case["q"].shape[-1]))
     if hasattr(backend, "rt"):
@@ -59,13 +63,14 @@ def _reference(case: dict[str, np.ndarray], scaling: float, rounded: bool) -> np
     return np.asarray(_run(NumpyBackend(), stored, scaling)[1])
 
 
-@pytest.mark.parametrize("tokens,start", [(1, 0), (1, 700), (3, 64), (17, 0), (40, 300)])
+@pytest.mark.parametrize("tokens,start,gated", [(1, 0, True), (1, 700, False), (3, 64, True), (17, 0, True),
+                                                (40, 300, False)])
 @pytest.mark.parametrize("scaling", [1.0, 1.25])
-def test_fused_prep_equals_the_separate_ops(env: Env, rng: np.random.Generator, tokens: int, start: int,
+def test_fused_prep_equals_the_separate_ops(env: Env, rng: np.random.Generator, tokens: int, start: int, gated: bool,
                                             scaling: float) -> None:
     from atlas.backends.cuda.backend import CudaBackend
 
-    case = _host_case(env, rng, tokens, start)
+    case = _host_case(env, rng, tokens, start, gated)
     results = {}
     for form in ("separate", "fused"):
         backend = CudaBackend(env.gpu.rt, use_graphs=False, attention_prep=form)

@@ -274,7 +274,10 @@ __device__ void attention_combine(const AttentionCombineParams& p) {
       denominator += weight;
     }
   }
-  static_cast<float*>(p.out)[static_cast<int64_t>(row) * p.head_dim + d] = denominator > 0.0f ? numerator / denominator : 0.0f;
+  const int64_t at = static_cast<int64_t>(row) * p.head_dim + d;
+  const float value = denominator > 0.0f ? numerator / denominator : 0.0f;
+  // x * sigmoid(gate), as sigmoid_mul computes it: the same bits as the separate kernel
+  static_cast<float*>(p.out)[at] = p.gate == nullptr ? value : value * sigmoid(static_cast<const float*>(p.gate)[at]);
 }
 
 }  // namespace atlas

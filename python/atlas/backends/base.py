@@ -113,6 +113,7 @@ class AttentionInputs:
     k: Tensor  # [T, Hkv, D]
     v: Tensor  # [T, Hkv, D]
     positions: Tensor  # [T] i32, consecutive
+    gate: Tensor | None = None  # [T, Hq, D]: the output gate, attention * sigmoid(gate) (None: ungated)
 
 
 @dataclass(frozen=True)
@@ -139,10 +140,12 @@ def passed_on(part: str, tensor: Tensor) -> Tensor:
 
 def compose_full_attention(backend: Backend, x: AttentionInputs, layer: AttentionOperands,
                            emit: Emit = passed_on) -> Tensor:
-    """`Backend.full_attention` as its three ops: q and k head norm + rotary ("q", "k" emitted), attention."""
+    """`Backend.full_attention` as its ops: q and k head norm + rotary ("q", "k" emitted), attention,
+    the output gate when x has one."""
     q = emit("q", backend.head_norm_rope(x.q, layer.q_norm, x.positions, layer.inv_freq, layer.rope_scaling, layer.q_eps))
     k = emit("k", backend.head_norm_rope(x.k, layer.k_norm, x.positions, layer.inv_freq, layer.rope_scaling, layer.k_eps))
-    return backend.attention(q, k, x.v, layer.cache, x.positions, layer.scale)  # [T, Hq, D]
+    out = backend.attention(q, k, x.v, layer.cache, x.positions, layer.scale)  # [T, Hq, D]
+    return out if x.gate is None else backend.sigmoid_mul(out, x.gate)
 
 
 @dataclass(frozen=True)
@@ -270,8 +273,9 @@ class Backend(Protocol):
         attention of each query over cache rows 0 .. its own position. -> [T, Hq, D]."""
 
     def full_attention(self, x: AttentionInputs, layer: AttentionOperands) -> Tensor:
-        """head_norm_rope of x.q and x.k, then attention (`compose_full_attention`) -> [T, Hq, D];
-        a backend may run them as fewer kernels, with the same result."""
+        """head_norm_rope of x.q and x.k, then attention, times sigmoid(x.gate) when given
+        (`compose_full_attention`) -> [T, Hq, D]; a backend may run them as fewer kernels, with the
+        same result."""
 
     def fuses_full_attention(self, cache: KVCache) -> bool:
         """Whether `full_attention` over this cache runs as one fused kernel (then a dump has no .q / .k)."""

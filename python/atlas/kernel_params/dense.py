@@ -176,6 +176,7 @@ class AttentionCombineParams(ctypes.Structure):
         ("ml", c_ptr),  # [splits, tokens, q_heads, 2] f32
         ("positions", c_ptr),  # [tokens] i32
         ("out", c_ptr),  # [tokens, q_heads, head_dim] f32
+        ("gate", c_ptr),  # [tokens, q_heads, head_dim] f32: out times sigmoid(gate), the output gate; null: ungated
         ("tokens", c_i32),
         ("q_heads", c_i32),
         ("head_dim", c_i32),

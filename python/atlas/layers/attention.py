@@ -50,8 +50,13 @@ class Attention:
         q = q.reshape(tokens, d.num_heads, d.head_dim)  # [T, Hq, D]
         k = k.reshape(tokens, d.num_kv_heads, d.head_dim)  # [T, Hkv, D]
         v = step.emit(f"{name}.v", v.reshape(tokens, d.num_kv_heads, d.head_dim))  # [T, Hkv, D]
-        inputs, operands = AttentionInputs(q, k, v, step.positions), self.operands(cache)
-        if step.dump is None or be.fuses_full_attention(cache):
+        operands = self.operands(cache)
+        if step.dump is None:  # the gate goes in too: a fused form applies it in its last kernel
+            inputs = AttentionInputs(q, k, v, step.positions, gate.reshape(q.shape))
+            gated = be.full_attention(inputs, operands).reshape(tokens, d.num_heads * d.head_dim)  # [T, Hq*D]
+            return be.linear(gated, w.o)  # [T, H]
+        inputs = AttentionInputs(q, k, v, step.positions)
+        if be.fuses_full_attention(cache):
             out = be.full_attention(inputs, operands)  # [T, Hq, D]
         else:  # the ops apart, the rotated q and k emitted
             out = compose_full_attention(be, inputs, operands, lambda part, t: step.emit(f"{name}.{part}", t))

@@ -9,7 +9,7 @@ import ctypes
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from atlas.errors import AtlasError
 from atlas.kernel_params import dense as kp
@@ -346,7 +346,8 @@ def attention(rt: CudaRuntime, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor
 def fused_attention(rt: CudaRuntime, x: AttentionInputs, layer: AttentionOperands, *,
                     prefill: str = "simt") -> DeviceTensor:
     """`Backend.full_attention` over bf16 caches: atlas_attention_prep (q and k head norm + rotary,
-    the rotated k and v written into the caches) in one launch, then `attend`."""
+    the rotated k and v written into the caches) in one launch, then `attend` (the output gate in
+    its combine kernel when decoding)."""
     k_cache, v_cache = layer.cache.k, layer.cache.v  # [S, Hkv, D] bf16
     _check_attention(x.q, x.k, x.v, k_cache, v_cache, x.positions)
     tokens, q_heads, dim = x.q.shape
@@ -369,7 +370,7 @@ def fused_attention(rt: CudaRuntime, x: AttentionInputs, layer: AttentionOperand
     rt.launch("atlas_attention_prep", (_ceil_div(tokens * (q_heads + kv_heads), warps), 1, 1), (ROPE_THREADS, 1, 1),
               params, smem=warps * dim * 4)
     cached = CachedKV(k_cache.ptr, v_cache.ptr, capacity, kv_heads)
-    return attend(rt, q, cached, x.positions, layer.scale, prefill=prefill)
+    return attend(rt, q, cached, x.positions, layer.scale, prefill=prefill, gate=x.gate)
 
 
 def prefill_token_chunks(tokens: int, group: int) -> list[tuple[int, int]]:
@@ -381,43 +382,62 @@ def prefill_token_chunks(tokens: int, group: int) -> list[tuple[int, int]]:
 
 
 def attend(rt: CudaRuntime, q: DeviceTensor, cache: CachedKV, positions: DeviceTensor, scale: float, *,
-           prefill: str = "simt") -> DeviceTensor:
-    """Causal attention of q [T, Hq, D] over the cached keys and values (already written).
-    prefill "mma" takes the tensor-core kernel for T > ATTN_DECODE_MAX_TOKENS (over a quantized
-    level its tiles are decoded to bf16: atlas_attention_prefill_mma_<level>)."""
+           prefill: str = "simt", gate: DeviceTensor | None = None) -> DeviceTensor:
+    """Causal attention of q [T, Hq, D] over the cached keys and values (already written), times
+    sigmoid(gate [T, Hq, D]) when given: in the combine kernel when decoding, a sigmoid_mul after a
+    prefill. prefill "mma" takes the tensor-core kernel for T > ATTN_DECODE_MAX_TOKENS (over a
+    quantized level its tiles are decoded to bf16: atlas_attention_prefill_mma_<level>)."""
     _expect(prefill in PREFILL_ATTENTION_FORMS, f"attend: prefill form {prefill!r}, expected one of {PREFILL_ATTENTION_FORMS}")
+    if gate is not None:
+        _expect(gate.shape == q.shape, f"attend: gate {gate.shape} vs q {q.shape}")
+        _expect_dtype("attend", "gate", gate, "f32")
     tokens, q_heads, dim = q.shape
+    if tokens > ATTN_DECODE_MAX_TOKENS:
+        out = attend_prefill(rt, q, cache, positions, scale, prefill)
+        return out if gate is None else sigmoid_mul(rt, out, gate)
     out = rt.empty(q.shape, "f32")
     if tokens == 0:
         return out
     rows = tokens * (q_heads // cache.kv_heads)
-    common = dict(q=q.ptr, k_cache=cache.k, v_cache=cache.v, positions=positions.ptr, tokens=tokens,
-                  q_heads=q_heads, kv_heads=cache.kv_heads, head_dim=dim, capacity=cache.capacity, scale=scale)
-    if tokens > ATTN_DECODE_MAX_TOKENS and prefill == "mma":
-        params = kp.AttentionParams(out=out.ptr, ml=None, **common)
-        grid = (_ceil_div(rows, ATTN_MMA_ROWS), cache.kv_heads, 1)
-        rt.launch(f"atlas_attention_prefill_mma{cache.suffix}", grid, (ATTN_MMA_THREADS, 1, 1), params,
-                  smem=attention_mma_smem_bytes(dim))
-        return out
-    if tokens > ATTN_DECODE_MAX_TOKENS:
-        group = q_heads // cache.kv_heads
-        for first, stop in prefill_token_chunks(tokens, group):
-            chunk = dict(common, q=q.rows(first, stop).ptr, positions=positions.elements(first, stop).ptr,
-                         tokens=stop - first)
-            params = kp.AttentionParams(out=out.rows(first, stop).ptr, ml=None, **chunk)
-            grid = (1, cache.kv_heads, _ceil_div((stop - first) * group, ATTN_PREFILL_ROWS))
-            rt.launch(f"atlas_attention_prefill{cache.suffix}", grid, (ATTN_PREFILL_THREADS, 1, 1), params)
-        return out
     splits = min(_ceil_div(cache.capacity, ATTN_KEYS), ATTN_MAX_SPLITS)  # the kernels size spans from the live length
     partial = rt.empty((splits, tokens, q_heads, dim), "f32")
     ml = rt.empty((splits, tokens, q_heads, 2), "f32")
-    params = kp.AttentionParams(out=partial.ptr, ml=ml.ptr, **common)
+    params = kp.AttentionParams(out=partial.ptr, ml=ml.ptr, **attention_fields(q, cache, positions, scale))
     grid = (splits, cache.kv_heads, _ceil_div(rows, ATTN_DECODE_ROWS))
     rt.launch(f"atlas_attention_decode{cache.suffix}", grid, (ATTN_DECODE_THREADS, 1, 1), params)
     combine = kp.AttentionCombineParams(partial=partial.ptr, ml=ml.ptr, positions=positions.ptr, out=out.ptr,
-                                        tokens=tokens, q_heads=q_heads, head_dim=dim, capacity=cache.capacity,
-                                        num_splits=splits)
+                                        gate=None if gate is None else gate.ptr, tokens=tokens, q_heads=q_heads,
+                                        head_dim=dim, capacity=cache.capacity, num_splits=splits)
     rt.launch("atlas_attention_combine", (tokens * q_heads, 1, 1), (dim, 1, 1), combine)
+    return out
+
+
+def attention_fields(q: DeviceTensor, cache: CachedKV, positions: DeviceTensor, scale: float) -> dict[str, Any]:
+    """AttentionParams' fields but out and ml."""
+    tokens, q_heads, dim = q.shape
+    return dict(q=q.ptr, k_cache=cache.k, v_cache=cache.v, positions=positions.ptr, tokens=tokens, q_heads=q_heads,
+                kv_heads=cache.kv_heads, head_dim=dim, capacity=cache.capacity, scale=scale)
+
+
+def attend_prefill(rt: CudaRuntime, q: DeviceTensor, cache: CachedKV, positions: DeviceTensor, scale: float,
+                   prefill: str) -> DeviceTensor:
+    """`attend` for T > ATTN_DECODE_MAX_TOKENS: one split, the output normalised in the kernel."""
+    tokens, q_heads, dim = q.shape
+    out = rt.empty(q.shape, "f32")
+    common = attention_fields(q, cache, positions, scale)
+    if prefill == "mma":
+        params = kp.AttentionParams(out=out.ptr, ml=None, **common)
+        grid = (_ceil_div(tokens * (q_heads // cache.kv_heads), ATTN_MMA_ROWS), cache.kv_heads, 1)
+        rt.launch(f"atlas_attention_prefill_mma{cache.suffix}", grid, (ATTN_MMA_THREADS, 1, 1), params,
+                  smem=attention_mma_smem_bytes(dim))
+        return out
+    group = q_heads // cache.kv_heads
+    for first, stop in prefill_token_chunks(tokens, group):
+        chunk = dict(common, q=q.rows(first, stop).ptr, positions=positions.elements(first, stop).ptr,
+                     tokens=stop - first)
+        params = kp.AttentionParams(out=out.rows(first, stop).ptr, ml=None, **chunk)
+        grid = (1, cache.kv_heads, _ceil_div((stop - first) * group, ATTN_PREFILL_ROWS))
+        rt.launch(f"atlas_attention_prefill{cache.suffix}", grid, (ATTN_PREFILL_THREADS, 1, 1), params)
     return out
 
 
