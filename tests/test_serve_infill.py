@@ -122,6 +122,40 @@ def test_a_model_without_fim_tokens_refuses_infill(served: Served) -> None:  # n
     assert answer["error"]["code"] == "not_supported_error"
 
 
+@pytest.mark.parametrize("batch", [False, True])
+def test_openai_completions_suffix_is_the_fim_prompt(fim_served: tuple[int, LLM], rng: np.random.Generator,
+                                                     batch: bool) -> None:
+    """OpenAI's /v1/completions `suffix`: each text prompt before the insertion point, the suffix
+    after it, the answer the middle (/infill's prompt with no other files)."""
+    port, reference = fim_served
+    prompts = [code(rng, int(rng.integers(1, 16))) for _ in range(2 if batch else 1)]
+    suffix, max_tokens = code(rng, int(rng.integers(1, 16))), int(rng.integers(1, 10))
+    request = {"prompt": prompts if batch else prompts[0], "suffix": suffix, "max_tokens": max_tokens, "temperature": 0}
+    status, answer = post(port, "/v1/completions", json.dumps(request))
+    assert status == 200, answer
+    wants = [reference.generate(fim_ids(reference, {"input_prefix": p, "input_suffix": suffix, "prompt": ""}),
+                                max_tokens=max_tokens, temperature=0) for p in prompts]
+    assert [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])] == [w.text for w in wants]
+    assert answer["usage"]["completion_tokens"] == sum(len(w.token_ids) for w in wants)
+
+
+@pytest.mark.parametrize("change, named, status", [
+    ({"suffix": 3}, "suffix", 400), ({"prompt": [5, 6, 7]}, "prompt", 400), ({"echo": True}, "echo", 400),
+])
+def test_a_bad_completions_suffix_is_one_line(fim_served: tuple[int, LLM], change: dict[str, Any], named: str,
+                                              status: int) -> None:
+    port, _ = fim_served
+    got, answer = post(port, "/v1/completions", json.dumps({"prompt": "def f(", "suffix": "):", "max_tokens": 2} | change))
+    assert got == status and answer["error"]["param"] == named and "\n" not in answer["error"]["message"], answer
+
+
+def test_a_model_without_fim_tokens_refuses_a_completions_suffix(served: Served) -> None:  # noqa: F811
+    status, answer = post(served.port, "/v1/completions", json.dumps({"prompt": "Beautiful is", "suffix": "ugly."}))
+    assert status == 501 and "no fill-in-the-middle tokens" in answer["error"]["message"], answer
+    status, answer = post(served.port, "/v1/completions", json.dumps({"prompt": "Beautiful is", "suffix": "", "max_tokens": 2}))
+    assert status == 200, answer  # an empty suffix asks for nothing
+
+
 def test_fim_tokens_need_prefix_suffix_and_middle(tmp_path: Path) -> None:
     from atlas.tokenizer import Tokenizer
     from runtime_checkpoint import train_tokenizer

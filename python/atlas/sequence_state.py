@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 FORMAT = "atlas-sequence/1"
+CACHE_OFF = "the prompt cache is off (prompt_cache=0, --prompt-cache 0)"
 ROW_NAMES = ("hidden", "head_input")
 
 
@@ -79,8 +80,7 @@ def restore_sequence(engine: Engine, path: Path) -> SequenceFile:
     """Put the engine's state where a saved sequence left it; a stream open on the engine is
     overtaken (its state is gone). A file this engine cannot take changes nothing."""
     if not engine.prompt_cache.enabled:
-        raise AtlasError("the prompt cache is off (prompt_cache=0, --prompt-cache 0), so no prompt could resume from "
-                         "a restored sequence; turn it on")
+        raise AtlasError(f"{CACHE_OFF}, so no prompt could resume from a restored sequence; turn it on")
     saved = open_sequence_file(path)
     try:
         check_layout(engine, path)
@@ -115,8 +115,7 @@ def resume_point(engine: Engine, within: list[int] | None = None) -> ResumePoint
     given (a checkpoint over the live states on a tie: it also serves a prompt equal to its tokens)."""
     cache = engine.prompt_cache
     if not cache.enabled:
-        raise AtlasError("the prompt cache is off (prompt_cache=0, --prompt-cache 0), so no sequence is kept "
-                         "to save; turn it on")
+        raise AtlasError(f"{CACHE_OFF}, so no sequence is kept to save; turn it on")
     points = [ResumePoint(list(c.ids), c) for c in cache.checkpoints if engine.resumable(len(c.ids), c)]
     if cache.history and engine.resumable(len(cache.history), None):
         points.append(ResumePoint(list(cache.history), None))

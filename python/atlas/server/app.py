@@ -116,7 +116,13 @@ async def stopping_background(state: ServerState) -> AsyncIterator[None]:
 
 
 async def completions(request: Request, state: ServerState) -> Response:
-    return await generation(request, state, chat=False)
+    raw = await read_json(request)
+    if isinstance(raw, dict) and raw.get("suffix") not in (None, ""):  # OpenAI's fill-in-the-middle (infill.py)
+        capacity = context_capacity(state.llm.parts.spec, state.llm.parts.engine)
+        tokenizer = state.llm.tokenizer
+        raw = await anyio.to_thread.run_sync(
+            lambda: infill.suffix_prompts(raw, tokenizer, infill.fim_tokens(tokenizer), capacity))
+    return await generation(request, state, chat=False, raw=raw)
 
 
 async def chat_completions(request: Request, state: ServerState) -> Response:

@@ -10,7 +10,10 @@ pattern where the vocabulary has its repo and file-separator tokens:
 (without them the extra files' text goes first as it is). Everything else is a /completion request
 (n_predict, sampling, stream) and the answer is /completion's. A prompt longer than the context
 allows is cut as llama-server cuts it, nearest the cursor kept: the prefix's end (up to 3/4 of the
-room), the suffix's start, then the extra files' end; the answer says `truncated`."""
+room), the suffix's start, then the extra files' end; the answer says `truncated`.
+
+OpenAI's /v1/completions `suffix` (the text after the insertion point, which vLLM refuses) takes
+the same prompt: each text prompt is the prefix, `suffix` the suffix, and the completion the middle."""
 
 from __future__ import annotations
 
@@ -107,6 +110,28 @@ def infill_prompt(tokenizer: Tokenizer, fim: FimTokens, parts: InfillParts, room
            fim.suffix, *suffix[:suffix_take], fim.middle, *typed]
     truncated = (prefix_take, suffix_take, extra_take) != (len(prefix), len(suffix), len(extra))
     return InfillPrompt(ids, truncated)
+
+
+def suffix_prompts(raw: dict[str, Any], tokenizer: Tokenizer, fim: FimTokens | None, capacity: int) -> dict[str, Any]:
+    """A /v1/completions body with a `suffix`: its text prompts as FIM prompts (ids), `suffix` gone.
+    The room left for each is the context less max_tokens (a quarter of it when not given)."""
+    suffix, prompt = raw["suffix"], raw.get("prompt")
+    if not isinstance(suffix, str):
+        raise RequestError(f"'suffix' must be a string (the text after the completion), got {type(suffix).__name__}",
+                           "suffix")
+    if raw.get("echo"):
+        raise RequestError("'echo' with 'suffix' would echo the fill-in-the-middle prompt; leave one out", "echo")
+    if fim is None:
+        raise RequestError("this model's vocabulary has no fill-in-the-middle tokens, which 'suffix' needs; "
+                           "leave 'suffix' out", "suffix", "not_supported_error", 501)
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
+        raise RequestError("'suffix' needs text prompts (a string or a list of strings), not token ids", "prompt")
+    wanted = raw.get("max_tokens")
+    answer = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0 else capacity // 4
+    room = max(capacity - answer, 0)
+    ids = [infill_prompt(tokenizer, fim, InfillParts(text, suffix, "", ()), room).ids for text in texts]
+    return {**raw, "prompt": ids[0] if isinstance(prompt, str) else ids, "suffix": None}
 
 
 def repo_files(encode: Callable[[str], list[int]], repo: int, file_sep: int, files: tuple[tuple[str, str], ...]) -> list[int]:
