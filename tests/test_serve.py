@@ -1653,6 +1653,7 @@ def listening_port(lines: queue.Queue[str], seen: list[str]) -> int:
     (["--reasoning-parser", "deepthink"], "--reasoning-parser"),
     (["--api-key", " "], "--api-key"),
     (["--prompt-cache", "65"], "--prompt-cache"),
+    (["--ctx-checkpoints", "65"], "'--ctx-checkpoints': 65 is not in the range"),  # llama-server's name for it
     (["--root-path", "atlas"], "--root-path"),
     (["--root-path", "/a?b"], "--root-path"),
     (["--slot-save-path", "/dev/null/slots"], "--slot-save-path"),

@@ -206,9 +206,11 @@ def check_root_path(root_path: str) -> None:
     help="""A JSON object of sampling defaults over --generation-config's, e.g. '{"temperature": 0.6}' (vLLM's flag).""",
 )
 @click.option(
-    "--prompt-cache", type=click.IntRange(0, MAX_PROMPT_CACHE), default=DEFAULT_PROMPT_CACHE, show_default=True,
+    "--prompt-cache", "--ctx-checkpoints", "prompt_cache", type=click.IntRange(0, MAX_PROMPT_CACHE),
+    default=DEFAULT_PROMPT_CACHE, show_default=True,
     help="Checkpoints of the prompt cache: a request whose prompt starts like an earlier one's (a chat's next turn) "
-    "resumes after the shared tokens; each holds a copy of the DeltaNet states. 0: off.",
+    "resumes after the shared tokens; each holds a copy of the DeltaNet states. 0: off. (--ctx-checkpoints is "
+    "llama-server's name for these checkpoints of a recurrent model's state.)",
 )
 @click.option(
     "--max-waiting", type=click.IntRange(min=0), default=DEFAULT_MAX_WAITING, show_default=True,
