@@ -32,15 +32,16 @@ from .json_regex import RegexError, compile_patterns
 from .json_text import unpaired_surrogate_path
 
 _OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+_YEAR = r"(000[1-9]|00[1-9]\d|0[1-9]\d\d|[1-9]\d{3})"  # 0001..9999: Python's date (jsonschema's check) has no year 0
 _DAY = r"((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8]))"
 _TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,6})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-# String formats written as patterns (each a subset of the format: dates skip 29 February);
+# String formats written as patterns (each a subset of the format: dates skip 29 February and year 0000);
 # other formats are annotations, as JSON schema makes them by default.
 FORMATS = {
-    "date": rf"^\d{{4}}-{_DAY}$",
+    "date": rf"^{_YEAR}-{_DAY}$",
     "time": rf"^{_TIME}$",
-    "date-time": rf"^\d{{4}}-{_DAY}T{_TIME}$",
+    "date-time": rf"^{_YEAR}-{_DAY}T{_TIME}$",
     "uuid": r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
     "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
     "email": r"^[A-Za-z0-9_%+-]+(\.[A-Za-z0-9_%+-]+)*@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$",
