@@ -79,6 +79,25 @@ def test_logit_bias_flag(capsys: pytest.CaptureFixture[str], rng: np.random.Gene
     assert capsys.readouterr().out == expected.text + "\n"
 
 
+def test_llama_cpp_sampler_flags(capsys: pytest.CaptureFixture[str], rng: np.random.Generator) -> None:
+    """--typical, --top-nsigma, --xtc-probability and --xtc-threshold: the text is LLM.generate's with
+    the same settings; --top-nsigma near 0 leaves the most likely token alone: the greedy text."""
+    from atlas.llm import LLM
+
+    llm, seed = LLM(device="cpu"), int(rng.integers(0, 2**31))
+    settings = {"typical_p": float(rng.uniform(0.3, 0.9)), "top_n_sigma": float(rng.uniform(1, 4)),
+                "xtc_probability": 1.0, "xtc_threshold": float(rng.uniform(0.05, 0.3))}
+    flags = ["--typical", str(settings["typical_p"]), "--top-nsigma", str(settings["top_n_sigma"]),
+             "--xtc-probability", "1", "--xtc-threshold", str(settings["xtc_threshold"])]
+    base = ["--prompt", "Flat is", "--max-tokens", "12", "--device", "cpu", "--temp", "1.3", "--seed", str(seed)]
+    capsys.readouterr()  # the rng fixture's seed line
+    assert main([*base, *flags]) == 0
+    expected = llm.generate("Flat is", max_tokens=12, temperature=1.3, seed=seed, **settings)
+    assert capsys.readouterr().out == expected.text + "\n"
+    assert main([*base, "--top-nsigma", "1e-9"]) == 0
+    assert capsys.readouterr().out == llm.generate("Flat is", max_tokens=12).text + "\n"
+
+
 def test_json_object_flag(capsys: pytest.CaptureFixture[str]) -> None:
     from atlas.llm import LLM
 
@@ -203,6 +222,10 @@ def one_error_line(code: int, err: str) -> str:
         (["--repetition-penalty", "0"], "--repetition-penalty"),
         (["--min-p", "1.5"], "--min-p"),
         (["--reasoning-budget", "-2"], "--reasoning-budget"),
+        (["--typical", "0"], "--typical"),
+        (["--xtc-probability", "2"], "--xtc-probability"),
+        (["--xtc-threshold", "-0.5"], "--xtc-threshold"),
+        (["--top-nsigma", "nan", "--temp", "1", "--device", "cpu"], "top_n_sigma must be a finite number"),
         (["--logit-bias", "7"], "--logit-bias"),
         (["--logit-bias", "7=1000", "--device", "cpu"], "logit_bias of token 7 must be a number in [-100, 100]"),
         (["--logit-bias", "600=1", "--device", "cpu"], "logit_bias token id 600 is outside the vocabulary"),

@@ -86,8 +86,35 @@ def test_stop_words_and_banned_tokens(served: Served, rng: np.random.Generator) 
     assert banned["tokens"] and banned["tokens"][0] != free.token_ids[0]
 
 
+def test_llama_cpps_samplers_pick_as_generate_does(served: Served, rng: np.random.Generator) -> None:
+    """typical_p, top_n_sigma and XTC on /completion and /v1/completions (atlas.sampling_filters):
+    the seeded answer is generate()'s with the same settings; XTC at threshold 0 (the least likely
+    token each step) shows they are applied, as the demo model is sure of most tokens."""
+    prompt, seed = random_prompt(rng), int(rng.integers(1 << 20))
+    least_likely = {"xtc_probability": 1.0, "xtc_threshold": 0.0}
+    mixed = {"typical_p": float(rng.uniform(0.2, 0.9)), "top_n_sigma": float(rng.uniform(0.5, 4)),
+             "xtc_probability": 0.5, "xtc_threshold": float(rng.uniform(0.05, 0.3))}
+    plain = served.reference.generate(prompt, max_tokens=16, temperature=1.5, seed=seed, ignore_eos=True)
+    for filters in (least_likely, mixed):
+        want = served.reference.generate(prompt, max_tokens=16, temperature=1.5, seed=seed, ignore_eos=True, **filters)
+        assert filters is mixed or want.token_ids != plain.token_ids
+        body = {"prompt": prompt, "temperature": 1.5, "seed": seed, "ignore_eos": True, "return_tokens": True, **filters}
+        status, answer = post(served.port, "/completion", json.dumps(body | {"n_predict": 16}))
+        assert status == 200 and answer["tokens"] == want.token_ids, answer
+        completion = served.client().completions.create(model=DEMO_NAME, prompt=prompt, max_tokens=16, temperature=1.5,
+                                                        seed=seed, extra_body={"ignore_eos": True, **filters})
+        assert completion.choices[0].text == want.text
+    params = get_json(served.port, "/props")["default_generation_settings"]["params"]
+    assert (params["typical_p"], params["top_n_sigma"], params["xtc_probability"]) == (1.0, -1.0, 0.0)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "Flat", "mirostat": 2}, "mirostat"),
+    ({"prompt": "Flat", "dry_multiplier": 0.8}, "dry_multiplier"),
+    ({"prompt": "Flat", "typical_p": 0}, "typical_p"),
+    ({"prompt": "Flat", "top_n_sigma": "2"}, "top_n_sigma"),
+    ({"prompt": "Flat", "xtc_probability": 1.5}, "xtc_probability"),
+    ({"prompt": "Flat", "xtc_threshold": -0.1}, "xtc_threshold"),
     ({"prompt": "Flat", "n_predict": 0}, "n_predict"),
     ({"prompt": "Flat", "n_predict": "8"}, "n_predict"),
     ({"prompt": "Flat", "n_probs": 50}, "n_probs"),

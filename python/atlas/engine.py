@@ -22,8 +22,8 @@ from .models import load_model
 from .prompt_cache import PromptCache, Resume, ResumeFilter, StateCheckpoint
 from .safetensors import Checkpoint
 from .sampling import (
-    Penalties, TokenLogprob, check_logit_bias_ids, check_logprobs, check_sampling, draw_uniform, host_pick, is_int,
-    pick_state, token_logprob,
+    Penalties, TokenLogprob, check_logit_bias_ids, check_logprobs, check_sampling, choose_token, draw_uniform, host_pick,
+    is_int, pick_state, token_logprob,
 )
 from .snapshot import DeltaNetSnapshot
 from .turns import GenerationTurns
@@ -375,7 +375,8 @@ class Engine:
         """The chosen id read back (to stream it) and the backend tensor [1] i32 holding it (to feed
         decode_tensor without a host round trip). Penalties and logit_bias change the logits on the
         backend first (`penalties` carries the history and records the pick; a fresh one, without
-        history, when None); only structured output reads the logits back to pick on the host."""
+        history, when None); only structured output and the host filters (typical-p, top-n-sigma,
+        XTC: a second draw, XTC's chance) read the logits back to pick on the host."""
         if penalties is None and sampling.adjusts_logits:
             penalties = Penalties([])
         if penalties is not None and (forced := penalties.forced()) is not None:
@@ -383,12 +384,11 @@ class Engine:
             penalties.add(forced, token_t)
             return forced, token_t
         uniform = draw_uniform(rng) if sampling.temperature else 0.0
+        xtc_chance = draw_uniform(rng) if sampling.xtc_draws else None
         if penalties is not None and sampling.adjusts_logits:
             logits = penalties.apply(self.backend, logits, sampling)  # [1, V]
         if sampling.on_host:
-            if penalties is None or penalties.constraint is None:
-                raise AtlasError("structured output needs its constraint: generate through atlas.LLM")
-            token = self._structured_pick(logits, sampling, uniform, penalties.constraint)
+            token = self._host_pick(logits, sampling, uniform, xtc_chance, penalties)
             token_t = self.backend.upload(np.array([token], dtype=np.int32), "i32")
         else:
             token_t = self.backend.argmax(logits) if sampling.temperature == 0 else self.backend.sample(logits, sampling, uniform)
@@ -397,8 +397,19 @@ class Engine:
             penalties.add(token, token_t)
         return token, token_t
 
+    def _host_pick(self, logits: Tensor, sampling: SamplingParams, uniform: float, xtc_chance: float | None,
+                   penalties: Penalties | None) -> int:
+        if sampling.structured:
+            if penalties is None or penalties.constraint is None:
+                raise AtlasError("structured output needs its constraint: generate through atlas.LLM")
+            return self._structured_pick(logits, sampling, uniform, penalties.constraint, xtc_chance)
+        row = self.backend.to_numpy(logits)[0]  # [V]
+        if np.isnan(row).all():
+            raise self.went_nan()
+        return choose_token(row, sampling, uniform, xtc_chance)
+
     def _structured_pick(self, logits: Tensor, sampling: SamplingParams, uniform: float,
-                         constraint: TokenConstraint) -> int:
+                         constraint: TokenConstraint, xtc_chance: float | None = None) -> int:
         """A greedy pick (or a complete shape's end) tries the backend's most likely ids first; a
         sampled one walks the backend's summary of the row (the most likely ids and logits, the
         log-sum-exp at the temperature). So a GPU reads back at most a few KB, and the row only
@@ -419,7 +430,7 @@ class Engine:
         row = self.backend.to_numpy(logits)[0]  # [V]
         if np.isnan(row).all():
             raise self.went_nan()
-        return host_pick(row, sampling, uniform, constraint)
+        return host_pick(row, sampling, uniform, constraint, xtc_chance)
 
     def token_logprob(self, logits: Tensor, token: int, top: int) -> TokenLogprob:
         """The picked token's log-probability under logits [1, V] and the `top` most likely."""

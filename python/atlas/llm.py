@@ -57,8 +57,8 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class SamplingExtras:
-    """min_p, the penalties, min_tokens and logit_bias (their meaning:
-    atlas.backends.base.SamplingParams)."""
+    """min_p, the penalties, min_tokens, logit_bias and llama.cpp's typical-p, top-n-sigma and
+    XTC (their meaning: atlas.backends.base.SamplingParams)."""
 
     min_p: float = 0.0
     presence_penalty: float = 0.0
@@ -66,6 +66,10 @@ class SamplingExtras:
     repetition_penalty: float = 1.0
     min_tokens: int = 0  # vLLM's: no eos (or stop id) before this many tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, bias in [-100, 100]) pairs
+    typical_p: float = 1.0  # llama.cpp's samplers (atlas.sampling_filters)
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
 
     def __post_init__(self) -> None:
         python_scalars(self)
@@ -808,6 +812,10 @@ def generate_options(
     thinking_token_budget: int | None = None,
     ignore_eos: bool = False,
     stop_token_ids: Sequence[int] = (),
+    typical_p: float = 1.0,
+    top_n_sigma: float = -1.0,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. max_tokens None: as many as the
     context holds after the prompt (vLLM's). logprobs (0..20): each token's
@@ -832,13 +840,15 @@ def generate_options(
     the most tokens of a reasoning block before "</think>" is written for the model (vLLM's;
     atlas.thinking_budget); ignore_eos: the model's end-of-sequence tokens end nothing (vLLM's,
     llama.cpp's --ignore-eos: benchmarks); stop_token_ids: ids that end the text too, their text
-    kept (vLLM's). Values are checked by LLM.prepare."""
+    kept (vLLM's); typical_p, top_n_sigma, xtc_probability, xtc_threshold: llama.cpp's samplers
+    (atlas.sampling_filters; a sampled pick then reads its row back to the host). Values are
+    checked by LLM.prepare."""
     from .structured import OutputFormat
     from .sampling import logit_bias_pairs
 
     output = OutputFormat.of(json_object, json_schema, regex, choice, output_after, grammar)
     extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
-                            logit_bias_pairs(logit_bias))
+                            logit_bias_pairs(logit_bias), typical_p, top_n_sigma, xtc_probability, xtc_threshold)
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
                            stop_strings(stop), output, skip_special_tokens, include_stop_str_in_output,
                            truncate_prompt_tokens, as_tuple(allowed_token_ids), as_tuple(bad_words),

@@ -300,6 +300,15 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 @click.option("--stop", multiple=True, help="A string that ends the text (not written); repeat for several.")
 @click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
               help="Keep tokens whose probability is >= min_p x the largest; 0: off.")
+@click.option("--typical", "typical_p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
+              help="Locally typical sampling: keep the tokens whose surprise is nearest the entropy, this much of the "
+                   "mass; 1: off (llama.cpp's flag).")
+@click.option("--top-nsigma", "top_n_sigma", type=float, default=-1.0, show_default=True,
+              help="Keep the logits within N standard deviations of the largest; <= 0: off (llama.cpp's flag).")
+@click.option("--xtc-probability", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
+              help="XTC: how often a pick drops every token of p >= --xtc-threshold but the least likely; 0: off.")
+@click.option("--xtc-threshold", type=click.FloatRange(0.0, 1.0), default=0.1, show_default=True,
+              help="XTC's probability threshold (above 0.5 it cuts nothing).")
 @click.option("--presence-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0, show_default=True,
               help="Subtracted from the logit of every token generated so far (Qwen suggests up to 1.5 against repetition).")
 @click.option("--frequency-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0, show_default=True,

@@ -11,6 +11,7 @@ import numpy as np
 
 from .backends.base import NO_TOKEN, Backend, PenaltyOperands, SamplingParams, Tensor, kernel_temperature
 from .errors import AtlasError
+from .sampling_filters import check_filters, top_n_sigma_mask, typical_mask, xtc_mask
 
 if TYPE_CHECKING:
     from .structured import TokenConstraint
@@ -72,6 +73,7 @@ def check_sampling(params: SamplingParams) -> None:
             raise AtlasError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
         if not is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise AtlasError(f"logit_bias of token {token} must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+    check_filters(params)
 
 
 def logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
@@ -111,13 +113,15 @@ def pick_state(prompt_ids: list[int], end_ids: set[int], sampling: SamplingParam
     return Penalties(prompt_ids, end_ids, constraint) if sampling.adjusts_logits or constraint is not None else None
 
 
-def host_pick(row: np.ndarray, sampling: SamplingParams, uniform: float, constraint: TokenConstraint) -> int:
+def host_pick(row: np.ndarray, sampling: SamplingParams, uniform: float, constraint: TokenConstraint,
+              xtc_chance: float | None = None) -> int:
     """Structured output's token from (penalized) logits [V] on the host: the best allowed token
     when greedy or once the shape is complete (an end id, even before min_tokens), else the
     reference sampler over the allowed tokens."""
     if sampling.temperature == 0 or constraint.complete:
         return constraint.greedy(row)
-    return choose_token(constraint.mask(row, sampling.temperature, sampling.top_k, sampling.min_p), sampling, uniform)
+    masked = constraint.mask(row, sampling.temperature, sampling.top_k, sampling.min_p)  # [V]
+    return choose_token(masked, sampling, uniform, xtc_chance)
 
 
 def penalize_row(logits: np.ndarray, counts: np.ndarray, flags: np.ndarray, bias: np.ndarray | None,
@@ -271,17 +275,25 @@ def top_order(values: np.ndarray, top: int) -> np.ndarray:
     return ids[np.lexsort((ids, -values[ids]))][:top]
 
 
-def choose_token(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
+def choose_token(logits: np.ndarray, params: SamplingParams, uniform: float, xtc_chance: float | None = None) -> int:
     """The reference token choice of `Backend.sample` for one row of logits [V]; min_p keeps the
-    tokens with p >= min_p * the largest p before top_p sees them. A row of NaN alone has no token:
+    tokens with p >= min_p * the largest kept p before top_p sees them. On the host also llama.cpp's
+    filters in its order: top-n-sigma before top_k, typical-p after it, XTC last when its draw
+    `xtc_chance` is <= xtc_probability (atlas.sampling_filters). A row of NaN alone has no token:
     NO_TOKEN."""
     if np.isnan(logits).all():
         return NO_TOKEN
     probs = softmax_probs(logits, params.temperature)  # [V]
     keep = top_k_mask(probs, params.top_k)
+    if params.top_n_sigma > 0:
+        keep &= top_n_sigma_mask(logits, params.top_n_sigma)
+    if params.typical_p < 1:
+        keep = typical_mask(probs, keep, params.typical_p)
     if params.min_p > 0:
-        keep &= probs >= np.float32(params.min_p) * probs.max()
+        keep &= probs >= np.float32(params.min_p) * probs[keep].max()
     keep = top_p_mask(probs, keep, params.top_p)
+    if xtc_chance is not None and xtc_chance <= params.xtc_probability:
+        keep = xtc_mask(probs, keep, params.xtc_threshold)
     cumulative = np.cumsum(np.where(keep, probs, 0.0).astype(np.float64))  # [V]
     index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
     return min(index, logits.shape[0] - 1)

@@ -211,7 +211,7 @@ class TokenConstraint:
         sampler over the allowed ones alone (in id order, as over the masked row). None when the
         walk would go past the list (the caller reads the row)."""
         ids = listed.ids[listed.ids >= 0]  # [N] descending
-        if ids.size == 0 or not np.isfinite(listed.lse):
+        if ids.size == 0 or not np.isfinite(listed.lse) or sampling.host_filters:  # those see the whole row
             return None
         t = kernel_temperature(sampling.temperature)  # the T of listed.lse
         values = listed.values[: ids.size].astype(np.float64)  # [N] their logits, the first the peak

@@ -41,7 +41,8 @@ def kernel_temperature(temperature: float) -> float:
 class SamplingParams:
     """Sampling settings; temperature 0 means greedy. Backends' `sample` takes temperature, top_k,
     top_p and min_p; `penalize` the penalties, min_tokens and logit_bias (`adjusts_logits`); only
-    structured output (`on_host`) picks on the host from logits read back (atlas.sampling)."""
+    structured output and llama.cpp's typical-p, top-n-sigma and XTC (`on_host`) pick on the host
+    from logits read back (atlas.sampling)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -53,6 +54,10 @@ class SamplingParams:
     min_tokens: int = 0  # the tokens that end a generation cannot be picked before this many
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit, OpenAI's logit_bias
     structured: bool = False  # structured output: picks keep to a JSON / schema / regex / choice shape (atlas.structured)
+    typical_p: float = 1.0  # 1 = off: keep the tokens whose surprise is nearest the entropy, this much of the mass
+    top_n_sigma: float = -1.0  # <= 0 = off: keep the logits >= the largest - n x their standard deviation
+    xtc_probability: float = 0.0  # 0 = off: how often XTC cuts all tokens of p >= xtc_threshold but the least likely
+    xtc_threshold: float = 0.1  # above 0.5 no two tokens reach it: XTC cuts nothing
 
     @property
     def penalized(self) -> bool:
@@ -71,9 +76,21 @@ class SamplingParams:
         return self.temperature == 0 and not self.adjusts_logits and not self.structured
 
     @property
+    def xtc_draws(self) -> bool:
+        """XTC can cut: each sampled pick draws its chance (llama.cpp's, after min_p and top_p)."""
+        return self.temperature > 0 and self.xtc_probability > 0 and self.xtc_threshold <= 0.5
+
+    @property
+    def host_filters(self) -> bool:
+        """A sampled pick applies llama.cpp's typical-p, top-n-sigma or XTC (atlas.sampling_filters),
+        which no kernel has: the pick reads the row back."""
+        return self.temperature > 0 and (self.typical_p < 1 or self.top_n_sigma > 0 or self.xtc_draws)
+
+    @property
     def on_host(self) -> bool:
-        """Structured output: each pick reads the (penalized) logits back and asks the matcher."""
-        return self.structured
+        """Structured output (each pick reads the penalized logits back and asks the matcher) or
+        host_filters."""
+        return self.structured or self.host_filters
 
 
 @dataclass

@@ -3,8 +3,8 @@ answers it: a request's fields (n_predict, repeat_penalty, n_probs, logit_bias a
 grammar, json_schema, return_tokens, ...) become a /v1/completions request, and the answer comes back
 in llama-server's shape (`content`, `tokens`, `stop`, `stop_type`, `stopping_word`, token counts,
 `timings`, `completion_probabilities`), whole or as `data:` events, the last one with `stop: true`
-(no [DONE]). Sampler settings atlas does not implement (mirostat, DRY, XTC, typical-p, ...) are
-refused unless they hold their neutral value; hints with no effect here (cache_prompt, id_slot,
+(no [DONE]). typical_p, top_n_sigma and XTC are atlas.sampling_filters'; sampler settings atlas
+does not implement (mirostat, DRY, dynatemp, ...) are refused unless they hold their neutral value; hints with no effect here (cache_prompt, id_slot,
 n_keep, samplers: atlas's order applies) are accepted."""
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..sampling import is_int
+from ..sampling_filters import NAMES as FILTER_NAMES
 from .errors import RequestError, error_body
 from .protocol import SamplingFields, check_unsupported
 from .worker import Event, Failed, Finished, ScoredToken, TextPiece
 
 PASSED_THROUGH = ("model", "prompt", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                  "stop", "stream", "ignore_eos", "grammar", "json_schema")
+                  "stop", "stream", "ignore_eos", "grammar", "json_schema", *FILTER_NAMES)
 RENAMED = {"repeat_penalty": "repetition_penalty"}
 NEUTRAL = {  # llama.cpp sampler settings atlas lacks: accepted only where they change nothing
-    "mirostat": (0,), "typical_p": (1,), "tfs_z": (1,), "dry_multiplier": (0,), "xtc_probability": (0,),
-    "dynatemp_range": (0,), "top_n_sigma": (-1,), "penalize_nl": (False,), "post_sampling_probs": (False,),
+    "mirostat": (0,), "tfs_z": (1,), "dry_multiplier": (0,), "dynatemp_range": (0,), "penalize_nl": (False,),
+    "post_sampling_probs": (False,),
     "n_indent": (0,), "t_max_predict_ms": (0,), "n_cmpl": (1,), "lora": ([],), "image_data": ([],),
 }
 UNTIL_CONTEXT = (-1, -2)  # n_predict: no limit but the context (llama.cpp: -1 infinite, -2 until it is full)
@@ -80,7 +81,8 @@ def default_params(sampling: SamplingFields) -> dict[str, Any]:
     return {"n_predict": -1, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
             "min_p": extras.min_p, "repeat_penalty": extras.repetition_penalty, "repeat_last_n": -1,
             "presence_penalty": extras.presence_penalty, "frequency_penalty": extras.frequency_penalty,
-            "seed": -1 if sampling.seed is None else sampling.seed, "ignore_eos": sampling.ignore_eos}
+            "seed": -1 if sampling.seed is None else sampling.seed, "ignore_eos": sampling.ignore_eos,
+            **{name: getattr(extras, name) for name in FILTER_NAMES}}
 
 
 def renamed(err: RequestError) -> RequestError:
