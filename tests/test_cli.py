@@ -96,6 +96,14 @@ def test_llama_cpp_sampler_flags(capsys: pytest.CaptureFixture[str], rng: np.ran
     assert capsys.readouterr().out == expected.text + "\n"
     assert main([*base, "--top-nsigma", "1e-9"]) == 0
     assert capsys.readouterr().out == llm.generate("Flat is", max_tokens=12).text + "\n"
+    from test_sampling_filters import ZEN_TWICE
+
+    dry = {"dry_multiplier": 2.0, "dry_base": 1.5, "dry_allowed_length": int(rng.integers(1, 4)), "dry_penalty_last_n": 100}
+    for breakers, flags in (((":",), ["--dry-sequence-breaker", ":"]), ((), ["--dry-sequence-breaker", "none"])):
+        assert main(["--prompt", ZEN_TWICE, "--max-tokens", "10", "--device", "cpu", "--ignore-eos", *flags,
+                     *[arg for name, value in dry.items() for arg in (f"--{name.replace('_', '-')}", str(value))]]) == 0
+        expected = llm.generate(ZEN_TWICE, max_tokens=10, ignore_eos=True, dry_sequence_breakers=list(breakers), **dry)
+        assert capsys.readouterr().out == expected.text + "\n"
 
 
 def test_json_object_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -223,6 +231,11 @@ def one_error_line(code: int, err: str) -> str:
         (["--min-p", "1.5"], "--min-p"),
         (["--reasoning-budget", "-2"], "--reasoning-budget"),
         (["--typical", "0"], "--typical"),
+        (["--dry-multiplier", "-1"], "--dry-multiplier"),
+        (["--dry-base", "0.5"], "--dry-base"),
+        (["--dry-allowed-length", "x"], "--dry-allowed-length"),
+        (["--dry-penalty-last-n", "-3"], "--dry-penalty-last-n"),
+        (["--dry-multiplier", "1", "--dry-sequence-breaker", "", "--device", "cpu"], "dry_sequence_breakers must be"),
         (["--xtc-probability", "2"], "--xtc-probability"),
         (["--xtc-threshold", "-0.5"], "--xtc-threshold"),
         (["--top-nsigma", "nan", "--temp", "1", "--device", "cpu"], "top_n_sigma must be a finite number"),

@@ -52,3 +52,15 @@ def test_each_pick_on_the_gpu_is_the_filters(form: str, gpu_llm, rng: np.random.
             assert row[token] >= row.max() - MARGIN
         else:
             assert row[token] <= row.min() + MARGIN
+
+
+def test_dry_on_the_gpu_charges_each_repeat(gpu_llm, rng: np.random.Generator) -> None:  # type: ignore[no-untyped-def]
+    """Greedy with DRY: the device's row read back, DRY's penalties taken off on the host."""
+    from test_sampling_filters import ZEN_TWICE, dry_check
+
+    prompt = gpu_llm.tokenizer.encode(ZEN_TWICE)
+    params = SamplingParams(dry_multiplier=float(rng.uniform(1, 4)), dry_base=float(rng.uniform(1.2, 2)),
+                            dry_allowed_length=int(rng.integers(1, 4)))
+    tokens = gpu_llm.parts.engine.generate(prompt, 12, params, None, set()).token_ids
+    assert tokens != gpu_llm.parts.engine.generate(prompt, 12, SamplingParams(), None, set()).token_ids
+    dry_check(gpu_llm.parts.engine, prompt, tokens, params, MARGIN)

@@ -17,7 +17,7 @@ from atlas import LLM
 from atlas.backends.base import SamplingParams
 from atlas.errors import AtlasError
 from atlas.sampling import choose_token, softmax_probs, top_k_mask
-from atlas.sampling_filters import top_n_sigma_mask, typical_mask, xtc_mask
+from atlas.sampling_filters import breaker_heads, dry_penalties, top_n_sigma_mask, typical_mask, xtc_mask
 
 V = 96
 SWEEP = 4096  # uniforms per sweep of the reference sampler: a token of p > 2 / SWEEP is met
@@ -183,3 +183,100 @@ def test_each_pick_of_a_generation_is_the_filters(form: str, demo: LLM, rng: np.
             assert row[token] >= row.max() - 1e-6
         else:
             assert row[token] <= row.min() + 1e-6
+
+
+def dry_by_definition(history: list[int], params: SamplingParams, vocab: int) -> np.ndarray:
+    """DRY's penalties [V] spelled out: every earlier place j, how far the tokens up to j match the
+    context's last ones (capped at the last breaker), and the token after j charged for it."""
+    out = np.zeros(vocab)
+    if params.dry_penalty_last_n == 0:
+        return out
+    context = history if params.dry_penalty_last_n < 0 else history[-params.dry_penalty_last_n:]
+    n, allowed = len(context), params.dry_allowed_length
+    if n <= allowed:
+        return out
+    limit = n
+    for at in range(n - 1, -1, -1):
+        tails = [len(tail) for head, tail in params.dry_breakers
+                 if head == context[at] and at + 1 + len(tail) <= n and tuple(context[at + 1:at + 1 + len(tail)]) == tail]
+        if tails:
+            limit = n - 1 - at - max(tails)
+            break
+    if limit < allowed:
+        return out
+    longest: dict[int, int] = {}
+    for j in range(n - 1):
+        length = 0
+        while length <= j and context[j - length] == context[n - 1 - length]:
+            length += 1
+        length = min(length, limit)
+        if length >= allowed:
+            longest[context[j + 1]] = max(longest.get(context[j + 1], 0), length)
+    alone = {head for head, tail in params.dry_breakers if not tail}
+    for token, length in longest.items():
+        if token not in alone:
+            out[token] = params.dry_multiplier * params.dry_base ** (length - allowed)
+    return out
+
+
+def test_dry_charges_the_token_that_extends_a_repeat() -> None:
+    a, b, c, d, e = range(5)
+    params = SamplingParams(dry_multiplier=0.8, dry_base=2.0, dry_allowed_length=2)
+    penalties = dry_penalties([a, b, c, d, e, a, b, c], params, 8)  # "a b c" again: d would make it 4
+    assert penalties.tolist() == pytest.approx([0, 0, 0, 0.8 * 2.0, 0, 0, 0, 0])
+    assert dry_penalties([a, b, c, d, e, a, b, c], replace(params, dry_allowed_length=4), 8).tolist() == [0.0] * 8
+    broken = replace(params, dry_breakers=((e, ()),))  # e breaks: the repeat reaches back to it only
+    assert dry_penalties([a, b, c, d, e, a, b, c], broken, 8)[d] == pytest.approx(0.8 * 2.0)
+    assert dry_penalties([a, b, c, d, a, b, c], params, 8)[d] == pytest.approx(0.8 * 2.0)
+    steep = replace(params, dry_base=10.0, dry_allowed_length=0)  # 10^46 would overflow: capped at 10^38
+    assert dry_penalties([*range(1, 47), 0, *range(1, 47)], steep, 48)[0] == pytest.approx(0.8e38, rel=1e-5)
+    assert dry_penalties([a, b, c, d, a, b, c], replace(params, dry_breakers=((b, ()),)), 8).sum() == 0  # b c < 2 after b
+
+
+def test_dry_penalties_match_their_definition(rng: np.random.Generator) -> None:
+    for _ in range(300):
+        vocab = int(rng.integers(2, 6))  # few tokens: long repeats
+        history = rng.integers(0, vocab, size=int(rng.integers(0, 60))).tolist()
+        heads = rng.choice(vocab, size=int(rng.integers(0, 3)), replace=False).tolist()
+        breakers = tuple((int(h), tuple(rng.integers(0, vocab, size=int(rng.integers(0, 3))).tolist())) for h in heads)
+        params = SamplingParams(dry_multiplier=float(rng.uniform(0.1, 3)), dry_base=float(rng.uniform(1, 3)),
+                                dry_allowed_length=int(rng.integers(0, 5)), dry_penalty_last_n=int(rng.integers(-1, 50)),
+                                dry_breakers=breakers)
+        want = dry_by_definition(history, params, vocab)
+        assert dry_penalties(history, params, vocab) == pytest.approx(want, rel=1e-5), (history, params)
+
+
+def test_breaker_heads_as_llama_cpp_makes_them() -> None:
+    texts = [b"ab", b"\n", b"x:", b"y", b"hi\nthere", None, b":y", b"a:y:", b"zz"]
+    encode = {"y": [3], "\n": [1], "y:": [3, 0]}.__getitem__  # the rest of a breaker, encoded
+    heads = set(breaker_heads(texts, ["\n", ":y"], encode))
+    assert heads == {(1, ()), (4, ()), (6, ()), (7, ()), (2, (3,))}  # "a:y:" holds ":y"; "x:" starts it
+    assert set(breaker_heads([b"zz:"], [":y:"], encode)) == {(0, (3, 0))}
+
+
+ZEN_TWICE = "Beautiful is better than ugly.\nExplicit is better than implicit.\n" * 2 + "Beautiful is"
+
+
+def dry_check(engine: object, prompt: list[int], tokens: list[int], params: SamplingParams, margin: float) -> None:
+    """Each greedy pick is the argmax of the teacher-forced logits less DRY's penalties then."""
+    rows = engine.logits(prompt + tokens[:-1])[len(prompt) - 1:].astype(np.float64)  # type: ignore[attr-defined]  # [N, V]
+    for step, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+        charged = row - dry_by_definition(prompt + tokens[:step], params, row.size)  # [V]
+        assert charged[token] >= charged.max() - margin, step
+
+
+def test_dry_steers_a_greedy_generation_off_repeats(demo: LLM, rng: np.random.Generator) -> None:
+    """The demo model recites its text: after it twice, greedy repeats it; DRY (no breakers, so
+    the penalty follows its definition alone) charges each repeat, every pick is the best charged one."""
+    prompt = demo.tokenizer.encode(ZEN_TWICE)
+    params = SamplingParams(dry_multiplier=float(rng.uniform(1, 4)), dry_base=float(rng.uniform(1.2, 2)),
+                            dry_allowed_length=int(rng.integers(1, 4)))
+    tokens = demo.parts.engine.generate(prompt, 12, params, None, set()).token_ids
+    assert tokens != demo.parts.engine.generate(prompt, 12, SamplingParams(), None, set()).token_ids
+    dry_check(demo.parts.engine, prompt, tokens, params, 1e-3)
+    text = demo.generate(ZEN_TWICE, max_tokens=12, dry_multiplier=params.dry_multiplier, dry_base=params.dry_base,
+                         dry_allowed_length=params.dry_allowed_length, dry_sequence_breakers=[], ignore_eos=True)
+    assert text.token_ids == tokens  # generate()'s options reach the same picks
+    broken = demo.generate(ZEN_TWICE, max_tokens=12, dry_multiplier=params.dry_multiplier, dry_base=params.dry_base,
+                           dry_allowed_length=params.dry_allowed_length, ignore_eos=True)
+    assert broken.token_ids != tokens  # the default breakers ("\n", ...) stop repeats at the line's start

@@ -106,11 +106,35 @@ def test_llama_cpps_samplers_pick_as_generate_does(served: Served, rng: np.rando
         assert completion.choices[0].text == want.text
     params = get_json(served.port, "/props")["default_generation_settings"]["params"]
     assert (params["typical_p"], params["top_n_sigma"], params["xtc_probability"]) == (1.0, -1.0, 0.0)
+    assert (params["dry_multiplier"], params["dry_sequence_breakers"]) == (0.0, ["\n", ":", '"', "*"])
+
+
+def test_dry_on_completion_is_generates(served: Served, rng: np.random.Generator) -> None:
+    """llama.cpp's DRY fields on /completion (greedy: DRY applies there too) and on /v1/completions."""
+    from test_sampling_filters import ZEN_TWICE
+
+    dry = {"dry_multiplier": float(rng.uniform(1, 4)), "dry_base": float(rng.uniform(1.2, 2)),
+           "dry_allowed_length": int(rng.integers(1, 4)), "dry_penalty_last_n": int(rng.choice([-1, 64])),
+           "dry_sequence_breakers": [":", "*"]}
+    want = served.reference.generate(ZEN_TWICE, max_tokens=12, ignore_eos=True, **dry)
+    assert want.token_ids != served.reference.generate(ZEN_TWICE, max_tokens=12, ignore_eos=True).token_ids
+    body = {"prompt": ZEN_TWICE, "n_predict": 12, "temperature": 0, "ignore_eos": True, "return_tokens": True, **dry}
+    status, answer = post(served.port, "/completion", json.dumps(body))
+    assert status == 200 and answer["tokens"] == want.token_ids, answer
+    completion = served.client().completions.create(model=DEMO_NAME, prompt=ZEN_TWICE, max_tokens=12, temperature=0,
+                                                    extra_body={"ignore_eos": True, **dry})
+    assert completion.choices[0].text == want.text
 
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "Flat", "mirostat": 2}, "mirostat"),
-    ({"prompt": "Flat", "dry_multiplier": 0.8}, "dry_multiplier"),
+    ({"prompt": "Flat", "dry_multiplier": -0.8}, "dry_multiplier"),
+    ({"prompt": "Flat", "dry_base": 0.5}, "dry_base"),
+    ({"prompt": "Flat", "dry_allowed_length": 1.5}, "dry_allowed_length"),
+    ({"prompt": "Flat", "dry_penalty_last_n": -2}, "dry_penalty_last_n"),
+    ({"prompt": "Flat", "dry_sequence_breakers": "\n"}, "dry_sequence_breakers"),
+    ({"prompt": "Flat", "dry_sequence_breakers": [""]}, "dry_sequence_breakers"),
+    ({"prompt": "Flat", "dynatemp_range": 0.5}, "dynatemp_range"),
     ({"prompt": "Flat", "typical_p": 0}, "typical_p"),
     ({"prompt": "Flat", "top_n_sigma": "2"}, "top_n_sigma"),
     ({"prompt": "Flat", "xtc_probability": 1.5}, "xtc_probability"),

@@ -245,6 +245,8 @@ SAMPLED = [
     SamplingParams(temperature=0.6, top_k=20, top_p=0.95, presence_penalty=1.5),
     SamplingParams(temperature=1.2, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5),
     SamplingParams(presence_penalty=2.0),  # penalized greedy
+    SamplingParams(temperature=1.0, typical_p=0.7, top_n_sigma=2.0, xtc_probability=0.5),  # picked on the host
+    SamplingParams(dry_multiplier=2.0, dry_allowed_length=1),  # greedy less DRY's penalties, on the host
 ]
 
 

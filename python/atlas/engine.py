@@ -22,8 +22,8 @@ from .models import load_model
 from .prompt_cache import PromptCache, Resume, ResumeFilter, StateCheckpoint
 from .safetensors import Checkpoint
 from .sampling import (
-    Penalties, TokenLogprob, check_logit_bias_ids, check_logprobs, check_sampling, choose_token, draw_uniform, host_pick,
-    is_int, pick_state, token_logprob,
+    Penalties, TokenLogprob, check_logit_bias_ids, check_logprobs, check_sampling, choose_token, draw_uniform, host_argmax,
+    host_pick, is_int, pick_state, token_logprob,
 )
 from .snapshot import DeltaNetSnapshot
 from .turns import GenerationTurns
@@ -376,8 +376,8 @@ class Engine:
         decode_tensor without a host round trip). Penalties and logit_bias change the logits on the
         backend first (`penalties` carries the history and records the pick; a fresh one, without
         history, when None); only structured output and the host filters (typical-p, top-n-sigma,
-        XTC: a second draw, XTC's chance) read the logits back to pick on the host."""
-        if penalties is None and sampling.adjusts_logits:
+        XTC: a second draw, XTC's chance; DRY) read the logits back to pick on the host."""
+        if penalties is None and (sampling.adjusts_logits or sampling.dry):
             penalties = Penalties([])
         if penalties is not None and (forced := penalties.forced()) is not None:
             token_t = self.backend.upload(np.array([forced], dtype=np.int32), "i32")
@@ -399,14 +399,21 @@ class Engine:
 
     def _host_pick(self, logits: Tensor, sampling: SamplingParams, uniform: float, xtc_chance: float | None,
                    penalties: Penalties | None) -> int:
-        if sampling.structured:
-            if penalties is None or penalties.constraint is None:
-                raise AtlasError("structured output needs its constraint: generate through atlas.LLM")
-            return self._structured_pick(logits, sampling, uniform, penalties.constraint, xtc_chance)
+        """A pick on the host: structured output's, or the filters' over the row read back (less
+        DRY's penalties first, which structured output then sees too)."""
+        constraint = None if penalties is None else penalties.constraint
+        if sampling.structured and constraint is None:
+            raise AtlasError("structured output needs its constraint: generate through atlas.LLM")
+        if constraint is not None and not sampling.dry:
+            return self._structured_pick(logits, sampling, uniform, constraint, xtc_chance)
         row = self.backend.to_numpy(logits)[0]  # [V]
         if np.isnan(row).all():
             raise self.went_nan()
-        return choose_token(row, sampling, uniform, xtc_chance)
+        if sampling.dry and penalties is not None:
+            row = penalties.dry_row(row, sampling)  # [V]
+        if constraint is not None:
+            return host_pick(row, sampling, uniform, constraint, xtc_chance)
+        return choose_token(row, sampling, uniform, xtc_chance) if sampling.temperature else host_argmax(row)
 
     def _structured_pick(self, logits: Tensor, sampling: SamplingParams, uniform: float,
                          constraint: TokenConstraint, xtc_chance: float | None = None) -> int:

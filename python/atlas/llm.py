@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 from .errors import AtlasError
 from .kvcache.names import DEFAULT_LEVEL
+from .sampling_filters import DRY_BREAKERS
 from .turns import GenerationTurns
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from .beam_search import BeamSearchOutput, BeamSearchParams
     from .embed import EmbeddingRequestOutput, PoolingParams
     from .sampling import TokenLogprob
+    from .sampling_filters import Breakers
     from .sequence_state import SequenceFile
     from .structured import OutputFormat, TokenConstraint
     from .kvcache.options import KVCacheOptions
@@ -57,8 +59,9 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class SamplingExtras:
-    """min_p, the penalties, min_tokens, logit_bias and llama.cpp's typical-p, top-n-sigma and
-    XTC (their meaning: atlas.backends.base.SamplingParams)."""
+    """min_p, the penalties, min_tokens, logit_bias and llama.cpp's typical-p, top-n-sigma, XTC
+    and DRY (their meaning: atlas.backends.base.SamplingParams; dry_sequence_breakers: texts no
+    repeat reaches back past, made token ids by LLM.dry_breakers)."""
 
     min_p: float = 0.0
     presence_penalty: float = 0.0
@@ -70,6 +73,11 @@ class SamplingExtras:
     top_n_sigma: float = -1.0
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS
 
     def __post_init__(self) -> None:
         python_scalars(self)
@@ -250,11 +258,13 @@ class LLM:
                                 check_weights=check_weights, enforce_eager=enforce_eager,
                                 max_num_batched_tokens=max_num_batched_tokens, revision=revision,
                                 download_dir=download_dir)
+        self.breaker_ids: dict[tuple[str, ...], Breakers] = {}  # dry_breakers' recent sets
 
     @classmethod
     def from_loaded(cls, parts: LoadedModel) -> LLM:
         llm = cls.__new__(cls)
         llm.parts, llm.seeds, llm.request_ids = parts, None, itertools.count()
+        llm.breaker_ids = {}
         return llm
 
     def close(self) -> None:
@@ -356,7 +366,7 @@ class LLM:
             return out.stopped
 
         watch = on_text is not None or bool(opts.stop)
-        request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts), opts.seed, eos_ids,
+        request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts, self.dry_breakers(opts)), opts.seed, eos_ids,
                                     emit if watch else None, opts.logprobs, opts.prompt_logprobs,
                                     self.output_constraint(opts, eos_ids, prompt_ids))
         stats = self.parts.engine.run(request)
@@ -496,7 +506,8 @@ class LLM:
         eos_ids = self.end_ids(opts)
         out = OutputText(self.parts.tokenizer, opts, self.ending_ids(opts))
         for token in iter_tokens(self.parts.engine, prompt_ids, opts, eos_ids,
-                                 constraint=self.output_constraint(opts, eos_ids, prompt_ids)):
+                                 constraint=self.output_constraint(opts, eos_ids, prompt_ids),
+                                 dry_breakers=self.dry_breakers(opts)):
             if piece := out.push(token):
                 yield piece
             if out.stopped:
@@ -602,6 +613,24 @@ class LLM:
             return token_ids[-1]
         return None
 
+    def dry_breakers(self, opts: GenerateOptions) -> Breakers:
+        """DRY's sequence breakers of opts as token ids (sampling_filters.breaker_heads; special
+        tokens' text included, as llama.cpp has it), made once for each of the last few sets."""
+        from .sampling_filters import breaker_heads
+
+        breakers = opts.extras.dry_sequence_breakers
+        if opts.extras.dry_multiplier == 0 or not breakers:
+            return ()
+        if breakers not in self.breaker_ids:
+            tokenizer = self.parts.tokenizer
+            texts = list(tokenizer.token_bytes)
+            for token, text in tokenizer.special_text.items():
+                texts[token] = text
+            while len(self.breaker_ids) >= KEPT_BREAKER_SETS:
+                del self.breaker_ids[next(iter(self.breaker_ids))]
+            self.breaker_ids[breakers] = breaker_heads(texts, breakers, lambda text: tokenizer.encode(text, False))
+        return self.breaker_ids[breakers]
+
     def end_ids(self, opts: GenerateOptions) -> set[int]:
         """The ids that end a generation under opts: the eos ids (none under ignore_eos) and stop_token_ids."""
         return self.ending_ids(opts) | set(opts.stop_token_ids)
@@ -618,12 +647,16 @@ class LLM:
         return ids
 
 
+KEPT_BREAKER_SETS = 8
+
+
 def iter_tokens(
     engine: EngineLike, prompt_ids: list[int], opts: GenerateOptions, eos_ids: set[int], *,
     scores: list[TokenLogprob] | None = None,
     prompt_scores: list[TokenLogprob | None] | None = None,
     constraint: TokenConstraint | None = None,
     spec_stats: Any = None,
+    dry_breakers: Breakers = (),
 ) -> Iterator[int]:
     """Engine.generate's loop as a generator over the engine's step API (prefill, decode, pick),
     with the same seeded RNG draws, so stream() and generate() give the same tokens. With
@@ -631,22 +664,23 @@ def iter_tokens(
     with opts.prompt_logprobs, the prompt's go to `prompt_scores` before the first token. A
     speculative engine counts its verify passes and drafts into `spec_stats` (a
     speculative.SpecStats) when given. Each token's steps are one turn of the engine (atlas.turns):
-    a token read after another generation started on it is one AtlasError line."""
+    a token read after another generation started on it is one AtlasError line. dry_breakers:
+    LLM.dry_breakers(opts)."""
     return engine.turns.taken(engine_tokens(engine, prompt_ids, opts, eos_ids, scores=scores, prompt_scores=prompt_scores,
-                                            constraint=constraint, spec_stats=spec_stats))
+                                            constraint=constraint, spec_stats=spec_stats, dry_breakers=dry_breakers))
 
 
 def engine_tokens(
     engine: EngineLike, prompt_ids: list[int], opts: GenerateOptions, eos_ids: set[int], *,
     scores: list[TokenLogprob] | None, prompt_scores: list[TokenLogprob | None] | None,
-    constraint: TokenConstraint | None, spec_stats: Any,
+    constraint: TokenConstraint | None, spec_stats: Any, dry_breakers: Breakers,
 ) -> Iterator[int]:
     """iter_tokens without the turns."""
     import numpy as np
 
     from .sampling import pick_state
 
-    sampling = sampling_params(opts)
+    sampling = sampling_params(opts, dry_breakers)
     rng = np.random.default_rng(opts.seed)
     penalties = pick_state(prompt_ids, eos_ids, sampling, constraint)
     speculative = getattr(engine, "speculative_tokens", None)  # atlas.speculative: not for prompt logprobs
@@ -816,6 +850,11 @@ def generate_options(
     top_n_sigma: float = -1.0,
     xtc_probability: float = 0.0,
     xtc_threshold: float = 0.1,
+    dry_multiplier: float = 0.0,
+    dry_base: float = 1.75,
+    dry_allowed_length: int = 2,
+    dry_penalty_last_n: int = -1,
+    dry_sequence_breakers: Sequence[str] = DRY_BREAKERS,
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. max_tokens None: as many as the
     context holds after the prompt (vLLM's). logprobs (0..20): each token's
@@ -840,15 +879,17 @@ def generate_options(
     the most tokens of a reasoning block before "</think>" is written for the model (vLLM's;
     atlas.thinking_budget); ignore_eos: the model's end-of-sequence tokens end nothing (vLLM's,
     llama.cpp's --ignore-eos: benchmarks); stop_token_ids: ids that end the text too, their text
-    kept (vLLM's); typical_p, top_n_sigma, xtc_probability, xtc_threshold: llama.cpp's samplers
-    (atlas.sampling_filters; a sampled pick then reads its row back to the host). Values are
+    kept (vLLM's); typical_p, top_n_sigma, xtc_probability, xtc_threshold, dry_*: llama.cpp's
+    samplers (atlas.sampling_filters; a pick then reads its row back to the host). Values are
     checked by LLM.prepare."""
     from .structured import OutputFormat
     from .sampling import logit_bias_pairs
 
     output = OutputFormat.of(json_object, json_schema, regex, choice, output_after, grammar)
     extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
-                            logit_bias_pairs(logit_bias), typical_p, top_n_sigma, xtc_probability, xtc_threshold)
+                            logit_bias_pairs(logit_bias), typical_p, top_n_sigma, xtc_probability, xtc_threshold,
+                            dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n,
+                            as_tuple(dry_sequence_breakers))
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
                            stop_strings(stop), output, skip_special_tokens, include_stop_str_in_output,
                            truncate_prompt_tokens, as_tuple(allowed_token_ids), as_tuple(bad_words),
@@ -955,7 +996,9 @@ def check_options(opts: GenerateOptions) -> None:
     if seed is not None and (not is_int(seed) or seed < 0):
         raise AtlasError(f"seed must be a non-negative integer, got {seed!r}")
     reals = {"temperature": opts.temperature, "top_p": opts.top_p, **asdict(opts.extras)}
-    del reals["min_tokens"], reals["logit_bias"]  # an integer and pairs: check_sampling checks them
+    for name in NOT_REAL:  # integers, pairs, texts: check_sampling checks them
+        del reals[name]
+    check_breakers(opts.extras.dry_sequence_breakers)
     for name, value in reals.items():
         if not is_real(value):
             raise AtlasError(f"{name} must be a number, got {value!r:.60}")
@@ -975,15 +1018,25 @@ def check_options(opts: GenerateOptions) -> None:
         raise AtlasError(f"min_tokens ({opts.extras.min_tokens}) must be <= max_tokens ({max_tokens})")
 
 
-def sampling_params(opts: GenerateOptions) -> SamplingParams:
+NOT_REAL = ("min_tokens", "logit_bias", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+
+
+def check_breakers(breakers: object) -> None:
+    if not isinstance(breakers, tuple) or not all(isinstance(b, str) and b for b in breakers):
+        raise AtlasError(f"dry_sequence_breakers must be a list of non-empty strings, got {breakers!r:.60}")
+
+
+def sampling_params(opts: GenerateOptions, dry_breakers: Breakers = ()) -> SamplingParams:
+    """opts' SamplingParams; dry_breakers: LLM.dry_breakers(opts), DRY's breakers as token ids."""
     from .backends.base import SamplingParams
 
-    extra = {name: float(value) for name, value in asdict(opts.extras).items()
-             if name not in ("min_tokens", "logit_bias")}
+    extras = opts.extras
+    extra = {name: float(value) for name, value in asdict(extras).items() if name not in NOT_REAL}
     return SamplingParams(temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p),
-                          min_tokens=opts.extras.min_tokens, logit_bias=opts.extras.logit_bias,
+                          min_tokens=extras.min_tokens, logit_bias=extras.logit_bias,
                           structured=opts.output is not None or opts.allowed_token_ids is not None or bool(opts.bad_words),
-                          **extra)
+                          dry_allowed_length=extras.dry_allowed_length, dry_penalty_last_n=extras.dry_penalty_last_n,
+                          dry_breakers=dry_breakers, **extra)
 
 
 def check_length(spec: ModelSpec, capacity: int, prompt_tokens: int, max_tokens: int | None) -> None:

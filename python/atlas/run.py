@@ -19,6 +19,7 @@ from .kvcache.names import DEFAULT_LEVEL
 from .chat import TextOut
 from .llm import SamplingExtras
 from .sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+from .sampling_filters import DRY_BREAKERS
 from . import json_text
 
 if TYPE_CHECKING:
@@ -309,6 +310,16 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
               help="XTC: how often a pick drops every token of p >= --xtc-threshold but the least likely; 0: off.")
 @click.option("--xtc-threshold", type=click.FloatRange(0.0, 1.0), default=0.1, show_default=True,
               help="XTC's probability threshold (above 0.5 it cuts nothing).")
+@click.option("--dry-multiplier", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="DRY: a token that would extend a repeat of the text's last tokens costs this x "
+                   "--dry-base^(repeat - --dry-allowed-length) in its logit; 0: off (llama.cpp's flags).")
+@click.option("--dry-base", type=click.FloatRange(min=1.0), default=1.75, show_default=True)
+@click.option("--dry-allowed-length", type=click.IntRange(min=0), default=2, show_default=True)
+@click.option("--dry-penalty-last-n", type=click.IntRange(min=-1), default=-1, show_default=True,
+              help="DRY looks for repeats in the last N tokens; -1: all of them, 0: off.")
+@click.option("--dry-sequence-breaker", "dry_sequence_breakers", multiple=True, default=DRY_BREAKERS,
+              help="A text no repeat reaches back past (default: newline, ':', '\"', '*'); repeatable; "
+                   "'none': no breakers (llama.cpp's).")
 @click.option("--presence-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0, show_default=True,
               help="Subtracted from the logit of every token generated so far (Qwen suggests up to 1.5 against repetition).")
 @click.option("--frequency-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0, show_default=True,
@@ -344,6 +355,8 @@ def command(**kwargs: object) -> None:
     """Run a model: stream generated text to stdout, then a stats line to stderr."""
     engine = EngineFlags.pop_from(kwargs)
     kwargs["logit_bias"] = tuple(sorted(dict(kwargs["logit_bias"]).items()))  # type: ignore[call-overload]  # last wins
+    if kwargs["dry_sequence_breakers"] == ("none",):
+        kwargs["dry_sequence_breakers"] = ()
     extras = SamplingExtras(**{f.name: kwargs.pop(f.name) for f in fields(SamplingExtras)})  # type: ignore[arg-type]
     run(RunArgs(**kwargs, engine=engine, extras=extras))  # type: ignore[arg-type]
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from .backends.base import NO_TOKEN, Backend, PenaltyOperands, SamplingParams, Tensor, kernel_temperature
 from .errors import AtlasError
-from .sampling_filters import check_filters, top_n_sigma_mask, typical_mask, xtc_mask
+from .sampling_filters import check_filters, dry_penalties, top_n_sigma_mask, typical_mask, xtc_mask
 
 if TYPE_CHECKING:
     from .structured import TokenConstraint
@@ -110,7 +110,8 @@ def pick_state(prompt_ids: list[int], end_ids: set[int], sampling: SamplingParam
     """What one sequence's picks carry from token to token, if anything."""
     if sampling.structured and constraint is None:
         raise AtlasError("structured output needs the tokenizer's token bytes: generate through atlas.LLM")
-    return Penalties(prompt_ids, end_ids, constraint) if sampling.adjusts_logits or constraint is not None else None
+    wanted = sampling.adjusts_logits or constraint is not None or sampling.dry
+    return Penalties(prompt_ids, end_ids, constraint) if wanted else None
 
 
 def host_pick(row: np.ndarray, sampling: SamplingParams, uniform: float, constraint: TokenConstraint,
@@ -149,6 +150,7 @@ class Penalties:
     the structured-output constraint, advanced by each pick."""
 
     def __init__(self, prompt_ids: list[int], end_ids: set[int] | None = None, constraint: TokenConstraint | None = None) -> None:
+        self.prompt = list(prompt_ids)  # in order: DRY looks for repeats in the prompt and the picks
         self.prompt_ids = np.unique(np.asarray(prompt_ids, dtype=np.int64))
         self.end_ids = np.array(sorted(end_ids or ()), dtype=np.int64)  # masked before min_tokens
         self.constraint = constraint  # structured output: which tokens may come next
@@ -179,6 +181,10 @@ class Penalties:
         if self.operands is None or self.backend is not backend:
             self.backend, self.operands = backend, self.operands_on(backend, int(logits.shape[-1]), params)
         return backend.penalize(logits, self.operands, params, self.count < params.min_tokens)
+
+    def dry_row(self, row: np.ndarray, params: SamplingParams) -> np.ndarray:
+        """row [V] (read back) less DRY's penalties for the sequence so far."""
+        return row - dry_penalties(self.prompt + self.generated, params, row.shape[0])  # [V]
 
     def operands_on(self, backend: Backend, vocab: int, params: SamplingParams) -> PenaltyOperands:
         counts = np.bincount(np.asarray(self.generated, dtype=np.int64), minlength=vocab)[:vocab]  # [V]

@@ -6,12 +6,15 @@ No kernel has them: a pick that uses one reads its row back (SamplingParams.host
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 
 from .backends.base import SamplingParams
 from .errors import AtlasError
 
-NAMES = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold")  # SamplingParams' fields for them
+NAMES = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base")  # real fields
+DRY_COUNTS = {"dry_allowed_length": 0, "dry_penalty_last_n": -1}  # integer fields: their least value
 RANGES = {  # name -> (lowest, highest, what turns it off)
     "typical_p": (0.0, 1.0, "1 = off"),
     "xtc_probability": (0.0, 1.0, "0 = off"),
@@ -31,6 +34,13 @@ def filter_problem(params: object) -> tuple[str, str] | None:
             return name, f"{name} must be in {bracket}{low:g}, {high:g}] ({off}), got {value}"
     if not np.isfinite(params.top_n_sigma):  # type: ignore[attr-defined]
         return "top_n_sigma", f"top_n_sigma must be a finite number (<= 0 = off), got {params.top_n_sigma}"  # type: ignore[attr-defined]
+    for name, least, what in (("dry_multiplier", 0.0, " (0 = off)"), ("dry_base", 1.0, "")):
+        if not (np.isfinite(getattr(params, name)) and getattr(params, name) >= least):
+            return name, f"{name} must be a finite number >= {least:g}{what}, got {getattr(params, name)}"
+    for name, least in DRY_COUNTS.items():
+        value = getattr(params, name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            return name, f"{name} must be an integer >= {least}, got {value!r:.40}"
     return None
 
 
@@ -81,3 +91,99 @@ def xtc_mask(probs: np.ndarray, keep: np.ndarray, threshold: float) -> np.ndarra
     if above.sum() < 2:
         return keep
     return keep & ~(above & (p > p[above].min()))
+
+
+Breakers = tuple[tuple[int, tuple[int, ...]], ...]  # DRY's sequence breakers: (head id, the tail ids after it)
+DRY_BREAKERS = ("\n", ":", '"', "*")  # llama.cpp's default dry_sequence_breakers
+MAX_BREAKER_BYTES = 40  # llama.cpp's: a longer breaker is cut to this
+MAX_TAIL_TOKENS = 20
+FLOAT_MAX_LOG = 88.7228391  # ln of float32's largest: DRY's exponent is capped so its penalty stays finite
+
+
+def breaker_heads(texts: Sequence[bytes | None], breakers: Sequence[str],
+                  encode: Callable[[str], list[int]]) -> Breakers:
+    """llama.cpp's processed DRY breakers from each token's text `texts[id]`: a token that holds a
+    breaker breaks alone (tail ()); a token that ends with the breaker's start breaks when the
+    tokens after it spell the rest (its tail: the rest encoded, at most MAX_TAIL_TOKENS ids; a rest
+    that is not whole UTF-8 characters cannot be encoded and is left out)."""
+    found: dict[tuple[int, tuple[int, ...]], None] = {}
+    for breaker in breakers:
+        needle = breaker.encode()[:MAX_BREAKER_BYTES]
+        if not needle:
+            continue
+        for token, text in enumerate(texts):
+            if not text:
+                continue
+            if needle in text:
+                found[(token, ())] = None
+                continue
+            start = text.find(needle[:1])
+            while start >= 0:
+                overlap = len(text) - start
+                if needle.startswith(text[start:]):
+                    try:
+                        found[(token, tuple(encode(needle[overlap:].decode())[:MAX_TAIL_TOKENS]))] = None
+                    except UnicodeDecodeError:
+                        pass
+                start = text.find(needle[:1], start + 1)
+    return tuple(found)
+
+
+def restart_limit(context: np.ndarray, heads: dict[int, list[tuple[int, ...]]]) -> int:
+    """How far back a repeat may reach: up to the last sequence breaker in `context` [N], the
+    breaker's tail included (N when there is none)."""
+    n = context.size
+    for at in np.flatnonzero(np.isin(context, list(heads)))[::-1]:  # the latest first
+        after = n - 1 - int(at)  # tokens after the head
+        matched = [len(tail) for tail in heads[int(context[at])]
+                   if len(tail) <= after and tuple(context[at + 1: at + 1 + len(tail)].tolist()) == tail]
+        if matched:
+            return after - max(matched)
+    return n
+
+
+def dry_penalties(history: Sequence[int], params: SamplingParams, vocab: int) -> np.ndarray:
+    """DRY ("don't repeat yourself", llama.cpp's): penalties [V] to subtract from the logits. A
+    token that would continue a repeat of the context's last n >= dry_allowed_length tokens (the
+    n tokens before an earlier place it followed) costs dry_multiplier x dry_base^(n -
+    dry_allowed_length), its longest repeat counted; repeats reach back no further than the last
+    sequence breaker, over the last dry_penalty_last_n tokens (-1: all); a token that breaks alone
+    costs nothing."""
+    out = np.zeros(vocab, dtype=np.float32)  # [V]
+    window = len(history) if params.dry_penalty_last_n < 0 else min(len(history), params.dry_penalty_last_n)
+    allowed = params.dry_allowed_length
+    if window <= allowed:
+        return out
+    context = np.asarray(history[len(history) - window:], dtype=np.int64)  # [N]
+    heads: dict[int, list[tuple[int, ...]]] = {}
+    for head, tail in params.dry_breakers:
+        heads.setdefault(head, []).append(tail)
+    limit = restart_limit(context, heads)
+    if limit < allowed:
+        return out
+    lengths = repeat_lengths(context, limit)  # [N - 1]
+    follows = context[1:][lengths >= allowed]  # [R] the token after each long enough repeat
+    longest = np.full(vocab, -1, dtype=np.int64)  # [V]
+    np.maximum.at(longest, follows, lengths[lengths >= allowed])
+    penalised = np.flatnonzero(longest >= 0)
+    penalised = penalised[[() not in heads.get(int(t), []) for t in penalised]] if heads else penalised
+    exponent = longest[penalised] - allowed
+    if params.dry_base > 1.000001:
+        exponent = np.minimum(exponent, int(FLOAT_MAX_LOG / np.log(params.dry_base)))
+    out[penalised] = np.float32(params.dry_multiplier) * np.power(np.float32(params.dry_base), exponent.astype(np.float32))
+    return out
+
+
+def repeat_lengths(context: np.ndarray, limit: int) -> np.ndarray:
+    """For each place j < N - 1 of context [N]: how many tokens up to and including j match the
+    context's last ones (the longest common suffix of context[:j + 1] and context), at most `limit`."""
+    n = context.size
+    lengths = np.zeros(n - 1, dtype=np.int64)  # [N - 1]
+    alive = np.arange(n - 1)
+    matched = 0
+    while alive.size and matched < limit:
+        alive = alive[alive >= matched]
+        alive = alive[context[alive - matched] == context[n - 1 - matched]]
+        matched += 1
+        lengths[alive] = matched
+    return lengths

@@ -41,8 +41,8 @@ def kernel_temperature(temperature: float) -> float:
 class SamplingParams:
     """Sampling settings; temperature 0 means greedy. Backends' `sample` takes temperature, top_k,
     top_p and min_p; `penalize` the penalties, min_tokens and logit_bias (`adjusts_logits`); only
-    structured output and llama.cpp's typical-p, top-n-sigma and XTC (`on_host`) pick on the host
-    from logits read back (atlas.sampling)."""
+    structured output and llama.cpp's typical-p, top-n-sigma, XTC and DRY (`on_host`) pick on the
+    host from logits read back (atlas.sampling)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -58,6 +58,11 @@ class SamplingParams:
     top_n_sigma: float = -1.0  # <= 0 = off: keep the logits >= the largest - n x their standard deviation
     xtc_probability: float = 0.0  # 0 = off: how often XTC cuts all tokens of p >= xtc_threshold but the least likely
     xtc_threshold: float = 0.1  # above 0.5 no two tokens reach it: XTC cuts nothing
+    dry_multiplier: float = 0.0  # 0 = off: DRY's penalty on a token that would extend a repeat (atlas.sampling_filters)
+    dry_base: float = 1.75  # the penalty grows by this factor per token of repeat past dry_allowed_length
+    dry_allowed_length: int = 2  # repeats this long cost nothing
+    dry_penalty_last_n: int = -1  # the last n tokens (prompt and generated) searched for repeats; -1: all, 0: off
+    dry_breakers: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (head id, tail ids): no repeat reaches back past one
 
     @property
     def penalized(self) -> bool:
@@ -73,7 +78,7 @@ class SamplingParams:
     @property
     def raw_greedy(self) -> bool:
         """The argmax of the model's own logits: what speculative decoding's verify passes take."""
-        return self.temperature == 0 and not self.adjusts_logits and not self.structured
+        return self.temperature == 0 and not self.adjusts_logits and not self.on_host
 
     @property
     def xtc_draws(self) -> bool:
@@ -81,10 +86,15 @@ class SamplingParams:
         return self.temperature > 0 and self.xtc_probability > 0 and self.xtc_threshold <= 0.5
 
     @property
+    def dry(self) -> bool:
+        """DRY penalises repeats, greedy picks too (llama.cpp's: after the penalties)."""
+        return self.dry_multiplier != 0 and self.dry_base >= 1 and self.dry_penalty_last_n != 0
+
+    @property
     def host_filters(self) -> bool:
-        """A sampled pick applies llama.cpp's typical-p, top-n-sigma or XTC (atlas.sampling_filters),
-        which no kernel has: the pick reads the row back."""
-        return self.temperature > 0 and (self.typical_p < 1 or self.top_n_sigma > 0 or self.xtc_draws)
+        """A pick applies llama.cpp's DRY, or a sampled one typical-p, top-n-sigma or XTC
+        (atlas.sampling_filters), which no kernel has: the pick reads the row back."""
+        return self.dry or (self.temperature > 0 and (self.typical_p < 1 or self.top_n_sigma > 0 or self.xtc_draws))
 
     @property
     def on_host(self) -> bool:

@@ -3,8 +3,8 @@ answers it: a request's fields (n_predict, repeat_penalty, n_probs, logit_bias a
 grammar, json_schema, return_tokens, ...) become a /v1/completions request, and the answer comes back
 in llama-server's shape (`content`, `tokens`, `stop`, `stop_type`, `stopping_word`, token counts,
 `timings`, `completion_probabilities`), whole or as `data:` events, the last one with `stop: true`
-(no [DONE]). typical_p, top_n_sigma and XTC are atlas.sampling_filters'; sampler settings atlas
-does not implement (mirostat, DRY, dynatemp, ...) are refused unless they hold their neutral value; hints with no effect here (cache_prompt, id_slot,
+(no [DONE]). typical_p, top_n_sigma, XTC and DRY are atlas.sampling_filters'; sampler settings
+atlas does not implement (mirostat, dynatemp, ...) are refused unless they hold their neutral value; hints with no effect here (cache_prompt, id_slot,
 n_keep, samplers: atlas's order applies) are accepted."""
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..sampling import is_int
-from ..sampling_filters import NAMES as FILTER_NAMES
+from ..sampling_filters import DRY_COUNTS, NAMES as FILTER_NAMES
 from .errors import RequestError, error_body
 from .protocol import SamplingFields, check_unsupported
 from .worker import Event, Failed, Finished, ScoredToken, TextPiece
 
 PASSED_THROUGH = ("model", "prompt", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                  "stop", "stream", "ignore_eos", "grammar", "json_schema", *FILTER_NAMES)
+                  "stop", "stream", "ignore_eos", "grammar", "json_schema", *FILTER_NAMES, *DRY_COUNTS,
+                  "dry_sequence_breakers")
 RENAMED = {"repeat_penalty": "repetition_penalty"}
 NEUTRAL = {  # llama.cpp sampler settings atlas lacks: accepted only where they change nothing
-    "mirostat": (0,), "tfs_z": (1,), "dry_multiplier": (0,), "dynatemp_range": (0,), "penalize_nl": (False,),
+    "mirostat": (0,), "tfs_z": (1,), "dynatemp_range": (0,), "penalize_nl": (False,),
     "post_sampling_probs": (False,),
     "n_indent": (0,), "t_max_predict_ms": (0,), "n_cmpl": (1,), "lora": ([],), "image_data": ([],),
 }
@@ -82,7 +83,8 @@ def default_params(sampling: SamplingFields) -> dict[str, Any]:
             "min_p": extras.min_p, "repeat_penalty": extras.repetition_penalty, "repeat_last_n": -1,
             "presence_penalty": extras.presence_penalty, "frequency_penalty": extras.frequency_penalty,
             "seed": -1 if sampling.seed is None else sampling.seed, "ignore_eos": sampling.ignore_eos,
-            **{name: getattr(extras, name) for name in FILTER_NAMES}}
+            **{name: getattr(extras, name) for name in (*FILTER_NAMES, *DRY_COUNTS)},
+            "dry_sequence_breakers": list(extras.dry_sequence_breakers)}
 
 
 def renamed(err: RequestError) -> RequestError:

@@ -15,7 +15,7 @@ from ..llm import SamplingExtras
 from ..errors import AtlasError
 from ..json_text import unpaired_surrogate_path
 from ..tokenizer import SERVER_TEMPLATE_NAMES, first_line
-from ..sampling_filters import NAMES as FILTER_NAMES, filter_problem
+from ..sampling_filters import DRY_COUNTS, NAMES as FILTER_NAMES, filter_problem
 from ..sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K,
                         MIN_REPETITION_PENALTY, is_int, logit_bias_pairs)
 from .errors import RequestError
@@ -198,7 +198,7 @@ MAX_BEAM_TOKENS = 512
 BEAM_IGNORES = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "stop", "stop_token_ids", "min_tokens",
                 "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_p", "top_k", "min_p",
                 "seed", "allowed_token_ids", "bad_words", "response_format", "structured_outputs", *GUIDED, "tools",
-                "thinking_token_budget", *FILTER_NAMES)
+                "thinking_token_budget", *FILTER_NAMES, *DRY_COUNTS, "dry_sequence_breakers")
 
 
 def parse_request_id(value: Any) -> str | None:
@@ -295,7 +295,7 @@ def parse_bad_words(value: Any) -> tuple[str, ...]:
 def parse_extras(body: dict[str, Any]) -> SamplingExtras:
     """min_p in [0, 1], presence_penalty and frequency_penalty in [-2, 2] (OpenAI's range),
     repetition_penalty in (0, 10] and min_tokens >= 0 (vLLM's extensions), llama.cpp's typical_p,
-    top_n_sigma, xtc_probability and xtc_threshold (atlas.sampling_filters)."""
+    top_n_sigma, XTC's and DRY's settings (atlas.sampling_filters)."""
     values = {
         "min_p": optional_number(body, "min_p", 0.0),
         "presence_penalty": optional_number(body, "presence_penalty", 0.0),
@@ -311,12 +311,24 @@ def parse_extras(body: dict[str, Any]) -> SamplingExtras:
         raise RequestError(f"'repetition_penalty' must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off), "
                            f"got {values['repetition_penalty']}", "repetition_penalty")
     off = SamplingExtras()
+    counts = {name: optional_int(body, name, minimum=least) for name, least in DRY_COUNTS.items()}
     extras = SamplingExtras(**values, min_tokens=optional_int(body, "min_tokens", minimum=0) or 0,
                             logit_bias=parse_logit_bias(body.get("logit_bias")),
-                            **{name: optional_number(body, name, getattr(off, name)) for name in FILTER_NAMES})
+                            **{name: optional_number(body, name, getattr(off, name)) for name in FILTER_NAMES},
+                            **{name: getattr(off, name) if value is None else value for name, value in counts.items()},
+                            dry_sequence_breakers=parse_breakers(body.get("dry_sequence_breakers"), off))
     if problem := filter_problem(extras):
         raise RequestError(f"'{problem[0]}'{problem[1].removeprefix(problem[0])}", problem[0])
     return extras
+
+
+def parse_breakers(value: Any, off: SamplingExtras) -> tuple[str, ...]:
+    """llama.cpp's dry_sequence_breakers: a list of non-empty strings (its default when left out)."""
+    if value is None:
+        return off.dry_sequence_breakers
+    if not isinstance(value, list) or not all(isinstance(b, str) and b for b in value):
+        raise RequestError("'dry_sequence_breakers' must be a list of non-empty strings", "dry_sequence_breakers")
+    return tuple(value)
 
 
 def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

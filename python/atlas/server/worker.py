@@ -300,7 +300,8 @@ def generate(llm: LLM, job: Job) -> Finished:
     echo = job.returns.echo
     job.held_positions = len(job.prompt_ids)
     tokens = iter_tokens(llm.parts.engine, job.prompt_ids, job.opts, eos_ids, scores=pending.scores,
-                         prompt_scores=prompt_scores, constraint=constraint, spec_stats=spec)
+                         prompt_scores=prompt_scores, constraint=constraint, spec_stats=spec,
+                         dry_breakers=llm.dry_breakers(job.opts))
     for last_token in tokens:
         if count == 0:
             job.first_token_at = time.perf_counter()
