@@ -366,7 +366,8 @@ class LLM:
             return out.stopped
 
         watch = on_text is not None or bool(opts.stop)
-        request = GenerationRequest(prompt_ids, opts.max_tokens, sampling_params(opts, self.dry_breakers(opts)), opts.seed, eos_ids,
+        sampling = sampling_params(opts, self.dry_breakers(opts))
+        request = GenerationRequest(prompt_ids, opts.max_tokens, sampling, opts.seed, eos_ids,
                                     emit if watch else None, opts.logprobs, opts.prompt_logprobs,
                                     self.output_constraint(opts, eos_ids, prompt_ids))
         stats = self.parts.engine.run(request)

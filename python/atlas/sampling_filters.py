@@ -1,8 +1,9 @@
 """llama.cpp's typical-p, top-n-sigma and XTC samplers as masks over one row, for the reference
-sampler (atlas.sampling.choose_token) on the host. Each sees the tokens the filters before it kept,
-their probabilities renormalised over those (llama.cpp's candidates), at the request's temperature
-(atlas applies it first, as vLLM and transformers do; top-n-sigma's cut does not depend on it).
-No kernel has them: a pick that uses one reads its row back (SamplingParams.host_filters)."""
+sampler (atlas.sampling.choose_token) on the host, and its DRY repeat penalty. Each mask sees the
+tokens the filters before it kept, their probabilities renormalised over those (llama.cpp's
+candidates), at the request's temperature (atlas applies it first, as vLLM and transformers do;
+top-n-sigma's cut does not depend on it). No kernel has them: a pick that uses one reads its row
+back (SamplingParams.host_filters)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def filter_problem(params: object) -> tuple[str, str] | None:
         if not (np.isfinite(value) and above_low and value <= high):
             bracket = "(" if name in LOWEST_OPEN else "["
             return name, f"{name} must be in {bracket}{low:g}, {high:g}] ({off}), got {value}"
-    if not np.isfinite(params.top_n_sigma):  # type: ignore[attr-defined]
-        return "top_n_sigma", f"top_n_sigma must be a finite number (<= 0 = off), got {params.top_n_sigma}"  # type: ignore[attr-defined]
+    sigma = getattr(params, "top_n_sigma")
+    if not np.isfinite(sigma):
+        return "top_n_sigma", f"top_n_sigma must be a finite number (<= 0 = off), got {sigma}"
     for name, least, what in (("dry_multiplier", 0.0, " (0 = off)"), ("dry_base", 1.0, "")):
         if not (np.isfinite(getattr(params, name)) and getattr(params, name) >= least):
             return name, f"{name} must be a finite number >= {least:g}{what}, got {getattr(params, name)}"
@@ -87,7 +89,7 @@ def xtc_mask(probs: np.ndarray, keep: np.ndarray, threshold: float) -> np.ndarra
     have p >= threshold, all of them but the least likely (its ties too) are cut, so the pick
     falls on a less obvious token that is still a likely one."""
     p = renormalised(probs, keep)  # [V]
-    above = (p > 0) & (p >= np.float32(threshold))  # a p of 0 is no choice: threshold 0 keeps the least likely of the rest
+    above = (p > 0) & (p >= np.float32(threshold))  # a p of 0 is no choice (threshold 0: the least likely live one stays)
     if above.sum() < 2:
         return keep
     return keep & ~(above & (p > p[above].min()))
@@ -170,7 +172,8 @@ def dry_penalties(history: Sequence[int], params: SamplingParams, vocab: int) ->
     exponent = longest[penalised] - allowed
     if params.dry_base > 1.000001:
         exponent = np.minimum(exponent, int(FLOAT_MAX_LOG / np.log(params.dry_base)))
-    out[penalised] = np.float32(params.dry_multiplier) * np.power(np.float32(params.dry_base), exponent.astype(np.float32))
+    growth = np.power(np.float32(params.dry_base), exponent.astype(np.float32))  # [P]
+    out[penalised] = np.float32(params.dry_multiplier) * growth
     return out
 
 

@@ -4,8 +4,9 @@ grammar, json_schema, return_tokens, ...) become a /v1/completions request, and 
 in llama-server's shape (`content`, `tokens`, `stop`, `stop_type`, `stopping_word`, token counts,
 `timings`, `completion_probabilities`), whole or as `data:` events, the last one with `stop: true`
 (no [DONE]). typical_p, top_n_sigma, XTC and DRY are atlas.sampling_filters'; sampler settings
-atlas does not implement (mirostat, dynatemp, ...) are refused unless they hold their neutral value; hints with no effect here (cache_prompt, id_slot,
-n_keep, samplers: atlas's order applies) are accepted."""
+atlas does not implement (mirostat, dynatemp, ...) are refused unless they hold their neutral
+value; hints with no effect here (cache_prompt, id_slot, n_keep, samplers: atlas's order applies)
+are accepted."""
 
 from __future__ import annotations
 
