@@ -17,7 +17,8 @@ from atlas import LLM
 from atlas.backends.base import SamplingParams
 from atlas.errors import AtlasError
 from atlas.sampling import choose_token, softmax_probs, top_k_mask
-from atlas.sampling_filters import breaker_heads, dry_penalties, top_n_sigma_mask, typical_mask, xtc_mask
+from atlas.sampling_filters import (MIROSTAT_M, Mirostat, breaker_heads, dry_penalties, top_n_sigma_mask, typical_mask,
+                                   xtc_mask)
 
 V = 96
 SWEEP = 4096  # uniforms per sweep of the reference sampler: a token of p > 2 / SWEEP is met
@@ -280,3 +281,53 @@ def test_dry_steers_a_greedy_generation_off_repeats(demo: LLM, rng: np.random.Ge
     broken = demo.generate(ZEN_TWICE, max_tokens=12, dry_multiplier=params.dry_multiplier, dry_base=params.dry_base,
                            dry_allowed_length=params.dry_allowed_length, ignore_eos=True)
     assert broken.token_ids != tokens  # the default breakers ("\n", ...) stop repeats at the line's start
+
+
+def mirostat_kept(probs: np.ndarray, mode: int, mu: float) -> np.ndarray:
+    """Mirostat's cut spelled out: the ids [V] it keeps under mu, most likely first."""
+    order = np.argsort(-probs, kind="stable")
+    live = order[probs[order] > 0]
+    if mode == 2:
+        return live[: max(int(np.sum(-np.log2(probs[live]) <= mu)), 1)]
+    top = probs[order[:MIROSTAT_M]]  # Zipf's exponent from the 100 most likely: ln(p_i / p_i+1) ~ s ln((i+2) / (i+1))
+    steps, ratios = np.log(np.arange(2, top.size + 1) / np.arange(1, top.size)), np.log(top[:-1] / top[1:])
+    s = float(steps @ ratios / (steps @ steps))
+    k = ((s - 1) * 2.0**mu / (1 - probs.size ** (1 - s))) ** (1 / s)
+    return live[: min(max(int(k), 1), live.size)]
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_mirostat_keeps_what_its_mu_allows_and_moves_mu(mode: int, rng: np.random.Generator) -> None:
+    for _ in range(8):
+        row, temperature = (rng.standard_normal(300) * rng.uniform(1, 4)).astype(np.float32), float(rng.uniform(0.5, 1.5))
+        row[rng.random(300) < 0.3] = -np.inf  # masked (structured output): mirostat 1 still counts the whole vocabulary
+        params = SamplingParams(temperature=temperature, mirostat=mode, mirostat_tau=float(rng.uniform(1, 6)),
+                                mirostat_eta=float(rng.uniform(0.05, 0.5)))
+        mu = float(rng.uniform(0.5, 12))
+        probs = softmax_probs(row, temperature).astype(np.float64)  # [V]
+        kept = mirostat_kept(probs, mode, mu)
+        if mode == 2 and np.abs(-np.log2(probs[probs > 0]) - mu).min() < 1e-6:
+            continue  # on the cut
+        p = probs[kept] / probs[kept].sum()  # [K]
+        picked = {Mirostat(mu).pick(row, params, (i + 0.5) / SWEEP) for i in range(SWEEP)}
+        assert set(kept[p > 2 / SWEEP].tolist()) <= picked <= set(kept.tolist())
+        state = Mirostat(mu)
+        token = state.pick(row, params, float(rng.random()))
+        surprise = -np.log2(p[kept.tolist().index(token)])
+        assert state.mu == pytest.approx(mu - params.mirostat_eta * (surprise - params.mirostat_tau), rel=1e-9, abs=1e-9)
+
+
+def test_a_mirostat_generation_follows_its_mu(demo: LLM, rng: np.random.Generator) -> None:
+    """Mirostat 2 over a whole generation: each pick is among the tokens the replayed mu allows."""
+    engine, temperature = demo.parts.engine, float(rng.uniform(0.8, 1.5))
+    prompt = rng.integers(0, demo.parts.spec.vocab_size, size=int(rng.integers(4, 20))).tolist()
+    params = SamplingParams(temperature=temperature, mirostat=2, mirostat_tau=float(rng.uniform(2, 5)), mirostat_eta=0.3)
+    tokens = engine.generate(prompt, 12, params, int(rng.integers(1 << 30)), set()).token_ids
+    rows = engine.logits(prompt + tokens[:-1])[len(prompt) - 1:]  # [12, V]
+    mu = 2 * params.mirostat_tau
+    for row, token in zip(rows, tokens, strict=True):
+        probs = softmax_probs(row, temperature).astype(np.float64)  # [V]
+        kept = mirostat_kept(probs, 2, mu)
+        near = np.abs(-np.log2(probs[probs > 0]) - mu).min() < 1e-4  # the prefill's logits may fall either side
+        assert token in kept or (near and token in mirostat_kept(probs, 2, mu + 1e-3))
+        mu -= params.mirostat_eta * (-np.log2(probs[token] / probs[kept].sum()) - params.mirostat_tau)

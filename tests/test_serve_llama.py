@@ -87,15 +87,16 @@ def test_stop_words_and_banned_tokens(served: Served, rng: np.random.Generator) 
 
 
 def test_llama_cpps_samplers_pick_as_generate_does(served: Served, rng: np.random.Generator) -> None:
-    """typical_p, top_n_sigma and XTC on /completion and /v1/completions (atlas.sampling_filters):
+    """typical_p, top_n_sigma, XTC and mirostat on /completion and /v1/completions (atlas.sampling_filters):
     the seeded answer is generate()'s with the same settings; XTC at threshold 0 (the least likely
     token each step) shows they are applied, as the demo model is sure of most tokens."""
     prompt, seed = random_prompt(rng), int(rng.integers(1 << 20))
     least_likely = {"xtc_probability": 1.0, "xtc_threshold": 0.0}
     mixed = {"typical_p": float(rng.uniform(0.2, 0.9)), "top_n_sigma": float(rng.uniform(0.5, 4)),
              "xtc_probability": 0.5, "xtc_threshold": float(rng.uniform(0.05, 0.3))}
+    mirostat = {"mirostat": int(rng.integers(1, 3)), "mirostat_tau": float(rng.uniform(1, 5)), "mirostat_eta": 0.2}
     plain = served.reference.generate(prompt, max_tokens=16, temperature=1.5, seed=seed, ignore_eos=True)
-    for filters in (least_likely, mixed):
+    for filters in (least_likely, mixed, mirostat):
         want = served.reference.generate(prompt, max_tokens=16, temperature=1.5, seed=seed, ignore_eos=True, **filters)
         assert filters is mixed or want.token_ids != plain.token_ids
         body = {"prompt": prompt, "temperature": 1.5, "seed": seed, "ignore_eos": True, "return_tokens": True, **filters}
@@ -107,6 +108,7 @@ def test_llama_cpps_samplers_pick_as_generate_does(served: Served, rng: np.rando
     params = get_json(served.port, "/props")["default_generation_settings"]["params"]
     assert (params["typical_p"], params["top_n_sigma"], params["xtc_probability"]) == (1.0, -1.0, 0.0)
     assert (params["dry_multiplier"], params["dry_sequence_breakers"]) == (0.0, ["\n", ":", '"', "*"])
+    assert (params["mirostat"], params["mirostat_tau"], params["mirostat_eta"]) == (0, 5.0, 0.1)
 
 
 def test_dry_on_completion_is_generates(served: Served, rng: np.random.Generator) -> None:
@@ -127,7 +129,9 @@ def test_dry_on_completion_is_generates(served: Served, rng: np.random.Generator
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "Flat", "mirostat": 2}, "mirostat"),
+    ({"prompt": "Flat", "mirostat": 3}, "mirostat"),
+    ({"prompt": "Flat", "mirostat": 2, "mirostat_tau": -1}, "mirostat_tau"),
+    ({"prompt": "Flat", "mirostat_eta": "fast"}, "mirostat_eta"),
     ({"prompt": "Flat", "dry_multiplier": -0.8}, "dry_multiplier"),
     ({"prompt": "Flat", "dry_base": 0.5}, "dry_base"),
     ({"prompt": "Flat", "dry_allowed_length": 1.5}, "dry_allowed_length"),

@@ -377,7 +377,7 @@ class Engine:
         backend first (`penalties` carries the history and records the pick; a fresh one, without
         history, when None); only structured output and the host filters (typical-p, top-n-sigma,
         XTC: a second draw, XTC's chance; DRY) read the logits back to pick on the host."""
-        if penalties is None and (sampling.adjusts_logits or sampling.dry):
+        if penalties is None and (sampling.adjusts_logits or sampling.host_state):
             penalties = Penalties([])
         if penalties is not None and (forced := penalties.forced()) is not None:
             token_t = self.backend.upload(np.array([forced], dtype=np.int32), "i32")
@@ -404,13 +404,19 @@ class Engine:
         constraint = None if penalties is None else penalties.constraint
         if sampling.structured and constraint is None:
             raise AtlasError("structured output needs its constraint: generate through atlas.LLM")
-        if constraint is not None and not sampling.dry:
+        if constraint is not None and not sampling.host_state:
             return self._structured_pick(logits, sampling, uniform, constraint, xtc_chance)
         row = self.backend.to_numpy(logits)[0]  # [V]
         if np.isnan(row).all():
             raise self.went_nan()
         if sampling.dry and penalties is not None:
             row = penalties.dry_row(row, sampling)  # [V]
+        if sampling.mirostat_on and penalties is not None:
+            if constraint is not None and not constraint.complete:
+                row = constraint.mask(row, sampling.temperature)  # [V] the allowed tokens alone
+            elif constraint is not None:
+                return constraint.greedy(row)
+            return penalties.mirostat_state(sampling).pick(row, sampling, uniform)
         if constraint is not None:
             return host_pick(row, sampling, uniform, constraint, xtc_chance)
         return choose_token(row, sampling, uniform, xtc_chance) if sampling.temperature else host_argmax(row)

@@ -59,8 +59,8 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class SamplingExtras:
-    """min_p, the penalties, min_tokens, logit_bias and llama.cpp's typical-p, top-n-sigma, XTC
-    and DRY (their meaning: atlas.backends.base.SamplingParams; dry_sequence_breakers: texts no
+    """min_p, the penalties, min_tokens, logit_bias and llama.cpp's typical-p, top-n-sigma, XTC,
+    DRY and mirostat (their meaning: atlas.backends.base.SamplingParams; dry_sequence_breakers: texts no
     repeat reaches back past, made token ids by LLM.dry_breakers)."""
 
     min_p: float = 0.0
@@ -78,6 +78,9 @@ class SamplingExtras:
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = -1
     dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     def __post_init__(self) -> None:
         python_scalars(self)
@@ -856,6 +859,9 @@ def generate_options(
     dry_allowed_length: int = 2,
     dry_penalty_last_n: int = -1,
     dry_sequence_breakers: Sequence[str] = DRY_BREAKERS,
+    mirostat: int = 0,
+    mirostat_tau: float = 5.0,
+    mirostat_eta: float = 0.1,
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. max_tokens None: as many as the
     context holds after the prompt (vLLM's). logprobs (0..20): each token's
@@ -880,8 +886,8 @@ def generate_options(
     the most tokens of a reasoning block before "</think>" is written for the model (vLLM's;
     atlas.thinking_budget); ignore_eos: the model's end-of-sequence tokens end nothing (vLLM's,
     llama.cpp's --ignore-eos: benchmarks); stop_token_ids: ids that end the text too, their text
-    kept (vLLM's); typical_p, top_n_sigma, xtc_probability, xtc_threshold, dry_*: llama.cpp's
-    samplers (atlas.sampling_filters; a pick then reads its row back to the host). Values are
+    kept (vLLM's); typical_p, top_n_sigma, xtc_probability, xtc_threshold, dry_*, mirostat*:
+    llama.cpp's samplers (atlas.sampling_filters; a pick then reads its row back to the host). Values are
     checked by LLM.prepare."""
     from .structured import OutputFormat
     from .sampling import logit_bias_pairs
@@ -890,7 +896,7 @@ def generate_options(
     extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
                             logit_bias_pairs(logit_bias), typical_p, top_n_sigma, xtc_probability, xtc_threshold,
                             dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n,
-                            as_tuple(dry_sequence_breakers))
+                            as_tuple(dry_sequence_breakers), mirostat, mirostat_tau, mirostat_eta)
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
                            stop_strings(stop), output, skip_special_tokens, include_stop_str_in_output,
                            truncate_prompt_tokens, as_tuple(allowed_token_ids), as_tuple(bad_words),
@@ -1019,7 +1025,7 @@ def check_options(opts: GenerateOptions) -> None:
         raise AtlasError(f"min_tokens ({opts.extras.min_tokens}) must be <= max_tokens ({max_tokens})")
 
 
-NOT_REAL = ("min_tokens", "logit_bias", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+NOT_REAL = ("min_tokens", "logit_bias", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "mirostat")
 
 
 def check_breakers(breakers: object) -> None:
@@ -1037,7 +1043,7 @@ def sampling_params(opts: GenerateOptions, dry_breakers: Breakers = ()) -> Sampl
                           min_tokens=extras.min_tokens, logit_bias=extras.logit_bias,
                           structured=opts.output is not None or opts.allowed_token_ids is not None or bool(opts.bad_words),
                           dry_allowed_length=extras.dry_allowed_length, dry_penalty_last_n=extras.dry_penalty_last_n,
-                          dry_breakers=dry_breakers, **extra)
+                          dry_breakers=dry_breakers, mirostat=extras.mirostat, **extra)
 
 
 def check_length(spec: ModelSpec, capacity: int, prompt_tokens: int, max_tokens: int | None) -> None:

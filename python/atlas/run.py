@@ -320,6 +320,11 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 @click.option("--dry-sequence-breaker", "dry_sequence_breakers", multiple=True, default=DRY_BREAKERS,
               help="A text no repeat reaches back past (default: newline, ':', '\"', '*'); repeatable; "
                    "'none': no breakers (llama.cpp's).")
+@click.option("--mirostat", type=click.IntRange(0, 2), default=0, show_default=True,
+              help="Mirostat 1 or 2: a cut that steers each pick's surprise to --mirostat-ent, in place of "
+                   "--top-k / --top-p / --min-p; 0: off (llama.cpp's flags).")
+@click.option("--mirostat-ent", "mirostat_tau", type=click.FloatRange(min=0.0), default=5.0, show_default=True)
+@click.option("--mirostat-lr", "mirostat_eta", type=click.FloatRange(min=0.0), default=0.1, show_default=True)
 @click.option("--presence-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0, show_default=True,
               help="Subtracted from the logit of every token generated so far (Qwen suggests up to 1.5 against repetition).")
 @click.option("--frequency-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0, show_default=True,

@@ -11,7 +11,7 @@ import numpy as np
 
 from .backends.base import NO_TOKEN, Backend, PenaltyOperands, SamplingParams, Tensor, kernel_temperature
 from .errors import AtlasError
-from .sampling_filters import check_filters, dry_penalties, top_n_sigma_mask, typical_mask, xtc_mask
+from .sampling_filters import Mirostat, check_filters, dry_penalties, top_n_sigma_mask, typical_mask, xtc_mask
 
 if TYPE_CHECKING:
     from .structured import TokenConstraint
@@ -110,7 +110,7 @@ def pick_state(prompt_ids: list[int], end_ids: set[int], sampling: SamplingParam
     """What one sequence's picks carry from token to token, if anything."""
     if sampling.structured and constraint is None:
         raise AtlasError("structured output needs the tokenizer's token bytes: generate through atlas.LLM")
-    wanted = sampling.adjusts_logits or constraint is not None or sampling.dry
+    wanted = sampling.adjusts_logits or constraint is not None or sampling.host_state
     return Penalties(prompt_ids, end_ids, constraint) if wanted else None
 
 
@@ -151,6 +151,7 @@ class Penalties:
 
     def __init__(self, prompt_ids: list[int], end_ids: set[int] | None = None, constraint: TokenConstraint | None = None) -> None:
         self.prompt = list(prompt_ids)  # in order: DRY looks for repeats in the prompt and the picks
+        self.mirostat: Mirostat | None = None
         self.prompt_ids = np.unique(np.asarray(prompt_ids, dtype=np.int64))
         self.end_ids = np.array(sorted(end_ids or ()), dtype=np.int64)  # masked before min_tokens
         self.constraint = constraint  # structured output: which tokens may come next
@@ -181,6 +182,12 @@ class Penalties:
         if self.operands is None or self.backend is not backend:
             self.backend, self.operands = backend, self.operands_on(backend, int(logits.shape[-1]), params)
         return backend.penalize(logits, self.operands, params, self.count < params.min_tokens)
+
+    def mirostat_state(self, params: SamplingParams) -> Mirostat:
+        """Mirostat's mu for this sequence, 2 x tau before its first pick (llama.cpp's)."""
+        if self.mirostat is None:
+            self.mirostat = Mirostat(2 * params.mirostat_tau)
+        return self.mirostat
 
     def dry_row(self, row: np.ndarray, params: SamplingParams) -> np.ndarray:
         """row [V] (read back) less DRY's penalties for the sequence so far."""

@@ -1,5 +1,5 @@
 """llama.cpp's typical-p, top-n-sigma and XTC samplers as masks over one row, for the reference
-sampler (atlas.sampling.choose_token) on the host, and its DRY repeat penalty. Each mask sees the
+sampler (atlas.sampling.choose_token) on the host, its DRY repeat penalty and mirostat. Each mask sees the
 tokens the filters before it kept, their probabilities renormalised over those (llama.cpp's
 candidates), at the request's temperature (atlas applies it first, as vLLM and transformers do;
 top-n-sigma's cut does not depend on it). No kernel has them: a pick that uses one reads its row
@@ -8,13 +8,15 @@ back (SamplingParams.host_filters)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from .backends.base import SamplingParams
 from .errors import AtlasError
 
-NAMES = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base")  # real fields
+NAMES = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "mirostat_tau",
+         "mirostat_eta")  # their real fields
 DRY_COUNTS = {"dry_allowed_length": 0, "dry_penalty_last_n": -1}  # integer fields: their least value
 RANGES = {  # name -> (lowest, highest, what turns it off)
     "typical_p": (0.0, 1.0, "1 = off"),
@@ -39,6 +41,12 @@ def filter_problem(params: object) -> tuple[str, str] | None:
     for name, least, what in (("dry_multiplier", 0.0, " (0 = off)"), ("dry_base", 1.0, "")):
         if not (np.isfinite(getattr(params, name)) and getattr(params, name) >= least):
             return name, f"{name} must be a finite number >= {least:g}{what}, got {getattr(params, name)}"
+    for name in ("mirostat_tau", "mirostat_eta"):
+        if not (np.isfinite(getattr(params, name)) and getattr(params, name) >= 0):
+            return name, f"{name} must be a finite number >= 0, got {getattr(params, name)}"
+    mode = getattr(params, "mirostat")
+    if isinstance(mode, bool) or mode not in (0, 1, 2):
+        return "mirostat", f"mirostat must be 0 (off), 1 or 2, got {mode!r:.40}"
     for name, least in DRY_COUNTS.items():
         value = getattr(params, name)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
@@ -190,3 +198,50 @@ def repeat_lengths(context: np.ndarray, limit: int) -> np.ndarray:
         matched += 1
         lengths[alive] = matched
     return lengths
+
+
+MIROSTAT_M = 100  # llama.cpp's m: the most likely tokens mirostat 1 fits its Zipf exponent to
+
+
+@dataclass
+class Mirostat:
+    """Mirostat's target surprise, carried from pick to pick of one generation (llama.cpp's mu,
+    which starts at 2 x tau and moves by eta x the last pick's surprise above tau)."""
+
+    mu: float
+
+    def pick(self, logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
+        """Mirostat 1 or 2 on logits [V] at the temperature, in place of top-k / top-p / min_p and
+        the filters: keep the tokens its mu allows, draw one of them with `uniform`, move mu."""
+        from .sampling import softmax_probs
+
+        probs = softmax_probs(logits, params.temperature).astype(np.float64)  # [V]
+        order = np.argsort(-probs, kind="stable")  # [V] most likely first
+        live = int(np.count_nonzero(probs > 0))
+        if params.mirostat == 1:
+            kept = min(max(int(mirostat_k(probs[order], self.mu, logits.size)), 1), live)
+        else:
+            surprise = -np.log2(probs[order[:live]])  # [L] ascending
+            kept = max(int(np.count_nonzero(surprise <= self.mu)), 1)
+        chosen = order[:kept]  # [K]
+        p = probs[chosen] / probs[chosen].sum()  # [K]
+        by_id = np.argsort(chosen, kind="stable")  # the draw walks the kept tokens in id order, as choose_token
+        index = min(int(np.searchsorted(np.cumsum(p[by_id]), uniform, side="right")), kept - 1)
+        token = int(chosen[by_id][index])
+        self.mu -= params.mirostat_eta * (-float(np.log2(p[by_id][index])) - params.mirostat_tau)
+        return token
+
+
+def mirostat_k(sorted_probs: np.ndarray, mu: float, vocab: int) -> float:
+    """Mirostat 1's top-k from the Zipf exponent s fitted to the MIROSTAT_M most likely p
+    (descending) and the target surprise mu: ((s - 1) 2^mu / (1 - V^(1 - s)))^(1 / s)."""
+    m = min(MIROSTAT_M - 1, sorted_probs.size - 1)
+    i = np.arange(m)
+    t = np.log((i + 2) / (i + 1))  # [m]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        b = np.log(sorted_probs[:m] / sorted_probs[1:m + 1])  # [m]
+    s = float(np.sum(t * b) / np.sum(t * t))
+    epsilon = s - 1
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        k = (epsilon * np.float64(2.0) ** mu / (1 - np.float64(vocab) ** -epsilon)) ** (1 / s)
+    return float(k) if np.isfinite(k) and k > 0 else 1.0

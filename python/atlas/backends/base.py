@@ -41,8 +41,8 @@ def kernel_temperature(temperature: float) -> float:
 class SamplingParams:
     """Sampling settings; temperature 0 means greedy. Backends' `sample` takes temperature, top_k,
     top_p and min_p; `penalize` the penalties, min_tokens and logit_bias (`adjusts_logits`); only
-    structured output and llama.cpp's typical-p, top-n-sigma, XTC and DRY (`on_host`) pick on the
-    host from logits read back (atlas.sampling)."""
+    structured output and llama.cpp's typical-p, top-n-sigma, XTC, DRY and mirostat (`on_host`)
+    pick on the host from logits read back (atlas.sampling)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -63,6 +63,9 @@ class SamplingParams:
     dry_allowed_length: int = 2  # repeats this long cost nothing
     dry_penalty_last_n: int = -1  # the last n tokens (prompt and generated) searched for repeats; -1: all, 0: off
     dry_breakers: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (head id, tail ids): no repeat reaches back past one
+    mirostat: int = 0  # 0 = off; 1, 2: mirostat's own cut in place of top-k / top-p / min_p and the filters
+    mirostat_tau: float = 5.0  # the surprise (bits) it aims at
+    mirostat_eta: float = 0.1  # how fast its cut follows the surprise of the picks
 
     @property
     def penalized(self) -> bool:
@@ -91,10 +94,20 @@ class SamplingParams:
         return self.dry_multiplier != 0 and self.dry_base >= 1 and self.dry_penalty_last_n != 0
 
     @property
+    def mirostat_on(self) -> bool:
+        return self.temperature > 0 and self.mirostat != 0
+
+    @property
+    def host_state(self) -> bool:
+        """Picks carry host state from pick to pick: DRY's history, mirostat's mu."""
+        return self.dry or self.mirostat_on
+
+    @property
     def host_filters(self) -> bool:
-        """A pick applies llama.cpp's DRY, or a sampled one typical-p, top-n-sigma or XTC
+        """A pick applies llama.cpp's DRY, or a sampled one typical-p, top-n-sigma, XTC or mirostat
         (atlas.sampling_filters), which no kernel has: the pick reads the row back."""
-        return self.dry or (self.temperature > 0 and (self.typical_p < 1 or self.top_n_sigma > 0 or self.xtc_draws))
+        sampled = self.typical_p < 1 or self.top_n_sigma > 0 or self.xtc_draws or self.mirostat_on
+        return self.dry or (self.temperature > 0 and sampled)
 
     @property
     def on_host(self) -> bool:

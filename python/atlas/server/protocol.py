@@ -198,7 +198,7 @@ MAX_BEAM_TOKENS = 512
 BEAM_IGNORES = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "stop", "stop_token_ids", "min_tokens",
                 "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_p", "top_k", "min_p",
                 "seed", "allowed_token_ids", "bad_words", "response_format", "structured_outputs", *GUIDED, "tools",
-                "thinking_token_budget", *FILTER_NAMES, *DRY_COUNTS, "dry_sequence_breakers")
+                "thinking_token_budget", *FILTER_NAMES, *DRY_COUNTS, "dry_sequence_breakers", "mirostat")
 
 
 def parse_request_id(value: Any) -> str | None:
@@ -295,7 +295,7 @@ def parse_bad_words(value: Any) -> tuple[str, ...]:
 def parse_extras(body: dict[str, Any]) -> SamplingExtras:
     """min_p in [0, 1], presence_penalty and frequency_penalty in [-2, 2] (OpenAI's range),
     repetition_penalty in (0, 10] and min_tokens >= 0 (vLLM's extensions), llama.cpp's typical_p,
-    top_n_sigma, XTC's and DRY's settings (atlas.sampling_filters)."""
+    top_n_sigma, XTC's, DRY's and mirostat's settings (atlas.sampling_filters)."""
     values = {
         "min_p": optional_number(body, "min_p", 0.0),
         "presence_penalty": optional_number(body, "presence_penalty", 0.0),
@@ -316,7 +316,8 @@ def parse_extras(body: dict[str, Any]) -> SamplingExtras:
                             logit_bias=parse_logit_bias(body.get("logit_bias")),
                             **{name: optional_number(body, name, getattr(off, name)) for name in FILTER_NAMES},
                             **{name: getattr(off, name) if value is None else value for name, value in counts.items()},
-                            dry_sequence_breakers=parse_breakers(body.get("dry_sequence_breakers"), off))
+                            dry_sequence_breakers=parse_breakers(body.get("dry_sequence_breakers"), off),
+                            mirostat=optional_int(body, "mirostat", minimum=0, maximum=2) or 0)
     if problem := filter_problem(extras):
         raise RequestError(f"'{problem[0]}'{problem[1].removeprefix(problem[0])}", problem[0])
     return extras
