@@ -99,6 +99,9 @@ def test_llama_cpp_sampler_flags(capsys: pytest.CaptureFixture[str], rng: np.ran
     assert main([*base, "--mirostat", "2", "--mirostat-ent", "3", "--mirostat-lr", "0.2"]) == 0
     want = llm.generate("Flat is", max_tokens=12, temperature=1.3, seed=seed, mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2)
     assert capsys.readouterr().out == want.text + "\n"
+    assert main([*base, "--dynatemp-range", "0.7", "--dynatemp-exp", "1.5"]) == 0
+    want = llm.generate("Flat is", max_tokens=12, temperature=1.3, seed=seed, dynatemp_range=0.7, dynatemp_exponent=1.5)
+    assert capsys.readouterr().out == want.text + "\n"
     from test_sampling_filters import ZEN_TWICE
 
     dry = {"dry_multiplier": 2.0, "dry_base": 1.5, "dry_allowed_length": int(rng.integers(1, 4)), "dry_penalty_last_n": 100}
@@ -236,6 +239,7 @@ def one_error_line(code: int, err: str) -> str:
         (["--typical", "0"], "--typical"),
         (["--dry-multiplier", "-1"], "--dry-multiplier"),
         (["--mirostat", "3"], "--mirostat"),
+        (["--dynatemp-range", "-1"], "--dynatemp-range"),
         (["--mirostat-ent", "-1"], "--mirostat-ent"),
         (["--dry-base", "0.5"], "--dry-base"),
         (["--dry-allowed-length", "x"], "--dry-allowed-length"),

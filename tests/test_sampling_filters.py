@@ -331,3 +331,21 @@ def test_a_mirostat_generation_follows_its_mu(demo: LLM, rng: np.random.Generato
         near = np.abs(-np.log2(probs[probs > 0]) - mu).min() < 1e-4  # the prefill's logits may fall either side
         assert token in kept or (near and token in mirostat_kept(probs, 2, mu + 1e-3))
         mu -= params.mirostat_eta * (-np.log2(probs[token] / probs[kept].sum()) - params.mirostat_tau)
+
+
+def test_dynatemp_draws_at_the_temperature_the_entropy_sets(rng: np.random.Generator) -> None:
+    """The kept tokens are drawn at T' = T - r + 2r (H / ln K)^e (K kept, H their entropy at
+    temperature 1, T' >= 0): over a fine sweep of uniforms each token is picked its share of times."""
+    for _ in range(12):
+        row = (rng.standard_normal(V) * rng.uniform(0.5, 4)).astype(np.float32)
+        params = SamplingParams(temperature=float(rng.uniform(0.3, 1.5)), top_k=int(rng.integers(2, V)),
+                                dynatemp_range=float(rng.uniform(0.1, 1.0)), dynatemp_exponent=float(rng.uniform(0.5, 2)))
+        kept = np.argsort(-row.astype(np.float64), kind="stable")[: params.top_k]  # distinct logits: top_k's ties none
+        z = row[kept].astype(np.float64)
+        p1 = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        low, high = max(0.0, params.temperature - params.dynatemp_range), params.temperature + params.dynatemp_range
+        t = low + (high - low) * (-np.sum(p1 * np.log(p1)) / np.log(kept.size)) ** params.dynatemp_exponent
+        want = np.exp((z - z.max()) / t) / np.exp((z - z.max()) / t).sum()  # [K]
+        counts = np.bincount([choose_token(row, params, (i + 0.5) / SWEEP) for i in range(SWEEP)], minlength=V)
+        assert counts.sum() == counts[kept].sum()
+        assert np.abs(counts[kept] - want * SWEEP).max() <= 1.5, (t, params)

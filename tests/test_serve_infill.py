@@ -106,7 +106,7 @@ def test_a_long_infill_is_cut_nearest_the_cursor(fim_served: tuple[int, LLM], rn
     ("input_prefix", 7, "input_prefix"), ("input_suffix", ["x"], "input_suffix"), ("prompt", {"a": 1}, "prompt"),
     ("input_extra", "x", "input_extra"), ("input_extra", [{"filename": "a.py"}], "input_extra"),
     ("input_extra", [{"text": "x", "filename": 3}], "input_extra"), ("n_predict", 0, "n_predict"),
-    ("mirostat", 3, "mirostat"), ("dynatemp_range", 0.5, "dynatemp_range"),
+    ("mirostat", 3, "mirostat"), ("tfs_z", 0.5, "tfs_z"),
 ])
 def test_a_bad_infill_field_is_one_400(fim_served: tuple[int, LLM], field: str, value: Any, named: str) -> None:
     port, _ = fim_served

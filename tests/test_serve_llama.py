@@ -87,7 +87,7 @@ def test_stop_words_and_banned_tokens(served: Served, rng: np.random.Generator) 
 
 
 def test_llama_cpps_samplers_pick_as_generate_does(served: Served, rng: np.random.Generator) -> None:
-    """typical_p, top_n_sigma, XTC and mirostat on /completion and /v1/completions (atlas.sampling_filters):
+    """typical_p, top_n_sigma, XTC, mirostat and dynatemp on /completion and /v1/completions (atlas.sampling_filters):
     the seeded answer is generate()'s with the same settings; XTC at threshold 0 (the least likely
     token each step) shows they are applied, as the demo model is sure of most tokens."""
     prompt, seed = random_prompt(rng), int(rng.integers(1 << 20))
@@ -95,8 +95,9 @@ def test_llama_cpps_samplers_pick_as_generate_does(served: Served, rng: np.rando
     mixed = {"typical_p": float(rng.uniform(0.2, 0.9)), "top_n_sigma": float(rng.uniform(0.5, 4)),
              "xtc_probability": 0.5, "xtc_threshold": float(rng.uniform(0.05, 0.3))}
     mirostat = {"mirostat": int(rng.integers(1, 3)), "mirostat_tau": float(rng.uniform(1, 5)), "mirostat_eta": 0.2}
+    dynatemp = {"dynatemp_range": float(rng.uniform(0.2, 1.2)), "dynatemp_exponent": float(rng.uniform(0.5, 2))}
     plain = served.reference.generate(prompt, max_tokens=16, temperature=1.5, seed=seed, ignore_eos=True)
-    for filters in (least_likely, mixed, mirostat):
+    for filters in (least_likely, mixed, mirostat, dynatemp):
         want = served.reference.generate(prompt, max_tokens=16, temperature=1.5, seed=seed, ignore_eos=True, **filters)
         assert filters is mixed or want.token_ids != plain.token_ids
         body = {"prompt": prompt, "temperature": 1.5, "seed": seed, "ignore_eos": True, "return_tokens": True, **filters}
@@ -138,7 +139,8 @@ def test_dry_on_completion_is_generates(served: Served, rng: np.random.Generator
     ({"prompt": "Flat", "dry_penalty_last_n": -2}, "dry_penalty_last_n"),
     ({"prompt": "Flat", "dry_sequence_breakers": "\n"}, "dry_sequence_breakers"),
     ({"prompt": "Flat", "dry_sequence_breakers": [""]}, "dry_sequence_breakers"),
-    ({"prompt": "Flat", "dynatemp_range": 0.5}, "dynatemp_range"),
+    ({"prompt": "Flat", "dynatemp_range": -0.5}, "dynatemp_range"),
+    ({"prompt": "Flat", "tfs_z": 0.5}, "tfs_z"),
     ({"prompt": "Flat", "typical_p": 0}, "typical_p"),
     ({"prompt": "Flat", "top_n_sigma": "2"}, "top_n_sigma"),
     ({"prompt": "Flat", "xtc_probability": 1.5}, "xtc_probability"),

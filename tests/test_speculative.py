@@ -248,6 +248,7 @@ SAMPLED = [
     SamplingParams(temperature=1.0, typical_p=0.7, top_n_sigma=2.0, xtc_probability=0.5),  # picked on the host
     SamplingParams(dry_multiplier=2.0, dry_allowed_length=1),  # greedy less DRY's penalties, on the host
     SamplingParams(temperature=1.0, mirostat=2, mirostat_tau=3.0),  # its mu moves with each emitted pick alone
+    SamplingParams(temperature=0.8, top_k=40, dynatemp_range=0.5),
 ]
 
 

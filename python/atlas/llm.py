@@ -60,7 +60,7 @@ class GenerationResult:
 @dataclass(frozen=True)
 class SamplingExtras:
     """min_p, the penalties, min_tokens, logit_bias and llama.cpp's typical-p, top-n-sigma, XTC,
-    DRY and mirostat (their meaning: atlas.backends.base.SamplingParams; dry_sequence_breakers: texts no
+    DRY, mirostat and dynatemp (their meaning: atlas.backends.base.SamplingParams; dry_sequence_breakers: texts no
     repeat reaches back past, made token ids by LLM.dry_breakers)."""
 
     min_p: float = 0.0
@@ -81,6 +81,8 @@ class SamplingExtras:
     mirostat: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
 
     def __post_init__(self) -> None:
         python_scalars(self)
@@ -862,6 +864,8 @@ def generate_options(
     mirostat: int = 0,
     mirostat_tau: float = 5.0,
     mirostat_eta: float = 0.1,
+    dynatemp_range: float = 0.0,
+    dynatemp_exponent: float = 1.0,
 ) -> GenerateOptions:
     """LLM.generate / stream keyword arguments -> GenerateOptions. max_tokens None: as many as the
     context holds after the prompt (vLLM's). logprobs (0..20): each token's
@@ -886,8 +890,8 @@ def generate_options(
     the most tokens of a reasoning block before "</think>" is written for the model (vLLM's;
     atlas.thinking_budget); ignore_eos: the model's end-of-sequence tokens end nothing (vLLM's,
     llama.cpp's --ignore-eos: benchmarks); stop_token_ids: ids that end the text too, their text
-    kept (vLLM's); typical_p, top_n_sigma, xtc_probability, xtc_threshold, dry_*, mirostat*:
-    llama.cpp's samplers (atlas.sampling_filters; a pick then reads its row back to the host). Values are
+    kept (vLLM's); typical_p, top_n_sigma, xtc_probability, xtc_threshold, dry_*, mirostat*,
+    dynatemp_*: llama.cpp's samplers (atlas.sampling_filters; a pick then reads its row back to the host). Values are
     checked by LLM.prepare."""
     from .structured import OutputFormat
     from .sampling import logit_bias_pairs
@@ -896,7 +900,8 @@ def generate_options(
     extras = SamplingExtras(min_p, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
                             logit_bias_pairs(logit_bias), typical_p, top_n_sigma, xtc_probability, xtc_threshold,
                             dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n,
-                            as_tuple(dry_sequence_breakers), mirostat, mirostat_tau, mirostat_eta)
+                            as_tuple(dry_sequence_breakers), mirostat, mirostat_tau, mirostat_eta, dynatemp_range,
+                            dynatemp_exponent)
     return GenerateOptions(max_tokens, temperature, top_k, top_p, seed, chat, logprobs, prompt_logprobs, extras,
                            stop_strings(stop), output, skip_special_tokens, include_stop_str_in_output,
                            truncate_prompt_tokens, as_tuple(allowed_token_ids), as_tuple(bad_words),

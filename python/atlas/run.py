@@ -325,6 +325,10 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
                    "--top-k / --top-p / --min-p; 0: off (llama.cpp's flags).")
 @click.option("--mirostat-ent", "mirostat_tau", type=click.FloatRange(min=0.0), default=5.0, show_default=True)
 @click.option("--mirostat-lr", "mirostat_eta", type=click.FloatRange(min=0.0), default=0.1, show_default=True)
+@click.option("--dynatemp-range", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="Each sampled pick's temperature moves within --temperature +- this, hotter where the kept tokens' "
+                   "entropy is higher; 0: off (llama.cpp's flags).")
+@click.option("--dynatemp-exp", "dynatemp_exponent", type=click.FloatRange(min=0.0), default=1.0, show_default=True)
 @click.option("--presence-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0, show_default=True,
               help="Subtracted from the logit of every token generated so far (Qwen suggests up to 1.5 against repetition).")
 @click.option("--frequency-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0, show_default=True,

@@ -11,7 +11,8 @@ import numpy as np
 
 from .backends.base import NO_TOKEN, Backend, PenaltyOperands, SamplingParams, Tensor, kernel_temperature
 from .errors import AtlasError
-from .sampling_filters import Mirostat, check_filters, dry_penalties, top_n_sigma_mask, typical_mask, xtc_mask
+from .sampling_filters import (Mirostat, check_filters, dry_penalties, dynamic_temperature, top_n_sigma_mask,
+                               typical_mask, xtc_mask)
 
 if TYPE_CHECKING:
     from .structured import TokenConstraint
@@ -292,8 +293,8 @@ def choose_token(logits: np.ndarray, params: SamplingParams, uniform: float, xtc
     """The reference token choice of `Backend.sample` for one row of logits [V]; min_p keeps the
     tokens with p >= min_p * the largest kept p before top_p sees them. On the host also llama.cpp's
     filters in its order: top-n-sigma before top_k, typical-p after it, XTC last when its draw
-    `xtc_chance` is <= xtc_probability (atlas.sampling_filters). A row of NaN alone has no token:
-    NO_TOKEN."""
+    `xtc_chance` is <= xtc_probability, then the kept tokens drawn at dynatemp's temperature when it
+    has a range (atlas.sampling_filters). A row of NaN alone has no token: NO_TOKEN."""
     if np.isnan(logits).all():
         return NO_TOKEN
     probs = softmax_probs(logits, params.temperature)  # [V]
@@ -307,6 +308,8 @@ def choose_token(logits: np.ndarray, params: SamplingParams, uniform: float, xtc
     keep = top_p_mask(probs, keep, params.top_p)
     if xtc_chance is not None and xtc_chance <= params.xtc_probability:
         keep = xtc_mask(probs, keep, params.xtc_threshold)
+    if params.temperature > 0 and params.dynatemp_range > 0:
+        probs = softmax_probs(np.where(keep, logits, -np.inf), dynamic_temperature(logits, keep, params))  # [V]
     cumulative = np.cumsum(np.where(keep, probs, 0.0).astype(np.float64))  # [V]
     index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
     return min(index, logits.shape[0] - 1)

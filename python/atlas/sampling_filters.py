@@ -1,5 +1,6 @@
 """llama.cpp's typical-p, top-n-sigma and XTC samplers as masks over one row, for the reference
-sampler (atlas.sampling.choose_token) on the host, its DRY repeat penalty and mirostat. Each mask sees the
+sampler (atlas.sampling.choose_token) on the host, its dynamic temperature, DRY repeat penalty and
+mirostat. Each mask sees the
 tokens the filters before it kept, their probabilities renormalised over those (llama.cpp's
 candidates), at the request's temperature (atlas applies it first, as vLLM and transformers do;
 top-n-sigma's cut does not depend on it). No kernel has them: a pick that uses one reads its row
@@ -16,7 +17,7 @@ from .backends.base import SamplingParams
 from .errors import AtlasError
 
 NAMES = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "mirostat_tau",
-         "mirostat_eta")  # their real fields
+         "mirostat_eta", "dynatemp_range", "dynatemp_exponent")  # their real fields
 DRY_COUNTS = {"dry_allowed_length": 0, "dry_penalty_last_n": -1}  # integer fields: their least value
 RANGES = {  # name -> (lowest, highest, what turns it off)
     "typical_p": (0.0, 1.0, "1 = off"),
@@ -41,7 +42,7 @@ def filter_problem(params: object) -> tuple[str, str] | None:
     for name, least, what in (("dry_multiplier", 0.0, " (0 = off)"), ("dry_base", 1.0, "")):
         if not (np.isfinite(getattr(params, name)) and getattr(params, name) >= least):
             return name, f"{name} must be a finite number >= {least:g}{what}, got {getattr(params, name)}"
-    for name in ("mirostat_tau", "mirostat_eta"):
+    for name in ("mirostat_tau", "mirostat_eta", "dynatemp_range", "dynatemp_exponent"):
         if not (np.isfinite(getattr(params, name)) and getattr(params, name) >= 0):
             return name, f"{name} must be a finite number >= 0, got {getattr(params, name)}"
     mode = getattr(params, "mirostat")
@@ -69,6 +70,21 @@ def top_n_sigma_mask(logits: np.ndarray, n: float) -> np.ndarray:
         return z == np.inf
     values = z[finite]  # [F]
     return (z == np.inf) | (finite & (z >= values.max() - n * values.std()))
+
+
+def dynamic_temperature(logits: np.ndarray, keep: np.ndarray, params: SamplingParams) -> float:
+    """llama.cpp's dynatemp: the temperature moved within temperature +- dynatemp_range by the kept
+    tokens' entropy at temperature 1 over its largest (uniform), raised to dynatemp_exponent: an
+    unsure step is drawn hotter, a sure one colder (at 0: its most likely token)."""
+    low, high = max(0.0, params.temperature - params.dynatemp_range), params.temperature + params.dynatemp_range
+    z = logits[keep & np.isfinite(logits)].astype(np.float64)  # [K]
+    if z.size <= 1:
+        return params.temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()  # [K]
+    live = p[p > 0]
+    entropy = float(-np.sum(live * np.log(live)))
+    return low + (high - low) * (entropy / np.log(z.size)) ** params.dynatemp_exponent
 
 
 def renormalised(probs: np.ndarray, keep: np.ndarray) -> np.ndarray:

@@ -41,8 +41,8 @@ def kernel_temperature(temperature: float) -> float:
 class SamplingParams:
     """Sampling settings; temperature 0 means greedy. Backends' `sample` takes temperature, top_k,
     top_p and min_p; `penalize` the penalties, min_tokens and logit_bias (`adjusts_logits`); only
-    structured output and llama.cpp's typical-p, top-n-sigma, XTC, DRY and mirostat (`on_host`)
-    pick on the host from logits read back (atlas.sampling)."""
+    structured output and llama.cpp's typical-p, top-n-sigma, XTC, DRY, mirostat and dynatemp
+    (`on_host`) pick on the host from logits read back (atlas.sampling)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -66,6 +66,8 @@ class SamplingParams:
     mirostat: int = 0  # 0 = off; 1, 2: mirostat's own cut in place of top-k / top-p / min_p and the filters
     mirostat_tau: float = 5.0  # the surprise (bits) it aims at
     mirostat_eta: float = 0.1  # how fast its cut follows the surprise of the picks
+    dynatemp_range: float = 0.0  # 0 = off: each sampled pick's temperature moves within +- this by its entropy
+    dynatemp_exponent: float = 1.0  # the normalised entropy's power in that move
 
     @property
     def penalized(self) -> bool:
@@ -104,9 +106,9 @@ class SamplingParams:
 
     @property
     def host_filters(self) -> bool:
-        """A pick applies llama.cpp's DRY, or a sampled one typical-p, top-n-sigma, XTC or mirostat
-        (atlas.sampling_filters), which no kernel has: the pick reads the row back."""
-        sampled = self.typical_p < 1 or self.top_n_sigma > 0 or self.xtc_draws or self.mirostat_on
+        """A pick applies llama.cpp's DRY, or a sampled one typical-p, top-n-sigma, XTC, mirostat or
+        dynatemp (atlas.sampling_filters), which no kernel has: the pick reads the row back."""
+        sampled = self.typical_p < 1 or self.top_n_sigma > 0 or self.xtc_draws or self.mirostat_on or self.dynatemp_range > 0
         return self.dry or (self.temperature > 0 and sampled)
 
     @property

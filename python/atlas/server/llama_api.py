@@ -3,8 +3,8 @@ answers it: a request's fields (n_predict, repeat_penalty, n_probs, logit_bias a
 grammar, json_schema, return_tokens, ...) become a /v1/completions request, and the answer comes back
 in llama-server's shape (`content`, `tokens`, `stop`, `stop_type`, `stopping_word`, token counts,
 `timings`, `completion_probabilities`), whole or as `data:` events, the last one with `stop: true`
-(no [DONE]). typical_p, top_n_sigma, XTC, DRY and mirostat are atlas.sampling_filters'; sampler
-settings atlas does not implement (dynatemp, tfs_z, ...) are refused unless they hold their neutral
+(no [DONE]). typical_p, top_n_sigma, XTC, DRY, mirostat and dynatemp are atlas.sampling_filters';
+sampler settings atlas does not implement (tfs_z, ...) are refused unless they hold their neutral
 value; hints with no effect here (cache_prompt, id_slot, n_keep, samplers: atlas's order applies)
 are accepted."""
 
@@ -27,7 +27,7 @@ PASSED_THROUGH = ("model", "prompt", "temperature", "top_k", "top_p", "min_p", "
                   "dry_sequence_breakers", "mirostat")
 RENAMED = {"repeat_penalty": "repetition_penalty"}
 NEUTRAL = {  # llama.cpp sampler settings atlas lacks: accepted only where they change nothing
-    "tfs_z": (1,), "dynatemp_range": (0,), "penalize_nl": (False,),
+    "tfs_z": (1,), "penalize_nl": (False,),
     "post_sampling_probs": (False,),
     "n_indent": (0,), "t_max_predict_ms": (0,), "n_cmpl": (1,), "lora": ([],), "image_data": ([],),
 }

@@ -295,7 +295,7 @@ def parse_bad_words(value: Any) -> tuple[str, ...]:
 def parse_extras(body: dict[str, Any]) -> SamplingExtras:
     """min_p in [0, 1], presence_penalty and frequency_penalty in [-2, 2] (OpenAI's range),
     repetition_penalty in (0, 10] and min_tokens >= 0 (vLLM's extensions), llama.cpp's typical_p,
-    top_n_sigma, XTC's, DRY's and mirostat's settings (atlas.sampling_filters)."""
+    top_n_sigma, XTC's, DRY's, mirostat's and dynatemp's settings (atlas.sampling_filters)."""
     values = {
         "min_p": optional_number(body, "min_p", 0.0),
         "presence_penalty": optional_number(body, "presence_penalty", 0.0),
