@@ -1,10 +1,9 @@
 """llama.cpp's typical-p, top-n-sigma and XTC samplers as masks over one row, for the reference
-sampler (atlas.sampling.choose_token) on the host, its dynamic temperature, DRY repeat penalty and
-mirostat. Each mask sees the
-tokens the filters before it kept, their probabilities renormalised over those (llama.cpp's
-candidates), at the request's temperature (atlas applies it first, as vLLM and transformers do;
-top-n-sigma's cut does not depend on it). No kernel has them: a pick that uses one reads its row
-back (SamplingParams.host_filters)."""
+sampler (atlas.sampling.choose_token) on the host, and its dynamic temperature, DRY repeat penalty
+and mirostat. Each mask sees the tokens the filters before it kept, their probabilities
+renormalised over those (llama.cpp's candidates), at the request's temperature (atlas applies it
+first, as vLLM and transformers do; top-n-sigma's cut does not depend on it). No kernel has them:
+a pick that uses one reads its row back (SamplingParams.host_filters)."""
 
 from __future__ import annotations
 
@@ -254,10 +253,8 @@ def mirostat_k(sorted_probs: np.ndarray, mu: float, vocab: int) -> float:
     m = min(MIROSTAT_M - 1, sorted_probs.size - 1)
     i = np.arange(m)
     t = np.log((i + 2) / (i + 1))  # [m]
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # p of 0 among them: no fit, k 1
         b = np.log(sorted_probs[:m] / sorted_probs[1:m + 1])  # [m]
-    s = float(np.sum(t * b) / np.sum(t * t))
-    epsilon = s - 1
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        k = (epsilon * np.float64(2.0) ** mu / (1 - np.float64(vocab) ** -epsilon)) ** (1 / s)
+        s = np.sum(t * b) / np.sum(t * t)
+        k = ((s - 1) * np.float64(2.0) ** mu / (1 - np.float64(vocab) ** (1 - s))) ** (1 / s)
     return float(k) if np.isfinite(k) and k > 0 else 1.0
