@@ -38,7 +38,7 @@ def hf_kept(row: np.ndarray, temperature: float, top_k: int, mass: float) -> np.
     return torch.isfinite(TypicalLogitsWarper(mass)(ids, scores))[0].numpy()
 
 
-def away_from_a_cut(probs: np.ndarray, keep: np.ndarray, rng: np.random.Generator) -> float:
+def away_from_a_cut(probs: np.ndarray, keep: np.ndarray, rng: np.random.Generator, most: float = 0.98) -> float:
     """A typical mass not within 1e-4 of a cumulative mass of the typical order (where float32 and
     float64 sums may round to different sides)."""
     p = np.where(keep, probs, 0).astype(np.float64) / np.where(keep, probs, 0).sum()  # [V]
@@ -47,7 +47,7 @@ def away_from_a_cut(probs: np.ndarray, keep: np.ndarray, rng: np.random.Generato
     distance = np.where(live, np.abs(-np.log(np.where(live, p, 1)) - entropy), np.inf)  # [V]
     cumulative = np.cumsum(p[np.argsort(distance)])  # [V]
     while True:
-        mass = float(rng.uniform(0.05, 0.98))
+        mass = float(rng.uniform(0.05, most))
         if np.abs(cumulative - mass).min() > 1e-4:
             return mass
 
@@ -90,8 +90,8 @@ def test_xtc_cuts_the_likely_tokens_but_the_least_of_them(rng: np.random.Generat
         row = random_row(rng)
         probs, keep = softmax_probs(row, 1.0), rng.random(V) < 0.7
         keep[int(rng.integers(V))] = True
-        threshold = float(rng.uniform(0, 0.5))
-        p = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()  # [V]
+        threshold = float(np.float32(rng.uniform(0, 0.5)))  # float32's, as XTC compares
+        p = np.where(keep, probs, 0).astype(np.float64) / np.where(keep, probs, 0).astype(np.float64).sum()  # [V]
         above = keep & (p >= threshold)
         kept = xtc_mask(probs, keep, threshold)
         if above.sum() < 2:
@@ -130,7 +130,7 @@ def test_the_sampler_picks_from_the_kept_tokens_alone(form: str, rng: np.random.
             params = replace(params, top_n_sigma=float(rng.uniform(0.5, 2.5)))
             keep &= top_n_sigma_mask(row, params.top_n_sigma)
         if form in ("typical", "all"):
-            params = replace(params, typical_p=away_from_a_cut(probs, keep, rng))
+            params = replace(params, typical_p=away_from_a_cut(probs, keep, rng, most=0.8))
             keep = typical_mask(probs, keep, params.typical_p)
         chance = None
         if form in ("xtc", "all"):
