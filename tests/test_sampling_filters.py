@@ -159,6 +159,7 @@ def demo() -> LLM:
     return LLM(device="cpu")
 
 
+PREFILL_DRIFT = 1e-4  # the numpy backend's decode and prefill logits differ by up to ~1e-5 (summation order)
 ONE_TOKEN_LEFT = {  # a setting under which one token per step survives, so each pick is known
     "typical": {"typical_p": 1e-9},  # the token whose surprise is nearest the entropy
     "top_n_sigma": {"top_n_sigma": 1e-9},  # the most likely
@@ -179,11 +180,11 @@ def test_each_pick_of_a_generation_is_the_filters(form: str, demo: LLM, rng: np.
         logp = z - z.max() - np.log(np.exp(z - z.max()).sum())  # [V]
         if form == "typical":
             distance = np.abs(-logp - float(-np.sum(np.exp(logp) * logp)))  # [V]
-            assert distance[token] <= distance.min() + 1e-4
+            assert distance[token] <= distance.min() + 10 * PREFILL_DRIFT
         elif form == "top_n_sigma":
-            assert row[token] >= row.max() - 1e-6
+            assert row[token] >= row.max() - PREFILL_DRIFT
         else:
-            assert row[token] <= row.min() + 1e-6
+            assert row[token] <= row.min() + PREFILL_DRIFT
 
 
 def dry_by_definition(history: list[int], params: SamplingParams, vocab: int) -> np.ndarray:
@@ -328,8 +329,8 @@ def test_a_mirostat_generation_follows_its_mu(demo: LLM, rng: np.random.Generato
     for row, token in zip(rows, tokens, strict=True):
         probs = softmax_probs(row, temperature).astype(np.float64)  # [V]
         kept = mirostat_kept(probs, 2, mu)
-        near = np.abs(-np.log2(probs[probs > 0]) - mu).min() < 1e-4  # the prefill's logits may fall either side
-        assert token in kept or (near and token in mirostat_kept(probs, 2, mu + 1e-3))
+        near = np.abs(-np.log2(probs[probs > 0]) - mu).min() < 10 * PREFILL_DRIFT  # the cut may fall either side
+        assert token in kept or (near and token in mirostat_kept(probs, 2, mu + 20 * PREFILL_DRIFT))
         mu -= params.mirostat_eta * (-np.log2(probs[token] / probs[kept].sum()) - params.mirostat_tau)
 
 
