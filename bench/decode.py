@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,6 +292,9 @@ def run_transformers(config: dict[str, Any], rng: np.random.Generator, vocab: in
     with torch.device("cuda"):
         model = Qwen3_5MoeForCausalLM._from_config(hf_config, dtype=torch.bfloat16).eval()
     synthetic.fill_torch_model(model)
+    # The synthetic config has no end-of-sequence token (eos_token_id []), which generate() reads
+    # as a pad token and indexes: neither stops nor pads here.
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
     log(f"transformers model ready in {load_s:.1f}s")
@@ -391,6 +395,7 @@ def compare_transformers(result: dict[str, Any], config: dict[str, Any], rng: np
         hf = run_transformers(config, rng, vocab)
     except Exception as err:  # the comparison is optional; record why it is missing
         result["notes"].append(f"transformers comparison failed: {type(err).__name__}: {err}"[:400])
+        traceback.print_exc()  # where, in the log: the note has room for the message only
         return
     result["transformers"] = hf
     result["speedup_vs_transformers"] = {

@@ -23,6 +23,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +248,7 @@ def run_parts(args: argparse.Namespace, spec: Any, result: dict[str, Any], start
             failed += 1
             result["notes"].append(f"{part} failed: {type(err).__name__}: {err}"[:400])
             log(result["notes"][-1])
+            traceback.print_exc()  # where, in the log: the note has room for the message only
         result["seconds"] = time.perf_counter() - started
         write(args.out, result)
     return 1 if failed else 0

@@ -784,6 +784,9 @@ def test_closing_or_dropping_a_model_frees_its_device_memory(tiny_checkpoints: d
         llm.generate([1, 2], max_tokens=2)
 
 
+DRIVER_PAGE_BYTES = 2 << 20
+
+
 def live_bytes(pool: Any) -> int:
     """Pool bytes held by live tensors: allocated, less the blocks it keeps for reuse or has yet
     to free (a loader's upload temporaries end there)."""
@@ -907,15 +910,20 @@ def test_gpu_footprint_matches_the_device(tmp_path: Path, rng: np.random.Generat
     estimate = device_footprint(spec, checkpoint, run)
     pool, driver = backend.rt.pool, backend.rt.driver
     gc.collect()  # earlier tests' device tensors are released before the free memory is read
+    pool.trim()
     live_before, free_before = live_bytes(pool), driver.mem_get_info()[0]
+    reusable = pool.allocated_bytes - live_before  # small blocks earlier tests gave back: no new cuMemAlloc
     engine = Engine(spec, checkpoint, backend, run.max_seq_len, kv_cache=run.kv_cache)
     backend.rt.synchronize()
     live = live_bytes(pool) - live_before
     expected = estimate.weights + estimate.kv_cache + estimate.states
     dropped = free_before - driver.mem_get_info()[0]
-    print(f"{method}: live {live} B, estimated {expected} B, pool {pool.allocated_bytes} B, free dropped {dropped} B")
+    print(f"{method}: live {live} B, estimated {expected} B, pool {pool.allocated_bytes} B, reusable {reusable} B, "
+          f"free dropped {dropped} B")
     assert live <= expected <= live * 1.01
-    assert dropped >= live
+    # The driver hands small allocations out of 2 MiB pages it may already hold (seen on an H200:
+    # nvfp4's 1.7 MB demo dropped the free memory by 0 after the bf16 and fp8 runs).
+    assert dropped >= live - reusable - DRIVER_PAGE_BYTES
     del engine
 
 

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+pytest.importorskip("starlette", reason="the server's stack is an atlas dependency: pip install .")
+
 from atlas import LLM
 from atlas.demo import DEMO_NAME
 from atlas.server.app import ServerState, create_app
