@@ -217,18 +217,29 @@ class FakeDriver:
         else:
             op()
 
+    def _check_live(self, ptr: int, nbytes: int, what: str) -> None:
+        """As the real driver: a range outside every live allocation is refused when the call is
+        made (this heap never reuses an address, so a freed range would otherwise still read right)."""
+        if not any(base <= ptr and ptr + nbytes <= base + size for base, size in self.allocs.items()):
+            raise CudaError(f"{what} failed: CUDA_ERROR_INVALID_VALUE ({nbytes} B at {ptr:#x} is not allocated)")
+
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any) -> None:
         assert not self.capturing
+        self._check_live(dst, nbytes, "cuMemcpyHtoDAsync")
         ctypes.memmove(dst, src_host, nbytes)
 
     def memcpy_dtoh(self, dst_host: int, src: int, nbytes: int, stream: Any) -> None:
         assert not self.capturing
+        self._check_live(src, nbytes, "cuMemcpyDtoHAsync")
         ctypes.memmove(dst_host, src, nbytes)
 
     def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self._check_live(dst, nbytes, "cuMemcpyDtoDAsync")
+        self._check_live(src, nbytes, "cuMemcpyDtoDAsync")
         self._op(lambda: ctypes.memmove(dst, src, nbytes))
 
     def memset_d8(self, dst: int, value: int, nbytes: int, stream: Any) -> None:
+        self._check_live(dst, nbytes, "cuMemsetD8Async")
         self._op(lambda: ctypes.memset(dst, value, nbytes))
 
     def launch(self, launch: LaunchArgs) -> None:
@@ -426,6 +437,27 @@ def test_decode_graph_captures_once_and_feeds_inputs(rng: np.random.Generator) -
     assert graphed.captures == 1
     assert driver.graph_launches == len(tokens)
     assert len(driver.launches) == len(tokens)
+
+
+def test_decode_graph_takes_arena_ids_before_its_capture_folds_the_arena(rng: np.random.Generator) -> None:
+    """The first decode step's ids are the prefill's argmax, in the step arena. Capturing starts a
+    step, which frees the arena's blocks when the prefill grew it past one; the ids must be in the
+    graph's own buffer before that, and not be read again after (seen on an H200, bench/quant.py's
+    fp8 and nvfp4 decode: cuMemcpyDtoDAsync CUDA_ERROR_INVALID_VALUE)."""
+    rt, driver = make_runtime(arena_bytes=1 << 20)
+    token = int(rng.integers(0, 50000))
+    rt.reset_step()
+    for _ in range(2):
+        rt.empty((int(rng.integers(300_000, 500_000)),), "f32")  # a prefill's scratch, past one block
+    ids = rt.empty((1,), "i32")  # [1] its argmax
+    rt.write(ids, np.array([token], dtype=np.int32))
+    assert len(rt.arena.spans()) > 1
+    graphed = GraphedDecodeStep(rt, _fake_step(rt))
+    out = graphed(ids, np.zeros(1, dtype=np.int32))
+    assert len(rt.arena.spans()) == 1 and graphed.captures == 1
+    assert int(rt.read(out)[0]) == token
+    again = graphed(out, np.ones(1, dtype=np.int32))  # replayed on its own output: no new capture
+    assert int(rt.read(again)[0]) == token and graphed.captures == 1
 
 
 def test_a_closed_runtime_gives_back_its_graphs_stream_and_module(rng: np.random.Generator) -> None:

@@ -42,9 +42,11 @@ class GraphedDecodeStep:
         graph = self._graph
         if graph is None or not self._fits(graph, ids, positions):
             self._drop()
+            # It feeds its buffers itself: `ids` may be in an arena block its step start frees.
             graph = self._capture(ids, positions)
-        self._feed(graph.ids, ids)
-        self._feed(graph.positions, positions)
+        else:
+            self._feed(graph.ids, ids)
+            self._feed(graph.positions, positions)
         self.rt.arena.rewind(graph.arena_mark)
         self.rt.driver.graph_launch(graph.exec_handle, self.rt.stream)
         return graph.output
