@@ -3,7 +3,7 @@ weights made on the device (no checkpoint), batch 1, against transformers bf16 w
 weights on the same GPU.
 
     python bench/decode.py --out results.json [--budget-s 150] [--skip-transformers] [--prefill-only]
-                           [--layers 40]
+                           [--decode-only] [--marginal-only] [--layers 40]
 
 Reports prefill tok/s (512 and 2048 prompt tokens), decode tok/s (256 tokens after a 1024-token
 prompt, greedy, the token id read back every step as a real generation does), bytes read per
@@ -15,6 +15,8 @@ first, then the others on the same loaded model), and one layer's prefill attent
 level and form (bench/kv_prefill.py); no decode and no transformers.
 --decode-only: decode tok/s alone (no prefill timing, no transformers); the device check runs it
 again with ATLAS_DELTANET_DECODE=fused to set the fused DeltaNet decode kernel against the default.
+--marginal-only: each decode kernel's cost inside the replayed graph (bench/step_marginal.py: the
+step with one kernel's launches doubled, against the plain one), nothing else.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cli  # noqa: E402
 import kv_prefill  # noqa: E402
+import step_marginal  # noqa: E402
 import step_profile  # noqa: E402
 import synthetic  # noqa: E402
 from provenance import git_commit  # noqa: E402
@@ -216,20 +219,42 @@ def time_prefill(engine: Any, prompt: list[int]) -> dict[str, float]:
     return prefill
 
 
-def run_prefill_forms(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
-    """Prefill tok/s with each prefill attention form on one loaded model (the backend's own form,
-    from ATLAS_PREFILL_ATTENTION, first)."""
-    from atlas.backends.base import SamplingParams
-    from atlas.backends.cuda.ops_dense import PREFILL_ATTENTION_FORMS
+def load_engine(spec: Any, max_seq_len: int) -> tuple[Any, Any, float]:
+    """(backend, engine, seconds) for the synthetic checkpoint of `spec` on the GPU."""
     from atlas.engine import Engine
 
     checkpoint = synthetic.SyntheticCheckpoint(synthetic.text_plan(spec))
     backend = make_bench_backend(checkpoint)
     log(f"atlas on {backend.describe()}; loading {spec.num_hidden_layers} synthetic layers")
     t0 = time.perf_counter()
-    engine = Engine(spec, checkpoint, backend, max_seq_len=max(PREFILL_LENGTHS) + 8)
+    engine = Engine(spec, checkpoint, backend, max_seq_len=max_seq_len)
     backend.rt.synchronize()
-    result: dict[str, Any] = {"device": backend.describe(), "load_s": time.perf_counter() - t0,
+    return backend, engine, time.perf_counter() - t0
+
+
+def run_marginal(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
+    """Each decode kernel's cost inside the replayed graph (bench/step_marginal.py), at the
+    decode benchmark's context."""
+    from atlas.backends.base import SamplingParams
+
+    backend, engine, load_s = load_engine(spec, DECODE_CONTEXT + step_marginal.STEPS + 8)
+    prompt = rng.integers(0, spec.vocab_size, size=DECODE_CONTEXT).tolist()
+    engine.generate(prompt[:WARMUP_TOKENS], 4, SamplingParams(), None, set())  # warm-up: module, graph capture
+    token = backend.upload(np.array([prompt[0]], dtype=np.int32), "i32")
+    marginal = step_marginal.marginal_costs(engine, prompt, token, time_decode)
+    log(step_marginal.summary_line(marginal))
+    return {"device": backend.describe(), "load_s": load_s, "decode_context": DECODE_CONTEXT,
+            "decode_marginal": marginal}
+
+
+def run_prefill_forms(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
+    """Prefill tok/s with each prefill attention form on one loaded model (the backend's own form,
+    from ATLAS_PREFILL_ATTENTION, first)."""
+    from atlas.backends.base import SamplingParams
+    from atlas.backends.cuda.ops_dense import PREFILL_ATTENTION_FORMS
+
+    backend, engine, load_s = load_engine(spec, max(PREFILL_LENGTHS) + 8)
+    result: dict[str, Any] = {"device": backend.describe(), "load_s": load_s,
                               "prefill_attention": backend.prefill_attention, "gemm": backend.gemm_form,
                               "prefill_tok_s_by_form": {}}
     prompt = rng.integers(0, spec.vocab_size, size=max(PREFILL_LENGTHS)).tolist()
@@ -251,16 +276,9 @@ def run_prefill_forms(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
 
 def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -> tuple[AtlasRun, float, str]:
     from atlas.backends.base import SamplingParams
-    from atlas.engine import Engine
 
-    checkpoint = synthetic.SyntheticCheckpoint(synthetic.text_plan(spec))
-    backend = make_bench_backend(checkpoint)
+    backend, engine, load_s = load_engine(spec, max(PREFILL_LENGTHS) + DECODE_TOKENS + 8)
     device = backend.describe()
-    log(f"atlas on {device}; loading {spec.num_hidden_layers} synthetic layers")
-    t0 = time.perf_counter()
-    engine = Engine(spec, checkpoint, backend, max_seq_len=max(PREFILL_LENGTHS) + DECODE_TOKENS + 8)
-    backend.rt.synchronize()
-    load_s = time.perf_counter() - t0
     log(f"loaded in {load_s:.1f}s; copy bandwidth")
     copy_bps = copy_bandwidth(backend.rt)
     prompt = rng.integers(0, spec.vocab_size, size=max(PREFILL_LENGTHS)).tolist()
@@ -364,6 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="decode tok/s only (no prefill timing, no transformers)")
     parser.add_argument("--prefill-only", action="store_true",
                         help="prefill tok/s per prefill attention form only (no decode, no transformers)")
+    parser.add_argument("--marginal-only", action="store_true",
+                        help="each decode kernel's cost inside the replayed graph only (bench/step_marginal.py)")
     args = parser.parse_args(argv)
     if args.layers < 1:
         raise AtlasError(f"--layers {args.layers}: give at least 1 layer")
@@ -434,12 +454,17 @@ def run(args: argparse.Namespace) -> int:
                               "machine": machine(), "model": synthetic.model_label(args.layers),
                               "batch": 1, "notes": [], "kernel_forms": kernel_forms()}
     try:
-        result.update(run_prefill_forms(spec, rng) if args.prefill_only else atlas_result(spec, rng, args.decode_only))
+        if args.marginal_only:
+            result.update(run_marginal(spec, rng))
+        else:
+            result.update(run_prefill_forms(spec, rng) if args.prefill_only else atlas_result(spec, rng, args.decode_only))
     except (AtlasError, ImportError, OSError):
         if (missing := bench_cli.gpu_missing()) is not None:  # atlas finds no driver, binding or GPU
             raise bench_cli.NoGpu(missing) from None
         raise
-    if args.prefill_only:
+    if args.marginal_only:
+        shown = ("decode_context",)
+    elif args.prefill_only:
         shown = ("prefill_attention", "prefill_tok_s_by_form")
     else:
         spent = time.perf_counter() - started

@@ -18,6 +18,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import kv_prefill  # noqa: E402  (its summary line)
+import step_marginal  # noqa: E402  (its summary line)
 import step_profile  # noqa: E402  (its summary line)
 
 LISTED_FAILURES = 8  # per junit file: three files of them stay inside the call's 12,000-character output tail
@@ -67,6 +68,8 @@ def variant_lines(r: dict[str, Any]) -> list[str]:
                      f"{d['decode_tok_s']:.1f} tok/s, roofline {d['roofline_pct']:.1f}%")
         if "decode_profile" in d:
             lines.append(f"fused {step_profile.summary_line(d['decode_profile'])}")
+    if "marginal" in r and "decode_marginal" in r["marginal"]:
+        lines.append(step_marginal.summary_line(r["marginal"]["decode_marginal"]))
     if "mma_prefill" in r:
         lines.append(f"prefill tok/s by attention form: {json.dumps(r['mma_prefill'].get('prefill_tok_s_by_form'))}")
         if "prefill_attention_by_level" in r["mma_prefill"]:

@@ -1,0 +1,88 @@
+"""bench/step_marginal.py on a stand-in engine whose step launches kernels of known cost: each
+kernel's doubled step adds exactly its cost times its launches, the census counts one eager
+step, and the runtime's own launch is back afterwards."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import step_marginal  # noqa: E402
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self.issued: list[str] = []
+
+    def launch(self, kernel: str, grid: Any, block: Any, params: Any, smem: int = 0) -> None:
+        self.issued.append(kernel)
+
+    def synchronize(self) -> None:
+        pass
+
+
+class Backend:
+    def __init__(self) -> None:
+        self.rt = Runtime()
+
+
+class Engine:
+    """A decode step of `plan` (kernel -> launches), in a fixed interleaved order."""
+
+    def __init__(self, plan: dict[str, int]) -> None:
+        self.backend = Backend()
+        self.order = [k for round_ in range(max(plan.values())) for k, n in plan.items() if round_ < n]
+        self.resets = 0
+
+    def step(self) -> None:
+        for kernel in self.order:
+            self.backend.rt.launch(kernel, (1, 1, 1), (32, 1, 1), None)
+
+    def eager_decode(self, token: Any, position: int) -> None:
+        self.step()
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+def timer(costs: dict[str, float], floor_us: float) -> step_marginal.TimeDecode:
+    """time_decode's stand-in: one step is captured (launched once through rt.launch) and priced."""
+
+    def time_decode(engine: Any, prompt: list[int], tokens: int) -> tuple[float, int]:
+        rt = engine.backend.rt
+        rt.issued.clear()
+        engine.step()
+        step = floor_us + sum(costs[k] for k in rt.issued)
+        return 1e6 / step, tokens - 1
+
+    return time_decode
+
+
+def test_each_kernel_costs_what_doubling_it_adds(rng: np.random.Generator) -> None:
+    names = [f"atlas_k{i}" for i in range(int(rng.integers(3, 8)))]
+    plan = {k: int(rng.integers(1, 41)) for k in names}
+    costs = {k: float(rng.uniform(0.5, 30)) for k in names}
+    floor_us = float(rng.uniform(10, 200))
+    engine = Engine(plan)
+    plain_launch = Runtime.launch
+    result = step_marginal.marginal_costs(engine, list(range(5)), object(), timer(costs, floor_us))
+    assert engine.backend.rt.launch.__func__ is plain_launch  # the wrappers are gone
+    kernels = result["kernels"]
+    assert {k: v["launches"] for k, v in kernels.items()} == plan
+    for kernel, row in kernels.items():
+        assert row["us"] == pytest.approx(costs[kernel] * plan[kernel], abs=0.01)
+        assert row["us_per_launch"] == pytest.approx(costs[kernel], abs=0.01)
+    assert list(kernels) == sorted(kernels, key=lambda k: -kernels[k]["us"])
+    step = floor_us + sum(costs[k] * n for k, n in plan.items())
+    assert result["step_us"] == pytest.approx(step) and result["step_us_again"] == pytest.approx(step)
+    assert result["launches_per_step"] == sum(plan.values())
+    assert result["outside_kernels_us"] == pytest.approx(floor_us, abs=0.01 * len(names))
+    assert engine.resets == len(names) + 3  # each variant captured afresh, and reset once more at the end
+    line = step_marginal.summary_line(result)
+    assert line.startswith(f"in-graph cost: step {step:.0f} us") and max(kernels, key=lambda k: kernels[k]["us"]) in line
