@@ -338,10 +338,10 @@ def test_wrapper_geometry_mirrors_the_header() -> None:
 
 def test_prefill_form_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ops_dense.PREFILL_ATTENTION_ENV, raising=False)
-    assert ops_dense.prefill_attention_form() == "simt"
-    monkeypatch.setenv(ops_dense.PREFILL_ATTENTION_ENV, "mma")
     assert ops_dense.prefill_attention_form() == "mma"
-    assert ops_dense.prefill_attention_form("simt") == "simt"
+    monkeypatch.setenv(ops_dense.PREFILL_ATTENTION_ENV, "simt")
+    assert ops_dense.prefill_attention_form() == "simt"
+    assert ops_dense.prefill_attention_form("mma") == "mma"
     monkeypatch.setenv(ops_dense.PREFILL_ATTENTION_ENV, "flash")
     with pytest.raises(AtlasError, match="ATLAS_PREFILL_ATTENTION='flash'.*'mma'"):
         ops_dense.prefill_attention_form()

@@ -44,7 +44,7 @@ class CudaBackend:
         `delta_net` and `attention_prep` "separate" | "fused" the same way (ATLAS_DELTANET_DECODE,
         ATLAS_ATTENTION_PREP)."""
         self.rt = rt
-        self.prefill_attention = ops_dense.prefill_attention_form()  # ATLAS_PREFILL_ATTENTION: "simt" | "mma"
+        self.prefill_attention = ops_dense.prefill_attention_form()  # ATLAS_PREFILL_ATTENTION: "mma" | "simt"
         self.gemm_form = ops_dense.gemm_form(rt)  # ATLAS_GEMM: "mma" | "wgmma" (h200 only)
         self.router_form = ops_linear_moe.router_form(router)
         fused = self.router_form == "fused"
