@@ -63,8 +63,8 @@ ATTN_MMA_ROWS = 64  # attention_mma.cuh kMmaAttnRows: 4 warps x 16 rows
 ATTN_MMA_THREADS = 128  # kMmaAttnThreads
 ATTN_MMA_KEYS = 32  # kMmaAttnKeys
 ATTN_MMA_PAD = 8  # kMmaAttnPad (bf16 per smem row)
-# Prefill attention for T > ATTN_DECODE_MAX_TOKENS: "mma" (default: tensor cores, the default since
-# an H200 confirmed it, 2026-12-04: 184 against 1825 us per Qwen3.6 layer at 2048 tokens) or "simt"
+# Prefill attention for T > ATTN_DECODE_MAX_TOKENS: "mma" (tensor cores; the default since an H200
+# confirmed it, 2026-12-04: 184 against 1825 us per Qwen3.6 layer at 2048 tokens) or "simt"
 # (atlas_attention_prefill, f32 FMA).
 PREFILL_ATTENTION_ENV = "ATLAS_PREFILL_ATTENTION"
 PREFILL_ATTENTION_FORMS = ("mma", "simt")
