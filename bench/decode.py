@@ -9,9 +9,10 @@ Reports prefill tok/s (512 and 2048 prompt tokens), decode tok/s (256 tokens aft
 prompt, greedy, the token id read back every step as a real generation does), bytes read per
 decode token, achieved GB/s and its share of the device-to-device copy bandwidth measured here,
 where a decode step's time goes (bench/step_profile.py: device time by kernel beside the
-replayed step's), and decode with the other launch form (plain / programmatic dependent launch).
+replayed step's), each token-pick kernel alone (bench/pick_ops.py), and decode with the other
+launch form (plain / programmatic dependent launch).
 --prefill-only: prefill tok/s alone, once per prefill attention form (ATLAS_PREFILL_ATTENTION's
-first, then the others on the same loaded model), and one layer's prefill attention per KV cache
+first, then the others on the same loaded model) and once per gated delta rule form, and one layer's prefill attention per KV cache
 level and form (bench/kv_prefill.py); no decode and no transformers.
 --decode-only: decode tok/s alone (no prefill timing, no transformers); the device check runs it
 again with ATLAS_DELTANET_DECODE=fused to set the fused DeltaNet decode kernel against the default.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -39,6 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cli  # noqa: E402
 import kv_prefill  # noqa: E402
+import pick_ops  # noqa: E402
 import step_marginal  # noqa: E402
 import step_profile  # noqa: E402
 import synthetic  # noqa: E402
@@ -151,6 +154,7 @@ class AtlasRun:
     decode_sampled_tok_s: float  # with RECOMMENDED_SAMPLING, over SAMPLED_TOKENS
     decode_profile: dict[str, Any]  # step_profile.profile_decode: device time by kernel
     decode_by_launch: dict[str, Any]  # time_launch_forms: plain vs programmatic dependent launch
+    pick_ops_us: dict[str, float]  # pick_ops.time_pick_ops: each pick kernel alone
 
 
 def time_decode(engine: Any, prompt: list[int], tokens: int, sampling: Any = None) -> tuple[float, int]:
@@ -247,6 +251,28 @@ def run_marginal(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
             "decode_marginal": marginal}
 
 
+def time_delta_rule_forms(engine: Any, prompt: list[int]) -> dict[str, dict[str, float]]:
+    """Prefill tok/s per gated delta rule form (ATLAS_DELTA_RULE, which the backend reads per
+    prompt), with the backend's own attention form; the variable is restored afterwards."""
+    from atlas.backends.base import SamplingParams
+    from atlas.backends.cuda.ops_linear_moe import DELTA_RULE_ENV, DELTA_RULE_SWITCH
+
+    own = os.environ.get(DELTA_RULE_ENV)
+    rates = {}
+    try:
+        for form in DELTA_RULE_SWITCH.forms:
+            os.environ[DELTA_RULE_ENV] = form
+            log(f"delta rule {form}")
+            engine.generate(prompt[:WARMUP_TOKENS], 1, SamplingParams(), None, set())  # warm-up: the form's kernels
+            rates[form] = time_prefill(engine, prompt)
+    finally:
+        if own is None:
+            os.environ.pop(DELTA_RULE_ENV, None)
+        else:
+            os.environ[DELTA_RULE_ENV] = own
+    return rates
+
+
 def run_prefill_forms(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
     """Prefill tok/s with each prefill attention form on one loaded model (the backend's own form,
     from ATLAS_PREFILL_ATTENTION, first)."""
@@ -266,6 +292,7 @@ def run_prefill_forms(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
         result["prefill_tok_s_by_form"][form] = time_prefill(engine, prompt)
     backend.prefill_attention = own
     result["prefill_tok_s"] = result["prefill_tok_s_by_form"][own]
+    result["prefill_tok_s_by_delta_rule"] = time_delta_rule_forms(engine, prompt)
     try:
         result["prefill_attention_by_level"] = kv_prefill.time_levels(backend, spec, rng)
         log(kv_prefill.summary_line(result["prefill_attention_by_level"]))
@@ -288,6 +315,8 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     log(f"decode at {DECODE_CONTEXT} context: {decode:.1f} tok/s over {steps} steps")
     sampled, _ = time_decode(engine, prompt[:DECODE_CONTEXT], SAMPLED_TOKENS, SamplingParams(**RECOMMENDED_SAMPLING))
     log(f"sampled decode (Qwen's recommended settings, penalties on the device): {sampled:.1f} tok/s")
+    pick_us = pick_ops.time_pick_ops(backend, spec.vocab_size, RECOMMENDED_SAMPLING, rng)
+    log(pick_ops.summary_line(pick_us))
     by_launch = time_launch_forms(engine, prompt[:DECODE_CONTEXT], decode)
     token = backend.upload(np.array([prompt[0]], dtype=np.int32), "i32")
     profile = step_profile.profile_decode(engine, token, DECODE_CONTEXT + SAMPLED_TOKENS, 1e6 / decode)
@@ -297,7 +326,7 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     gc.collect()
     backend.rt.pool.trim()
     backend.rt.arena.release()  # transformers needs the memory next
-    return AtlasRun(prefill, decode, steps, load_s, sampled, profile, by_launch), copy_bps, device
+    return AtlasRun(prefill, decode, steps, load_s, sampled, profile, by_launch, pick_us), copy_bps, device
 
 
 def run_transformers(config: dict[str, Any], rng: np.random.Generator, vocab: int) -> dict[str, Any]:
@@ -403,6 +432,7 @@ def atlas_result(spec: Any, rng: np.random.Generator, decode_only: bool) -> dict
         "prefill_tok_s": atlas_run.prefill_tok_s, "decode_tok_s": atlas_run.decode_tok_s,
         "decode_tokens": atlas_run.decode_tokens, "decode_context": DECODE_CONTEXT,
         "decode_sampled_tok_s": atlas_run.decode_sampled_tok_s, "decode_sampled": RECOMMENDED_SAMPLING,
+        "pick_ops_us": atlas_run.pick_ops_us,
         "decode_profile": atlas_run.decode_profile, "decode_tok_s_by_launch": atlas_run.decode_by_launch,
         "decode_bytes_per_token": bytes_per_token, "decode_gb_s": achieved / 1e9,
         "copy_gb_s": copy_bps / 1e9, "roofline_pct": 100 * achieved / copy_bps,

@@ -23,7 +23,8 @@ import step_profile  # noqa: E402  (its summary line)
 
 LISTED_FAILURES = 8  # per junit file: three files of them stay inside the call's 12,000-character output tail
 MESSAGE_CHARS = 160
-RESULT_KEYS = ("prefill_tok_s", "decode_tok_s", "decode_tok_s_by_launch", "decode_sampled_tok_s", "decode_bytes_per_token",
+RESULT_KEYS = ("prefill_tok_s", "decode_tok_s", "decode_tok_s_by_launch", "decode_sampled_tok_s", "pick_ops_us",
+               "decode_bytes_per_token",
                "decode_gb_s", "copy_gb_s",
                "roofline_pct", "transformers", "speedup_vs_transformers", "notes")
 
@@ -72,6 +73,8 @@ def variant_lines(r: dict[str, Any]) -> list[str]:
         lines.append(step_marginal.summary_line(r["marginal"]["decode_marginal"]))
     if "mma_prefill" in r:
         lines.append(f"prefill tok/s by attention form: {json.dumps(r['mma_prefill'].get('prefill_tok_s_by_form'))}")
+        if "prefill_tok_s_by_delta_rule" in r["mma_prefill"]:
+            lines.append(f"prefill tok/s by delta rule form: {json.dumps(r['mma_prefill']['prefill_tok_s_by_delta_rule'])}")
         if "prefill_attention_by_level" in r["mma_prefill"]:
             lines.append(kv_prefill.summary_line(r["mma_prefill"]["prefill_attention_by_level"]))
     return lines

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import decode as bench_decode  # noqa: E402
 import kv_prefill  # noqa: E402
+import pick_ops  # noqa: E402
 import device_summary  # noqa: E402
 import quant as bench_quant  # noqa: E402
 import quant_moe  # noqa: E402
@@ -48,6 +50,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
                         ("SAMPLED_TOKENS", 3), ("WARMUP_TOKENS", 4), ("COPY_BYTES", 1 << 20)):
         monkeypatch.setattr(bench_decode, name, value)
     monkeypatch.setattr(step_profile, "QUEUE_BYTES", 1 << 16)
+    monkeypatch.setattr(pick_ops, "REPEATS", 1)
     monkeypatch.setattr(bench_decode, "LAUNCH_CHECK_TOKENS", 3)
     monkeypatch.setattr(bench_quant, "MOE_TOKENS", 4)
     monkeypatch.setattr(kv_prefill, "PROMPT_TOKENS", 8)
@@ -88,6 +91,7 @@ def check_launch_and_profile(r: dict[str, Any]) -> None:
     assert profile["launches_per_step"] == sum(k["launches"] for k in kernels.values()) >= 4 * 8  # 4 layers
     assert profile["kernel_us_per_step"] > 0
     assert list(kernels) == sorted(kernels, key=lambda k: -kernels[k]["us"])
+    assert_rates(r["pick_ops_us"], {"argmax", "penalize", "sample", "count_token"})
 
 
 def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -118,6 +122,10 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
     assert set(prefill["prefill_tok_s_by_form"]) == {"mma", "simt"}
     for rates in prefill["prefill_tok_s_by_form"].values():
         assert_rates(rates, {"4", "8"})
+    assert set(prefill["prefill_tok_s_by_delta_rule"]) == {"recurrent", "chunked"}
+    for rates in prefill["prefill_tok_s_by_delta_rule"].values():
+        assert_rates(rates, {"4", "8"})
+    assert "ATLAS_DELTA_RULE" not in os.environ  # restored
     by_level = prefill["prefill_attention_by_level"]
     assert by_level["prompt_tokens"] == 8
     assert list(by_level["us_by_level"]) == ["bf16", "fp8", "nvfp4", "turbo8", "turbo4", "turbo3"]
@@ -127,9 +135,9 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
     device_summary.merge_variants(variants, out / "variants.json")
     lines = "\n".join(device_summary.report(out))
     assert "unreadable" not in lines, lines
-    for expected in ("decode_tok_s: ", "decode_sampled_tok_s: ", "roofline_pct: ", "copy_gb_s: ", "fused decode (fused DeltaNet, fused router, fused attention prep): ",
+    for expected in ("decode_tok_s: ", "decode_sampled_tok_s: ", 'pick_ops_us: {"argmax": ', "roofline_pct: ", "copy_gb_s: ", "fused decode (fused DeltaNet, fused router, fused attention prep): ",
                      "decode step: ", "fused decode step: ",
-                     'prefill tok/s by attention form: {"mma": ', "prefill attention us per layer at 8 tokens: bf16 simt "):
+                     'prefill tok/s by attention form: {"mma": ', 'prefill tok/s by delta rule form: {"recurrent": ', "prefill attention us per layer at 8 tokens: bf16 mma "):
         assert expected in lines, lines
 
 

@@ -72,3 +72,17 @@ def test_variants_merge_by_stem(tmp_path: Path) -> None:
 def test_usage_error_exits_2(capsys) -> None:
     assert device_summary.main(["report"]) == 2
     assert capsys.readouterr().err.startswith("usage: device_summary.py")
+
+
+def test_marginal_and_delta_rule_variants_get_their_lines(rng: np.random.Generator) -> None:
+    kernels = {f"atlas_k{i}": {"launches": int(rng.integers(1, 41)), "us": float(rng.uniform(1, 900))} for i in range(3)}
+    for row in kernels.values():
+        row["us_per_launch"] = row["us"] / row["launches"]
+    step = float(rng.uniform(2000, 4000))
+    marginal = {"step_us": step, "step_us_again": step + 3, "launches_per_step": sum(k["launches"] for k in kernels.values()),
+                "kernel_us_sum": sum(k["us"] for k in kernels.values()), "outside_kernels_us": 100.0, "kernels": kernels}
+    rule = {"recurrent": {"512": float(rng.uniform(1e3, 1e4))}, "chunked": {"512": float(rng.uniform(1e3, 1e4))}}
+    lines = device_summary.variant_lines({"marginal": {"decode_marginal": marginal},
+                                          "mma_prefill": {"prefill_tok_s_by_form": {}, "prefill_tok_s_by_delta_rule": rule}})
+    assert lines[0].startswith(f"in-graph cost: step {step:.0f} us") and all(k in lines[0] for k in kernels)
+    assert lines[-1] == f"prefill tok/s by delta rule form: {json.dumps(rule)}"
