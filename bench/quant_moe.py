@@ -18,6 +18,7 @@ import numpy as np
 
 import synthetic
 from decode import fill_repeating
+from event_timing import median_ms
 
 REPEATS = 5
 
@@ -116,16 +117,7 @@ def per_expert_loop(backend: Any, inputs: MoeInputs, gate_up: Any, down: Any) ->
 
 def time_eager_ms(rt: Any, run: Callable[[], None]) -> float:
     """Median device time of `run` over REPEATS (after one warm-up), host launch gaps included."""
-    start, end = rt.driver.event_create(), rt.driver.event_create()
-    times = []
-    for _ in range(REPEATS + 1):
-        rt.reset_step()
-        rt.driver.event_record(start, rt.stream)
-        run()
-        rt.driver.event_record(end, rt.stream)
-        rt.driver.event_synchronize(end)
-        times.append(rt.driver.event_elapsed_ms(start, end))
-    return float(np.median(times[1:]))
+    return median_ms(rt, run, REPEATS)
 
 
 def time_graph_ms(rt: Any, run: Callable[[], None]) -> float:
@@ -143,17 +135,9 @@ def time_graph_ms(rt: Any, run: Callable[[], None]) -> float:
         rt.capturing = False
         graph = rt.driver.end_capture(rt.stream)
     try:
-        start, end = rt.driver.event_create(), rt.driver.event_create()
-        times = []
-        for _ in range(REPEATS + 1):
-            rt.driver.event_record(start, rt.stream)
-            rt.driver.graph_launch(graph, rt.stream)
-            rt.driver.event_record(end, rt.stream)
-            rt.driver.event_synchronize(end)
-            times.append(rt.driver.event_elapsed_ms(start, end))
+        return median_ms(rt, lambda: rt.driver.graph_launch(graph, rt.stream), REPEATS, reset_step=False)
     finally:
         rt.driver.graph_destroy(graph)
-    return float(np.median(times[1:]))
 
 
 def moe_weights(rt: Any, fmt: str, shape: MoeShape) -> tuple[Any, Any]:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
+
+from launch_hook import Launch, launch_hook
 
 STEPS = 128  # timed decode steps per variant (~0.5 s on an H200)
 TOP = 8  # kernels named in the summary line
@@ -19,43 +22,47 @@ TOP = 8  # kernels named in the summary line
 TimeDecode = Callable[[Any, list[int], int], tuple[float, int]]  # bench/decode.py's time_decode
 
 
-class DoubledLaunches:
-    """Wraps rt.launch for the duration: every launch of `kernel` is issued twice."""
+def doubled_launches(rt: Any, kernel: str) -> AbstractContextManager[None]:
+    """For the block: every launch of `kernel` is issued twice."""
 
-    def __init__(self, rt: Any, kernel: str) -> None:
-        self.rt, self.kernel = rt, kernel
-        self._launch = rt.launch
+    def twice(launch: Launch, name: str, *args: Any) -> None:
+        for _ in range(2 if name == kernel else 1):
+            launch(name, *args)
 
-    def __enter__(self) -> DoubledLaunches:
-        def twice(kernel: str, grid: Any, block: Any, params: Any, smem: int = 0) -> None:
-            self._launch(kernel, grid, block, params, smem)
-            if kernel == self.kernel:
-                self._launch(kernel, grid, block, params, smem)
-
-        self.rt.launch = twice
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        del self.rt.launch  # the class's method again
+    return launch_hook(rt, twice)
 
 
-def launch_census(engine: Any, token: Any, position: int) -> Counter[str]:
-    """Launches per kernel in one eager decode step from `token` (a [1] i32 device tensor)."""
-    rt = engine.backend.rt
+def weight_bytes(kernel: str, params: Any) -> int:
+    """Bytes of bf16 weights a decode launch streams (0 for the kernels that read activations,
+    states or caches alone): with the in-graph cost, the kernel's achieved bandwidth."""
+    from atlas.kernel_params import dense, linear_moe
+
+    if isinstance(params, dense.LinearParams) and kernel.startswith("atlas_gemv"):
+        return 2 * params.n * params.k
+    if isinstance(params, linear_moe.RouterParams) and kernel in ("atlas_router_logits", "atlas_router_fused"):
+        return 2 * (params.num_experts + params.shared_expert) * params.hidden
+    if isinstance(params, linear_moe.MoeGateUpGemvParams):
+        return 2 * params.num_slots * 2 * params.inter * params.hidden
+    if isinstance(params, linear_moe.MoeDownGemvParams):
+        return 2 * params.num_tokens * params.top_k * params.hidden * params.inter
+    return 0
+
+
+def launch_census(engine: Any, token: Any, position: int) -> tuple[Counter[str], Counter[str]]:
+    """Launches and weight bytes per kernel in one eager decode step from `token` (a [1] i32
+    device tensor)."""
     counts: Counter[str] = Counter()
-    launch = rt.launch
+    weights: Counter[str] = Counter()
 
-    def counted(kernel: str, grid: Any, block: Any, params: Any, smem: int = 0) -> None:
-        counts[kernel] += 1
-        launch(kernel, grid, block, params, smem)
+    def counted(launch: Launch, name: str, grid: Any, block: Any, params: Any, smem: int = 0) -> None:
+        counts[name] += 1
+        weights[name] += weight_bytes(name, params)
+        launch(name, grid, block, params, smem)
 
-    rt.launch = counted
-    try:
+    with launch_hook(engine.backend.rt, counted):
         engine.eager_decode(token, position)
-        rt.synchronize()
-    finally:
-        del rt.launch
-    return counts
+        engine.backend.rt.synchronize()
+    return counts, weights
 
 
 def step_us(engine: Any, prompt: list[int], time_decode: TimeDecode) -> float:
@@ -66,16 +73,20 @@ def step_us(engine: Any, prompt: list[int], time_decode: TimeDecode) -> float:
 
 
 def marginal_costs(engine: Any, prompt: list[int], token: Any, time_decode: TimeDecode) -> dict[str, Any]:
-    """Per kernel: launches per step and the microseconds its doubling adds to the replayed step;
-    the plain step timed before and after (their difference is the noise to read the rest by)."""
+    """Per kernel: launches per step and the microseconds its doubling adds to the replayed step
+    (and for the weight-streaming kernels their weight MB per step and GB/s at that cost); the
+    plain step timed before and after (their difference is the noise to read the rest by)."""
     rt = engine.backend.rt
-    counts = launch_census(engine, token, len(prompt))
+    counts, weights = launch_census(engine, token, len(prompt))
     base = step_us(engine, prompt, time_decode)
-    kernels = {}
+    kernels: dict[str, dict[str, Any]] = {}
     for kernel, launches in counts.items():
-        with DoubledLaunches(rt, kernel):
+        with doubled_launches(rt, kernel):
             added = step_us(engine, prompt, time_decode) - base
         kernels[kernel] = {"launches": launches, "us": round(added, 2), "us_per_launch": round(added / launches, 3)}
+        if weights[kernel]:
+            kernels[kernel]["weight_mb"] = round(weights[kernel] / 1e6, 3)
+            kernels[kernel]["gb_s"] = round(weights[kernel] / 1e3 / added, 1) if added > 0 else None
     again = step_us(engine, prompt, time_decode)
     engine.reset()
     summed = sum(k["us"] for k in kernels.values())
@@ -84,8 +95,13 @@ def marginal_costs(engine: Any, prompt: list[int], token: Any, time_decode: Time
             "kernels": dict(sorted(kernels.items(), key=lambda item: -item[1]["us"]))}
 
 
+def kernel_cost(name: str, row: dict[str, Any]) -> str:
+    rate = f", {row['gb_s']:.0f} GB/s" if row.get("gb_s") else ""
+    return f"{name} {row['us']:.0f} ({row['us_per_launch']:.1f}/launch{rate})"
+
+
 def summary_line(marginal: dict[str, Any]) -> str:
-    top = ", ".join(f"{k} {v['us']:.0f} ({v['us_per_launch']:.1f}/launch)" for k, v in list(marginal["kernels"].items())[:TOP])
+    top = ", ".join(kernel_cost(k, v) for k, v in list(marginal["kernels"].items())[:TOP])
     return (f"in-graph cost: step {marginal['step_us']:.0f} us (again {marginal['step_us_again']:.0f}), "
             f"{marginal['launches_per_step']} launches, kernels {marginal['kernel_us_sum']:.0f} us, "
             f"outside {marginal['outside_kernels_us']:.0f} us; by kernel (us): {top}")

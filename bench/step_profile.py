@@ -12,35 +12,28 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from launch_hook import Launch, launch_hook
+
 STEPS = 3
 QUEUE_COPIES = 16  # back-to-back copies of QUEUE_BYTES: ~7 ms on an H200, longer than enqueuing a step
 QUEUE_BYTES = 1 << 30
 TOP = 8  # kernels named in the summary line
 
 
-class TimedLaunches:
-    """Wraps rt.launch for the duration: an event before and after every launch."""
+class LaunchTimes:
+    """An event pair around every launch passed through `hook` (with launch_hook)."""
 
     def __init__(self, rt: Any) -> None:
         self.rt = rt
         self.records: list[tuple[str, Any, Any]] = []
-        self._launch = rt.launch
 
-    def __enter__(self) -> TimedLaunches:
+    def hook(self, launch: Launch, kernel: str, *args: Any) -> None:
         driver, stream = self.rt.driver, self.rt.stream
-
-        def timed(kernel: str, grid: Any, block: Any, params: Any, smem: int = 0) -> None:
-            start, end = driver.event_create(), driver.event_create()
-            driver.event_record(start, stream)
-            self._launch(kernel, grid, block, params, smem)
-            driver.event_record(end, stream)
-            self.records.append((kernel, start, end))
-
-        self.rt.launch = timed
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        del self.rt.launch  # the class's method again
+        start, end = driver.event_create(), driver.event_create()
+        driver.event_record(start, stream)
+        launch(kernel, *args)
+        driver.event_record(end, stream)
+        self.records.append((kernel, start, end))
 
     def by_kernel(self, steps: int) -> dict[str, dict[str, float]]:
         """kernel -> launches and device microseconds per step, the slowest first."""
@@ -67,7 +60,8 @@ def profile_decode(engine: Any, token: Any, position: int, graph_step_us: float)
     rt = engine.backend.rt
     scratch = (rt.persistent((QUEUE_BYTES // 4,), "f32"), rt.persistent((QUEUE_BYTES // 4,), "f32"))
     rt.memset_zero(scratch[0])
-    with TimedLaunches(rt) as timed:
+    timed = LaunchTimes(rt)
+    with launch_hook(rt, timed.hook):
         for step in range(STEPS):
             queue_ahead(rt, scratch, QUEUE_COPIES)
             engine.eager_decode(token, position + step)

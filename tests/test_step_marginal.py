@@ -35,14 +35,15 @@ class Backend:
 class Engine:
     """A decode step of `plan` (kernel -> launches), in a fixed interleaved order."""
 
-    def __init__(self, plan: dict[str, int]) -> None:
+    def __init__(self, plan: dict[str, int], params: dict[str, Any] | None = None) -> None:
         self.backend = Backend()
         self.order = [k for round_ in range(max(plan.values())) for k, n in plan.items() if round_ < n]
+        self.params = params or {}  # kernel -> its launches' params (None when absent)
         self.resets = 0
 
     def step(self) -> None:
         for kernel in self.order:
-            self.backend.rt.launch(kernel, (1, 1, 1), (32, 1, 1), None)
+            self.backend.rt.launch(kernel, (1, 1, 1), (32, 1, 1), self.params.get(kernel))
 
     def eager_decode(self, token: Any, position: int) -> None:
         self.step()
@@ -86,3 +87,32 @@ def test_each_kernel_costs_what_doubling_it_adds(rng: np.random.Generator) -> No
     assert engine.resets == len(names) + 3  # each variant captured afresh, and reset once more at the end
     line = step_marginal.summary_line(result)
     assert line.startswith(f"in-graph cost: step {step:.0f} us") and max(kernels, key=lambda k: kernels[k]["us"]) in line
+
+
+def test_weight_streaming_kernels_report_their_bandwidth(rng: np.random.Generator) -> None:
+    """Weight MB per step and GB/s at the in-graph cost for the GEMV, router and MoE launches
+    (bf16 bytes from their params), none for a kernel reading activations alone."""
+    from atlas.kernel_params.dense import LinearParams, RmsNormParams
+    from atlas.kernel_params.linear_moe import MoeDownGemvParams, MoeGateUpGemvParams, RouterParams
+
+    n, k, hidden, inter, experts, top_k = (int(rng.integers(1, 4000)), 8 * int(rng.integers(1, 500)),
+                                           8 * int(rng.integers(1, 300)), 8 * int(rng.integers(1, 100)),
+                                           int(rng.integers(8, 300)), int(rng.integers(1, 9)))
+    params = {"atlas_gemv_t1": LinearParams(tokens=1, n=n, k=k),
+              "atlas_router_logits": RouterParams(hidden=hidden, num_experts=experts, shared_expert=1),
+              "atlas_moe_gate_up_gemv": MoeGateUpGemvParams(num_slots=top_k + 1, hidden=hidden, inter=inter),
+              "atlas_moe_down_gemv_k9": MoeDownGemvParams(num_tokens=1, top_k=top_k + 1, hidden=hidden, inter=inter),
+              "atlas_rms_norm": RmsNormParams()}
+    bytes_per_launch = {"atlas_gemv_t1": 2 * n * k, "atlas_router_logits": 2 * (experts + 1) * hidden,
+                        "atlas_moe_gate_up_gemv": 4 * (top_k + 1) * inter * hidden,
+                        "atlas_moe_down_gemv_k9": 2 * (top_k + 1) * hidden * inter}
+    plan = {name: int(rng.integers(1, 41)) for name in params}
+    costs = {name: float(rng.uniform(0.5, 30)) for name in params}
+    result = step_marginal.marginal_costs(Engine(plan, params), [0], object(), timer(costs, 50.0))
+    for name, row in result["kernels"].items():
+        if name not in bytes_per_launch:
+            assert "gb_s" not in row and "weight_mb" not in row
+            continue
+        assert row["weight_mb"] == pytest.approx(plan[name] * bytes_per_launch[name] / 1e6, abs=1e-3)
+        assert row["gb_s"] == pytest.approx(bytes_per_launch[name] / 1e3 / costs[name], rel=1e-2)
+    assert "GB/s" in step_marginal.summary_line(result)

@@ -1,0 +1,26 @@
+"""rt.launch wrapped for the length of a `with` block, so a bench can count, double or time the
+launches of an engine's step without touching the runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+Launch = Callable[..., None]  # CudaRuntime.launch(kernel, grid, block, params, smem)
+Hook = Callable[[Launch, str, Any, Any, Any, int], None]  # (the real launch, kernel, grid, block, params, smem)
+
+
+@contextmanager
+def launch_hook(rt: Any, hook: Hook) -> Iterator[None]:
+    """Every rt.launch inside the block goes through `hook`, which issues it (or not) itself."""
+    launch = rt.launch
+
+    def hooked(kernel: str, grid: Any, block: Any, params: Any, smem: int = 0) -> None:
+        hook(launch, kernel, grid, block, params, smem)
+
+    rt.launch = hooked
+    try:
+        yield
+    finally:
+        del rt.launch  # the class's method again
