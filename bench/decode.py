@@ -391,8 +391,8 @@ def kernel_forms() -> dict[str, str]:
     from atlas.backends.cuda.runtime import LAUNCH_SWITCH
 
     switches = (ops_dense.GEMM_SWITCH, ops_dense.PREFILL_ATTENTION_SWITCH, ops_dense.ATTENTION_PREP_SWITCH,
-                ops_linear_moe.ROUTER_SWITCH,
-                ops_linear_moe.DELTA_RULE_SWITCH, ops_delta_decode.DECODE_SWITCH, LAUNCH_SWITCH)
+                ops_linear_moe.ROUTER_SWITCH, ops_linear_moe.DELTA_RULE_SWITCH, ops_delta_decode.DECODE_SWITCH,
+                ops_dense.SAMPLE_SWITCH, LAUNCH_SWITCH)
     return {switch.env: switch.read() for switch in switches}
 
 

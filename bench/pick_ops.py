@@ -2,7 +2,7 @@
 for Qwen3.6's recommended sampling the penalties, the draw and the count of the pick. On an H200
 (2026-12-04) sampled decode ran at 150 tok/s against greedy's 279, ~3 ms more per token, with
 only these kernels between them; atlas_sample is one block over the whole row, so each is timed
-alone here (median of REPEATS, event pair around the one launch)."""
+alone here (median of REPEATS, event pair around its launches), the draw in each ATLAS_SAMPLE form."""
 
 from __future__ import annotations
 
@@ -10,26 +10,20 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from event_timing import median_ms
 
 REPEATS = 20
 
 
 def median_us(rt: Any, run: Callable[[], Any]) -> float:
-    start, end = rt.driver.event_create(), rt.driver.event_create()
-    times = []
-    for _ in range(REPEATS + 1):
-        rt.driver.event_record(start, rt.stream)
-        run()
-        rt.driver.event_record(end, rt.stream)
-        rt.driver.event_synchronize(end)
-        times.append(1e3 * rt.driver.event_elapsed_ms(start, end))
-    return float(np.median(times[1:]))  # the first: module load, first touch
+    return 1e3 * median_ms(rt, run, REPEATS)
 
 
 def time_pick_ops(backend: Any, vocab: int, sampling: dict[str, Any], rng: np.random.Generator) -> dict[str, float]:
-    """Microseconds per launch of each pick kernel on a fresh random row (logits ~ N(0, 4), a
+    """Microseconds of each pick op (its launches) on a fresh random row (logits ~ N(0, 4), a
     history of 64 picks for the penalties)."""
     from atlas.backends.base import PenaltyOperands, SamplingParams
+    from atlas.backends.cuda.ops_dense import SAMPLE_FORMS
 
     params = SamplingParams(**sampling)
     logits = backend.upload(rng.normal(0.0, 2.0, size=(1, vocab)).astype(np.float32), "f32")  # [1, V]
@@ -39,13 +33,20 @@ def time_pick_ops(backend: Any, vocab: int, sampling: dict[str, Any], rng: np.ra
     token = backend.upload(np.array([int(rng.integers(vocab))], dtype=np.int32), "i32")
     uniform = float(rng.random())
     rt = backend.rt
-    return {
+    times = {
         "argmax": median_us(rt, lambda: backend.argmax(logits)),
         "penalize": median_us(rt, lambda: backend.penalize(logits, operands, params, False)),
-        "sample": median_us(rt, lambda: backend.sample(logits, params, uniform)),
-        "count_token": median_us(rt, lambda: backend.count_token(operands.counts, token)),
     }
+    form = backend.sample_form
+    try:
+        for each in SAMPLE_FORMS:  # both draws, whatever ATLAS_SAMPLE picked
+            backend.sample_form = each
+            times[f"sample_{each}"] = median_us(rt, lambda: backend.sample(logits, params, uniform))
+    finally:
+        backend.sample_form = form
+    times["count_token"] = median_us(rt, lambda: backend.count_token(operands.counts, token))
+    return times
 
 
 def summary_line(us: dict[str, float]) -> str:
-    return "pick kernels (us per launch): " + ", ".join(f"{k} {v:.1f}" for k, v in us.items())
+    return "pick ops (us each): " + ", ".join(f"{k} {v:.1f}" for k, v in us.items())

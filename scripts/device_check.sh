@@ -114,10 +114,10 @@ stage qbench 90 "cd /tmp && $PY '$REPO/bench/quant.py' --out '$OUT/qbench.json' 
 
 # The opt-in forms, measured beside bench's defaults: decode with the fused DeltaNet decode kernel,
 # the one-launch router and the one-launch attention prep (120 + 20 fewer launches per Qwen3.6
-# token), prefill with the tensor-core
+# token), sampled decode with the split draw (ATLAS_SAMPLE=split), prefill with the tensor-core
 # attention (the default) and the SIMT one on the same model, both with the wgmma GEMM (ATLAS_GEMM=wgmma;
 # bench's prefill number is the mma.sync GEMM beside it). Both land in $OUT/variants.json (8 files at most).
-stage fused 45 "cd /tmp && ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused ATLAS_ATTENTION_PREP=fused $PY '$REPO/bench/decode.py' --decode-only \
+stage fused 45 "cd /tmp && ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused ATLAS_ATTENTION_PREP=fused ATLAS_SAMPLE=split $PY '$REPO/bench/decode.py' --decode-only \
   --out $VARIANTS_DIR/fused_decode.json"
 stage prefill 40 "cd /tmp && ATLAS_GEMM=wgmma $PY '$REPO/bench/decode.py' --prefill-only --out $VARIANTS_DIR/mma_prefill.json"
 # Each decode kernel's cost inside the replayed graph (bench/step_marginal.py: the step with one

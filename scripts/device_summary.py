@@ -65,8 +65,9 @@ def variant_lines(r: dict[str, Any]) -> list[str]:
         d = r["fused_decode"]
         forms = d.get("kernel_forms", {})
         lines.append(f"fused decode ({forms.get('ATLAS_DELTANET_DECODE')} DeltaNet, {forms.get('ATLAS_ROUTER')} router, "
-                     f"{forms.get('ATLAS_ATTENTION_PREP')} attention prep): "
-                     f"{d['decode_tok_s']:.1f} tok/s, roofline {d['roofline_pct']:.1f}%")
+                     f"{forms.get('ATLAS_ATTENTION_PREP')} attention prep, {forms.get('ATLAS_SAMPLE')} sampling): "
+                     f"{d['decode_tok_s']:.1f} tok/s, roofline {d['roofline_pct']:.1f}%, "
+                     f"sampled {d.get('decode_sampled_tok_s', float('nan')):.1f} tok/s")
         if "decode_profile" in d:
             lines.append(f"fused {step_profile.summary_line(d['decode_profile'])}")
     if "marginal" in r and "decode_marginal" in r["marginal"]:

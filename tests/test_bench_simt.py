@@ -91,7 +91,7 @@ def check_launch_and_profile(r: dict[str, Any]) -> None:
     assert profile["launches_per_step"] == sum(k["launches"] for k in kernels.values()) >= 4 * 8  # 4 layers
     assert profile["kernel_us_per_step"] > 0
     assert list(kernels) == sorted(kernels, key=lambda k: -kernels[k]["us"])
-    assert_rates(r["pick_ops_us"], {"argmax", "penalize", "sample", "count_token"})
+    assert_rates(r["pick_ops_us"], {"argmax", "penalize", "sample_block", "sample_split", "count_token"})
 
 
 def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -109,11 +109,13 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
     emulated.setenv("ATLAS_DELTANET_DECODE", "fused")
     emulated.setenv("ATLAS_ROUTER", "fused")
     emulated.setenv("ATLAS_ATTENTION_PREP", "fused")
+    emulated.setenv("ATLAS_SAMPLE", "split")
     fused = run_decode_bench(emulated, variants / "fused_decode.json", "--decode-only")
     check_decode_result(fused)
     check_launch_and_profile(fused)
     assert fused["prefill_tok_s"] == {}
     assert {fused["kernel_forms"][name] for name in ("ATLAS_DELTANET_DECODE", "ATLAS_ROUTER", "ATLAS_ATTENTION_PREP")} == {"fused"}
+    assert fused["kernel_forms"]["ATLAS_SAMPLE"] == "split" and fused["decode_sampled_tok_s"] > 0
 
     emulated.setenv("ATLAS_PREFILL_ATTENTION", "mma")
     emulated.setenv("ATLAS_GEMM", "wgmma")
@@ -135,7 +137,7 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
     device_summary.merge_variants(variants, out / "variants.json")
     lines = "\n".join(device_summary.report(out))
     assert "unreadable" not in lines, lines
-    for expected in ("decode_tok_s: ", "decode_sampled_tok_s: ", 'pick_ops_us: {"argmax": ', "roofline_pct: ", "copy_gb_s: ", "fused decode (fused DeltaNet, fused router, fused attention prep): ",
+    for expected in ("decode_tok_s: ", "decode_sampled_tok_s: ", 'pick_ops_us: {"argmax": ', "roofline_pct: ", "copy_gb_s: ", "fused decode (fused DeltaNet, fused router, fused attention prep, split sampling): ",
                      "decode step: ", "fused decode step: ",
                      'prefill tok/s by attention form: {"mma": ', 'prefill tok/s by delta rule form: {"recurrent": ', "prefill attention us per layer at 8 tokens: bf16 mma "):
         assert expected in lines, lines

@@ -962,7 +962,8 @@ def test_gpu_footprint_matches_the_device(tmp_path: Path, rng: np.random.Generat
 def test_every_kernel_form_switch_reads_empty_as_default_and_refuses_in_one_line(rng: np.random.Generator) -> None:
     from atlas.backends.cuda import ops_delta_decode, ops_dense, ops_linear_moe, runtime
 
-    switches = [ops_dense.GEMM_SWITCH, ops_dense.PREFILL_ATTENTION_SWITCH, ops_linear_moe.ROUTER_SWITCH,
+    switches = [ops_dense.GEMM_SWITCH, ops_dense.PREFILL_ATTENTION_SWITCH, ops_dense.ATTENTION_PREP_SWITCH,
+                ops_dense.SAMPLE_SWITCH, ops_linear_moe.ROUTER_SWITCH,
                 ops_linear_moe.DELTA_RULE_SWITCH, ops_delta_decode.DECODE_SWITCH, runtime.LAUNCH_SWITCH,
                 runtime.CHECK_SWITCH, runtime.GRAPHS_SWITCH]
     assert len({s.env for s in switches}) == len(switches)

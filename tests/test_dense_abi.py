@@ -66,7 +66,8 @@ def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Gen
         ops_dense.fused_attention(rt, AttentionInputs(f(t, hq, d), f(t, hkv, d), f(t, hkv, d), _tensor(rt, "i32", t)), layer)
     ops_dense.argmax(rt, f(tokens, v))
     ops_dense.nonfinite_count(rt, f(1, h))
-    ops_dense.sample(rt, f(1, v), SamplingParams(0.8, 20, 0.9), float(rng.random()))
+    for form in ops_dense.SAMPLE_FORMS:
+        ops_dense.sample(rt, f(1, v), SamplingParams(0.8, 20, 0.9), float(rng.random()), form)
     i32 = lambda *s: _tensor(rt, "i32", *s)  # noqa: E731
     for bias in (None, f(v)):
         ops_dense.penalize(rt, f(1, v), PenaltyOperands(i32(v), i32(v), bias), SamplingParams(presence_penalty=1.5), True)
@@ -130,6 +131,13 @@ def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
                 assert launch.grid[0] * p.chunk >= p.vocab and launch.grid[1] == p.rows
             elif launch.kernel == "atlas_penalize":
                 assert launch.grid[0] * launch.block[0] >= p.vocab == dims["vocab_size"]
+            elif launch.kernel in ("atlas_sample_units", "atlas_sample_count", "atlas_sample_gather"):
+                assert launch.block[0] == 32 * ops_dense.SAMPLE_UNIT_WARPS and p.scratch is not None
+                assert launch.grid[0] * ops_dense.SAMPLE_UNIT_WARPS >= ops_dense.SAMPLE_UNITS
+            elif launch.kernel in ("atlas_sample_row", "atlas_sample_pick"):
+                assert launch.grid == (1, 1, 1) and launch.block[0] == ops_dense.SAMPLE_UNITS and p.scratch is not None
+            elif launch.kernel == "atlas_sample":
+                assert launch.grid == (1, 1, 1) and p.scratch is None
 
 
 def test_bad_inputs_are_refused(rng: np.random.Generator) -> None:
@@ -159,6 +167,9 @@ def test_wrapper_geometry_mirrors_the_headers() -> None:
         (ops_dense.ATTN_KEYS, header_constant("attention.cuh", "kAttnKeys")),
         (ops_dense.ARGMAX_THREADS, header_constant("sampling.cuh", "kArgmaxThreads")),
         (ops_dense.SAMPLE_THREADS, header_constant("sampling.cuh", "kSampleThreads")),
+        (ops_dense.SAMPLE_UNITS, header_constant("sampling_split.cuh", "kSampleUnits")),
+        (ops_dense.SAMPLE_UNIT_WARPS, header_constant("sampling_split.cuh", "kSampleUnitWarps")),
+        (ops_dense.SAMPLE_SCRATCH_BYTES, header_constant("sampling_split.cuh", "kSampleScratchBytes")),
     ]
     for wrapper, header in mirrored:
         assert wrapper == header

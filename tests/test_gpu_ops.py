@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,15 @@ def env(request: pytest.FixtureRequest) -> Env:
 
     backend = open_gpu_backend(request.param)
     return Env(request.param, backend, dict(load_registry().models[request.param].constants))
+
+
+@pytest.fixture(params=("block", "split"))  # ops_dense.SAMPLE_FORMS
+def sampler(env: Env, request: pytest.FixtureRequest) -> Iterator[Env]:
+    """env with its backend drawing in the form the test is for (one block, or ATLAS_SAMPLE=split)."""
+    before = env.gpu.sample_form
+    env.gpu.sample_form = request.param
+    yield env
+    env.gpu.sample_form = before
 
 
 @dataclass
@@ -416,10 +425,11 @@ def test_argmax_lowest_index_on_ties(env: Env, rng: np.random.Generator, tokens:
     np.testing.assert_array_equal(out, env.ref.argmax(logits))
 
 
-def test_a_row_of_nan_alone_picks_no_token(env: Env, rng: np.random.Generator) -> None:
+def test_a_row_of_nan_alone_picks_no_token(sampler: Env, rng: np.random.Generator) -> None:
     """argmax and sample over a row of NaN alone (a model state gone NaN) give NO_TOKEN for the host
     to report, into poisoned outputs; a row with one number among the NaN, or of -inf alone, still
     picks (the number; greedy the first, sampled any, as the reference)."""
+    env = sampler
     v = env.d("vocab_size")
     logits = np.full((3, v), np.nan, np.float32)  # [3, V] rows: NaN alone, one number, -inf alone
     number = int(rng.integers(v))
@@ -437,7 +447,8 @@ def test_a_row_of_nan_alone_picks_no_token(env: Env, rng: np.random.Generator) -
     check_sample(env, logits[2:], params, draw_uniform(rng), "-inf alone")
 
 
-def test_sample_matches_reference(env: Env, rng: np.random.Generator) -> None:
+def test_sample_matches_reference(sampler: Env, rng: np.random.Generator) -> None:
+    env = sampler
     v = env.d("vocab_size")
     settings = [SamplingParams(0.7, 0, 1.0), SamplingParams(1.0, 40, 1.0), SamplingParams(1.0, 0, 0.9),
                 SamplingParams(1.5, 50, 0.5), SamplingParams(0.8, 1, 1.0), SamplingParams(1.0, 0, 0.05),
@@ -569,10 +580,11 @@ def test_logprob_rows_match_reference(env: Env, rng: np.random.Generator, top: i
     np.testing.assert_array_equal(env.gpu.to_numpy(got.values)[listed], want.values[listed])
 
 
-def test_sample_top_p_alone_matches_reference(env: Env, rng: np.random.Generator) -> None:
+def test_sample_top_p_alone_matches_reference(sampler: Env, rng: np.random.Generator) -> None:
     """top_p without top_k / min_p: a peaked row (the gathered candidates carry the top_p mass), a
     row whose mass sits in a long, nearly flat tail (the candidates fit but carry too little, so the
     full path runs) and a flat row (too many candidates): the reference's token each time."""
+    env = sampler
     v = env.d("vocab_size")
     for kind in ("peaked", "tail", "flat"):
         for _ in range(3):
@@ -586,10 +598,11 @@ def test_sample_top_p_alone_matches_reference(env: Env, rng: np.random.Generator
             check_sample(env, logits, SamplingParams(0.6 if kind == "peaked" else 1.0, 0, 0.9), draw_uniform(rng), kind)
 
 
-def test_sample_extremes_match_reference(env: Env, rng: np.random.Generator) -> None:
+def test_sample_extremes_match_reference(sampler: Env, rng: np.random.Generator) -> None:
     """Temperatures whose logits / T overflow (1e-30 on large logits), round to a float32 denormal
     (1e-45) or to 0 (1e-60); top_p that rounds to 0; NaN and +inf logits: the reference's token,
     never an unwritten output (the scratch is poisoned)."""
+    env = sampler
     v = env.d("vocab_size")
     cases: list[tuple[SamplingParams, str]] = [
         (SamplingParams(1e-30, 0, 1.0), "large"), (SamplingParams(1e-45, 5, 1.0), "plain"),

@@ -133,10 +133,19 @@ __device__ __forceinline__ float sample_logit(const float* logits, int i) {
   return isnan(v) ? -INFINITY : v;
 }
 
+__device__ __forceinline__ float sample_temperature(const SampleParams& p) {
+  return fminf(fmaxf(p.temperature, FLT_MIN), FLT_MAX);
+}
+
+// The unnormalised p of logit z (NaN already read as -inf) against the row's largest, zmax.
+__device__ __forceinline__ float sample_weight(float z, float zmax, float temperature) {
+  return z == zmax ? 1.0f : expf((z - zmax) / temperature);
+}
+
 __device__ float sample_softmax(const SampleParams& p, float* scratch, float& thread_max, bool& all_nan) {
   const float* logits = static_cast<const float*>(p.logits);
   float* probs = static_cast<float*>(p.probs);
-  const float temperature = fminf(fmaxf(p.temperature, FLT_MIN), FLT_MAX);
+  const float temperature = sample_temperature(p);
   float zmax = -INFINITY;
   float numbers = 0.0f;  // 1 once this thread read a value that is not NaN
   for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
@@ -147,8 +156,7 @@ __device__ float sample_softmax(const SampleParams& p, float* scratch, float& th
   zmax = block_max(zmax, scratch);
   float partial = 0.0f;
   for (int i = threadIdx.x; i < p.vocab; i += blockDim.x) {
-    const float z = sample_logit(logits, i);
-    const float e = z == zmax ? 1.0f : expf((z - zmax) / temperature);
+    const float e = sample_weight(sample_logit(logits, i), zmax, temperature);
     probs[i] = e;
     partial += e;
   }
@@ -377,6 +385,31 @@ __device__ void sample_candidates(const SampleParams& p, const SampleCandidates&
   if (threadIdx.x == 0) static_cast<int32_t*>(p.out)[0] = min(token, p.vocab - 1);
 }
 
+// Draws from the candidates (warp 0) when they settle the row: the bound is certain, or top_p's
+// guessed bound holds (the candidates carry top_p of row_mass). False, nothing drawn, otherwise.
+__device__ bool sample_from_candidates(const SampleParams& p, const SampleCandidates& c, float pmax, double row_mass) {
+  // Every warp sums the candidates in the same order, so all take the same branch.
+  const double top_p_goal = static_cast<double>(p.top_p) * row_mass;
+  if (!bound_is_certain(p) && candidate_tally<true>(c, c.count, 0.0f, 0.0f) < top_p_goal) return false;
+  if (threadIdx.x < kWarpSize) sample_candidates(p, c, pmax, row_mass);
+  return true;
+}
+
+// The thresholds by bisection over the whole row of p (p.probs) and the draw over it, the block's
+// threads striding the row: for a row the candidates cannot settle.
+__device__ void sample_full_path(const SampleParams& p, float pmax) {
+  float floor = 0.0f;
+  if (p.top_k > 0 && p.top_k < p.vocab) floor = sample_bisect<false>(p, static_cast<double>(p.top_k), 0.0f, pmax);
+  if (p.min_p > 0.0f) floor = fmaxf(floor, __fmul_rn(p.min_p, pmax));
+  if (p.top_p < 1.0f) {
+    const double kept = sample_tally<true>(p, 0.0f, floor);
+    floor = fmaxf(floor, sample_bisect<true>(p, static_cast<double>(p.top_p) * kept, floor, pmax));
+  }
+  const double total = sample_tally<true>(p, 0.0f, floor);
+  const int token = sample_draw(p, floor, static_cast<double>(p.uniform) * total);
+  if (threadIdx.x == 0) static_cast<int32_t*>(p.out)[0] = min(token, p.vocab - 1);
+}
+
 __device__ void sample(const SampleParams& p) {
   __shared__ float scratch[kWarpSize];
   __shared__ SampleCandidates candidates;
@@ -392,23 +425,9 @@ __device__ void sample(const SampleParams& p) {
   const float* probs = static_cast<const float*>(p.probs);
   if (bound >= 0.0f && gather_at_least(probs, p.vocab, bound, candidates) <= kSampleCandidates) {
     const double row_mass = bound_is_certain(p) ? 0.0 : sample_tally<true>(p, 0.0f, 0.0f);
-    // Every warp sums the candidates in the same order, so all take the same branch.
-    const double top_p_goal = static_cast<double>(p.top_p) * row_mass;
-    if (bound_is_certain(p) || candidate_tally<true>(candidates, candidates.count, 0.0f, 0.0f) >= top_p_goal) {
-      if (threadIdx.x < kWarpSize) sample_candidates(p, candidates, pmax, row_mass);
-      return;
-    }
+    if (sample_from_candidates(p, candidates, pmax, row_mass)) return;
   }
-  float floor = 0.0f;
-  if (p.top_k > 0 && p.top_k < p.vocab) floor = sample_bisect<false>(p, static_cast<double>(p.top_k), 0.0f, pmax);
-  if (p.min_p > 0.0f) floor = fmaxf(floor, __fmul_rn(p.min_p, pmax));
-  if (p.top_p < 1.0f) {
-    const double kept = sample_tally<true>(p, 0.0f, floor);
-    floor = fmaxf(floor, sample_bisect<true>(p, static_cast<double>(p.top_p) * kept, floor, pmax));
-  }
-  const double total = sample_tally<true>(p, 0.0f, floor);
-  const int token = sample_draw(p, floor, static_cast<double>(p.uniform) * total);
-  if (threadIdx.x == 0) static_cast<int32_t*>(p.out)[0] = min(token, p.vocab - 1);
+  sample_full_path(p, pmax);
 }
 
 // ---- penalize -------------------------------------------------------------------------------

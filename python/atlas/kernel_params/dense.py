@@ -201,11 +201,13 @@ class ArgmaxParams(ctypes.Structure):
 
 
 class SampleParams(ctypes.Structure):
-    """atlas_sample: one block draws one token from logits [1, vocab] (base.py's sort-free rule)."""
+    """atlas_sample: one block draws one token from logits [1, vocab] (base.py's sort-free rule);
+    the split form's five launches (atlas_sample_units ... atlas_sample_pick) the same draw."""
 
     _fields_ = [
         ("logits", c_ptr),  # [vocab] f32
         ("probs", c_ptr),  # [vocab] f32 scratch: softmax(logits / temperature)
+        ("scratch", c_ptr),  # [SAMPLE_SCRATCH_BYTES] the split form's per-unit sums and candidates; null for one block
         ("out", c_ptr),  # [1] i32
         ("vocab", c_i32),
         ("top_k", c_i32),  # 0 = off

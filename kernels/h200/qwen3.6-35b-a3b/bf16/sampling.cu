@@ -1,5 +1,5 @@
 // generated from kernels/templates/bf16/sampling.cu.j2 by build_tools/instances.py; do not edit
-#include "atlas/sampling.cuh"
+#include "atlas/sampling_split.cuh"
 
 extern "C" __global__ void __launch_bounds__(atlas::kArgmaxThreads) atlas_argmax_partial(const ArgmaxParams p) {
   atlas::pdl_enter();
@@ -36,4 +36,30 @@ extern "C" __global__ void __launch_bounds__(atlas::kSampleThreads, 1) atlas_top
 extern "C" __global__ void __launch_bounds__(atlas::kSampleThreads, 1) atlas_logprob_rows(const LogprobParams p) {
   atlas::pdl_enter();
   atlas::logprob_rows(p);
+}
+
+// ATLAS_SAMPLE=split: `sample` in five launches, its whole-row passes over the GPU (sampling_split.cuh).
+extern "C" __global__ void __launch_bounds__(atlas::kSampleUnitThreads) atlas_sample_units(const SampleParams p) {
+  atlas::pdl_enter();
+  atlas::sample_split_units(p);
+}
+
+extern "C" __global__ void __launch_bounds__(atlas::kSampleThreads, 1) atlas_sample_row(const SampleParams p) {
+  atlas::pdl_enter();
+  atlas::sample_split_row(p);
+}
+
+extern "C" __global__ void __launch_bounds__(atlas::kSampleUnitThreads) atlas_sample_count(const SampleParams p) {
+  atlas::pdl_enter();
+  atlas::sample_split_count(p);
+}
+
+extern "C" __global__ void __launch_bounds__(atlas::kSampleUnitThreads) atlas_sample_gather(const SampleParams p) {
+  atlas::pdl_enter();
+  atlas::sample_split_gather(p);
+}
+
+extern "C" __global__ void __launch_bounds__(atlas::kSampleThreads, 1) atlas_sample_pick(const SampleParams p) {
+  atlas::pdl_enter();
+  atlas::sample_split_pick(p);
 }

@@ -54,6 +54,7 @@ class CudaBackend:
         fused_delta = self.delta_net_form == "fused"
         self._delta_arrivals = ops_delta_decode.decode_arrivals(rt) if fused_delta else None
         self.attention_prep_form = ops_dense.ATTENTION_PREP_SWITCH.read(attention_prep)  # "separate" | "fused"
+        self.sample_form = ops_dense.SAMPLE_SWITCH.read()  # ATLAS_SAMPLE: "block" | "split"
         self.uploader = Uploader(rt)
         if use_graphs is None:
             use_graphs = GRAPHS_SWITCH.read() == "1"
@@ -68,6 +69,7 @@ class CudaBackend:
         graphs = "CUDA graphs" if self.use_graphs else "no CUDA graphs"
         fused = (("router", self._router_arrivals is not None), ("attention prep", self.attention_prep_form == "fused"))
         forms = "".join(f", fused {name}" for name, on in fused if on)
+        forms += ", split sampling" if self.sample_form == "split" else ""
         launch = ", programmatic launches" if self.rt.programmatic else ""
         return (f"{info.name} (cc {info.cc[0]}.{info.cc[1]}, {info.sm_count} SMs), "
                 f"{self.rt.image.label}, {self.rt.driver.binding}, {graphs}{forms}{launch}")
@@ -266,7 +268,7 @@ class CudaBackend:
         return ops_dense.argmax(self.rt, logits)
 
     def sample(self, logits: DeviceTensor, params: SamplingParams, uniform: float) -> DeviceTensor:
-        return ops_dense.sample(self.rt, logits, params, uniform)
+        return ops_dense.sample(self.rt, logits, params, uniform, self.sample_form)
 
     def penalize(self, logits: DeviceTensor, operands: PenaltyOperands, params: SamplingParams,
                  mask_ends: bool) -> DeviceTensor:

@@ -78,6 +78,15 @@ ATTENTION_PREP_SWITCH = FormSwitch(ATTENTION_PREP_ENV, "attention prep form", AT
 ARGMAX_THREADS = 256  # sampling.cuh kArgmaxThreads
 ARGMAX_CHUNK = 2048
 SAMPLE_THREADS = 1024  # sampling.cuh kSampleThreads
+# The sampled draw: "block" (default: atlas_sample, one block over the row) or "split" (five
+# launches whose whole-row passes run over the GPU, sampling_split.cuh; opt-in until the device has
+# timed and confirmed it: the H200 sampled at 150 tok/s against greedy's 279, 2026-12-04).
+SAMPLE_ENV = "ATLAS_SAMPLE"
+SAMPLE_FORMS = ("block", "split")
+SAMPLE_SWITCH = FormSwitch(SAMPLE_ENV, "sampling form", SAMPLE_FORMS)
+SAMPLE_UNITS = 1024  # sampling_split.cuh kSampleUnits
+SAMPLE_UNIT_WARPS = 8  # kSampleUnitWarps: units per block of the grid launches
+SAMPLE_SCRATCH_BYTES = 65536  # kSampleScratchBytes
 PENALIZE_THREADS = 256  # sampling.cuh kPenalizeThreads
 
 
@@ -461,9 +470,10 @@ def argmax(rt: CudaRuntime, logits: DeviceTensor) -> DeviceTensor:
     return out
 
 
-def sample(rt: CudaRuntime, logits: DeviceTensor, params: SamplingParams, uniform: float) -> DeviceTensor:
+def sample(rt: CudaRuntime, logits: DeviceTensor, params: SamplingParams, uniform: float,
+           form: str = "block") -> DeviceTensor:
     """Temperature 0 is greedy (argmax). The settings and `uniform` are launch parameters, so a
-    sampled step is launched per token, not replayed from a captured graph."""
+    sampled step is launched per token, not replayed from a captured graph. `form`: SAMPLE_FORMS."""
     check_sampling(params)
     vocab = logits.shape[-1]
     _expect(logits.numel == vocab, f"sample: logits {logits.shape}, expected one row [1, V]")
@@ -473,10 +483,20 @@ def sample(rt: CudaRuntime, logits: DeviceTensor, params: SamplingParams, unifor
         return argmax(rt, logits.reshape(1, vocab))
     out = rt.empty((1,), "i32")
     probs = rt.empty((vocab,), "f32")
-    launch = kp.SampleParams(logits=logits.ptr, probs=probs.ptr, out=out.ptr, vocab=vocab, top_k=params.top_k,
-                             temperature=params.temperature, top_p=params.top_p, uniform=uniform,
-                             min_p=params.min_p)
-    rt.launch("atlas_sample", (1, 1, 1), (SAMPLE_THREADS, 1, 1), launch)
+    scratch = rt.empty((SAMPLE_SCRATCH_BYTES,), "u8") if form == "split" else None
+    launch = kp.SampleParams(logits=logits.ptr, probs=probs.ptr, scratch=None if scratch is None else scratch.ptr,
+                             out=out.ptr, vocab=vocab, top_k=params.top_k, temperature=params.temperature,
+                             top_p=params.top_p, uniform=uniform, min_p=params.min_p)
+    if scratch is None:
+        rt.launch("atlas_sample", (1, 1, 1), (SAMPLE_THREADS, 1, 1), launch)
+        return out
+    units_grid = (_ceil_div(SAMPLE_UNITS, SAMPLE_UNIT_WARPS), 1, 1)
+    units_block = (SAMPLE_UNIT_WARPS * 32, 1, 1)
+    rt.launch("atlas_sample_units", units_grid, units_block, launch)
+    rt.launch("atlas_sample_row", (1, 1, 1), (SAMPLE_UNITS, 1, 1), launch)
+    rt.launch("atlas_sample_count", units_grid, units_block, launch)
+    rt.launch("atlas_sample_gather", units_grid, units_block, launch)
+    rt.launch("atlas_sample_pick", (1, 1, 1), (SAMPLE_UNITS, 1, 1), launch)
     return out
 
 

@@ -105,7 +105,7 @@ def check_gpu_settings(environ: Mapping[str, str] = os.environ) -> None:
     first runs. --device auto checks them before it looks for a GPU, so a mistyped value is the
     same one line on a machine without one as on one with, not a quiet fall-back to the CPU."""
     from .driver import binding_name
-    from .ops_dense import ATTENTION_PREP_SWITCH, GEMM_SWITCH, PREFILL_ATTENTION_SWITCH
+    from .ops_dense import ATTENTION_PREP_SWITCH, GEMM_SWITCH, PREFILL_ATTENTION_SWITCH, SAMPLE_SWITCH
     from .ops_delta_decode import DECODE_SWITCH
     from .ops_linear_moe import DELTA_RULE_SWITCH, ROUTER_SWITCH
     from .runtime import CHECK_SWITCH, GRAPHS_SWITCH, LAUNCH_SWITCH
@@ -113,7 +113,7 @@ def check_gpu_settings(environ: Mapping[str, str] = os.environ) -> None:
     device_ordinal(environ)
     binding_name(environ)
     for switch in (GEMM_SWITCH, PREFILL_ATTENTION_SWITCH, ATTENTION_PREP_SWITCH, DECODE_SWITCH, DELTA_RULE_SWITCH,
-                   ROUTER_SWITCH, CHECK_SWITCH, GRAPHS_SWITCH, LAUNCH_SWITCH):
+                   ROUTER_SWITCH, SAMPLE_SWITCH, CHECK_SWITCH, GRAPHS_SWITCH, LAUNCH_SWITCH):
         switch.read(environ=environ)
 
 
