@@ -40,6 +40,7 @@ class RecordingRuntime:
     """The slice of CudaRuntime the op wrappers use; memory is fake addresses, 256-aligned."""
 
     sm_count: int = 132
+    programmatic: bool = False  # ATLAS_LAUNCH=pdl
     launches: list[Launch] = field(default_factory=list)
     zeroed: list[int] = field(default_factory=list)
     _next: int = 1 << 20

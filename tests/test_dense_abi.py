@@ -140,6 +140,25 @@ def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
                 assert launch.grid == (1, 1, 1) and p.scratch is None
 
 
+@pytest.mark.parametrize("programmatic", [False, True])
+def test_gemv_prefetch_blocks_only_under_programmatic_launch(rng: np.random.Generator, programmatic: bool) -> None:
+    """Under ATLAS_LAUNCH=pdl a bf16 GEMV's first blocks prefetch their weight rows (as many as
+    PDL_PREFETCH_BYTES covers, never more than the grid); with plain launches none does, and the
+    prefill GEMM takes no prefetch."""
+    rt = RecordingRuntime(programmatic=programmatic)
+    k = 8 * int(rng.integers(1, 1024))
+    for n in (int(rng.integers(1, 300)), int(rng.integers(64 * rt.sm_count, 200_000))):
+        ops_dense.linear(rt, rt.empty((int(rng.integers(1, 9)), k), "f32"), rt.empty((n, k), "bf16"))
+    ops_dense.linear(rt, rt.empty((int(rng.integers(9, 300)), k), "f32"), rt.empty((64, k), "bf16"))
+    gemvs = [launch for launch in rt.launches if launch.kernel.startswith("atlas_gemv_")]
+    assert len(gemvs) == 2 and rt.launches[-1].kernel == "atlas_gemm_bf16" and rt.launches[-1].params.prefetch_blocks == 0
+    for launch in gemvs:
+        narrow = launch.kernel.startswith("atlas_gemv_narrow_t")
+        rows = ops_dense.GEMV_NARROW_ROWS_PER_BLOCK if narrow else ops_dense.GEMV_WIDE_ROWS_PER_BLOCK
+        want = min(launch.grid[0], ops_dense.PDL_PREFETCH_BYTES // (rows * 2 * k)) if programmatic else 0
+        assert launch.params.prefetch_blocks == want
+
+
 def test_bad_inputs_are_refused(rng: np.random.Generator) -> None:
     rt = RecordingRuntime()
     h = int(rng.integers(1, 64)) * 8

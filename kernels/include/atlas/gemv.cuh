@@ -77,6 +77,21 @@ __device__ __forceinline__ void gemv_store_rows(const float (&acc)[T][R], float*
     }
 }
 
+// Before pdl_enter: the first p.prefetch_blocks blocks pull their weight rows into L2 (lane 0 of
+// each warp, its R rows: one contiguous span), so under programmatic launch the weights stream in
+// while the previous kernel still runs and the loads after the wait hit L2. Weights only: x is the
+// previous kernel's output. The host sets prefetch_blocks (0 without programmatic launch).
+template <int R>
+__device__ __forceinline__ void gemv_prefetch(const LinearParams& p) {
+  if (static_cast<int>(blockIdx.x) >= p.prefetch_blocks || threadIdx.x % kWarpSize != 0) return;
+  const int row0 = (blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize) * R;
+  const int rows = min(R, p.n - row0);
+  if (rows > 0) {
+    const uint16_t* weight = static_cast<const uint16_t*>(p.weight) + static_cast<int64_t>(row0) * p.k;
+    prefetch_l2(weight, static_cast<uint32_t>(rows) * static_cast<uint32_t>(p.k) * 2u);
+  }
+}
+
 template <int T, int R, int U>
 __device__ void gemv(const LinearParams& p) {
   constexpr int kCols = gemv_chunk_cols<T>();

@@ -77,6 +77,7 @@ class LinearParams(ctypes.Structure):
         ("tokens", c_i32),
         ("n", c_i32),
         ("k", c_i32),
+        ("prefetch_blocks", c_i32),  # GEMV: its first blocks pull their weight rows into L2 before pdl_enter
     ]
 
 
