@@ -459,6 +459,15 @@ def test_sample_matches_reference(sampler: Env, rng: np.random.Generator) -> Non
             check_sample(env, logits, params, draw_uniform(rng), "")
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 1023, 1025, 5000])
+def test_sample_over_any_row_length(sampler: Env, rng: np.random.Generator, vocab: int) -> None:
+    """Rows shorter than the split form's 1024 units (most units empty), just past them (units of
+    2, the last short) and longer: the reference's token for a cut and an uncut row."""
+    env = sampler
+    for params in (SamplingParams(0.9, 0, 1.0), SamplingParams(1.0, 20, 0.9, min_p=0.05)):
+        check_sample(env, normal(rng, 1, vocab, scale=3), params, draw_uniform(rng), f"V={vocab}")
+
+
 SAMPLE_TOLERANCE = 1e-6  # of the kept mass: the device's expf and sums move each CDF step by ~1e-7
 
 
