@@ -17,7 +17,8 @@ level and form (bench/kv_prefill.py); no decode and no transformers.
 --decode-only: decode tok/s alone (no prefill timing, no transformers); the device check runs it
 again with ATLAS_DELTANET_DECODE=fused to set the fused DeltaNet decode kernel against the default.
 --marginal-only: each decode kernel's cost inside the replayed graph (bench/step_marginal.py: the
-step with one kernel's launches doubled, against the plain one), nothing else.
+step with one kernel's launches doubled, against the plain one) and each weight-streaming kernel's
+GB/s alone (bench/weight_bandwidth.py), nothing else.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import pick_ops  # noqa: E402
 import step_marginal  # noqa: E402
 import step_profile  # noqa: E402
 import synthetic  # noqa: E402
+import weight_bandwidth  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 PREFILL_LENGTHS = (512, 2048)
@@ -238,7 +240,7 @@ def load_engine(spec: Any, max_seq_len: int) -> tuple[Any, Any, float]:
 
 def run_marginal(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
     """Each decode kernel's cost inside the replayed graph (bench/step_marginal.py), at the
-    decode benchmark's context."""
+    decode benchmark's context, and the weight-streaming kernels' GB/s alone."""
     from atlas.backends.base import SamplingParams
 
     backend, engine, load_s = load_engine(spec, DECODE_CONTEXT + step_marginal.STEPS + 8)
@@ -247,8 +249,10 @@ def run_marginal(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
     token = backend.upload(np.array([prompt[0]], dtype=np.int32), "i32")
     marginal = step_marginal.marginal_costs(engine, prompt, token, time_decode)
     log(step_marginal.summary_line(marginal))
+    alone = weight_bandwidth.measure(engine, token, DECODE_CONTEXT, rng)
+    log(weight_bandwidth.summary_line(alone))
     return {"device": backend.describe(), "load_s": load_s, "decode_context": DECODE_CONTEXT,
-            "decode_marginal": marginal}
+            "decode_marginal": marginal, "weights_streamed_alone": alone}
 
 
 def time_delta_rule_forms(engine: Any, prompt: list[int]) -> dict[str, dict[str, float]]:

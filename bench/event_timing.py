@@ -23,3 +23,23 @@ def median_ms(rt: Any, run: Callable[[], Any], repeats: int, reset_step: bool = 
         rt.driver.event_synchronize(end)
         times.append(rt.driver.event_elapsed_ms(start, end))
     return float(np.median(times[1:]))
+
+
+def graph_replay_ms(rt: Any, run: Callable[[], Any], repeats: int) -> float:
+    """Median milliseconds of one replay of `run` captured as a CUDA graph (an eager call first,
+    so the arena already holds what the capture allocates)."""
+    rt.reset_step()
+    run()
+    rt.reset_step()
+    rt.synchronize()
+    rt.driver.begin_capture(rt.stream)
+    rt.capturing = True
+    try:
+        run()
+    finally:
+        rt.capturing = False
+        graph = rt.driver.end_capture(rt.stream)
+    try:
+        return median_ms(rt, lambda: rt.driver.graph_launch(graph, rt.stream), repeats, reset_step=False)
+    finally:
+        rt.driver.graph_destroy(graph)

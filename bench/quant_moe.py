@@ -18,7 +18,7 @@ import numpy as np
 
 import synthetic
 from decode import fill_repeating
-from event_timing import median_ms
+from event_timing import graph_replay_ms, median_ms
 
 REPEATS = 5
 
@@ -121,23 +121,8 @@ def time_eager_ms(rt: Any, run: Callable[[], None]) -> float:
 
 
 def time_graph_ms(rt: Any, run: Callable[[], None]) -> float:
-    """Median time of one replay of `run` captured as a CUDA graph (eager warm-up first, so the
-    arena already holds what the capture allocates)."""
-    rt.reset_step()
-    run()
-    rt.reset_step()
-    rt.synchronize()
-    rt.driver.begin_capture(rt.stream)
-    rt.capturing = True
-    try:
-        run()
-    finally:
-        rt.capturing = False
-        graph = rt.driver.end_capture(rt.stream)
-    try:
-        return median_ms(rt, lambda: rt.driver.graph_launch(graph, rt.stream), REPEATS, reset_step=False)
-    finally:
-        rt.driver.graph_destroy(graph)
+    """Median time of one replay of `run` captured as a CUDA graph, over REPEATS."""
+    return graph_replay_ms(rt, run, REPEATS)
 
 
 def moe_weights(rt: Any, fmt: str, shape: MoeShape) -> tuple[Any, Any]:

@@ -74,8 +74,10 @@ def step_us(engine: Any, prompt: list[int], time_decode: TimeDecode) -> float:
 
 def marginal_costs(engine: Any, prompt: list[int], token: Any, time_decode: TimeDecode) -> dict[str, Any]:
     """Per kernel: launches per step and the microseconds its doubling adds to the replayed step
-    (and for the weight-streaming kernels their weight MB per step and GB/s at that cost); the
-    plain step timed before and after (their difference is the noise to read the rest by)."""
+    (and for the weight-streaming kernels their weight MB per step and GB/s at that cost, an upper
+    bound: the doubled launch may find part of its weights still in L2; bench/weight_bandwidth.py
+    times each alone); the plain step timed before and after (their difference is the noise to
+    read the rest by)."""
     rt = engine.backend.rt
     counts, weights = launch_census(engine, token, len(prompt))
     base = step_us(engine, prompt, time_decode)

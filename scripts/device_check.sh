@@ -122,8 +122,9 @@ stage fused 45 "cd /tmp && ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused ATLAS_
 stage prefill 40 "cd /tmp && ATLAS_GEMM=wgmma $PY '$REPO/bench/decode.py' --prefill-only --out $VARIANTS_DIR/mma_prefill.json"
 # Each decode kernel's cost inside the replayed graph (bench/step_marginal.py: the step with one
 # kernel's launches doubled against the plain one): the eager profile above puts a ~10 us floor
-# on every launch, too coarse to say which of 473 launches to fuse or speed up.
-stage marginal 60 "cd /tmp && $PY '$REPO/bench/decode.py' --marginal-only --out $VARIANTS_DIR/marginal.json"
+# on every launch, too coarse to say which of 473 launches to fuse or speed up. Then each GEMV shape
+# and the MoE expert step alone over weights that overflow L2 (bench/weight_bandwidth.py): GB/s.
+stage marginal 75 "cd /tmp && $PY '$REPO/bench/decode.py' --marginal-only --out $VARIANTS_DIR/marginal.json"
 $PY "$REPO/scripts/device_summary.py" variants "$VARIANTS_DIR" "$OUT/variants.json"
 
 {

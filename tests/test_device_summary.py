@@ -82,7 +82,11 @@ def test_marginal_and_delta_rule_variants_get_their_lines(rng: np.random.Generat
     marginal = {"step_us": step, "step_us_again": step + 3, "launches_per_step": sum(k["launches"] for k in kernels.values()),
                 "kernel_us_sum": sum(k["us"] for k in kernels.values()), "outside_kernels_us": 100.0, "kernels": kernels}
     rule = {"recurrent": {"512": float(rng.uniform(1e3, 1e4))}, "chunked": {"512": float(rng.uniform(1e3, 1e4))}}
-    lines = device_summary.variant_lines({"marginal": {"decode_marginal": marginal},
+    gb_s = float(rng.uniform(500, 4500))
+    alone = {"launches_per_replay": 24, "gemv": {"12288x2048": {"launches_per_step": 30, "us": 12.0, "gb_s": gb_s}},
+             "moe_step": {"slots": 9, "us": 20.0, "gb_s": gb_s / 2}}
+    lines = device_summary.variant_lines({"marginal": {"decode_marginal": marginal, "weights_streamed_alone": alone},
                                           "mma_prefill": {"prefill_tok_s_by_form": {}, "prefill_tok_s_by_delta_rule": rule}})
     assert lines[0].startswith(f"in-graph cost: step {step:.0f} us") and all(k in lines[0] for k in kernels)
+    assert lines[1] == f"weights streamed alone (GB/s): GEMV 12288x2048 {gb_s:.0f}; MoE step (9 experts) {gb_s / 2:.0f}"
     assert lines[-1] == f"prefill tok/s by delta rule form: {json.dumps(rule)}"

@@ -114,5 +114,5 @@ def test_weight_streaming_kernels_report_their_bandwidth(rng: np.random.Generato
             assert "gb_s" not in row and "weight_mb" not in row
             continue
         assert row["weight_mb"] == pytest.approx(plan[name] * bytes_per_launch[name] / 1e6, abs=1e-3)
-        assert row["gb_s"] == pytest.approx(bytes_per_launch[name] / 1e3 / costs[name], rel=1e-2)
+        assert row["gb_s"] == pytest.approx(bytes_per_launch[name] / 1e3 / costs[name], rel=1e-2, abs=0.05)  # 0.1 GB/s steps
     assert "GB/s" in step_marginal.summary_line(result)
