@@ -344,6 +344,27 @@ __device__ float candidate_bisect(const SampleCandidates& c, int n, double goal,
   return __uint_as_float(lo);
 }
 
+// One warp's step of a draw in index order over 32 entries: each lane's mass (0 for an entry not
+// kept) after `running`. found: the first lane whose running mass exceeds target (kWarpSize when
+// none); kept: the last lane with mass (-1 when none); running moves past the 32.
+struct DrawStep {
+  int found;
+  int kept;
+};
+
+__device__ __forceinline__ DrawStep warp_draw_step(double mass, double target, double& running) {
+  const int lane = threadIdx.x % kWarpSize;
+  const double inclusive = warp_inclusive_sum(mass);
+  DrawStep step{mass > 0.0 && running + inclusive > target ? lane : kWarpSize, mass > 0.0 ? lane : -1};
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    step.found = min(step.found, __shfl_xor_sync(kFullMask, step.found, offset));
+    step.kept = max(step.kept, __shfl_xor_sync(kFullMask, step.kept, offset));
+  }
+  running += __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
+  return step;
+}
+
 // The first candidate (index order) whose running kept mass exceeds target, else the last kept.
 __device__ int candidate_draw(const SampleCandidates& c, int n, float floor, double target) {
   const int lane = threadIdx.x % kWarpSize;
@@ -351,18 +372,9 @@ __device__ int candidate_draw(const SampleCandidates& c, int n, float floor, dou
   int last_kept = c.index[0];
   for (int base = 0; base < n; base += kWarpSize) {
     const int j = base + lane;
-    const double mass = j < n && c.value[j] >= floor ? static_cast<double>(c.value[j]) : 0.0;
-    const double inclusive = warp_inclusive_sum(mass);
-    int found = mass > 0.0 && running + inclusive > target ? lane : kWarpSize;
-    int kept = mass > 0.0 ? lane : -1;
-#pragma unroll
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-      found = min(found, __shfl_xor_sync(kFullMask, found, offset));
-      kept = max(kept, __shfl_xor_sync(kFullMask, kept, offset));
-    }
-    if (found < kWarpSize) return c.index[base + found];
-    if (kept >= 0) last_kept = c.index[base + kept];
-    running += __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
+    const DrawStep step = warp_draw_step(j < n && c.value[j] >= floor ? static_cast<double>(c.value[j]) : 0.0, target, running);
+    if (step.found < kWarpSize) return c.index[base + step.found];
+    if (step.kept >= 0) last_kept = c.index[base + step.kept];
   }
   return last_kept;
 }

@@ -190,18 +190,9 @@ __device__ int draw_by_units(const SampleParams& p, const SampleScratch& s, doub
   int last_kept = span.begin;
   for (int base = span.begin; base < span.end; base += kWarpSize) {
     const int i = base + lane;
-    const double v = i < span.end ? static_cast<double>(probs[i]) : 0.0;
-    const double within = warp_inclusive_sum(v);
-    int found = v > 0.0 && running + within > target ? lane : kWarpSize;
-    int kept = v > 0.0 ? lane : -1;
-#pragma unroll
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-      found = min(found, __shfl_xor_sync(kFullMask, found, offset));
-      kept = max(kept, __shfl_xor_sync(kFullMask, kept, offset));
-    }
-    if (found < kWarpSize) return base + found;
-    if (kept >= 0) last_kept = base + kept;
-    running += __shfl_sync(kFullMask, within, kWarpSize - 1);
+    const DrawStep step = warp_draw_step(i < span.end ? static_cast<double>(probs[i]) : 0.0, target, running);
+    if (step.found < kWarpSize) return base + step.found;
+    if (step.kept >= 0) last_kept = base + step.kept;
   }
   return last_kept;
 }
