@@ -96,7 +96,7 @@ def _run(case: tuple[Callable[..., None], dict[str, Any]], backend: StandInBacke
          rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     test, params = case
     env = test_gpu_ops.Env(model, backend, dict(load_registry().models[model].constants))
-    fixtures = {"env": env, "rng": rng, "monkeypatch": monkeypatch}
+    fixtures = {"env": env, "sampler": env, "rng": rng, "monkeypatch": monkeypatch}  # sampler: env in each draw form
     wanted = inspect.signature(test).parameters
     test(**params, **{name: value for name, value in fixtures.items() if name in wanted})
 
