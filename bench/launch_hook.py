@@ -24,3 +24,18 @@ def launch_hook(rt: Any, hook: Hook) -> Iterator[None]:
         yield
     finally:
         del rt.launch  # the class's method again
+
+
+def step_launches(engine: Any, token: Any, position: int) -> list[tuple[str, Any]]:
+    """(kernel, params) of every launch of one eager decode step from `token` (a [1] i32 device
+    tensor) at `position`, in order."""
+    launches: list[tuple[str, Any]] = []
+
+    def recorded(launch: Launch, name: str, grid: Any, block: Any, params: Any, smem: int = 0) -> None:
+        launches.append((name, params))
+        launch(name, grid, block, params, smem)
+
+    with launch_hook(engine.backend.rt, recorded):
+        engine.eager_decode(token, position)
+        engine.backend.rt.synchronize()
+    return launches

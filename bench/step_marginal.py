@@ -14,7 +14,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from launch_hook import Launch, launch_hook
+from launch_hook import Launch, launch_hook, step_launches
 
 STEPS = 128  # timed decode steps per variant (~0.5 s on an H200)
 TOP = 8  # kernels named in the summary line
@@ -53,15 +53,9 @@ def launch_census(engine: Any, token: Any, position: int) -> tuple[Counter[str],
     device tensor)."""
     counts: Counter[str] = Counter()
     weights: Counter[str] = Counter()
-
-    def counted(launch: Launch, name: str, grid: Any, block: Any, params: Any, smem: int = 0) -> None:
+    for name, params in step_launches(engine, token, position):
         counts[name] += 1
         weights[name] += weight_bytes(name, params)
-        launch(name, grid, block, params, smem)
-
-    with launch_hook(engine.backend.rt, counted):
-        engine.eager_decode(token, position)
-        engine.backend.rt.synchronize()
     return counts, weights
 
 

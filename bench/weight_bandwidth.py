@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 from event_timing import graph_replay_ms
-from launch_hook import Launch, launch_hook
+from launch_hook import step_launches
 
 LAUNCHES = 24  # per graph replay
 REPEATS = 5  # replays timed (median)
@@ -25,17 +25,8 @@ EXPERT_CHOICES = 16  # distinct expert sets cycled through by the MoE step
 
 def gemv_shapes(engine: Any, token: Any, position: int) -> Counter[tuple[int, int]]:
     """(n, k) of each one-token bf16 GEMV in one eager decode step from `token`, with its launches."""
-    shapes: Counter[tuple[int, int]] = Counter()
-
-    def seen(launch: Launch, name: str, grid: Any, block: Any, params: Any, smem: int = 0) -> None:
-        if name.startswith("atlas_gemv") and params.tokens == 1:
-            shapes[(params.n, params.k)] += 1
-        launch(name, grid, block, params, smem)
-
-    with launch_hook(engine.backend.rt, seen):
-        engine.eager_decode(token, position)
-        engine.backend.rt.synchronize()
-    return shapes
+    return Counter((params.n, params.k) for name, params in step_launches(engine, token, position)
+                   if name.startswith("atlas_gemv") and params.tokens == 1)
 
 
 def time_gemv(backend: Any, n: int, k: int, rng: np.random.Generator) -> float:
