@@ -85,7 +85,8 @@ stage demo 45 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --ma
 # the SIMT prefill attention) in the whole model: a table a line per check, in this call's output. The
 # default forms get the same check in the model stage (tests/test_cross_check.py) and the ops
 # stage (the op-by-op tests of test_gpu_quant.py, test_gpu_kv.py).
-OPT_IN_FORMS="ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused ATLAS_ATTENTION_PREP=fused ATLAS_GEMM=wgmma ATLAS_PREFILL_ATTENTION=simt"
+OPT_IN_FORMS="ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused ATLAS_ATTENTION_PREP=fused ATLAS_GEMM=wgmma ATLAS_PREFILL_ATTENTION=simt \
+  ATLAS_PREFETCH=l2"
 stage verify 40 "cd /tmp && ATLAS_CUDA_CHECK=1 $OPT_IN_FORMS $PY -m atlas.verify"
 
 # gpu_pytest JUNIT ARGS...: pytest over GPU tests; a sticky CUDA error (a kernel fault loses the
@@ -99,8 +100,11 @@ gpu_pytest() {
 # (off until these pass), then everything else marked gpu.
 KERNEL_TESTS="tests/test_gpu_ops.py tests/test_gpu_split_linear.py tests/test_gpu_moe_shared.py tests/test_gpu_chain.py \
   tests/test_gpu_quant.py tests/test_gpu_kv.py"
+OPS_OPTIN="test_weight_prefetch_changes_no_bit test_a_row_of_nan_alone_picks_no_token test_sample_matches_reference \
+  test_sample_over_any_row_length test_sample_top_p_alone_matches_reference test_sample_extremes_match_reference"
 OPTIN_TESTS="tests/test_gpu_router_fused.py tests/test_gpu_delta_decode.py tests/test_gpu_attention_mma.py \
-  tests/test_gpu_gemm_wgmma.py tests/test_gpu_delta_chunked.py tests/test_gpu_attention_prep.py"
+  tests/test_gpu_gemm_wgmma.py tests/test_gpu_delta_chunked.py tests/test_gpu_attention_prep.py \
+  $(for t in $OPS_OPTIN; do printf 'tests/test_gpu_ops.py::%s ' "$t"; done)"
 stage ops 210 "$(gpu_pytest "$OUT/junit-ops.xml" --maxfail=40 $KERNEL_TESTS)"
 stage optin 60 "$(gpu_pytest "$OUT/junit-optin.xml" --maxfail=40 $OPTIN_TESTS)"
 

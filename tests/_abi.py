@@ -41,6 +41,7 @@ class RecordingRuntime:
 
     sm_count: int = 132
     programmatic: bool = False  # ATLAS_LAUNCH=pdl
+    prefetch: bool = False  # ATLAS_PREFETCH=l2
     launches: list[Launch] = field(default_factory=list)
     zeroed: list[int] = field(default_factory=list)
     _next: int = 1 << 20

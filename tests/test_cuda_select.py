@@ -128,6 +128,7 @@ GPU_SETTINGS = {"ATLAS_CUDA_DEVICE": ("1", "one"), "ATLAS_CUDA_BINDING": ("pycud
                 "ATLAS_PREFILL_ATTENTION": ("simt", "flash"), "ATLAS_DELTANET_DECODE": ("fused", "fuse"),
                 "ATLAS_ATTENTION_PREP": ("fused", "together"),
                 "ATLAS_DELTA_RULE": ("chunked", "wy"), "ATLAS_LAUNCH": ("pdl", "graph"),
+                "ATLAS_SAMPLE": ("split", "spilt"), "ATLAS_PREFETCH": ("l2", "on"),
                 "ATLAS_CUDA_CHECK": ("1", "yes"), "ATLAS_CUDA_GRAPHS": ("0", "off")}
 
 

@@ -141,11 +141,13 @@ def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
 
 
 @pytest.mark.parametrize("programmatic", [False, True])
-def test_gemv_prefetch_blocks_only_under_programmatic_launch(rng: np.random.Generator, programmatic: bool) -> None:
-    """Under ATLAS_LAUNCH=pdl a bf16 GEMV's first blocks prefetch their weight rows (as many as
-    PDL_PREFETCH_BYTES covers, never more than the grid); with plain launches none does, and the
-    prefill GEMM takes no prefetch."""
-    rt = RecordingRuntime(programmatic=programmatic)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gemv_prefetch_blocks_only_under_the_prefetch_setting(rng: np.random.Generator, programmatic: bool,
+                                                              prefetch: bool) -> None:
+    """Under ATLAS_PREFETCH=l2 a bf16 GEMV's first blocks prefetch their weight rows (as many as
+    PREFETCH_BYTES covers, never more than the grid), whatever the launch form; without it none
+    does, and the prefill GEMM never does."""
+    rt = RecordingRuntime(programmatic=programmatic, prefetch=prefetch)
     k = 8 * int(rng.integers(1, 1024))
     for n in (int(rng.integers(1, 300)), int(rng.integers(64 * rt.sm_count, 200_000))):
         ops_dense.linear(rt, rt.empty((int(rng.integers(1, 9)), k), "f32"), rt.empty((n, k), "bf16"))
@@ -155,7 +157,7 @@ def test_gemv_prefetch_blocks_only_under_programmatic_launch(rng: np.random.Gene
     for launch in gemvs:
         narrow = launch.kernel.startswith("atlas_gemv_narrow_t")
         rows = ops_dense.GEMV_NARROW_ROWS_PER_BLOCK if narrow else ops_dense.GEMV_WIDE_ROWS_PER_BLOCK
-        want = min(launch.grid[0], ops_dense.PDL_PREFETCH_BYTES // (rows * 2 * k)) if programmatic else 0
+        want = min(launch.grid[0], ops_dense.PREFETCH_BYTES // (rows * 2 * k)) if prefetch else 0
         assert launch.params.prefetch_blocks == want
 
 

@@ -410,6 +410,44 @@ def test_moe_experts(env: Env, rng: np.random.Generator, tokens: int) -> None:
             In(gate_up), In(down)], BF16_FLOOR)
 
 
+
+def _decode_outputs(env: Env, prefetch: bool, args: dict[str, Any]) -> list[np.ndarray]:
+    """The one-token GEMVs (wide and narrow) and MoE experts of `args`, with L2 prefetch on or off."""
+    rt, gpu = env.gpu.rt, env.gpu
+    before, rt.prefetch = getattr(rt, "prefetch", False), prefetch
+    try:
+        rt.reset_step()
+        rt.poison_scratch()
+        outs = [gpu.linear(args["x"], w) for w in args["weights"]]
+        outs.append(gpu.moe_experts(args["x"], args["ids"], args["routing"], args["gate_up"], args["down"]))
+        return [gpu.to_numpy(t) for t in outs]
+    finally:
+        rt.prefetch = before
+
+
+def test_weight_prefetch_changes_no_bit(env: Env, rng: np.random.Generator) -> None:
+    """ATLAS_PREFETCH=l2 adds L2 prefetches and nothing else: the decode GEMVs and MoE experts give
+    the same bits with it as without (on the host emulator each prefetch span is also checked to
+    stay inside its tensor: the last expert and the last rows are in the case)."""
+    from atlas.backends.cuda.ops_dense import GEMV_WIDE_MIN_WAVES, GEMV_WIDE_ROWS_PER_BLOCK
+
+    e, top_k, h = env.d("num_experts"), env.d("num_experts_per_tok"), env.d("hidden_size")
+    inter, pool = env.d("moe_intermediate_size"), min(e, EXPERT_POOL)
+    ids = np.concatenate([[e - 1], rng.permutation(e - 1)[: top_k - 1]]).astype(np.int32)[None]  # [1, k]
+    routing = rng.uniform(0.1, 1.0, size=(1, top_k)).astype(np.float32)
+    wide_rows = GEMV_WIDE_MIN_WAVES * env.gpu.rt.sm_count * GEMV_WIDE_ROWS_PER_BLOCK + int(rng.integers(1, 100))
+    args = {
+        "x": env.gpu.upload(normal(rng, 1, h), "f32"),
+        "weights": [env.gpu.upload(weight(rng, n, h), "bf16") for n in (int(rng.integers(1, 200)), wide_rows)],
+        "ids": env.gpu.upload(ids, "i32"), "routing": env.gpu.upload(routing / routing.sum(), "f32"),
+        "gate_up": ExpertPool(normal(rng, pool, 2 * inter, h, scale=1 / math.sqrt(h)), e).upload(env.gpu),
+        "down": ExpertPool(normal(rng, pool, h, inter, scale=1 / math.sqrt(inter)), e).upload(env.gpu),
+    }
+    plain, prefetched = _decode_outputs(env, False, args), _decode_outputs(env, True, args)
+    for a, b in zip(plain, prefetched, strict=True):
+        assert np.isfinite(a).all()
+        np.testing.assert_array_equal(a, b)
+
 # --- sampling -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_argmax_lowest_index_on_ties(env: Env, rng: np.random.Generator, tokens: int) -> None:

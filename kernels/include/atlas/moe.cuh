@@ -45,6 +45,20 @@ constexpr int kGateUpCols = kBN / 2;  // act columns per gate_up block
 
 __device__ __forceinline__ bool valid_expert(int e, int num_experts) { return e >= 0 && e < num_experts; }
 
+// With p.prefetch_down: block (x, slot) pulls its share of the slot's expert's down rows into L2,
+// rows [x * ceil(H / gridDim.x), ...), one contiguous span, after its own weight loads are issued:
+// the down GEMV launched next then streams from L2 instead of starting from DRAM.
+template <int H, int I>
+__device__ __forceinline__ void prefetch_down_share(const MoeGateUpGemvParams& p, int e) {
+  if (!p.prefetch_down || threadIdx.x != 0 || !valid_expert(e, p.num_experts)) return;
+  const int rows = ceil_div(H, static_cast<int>(gridDim.x));
+  const int row0 = static_cast<int>(blockIdx.x) * rows;
+  const int count = min(rows, H - row0);
+  if (count <= 0) return;
+  const uint16_t* down = static_cast<const uint16_t*>(p.down) + (static_cast<int64_t>(e) * H + row0) * I;
+  prefetch_l2(down, static_cast<uint32_t>(count) * I * 2u);
+}
+
 template <int H, int I>
 __device__ void moe_gate_up_gemv(const MoeGateUpGemvParams& p) {
   if (blockDim.x != kGemvThreads || p.hidden != H || p.inter != I || p.top_k <= 0) return;
@@ -64,6 +78,7 @@ __device__ void moe_gate_up_gemv(const MoeGateUpGemvParams& p) {
     zero_row<H>(gate);
     zero_row<H>(up);
   }
+  prefetch_down_share<H, I>(p, e);
   __shared__ __align__(16) float x_s[H];
   const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(slot / p.top_k) * H;
   for (int i = threadIdx.x; i < H; i += kGemvThreads) x_s[i] = x[i];

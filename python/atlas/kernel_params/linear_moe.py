@@ -114,19 +114,21 @@ class RouterParams(ctypes.Structure):
 
 
 class MoeGateUpGemvParams(ctypes.Structure):
-    """atlas_moe_gate_up_gemv (decode): per slot s = t*k + j, act[s] = silu_mul(gate_up[ids[s]] @ x[t])."""
+    """atlas_moe_gate_up_gemv (decode): per slot s = t*k + j, act[s] = silu_mul(gate_up[ids[s]] @ x[t]);
+    with prefetch_down, each block pulls its share of down[ids[s]] into L2 for the down GEMV."""
 
     _fields_ = [
         ("x", c_void_p),
         ("ids", c_void_p),
         ("gate_up", c_void_p),
         ("act", c_void_p),
+        ("down", c_void_p),  # [E, H, I] bf16: read only by the prefetch
         ("num_slots", c_int32),
         ("top_k", c_int32),
         ("hidden", c_int32),
         ("inter", c_int32),
         ("num_experts", c_int32),
-        ("pad", c_int32),
+        ("prefetch_down", c_int32),  # ATLAS_PREFETCH=l2
     ]
 
 

@@ -71,6 +71,7 @@ class CudaBackend:
         forms = "".join(f", fused {name}" for name, on in fused if on)
         forms += ", split sampling" if self.sample_form == "split" else ""
         launch = ", programmatic launches" if self.rt.programmatic else ""
+        launch += ", L2 weight prefetch" if self.rt.prefetch else ""
         return (f"{info.name} (cc {info.cc[0]}.{info.cc[1]}, {info.sm_count} SMs), "
                 f"{self.rt.image.label}, {self.rt.driver.binding}, {graphs}{forms}{launch}")
 

@@ -33,10 +33,11 @@ GEMV_THREADS = 256  # gemv.cuh kGemvThreads
 GEMV_WIDE_ROWS_PER_BLOCK = 32  # gemv.cuh: 8 warps x kGemvWideRows
 GEMV_NARROW_ROWS_PER_BLOCK = 8  # 8 warps x kGemvNarrowRows
 GEMV_WIDE_MIN_WAVES = 2  # wide blocks only when they fill every SM at least this many times
-# Under ATLAS_LAUNCH=pdl a bf16 GEMV's first blocks pull their weight rows into L2 before their
-# pdl_enter, so the weights stream in while the previous kernel runs (gemv.cuh gemv_prefetch): as
-# many blocks as this many bytes cover, a third of an H200's L2 (more would evict each other).
-PDL_PREFETCH_BYTES = 16 << 20
+# Under ATLAS_PREFETCH=l2 a bf16 GEMV's first blocks pull their weight rows into L2 before their
+# pdl_enter (gemv.cuh gemv_prefetch): the rows stream in while x is staged, and under
+# ATLAS_LAUNCH=pdl while the previous kernel still runs. As many blocks as this many bytes cover, a
+# third of an H200's L2 (more, and the prefetched rows of later blocks would evict each other).
+PREFETCH_BYTES = 16 << 20
 GEMM_THREADS = 128  # gemm.cuh kGemmThreads
 GEMM_BM = 64
 GEMM_BN = 128
@@ -262,23 +263,22 @@ def gemv(rt: CudaRuntime, entry: str, params: ctypes.Structure, shape: GemvGeome
          weight_row_bytes: int = 0) -> None:
     """The decode GEMV `entry`_t{T} (or `entry`_narrow_t{T}) of a LinearParams-shaped `params`:
     the wide form (more rows per block) when it still fills the SMs `wide_min_waves` times.
-    weight_row_bytes: set for the kernels that take prefetch_blocks (pdl_prefetch_blocks)."""
+    weight_row_bytes: set for the kernels that take prefetch_blocks (prefetch_blocks)."""
     tokens, n = params.tokens, params.n
     wide_blocks = _ceil_div(n, shape.wide_rows)
     wide = wide_blocks >= shape.wide_min_waves * rt.sm_count
     rows = shape.wide_rows if wide else shape.narrow_rows
     grid = (_ceil_div(n, rows), 1, 1)
     if weight_row_bytes:
-        params.prefetch_blocks = pdl_prefetch_blocks(rt, grid[0], rows * weight_row_bytes)
+        params.prefetch_blocks = prefetch_blocks(rt, grid[0], rows * weight_row_bytes)
     rt.launch(f"{entry}_t{tokens}" if wide else f"{entry}_narrow_t{tokens}", grid, (shape.threads, 1, 1), params)
 
 
-def pdl_prefetch_blocks(rt: CudaRuntime, blocks: int, block_bytes: int) -> int:
-    """How many of a GEMV's first blocks prefetch their weights before pdl_enter: none without
-    programmatic launch (nothing runs before the block to overlap), else as many as
-    PDL_PREFETCH_BYTES covers (the first blocks are the ones that start while the previous kernel
-    runs)."""
-    return min(blocks, PDL_PREFETCH_BYTES // block_bytes) if rt.programmatic else 0
+def prefetch_blocks(rt: CudaRuntime, blocks: int, block_bytes: int) -> int:
+    """How many of a GEMV's first blocks prefetch their weights before pdl_enter: none unless
+    ATLAS_PREFETCH=l2, else as many as PREFETCH_BYTES covers (the first blocks are the ones that
+    start while the previous kernel runs)."""
+    return min(blocks, PREFETCH_BYTES // block_bytes) if rt.prefetch else 0
 
 
 def head_norm_rope(

@@ -241,8 +241,8 @@ def _moe_gemv(rt: CudaRuntime, c: _MoeCall) -> None:
     act = rt.empty((slots, inter), "f32")  # [T*k, I]
     block = (GEMV_WARPS * 32, 1, 1)
     gate_up_params = kp.MoeGateUpGemvParams(
-        x=c.x.ptr, ids=c.ids.ptr, gate_up=c.gate_up.ptr, act=act.ptr, num_slots=slots, top_k=top_k,
-        hidden=hidden, inter=inter, num_experts=experts,
+        x=c.x.ptr, ids=c.ids.ptr, gate_up=c.gate_up.ptr, act=act.ptr, down=c.down.ptr, num_slots=slots, top_k=top_k,
+        hidden=hidden, inter=inter, num_experts=experts, prefetch_down=int(rt.prefetch),
     )
     rt.launch("atlas_moe_gate_up_gemv", (_ceil_div(inter, GEMV_WARPS), slots, 1), block, gate_up_params)
     down_params = kp.MoeDownGemvParams(

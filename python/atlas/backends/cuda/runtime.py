@@ -39,6 +39,11 @@ class KernelImage:
 # atlas::pdl_enter() (common.cuh: griddepcontrol.wait), so none reads memory before its predecessor is done.
 LAUNCH_SWITCH = FormSwitch("ATLAS_LAUNCH", "launch form", ("plain", "pdl"))
 PDL_CC = (9, 0)  # griddepcontrol and the launch attribute: Hopper and newer
+# ATLAS_PREFETCH=l2: decode kernels pull weights into L2 ahead of their own loads (cp.async.bulk
+# .prefetch.L2, sm_90+; nothing on older GPUs): a bf16 GEMV's first blocks their rows at entry
+# (under pdl while the previous kernel still runs), the MoE gate_up GEMV the down rows of its
+# experts. Opt-in until the device has timed it (bench/decode.py times both settings).
+PREFETCH_SWITCH = FormSwitch("ATLAS_PREFETCH", "weight prefetch setting", ("off", "l2"))
 # ATLAS_CUDA_CHECK=1: synchronise after each launch, so a fault names its kernel; ATLAS_CUDA_GRAPHS=0:
 # decode without CUDA graphs (backend.py).
 CHECK_SWITCH = FormSwitch("ATLAS_CUDA_CHECK", "launch check setting", ("0", "1"))
@@ -50,6 +55,7 @@ class RuntimeOptions:
     arena_bytes: int = 256 << 20
     check_launches: bool = False  # synchronise after each launch (outside capture) to name a faulting kernel
     programmatic: bool = False  # launch every kernel with programmatic stream serialization (ATLAS_LAUNCH=pdl)
+    prefetch: bool = False  # decode kernels prefetch weights into L2 (ATLAS_PREFETCH=l2)
 
 
 class CudaRuntime:
@@ -75,6 +81,7 @@ class CudaRuntime:
         self._release.atexit = False
         self.capturing = False
         self.programmatic = options.programmatic  # bench/decode.py sets it to time both forms
+        self.prefetch = options.prefetch  # so does this one: read when a decode kernel is launched
         if self.programmatic:
             check_programmatic(driver, self.cc, image)
         self._functions: dict[str, Handle] = {}

@@ -108,21 +108,22 @@ def check_gpu_settings(environ: Mapping[str, str] = os.environ) -> None:
     from .ops_dense import ATTENTION_PREP_SWITCH, GEMM_SWITCH, PREFILL_ATTENTION_SWITCH, SAMPLE_SWITCH
     from .ops_delta_decode import DECODE_SWITCH
     from .ops_linear_moe import DELTA_RULE_SWITCH, ROUTER_SWITCH
-    from .runtime import CHECK_SWITCH, GRAPHS_SWITCH, LAUNCH_SWITCH
+    from .runtime import CHECK_SWITCH, GRAPHS_SWITCH, LAUNCH_SWITCH, PREFETCH_SWITCH
 
     device_ordinal(environ)
     binding_name(environ)
     for switch in (GEMM_SWITCH, PREFILL_ATTENTION_SWITCH, ATTENTION_PREP_SWITCH, DECODE_SWITCH, DELTA_RULE_SWITCH,
-                   ROUTER_SWITCH, SAMPLE_SWITCH, CHECK_SWITCH, GRAPHS_SWITCH, LAUNCH_SWITCH):
+                   ROUTER_SWITCH, SAMPLE_SWITCH, CHECK_SWITCH, GRAPHS_SWITCH, LAUNCH_SWITCH, PREFETCH_SWITCH):
         switch.read(environ=environ)
 
 
 def _open(driver: Driver, selection: Selection, eager: bool = False) -> CudaBackend:
     """eager: no CUDA graphs whatever ATLAS_CUDA_GRAPHS says (else it decides)."""
     from .backend import CudaBackend
-    from .runtime import CHECK_SWITCH, LAUNCH_SWITCH, CudaRuntime, RuntimeOptions
+    from .runtime import CHECK_SWITCH, LAUNCH_SWITCH, PREFETCH_SWITCH, CudaRuntime, RuntimeOptions
 
-    options = RuntimeOptions(check_launches=CHECK_SWITCH.read() == "1", programmatic=LAUNCH_SWITCH.read() == "pdl")
+    options = RuntimeOptions(check_launches=CHECK_SWITCH.read() == "1", programmatic=LAUNCH_SWITCH.read() == "pdl",
+                             prefetch=PREFETCH_SWITCH.read() == "l2")
     runtime = CudaRuntime(driver, load_image(selection.key, selection.kind), options)
     return CudaBackend(runtime, use_graphs=False if eager else None)
 
