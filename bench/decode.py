@@ -9,8 +9,9 @@ Reports prefill tok/s (512 and 2048 prompt tokens), decode tok/s (256 tokens aft
 prompt, greedy, the token id read back every step as a real generation does), bytes read per
 decode token, achieved GB/s and its share of the device-to-device copy bandwidth measured here,
 where a decode step's time goes (bench/step_profile.py: device time by kernel beside the
-replayed step's), each token-pick kernel alone (bench/pick_ops.py), and decode with the other
-launch form (plain / programmatic dependent launch).
+replayed step's), each token-pick kernel alone (bench/pick_ops.py), and decode under each launch
+setting (bench/launch_settings.py: plain / programmatic dependent launch, with and without L2
+weight prefetch).
 --prefill-only: prefill tok/s alone, once per prefill attention form (ATLAS_PREFILL_ATTENTION's
 first, then the others on the same loaded model) and once per gated delta rule form, and one layer's prefill attention per KV cache
 level and form (bench/kv_prefill.py); no decode and no transformers.
@@ -42,6 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cli  # noqa: E402
 import kv_prefill  # noqa: E402
+import launch_settings  # noqa: E402
 import pick_ops  # noqa: E402
 import step_marginal  # noqa: E402
 import step_profile  # noqa: E402
@@ -53,7 +55,6 @@ PREFILL_LENGTHS = (512, 2048)
 DECODE_CONTEXT = 1024
 DECODE_TOKENS = 256
 HF_DECODE_TOKENS = 32
-LAUNCH_CHECK_TOKENS = 32  # greedy tokens both launch forms must agree on
 SAMPLED_TOKENS = 64
 RECOMMENDED_SAMPLING = {"temperature": 1.0, "top_k": 20, "top_p": 0.95, "presence_penalty": 1.5}  # Qwen3.6's card
 WARMUP_TOKENS = 64  # the warm-up generation's prompt: loads the modules, captures the graph
@@ -155,7 +156,7 @@ class AtlasRun:
     load_s: float
     decode_sampled_tok_s: float  # with RECOMMENDED_SAMPLING, over SAMPLED_TOKENS
     decode_profile: dict[str, Any]  # step_profile.profile_decode: device time by kernel
-    decode_by_launch: dict[str, Any]  # time_launch_forms: plain vs programmatic dependent launch
+    decode_by_setting: dict[str, Any]  # launch_settings.time_settings: forms x launch form x weight prefetch
     pick_ops_us: dict[str, float]  # pick_ops.time_pick_ops: each pick kernel alone
 
 
@@ -183,31 +184,6 @@ def greedy_tokens(engine: Any, prompt: list[int], count: int) -> list[int]:
     tokens: list[int] = []
     engine.generate(prompt, count, SamplingParams(), None, set(), on_token=tokens.append)
     return tokens
-
-
-def time_launch_forms(engine: Any, prompt: list[int], own_rate: float) -> dict[str, Any]:
-    """Greedy decode tok/s with plain launches and with programmatic dependent launch (the form
-    ATLAS_LAUNCH did not pick is set on the runtime, the decode graph captured again), and whether
-    both forms give the same tokens: a kernel reading its input before griddepcontrol.wait would
-    show as a difference here."""
-    from atlas.backends.cuda.runtime import PDL_CC
-
-    rt = engine.backend.rt
-    own = "pdl" if rt.programmatic else "plain"
-    if tuple(rt.cc) < PDL_CC or not rt.driver.programmatic:
-        return {own: own_rate, "pdl": f"not run: compute capability {rt.cc} or the {rt.driver.binding} binding"}
-    reference = greedy_tokens(engine, prompt, LAUNCH_CHECK_TOKENS)
-    rt.programmatic = not rt.programmatic
-    engine.reset()  # the decode graph is captured again, with the other launches
-    try:
-        other = "pdl" if rt.programmatic else "plain"
-        tokens = greedy_tokens(engine, prompt, LAUNCH_CHECK_TOKENS)
-        rate, _ = time_decode(engine, prompt, DECODE_TOKENS)
-    finally:
-        rt.programmatic = not rt.programmatic
-        engine.reset()
-    log(f"decode with {other} launches: {rate:.1f} tok/s, tokens {'equal' if tokens == reference else 'DIFFER'}")
-    return {own: own_rate, other: rate, "tokens_equal": tokens == reference, "tokens_compared": len(tokens)}
 
 
 def time_prefill(engine: Any, prompt: list[int]) -> dict[str, float]:
@@ -321,7 +297,8 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     log(f"sampled decode (Qwen's recommended settings, penalties on the device): {sampled:.1f} tok/s")
     pick_us = pick_ops.time_pick_ops(backend, spec.vocab_size, RECOMMENDED_SAMPLING, rng)
     log(pick_ops.summary_line(pick_us))
-    by_launch = time_launch_forms(engine, prompt[:DECODE_CONTEXT], decode)
+    by_setting = launch_settings.time_settings(engine, prompt[:DECODE_CONTEXT], time_decode, greedy_tokens)
+    log(launch_settings.summary_line(by_setting))
     token = backend.upload(np.array([prompt[0]], dtype=np.int32), "i32")
     profile = step_profile.profile_decode(engine, token, DECODE_CONTEXT + SAMPLED_TOKENS, 1e6 / decode)
     log(step_profile.summary_line(profile))
@@ -330,7 +307,7 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     gc.collect()
     backend.rt.pool.trim()
     backend.rt.arena.release()  # transformers needs the memory next
-    return AtlasRun(prefill, decode, steps, load_s, sampled, profile, by_launch, pick_us), copy_bps, device
+    return AtlasRun(prefill, decode, steps, load_s, sampled, profile, by_setting, pick_us), copy_bps, device
 
 
 def run_transformers(config: dict[str, Any], rng: np.random.Generator, vocab: int) -> dict[str, Any]:
@@ -392,11 +369,11 @@ def kernel_forms() -> dict[str, str]:
     """The kernel form each ATLAS_* switch picks in this run (defaults included)."""
     from atlas.backends.cuda import ops_delta_decode, ops_dense, ops_linear_moe
 
-    from atlas.backends.cuda.runtime import LAUNCH_SWITCH
+    from atlas.backends.cuda.runtime import LAUNCH_SWITCH, PREFETCH_SWITCH
 
     switches = (ops_dense.GEMM_SWITCH, ops_dense.PREFILL_ATTENTION_SWITCH, ops_dense.ATTENTION_PREP_SWITCH,
                 ops_linear_moe.ROUTER_SWITCH, ops_linear_moe.DELTA_RULE_SWITCH, ops_delta_decode.DECODE_SWITCH,
-                ops_dense.SAMPLE_SWITCH, LAUNCH_SWITCH)
+                ops_dense.SAMPLE_SWITCH, LAUNCH_SWITCH, PREFETCH_SWITCH)
     return {switch.env: switch.read() for switch in switches}
 
 
@@ -437,7 +414,7 @@ def atlas_result(spec: Any, rng: np.random.Generator, decode_only: bool) -> dict
         "decode_tokens": atlas_run.decode_tokens, "decode_context": DECODE_CONTEXT,
         "decode_sampled_tok_s": atlas_run.decode_sampled_tok_s, "decode_sampled": RECOMMENDED_SAMPLING,
         "pick_ops_us": atlas_run.pick_ops_us,
-        "decode_profile": atlas_run.decode_profile, "decode_tok_s_by_launch": atlas_run.decode_by_launch,
+        "decode_profile": atlas_run.decode_profile, "decode_tok_s_by_setting": atlas_run.decode_by_setting,
         "decode_bytes_per_token": bytes_per_token, "decode_gb_s": achieved / 1e9,
         "copy_gb_s": copy_bps / 1e9, "roofline_pct": 100 * achieved / copy_bps,
         "roofline_tok_s": copy_bps / bytes_per_token["total"],
@@ -506,6 +483,9 @@ def run(args: argparse.Namespace) -> int:
             why = "flag" if args.skip_transformers or args.decode_only else f"{spent:.0f}s spent"
             result["notes"].append(f"transformers comparison skipped ({why})")
         else:
+            # atlas's numbers are on disk first: a transformers run the stage's time limit kills
+            # leaves them, with this note, instead of no JSON at all
+            write_json(args.out, {**result, "notes": [*result["notes"], "transformers comparison did not finish"]})
             compare_transformers(result, config, rng, spec.vocab_size)
         shown = ("prefill_tok_s", "decode_tok_s", "roofline_pct")
     result["seconds"] = time.perf_counter() - started

@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from event_timing import median_ms
 from launch_hook import Launch, launch_hook
 
 STEPS = 3
+BACK_TO_BACK = 32  # graph-replayed steps enqueued without a read-back between them
 QUEUE_COPIES = 16  # back-to-back copies of QUEUE_BYTES: ~7 ms on an H200, longer than enqueuing a step
 QUEUE_BYTES = 1 << 30
 TOP = 8  # kernels named in the summary line
@@ -53,11 +55,23 @@ def queue_ahead(rt: Any, scratch: tuple[Any, Any], copies: int) -> None:
         rt.driver.memcpy_dtod(dst.ptr, src.ptr, src.nbytes, rt.stream)
 
 
+def back_to_back_step_us(engine: Any, token: Any, position: int) -> float:
+    """Device microseconds per graph-replayed decode step when BACK_TO_BACK steps are enqueued
+    with nothing read back between them (all from `token` at `position`): the step with no host gap,
+    since the host enqueues a step faster than the device runs one."""
+    def steps() -> None:
+        for _ in range(BACK_TO_BACK):
+            engine.decode_tensor(token, position)
+
+    return 1e3 * median_ms(engine.backend.rt, steps, repeats=2, reset_step=False) / BACK_TO_BACK
+
+
 def profile_decode(engine: Any, token: Any, position: int, graph_step_us: float) -> dict[str, Any]:
     """STEPS eager decode steps from `token` (a [1] i32 device tensor) at `position`: per kernel
     launches and device time per step; their sum beside `graph_step_us` (a graph-replayed step,
-    pick and read-back included)."""
+    pick and read-back included) and the replayed step back to back (no pick, no host gap)."""
     rt = engine.backend.rt
+    device_step_us = back_to_back_step_us(engine, token, position)
     scratch = (rt.persistent((QUEUE_BYTES // 4,), "f32"), rt.persistent((QUEUE_BYTES // 4,), "f32"))
     rt.memset_zero(scratch[0])
     timed = LaunchTimes(rt)
@@ -71,6 +85,7 @@ def profile_decode(engine: Any, token: Any, position: int, graph_step_us: float)
     return {
         "steps": STEPS, "launches_per_step": sum(row["launches"] for row in kernels.values()),
         "kernel_us_per_step": kernel_us, "graph_step_us": graph_step_us,
+        "back_to_back_step_us": device_step_us, "host_gap_us": graph_step_us - device_step_us,
         "outside_kernels_us_per_step": graph_step_us - kernel_us,
         "kernels": {k: {"launches": round(v["launches"], 2), "us": round(v["us"], 2)} for k, v in kernels.items()},
     }
@@ -78,6 +93,11 @@ def profile_decode(engine: Any, token: Any, position: int, graph_step_us: float)
 
 def summary_line(profile: dict[str, Any]) -> str:
     top = ", ".join(f"{k} {v['us']:.0f}" for k, v in list(profile["kernels"].items())[:TOP])
-    return (f"decode step: {profile['graph_step_us']:.0f} us replayed, {profile['kernel_us_per_step']:.0f} us in "
+    back_to_back = ""
+    if "back_to_back_step_us" in profile:  # older results lack it
+        back_to_back = (f" ({profile['back_to_back_step_us']:.0f} back to back, so {profile['host_gap_us']:.0f} us of "
+                        "pick, read-back and host per token)")
+    return (f"decode step: {profile['graph_step_us']:.0f} us replayed{back_to_back}, "
+            f"{profile['kernel_us_per_step']:.0f} us in "
             f"{profile['launches_per_step']:.0f} kernels, {profile['outside_kernels_us_per_step']:.0f} us outside "
             f"them; by kernel (us): {top}")

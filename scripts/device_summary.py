@@ -18,6 +18,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import kv_prefill  # noqa: E402  (its summary line)
+import launch_settings  # noqa: E402  (its summary line)
 import step_marginal  # noqa: E402  (its summary line)
 import step_profile  # noqa: E402  (its summary line)
 import weight_bandwidth  # noqa: E402  (its summary line)
@@ -55,6 +56,8 @@ def junit_lines(path: Path) -> list[str]:
 
 def decode_lines(r: dict[str, Any]) -> list[str]:
     lines = [f"{key}: {json.dumps(r[key])}" for key in RESULT_KEYS if key in r]
+    if "decode_tok_s_by_setting" in r:
+        lines.append(launch_settings.summary_line(r["decode_tok_s_by_setting"]))
     if "decode_profile" in r:
         lines.append(step_profile.summary_line(r["decode_profile"]))
     return lines

@@ -330,11 +330,11 @@ def test_decode_bench_writes_its_json_in_every_mode(mode: str, tmp_path: Path, r
     tok_s = float(rng.uniform(50, 500))
     profile = {"kernels": {"atlas_gemv_t1": {"launches": 90.0, "us": 900.0}}, "launches_per_step": 90.0,
                "kernel_us_per_step": 900.0, "graph_step_us": 1e6 / tok_s, "outside_kernels_us_per_step": 1e6 / tok_s - 900}
-    by_launch = {"plain": tok_s, "pdl": 1.1 * tok_s, "tokens_equal": True, "tokens_compared": 32}
+    by_setting = {"plain": tok_s, "pdl": 1.1 * tok_s, "tokens_differ": [], "tokens_compared": 32, "rounds": 2}
     pick_us = {"argmax": float(rng.uniform(5, 20)), "sample": float(rng.uniform(20, 3000))}
     run = SimpleNamespace(load_s=1.0, prefill_tok_s={"512": 3 * tok_s, "2048": 2 * tok_s}, decode_tok_s=tok_s,
                           decode_tokens=256, decode_sampled_tok_s=tok_s / 2, decode_profile=profile,
-                          decode_by_launch=by_launch, pick_ops_us=pick_us)
+                          decode_by_setting=by_setting, pick_ops_us=pick_us)
     marginal = {"step_us": 1e6 / tok_s, "kernels": {"atlas_gemv_t1": {"launches": 41, "us": 900.0}}}
     monkeypatch.setattr(decode, "run_atlas", lambda spec, rng, timed_prefill=True: (run, 4.0e12, "stand-in"))
     monkeypatch.setattr(decode, "run_prefill_forms", lambda spec, rng: {"prefill_attention": "simt", "prefill_tok_s_by_form": {"simt": tok_s}})
@@ -357,7 +357,7 @@ def test_decode_bench_writes_its_json_in_every_mode(mode: str, tmp_path: Path, r
     assert decode_spec.num_hidden_layers == 40
     per_token = decode.decode_bytes_per_token(decode_spec, decode.DECODE_CONTEXT + decode.DECODE_TOKENS // 2)
     assert result["roofline_pct"] == pytest.approx(100 * per_token["total"] * tok_s / 4.0e12)
-    assert result["decode_profile"] == profile and result["decode_tok_s_by_launch"] == by_launch
+    assert result["decode_profile"] == profile and result["decode_tok_s_by_setting"] == by_setting
     assert result["pick_ops_us"] == pick_us
     if mode == "full":
         assert result["speedup_vs_transformers"] == {"decode": pytest.approx(4.0), "prefill_512": pytest.approx(3.0),

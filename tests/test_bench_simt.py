@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import decode as bench_decode  # noqa: E402
 import kv_prefill  # noqa: E402
+import launch_settings  # noqa: E402
 import pick_ops  # noqa: E402
 import device_summary  # noqa: E402
 import quant as bench_quant  # noqa: E402
@@ -50,8 +51,13 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
                         ("SAMPLED_TOKENS", 3), ("WARMUP_TOKENS", 4), ("COPY_BYTES", 1 << 20)):
         monkeypatch.setattr(bench_decode, name, value)
     monkeypatch.setattr(step_profile, "QUEUE_BYTES", 1 << 16)
+    monkeypatch.setattr(step_profile, "BACK_TO_BACK", 2)
     monkeypatch.setattr(pick_ops, "REPEATS", 1)
-    monkeypatch.setattr(bench_decode, "LAUNCH_CHECK_TOKENS", 3)
+    monkeypatch.setattr(launch_settings, "CHECK_TOKENS", 3)
+    monkeypatch.setattr(launch_settings, "TOKENS", 2)
+    monkeypatch.setattr(launch_settings, "ROUNDS", 1)
+    everything = launch_settings.Setting(fused=True, programmatic=True, prefetch=True)
+    monkeypatch.setattr(launch_settings, "SETTINGS", [launch_settings.SETTINGS[0], everything])  # plain and all on
     monkeypatch.setattr(bench_quant, "MOE_TOKENS", 4)
     monkeypatch.setattr(kv_prefill, "PROMPT_TOKENS", 8)
     monkeypatch.setattr(kv_prefill, "REPEATS", 1)
@@ -82,14 +88,18 @@ def check_decode_result(r: dict[str, Any]) -> None:
 
 def check_launch_and_profile(r: dict[str, Any]) -> None:
     """bench/decode.py's own: decode with both launch forms, and the step profile."""
-    by_launch = r["decode_tok_s_by_launch"]
-    assert by_launch["tokens_equal"] and by_launch["tokens_compared"] == 3, by_launch
-    assert all(math.isfinite(by_launch[form]) and by_launch[form] > 0 for form in ("plain", "pdl")), by_launch
+    by_setting = r["decode_tok_s_by_setting"]
+    assert by_setting["tokens_differ"] == [] and by_setting["tokens_compared"] == 3, by_setting
+    assert by_setting["rounds"] == 1
+    rates = [by_setting[name] for name in ("plain", "fused+pdl+l2")]
+    assert all(math.isfinite(rate) and rate > 0 for rate in rates), by_setting
     profile = r["decode_profile"]
     kernels = profile["kernels"]
     assert {"atlas_embedding_bf16", "atlas_gemv_t1", "atlas_attention_decode"} <= set(kernels), kernels
     assert profile["launches_per_step"] == sum(k["launches"] for k in kernels.values()) >= 4 * 8  # 4 layers
     assert profile["kernel_us_per_step"] > 0
+    assert 0 < profile["back_to_back_step_us"] and profile["host_gap_us"] == pytest.approx(
+        profile["graph_step_us"] - profile["back_to_back_step_us"])
     assert list(kernels) == sorted(kernels, key=lambda k: -kernels[k]["us"])
     assert_rates(r["pick_ops_us"], {"argmax", "penalize", "sample_block", "sample_split", "count_token"})
 

@@ -90,3 +90,31 @@ def test_marginal_and_delta_rule_variants_get_their_lines(rng: np.random.Generat
     assert lines[0].startswith(f"in-graph cost: step {step:.0f} us") and all(k in lines[0] for k in kernels)
     assert lines[1] == f"weights streamed alone (GB/s): GEMV 12288x2048 {gb_s:.0f}; MoE step (9 experts) {gb_s / 2:.0f}"
     assert lines[-1] == f"prefill tok/s by delta rule form: {json.dumps(rule)}"
+
+
+def test_decode_profile_line_gives_the_host_gap_when_measured(tmp_path: Path, rng: np.random.Generator) -> None:
+    step, back_to_back = float(rng.uniform(3000, 4000)), float(rng.uniform(2000, 3000))
+    profile = {"steps": 3, "launches_per_step": 473.0, "kernel_us_per_step": 6550.0, "graph_step_us": step,
+               "outside_kernels_us_per_step": step - 6550.0, "kernels": {"atlas_gemv_t1": {"launches": 41.0, "us": 987.0}}}
+    (tmp_path / "results.json").write_text(json.dumps({"decode_profile": profile}))
+    older = device_summary.report(tmp_path)
+    assert any(line.startswith(f"decode step: {step:.0f} us replayed, 6550 us in 473 kernels") for line in older), older
+    profile.update(back_to_back_step_us=back_to_back, host_gap_us=step - back_to_back)
+    (tmp_path / "results.json").write_text(json.dumps({"decode_profile": profile}))
+    lines = device_summary.report(tmp_path)
+    expected = (f"decode step: {step:.0f} us replayed ({back_to_back:.0f} back to back, so {step - back_to_back:.0f} us "
+                "of pick, read-back and host per token), 6550 us in 473 kernels")
+    assert any(line.startswith(expected) for line in lines), lines
+
+
+def test_settings_line_names_each_rate_and_the_settings_that_differ(tmp_path: Path, rng: np.random.Generator) -> None:
+    import launch_settings
+
+    rates = {s.name: float(rng.uniform(250, 450)) for s in launch_settings.SETTINGS}
+    rates["pdl"] = "not run: compute capability (8, 0) or the pycuda binding"
+    result = {**rates, "tokens_differ": ["fused+l2"], "tokens_compared": 32, "rounds": 2}
+    (tmp_path / "results.json").write_text(json.dumps({"decode_tok_s_by_setting": result}))
+    [line] = [line for line in device_summary.report(tmp_path) if line.startswith("decode tok/s by setting")]
+    assert line.startswith("decode tok/s by setting (median of 2 interleaved rounds): plain ")
+    assert f"fused+pdl+l2 {rates['fused+pdl+l2']:.1f}" in line and " pdl " not in line
+    assert line.endswith("; tokens differ: fused+l2")

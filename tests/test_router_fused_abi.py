@@ -246,3 +246,36 @@ def test_bad_router_form_is_one_line_at_backend_build(monkeypatch: pytest.Monkey
     monkeypatch.delenv(ops.ROUTER_ENV)
     backend = CudaBackend(rt)
     assert backend.router_form == "split" and backend._router_arrivals is None and "fused" not in backend.describe()
+
+
+def test_decode_forms_switch_between_captures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """use_decode_forms (bench/launch_settings.py's switch): the next captured decode step runs the
+    forms set last, and each fused form's counters are allocated once, on its first use."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_cuda_select import make_runtime
+
+    from atlas.backends.cuda.backend import CudaBackend
+    from atlas.config import load_spec
+    from atlas.demo import DEMO_DIR
+    from atlas.engine import Engine
+    from atlas.safetensors import Checkpoint
+
+    for switch in (ops.ROUTER_ENV, "ATLAS_DELTANET_DECODE", "ATLAS_ATTENTION_PREP"):
+        monkeypatch.delenv(switch, raising=False)
+    rt, driver = make_runtime(arena_bytes=8 << 20)
+    backend = CudaBackend(rt)
+    engine = Engine(load_spec(DEMO_DIR), Checkpoint.open(DEMO_DIR), backend, max_seq_len=64)
+    engine.prefill([1, 2, 3])
+    fused_kernels = {FUSED, "atlas_delta_net_decode", "atlas_attention_prep"}
+    counters = []
+    for position, fused in enumerate((False, True, False, True), start=3):
+        backend.use_decode_forms(*(("fused",) * 3 if fused else ("split", "separate", "separate")))
+        engine.reset()
+        first = len(driver.launches)
+        engine.decode(5, position)
+        step = {name for name, *_ in driver.launches[first:]}
+        assert (step & fused_kernels == fused_kernels) if fused else not step & fused_kernels, sorted(step)
+        assert ("fused router" in backend.describe()) == fused
+        counters.append((backend._router_arrivals and backend._router_arrivals.ptr,
+                         backend._delta_arrivals and backend._delta_arrivals.ptr))
+    assert counters[0] == (None, None) and None not in counters[1] and counters[1] == counters[2] == counters[3]

@@ -46,14 +46,10 @@ class CudaBackend:
         self.rt = rt
         self.prefill_attention = ops_dense.prefill_attention_form()  # ATLAS_PREFILL_ATTENTION: "mma" | "simt"
         self.gemm_form = ops_dense.gemm_form(rt)  # ATLAS_GEMM: "mma" | "wgmma" (h200 only)
-        self.router_form = ops_linear_moe.router_form(router)
-        fused = self.router_form == "fused"
-        self._router_arrivals = ops_linear_moe.router_arrivals(rt) if fused else None
-        self.delta_net_form = ops_delta_decode.decode_form(delta_net)  # "separate" | "fused"
+        self._router_arrivals: DeviceTensor | None = None
+        self._delta_arrivals: DeviceTensor | None = None
+        self.use_decode_forms(router, delta_net, attention_prep)
         ops_linear_moe.DELTA_RULE_SWITCH.read()  # read per prompt; a bad value is one line now, not at the first
-        fused_delta = self.delta_net_form == "fused"
-        self._delta_arrivals = ops_delta_decode.decode_arrivals(rt) if fused_delta else None
-        self.attention_prep_form = ops_dense.ATTENTION_PREP_SWITCH.read(attention_prep)  # "separate" | "fused"
         self.sample_form = ops_dense.SAMPLE_SWITCH.read()  # ATLAS_SAMPLE: "block" | "split"
         self.uploader = Uploader(rt)
         if use_graphs is None:
@@ -64,10 +60,25 @@ class CudaBackend:
                   file=sys.stderr)
         self._ids_carry: DeviceTensor | None = None
 
+    def use_decode_forms(self, router: str | None = None, delta_net: str | None = None,
+                         attention_prep: str | None = None) -> None:
+        """The decode ops' forms: `router` "split" | "fused", `delta_net` and `attention_prep`
+        "separate" | "fused" (None: ATLAS_ROUTER, ATLAS_DELTANET_DECODE, ATLAS_ATTENTION_PREP
+        decide). A fused form's arrival counters are allocated on its first use and kept (a
+        captured graph holds their address). bench/launch_settings.py switches the forms between
+        decode graph captures."""
+        self.router_form = ops_linear_moe.router_form(router)
+        self.delta_net_form = ops_delta_decode.decode_form(delta_net)
+        self.attention_prep_form = ops_dense.ATTENTION_PREP_SWITCH.read(attention_prep)
+        if self.router_form == "fused" and self._router_arrivals is None:
+            self._router_arrivals = ops_linear_moe.router_arrivals(self.rt)
+        if self.delta_net_form == "fused" and self._delta_arrivals is None:
+            self._delta_arrivals = ops_delta_decode.decode_arrivals(self.rt)
+
     def describe(self) -> str:
         info = self.rt.info
         graphs = "CUDA graphs" if self.use_graphs else "no CUDA graphs"
-        fused = (("router", self._router_arrivals is not None), ("attention prep", self.attention_prep_form == "fused"))
+        fused = (("router", self.router_form == "fused"), ("attention prep", self.attention_prep_form == "fused"))
         forms = "".join(f", fused {name}" for name, on in fused if on)
         forms += ", split sampling" if self.sample_form == "split" else ""
         launch = ", programmatic launches" if self.rt.programmatic else ""
@@ -247,13 +258,13 @@ class CudaBackend:
         return compose_gated_delta_net(self, x, layer)
 
     def fuses_gated_delta_net(self, tokens: int) -> bool:
-        return self._delta_arrivals is not None and tokens == 1
+        return self.delta_net_form == "fused" and tokens == 1
 
     # --- mixture of experts -------------------------------------------------------------------
     def router(self, x: DeviceTensor, weight: DeviceTensor, top_k: int, renormalize: bool, *,
                shared_expert: bool = False) -> tuple[DeviceTensor, DeviceTensor]:
         return ops_linear_moe.router(self.rt, x, weight, top_k, renormalize, shared_expert=shared_expert,
-                                     arrivals=self._router_arrivals)
+                                     arrivals=self._router_arrivals if self.router_form == "fused" else None)
 
     def moe_experts(self, x: DeviceTensor, ids: DeviceTensor, weights: DeviceTensor,
                     gate_up: DeviceTensor | QuantWeight, down: DeviceTensor | QuantWeight) -> DeviceTensor:

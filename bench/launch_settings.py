@@ -1,0 +1,101 @@
+"""Greedy decode tok/s under each setting of the decode step: the default or the fused forms of
+the decode ops (ATLAS_DELTANET_DECODE, ATLAS_ROUTER, ATLAS_ATTENTION_PREP all fused) x plain or
+programmatic dependent launch (ATLAS_LAUNCH) x with or without L2 weight prefetch
+(ATLAS_PREFETCH), each set on the backend and the decode graph captured again for it.
+
+Settings take turns over ROUNDS rounds and each rate is the median of its rounds, so a drift of
+the device's clocks during the run falls on every setting alike (one run per setting, in separate
+processes, put the fused forms and pdl within 2 % of plain either way, 2026-12-04). Each setting's
+first CHECK_TOKENS greedy tokens are compared with those of the run's own setting: a kernel that
+read its input before griddepcontrol.wait, or a prefetch that changed a result, shows there."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import product
+from typing import Any
+
+import numpy as np
+
+ROUNDS = 2
+TOKENS = 128  # timed per round and setting
+CHECK_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class Setting:
+    fused: bool  # the fused DeltaNet decode kernel, router and attention prep
+    programmatic: bool  # ATLAS_LAUNCH=pdl
+    prefetch: bool  # ATLAS_PREFETCH=l2
+
+    @property
+    def name(self) -> str:
+        parts = [part for part, on in (("fused", self.fused), ("pdl", self.programmatic), ("l2", self.prefetch)) if on]
+        return "+".join(parts) or "plain"
+
+
+SETTINGS = [Setting(*flags) for flags in product((False, True), repeat=3)]  # "plain" first
+
+TimeDecode = Callable[[Any, list[int], int], tuple[float, int]]  # decode.time_decode
+GreedyTokens = Callable[[Any, list[int], int], list[int]]  # decode.greedy_tokens
+
+
+def runnable(rt: Any) -> tuple[list[Setting], str | None]:
+    """The settings this device and binding can run, and why the others cannot (None: all can)."""
+    from atlas.backends.cuda.runtime import PDL_CC
+
+    if tuple(rt.cc) >= PDL_CC and rt.driver.programmatic:
+        return SETTINGS, None
+    return [s for s in SETTINGS if not s.programmatic], f"not run: compute capability {rt.cc} or the {rt.driver.binding} binding"
+
+
+def use(engine: Any, setting: Setting) -> None:
+    """The backend decodes with `setting` from the next step on (the decode graph captured again)."""
+    backend = engine.backend
+    backend.rt.programmatic, backend.rt.prefetch = setting.programmatic, setting.prefetch
+    if setting.fused:
+        backend.use_decode_forms("fused", "fused", "fused")
+    else:
+        backend.use_decode_forms("split", "separate", "separate")
+    engine.reset()
+
+
+def restore(engine: Any, saved: tuple[Any, ...]) -> None:
+    backend = engine.backend
+    programmatic, prefetch, *forms = saved
+    backend.rt.programmatic, backend.rt.prefetch = programmatic, prefetch
+    backend.use_decode_forms(*forms)
+    engine.reset()
+
+
+def time_settings(engine: Any, prompt: list[int], time_decode: TimeDecode, greedy_tokens: GreedyTokens) -> dict[str, Any]:
+    """setting name -> median tok/s (or why it did not run), and the settings whose greedy
+    tokens differ from the run's own. The backend's own setting is restored afterwards."""
+    backend = engine.backend
+    saved = (backend.rt.programmatic, backend.rt.prefetch, backend.router_form, backend.delta_net_form,
+             backend.attention_prep_form)
+    settings, why_not = runnable(backend.rt)
+    rates: dict[str, list[float]] = {s.name: [] for s in settings}
+    differ: list[str] = []
+    try:
+        reference = greedy_tokens(engine, prompt, CHECK_TOKENS)
+        for setting in settings:
+            use(engine, setting)
+            if greedy_tokens(engine, prompt, CHECK_TOKENS) != reference:
+                differ.append(setting.name)
+        for _ in range(ROUNDS):
+            for setting in settings:
+                use(engine, setting)
+                rates[setting.name].append(time_decode(engine, prompt, TOKENS)[0])
+    finally:
+        restore(engine, saved)
+    result: dict[str, Any] = {s.name: float(np.median(rates[s.name])) if s.name in rates else why_not for s in SETTINGS}
+    return {**result, "tokens_differ": differ, "tokens_compared": CHECK_TOKENS, "rounds": ROUNDS}
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    rates = ", ".join(f"{s.name} {result[s.name]:.1f}" for s in SETTINGS if isinstance(result.get(s.name), float))
+    differ = result["tokens_differ"]
+    same = f"tokens differ: {', '.join(differ)}" if differ else "tokens equal"
+    return f"decode tok/s by setting (median of {result['rounds']} interleaved rounds): {rates}; {same}"

@@ -1,0 +1,85 @@
+"""bench/launch_settings.py on a stand-in engine: every setting is set on the backend before it
+is timed, the settings take turns round by round, each rate is the median of its rounds, a setting
+whose tokens differ is named, and the backend's own setting comes back afterwards."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import launch_settings  # noqa: E402
+
+FORMS = {True: ("fused", "fused", "fused"), False: ("split", "separate", "separate")}
+
+
+@dataclass
+class StandInBackend:
+    rt: Any
+    router_form: str = "fused"  # the run's own setting: only the router fused (no setting of the bench)
+    delta_net_form: str = "separate"
+    attention_prep_form: str = "separate"
+
+    def use_decode_forms(self, router: str, delta_net: str, attention_prep: str) -> None:
+        self.router_form, self.delta_net_form, self.attention_prep_form = router, delta_net, attention_prep
+
+
+@dataclass
+class StandInEngine:
+    backend: StandInBackend
+    timed: list[str] = field(default_factory=list)
+    resets: int = 0
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    def setting(self) -> str | None:
+        """The bench setting the backend is in now (None: the forms of none, as the run's own)."""
+        b = self.backend
+        forms = (b.router_form, b.delta_net_form, b.attention_prep_form)
+        if forms not in FORMS.values():
+            return None
+        return launch_settings.Setting(forms == FORMS[True], b.rt.programmatic, b.rt.prefetch).name
+
+
+def make_engine(cc: tuple[int, int]) -> StandInEngine:
+    driver = SimpleNamespace(programmatic=True, binding="cuda-bindings")
+    rt = SimpleNamespace(programmatic=False, prefetch=True, cc=cc, driver=driver)
+    return StandInEngine(StandInBackend(rt))
+
+
+@pytest.mark.parametrize("cc", [(9, 0), (8, 0)])
+def test_settings_take_turns_and_the_own_setting_comes_back(rng: np.random.Generator, cc: tuple[int, int]) -> None:
+    engine = make_engine(cc)
+    names = [s.name for s in launch_settings.SETTINGS]
+    rates = {name: rng.uniform(100, 500, size=launch_settings.ROUNDS) for name in names}
+    differs = str(rng.choice(names[1:]))
+
+    def time_decode(e: StandInEngine, prompt: list[int], tokens: int) -> tuple[float, int]:
+        assert e.resets > 0 and tokens == launch_settings.TOKENS
+        name = e.setting()
+        assert name is not None
+        e.timed.append(name)
+        return float(rates[name][e.timed.count(name) - 1]), tokens - 1
+
+    def greedy_tokens(e: StandInEngine, prompt: list[int], count: int) -> list[int]:
+        return [1] * count if e.setting() == differs else [0] * count
+
+    result = launch_settings.time_settings(engine, [1, 2, 3], time_decode, greedy_tokens)
+    ran = [n for n in names if cc >= (9, 0) or "pdl" not in n]
+    assert engine.timed == ran * launch_settings.ROUNDS  # round by round, every setting once per round
+    for name in names:
+        if name in ran:
+            assert result[name] == pytest.approx(float(np.median(rates[name])))
+        else:
+            assert result[name].startswith("not run: compute capability (8, 0)")
+    assert result["tokens_differ"] == ([differs] if differs in ran else [])
+    b = engine.backend
+    assert (b.rt.programmatic, b.rt.prefetch, b.router_form, b.delta_net_form) == (False, True, "fused", "separate")
