@@ -9,14 +9,15 @@ Reports prefill tok/s (512 and 2048 prompt tokens), decode tok/s (256 tokens aft
 prompt, greedy, the token id read back every step as a real generation does), bytes read per
 decode token, achieved GB/s and its share of the device-to-device copy bandwidth measured here,
 where a decode step's time goes (bench/step_profile.py: device time by kernel beside the
-replayed step's), each token-pick kernel alone (bench/pick_ops.py), and decode under each launch
-setting (bench/launch_settings.py: plain / programmatic dependent launch, with and without L2
-weight prefetch).
+replayed step's), each token-pick kernel alone (bench/pick_ops.py), greedy decode under each
+setting of the step and sampled decode under each draw form (bench/launch_settings.py: the
+default or fused forms, plain or programmatic dependent launch, with or without the L2 weight
+prefetch; ATLAS_SAMPLE block or split), in interleaved rounds on the one loaded model.
 --prefill-only: prefill tok/s alone, once per prefill attention form (ATLAS_PREFILL_ATTENTION's
 first, then the others on the same loaded model) and once per gated delta rule form, and one layer's prefill attention per KV cache
 level and form (bench/kv_prefill.py); no decode and no transformers.
---decode-only: decode tok/s alone (no prefill timing, no transformers); the device check runs it
-again with ATLAS_DELTANET_DECODE=fused to set the fused DeltaNet decode kernel against the default.
+--decode-only: decode alone (no prefill timing, no transformers), e.g. to time other kernel forms
+than the defaults quickly.
 --marginal-only: each decode kernel's cost inside the replayed graph (bench/step_marginal.py: the
 step with one kernel's launches doubled, against the plain one) and each weight-streaming kernel's
 GB/s alone (bench/weight_bandwidth.py), nothing else.
@@ -34,7 +35,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +160,7 @@ class AtlasRun:
     decode_sampled_tok_s: float  # with RECOMMENDED_SAMPLING, over SAMPLED_TOKENS
     decode_profile: dict[str, Any]  # step_profile.profile_decode: device time by kernel
     decode_by_setting: dict[str, Any]  # launch_settings.time_settings: forms x launch form x weight prefetch
+    decode_sampled_by_form: dict[str, Any]  # launch_settings.time_sample_forms: ATLAS_SAMPLE block vs split
     pick_ops_us: dict[str, float]  # pick_ops.time_pick_ops: each pick kernel alone
 
 
@@ -281,6 +285,18 @@ def run_prefill_forms(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
     return result
 
 
+def side_measure(what: str, measure: Callable[[], dict[str, Any]], line: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+    """measure()'s result, logged; its failure recorded as {"error": ...}: a comparison on the
+    side must not cost the run's main numbers."""
+    try:
+        result = measure()
+    except Exception as err:
+        traceback.print_exc()
+        return {"error": f"{type(err).__name__}: {err}"[:400]}
+    log(f"{what}: {line(result)}")
+    return result
+
+
 def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -> tuple[AtlasRun, float, str]:
     from atlas.backends.base import SamplingParams
 
@@ -297,8 +313,11 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     log(f"sampled decode (Qwen's recommended settings, penalties on the device): {sampled:.1f} tok/s")
     pick_us = pick_ops.time_pick_ops(backend, spec.vocab_size, RECOMMENDED_SAMPLING, rng)
     log(pick_ops.summary_line(pick_us))
-    by_setting = launch_settings.time_settings(engine, prompt[:DECODE_CONTEXT], time_decode, greedy_tokens)
-    log(launch_settings.summary_line(by_setting))
+    by_setting = side_measure("settings", partial(launch_settings.time_settings, engine, prompt[:DECODE_CONTEXT],
+                                                  time_decode, greedy_tokens), launch_settings.summary_line)
+    sample_forms = side_measure("sampled decode tok/s by form", partial(
+        launch_settings.time_sample_forms, engine, prompt[:DECODE_CONTEXT], time_decode,
+        SamplingParams(**RECOMMENDED_SAMPLING)), json.dumps)
     token = backend.upload(np.array([prompt[0]], dtype=np.int32), "i32")
     profile = step_profile.profile_decode(engine, token, DECODE_CONTEXT + SAMPLED_TOKENS, 1e6 / decode)
     log(step_profile.summary_line(profile))
@@ -307,7 +326,7 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     gc.collect()
     backend.rt.pool.trim()
     backend.rt.arena.release()  # transformers needs the memory next
-    return AtlasRun(prefill, decode, steps, load_s, sampled, profile, by_setting, pick_us), copy_bps, device
+    return AtlasRun(prefill, decode, steps, load_s, sampled, profile, by_setting, sample_forms, pick_us), copy_bps, device
 
 
 def run_transformers(config: dict[str, Any], rng: np.random.Generator, vocab: int) -> dict[str, Any]:
@@ -415,6 +434,7 @@ def atlas_result(spec: Any, rng: np.random.Generator, decode_only: bool) -> dict
         "decode_sampled_tok_s": atlas_run.decode_sampled_tok_s, "decode_sampled": RECOMMENDED_SAMPLING,
         "pick_ops_us": atlas_run.pick_ops_us,
         "decode_profile": atlas_run.decode_profile, "decode_tok_s_by_setting": atlas_run.decode_by_setting,
+        "decode_sampled_tok_s_by_form": atlas_run.decode_sampled_by_form,
         "decode_bytes_per_token": bytes_per_token, "decode_gb_s": achieved / 1e9,
         "copy_gb_s": copy_bps / 1e9, "roofline_pct": 100 * achieved / copy_bps,
         "roofline_tok_s": copy_bps / bytes_per_token["total"],

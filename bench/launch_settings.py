@@ -1,7 +1,8 @@
 """Greedy decode tok/s under each setting of the decode step: the default or the fused forms of
 the decode ops (ATLAS_DELTANET_DECODE, ATLAS_ROUTER, ATLAS_ATTENTION_PREP all fused) x plain or
 programmatic dependent launch (ATLAS_LAUNCH) x with or without L2 weight prefetch
-(ATLAS_PREFETCH), each set on the backend and the decode graph captured again for it.
+(ATLAS_PREFETCH), each set on the backend and the decode graph captured again for it; and sampled
+decode tok/s under each draw form (ATLAS_SAMPLE).
 
 Settings take turns over ROUNDS rounds and each rate is the median of its rounds, so a drift of
 the device's clocks during the run falls on every setting alike (one run per setting, in separate
@@ -37,7 +38,7 @@ class Setting:
 
 SETTINGS = [Setting(*flags) for flags in product((False, True), repeat=3)]  # "plain" first
 
-TimeDecode = Callable[[Any, list[int], int], tuple[float, int]]  # decode.time_decode
+TimeDecode = Callable[..., tuple[float, int]]  # decode.time_decode(engine, prompt, tokens[, sampling])
 GreedyTokens = Callable[[Any, list[int], int], list[int]]  # decode.greedy_tokens
 
 
@@ -69,6 +70,16 @@ def restore(engine: Any, saved: tuple[Any, ...]) -> None:
     engine.reset()
 
 
+def interleaved_medians(names: list[str], use: Callable[[str], None], rate: Callable[[], float]) -> dict[str, float]:
+    """name -> the median over ROUNDS rounds of rate() after use(name), the names taking turns."""
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(ROUNDS):
+        for name in names:
+            use(name)
+            rates[name].append(rate())
+    return {name: float(np.median(r)) for name, r in rates.items()}
+
+
 def time_settings(engine: Any, prompt: list[int], time_decode: TimeDecode, greedy_tokens: GreedyTokens) -> dict[str, Any]:
     """setting name -> median tok/s (or why it did not run), and the settings whose greedy
     tokens differ from the run's own. The backend's own setting is restored afterwards."""
@@ -76,7 +87,7 @@ def time_settings(engine: Any, prompt: list[int], time_decode: TimeDecode, greed
     saved = (backend.rt.programmatic, backend.rt.prefetch, backend.router_form, backend.delta_net_form,
              backend.attention_prep_form)
     settings, why_not = runnable(backend.rt)
-    rates: dict[str, list[float]] = {s.name: [] for s in settings}
+    by_name = {s.name: s for s in settings}
     differ: list[str] = []
     try:
         reference = greedy_tokens(engine, prompt, CHECK_TOKENS)
@@ -84,14 +95,27 @@ def time_settings(engine: Any, prompt: list[int], time_decode: TimeDecode, greed
             use(engine, setting)
             if greedy_tokens(engine, prompt, CHECK_TOKENS) != reference:
                 differ.append(setting.name)
-        for _ in range(ROUNDS):
-            for setting in settings:
-                use(engine, setting)
-                rates[setting.name].append(time_decode(engine, prompt, TOKENS)[0])
+        rates = interleaved_medians(list(by_name), lambda name: use(engine, by_name[name]),
+                                    lambda: time_decode(engine, prompt, TOKENS)[0])
     finally:
         restore(engine, saved)
-    result: dict[str, Any] = {s.name: float(np.median(rates[s.name])) if s.name in rates else why_not for s in SETTINGS}
+    result: dict[str, Any] = {s.name: rates.get(s.name, why_not) for s in SETTINGS}
     return {**result, "tokens_differ": differ, "tokens_compared": CHECK_TOKENS, "rounds": ROUNDS}
+
+
+def time_sample_forms(engine: Any, prompt: list[int], time_decode: TimeDecode, sampling: Any) -> dict[str, Any]:
+    """Sampled decode tok/s (`sampling`) per ATLAS_SAMPLE form, the median of ROUNDS interleaved
+    runs of TOKENS; the draw runs outside the decode graph, so a form needs no capture."""
+    from atlas.backends.cuda.ops_dense import SAMPLE_FORMS
+
+    backend = engine.backend
+    own = backend.sample_form
+    try:
+        rates = interleaved_medians(list(SAMPLE_FORMS), lambda form: setattr(backend, "sample_form", form),
+                                    lambda: time_decode(engine, prompt, TOKENS, sampling)[0])
+    finally:
+        backend.sample_form = own
+    return {**rates, "rounds": ROUNDS}
 
 
 def summary_line(result: dict[str, Any]) -> str:

@@ -116,13 +116,11 @@ stage bench 115 "cd /tmp && $PY '$REPO/bench/decode.py' --out '$OUT/results.json
 
 stage qbench 120 "cd /tmp && $PY '$REPO/bench/quant.py' --out '$OUT/qbench.json' --budget-s \$((ATLAS_STAGE_LIMIT - 10))"
 
-# The opt-in forms, measured beside bench's defaults: decode with the fused DeltaNet decode kernel,
-# the one-launch router and the one-launch attention prep (120 + 20 fewer launches per Qwen3.6
-# token), sampled decode with the split draw (ATLAS_SAMPLE=split), prefill with the tensor-core
-# attention (the default) and the SIMT one on the same model, both with the wgmma GEMM (ATLAS_GEMM=wgmma;
-# bench's prefill number is the mma.sync GEMM beside it). Both land in $OUT/variants.json (8 files at most).
-stage fused 45 "cd /tmp && ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused ATLAS_ATTENTION_PREP=fused ATLAS_SAMPLE=split $PY '$REPO/bench/decode.py' --decode-only \
-  --out $VARIANTS_DIR/fused_decode.json"
+# The opt-in decode forms are timed inside bench itself, in interleaved rounds on one loaded model
+# (bench/launch_settings.py: the fused forms, pdl and the L2 prefetch; the split draw). Here:
+# prefill with the tensor-core attention (the default) and the SIMT one on the same model, both
+# with the wgmma GEMM (ATLAS_GEMM=wgmma; bench's prefill number is the mma.sync GEMM beside it),
+# into $OUT/variants.json (8 files at most) with the marginal costs below.
 stage prefill 40 "cd /tmp && ATLAS_GEMM=wgmma $PY '$REPO/bench/decode.py' --prefill-only --out $VARIANTS_DIR/mma_prefill.json"
 # Each decode kernel's cost inside the replayed graph (bench/step_marginal.py: the step with one
 # kernel's launches doubled against the plain one): the eager profile above puts a ~10 us floor

@@ -25,7 +25,8 @@ import weight_bandwidth  # noqa: E402  (its summary line)
 
 LISTED_FAILURES = 8  # per junit file: three files of them stay inside the call's 12,000-character output tail
 MESSAGE_CHARS = 160
-RESULT_KEYS = ("prefill_tok_s", "decode_tok_s", "decode_tok_s_by_launch", "decode_sampled_tok_s", "pick_ops_us",
+RESULT_KEYS = ("prefill_tok_s", "decode_tok_s", "decode_tok_s_by_launch", "decode_sampled_tok_s",
+               "decode_sampled_tok_s_by_form", "pick_ops_us",
                "decode_bytes_per_token",
                "decode_gb_s", "copy_gb_s",
                "roofline_pct", "transformers", "speedup_vs_transformers", "notes")
@@ -65,15 +66,6 @@ def decode_lines(r: dict[str, Any]) -> list[str]:
 
 def variant_lines(r: dict[str, Any]) -> list[str]:
     lines = []
-    if "fused_decode" in r:
-        d = r["fused_decode"]
-        forms = d.get("kernel_forms", {})
-        lines.append(f"fused decode ({forms.get('ATLAS_DELTANET_DECODE')} DeltaNet, {forms.get('ATLAS_ROUTER')} router, "
-                     f"{forms.get('ATLAS_ATTENTION_PREP')} attention prep, {forms.get('ATLAS_SAMPLE')} sampling): "
-                     f"{d['decode_tok_s']:.1f} tok/s, roofline {d['roofline_pct']:.1f}%, "
-                     f"sampled {d.get('decode_sampled_tok_s', float('nan')):.1f} tok/s")
-        if "decode_profile" in d:
-            lines.append(f"fused {step_profile.summary_line(d['decode_profile'])}")
     if "marginal" in r and "decode_marginal" in r["marginal"]:
         lines.append(step_marginal.summary_line(r["marginal"]["decode_marginal"]))
     if "marginal" in r and "weights_streamed_alone" in r["marginal"]:

@@ -48,7 +48,7 @@ def test_failing_tests_are_listed_with_their_first_message_line(tmp_path: Path, 
 def test_a_bad_file_is_named_and_the_others_still_print(tmp_path: Path) -> None:
     (tmp_path / "junit-model.xml").write_text('<?xml version="1.0"?><testsuites><testsuite tests="3"')  # killed mid-write
     (tmp_path / "results.json").write_text(json.dumps({"decode_tok_s": 412.5, "roofline_pct": 57.1}))
-    (tmp_path / "variants.json").write_text(json.dumps({"fused_decode": {"kernel_forms": {}}}))  # no decode_tok_s
+    (tmp_path / "variants.json").write_text(json.dumps({"marginal": {"decode_marginal": {}}}))  # no step_us
     (tmp_path / "qbench.json").write_text("{")
     lines = device_summary.report(tmp_path)
     assert lines[0].startswith("junit-model.xml: unreadable")
@@ -62,10 +62,10 @@ def test_variants_merge_by_stem(tmp_path: Path) -> None:
     src.mkdir()
     assert device_summary.main(["variants", str(src), str(out)]) == 0
     assert not out.exists()  # nothing ran: no file, rather than an empty one
-    (src / "fused_decode.json").write_text(json.dumps({"decode_tok_s": 1.5}))
+    (src / "marginal.json").write_text(json.dumps({"decode_context": 1024}))
     (src / "mma_prefill.json").write_text(json.dumps({"prefill_tok_s_by_form": {"mma": {"512": 9.0}}}))
     device_summary.merge_variants(src, out)
-    assert json.loads(out.read_text()) == {"fused_decode": {"decode_tok_s": 1.5},
+    assert json.loads(out.read_text()) == {"marginal": {"decode_context": 1024},
                                            "mma_prefill": {"prefill_tok_s_by_form": {"mma": {"512": 9.0}}}}
 
 

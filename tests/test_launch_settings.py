@@ -83,3 +83,35 @@ def test_settings_take_turns_and_the_own_setting_comes_back(rng: np.random.Gener
     assert result["tokens_differ"] == ([differs] if differs in ran else [])
     b = engine.backend
     assert (b.rt.programmatic, b.rt.prefetch, b.router_form, b.delta_net_form) == (False, True, "fused", "separate")
+
+
+def test_sample_forms_take_turns_and_the_own_form_comes_back(rng: np.random.Generator) -> None:
+    from atlas.backends.cuda.ops_dense import SAMPLE_FORMS
+
+    engine = make_engine((9, 0))
+    engine.backend.sample_form = "split"
+    rates = {form: rng.uniform(100, 300, size=launch_settings.ROUNDS) for form in SAMPLE_FORMS}
+    seen: list[str] = []
+    sampling = object()
+
+    def time_decode(e: StandInEngine, prompt: list[int], tokens: int, how: object) -> tuple[float, int]:
+        assert how is sampling
+        form = e.backend.sample_form
+        seen.append(form)
+        return float(rates[form][seen.count(form) - 1]), tokens - 1
+
+    result = launch_settings.time_sample_forms(engine, [1, 2], time_decode, sampling)
+    assert seen == list(SAMPLE_FORMS) * launch_settings.ROUNDS
+    assert result == {**{f: pytest.approx(float(np.median(r))) for f, r in rates.items()}, "rounds": launch_settings.ROUNDS}
+    assert engine.backend.sample_form == "split"
+
+
+def test_a_failed_side_measure_is_recorded_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
+    import decode
+
+    def fails() -> dict[str, Any]:
+        raise RuntimeError("capture refused")
+
+    assert decode.side_measure("settings", fails, str) == {"error": "RuntimeError: capture refused"}
+    assert "capture refused" in capsys.readouterr().err
+    assert decode.side_measure("settings", lambda: {"plain": 1.0}, str) == {"plain": 1.0}
