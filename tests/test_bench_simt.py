@@ -87,7 +87,7 @@ def check_decode_result(r: dict[str, Any]) -> None:
 
 
 def check_launch_and_profile(r: dict[str, Any]) -> None:
-    """bench/decode.py's own: decode with both launch forms, and the step profile."""
+    """bench/decode.py's own: decode under each (patched) setting, and the step profile."""
     by_setting = r["decode_tok_s_by_setting"]
     assert by_setting["tokens_differ"] == [] and by_setting["tokens_compared"] == 3, by_setting
     assert by_setting["rounds"] == 1

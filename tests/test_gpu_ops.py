@@ -410,7 +410,6 @@ def test_moe_experts(env: Env, rng: np.random.Generator, tokens: int) -> None:
             In(gate_up), In(down)], BF16_FLOOR)
 
 
-
 def _decode_outputs(env: Env, prefetch: bool, args: dict[str, Any]) -> list[np.ndarray]:
     """The one-token GEMVs (wide and narrow) and MoE experts of `args`, with L2 prefetch on or off."""
     rt, gpu = env.gpu.rt, env.gpu
@@ -447,6 +446,7 @@ def test_weight_prefetch_changes_no_bit(env: Env, rng: np.random.Generator) -> N
     for a, b in zip(plain, prefetched, strict=True):
         assert np.isfinite(a).all()
         np.testing.assert_array_equal(a, b)
+
 
 # --- sampling -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tokens", [1, 3])
