@@ -42,13 +42,15 @@ TimeDecode = Callable[..., tuple[float, int]]  # decode.time_decode(engine, prom
 GreedyTokens = Callable[[Any, list[int], int], list[int]]  # decode.greedy_tokens
 
 
-def runnable(rt: Any) -> tuple[list[Setting], str | None]:
-    """The settings this device and binding can run, and why the others cannot (None: all can)."""
+def why_not(rt: Any, setting: Setting) -> str | None:
+    """Why this device, binding or kernel tuple cannot run `setting` (None: it can)."""
     from atlas.backends.cuda.runtime import PDL_CC
 
-    if tuple(rt.cc) >= PDL_CC and rt.driver.programmatic:
-        return SETTINGS, None
-    return [s for s in SETTINGS if not s.programmatic], f"not run: compute capability {rt.cc} or the {rt.driver.binding} binding"
+    if setting.programmatic and (tuple(rt.cc) < PDL_CC or not rt.driver.programmatic):
+        return f"not run: compute capability {rt.cc} or the {rt.driver.binding} binding"
+    if (setting.programmatic or setting.prefetch) and rt.image.sm < PDL_CC[0] * 10:
+        return f"not run: kernels built for sm_{rt.image.sm}"
+    return None
 
 
 def use(engine: Any, setting: Setting) -> None:
@@ -86,12 +88,12 @@ def time_settings(engine: Any, prompt: list[int], time_decode: TimeDecode, greed
     backend = engine.backend
     saved = (backend.rt.programmatic, backend.rt.prefetch, backend.router_form, backend.delta_net_form,
              backend.attention_prep_form)
-    settings, why_not = runnable(backend.rt)
-    by_name = {s.name: s for s in settings}
+    skipped = {s.name: why for s in SETTINGS if (why := why_not(backend.rt, s)) is not None}
+    by_name = {s.name: s for s in SETTINGS if s.name not in skipped}
     differ: list[str] = []
     try:
         reference = greedy_tokens(engine, prompt, CHECK_TOKENS)
-        for setting in settings:
+        for setting in by_name.values():
             use(engine, setting)
             if greedy_tokens(engine, prompt, CHECK_TOKENS) != reference:
                 differ.append(setting.name)
@@ -99,7 +101,7 @@ def time_settings(engine: Any, prompt: list[int], time_decode: TimeDecode, greed
                                     lambda: time_decode(engine, prompt, TOKENS)[0])
     finally:
         restore(engine, saved)
-    result: dict[str, Any] = {s.name: rates.get(s.name, why_not) for s in SETTINGS}
+    result: dict[str, Any] = {s.name: rates.get(s.name, skipped.get(s.name)) for s in SETTINGS}
     return {**result, "tokens_differ": differ, "tokens_compared": CHECK_TOKENS, "rounds": ROUNDS}
 
 

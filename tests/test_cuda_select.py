@@ -321,6 +321,18 @@ def test_programmatic_launch_is_opt_in_and_checked(monkeypatch: pytest.MonkeyPat
         LAUNCH_SWITCH.read()
 
 
+def test_weight_prefetch_needs_hopper_kernels() -> None:
+    """ATLAS_PREFETCH=l2 is compiled into sm_90+ kernels only: an older tuple is one line, not a
+    setting that silently does nothing."""
+    hopper = CudaRuntime(FakeDriver(), KernelImage("h200/model/bf16 (cubin)", b"\x7fELF", "cubin", 90),
+                         RuntimeOptions(prefetch=True))
+    assert hopper.prefetch
+    sm80 = KernelImage("sm80/model/bf16 (ptx)", b"// ptx", "ptx", 80)
+    with pytest.raises(AtlasError, match=r"^ATLAS_PREFETCH=l2 needs kernels built for sm_90 or newer; the loaded "
+                                          r"sm80/model/bf16 \(ptx\) is built for sm_80; unset ATLAS_PREFETCH"):
+        CudaRuntime(FakeDriver(), sm80, RuntimeOptions(prefetch=True))
+
+
 class AddParams(ctypes.Structure):
     _fields_ = [("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("n", ctypes.c_int32),
                 ("scale", ctypes.c_float)]

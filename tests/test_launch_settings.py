@@ -49,15 +49,16 @@ class StandInEngine:
         return launch_settings.Setting(forms == FORMS[True], b.rt.programmatic, b.rt.prefetch).name
 
 
-def make_engine(cc: tuple[int, int]) -> StandInEngine:
+def make_engine(cc: tuple[int, int], sm: int = 90) -> StandInEngine:
     driver = SimpleNamespace(programmatic=True, binding="cuda-bindings")
-    rt = SimpleNamespace(programmatic=False, prefetch=True, cc=cc, driver=driver)
+    rt = SimpleNamespace(programmatic=False, prefetch=sm >= 90, cc=cc, driver=driver, image=SimpleNamespace(sm=sm))
     return StandInEngine(StandInBackend(rt))
 
 
-@pytest.mark.parametrize("cc", [(9, 0), (8, 0)])
-def test_settings_take_turns_and_the_own_setting_comes_back(rng: np.random.Generator, cc: tuple[int, int]) -> None:
-    engine = make_engine(cc)
+@pytest.mark.parametrize("cc,sm", [((9, 0), 90), ((8, 0), 80), ((9, 0), 80)])
+def test_settings_take_turns_and_the_own_setting_comes_back(rng: np.random.Generator, cc: tuple[int, int],
+                                                            sm: int) -> None:
+    engine = make_engine(cc, sm)
     names = [s.name for s in launch_settings.SETTINGS]
     rates = {name: rng.uniform(100, 500, size=launch_settings.ROUNDS) for name in names}
     differs = str(rng.choice(names[1:]))
@@ -73,16 +74,18 @@ def test_settings_take_turns_and_the_own_setting_comes_back(rng: np.random.Gener
         return [1] * count if e.setting() == differs else [0] * count
 
     result = launch_settings.time_settings(engine, [1, 2, 3], time_decode, greedy_tokens)
-    ran = [n for n in names if cc >= (9, 0) or "pdl" not in n]
+    ran = [n for n in names if sm >= 90 and cc >= (9, 0) or ("pdl" not in n and "l2" not in n)]
     assert engine.timed == ran * launch_settings.ROUNDS  # round by round, every setting once per round
     for name in names:
         if name in ran:
             assert result[name] == pytest.approx(float(np.median(rates[name])))
-        else:
+        elif cc < (9, 0) and "pdl" in name:
             assert result[name].startswith("not run: compute capability (8, 0)")
+        else:
+            assert result[name] == "not run: kernels built for sm_80"
     assert result["tokens_differ"] == ([differs] if differs in ran else [])
     b = engine.backend
-    assert (b.rt.programmatic, b.rt.prefetch, b.router_form, b.delta_net_form) == (False, True, "fused", "separate")
+    assert (b.rt.programmatic, b.rt.prefetch, b.router_form, b.delta_net_form) == (False, sm >= 90, "fused", "separate")
 
 
 def test_sample_forms_take_turns_and_the_own_form_comes_back(rng: np.random.Generator) -> None:

@@ -84,6 +84,8 @@ class CudaRuntime:
         self.prefetch = options.prefetch  # so does this one: read when a decode kernel is launched
         if self.programmatic:
             check_programmatic(driver, self.cc, image)
+        if self.prefetch:
+            check_prefetch(image)
         self._functions: dict[str, Handle] = {}
         self._smem_set: dict[str, int] = {}
 
@@ -247,6 +249,14 @@ def _check_dims(kernel: str, grid: tuple[int, int, int], block: tuple[int, int, 
     threads = int(block[0]) * int(block[1]) * int(block[2])
     if not 1 <= threads <= 1024:
         raise ValueError(f"{kernel}: block {block} has {threads} threads (1..1024)")
+
+
+def check_prefetch(image: KernelImage) -> None:
+    """ATLAS_PREFETCH=l2's requirement, as one line when unmet: prefetch_l2 is compiled into kernels
+    built for sm_90 or newer only (common.cuh), so an older tuple would not prefetch at all."""
+    if image.sm < PDL_CC[0] * 10:
+        raise AtlasError(f"{PREFETCH_SWITCH.env}=l2 needs kernels built for sm_90 or newer; the loaded {image.label} "
+                         f"is built for sm_{image.sm}; unset {PREFETCH_SWITCH.env}, or install this GPU's own tuple")
 
 
 def check_programmatic(driver: Driver, cc: tuple[int, int], image: KernelImage) -> None:
