@@ -53,23 +53,17 @@ def why_not(rt: Any, setting: Setting) -> str | None:
     return None
 
 
+def apply(engine: Any, programmatic: bool, prefetch: bool, *forms: str) -> None:
+    """The backend decodes with these launch settings and decode forms (router, DeltaNet,
+    attention prep) from the next step on: the decode graph is captured again."""
+    engine.backend.rt.programmatic, engine.backend.rt.prefetch = programmatic, prefetch
+    engine.backend.use_decode_forms(*forms)
+    engine.reset()
+
+
 def use(engine: Any, setting: Setting) -> None:
-    """The backend decodes with `setting` from the next step on (the decode graph captured again)."""
-    backend = engine.backend
-    backend.rt.programmatic, backend.rt.prefetch = setting.programmatic, setting.prefetch
-    if setting.fused:
-        backend.use_decode_forms("fused", "fused", "fused")
-    else:
-        backend.use_decode_forms("split", "separate", "separate")
-    engine.reset()
-
-
-def restore(engine: Any, saved: tuple[Any, ...]) -> None:
-    backend = engine.backend
-    programmatic, prefetch, *forms = saved
-    backend.rt.programmatic, backend.rt.prefetch = programmatic, prefetch
-    backend.use_decode_forms(*forms)
-    engine.reset()
+    forms = ("fused", "fused", "fused") if setting.fused else ("split", "separate", "separate")
+    apply(engine, setting.programmatic, setting.prefetch, *forms)
 
 
 def interleaved_medians(names: list[str], use: Callable[[str], None], rate: Callable[[], float]) -> dict[str, float]:
@@ -100,7 +94,7 @@ def time_settings(engine: Any, prompt: list[int], time_decode: TimeDecode, greed
         rates = interleaved_medians(list(by_name), lambda name: use(engine, by_name[name]),
                                     lambda: time_decode(engine, prompt, TOKENS)[0])
     finally:
-        restore(engine, saved)
+        apply(engine, *saved)
     result: dict[str, Any] = {s.name: rates.get(s.name, skipped.get(s.name)) for s in SETTINGS}
     return {**result, "tokens_differ": differ, "tokens_compared": CHECK_TOKENS, "rounds": ROUNDS}
 

@@ -253,7 +253,7 @@ class CudaBackend:
     def gated_delta_net(self, x: DeltaNetInputs, layer: DeltaNetOperands) -> DeviceTensor:
         """Decode (T == 1) with `delta_net` "fused" (ATLAS_DELTANET_DECODE=fused): one kernel;
         otherwise the three kernels in a row."""
-        if self._delta_arrivals is not None and self.fuses_gated_delta_net(x.mixed.shape[0]):
+        if self.fuses_gated_delta_net(x.mixed.shape[0]):
             return ops_delta_decode.delta_net_decode(self.rt, x, layer, self._delta_arrivals)
         return compose_gated_delta_net(self, x, layer)
 
