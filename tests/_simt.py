@@ -185,6 +185,12 @@ class SimtDriver:
         self.functions: dict[tuple[int, str], _Function] = {}
         self.capture: _Graph | None = None
         self.bases: list[int] = []  # sorted, for _check_range
+        self.pinned: dict[int, Any] = {}  # host_alloc's buffers by address
+        # Deferred (defer(True)): stream work runs when the host waits for it, as on a GPU, so a
+        # page-locked read used before its event was waited for reads stale bytes.
+        self.queue: list[Any] | None = None
+        self.queued = 0  # nodes ever queued; an event waits for the ones queued before it
+        self.ran = 0
 
     def module_load(self, image: bytes) -> Any:
         """`image` names the tuple (simt_image) instead of holding PTX: build it for the host."""
@@ -248,6 +254,7 @@ class SimtDriver:
         return int(ptr)
 
     def mem_free(self, ptr: int) -> None:
+        self._drain(self.queued)  # cuMemFree waits for the work that may use the memory
         size = self.sizes.pop(int(ptr), None)
         if size is None:
             raise CudaError(f"cuMemFree({ptr:#x}): not an allocation")
@@ -260,21 +267,54 @@ class SimtDriver:
             return
         raise CudaError(f"{what}: {nbytes} B at {ptr:#x} is not inside one allocation (CUDA_ERROR_INVALID_VALUE)")
 
+    def host_alloc(self, nbytes: int) -> int:
+        buffer = ctypes.create_string_buffer(max(int(nbytes), 1))
+        self.pinned[ctypes.addressof(buffer)] = buffer
+        return ctypes.addressof(buffer)
+
+    def host_free(self, ptr: int) -> None:
+        if self.pinned.pop(ptr, None) is None:
+            raise CudaError(f"cuMemFreeHost({ptr:#x}): not a page-locked allocation (CUDA_ERROR_INVALID_VALUE)")
+
+    def _is_pinned(self, ptr: int, nbytes: int) -> bool:
+        return any(base <= ptr and ptr + nbytes <= base + len(buf) for base, buf in self.pinned.items())
+
+    def defer(self, on: bool) -> None:
+        """Queue stream work until the host waits for it (on), or run it at once again (off)."""
+        self._drain(self.queued)
+        self.queue = [] if on else None
+
+    def _drain(self, upto: int) -> None:
+        """Run the queued nodes up to the `upto`-th ever queued."""
+        while self.queue and self.ran < upto:
+            node = self.queue.pop(0)
+            self.ran += 1
+            node()
+
     def _now_or_recorded(self, node: Any) -> None:
         if self.capture is not None:
             self.capture.nodes.append(node)
+        elif self.queue is not None:
+            self.queue.append(node)
+            self.queued += 1
         else:
             node()
 
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any) -> None:
+        """From pageable memory the bytes are staged at the call; page-locked memory is read when
+        the copy runs."""
         self._refuse_in_capture("cuMemcpyHtoDAsync")
         self._check_range(dst, nbytes, "cuMemcpyHtoDAsync")
-        ctypes.memmove(dst, src_host, nbytes)
+        staged = src_host if self._is_pinned(src_host, nbytes) else ctypes.create_string_buffer(ctypes.string_at(src_host, nbytes), nbytes)
+        self._now_or_recorded(lambda: ctypes.memmove(dst, staged, nbytes))
 
     def memcpy_dtoh(self, dst_host: int, src: int, nbytes: int, stream: Any) -> None:
+        """Into page-locked memory the copy is queued; into pageable memory it returns once done."""
         self._refuse_in_capture("cuMemcpyDtoHAsync")
         self._check_range(src, nbytes, "cuMemcpyDtoHAsync")
-        ctypes.memmove(dst_host, src, nbytes)
+        if not self._is_pinned(dst_host, nbytes):
+            self._drain(self.queued)
+        self._now_or_recorded(lambda: ctypes.memmove(dst_host, src, nbytes))
 
     def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         self._check_range(dst, nbytes, "cuMemcpyDtoDAsync")
@@ -324,17 +364,22 @@ class SimtDriver:
 
     def stream_synchronize(self, stream: Any) -> None:
         self._refuse_in_capture("cuStreamSynchronize")
+        self._drain(self.queued)
 
     def event_create(self) -> Any:
-        return [0.0]
+        return [0.0, 0]  # the time it ran, the nodes queued up to it
 
     def event_record(self, event: Any, stream: Any) -> None:
         import time
 
-        event[0] = time.perf_counter()
+        def stamp() -> None:
+            event[0] = time.perf_counter()
+
+        self._now_or_recorded(stamp)
+        event[1] = self.queued
 
     def event_synchronize(self, event: Any) -> None:
-        pass
+        self._drain(event[1])
 
     def event_elapsed_ms(self, start: Any, end: Any) -> float:
         return (end[0] - start[0]) * 1000.0
@@ -354,8 +399,8 @@ class SimtDriver:
         self._refuse_in_capture("cuGraphLaunch")
         if graph_exec.destroyed:
             raise CudaError("cuGraphLaunch: the graph was destroyed (CUDA_ERROR_INVALID_VALUE)")
-        for node in graph_exec.nodes:
-            node()
+        nodes = list(graph_exec.nodes)
+        self._now_or_recorded(lambda: [node() for node in nodes])
 
     def graph_destroy(self, graph_exec: _Graph) -> None:
         graph_exec.nodes.clear()

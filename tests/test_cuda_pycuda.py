@@ -243,8 +243,13 @@ def _add_memory(drv: types.ModuleType, gpu: FakeGpu) -> None:
             raise drv.LogicError(f"{call} failed: invalid argument")
         return ptr
 
+    def pagelocked_empty(shape: Any, dtype: Any, order: str = "C", mem_flags: int = 0) -> np.ndarray:
+        _need_context(drv, gpu, "cuMemHostAlloc")
+        return np.empty(shape, dtype, order)
+
     _add_copies(drv, gpu, device_ptr)
     drv.DeviceAllocation, drv.mem_alloc, drv.mem_get_info = DeviceAllocation, mem_alloc, mem_get_info  # type: ignore[attr-defined]
+    drv.pagelocked_empty = pagelocked_empty  # type: ignore[attr-defined]
 
 
 def _enqueue(drv: types.ModuleType, gpu: FakeGpu, stream: Any, op: Callable[[], None]) -> None:
@@ -524,6 +529,8 @@ def test_uploads_reads_memsets_and_copies_round_trip(fake: Harness, rng: np.rand
     np.testing.assert_array_equal(back, torch.from_numpy(matrix).to(torch.bfloat16).float().numpy())
     ids = rng.integers(0, 1000, size=int(rng.integers(1, 40))).astype(np.int64)
     np.testing.assert_array_equal(rt.read(uploader.upload(ids, "i32")), ids.astype(np.int32))
+    pending = rt.read_later(uploader.upload(ids[:8], "i32"))  # into page-locked memory
+    np.testing.assert_array_equal(pending.result(), ids[:8].astype(np.int32))
     tile = rng.standard_normal((3, 16, 8)).astype(np.float32)
     experts = int(rng.integers(5, 13))
     stacked = uploader.upload(np.broadcast_to(tile[None], (experts, 3, 16, 8)), "f32")  # replicated by dtod

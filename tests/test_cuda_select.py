@@ -129,7 +129,8 @@ GPU_SETTINGS = {"ATLAS_CUDA_DEVICE": ("1", "one"), "ATLAS_CUDA_BINDING": ("pycud
                 "ATLAS_ATTENTION_PREP": ("fused", "together"),
                 "ATLAS_DELTA_RULE": ("chunked", "wy"), "ATLAS_LAUNCH": ("pdl", "graph"),
                 "ATLAS_SAMPLE": ("split", "spilt"), "ATLAS_PREFETCH": ("l2", "on"),
-                "ATLAS_CUDA_CHECK": ("1", "yes"), "ATLAS_CUDA_GRAPHS": ("0", "off")}
+                "ATLAS_CUDA_CHECK": ("1", "yes"), "ATLAS_CUDA_GRAPHS": ("0", "off"),
+                "ATLAS_RUN_AHEAD": ("0", "no")}
 
 
 @pytest.mark.parametrize("name", sorted(GPU_SETTINGS))
@@ -168,6 +169,7 @@ class FakeDriver:
     heap: Any = None
     next_ptr: int = 0
     allocs: dict[int, int] = field(default_factory=dict)
+    pinned: dict[int, Any] = field(default_factory=dict)
     launches: list[tuple[str, tuple[int, int, int], bytes, int]] = field(default_factory=list)
     smem_raised: dict[str, int] = field(default_factory=dict)
     capturing: bool = False
@@ -211,6 +213,14 @@ class FakeDriver:
     def mem_free(self, ptr: int) -> None:
         assert not self.capturing, "cuMemFree during capture"
         del self.allocs[ptr]
+
+    def host_alloc(self, nbytes: int) -> int:
+        buffer = ctypes.create_string_buffer(nbytes)
+        self.pinned[ctypes.addressof(buffer)] = buffer
+        return ctypes.addressof(buffer)
+
+    def host_free(self, ptr: int) -> None:
+        del self.pinned[ptr]
 
     def _op(self, op: Any) -> None:
         if self.capturing:

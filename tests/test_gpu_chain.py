@@ -101,6 +101,45 @@ def test_penalized_picks_stay_on_the_device(demo_gpu: Any, rng: np.random.Genera
     assert host_fed == chained
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_running_ahead_gives_the_tokens_in_turn(demo_gpu: Any, rng: np.random.Generator, graphs: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode loop queueing step N+1 before it reads token N (atlas.decode_loop) picks what the
+    loop reading each token first picks: greedy, and sampled with penalties. On the host emulator
+    the stream runs deferred, as a GPU's does: a token read from its page-locked slot before its
+    event was waited for would be stale bytes, and each read must find the next step still queued."""
+    from _simt import SimtDriver
+
+    engine = demo_gpu.parts.engine
+    monkeypatch.setattr(engine.backend, "use_graphs", graphs)
+    engine.reset()
+    driver = engine.backend.rt.driver
+    queued_at_reads: list[int] = []
+    if isinstance(driver, SimtDriver):
+        driver.defer(True)
+        wait = driver.event_synchronize
+
+        def counted(event: Any) -> None:
+            wait(event)
+            queued_at_reads.append(len(driver.queue or ()))
+
+        monkeypatch.setattr(driver, "event_synchronize", counted)
+    prompt = rng.integers(0, demo_gpu.parts.spec.vocab_size, size=int(rng.integers(2, 30))).tolist()
+    seed = int(rng.integers(0, 2**31))
+    try:
+        for sampling in (SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.95, presence_penalty=1.5)):
+            monkeypatch.setattr(engine.backend, "runs_ahead", False)
+            in_turn = engine.generate(prompt, STEPS, sampling, seed, set()).token_ids
+            monkeypatch.setattr(engine.backend, "runs_ahead", True)
+            queued_at_reads.clear()
+            assert engine.generate(prompt, STEPS, sampling, seed, set()).token_ids == in_turn
+            if isinstance(driver, SimtDriver):  # every read but the last had the next step behind it
+                assert min(queued_at_reads[-STEPS:-1]) > 0, queued_at_reads
+    finally:
+        if isinstance(driver, SimtDriver):
+            driver.defer(False)
+
+
 @contextmanager
 def counting_reads(backend: Any) -> Iterator[list[int]]:
     """The number of elements of each tensor the backend reads back to the host inside the block."""

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .backends.base import NO_TOKEN, Backend, KVCache, SamplingParams, Tensor
+from .backends.base import NO_TOKEN, Backend, KVCache, PendingArray, ReadyArray, SamplingParams, Tensor
 from .backends.run_plan import DEFAULT_MAX_SEQ_LEN
 from .config import ModelSpec
+from .decode_loop import Picking, decoded_tokens
 from .dump import dump_from_env
 from .errors import AtlasError
 from .kvcache import KVCacheOptions, new_states
@@ -319,20 +320,35 @@ class Engine:
         back, for the prompt cache (None: the cache forgets what the state holds)."""
         if tuple(ids.shape) != (1,):
             raise AtlasError(f"decode_tensor takes one token id of shape (1,), got {tuple(ids.shape)}")
-        self.check_ids([0], position)  # only the length: the id came from argmax/sample over the vocab
-        positions = self.backend.upload(np.array([position], dtype=np.int32), "i32")
+        positions = self._step_position(position)
         if token is None:
             self.prompt_cache.forget()
             return self._one_token_logits(ids, positions)
         with self.prompt_cache.feeding([token], position):
             return self._one_token_logits(ids, positions)
 
+    def decode_unread(self, ids: Tensor, position: int) -> Tensor:
+        """decode_tensor of a pick not read back yet (the loop running ahead, atlas.decode_loop):
+        the prompt cache learns its id from read_pick(fed_at=position)."""
+        positions = self._step_position(position)
+        try:
+            return self._one_token_logits(ids, positions)
+        except BaseException:
+            self.prompt_cache.forget()
+            raise
+
     def eager_decode(self, ids: Tensor, position: int) -> Tensor:
         """decode_tensor's step with its kernels launched one by one from the host, never a graph
         replay (bench/step_profile.py times each launch). The prompt cache forgets the state."""
-        self.check_ids([0], position)
+        positions = self._step_position(position)
         self.prompt_cache.forget()
-        return self._decode_step(ids, self.backend.upload(np.array([position], dtype=np.int32), "i32"))
+        return self._decode_step(ids, positions)
+
+    def _step_position(self, position: int) -> Tensor:
+        """[1] i32 on the backend for a decode step of a token already there, checked against
+        max_seq_len (only the position: the id came from argmax / sample over the vocabulary)."""
+        self.check_ids([0], position)
+        return self.backend.upload(np.array([position], dtype=np.int32), "i32")
 
     def _one_token_logits(self, ids: Tensor, positions: Tensor) -> Tensor:
         """ids, positions [1] i32 -> logits [1, V] through the backend's decode step (a CUDA graph
@@ -383,19 +399,46 @@ class Engine:
             token_t = self.backend.upload(np.array([forced], dtype=np.int32), "i32")
             penalties.add(forced, token_t)
             return forced, token_t
+        if not sampling.on_host:
+            token_t = self.queue_pick(logits, sampling, rng, penalties)
+            return self.read_pick(ReadyArray(self.backend.to_numpy(token_t)), penalties), token_t
         uniform = draw_uniform(rng) if sampling.temperature else 0.0
         xtc_chance = draw_uniform(rng) if sampling.xtc_draws else None
         if penalties is not None and sampling.adjusts_logits:
             logits = penalties.apply(self.backend, logits, sampling)  # [1, V]
-        if sampling.on_host:
-            token = self._host_pick(logits, sampling, uniform, xtc_chance, penalties)
-            token_t = self.backend.upload(np.array([token], dtype=np.int32), "i32")
-        else:
-            token_t = self.backend.argmax(logits) if sampling.temperature == 0 else self.backend.sample(logits, sampling, uniform)
-            token = self.checked([int(self.backend.to_numpy(token_t)[0])])[0]
+        token = self._host_pick(logits, sampling, uniform, xtc_chance, penalties)
+        token_t = self.backend.upload(np.array([token], dtype=np.int32), "i32")
         if penalties is not None:
             penalties.add(token, token_t)
         return token, token_t
+
+    def queue_pick(self, logits: Tensor, sampling: SamplingParams, rng: np.random.Generator,
+                   penalties: Penalties | None) -> Tensor:
+        """pick_tensor's pick on the backend (sampling not on the host), not read back: the [1] i32
+        tensor there, counted for the penalties. read_pick takes its id."""
+        uniform = draw_uniform(rng) if sampling.temperature else 0.0
+        if penalties is not None and sampling.adjusts_logits:
+            logits = penalties.apply(self.backend, logits, sampling)  # [1, V]
+        token_t = self.backend.argmax(logits) if sampling.temperature == 0 else self.backend.sample(logits, sampling, uniform)
+        if penalties is not None:
+            penalties.counted(token_t)
+        return token_t
+
+    def read_pick(self, pending: PendingArray, penalties: Penalties | None, fed_at: int | None = None) -> int:
+        """The id of a queued pick, read back (the oldest one not read). fed_at: the position where
+        a decode step queued before this read (decode_unread) already fed it, which the prompt
+        cache now learns; if the read fails, what the state holds is unknown."""
+        try:
+            token = self.checked([int(pending.result()[0])])[0]
+        except BaseException:
+            if fed_at is not None:
+                self.prompt_cache.forget()
+            raise
+        if penalties is not None:
+            penalties.read(token)
+        if fed_at is not None:
+            self.prompt_cache.fed([token], fed_at)
+        return token
 
     def _host_pick(self, logits: Tensor, sampling: SamplingParams, uniform: float, xtc_chance: float | None,
                    penalties: Penalties | None) -> int:
@@ -503,15 +546,14 @@ class Engine:
         if request.max_tokens == 0:  # the prompt's scores only
             stats.prefill_seconds = time.perf_counter() - started
             return stats
-        token, token_t = self.pick_tensor(logits, request.sampling, rng, penalties)
         stats.cached_tokens = self.prompt_cache.last_hit
-        stats.prefill_seconds = time.perf_counter() - started
+        picking = Picking(request.sampling, rng, penalties, keeps_logits=request.logprobs is not None)
+        tokens = decoded_tokens(self, logits, len(request.prompt_ids), request.max_tokens, picking)
+        token, logits = next(tokens)
+        stats.prefill_seconds = time.perf_counter() - started  # up to the first token read back
         started = time.perf_counter()
-        position = len(request.prompt_ids)
         while self._accept(token, logits, stats, request) and len(stats.token_ids) < request.max_tokens:
-            logits = self.decode_tensor(token_t, position, token)
-            token, token_t = self.pick_tensor(logits, request.sampling, rng, penalties)
-            position += 1
+            token, logits = next(tokens)
         stats.decode_seconds = time.perf_counter() - started
         return stats
 

@@ -141,9 +141,17 @@ class EngineLike(Protocol):
 
     def prefill_scored(self, prompt_ids: list[int], top: int) -> tuple[Any, list[TokenLogprob | None]]: ...
 
+    # atlas.decode_loop's steps: a pick read at once, or queued and read later; a decode step fed
+    # a pick read before it, or one not yet read
     def pick_tensor(self, logits: Any, sampling: SamplingParams, rng: Any, penalties: Any = None) -> tuple[int, Any]: ...  # id, [1] i32
 
+    def queue_pick(self, logits: Any, sampling: SamplingParams, rng: Any, penalties: Any) -> Any: ...  # [1] i32
+
+    def read_pick(self, pending: Any, penalties: Any, fed_at: int | None = None) -> int: ...
+
     def decode_tensor(self, ids: Any, position: int, token: int | None = None) -> Any: ...  # logits [1, V]; ids, token from pick_tensor
+
+    def decode_unread(self, ids: Any, position: int) -> Any: ...  # logits [1, V]; ids from queue_pick
 
     def token_logprob(self, logits: Any, token: int, top: int) -> TokenLogprob: ...
 
@@ -684,6 +692,7 @@ def engine_tokens(
     """iter_tokens without the turns."""
     import numpy as np
 
+    from .decode_loop import Picking, decoded_tokens
     from .sampling import pick_state
 
     sampling = sampling_params(opts, dry_breakers)
@@ -708,17 +717,13 @@ def engine_tokens(
         (prompt_scores if prompt_scores is not None else []).extend(prompt_scored)
     if opts.max_tokens == 0:
         return
-    token, token_t = engine.pick_tensor(logits, sampling, rng, penalties)
-    position = len(prompt_ids)
-    for count in range(1, opts.max_tokens + 1):
+    picking = Picking(sampling, rng, penalties, keeps_logits=opts.logprobs is not None)
+    for token, logits in decoded_tokens(engine, logits, len(prompt_ids), opts.max_tokens, picking):
         if opts.logprobs is not None and scores is not None:
             scores.append(engine.token_logprob(logits, token, opts.logprobs))
         yield token
-        if token in eos_ids or count == opts.max_tokens:
+        if token in eos_ids:
             return
-        logits = engine.decode_tensor(token_t, position, token)
-        token, token_t = engine.pick_tensor(logits, sampling, rng, penalties)
-        position += 1
 
 
 class OutputText:

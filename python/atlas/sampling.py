@@ -157,12 +157,14 @@ class Penalties:
         self.end_ids = np.array(sorted(end_ids or ()), dtype=np.int64)  # masked before min_tokens
         self.constraint = constraint  # structured output: which tokens may come next
         self.generated: list[int] = []  # picks made before the operands exist are counted into them
+        self.unread = 0  # picks counted on the backend whose ids the host has not read yet (run-ahead)
         self.backend: Backend | None = None
         self.operands: PenaltyOperands | None = None
 
     @property
     def count(self) -> int:
-        return len(self.generated)
+        """Picks made so far, read back or not (min_tokens counts them all)."""
+        return len(self.generated) + self.unread
 
     def forced(self) -> int | None:
         """The next token when the constraint forces one (no pick, no draw)."""
@@ -170,13 +172,25 @@ class Penalties:
 
     def add(self, token: int, token_t: Tensor | None = None) -> None:
         """Record a pick; `token_t` its [1] i32 tensor on the backend (uploaded when None)."""
+        if token_t is None and self.operands is not None and self.backend is not None:
+            token_t = self.backend.upload(np.array([token], dtype=np.int32), "i32")
+        self.counted(token_t)
+        self.read(token)
+
+    def counted(self, token_t: Tensor | None) -> None:
+        """A pick made on the backend into `token_t`, its id not read yet: counted there now."""
+        self.unread += 1
+        if self.operands is not None and self.backend is not None and token_t is not None:
+            self.backend.count_token(self.operands.counts, token_t)
+
+    def read(self, token: int) -> None:
+        """The id of the oldest pick `counted` and not yet read."""
+        if not self.unread:
+            raise RuntimeError("Penalties.read of a pick that was never counted")
+        self.unread -= 1
         if self.constraint is not None:
             self.constraint.advance(token)
         self.generated.append(token)
-        if self.operands is not None and self.backend is not None:
-            if token_t is None:
-                token_t = self.backend.upload(np.array([token], dtype=np.int32), "i32")
-            self.backend.count_token(self.operands.counts, token_t)
 
     def apply(self, backend: Backend, logits: Tensor, params: SamplingParams) -> Tensor:
         """logits [1, V] on `backend` -> the penalized, biased [1, V] there (Backend.penalize)."""
@@ -195,6 +209,8 @@ class Penalties:
         return row - dry_penalties(self.prompt + self.generated, params, row.shape[0])  # [V]
 
     def operands_on(self, backend: Backend, vocab: int, params: SamplingParams) -> PenaltyOperands:
+        if self.unread:  # their ids are not known here yet, so they could not be counted in
+            raise RuntimeError("penalty operands made while picks are unread")
         counts = np.bincount(np.asarray(self.generated, dtype=np.int64), minlength=vocab)[:vocab]  # [V]
         flags = np.zeros(vocab, dtype=np.int32)  # [V]
         flags[self.prompt_ids[self.prompt_ids < vocab]] |= PROMPT_TOKEN

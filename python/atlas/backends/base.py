@@ -37,6 +37,22 @@ def kernel_temperature(temperature: float) -> float:
     return float(np.float32(min(max(temperature, float(f32.tiny)), float(f32.max))))
 
 
+class PendingArray(Protocol):
+    """Backend.read_later's handle: the host array once the backend has it."""
+
+    def result(self) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class ReadyArray:
+    """A PendingArray that was read at once (a backend that computes on the host)."""
+
+    value: np.ndarray
+
+    def result(self) -> np.ndarray:
+        return self.value
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings; temperature 0 means greedy. Backends' `sample` takes temperature, top_k,
@@ -243,6 +259,14 @@ class Backend(Protocol):
 
     def to_numpy(self, t: Tensor) -> np.ndarray:
         """Float data as float32, integer data as int32."""
+
+    # True where the decode loop should queue step N+1 before it reads token N back (Engine.
+    # decoded_tokens): a GPU replaying its step, which runs while the host waits for the token.
+    runs_ahead: bool
+
+    def read_later(self, t: Tensor) -> PendingArray:
+        """to_numpy(t) for a small tensor (a picked id), started now and waited for at result():
+        work issued in between runs before the host waits."""
 
     def rows(self, t: Tensor, start: int, stop: int) -> Tensor:
         """t [T, ...] -> its rows start..stop-1 [stop - start, ...], a view (no copy, no read-back;

@@ -21,6 +21,7 @@ from .base import (
     NO_TOKEN,
     LogprobTensors,
     PenaltyOperands,
+    ReadyArray,
     SamplingParams,
     StorageDType,
     Tensor,
@@ -206,6 +207,7 @@ class NumpyBackend:
 
     name = "numpy"
     keeps_stored_floats = True  # the loader hands bf16 / f16 matrices over unconverted
+    runs_ahead = False  # a step ends before its call returns: one queued ahead would only be wasted at the end
 
     # --- memory -------------------------------------------------------------------------------
     def upload(self, array: np.ndarray, dtype: StorageDType) -> Tensor:
@@ -228,6 +230,9 @@ class NumpyBackend:
     def to_numpy(self, t: Tensor) -> np.ndarray:
         array = dense(t) if isinstance(t, (HostMatrix, HostQuantized)) else np.asarray(t)
         return array.astype(np.int32 if np.issubdtype(array.dtype, np.integer) else np.float32)
+
+    def read_later(self, t: Tensor) -> ReadyArray:
+        return ReadyArray(self.to_numpy(t))
 
     def rows(self, t: Tensor, start: int, stop: int) -> Tensor:
         return t[start:stop]

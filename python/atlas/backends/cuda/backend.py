@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
@@ -19,6 +20,7 @@ from ..base import (
     KVCache,
     LogprobTensors,
     PenaltyOperands,
+    PendingArray,
     SamplingParams,
     StorageDType,
     check_split_widths,
@@ -30,9 +32,20 @@ from .graph import GraphedDecodeStep
 from .ops_kv import QuantizedKVCache
 from .quant_weights import QuantWeight, from_quantized_weight, stack_rows
 from .quant_weights import upload as upload_quant
-from .runtime import GRAPHS_SWITCH, CudaRuntime
+from .reads import PendingRead
+from .runtime import GRAPHS_SWITCH, RUN_AHEAD_SWITCH, CudaRuntime
 from .tensor import DeviceTensor
 from .upload import Uploader, from_storage
+
+
+@dataclass(frozen=True)
+class StoredRead:
+    """A pending read of a tensor's storage, given back as to_numpy gives it."""
+
+    read: PendingRead
+
+    def result(self) -> np.ndarray:
+        return from_storage(self.read.result(), self.read.dtype)
 
 
 class CudaBackend:
@@ -59,6 +72,7 @@ class CudaBackend:
             print(f"atlas: {rt.driver.binding} cannot capture CUDA graphs; decoding without them",
                   file=sys.stderr)
         self._ids_carry: DeviceTensor | None = None
+        self.runs_ahead = RUN_AHEAD_SWITCH.read() == "1"  # ATLAS_RUN_AHEAD: the decode loop queues a step ahead
 
     def use_decode_forms(self, router: str | None = None, delta_net: str | None = None,
                          attention_prep: str | None = None) -> None:
@@ -95,6 +109,9 @@ class CudaBackend:
 
     def to_numpy(self, t: DeviceTensor) -> np.ndarray:
         return from_storage(self.rt.read(t), t.dtype)
+
+    def read_later(self, t: DeviceTensor) -> PendingArray:
+        return StoredRead(self.rt.read_later(t))
 
     def rows(self, t: DeviceTensor, start: int, stop: int) -> DeviceTensor:
         return t.rows(start, stop)

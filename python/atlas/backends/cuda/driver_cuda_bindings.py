@@ -122,6 +122,13 @@ class CudaBindingsDriver:
     def mem_free(self, ptr: int) -> None:
         self._call("cuMemFree", ptr)
 
+    def host_alloc(self, nbytes: int) -> int:
+        (ptr,) = self._call("cuMemAllocHost", max(nbytes, 1))
+        return int(ptr)
+
+    def host_free(self, ptr: int) -> None:
+        self._call("cuMemFreeHost", ptr)
+
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Handle) -> None:
         self._call("cuMemcpyHtoDAsync", dst, src_host, nbytes, stream)
 

@@ -69,6 +69,7 @@ class PycudaDriver:
         self._device = self._invoke("Device", cuda.Device, ordinal)
         self._context = self._invoke("Device.retain_primary_context", self._device.retain_primary_context)
         self._allocations: dict[int, Any] = {}
+        self._pinned: dict[int, np.ndarray] = {}
         atexit.register(self.release)
 
     def _call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -103,6 +104,7 @@ class PycudaDriver:
             except CudaError:
                 pass
         self._allocations.clear()
+        self._pinned.clear()  # pycuda frees page-locked memory in its own context when collected
         self._context = None
 
     def device_info(self) -> DeviceInfo:
@@ -148,6 +150,16 @@ class PycudaDriver:
         if allocation is None:
             raise CudaError(f"mem_free({ptr:#x}) failed: not an allocation of this driver")
         self._call("DeviceAllocation.free", allocation.free)
+
+    def host_alloc(self, nbytes: int) -> int:
+        pinned = self._call("pagelocked_empty", self._cuda.pagelocked_empty, (max(int(nbytes), 1),), np.uint8)
+        ptr = int(pinned.ctypes.data)
+        self._pinned[ptr] = pinned  # page-locked while the array lives
+        return ptr
+
+    def host_free(self, ptr: int) -> None:
+        if self._pinned.pop(ptr, None) is None:
+            raise CudaError(f"host_free({ptr:#x}) failed: not a page-locked allocation of this driver")
 
     # The host copies are the synchronous forms: pycuda documents memcpy_htod_async/dtoh_async
     # for page-locked host memory only, and atlas copies from numpy arrays. They run on the

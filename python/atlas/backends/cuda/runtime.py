@@ -17,6 +17,7 @@ from ...errors import AtlasError
 from .driver import CudaError, DeviceInfo, Driver, Handle, LaunchArgs
 from .memory import PersistentPool, StepArena
 from .ops_common import FormSwitch
+from .reads import HOST_DTYPES, PendingRead, PinnedReads
 from .tensor import DeviceTensor, StorageDType
 
 DEFAULT_SMEM_LIMIT = 48 * 1024
@@ -48,6 +49,9 @@ PREFETCH_SWITCH = FormSwitch("ATLAS_PREFETCH", "weight prefetch setting", ("off"
 # decode without CUDA graphs (backend.py).
 CHECK_SWITCH = FormSwitch("ATLAS_CUDA_CHECK", "launch check setting", ("0", "1"))
 GRAPHS_SWITCH = FormSwitch("ATLAS_CUDA_GRAPHS", "CUDA graph setting", ("1", "0"))
+# ATLAS_RUN_AHEAD=0: read each token back before queueing the next decode step (Engine.decoded_tokens),
+# instead of queueing step N+1 first; the GPU then idles while the host takes token N.
+RUN_AHEAD_SWITCH = FormSwitch("ATLAS_RUN_AHEAD", "run-ahead setting", ("1", "0"))
 
 
 @dataclass(frozen=True)
@@ -72,11 +76,12 @@ class CudaRuntime:
         self.stream: Handle = driver.stream_create()
         self.arena = StepArena(driver, options.arena_bytes)
         self.pool = PersistentPool(driver)
+        self.reads = PinnedReads(driver)
         self.graphs: dict[int, Handle] = {}  # live executable graphs by id(): destroyed before the module goes
         # Device memory, graphs, stream and module go back when the runtime is closed or collected (an
         # LLM dropped in a notebook or a test process); not at interpreter exit, where the process
         # frees them anyway.
-        held = HeldResources(driver, self.module, self.stream, self.arena, self.pool, self.graphs)
+        held = HeldResources(driver, self.module, self.stream, self.arena, self.pool, self.reads, self.graphs)
         self._release = weakref.finalize(self, release_resources, held)
         self._release.atexit = False
         self.capturing = False
@@ -151,12 +156,17 @@ class CudaRuntime:
     def read(self, src: DeviceTensor) -> np.ndarray:
         """The raw storage of src as a host array (bf16 as uint16), after the stream drains."""
         self._refuse_in_capture("a device-to-host copy")
-        host_dtype = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32, "u8": np.uint8}[src.dtype]
-        out = np.empty(src.shape, dtype=host_dtype)
+        out = np.empty(src.shape, dtype=HOST_DTYPES[src.dtype])
         if out.nbytes:
             self.driver.memcpy_dtoh(out.ctypes.data, src.ptr, out.nbytes, self.stream)
         self.synchronize()
         return out
+
+    def read_later(self, src: DeviceTensor) -> PendingRead:
+        """read()'s copy queued without waiting (small tensors: reads.SLOT_BYTES); its result()
+        waits for that copy alone, so work queued after it keeps running."""
+        self._refuse_in_capture("a device-to-host copy")
+        return self.reads.start(src, self.stream)
 
     def reset_step(self) -> None:
         """Begin a step: recycle the arena (outside capture only; a no-op while capturing)."""
@@ -219,6 +229,7 @@ class HeldResources:
     stream: Handle
     arena: StepArena
     pool: PersistentPool
+    reads: PinnedReads
     graphs: dict[int, Handle]
 
 
@@ -231,6 +242,7 @@ def release_resources(held: HeldResources) -> None:
         driver.stream_synchronize(held.stream)
         held.arena.release()
         held.pool.release()
+        held.reads.release()
         for graph in held.graphs.values():
             driver.graph_destroy(graph)
         held.graphs.clear()
