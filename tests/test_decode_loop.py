@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _checkpoints import TinyModel, random_checkpoint_dir
+from _checkpoints import random_checkpoint_dir
 from atlas.backends.base import NO_TOKEN, SamplingParams, Tensor
 from atlas.backends.numpy_backend import NumpyBackend
 from atlas.config import load_spec
@@ -21,14 +21,7 @@ from atlas.engine import Engine
 from atlas.errors import AtlasError
 from atlas.llm import GenerateOptions, SamplingExtras, iter_tokens
 from atlas.safetensors import Checkpoint
-
-TINY = TinyModel(vocab_size=96, num_experts=4)
-SETTINGS = [
-    SamplingParams(), SamplingParams(temperature=0.9, top_k=20, top_p=0.95),
-    SamplingParams(repetition_penalty=3.0, presence_penalty=1.5, frequency_penalty=0.5, logit_bias=((5, -100.0), (7, 4.0))),
-    SamplingParams(temperature=1.0, top_k=20, top_p=0.95, min_p=0.05, presence_penalty=1.5, min_tokens=4),
-]
-IDS = ["greedy", "sampled", "penalized-greedy", "penalized-sampled"]
+from test_engine_device_chain import IDS, SETTINGS, TINY, stream_options
 
 
 @dataclass
@@ -121,10 +114,7 @@ def test_generate_runs_ahead_with_the_tokens_in_turn(model_dir: Path, rng: np.ra
 def test_stream_runs_ahead_with_the_tokens_in_turn(model_dir: Path, rng: np.random.Generator,
                                                    sampling: SamplingParams) -> None:
     prompt = rng.integers(0, TINY.vocab_size, 9).tolist()
-    extras = SamplingExtras(sampling.min_p, sampling.presence_penalty, sampling.frequency_penalty,
-                            sampling.repetition_penalty, sampling.min_tokens, sampling.logit_bias)
-    opts = GenerateOptions(max_tokens=10, temperature=sampling.temperature, top_k=sampling.top_k,
-                           top_p=sampling.top_p, seed=int(rng.integers(0, 2**31)), extras=extras)
+    opts = stream_options(sampling, 10, int(rng.integers(0, 2**31)))
     ahead = AheadBackend()
     streamed = list(iter_tokens(_engine(model_dir, ahead), prompt, opts, set()))
     assert streamed == list(iter_tokens(_engine(model_dir, NumpyBackend()), prompt, opts, set()))

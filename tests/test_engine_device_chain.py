@@ -110,16 +110,21 @@ def test_generate_feeds_the_picked_tensor_with_host_fed_tokens(model_dir: Path, 
     assert got == want
 
 
+def stream_options(sampling: SamplingParams, max_tokens: int, seed: int) -> GenerateOptions:
+    """The LLM options that stream with `sampling`."""
+    extras = SamplingExtras(sampling.min_p, sampling.presence_penalty, sampling.frequency_penalty,
+                            sampling.repetition_penalty, sampling.min_tokens, sampling.logit_bias)
+    return GenerateOptions(max_tokens=max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+                           top_p=sampling.top_p, seed=seed, extras=extras)
+
+
 @pytest.mark.parametrize("sampling", SETTINGS, ids=IDS)
 def test_stream_feeds_the_picked_tensor_with_generate_tokens(model_dir: Path, rng: np.random.Generator,
                                                              sampling: SamplingParams) -> None:
     prompt = rng.integers(0, TINY.vocab_size, 9).tolist()
     seed = int(rng.integers(0, 2**31))
     chain = ChainBackend()
-    extras = SamplingExtras(sampling.min_p, sampling.presence_penalty, sampling.frequency_penalty,
-                            sampling.repetition_penalty, sampling.min_tokens, sampling.logit_bias)
-    opts = GenerateOptions(max_tokens=10, temperature=sampling.temperature, top_k=sampling.top_k,
-                           top_p=sampling.top_p, seed=seed, extras=extras)
+    opts = stream_options(sampling, 10, seed)
     streamed = list(iter_tokens(_engine(model_dir, chain), prompt, opts, set()))
     assert chain.fed_picked == 9 and chain.widest_read == 1
     assert streamed == _host_fed_tokens(_engine(model_dir, NumpyBackend()), prompt, 10, sampling, seed)
