@@ -161,25 +161,27 @@ class AtlasRun:
     decode_profile: dict[str, Any]  # step_profile.profile_decode: device time by kernel
     decode_by_setting: dict[str, Any]  # launch_settings.time_settings: forms x launch form x weight prefetch
     decode_sampled_by_form: dict[str, Any]  # launch_settings.time_sample_forms: ATLAS_SAMPLE block vs split
+    decode_by_run_ahead: dict[str, Any]  # launch_settings.time_run_ahead: the decode loop a step ahead or in turn
     pick_ops_us: dict[str, float]  # pick_ops.time_pick_ops: each pick kernel alone
 
 
 def time_decode(engine: Any, prompt: list[int], tokens: int, sampling: Any = None) -> tuple[float, int]:
-    """Decode tok/s after `prompt` (greedy, or `sampling` with its penalties), the graph capture
-    (first step) left out of the time; the picked id tensor feeds the next step on the device and
-    every step reads its token id back, as streaming generation does."""
+    """Decode tok/s after `prompt` (greedy, or `sampling` with its penalties) through the engine's
+    decode loop, as streaming generation runs it (atlas.decode_loop: the picked id tensor feeds
+    the next step on the device, every id is read back, and the loop runs a step ahead unless
+    the backend's runs_ahead is off); the first step (the graph capture) is left out of the time."""
     from atlas.backends.base import SamplingParams
+    from atlas.decode_loop import Picking, decoded_tokens
     from atlas.sampling import pick_state
 
     sampling, rng = sampling or SamplingParams(), np.random.default_rng(0)
-    penalties = pick_state(prompt, set(), sampling, None)
-    _, token = engine.pick_tensor(engine.prefill(prompt), sampling, rng, penalties)
-    position = len(prompt)
-    _, token = engine.pick_tensor(engine.decode_tensor(token, position), sampling, rng, penalties)
+    picking = Picking(sampling, rng, pick_state(prompt, set(), sampling, None))
+    stream = decoded_tokens(engine, engine.prefill(prompt), len(prompt), tokens + 1, picking)
+    next(stream)  # the prefill's pick
+    next(stream)  # the first step's, captured
     started = time.perf_counter()
-    for step in range(1, tokens):
-        _, token = engine.pick_tensor(engine.decode_tensor(token, position + step), sampling, rng, penalties)
-    return (tokens - 1) / (time.perf_counter() - started), tokens - 1
+    steps = sum(1 for _ in stream)
+    return steps / (time.perf_counter() - started), steps
 
 
 def greedy_tokens(engine: Any, prompt: list[int], count: int) -> list[int]:
@@ -318,6 +320,8 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     sample_forms = side_measure("sampled decode tok/s by form", partial(
         launch_settings.time_sample_forms, engine, prompt[:DECODE_CONTEXT], time_decode,
         SamplingParams(**RECOMMENDED_SAMPLING)), json.dumps)
+    run_ahead = side_measure("decode tok/s a step ahead or in turn", partial(
+        launch_settings.time_run_ahead, engine, prompt[:DECODE_CONTEXT], time_decode), launch_settings.run_ahead_line)
     token = backend.upload(np.array([prompt[0]], dtype=np.int32), "i32")
     profile = step_profile.profile_decode(engine, token, DECODE_CONTEXT + SAMPLED_TOKENS, 1e6 / decode)
     log(step_profile.summary_line(profile))
@@ -326,7 +330,8 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     gc.collect()
     backend.rt.pool.trim()
     backend.rt.arena.release()  # transformers needs the memory next
-    return AtlasRun(prefill, decode, steps, load_s, sampled, profile, by_setting, sample_forms, pick_us), copy_bps, device
+    return AtlasRun(prefill, decode, steps, load_s, sampled, profile, by_setting, sample_forms, run_ahead,
+                    pick_us), copy_bps, device
 
 
 def run_transformers(config: dict[str, Any], rng: np.random.Generator, vocab: int) -> dict[str, Any]:
@@ -435,6 +440,7 @@ def atlas_result(spec: Any, rng: np.random.Generator, decode_only: bool) -> dict
         "pick_ops_us": atlas_run.pick_ops_us,
         "decode_profile": atlas_run.decode_profile, "decode_tok_s_by_setting": atlas_run.decode_by_setting,
         "decode_sampled_tok_s_by_form": atlas_run.decode_sampled_by_form,
+        "decode_tok_s_by_run_ahead": atlas_run.decode_by_run_ahead,
         "decode_bytes_per_token": bytes_per_token, "decode_gb_s": achieved / 1e9,
         "copy_gb_s": copy_bps / 1e9, "roofline_pct": 100 * achieved / copy_bps,
         "roofline_tok_s": copy_bps / bytes_per_token["total"],

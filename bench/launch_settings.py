@@ -2,7 +2,8 @@
 the decode ops (ATLAS_DELTANET_DECODE, ATLAS_ROUTER, ATLAS_ATTENTION_PREP all fused) x plain or
 programmatic dependent launch (ATLAS_LAUNCH) x with or without L2 weight prefetch
 (ATLAS_PREFETCH), each set on the backend and the decode graph captured again for it; and sampled
-decode tok/s under each draw form (ATLAS_SAMPLE).
+decode tok/s under each draw form (ATLAS_SAMPLE); and greedy decode tok/s with the decode loop a
+step ahead or in turn (ATLAS_RUN_AHEAD).
 
 Settings take turns over ROUNDS rounds and each rate is the median of its rounds, so a drift of
 the device's clocks during the run falls on every setting alike (one run per setting, in separate
@@ -112,6 +113,24 @@ def time_sample_forms(engine: Any, prompt: list[int], time_decode: TimeDecode, s
     finally:
         backend.sample_form = own
     return {**rates, "rounds": ROUNDS}
+
+
+def time_run_ahead(engine: Any, prompt: list[int], time_decode: TimeDecode) -> dict[str, Any]:
+    """Greedy decode tok/s with the decode loop a step ahead ("ahead": step N+1 queued before token N
+    is read) and in turn ("in_turn", ATLAS_RUN_AHEAD=0), the median of ROUNDS interleaved runs."""
+    backend = engine.backend
+    own = backend.runs_ahead
+    try:
+        rates = interleaved_medians(["ahead", "in_turn"], lambda name: setattr(backend, "runs_ahead", name == "ahead"),
+                                    lambda: time_decode(engine, prompt, TOKENS)[0])
+    finally:
+        backend.runs_ahead = own
+    return {**rates, "rounds": ROUNDS}
+
+
+def run_ahead_line(result: dict[str, Any]) -> str:
+    return (f"decode tok/s a step ahead {result['ahead']:.1f}, in turn {result['in_turn']:.1f} "
+            f"(median of {result['rounds']} interleaved rounds)")
 
 
 def summary_line(result: dict[str, Any]) -> str:

@@ -59,6 +59,8 @@ def decode_lines(r: dict[str, Any]) -> list[str]:
     lines = [f"{key}: {json.dumps(r[key])}" for key in RESULT_KEYS if key in r]
     if "decode_tok_s_by_setting" in r:
         lines.append(launch_settings.summary_line(r["decode_tok_s_by_setting"]))
+    if isinstance(r.get("decode_tok_s_by_run_ahead"), dict) and "ahead" in r["decode_tok_s_by_run_ahead"]:
+        lines.append(launch_settings.run_ahead_line(r["decode_tok_s_by_run_ahead"]))
     if "decode_profile" in r:
         lines.append(step_profile.summary_line(r["decode_profile"]))
     return lines

@@ -334,7 +334,8 @@ def test_decode_bench_writes_its_json_in_every_mode(mode: str, tmp_path: Path, r
     pick_us = {"argmax": float(rng.uniform(5, 20)), "sample": float(rng.uniform(20, 3000))}
     run = SimpleNamespace(load_s=1.0, prefill_tok_s={"512": 3 * tok_s, "2048": 2 * tok_s}, decode_tok_s=tok_s,
                           decode_tokens=256, decode_sampled_tok_s=tok_s / 2, decode_profile=profile,
-                          decode_by_setting=by_setting, decode_sampled_by_form={"error": "stand-in"}, pick_ops_us=pick_us)
+                          decode_by_setting=by_setting, decode_sampled_by_form={"error": "stand-in"}, pick_ops_us=pick_us,
+                          decode_by_run_ahead={"ahead": 1.05 * tok_s, "in_turn": tok_s, "rounds": 2})
     marginal = {"step_us": 1e6 / tok_s, "kernels": {"atlas_gemv_t1": {"launches": 41, "us": 900.0}}}
     monkeypatch.setattr(decode, "run_atlas", lambda spec, rng, timed_prefill=True: (run, 4.0e12, "stand-in"))
     monkeypatch.setattr(decode, "run_prefill_forms", lambda spec, rng: {"prefill_attention": "simt", "prefill_tok_s_by_form": {"simt": tok_s}})
@@ -359,6 +360,7 @@ def test_decode_bench_writes_its_json_in_every_mode(mode: str, tmp_path: Path, r
     assert result["roofline_pct"] == pytest.approx(100 * per_token["total"] * tok_s / 4.0e12)
     assert result["decode_profile"] == profile and result["decode_tok_s_by_setting"] == by_setting
     assert result["pick_ops_us"] == pick_us and result["decode_sampled_tok_s_by_form"] == {"error": "stand-in"}
+    assert result["decode_tok_s_by_run_ahead"] == run.decode_by_run_ahead
     if mode == "full":
         assert result["speedup_vs_transformers"] == {"decode": pytest.approx(4.0), "prefill_512": pytest.approx(3.0),
                                                      "prefill_2048": pytest.approx(2.0)}

@@ -113,6 +113,8 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
     assert math.isfinite(main["decode_sampled_tok_s"]) and main["decode_sampled_tok_s"] > 0
     assert_rates(main["prefill_tok_s"], {"4", "8"})
     assert main["kernel_forms"]["ATLAS_GEMM"] == "mma"
+    run_ahead = main["decode_tok_s_by_run_ahead"]
+    assert run_ahead["rounds"] == 1 and all(run_ahead[key] > 0 for key in ("ahead", "in_turn")), run_ahead
     sample_forms = main["decode_sampled_tok_s_by_form"]
     assert sample_forms["rounds"] == 1 and all(sample_forms[form] > 0 for form in ("block", "split")), sample_forms
     # No CUDA torch here: the comparison is attempted and its failure recorded, not raised.

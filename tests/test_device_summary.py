@@ -118,3 +118,13 @@ def test_settings_line_names_each_rate_and_the_settings_that_differ(tmp_path: Pa
     assert line.startswith("decode tok/s by setting (median of 2 interleaved rounds): plain ")
     assert f"fused+pdl+l2 {rates['fused+pdl+l2']:.1f}" in line and " pdl " not in line
     assert line.endswith("; tokens differ: fused+l2")
+
+
+def test_run_ahead_line_when_measured(tmp_path: Path, rng: np.random.Generator) -> None:
+    ahead, in_turn = (float(r) for r in rng.uniform(250, 450, size=2))
+    (tmp_path / "results.json").write_text(json.dumps({"decode_tok_s_by_run_ahead": {"ahead": ahead, "in_turn": in_turn,
+                                                                                      "rounds": 2}}))
+    assert f"decode tok/s a step ahead {ahead:.1f}, in turn {in_turn:.1f} (median of 2 interleaved rounds)" in \
+        device_summary.report(tmp_path)
+    (tmp_path / "results.json").write_text(json.dumps({"decode_tok_s_by_run_ahead": {"error": "CudaError: lost"}}))
+    assert not any("step ahead" in line for line in device_summary.report(tmp_path))

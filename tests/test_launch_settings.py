@@ -109,6 +109,25 @@ def test_sample_forms_take_turns_and_the_own_form_comes_back(rng: np.random.Gene
     assert engine.backend.sample_form == "split"
 
 
+def test_run_ahead_and_in_turn_take_turns_and_the_own_setting_comes_back(rng: np.random.Generator) -> None:
+    engine = make_engine((9, 0))
+    engine.backend.runs_ahead = own = bool(rng.integers(0, 2))
+    rates = {on: rng.uniform(100, 300, size=launch_settings.ROUNDS) for on in (True, False)}
+    seen: list[bool] = []
+
+    def time_decode(e: StandInEngine, prompt: list[int], tokens: int) -> tuple[float, int]:
+        on = e.backend.runs_ahead
+        seen.append(on)
+        return float(rates[on][seen.count(on) - 1]), tokens - 1
+
+    result = launch_settings.time_run_ahead(engine, [1, 2], time_decode)
+    assert seen == [True, False] * launch_settings.ROUNDS
+    assert result == {"ahead": pytest.approx(float(np.median(rates[True]))),
+                      "in_turn": pytest.approx(float(np.median(rates[False]))), "rounds": launch_settings.ROUNDS}
+    assert engine.backend.runs_ahead is own
+    assert launch_settings.run_ahead_line(result).startswith(f"decode tok/s a step ahead {result['ahead']:.1f}, in turn ")
+
+
 def test_a_failed_side_measure_is_recorded_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
     import decode
 
