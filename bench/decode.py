@@ -3,7 +3,7 @@ weights made on the device (no checkpoint), batch 1, against transformers bf16 w
 weights on the same GPU.
 
     python bench/decode.py --out results.json [--budget-s 150] [--skip-transformers] [--prefill-only]
-                           [--decode-only] [--marginal-only] [--layers 40]
+                           [--decode-only] [--marginal-only] [--spec-only] [--layers 40]
 
 Reports prefill tok/s (512 and 2048 prompt tokens), decode tok/s (256 tokens after a 1024-token
 prompt, greedy, the token id read back every step as a real generation does), bytes read per
@@ -21,6 +21,9 @@ than the defaults quickly.
 --marginal-only: each decode kernel's cost inside the replayed graph (bench/step_marginal.py: the
 step with one kernel's launches doubled, against the plain one) and each weight-streaming kernel's
 GB/s alone (bench/weight_bandwidth.py), nothing else.
+--spec-only: the checkpoint with an MTP head too; plain decode tok/s and, per K drafts, MTP
+speculation's tok/s, verify-pass time and the tokens per pass it needs to beat plain decode
+(bench/spec_cost.py), nothing else.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import bench_cli  # noqa: E402
 import kv_prefill  # noqa: E402
 import launch_settings  # noqa: E402
 import pick_ops  # noqa: E402
+import spec_cost  # noqa: E402
 import step_marginal  # noqa: E402
 import step_profile  # noqa: E402
 import synthetic  # noqa: E402
@@ -207,15 +211,23 @@ def time_prefill(engine: Any, prompt: list[int]) -> dict[str, float]:
     return prefill
 
 
-def load_engine(spec: Any, max_seq_len: int) -> tuple[Any, Any, float]:
-    """(backend, engine, seconds) for the synthetic checkpoint of `spec` on the GPU."""
+def load_engine(spec: Any, max_seq_len: int, mtp: bool = False) -> tuple[Any, Any, float]:
+    """(backend, engine, seconds) for the synthetic checkpoint of `spec` on the GPU; with `mtp`
+    the checkpoint has the MTP head too and the engine speculates with it."""
     from atlas.engine import Engine
+    from atlas.models.qwen3_5_moe_mtp import mtp_plan
+    from atlas.speculative import SpeculativeEngine
 
-    checkpoint = synthetic.SyntheticCheckpoint(synthetic.text_plan(spec))
+    plan = {**synthetic.text_plan(spec), **(mtp_plan(spec, fused=True) if mtp else {})}
+    checkpoint = synthetic.SyntheticCheckpoint(plan)
     backend = make_bench_backend(checkpoint)
-    log(f"atlas on {backend.describe()}; loading {spec.num_hidden_layers} synthetic layers")
+    log(f"atlas on {backend.describe()}; loading {spec.num_hidden_layers} synthetic layers{' and an MTP head' * mtp}")
     t0 = time.perf_counter()
-    engine = Engine(spec, checkpoint, backend, max_seq_len=max_seq_len)
+    if mtp:
+        with spec_cost.lazy_head_weights(checkpoint.lazy):
+            engine = SpeculativeEngine(spec, checkpoint, backend, max_seq_len=max_seq_len)
+    else:
+        engine = Engine(spec, checkpoint, backend, max_seq_len=max_seq_len)
     backend.rt.synchronize()
     return backend, engine, time.perf_counter() - t0
 
@@ -235,6 +247,19 @@ def run_marginal(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
     log(weight_bandwidth.summary_line(alone))
     return {"device": backend.describe(), "load_s": load_s, "decode_context": DECODE_CONTEXT,
             "decode_marginal": marginal, "weights_streamed_alone": alone}
+
+
+def run_spec(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
+    """MTP speculation's verify-pass cost against the plain loop at the decode benchmark's
+    context (bench/spec_cost.py)."""
+    from atlas.backends.base import SamplingParams
+
+    backend, engine, load_s = load_engine(spec, DECODE_CONTEXT + spec_cost.TOKENS + 8, mtp=True)
+    prompt = rng.integers(0, spec.vocab_size, size=DECODE_CONTEXT).tolist()
+    engine.generate(prompt[:WARMUP_TOKENS], 4, SamplingParams(), None, set())  # warm-up: module, kernels
+    result = spec_cost.measure(engine, prompt, time_decode)
+    log(spec_cost.summary_line(result))
+    return {"device": backend.describe(), "load_s": load_s, "decode_context": DECODE_CONTEXT, "decode_spec": result}
 
 
 def time_delta_rule_forms(engine: Any, prompt: list[int]) -> dict[str, dict[str, float]]:
@@ -418,6 +443,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="prefill tok/s per prefill attention form only (no decode, no transformers)")
     parser.add_argument("--marginal-only", action="store_true",
                         help="each decode kernel's cost inside the replayed graph only (bench/step_marginal.py)")
+    parser.add_argument("--spec-only", action="store_true",
+                        help="MTP speculation's verify-pass cost against plain decode only (bench/spec_cost.py)")
     args = parser.parse_args(argv)
     if args.layers < 1:
         raise AtlasError(f"--layers {args.layers}: give at least 1 layer")
@@ -493,13 +520,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.marginal_only:
             result.update(run_marginal(spec, rng))
+        elif args.spec_only:
+            result.update(run_spec(spec, rng))
         else:
             result.update(run_prefill_forms(spec, rng) if args.prefill_only else atlas_result(spec, rng, args.decode_only))
     except (AtlasError, ImportError, OSError):
         if (missing := bench_cli.gpu_missing()) is not None:  # atlas finds no driver, binding or GPU
             raise bench_cli.NoGpu(missing) from None
         raise
-    if args.marginal_only:
+    if args.marginal_only or args.spec_only:
         shown = ("decode_context",)
     elif args.prefill_only:
         shown = ("prefill_attention", "prefill_tok_s_by_form")

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 LAZY_MIN_BYTES = 32 << 20  # float32 size from which a tensor is a repeated tile
-HOST_ALWAYS = ("self_attn.q_proj.weight",)  # the loader splits it on the host: keep it real
+HOST_ALWAYS = ("self_attn.q_proj.weight", "mtp.fc.weight")  # the loaders split them on the host: keep them real
 TILE_ELEMENTS = 1 << 20
 SEED = 20261129
 QWEN_LAYERS = 40  # Qwen3.6-35B-A3B's decoder layers

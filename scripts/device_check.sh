@@ -129,6 +129,10 @@ stage prefill 40 "cd /tmp && ATLAS_GEMM=wgmma $PY '$REPO/bench/decode.py' --pref
 # on every launch, too coarse to say which of 473 launches to fuse or speed up. Then each GEMV shape
 # and the MoE expert step alone over weights that overflow L2 (bench/weight_bandwidth.py): GB/s.
 stage marginal 75 "cd /tmp && $PY '$REPO/bench/decode.py' --marginal-only --out $VARIANTS_DIR/marginal.json"
+# MTP speculation (on by default for a checkpoint with the head) runs its verify passes eagerly:
+# what one pass costs against the plain replayed step, so the tokens per pass a real head must
+# reach to pay (bench/spec_cost.py).
+stage spec 50 "cd /tmp && $PY '$REPO/bench/decode.py' --spec-only --out $VARIANTS_DIR/spec.json"
 $PY "$REPO/scripts/device_summary.py" variants "$VARIANTS_DIR" "$OUT/variants.json"
 
 {

@@ -19,6 +19,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import kv_prefill  # noqa: E402  (its summary line)
 import launch_settings  # noqa: E402  (its summary line)
+import spec_cost  # noqa: E402  (its summary line)
 import step_marginal  # noqa: E402  (its summary line)
 import step_profile  # noqa: E402  (its summary line)
 import weight_bandwidth  # noqa: E402  (its summary line)
@@ -72,6 +73,8 @@ def variant_lines(r: dict[str, Any]) -> list[str]:
         lines.append(step_marginal.summary_line(r["marginal"]["decode_marginal"]))
     if "marginal" in r and "weights_streamed_alone" in r["marginal"]:
         lines.append(weight_bandwidth.summary_line(r["marginal"]["weights_streamed_alone"]))
+    if "spec" in r and "decode_spec" in r["spec"]:
+        lines.append(spec_cost.summary_line(r["spec"]["decode_spec"]))
     if "mma_prefill" in r:
         lines.append(f"prefill tok/s by attention form: {json.dumps(r['mma_prefill'].get('prefill_tok_s_by_form'))}")
         if "prefill_tok_s_by_delta_rule" in r["mma_prefill"]:

@@ -147,6 +147,22 @@ def test_decode_bench_and_its_variants(emulated: pytest.MonkeyPatch, tmp_path: P
         assert expected in lines, lines
 
 
+def test_spec_bench(emulated: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--spec-only on one layer with the MTP head: plain decode, then speculation with K = 2."""
+    import spec_cost
+
+    emulated.setattr(spec_cost, "KS", (2,))
+    emulated.setattr(spec_cost, "TOKENS", 3)
+    emulated.setattr(sys, "argv", ["decode.py", "--out", str(tmp_path / "spec.json"), "--layers", "1", "--spec-only"])
+    assert bench_decode.main() == 0
+    r = json.loads((tmp_path / "spec.json").read_text())["decode_spec"]
+    assert r["tokens"] == 3 and r["plain_tok_s"] > 0 and list(r["by_k"]) == ["2"]
+    k2 = r["by_k"]["2"]
+    assert k2["passes"] >= 1 and k2["tokens_per_pass"] == pytest.approx(2 / k2["passes"])
+    assert k2["break_even_tokens_per_pass"] == pytest.approx(k2["pass_us"] * r["plain_tok_s"] / 1e6)
+    assert spec_cost.summary_line(r).startswith(f"MTP speculation (random head): plain {r['plain_tok_s']:.1f} tok/s; K=2 ")
+
+
 def test_quant_bench(emulated: pytest.MonkeyPatch, tmp_path: Path) -> None:
     out = tmp_path / "qbench.json"
     assert bench_quant.main(["--out", str(out), "--layers", LAYERS, "--budget-s", "1e6"]) == 0

@@ -92,6 +92,16 @@ def test_marginal_and_delta_rule_variants_get_their_lines(rng: np.random.Generat
     assert lines[-1] == f"prefill tok/s by delta rule form: {json.dumps(rule)}"
 
 
+def test_spec_variant_gets_its_line(rng: np.random.Generator) -> None:
+    plain = float(rng.uniform(200, 400))
+    pass_us = float(rng.uniform(3000, 9000))
+    k2 = {"tok_s": 1e6 / pass_us, "passes": 31, "tokens_per_pass": 1.0, "acceptance": 0.0, "pass_us": pass_us,
+          "break_even_tokens_per_pass": pass_us * plain / 1e6}
+    [line] = device_summary.variant_lines({"spec": {"decode_spec": {"plain_tok_s": plain, "tokens": 32, "by_k": {"2": k2}}}})
+    assert line == (f"MTP speculation (random head): plain {plain:.1f} tok/s; K=2 {k2['tok_s']:.1f} tok/s, pass "
+                    f"{pass_us / 1e3:.2f} ms, break-even {k2['break_even_tokens_per_pass']:.2f} tokens/pass")
+
+
 def test_decode_profile_line_gives_the_host_gap_when_measured(tmp_path: Path, rng: np.random.Generator) -> None:
     step, back_to_back = float(rng.uniform(3000, 4000)), float(rng.uniform(2000, 3000))
     profile = {"steps": 3, "launches_per_step": 473.0, "kernel_us_per_step": 6550.0, "graph_step_us": step,
