@@ -301,10 +301,13 @@ class SimtDriver:
             node()
 
     def memcpy_htod(self, dst: int, src_host: int, nbytes: int, stream: Any) -> None:
-        """From pageable memory the bytes are staged at the call; page-locked memory is read when
-        the copy runs."""
+        """Deferred, the bytes of pageable memory are staged at the call; page-locked memory is read
+        when the copy runs."""
         self._refuse_in_capture("cuMemcpyHtoDAsync")
         self._check_range(dst, nbytes, "cuMemcpyHtoDAsync")
+        if self.queue is None:
+            ctypes.memmove(dst, src_host, nbytes)
+            return
         staged = src_host if self._is_pinned(src_host, nbytes) else ctypes.create_string_buffer(ctypes.string_at(src_host, nbytes), nbytes)
         self._now_or_recorded(lambda: ctypes.memmove(dst, staged, nbytes))
 

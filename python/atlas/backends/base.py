@@ -260,8 +260,8 @@ class Backend(Protocol):
     def to_numpy(self, t: Tensor) -> np.ndarray:
         """Float data as float32, integer data as int32."""
 
-    # True where the decode loop should queue step N+1 before it reads token N back (Engine.
-    # decoded_tokens): a GPU replaying its step, which runs while the host waits for the token.
+    # True where the decode loop should queue step N+1 before it reads token N back
+    # (atlas.decode_loop): a GPU, whose queued step runs while the host waits for the token.
     runs_ahead: bool
 
     def read_later(self, t: Tensor) -> PendingArray:

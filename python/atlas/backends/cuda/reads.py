@@ -1,7 +1,7 @@
 """Device-to-host reads that finish later, so the host can queue more work before it waits.
 
-The decode loop reads token N back while step N+1 already runs (Engine.decoded_tokens). A read is
-an async copy into a slot of one page-locked buffer followed by an event; `result()` waits on that
+The decode loop reads token N back while step N+1 already runs (atlas.decode_loop). A read is an
+async copy into a slot of one page-locked buffer followed by an event; `result()` waits on that
 event alone. A copy into pageable memory would return only once it landed, that is once every
 step queued before it had run, so nothing could be queued behind it.
 """

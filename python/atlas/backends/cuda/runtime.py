@@ -49,7 +49,7 @@ PREFETCH_SWITCH = FormSwitch("ATLAS_PREFETCH", "weight prefetch setting", ("off"
 # decode without CUDA graphs (backend.py).
 CHECK_SWITCH = FormSwitch("ATLAS_CUDA_CHECK", "launch check setting", ("0", "1"))
 GRAPHS_SWITCH = FormSwitch("ATLAS_CUDA_GRAPHS", "CUDA graph setting", ("1", "0"))
-# ATLAS_RUN_AHEAD=0: read each token back before queueing the next decode step (Engine.decoded_tokens),
+# ATLAS_RUN_AHEAD=0: read each token back before queueing the next decode step (atlas.decode_loop),
 # instead of queueing step N+1 first; the GPU then idles while the host takes token N.
 RUN_AHEAD_SWITCH = FormSwitch("ATLAS_RUN_AHEAD", "run-ahead setting", ("1", "0"))
 
