@@ -2,8 +2,8 @@
 decode loop (a replayed CUDA graph, a step ahead) on the same loaded model.
 
 A checkpoint with the MTP head speculates by default (K = 2 drafts per verify pass). A pass runs
-the head K times and the main model over K + 1 tokens, launched one kernel at a time (no graph),
-and yields 1..K + 1 tokens. The synthetic head's drafts are random, so its acceptance says
+the head K times (launched kernel by kernel, each draft read back) and the main model over K + 1
+tokens (a replayed CUDA graph per token count, from 2026-12-05), and yields 1..K + 1 tokens. The synthetic head's drafts are random, so its acceptance says
 nothing of a real head's; the pass's cost does. Speculation decodes faster than the plain loop
 only where a head's tokens per pass exceed `break_even_tokens_per_pass` = pass time / plain step
 time: above K + 1 it cannot win at any acceptance."""

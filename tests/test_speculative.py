@@ -576,6 +576,26 @@ def test_gpu_speculation_resumes_from_the_prompt_cache(demo_mtp: Path, rng: np.r
 
 
 @pytest.mark.gpu
+def test_gpu_verify_passes_replay_a_graph(demo_mtp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each verify pass replays the CUDA graph of its token count (captured at first use) instead
+    of launching the main model's kernels one by one from the host; the output stays plain greedy's."""
+    plain, spec = cuda_llm(demo_mtp, 0), cuda_llm(demo_mtp, 2)
+    engine = spec.parts.engine  # type: ignore[attr-defined]
+    if not engine.backend.use_graphs:
+        pytest.skip(f"{engine.backend.rt.driver.binding} cannot capture CUDA graphs")
+    prompt = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT)
+    driver = engine.backend.rt.driver
+    launches: list[int] = []
+    graph_launch = driver.graph_launch
+    monkeypatch.setattr(driver, "graph_launch", lambda graph, stream: (launches.append(1), graph_launch(graph, stream)))
+    stats = greedy(engine, prompt, 32)
+    assert stats.token_ids == greedy(plain.parts.engine, prompt, 32).token_ids  # type: ignore[attr-defined]
+    assert len(launches) == stats.rounds > 0
+    assert {type(step).__name__ for step in engine._verify_steps.values()} == {"GraphedDecodeStep"}
+    assert sum(step.captures for step in engine._verify_steps.values()) < stats.rounds
+
+
+@pytest.mark.gpu
 def test_gpu_rollback_under_chosen_acceptance(demo_mtp: Path, rng: np.random.Generator) -> None:
     plain, spec = cuda_llm(demo_mtp, 0), cuda_llm(demo_mtp, 3)
     prompt = Tokenizer.open(demo_mtp).encode(DEMO_PROMPT)

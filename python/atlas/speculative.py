@@ -31,7 +31,7 @@ norm instead. Draft steps after the first feed the head its own mtp-normed outpu
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -154,6 +154,10 @@ class SpeculativeEngine(Engine):
     def reset(self) -> None:
         super().reset()
         self.mtp_rows = 0  # the head's KV rows 0.. that hold its inputs for the live sequence
+        # The main model's verify pass per token count, made by the backend's make_decode_step (on a
+        # GPU a CUDA graph, captured at first use: ~470 kernels launched from the host a pass
+        # otherwise); rebuilt after a reset, for the new states.
+        self._verify_steps: dict[int, Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]] = {}
 
     def prefill(self, prompt_ids: list[int]) -> Tensor:
         """The plain path's prefill (requests for prompt logprobs): the head's rows past the resume
@@ -215,6 +219,16 @@ class SpeculativeEngine(Engine):
             emitted += accepted + 1
 
     # --- steps --------------------------------------------------------------------------------
+    def _verify_forward(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """_main_forward for a verify pass, through its step for this many tokens (launched kernel
+        by kernel when a dump is attached, which needs every intermediate)."""
+        if self.dump is not None:
+            return self._main_forward(ids, positions)
+        tokens = int(ids.shape[0])
+        if tokens not in self._verify_steps:
+            self._verify_steps[tokens] = self.backend.make_decode_step(self._main_forward)
+        return self._verify_steps[tokens](ids, positions)
+
     def _main_forward(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """-> (final-normed hidden [T, H], the hidden the MTP head reads [T, H])."""
         if self.hidden_source == "final_norm":
@@ -325,7 +339,7 @@ class SpeculativeEngine(Engine):
             self.snapshot.take(self.states)
         ids, positions = self._ids(fed, start)
         with self.prompt_cache.feeding(fed, start):
-            out, mtp_in = self._main_forward(ids, positions)  # [R+K+1, H] each
+            out, mtp_in = self._verify_forward(ids, positions)  # [R+K+1, H] each
         mtp_hidden = persist(self.backend, mtp_in)
         chosen = self._targets(out, positions, picks, drafts, replayed)  # the rows after token and each kept draft
         accepted = len(chosen) - 1
