@@ -189,8 +189,7 @@ class SimtDriver:
         # Deferred (defer(True)): stream work runs when the host waits for it, as on a GPU, so a
         # page-locked read used before its event was waited for reads stale bytes.
         self.queue: list[Any] | None = None
-        self.queued = 0  # nodes ever queued; an event waits for the ones queued before it
-        self.ran = 0
+        self.ran = 0  # queued nodes run so far; an event waits for the ones queued before it
 
     def module_load(self, image: bytes) -> Any:
         """`image` names the tuple (simt_image) instead of holding PTX: build it for the host."""
@@ -284,6 +283,11 @@ class SimtDriver:
         self._drain(self.queued)
         self.queue = [] if on else None
 
+    @property
+    def queued(self) -> int:
+        """Nodes ever queued."""
+        return self.ran + len(self.queue or ())
+
     def _drain(self, upto: int) -> None:
         """Run the queued nodes up to the `upto`-th ever queued."""
         while self.queue and self.ran < upto:
@@ -296,7 +300,6 @@ class SimtDriver:
             self.capture.nodes.append(node)
         elif self.queue is not None:
             self.queue.append(node)
-            self.queued += 1
         else:
             node()
 
