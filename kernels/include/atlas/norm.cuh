@@ -1,20 +1,75 @@
 // RMSNorm over the last dim, optionally fused with the residual add. One block per row.
 //   rms_norm:      out = x * rsqrt(mean(x^2) + eps) * weight
 //   add_rms_norm:  sum_out = x + residual; out = rms_norm(sum_out) * weight
-// Two passes over the row: the second re-reads what this same thread read/wrote in the first
-// (the same index set), so no extra barrier is needed between them.
+// Decode runs one row per launch on the critical path between two GEMVs, so the row's latency is
+// what counts: when dim % 4 == 0, every pointer is 16-byte aligned and the row fits in
+// kNormVecs float4 per thread, each thread issues all its loads at once and keeps its slice in
+// registers for the second pass. A loop of load-then-store over the row would wait one memory
+// round trip per iteration: the compiler may not move a load above a store to a pointer it might
+// alias. Other rows take that loop.
 #pragma once
 
 #include "atlas/common.cuh"
 
 namespace atlas {
 
+constexpr int kNormVecs = 4;  // float4 per thread in registers: rows up to 16 x blockDim floats
+
+__device__ __forceinline__ bool norm_fits_registers(const RmsNormParams& p) {
+  const uintptr_t pointers = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.residual) |
+                             reinterpret_cast<uintptr_t>(p.sum_out) | reinterpret_cast<uintptr_t>(p.weight) |
+                             reinterpret_cast<uintptr_t>(p.out);
+  return p.dim % 4 == 0 && (pointers & 15u) == 0 && p.dim <= 4 * kNormVecs * static_cast<int>(blockDim.x);
+}
+
+__device__ __forceinline__ float4 load_vec(const void* base, int64_t vec) {
+  return static_cast<const float4*>(base)[vec];
+}
+
+__device__ __forceinline__ void store_vec(void* base, int64_t vec, float4 value) {
+  static_cast<float4*>(base)[vec] = value;
+}
+
+__device__ __forceinline__ float4 add4(float4 a, float4 b) { return {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w}; }
+
+__device__ __forceinline__ float squares4(float4 a) { return a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w; }
+
 template <bool kAddResidual>
-__device__ void rms_norm_rows(const RmsNormParams& p) {
-  __shared__ float scratch[kWarpSize];
-  const int row = blockIdx.x;
-  if (row >= p.rows) return;
-  const int64_t base = static_cast<int64_t>(row) * p.dim;
+__device__ void rms_norm_row_in_registers(const RmsNormParams& p, int64_t base, float* scratch) {
+  const int64_t vec0 = base / 4;
+  const int vecs = p.dim / 4;
+  float4 v[kNormVecs];
+  float4 w[kNormVecs];
+#pragma unroll
+  for (int j = 0; j < kNormVecs; ++j) {  // loads only: all in flight together
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i >= vecs) continue;
+    v[j] = load_vec(p.x, vec0 + i);
+    if constexpr (kAddResidual) v[j] = add4(v[j], load_vec(p.residual, vec0 + i));
+    w[j] = load_vec(p.weight, i);
+  }
+  float squares = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kNormVecs; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i >= vecs) continue;
+    if constexpr (kAddResidual) store_vec(p.sum_out, vec0 + i, v[j]);
+    squares += squares4(v[j]);
+  }
+  const float inv_rms = rsqrtf(block_sum(squares, scratch) / static_cast<float>(p.dim) + p.eps);
+#pragma unroll
+  for (int j = 0; j < kNormVecs; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i >= vecs) continue;
+    const float4 a = v[j], g = w[j];
+    store_vec(p.out, vec0 + i, {a.x * inv_rms * g.x, a.y * inv_rms * g.y, a.z * inv_rms * g.z, a.w * inv_rms * g.w});
+  }
+}
+
+// Two passes over the row: the second re-reads what this same thread read/wrote in the first
+// (the same index set), so no extra barrier is needed between them.
+template <bool kAddResidual>
+__device__ void rms_norm_row_looped(const RmsNormParams& p, int64_t base, float* scratch) {
   const float* x = static_cast<const float*>(p.x) + base;
   const float* residual = static_cast<const float*>(p.residual) + base;
   float* sum_out = static_cast<float*>(p.sum_out) + base;
@@ -30,11 +85,20 @@ __device__ void rms_norm_rows(const RmsNormParams& p) {
     }
     squares += v * v;
   }
-  const float total = block_sum(squares, scratch);
-  const float inv_rms = rsqrtf(total / static_cast<float>(p.dim) + p.eps);
+  const float inv_rms = rsqrtf(block_sum(squares, scratch) / static_cast<float>(p.dim) + p.eps);
   const float* source = kAddResidual ? static_cast<const float*>(sum_out) : x;
   for (int i = threadIdx.x; i < p.dim; i += blockDim.x)
     out[i] = source[i] * inv_rms * weight[i];
+}
+
+template <bool kAddResidual>
+__device__ void rms_norm_rows(const RmsNormParams& p) {
+  __shared__ float scratch[kWarpSize];
+  const int row = blockIdx.x;
+  if (row >= p.rows) return;
+  const int64_t base = static_cast<int64_t>(row) * p.dim;
+  if (norm_fits_registers(p)) rms_norm_row_in_registers<kAddResidual>(p, base, scratch);
+  else rms_norm_row_looped<kAddResidual>(p, base, scratch);
 }
 
 }  // namespace atlas

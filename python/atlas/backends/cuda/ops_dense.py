@@ -27,7 +27,8 @@ WARP = 32
 ELEMENTWISE_THREADS = 256  # elementwise.cu.j2 launch bounds
 ELEMENTWISE_MAX_BLOCKS = 1 << 16  # grid-stride loops cover the rest
 EMBEDDING_THREADS = 256  # embedding.cu.j2
-NORM_THREADS = 256  # norm.cuh: one block per row (launch bound 1024)
+NORM_THREADS = 256  # norm.cuh: one block per row (launch bound 1024), more for long rows
+NORM_VECS = 4  # norm.cuh kNormVecs: a thread holds 4 float4 of its row in registers
 GEMV_MAX_TOKENS = 8  # linear.cu.j2 instantiates atlas_gemv_t1 .. t8
 GEMV_THREADS = 256  # gemv.cuh kGemvThreads
 GEMV_WIDE_ROWS_PER_BLOCK = 32  # gemv.cuh: 8 warps x kGemvWideRows
@@ -120,9 +121,14 @@ def embedding(rt: CudaRuntime, table: DeviceTensor, ids: DeviceTensor) -> Device
     return out
 
 
+def norm_threads(dim: int) -> int:
+    """NORM_THREADS, or up to 1024 so that a row of `dim` floats fits in the threads' registers."""
+    return min(1024, max(NORM_THREADS, _ceil_div(dim, 4 * NORM_VECS * 32) * 32))
+
+
 def _rms_norm_launch(rt: CudaRuntime, kernel: str, params: kp.RmsNormParams) -> None:
     if params.rows:
-        rt.launch(kernel, (params.rows, 1, 1), (NORM_THREADS, 1, 1), params)
+        rt.launch(kernel, (params.rows, 1, 1), (norm_threads(params.dim), 1, 1), params)
 
 
 def rms_norm(rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
