@@ -3,6 +3,8 @@
 // kTokensPerBlock tokens run in parallel (grid.y), each reading the K-1 inputs before its chunk
 // from x (or from the state for the first chunk). Only chunk 0 touches the state: it reads the
 // old state and writes the new one (the last K-1 inputs of [old state, x]), so chunks never race.
+// When it is the only chunk (decode), its window after the walk is that new state, stored as it
+// is instead of read back from x and the state behind this thread's own stores.
 #pragma once
 
 #include "atlas/common.cuh"
@@ -35,13 +37,18 @@ __device__ __forceinline__ float input_at(const CausalConv1dParams& p, int c, in
 }
 
 template <int K>
+__device__ void store_state(const CausalConv1dParams& p, int c, const float (&next)[K - 1]) {
+  float* state = static_cast<float*>(p.state) + static_cast<int64_t>(c) * (K - 1);
+#pragma unroll
+  for (int j = 0; j < K - 1; ++j) state[j] = next[j];
+}
+
+template <int K>
 __device__ void write_new_state(const CausalConv1dParams& p, int c) {
   float next[K - 1];
 #pragma unroll
   for (int j = 0; j < K - 1; ++j) next[j] = input_at<K>(p, c, p.num_tokens - (K - 1) + j);
-  float* state = static_cast<float*>(p.state) + static_cast<int64_t>(c) * (K - 1);
-#pragma unroll
-  for (int j = 0; j < K - 1; ++j) state[j] = next[j];
+  store_state<K>(p, c, next);
 }
 
 template <int K>
@@ -70,7 +77,8 @@ __device__ void causal_conv1d(const CausalConv1dParams& p) {
     for (int j = 0; j < K - 2; ++j) window[j] = window[j + 1];
     window[K - 2] = current;
   }
-  if (blockIdx.y == 0) write_new_state<K>(p, c);
+  if (gridDim.y == 1) store_state<K>(p, c, window);
+  else if (blockIdx.y == 0) write_new_state<K>(p, c);
 }
 
 }  // namespace atlas::conv1d

@@ -18,18 +18,20 @@ __device__ __forceinline__ void norm_row(const float* x, const float* z, const f
   static_assert(D % kWarpSize == 0, "gated_rms_norm: D must be a multiple of 32");
   constexpr int kPerLane = D / kWarpSize;
   float values[kPerLane];
+  float weights[kPerLane];
+  float gates[kPerLane];  // silu(z)
   float squares = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    values[i] = __ldcg(x + lane + kWarpSize * i);
+  for (int i = 0; i < kPerLane; ++i) {  // every load before the first store, which might alias them
+    const int d = lane + kWarpSize * i;
+    values[i] = __ldcg(x + d);
+    weights[i] = weight[d];
+    gates[i] = silu(z[d]);
     squares = fmaf(values[i], values[i], squares);
   }
   const float inv_rms = rsqrtf(warp_sum(squares) / static_cast<float>(D) + eps);
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int d = lane + kWarpSize * i;
-    out[d] = values[i] * inv_rms * weight[d] * silu(z[d]);
-  }
+  for (int i = 0; i < kPerLane; ++i) out[lane + kWarpSize * i] = values[i] * inv_rms * weights[i] * gates[i];
 }
 
 template <int D>

@@ -66,9 +66,12 @@ __device__ void router_logits(const RouterParams& p) {
   store_block_logits<H, E>(p, t);
 }
 
-// probs_s holds the softmax on entry; selected entries are overwritten.
+// probs_s holds the softmax on entry; selected entries are overwritten. The weights are stored
+// once at the end, scaled, from picked_s: scaling them in place in global memory would read each
+// back behind its own store, one round trip per slot.
 template <int E>
 __device__ void top_k_rounds(const RouterParams& p, float* probs_s, int t, int lane) {
+  __shared__ float picked_s[E];
   int32_t* ids = static_cast<int32_t*>(p.ids) + static_cast<int64_t>(t) * token_slots(p);
   float* weights = static_cast<float*>(p.weights) + static_cast<int64_t>(t) * token_slots(p);
   float picked_sum = 0.0f;
@@ -89,15 +92,13 @@ __device__ void top_k_rounds(const RouterParams& p, float* probs_s, int t, int l
     picked_sum += found ? best : 0.0f;
     if (lane == 0) {
       ids[j] = found ? best_e : -1;
-      weights[j] = found ? best : 0.0f;
+      picked_s[j] = found ? best : 0.0f;
       if (found) probs_s[best_e] = -2.0f;  // below every probability and the -1 start value
     }
     __syncwarp();
   }
-  if (p.renormalize && lane == 0) {
-    const float inv_sum = 1.0f / picked_sum;
-    for (int j = 0; j < p.top_k; ++j) weights[j] *= inv_sum;
-  }
+  const float inv_sum = 1.0f / picked_sum;
+  for (int j = lane; j < p.top_k; j += kWarpSize) weights[j] = p.renormalize ? picked_s[j] * inv_sum : picked_s[j];
 }
 
 // One warp: softmax, top-k and the shared slot of token t from its logits in global memory.
