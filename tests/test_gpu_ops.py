@@ -225,7 +225,7 @@ def test_nonfinite_count_counts_nan_and_infinity(env: Env, rng: np.random.Genera
 @pytest.mark.parametrize("dim", [36, 1001, 6000, 20000])
 def test_norms_of_any_row_length(env: Env, rng: np.random.Generator, dim: int) -> None:
     """Rows the registers hold (dim % 4 == 0, up to 16 floats a thread, with more threads for
-    6000) and rows the loop takes (odd lengths, and 20000 past 1024 threads' registers)."""
+    6000) and rows the loop takes (odd lengths, and 20000 past 512 threads' registers)."""
     x, res, w = normal(rng, 3, dim, scale=3), normal(rng, 3, dim), normal(rng, dim) + 1  # [3, D], [3, D], [D]
     run_op(env, "rms_norm", [In(x, "f32"), In(w, "f32"), 1e-6], F32_FLOOR)
     run_op(env, "add_rms_norm", [In(x, "f32"), In(res, "f32"), In(w, "f32"), 1e-6], F32_FLOOR)

@@ -98,13 +98,20 @@ __device__ void moe_down_gemv(const MoeDownGemvParams& p) {
   const int n = blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize;
   const int32_t* ids = static_cast<const int32_t*>(p.ids) + static_cast<int64_t>(t) * kTopK;
   const float* weights = static_cast<const float*>(p.weights) + static_cast<int64_t>(t) * kTopK;
+  int experts[kTopK];
+  float routed[kTopK];
+#pragma unroll
+  for (int j = 0; j < kTopK; ++j) {  // every slot's id at once: each slot's row loads branch on its id
+    experts[j] = ids[j];
+    routed[j] = weights[j];
+  }
   RowChunks<I> rows[kTopK];  // weight loads issued before act is staged, to overlap the two
   float slot_weight[kTopK];
 #pragma unroll
   for (int j = 0; j < kTopK; ++j) {
-    const int e = ids[j];
+    const int e = experts[j];
     const bool valid = n < H && valid_expert(e, p.num_experts);
-    slot_weight[j] = valid ? weights[j] : 0.0f;
+    slot_weight[j] = valid ? routed[j] : 0.0f;
     if (valid) load_row<I>(static_cast<const uint16_t*>(p.down) + (static_cast<int64_t>(e) * H + n) * I, lane, rows[j]);
     else zero_row<I>(rows[j]);
   }

@@ -14,6 +14,8 @@
 namespace atlas {
 
 constexpr int kNormVecs = 4;  // float4 per thread in registers: rows up to 16 x blockDim floats
+// 512, not 1024: the registers held (two float4 arrays) spill at 64 per thread on sm_121a.
+constexpr int kNormMaxThreads = 512;
 
 __device__ __forceinline__ bool norm_fits_registers(const RmsNormParams& p) {
   const uintptr_t pointers = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.residual) |

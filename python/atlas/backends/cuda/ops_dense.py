@@ -27,7 +27,8 @@ WARP = 32
 ELEMENTWISE_THREADS = 256  # elementwise.cu.j2 launch bounds
 ELEMENTWISE_MAX_BLOCKS = 1 << 16  # grid-stride loops cover the rest
 EMBEDDING_THREADS = 256  # embedding.cu.j2
-NORM_THREADS = 256  # norm.cuh: one block per row (launch bound 1024), more for long rows
+NORM_THREADS = 256  # norm.cuh: one block per row, more for long rows
+NORM_MAX_THREADS = 512  # norm.cuh kNormMaxThreads (launch bound)
 NORM_VECS = 4  # norm.cuh kNormVecs: a thread holds 4 float4 of its row in registers
 GEMV_MAX_TOKENS = 8  # linear.cu.j2 instantiates atlas_gemv_t1 .. t8
 GEMV_THREADS = 256  # gemv.cuh kGemvThreads
@@ -122,8 +123,9 @@ def embedding(rt: CudaRuntime, table: DeviceTensor, ids: DeviceTensor) -> Device
 
 
 def norm_threads(dim: int) -> int:
-    """NORM_THREADS, or up to 1024 so that a row of `dim` floats fits in the threads' registers."""
-    return min(1024, max(NORM_THREADS, _ceil_div(dim, 4 * NORM_VECS * 32) * 32))
+    """NORM_THREADS, or up to NORM_MAX_THREADS so that a row of `dim` floats fits in the threads'
+    registers."""
+    return min(NORM_MAX_THREADS, max(NORM_THREADS, _ceil_div(dim, 4 * NORM_VECS * 32) * 32))
 
 
 def _rms_norm_launch(rt: CudaRuntime, kernel: str, params: kp.RmsNormParams) -> None:
