@@ -63,6 +63,24 @@ __device__ __forceinline__ void gemv_chunk(const float* xs, const uint16_t* (&ro
   }
 }
 
+// Stages one row of `vecs` float4 into shared memory (float4 i to slot(i)), each thread's two
+// loads issued before either store. The strided loop of T > 1 (trip count unknown, not unrolled)
+// waits one memory round trip per float4 a thread stages: two at K = 2048, four at K = 4096,
+// before the first weight load. Two, not more: the decode GEMVs' registers decide how many
+// blocks an SM holds.
+template <class Slot>
+__device__ __forceinline__ void stage_row_pairs(float* xs, const float* x, int vecs, Slot slot) {
+  const int step = static_cast<int>(blockDim.x);
+  for (int i = threadIdx.x; i < vecs; i += 2 * step) {
+    const float4 first = reinterpret_cast<const float4*>(x)[i];
+    const bool second = i + step < vecs;
+    float4 next = first;
+    if (second) next = reinterpret_cast<const float4*>(x)[i + step];
+    reinterpret_cast<float4*>(xs)[slot(i)] = first;
+    if (second) reinterpret_cast<float4*>(xs)[slot(i + step)] = next;
+  }
+}
+
 // The epilogue of the GEMVs: out[t, row0 + r] = scale(row0 + r) * (acc[t][r] summed over the warp's
 // lanes), rows past n skipped.
 template <int T, int R, class RowScale>
@@ -107,11 +125,15 @@ __device__ void gemv(const LinearParams& p) {
 
   for (int c0 = 0; c0 < p.k; c0 += kCols) {
     const int cols = min(kCols, p.k - c0);  // a multiple of 8
-    for (int i = threadIdx.x; i < T * cols / 4; i += blockDim.x) {
-      const int t = i / (cols / 4);
-      const int c4 = i - t * (cols / 4);
-      reinterpret_cast<float4*>(xs + t * kCols)[c4] =
-          reinterpret_cast<const float4*>(x + static_cast<int64_t>(t) * p.k + c0)[c4];
+    if constexpr (T == 1) {
+      stage_row_pairs(xs, x + c0, cols / 4, [](int i) { return i; });
+    } else {
+      for (int i = threadIdx.x; i < T * cols / 4; i += blockDim.x) {
+        const int t = i / (cols / 4);
+        const int c4 = i - t * (cols / 4);
+        reinterpret_cast<float4*>(xs + t * kCols)[c4] =
+            reinterpret_cast<const float4*>(x + static_cast<int64_t>(t) * p.k + c0)[c4];
+      }
     }
     __syncthreads();
     const uint16_t* rows[R];

@@ -38,6 +38,10 @@ __device__ __forceinline__ int swizzled_slot(int f) {
 template <int T>
 __device__ __forceinline__ void stage_x(const float* x, int k, int col0, int cols, float* xs) {
   constexpr int kCols = qgemv_cols<T>();
+  if constexpr (T == 1) {
+    stage_row_pairs(xs, x + col0, cols / 4, [](int f) { return swizzled_slot(f); });
+    return;
+  }
   for (int i = threadIdx.x; i < T * (cols / 4); i += blockDim.x) {
     const int t = i / (cols / 4);
     const int f = i - t * (cols / 4);
