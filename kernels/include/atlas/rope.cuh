@@ -23,6 +23,12 @@ struct RopeSettings {
   float scaling;
 };
 
+// Elements a lane handles per pass of norm_rope_row: its loads of one pass are issued together.
+// A loop over the row with a runtime trip count is not unrolled, and each iteration's use of its
+// load then stalls the warp before the next load: one memory round trip per 32 elements.
+constexpr int kRopePerLane = 8;  // a head row of up to 256 in one pass
+constexpr int kRopeSpan = kRopePerLane * kWarpSize;
+
 // One warp: RMSNorm of the head row x (weight, eps) into `normed` (the warp's shared row), then
 // store(j, value) of each output element, rotated or passed through. Every lane of the warp calls it.
 template <typename Store>
@@ -31,14 +37,37 @@ __device__ __forceinline__ void norm_rope_row(const RopeSettings& s, const float
   const int lane = threadIdx.x % kWarpSize;
   const int dim = s.head_dim;
   float squares = 0.0f;
-  for (int j = lane; j < dim; j += kWarpSize) squares += x[j] * x[j];
+  for (int base = 0; base < dim; base += kRopeSpan) {
+    float values[kRopePerLane];
+#pragma unroll
+    for (int m = 0; m < kRopePerLane; ++m) {
+      const int j = base + lane + kWarpSize * m;
+      values[m] = j < dim ? x[j] : 0.0f;
+    }
+#pragma unroll
+    for (int m = 0; m < kRopePerLane; ++m) squares += values[m] * values[m];
+  }
   const float inv_rms = rsqrtf(warp_sum(squares) / static_cast<float>(dim) + eps);
-  for (int j = lane; j < dim; j += kWarpSize) normed[j] = x[j] * inv_rms * weight[j];
+  for (int base = 0; base < dim; base += kRopeSpan) {
+    float values[kRopePerLane];
+    float weights[kRopePerLane];
+#pragma unroll
+    for (int m = 0; m < kRopePerLane; ++m) {
+      const int j = base + lane + kWarpSize * m;
+      values[m] = j < dim ? x[j] : 0.0f;
+      weights[m] = j < dim ? weight[j] : 0.0f;
+    }
+#pragma unroll
+    for (int m = 0; m < kRopePerLane; ++m) {
+      const int j = base + lane + kWarpSize * m;
+      if (j < dim) normed[j] = values[m] * inv_rms * weights[m];
+    }
+  }
   __syncwarp();
 
   const int half = s.rotary_dim / 2;
   const float pos = static_cast<float>(position);
-  for (int j = lane; j < dim; j += kWarpSize) {
+  for (int j = lane; j < dim; j += kWarpSize) {  // kept rolled: values held across the sincos slow path (a call) spill
     if (j >= 2 * half) {
       store(j, normed[j]);
       continue;
