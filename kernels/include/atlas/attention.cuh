@@ -252,6 +252,10 @@ __device__ void attention_block(const AttentionParams& p) {
   attn_store_rows<D, R>(p, rows);
 }
 
+// Splits whose (m, l) and partial a thread loads at once: the split loops have a runtime trip
+// count, and rolled each load stalled the next one (one round trip per split, two loops).
+constexpr int kCombineBatch = 8;
+
 // One block per (token, q head), one thread per dim: merge the live splits' (m, l, o).
 __device__ void attention_combine(const AttentionCombineParams& p) {
   const int row = blockIdx.x;  // token * q_heads + head
@@ -264,14 +268,32 @@ __device__ void attention_combine(const AttentionCombineParams& p) {
   const float* ml = static_cast<const float*>(p.ml);
   const float* partial = static_cast<const float*>(p.partial);
   float m_max = -INFINITY;
-  for (int s = 0; s < splits; ++s) m_max = fmaxf(m_max, ml[(s * stride + row) * 2]);
+  for (int s0 = 0; s0 < splits; s0 += kCombineBatch) {
+    float m[kCombineBatch];
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b) m[b] = s0 + b < splits ? ml[((s0 + b) * stride + row) * 2] : -INFINITY;
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b) m_max = fmaxf(m_max, m[b]);
+  }
   float numerator = 0.0f, denominator = 0.0f;
   if (m_max != -INFINITY) {
-    for (int s = 0; s < splits; ++s) {
-      const float m = ml[(s * stride + row) * 2];
-      const float weight = m == -INFINITY ? 0.0f : expf(m - m_max) * ml[(s * stride + row) * 2 + 1];
-      numerator = fmaf(weight, partial[(s * stride + row) * p.head_dim + d], numerator);
-      denominator += weight;
+    for (int s0 = 0; s0 < splits; s0 += kCombineBatch) {
+      float m[kCombineBatch], l[kCombineBatch], v[kCombineBatch];
+#pragma unroll
+      for (int b = 0; b < kCombineBatch; ++b) {  // loads first, then the sums in split order
+        const int64_t at = (s0 + b) * stride + row;
+        const bool live_split = s0 + b < splits;
+        m[b] = live_split ? ml[at * 2] : -INFINITY;
+        l[b] = live_split ? ml[at * 2 + 1] : 0.0f;
+        v[b] = live_split ? partial[at * p.head_dim + d] : 0.0f;
+      }
+#pragma unroll
+      for (int b = 0; b < kCombineBatch; ++b) {
+        if (s0 + b >= splits) break;
+        const float weight = m[b] == -INFINITY ? 0.0f : expf(m[b] - m_max) * l[b];
+        numerator = fmaf(weight, v[b], numerator);
+        denominator += weight;
+      }
     }
   }
   const int64_t at = static_cast<int64_t>(row) * p.head_dim + d;
