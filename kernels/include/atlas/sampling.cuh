@@ -64,6 +64,10 @@ __device__ __forceinline__ ArgBest block_best(ArgBest best) {
   return total;
 }
 
+// Logits a thread of argmax_partial loads at once (a chunk of 2048 over 256 threads in one
+// batch): rolled, its loop (runtime trip count) stalled on each load.
+constexpr int kArgmaxBatch = 8;
+
 __device__ void argmax_partial(const ArgmaxParams& p) {
   const int chunk = blockIdx.x;
   const int row = blockIdx.y;
@@ -72,7 +76,15 @@ __device__ void argmax_partial(const ArgmaxParams& p) {
   const int begin = chunk * p.chunk;
   const int end = min(begin + p.chunk, p.vocab);
   ArgBest best{-INFINITY, INT_MAX};
-  for (int i = begin + threadIdx.x; i < end; i += blockDim.x) best = better(best, ArgBest{logits[i], i});
+  const int step = static_cast<int>(blockDim.x);
+  for (int i0 = begin + threadIdx.x; i0 < end; i0 += kArgmaxBatch * step) {
+    float values[kArgmaxBatch];
+#pragma unroll
+    for (int b = 0; b < kArgmaxBatch; ++b) values[b] = i0 + b * step < end ? logits[i0 + b * step] : -INFINITY;
+#pragma unroll
+    for (int b = 0; b < kArgmaxBatch; ++b)
+      if (i0 + b * step < end) best = better(best, ArgBest{values[b], i0 + b * step});
+  }
   best = block_best(best);
   if (threadIdx.x == 0) {
     static_cast<float*>(p.partial_value)[row * p.chunks + chunk] = best.value;
