@@ -1,11 +1,14 @@
-"""Programmatic dependent launch (ATLAS_LAUNCH=pdl) is safe only if no kernel touches global
-memory before griddepcontrol.wait: its predecessor may still be running. Checked on every kernel
-instance (the entry's first statement is atlas::pdl_enter(), or a weight prefetch into L2 and then
-pdl_enter) and in the PTX nvcc makes here for Hopper (every entry waits before its first global
-load, store, atomic or async copy, and lets its dependents launch only after that wait), while
-the sm80 PTX, whose arch has no griddepcontrol, holds none of it. The one access allowed before the
-wait is an L2 prefetch (cp.async.bulk.prefetch.L2): L2 is where global memory is coherent, so a
-line it brings in early is never stale, whatever the predecessor writes."""
+"""Programmatic dependent launch (ATLAS_LAUNCH=pdl) is safe only if no kernel reads what its
+predecessor writes before griddepcontrol.wait: that kernel may still be running. Checked on every
+kernel instance (the entry's first statement is atlas::pdl_enter(), or a weight prefetch into L2
+and then pdl_enter, or a call into a device function that enters itself: the bf16 and quantized
+decode GEMVs and the router's logits) and in the PTX nvcc makes here for Hopper (every entry waits
+before its first global load, store, atomic or async copy, and lets its dependents launch only
+after that wait), while the sm80 PTX, whose arch has no griddepcontrol, holds none of it. Two
+kinds of access may come before the wait: an L2 prefetch (cp.async.bulk.prefetch.L2: L2 is where
+global memory is coherent, so a line it brings in early is never stale, whatever the predecessor
+writes), and in those self-entering kernels their first weight loads (ld.global.nc): no kernel
+writes weights."""
 
 from __future__ import annotations
 
@@ -14,13 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from _abi import PtxBuild, compile_ptx
+from _abi import PtxBuild, compile_ptx, model_dims
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = re.compile(r'^extern "C" __global__ void[^\n]*\{\n(?P<first>[^\n]*)\n(?P<second>[^\n]*)', re.MULTILINE)
 PREFETCH_CALL = re.compile(r"atlas::\w+_prefetch(?:<[\w:]+>)?\(p\);")
+# Device functions that call pdl_enter themselves, after issuing weight loads: gemv.cuh's gemv,
+# gemv_quant.cuh's gemv_quant and router.cuh's store_block_logits (router_logits, router_fused).
+SELF_ENTERING = re.compile(r"atlas::(?:gemv|quant::gemv_quant|router::router_logits|router::router_fused)<[^;]+>\(p\);")
+WEIGHTS_FIRST = ("atlas_gemv_", "atlas_qgemv_", "atlas_router_logits", "atlas_router_fused")  # their PTX entries
 MEMORY = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld\.global|st\.global|atom\.global|red\.global|cp\.async(?!\.bulk\.prefetch\.L2)"
                     r"|ld\.volatile\.global)")
+READ_ONLY = re.compile(r"^\s*(?:@!?%p\d+\s+)?ld\.global\.nc\.")
 MODEL = "qwen3.6-35b-a3b"
 
 
@@ -30,7 +38,8 @@ def test_every_kernel_instance_enters_through_pdl_enter() -> None:
     entries = [(path, m["first"].strip(), m["second"].strip()) for path in sources for m in ENTRY.finditer(path.read_text())]
     assert len(entries) > 200, len(entries)  # every hw x model x quant instance
     late = [f"{path.relative_to(REPO)}: {first}" for path, first, second in entries
-            if first != "atlas::pdl_enter();" and not (PREFETCH_CALL.fullmatch(first) and second == "atlas::pdl_enter();")]
+            if first != "atlas::pdl_enter();" and not SELF_ENTERING.fullmatch(first)
+            and not (PREFETCH_CALL.fullmatch(first) and (second == "atlas::pdl_enter();" or SELF_ENTERING.fullmatch(second)))]
     assert not late, late[:5]
     prefetching = {first for _, first, _ in entries if PREFETCH_CALL.fullmatch(first)}
     assert prefetching == {"atlas::gemv_prefetch<atlas::kGemvWideRows>(p);", "atlas::gemv_prefetch<atlas::kGemvNarrowRows>(p);"}
@@ -41,10 +50,13 @@ def entry_bodies(ptx: str) -> dict[str, str]:
 
 
 def check_waits_first(name: str, body: str) -> None:
+    """Also holds the accesses of a WEIGHTS_FIRST entry before the wait to read-only loads."""
     lines = body.splitlines()
     wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
     assert wait is not None, f"{name}: no griddepcontrol.wait"
-    first_memory = next((i for i, line in enumerate(lines) if MEMORY.match(line)), len(lines))
+    weights_first = name.startswith(WEIGHTS_FIRST)
+    first_memory = next((i for i, line in enumerate(lines)
+                         if MEMORY.match(line) and not (weights_first and READ_ONLY.match(line))), len(lines))
     assert wait < first_memory, f"{name}: {lines[first_memory].strip()} before griddepcontrol.wait"
     trigger = next((i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line), None)
     assert trigger is not None and trigger > wait, f"{name}: dependents launched before the wait"
@@ -85,6 +97,58 @@ def test_decode_gemvs_prefetch_their_weights_before_the_wait(hopper_ptx: dict[st
             continue
         wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
         assert prefetch is not None and (prefetch < wait) == (name in gemvs), name
+
+
+def test_decode_gemvs_and_router_issue_weight_loads_before_the_wait(hopper_ptx: dict[str, str]) -> None:
+    """Every bf16 GEMV issues its first weight batch (R x U loads per lane: 8, or 4 in the narrow
+    shape above 4 tokens) ahead of the wait, and the router its whole weight row (H / 256 loads),
+    and only weights: gemv.cuh's one __ldg is load_weight_batch's, and router.cuh loads through
+    __ldg only in load_row (row_dot.cuh), so an x load moved before the wait would be a plain
+    ld.global that check_waits_first refuses."""
+    gemv_source = (REPO / "kernels/include/atlas/gemv.cuh").read_text()
+    assert len(re.findall(r"__ldg\(", gemv_source)) == 1 and "__ldg(reinterpret_cast<const uint4*>(rows[r]" in gemv_source
+    assert "__ldg(" not in (REPO / "kernels/include/atlas/router.cuh").read_text()
+    early_loads = {name: 8 if "narrow" not in name or int(name.rsplit("_t", 1)[1]) <= 4 else 4
+                   for name in hopper_ptx if name.startswith("atlas_gemv_")}
+    assert len(early_loads) == 16, sorted(early_loads)
+    hidden = model_dims(MODEL)["hidden_size"]
+    early_loads |= {"atlas_router_logits": hidden // 256, "atlas_router_fused": hidden // 256}
+    for name, count in early_loads.items():
+        lines = hopper_ptx[name].splitlines()
+        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        early = [line for line in lines[:wait] if READ_ONLY.match(line)]
+        assert len(early) == count, (name, early)
+
+
+@pytest.mark.parametrize("quant", ["fp8", "nvfp4"])
+def test_quantized_decode_gemvs_issue_weight_loads_before_the_wait(quant: str, tmp_path: Path) -> None:
+    """The fp8 / nvfp4 GEMVs issue their first batch of chunks (a weight load and a scale load per
+    chunk, R x U chunks per lane) ahead of the wait, only read-only loads before it, and every
+    other entry of the module waits first. Format::load (quant_common.cuh) is the one __ldg the
+    GEMV path has before its staging of x, which loads plainly."""
+    source = f"kernels/h200/{MODEL}/{quant}/linear_{quant}.cu"
+    ptx = entry_bodies(compile_ptx(PtxBuild("h200", MODEL, quant, "compute_90a", (source,)), tmp_path))
+    gemvs = {name for name in ptx if name.startswith("atlas_qgemv_")}
+    assert len(gemvs) == 16, sorted(ptx)
+    for name, body in ptx.items():
+        check_waits_first(name, body)
+        if name not in gemvs:
+            continue
+        tokens = int(name.rsplit("_t", 1)[1])
+        chunks = (4 if tokens <= 4 else 2) if "narrow" in name else 8  # R x U: narrow 1 x (4 | 2), wide 4 x 2
+        lines = body.splitlines()
+        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        assert len([line for line in lines[:wait] if READ_ONLY.match(line)]) == 2 * chunks, name
+
+
+def test_the_check_refuses_a_plain_gemv_load_before_the_wait(hopper_ptx: dict[str, str]) -> None:
+    body = hopper_ptx["atlas_gemv_t1"]
+    lines = body.splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    check_waits_first("atlas_gemv_t1", body)
+    moved = [*lines[:wait], "\tld.global.v4.f32 \t{%f1, %f2, %f3, %f4}, [%rd1];", *lines[wait:]]
+    with pytest.raises(AssertionError, match="before griddepcontrol.wait"):
+        check_waits_first("atlas_gemv_t1", "\n".join(moved))
 
 
 def test_sm80_ptx_has_no_griddepcontrol(tmp_path: Path) -> None:

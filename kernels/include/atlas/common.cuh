@@ -22,10 +22,12 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// The first statement of every entry. Under programmatic dependent launch (ATLAS_LAUNCH=pdl,
-// sm_90+) a kernel may start while the previous one in the stream still runs: wait until that one
-// has finished and its writes are visible, then let the next kernel launch early in turn. Without
-// the launch attribute both instructions return at once.
+// The first statement of every entry, except in the decode GEMVs and the router's logits, which
+// issue weight loads first (gemv.cuh, gemv_quant.cuh, router.cuh: no kernel writes weights). Under
+// programmatic dependent launch (ATLAS_LAUNCH=pdl, sm_90+) a kernel may start while the previous
+// one in the stream still runs: wait until that one has finished and its writes are visible, then
+// let the next kernel launch early in turn. Without the launch attribute both instructions return
+// at once.
 __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -33,10 +35,10 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
-// Pulls [ptr, ptr + bytes) from memory into L2 (sm_90+: one bulk prefetch; nothing before). The one
-// global access a kernel may make before pdl_enter: L2 is where global memory is coherent, so a
-// line brought in early is never stale, whatever the previous kernel writes, and under programmatic
-// launch the fetch overlaps that kernel. ptr 16-byte aligned, bytes a multiple of 16.
+// Pulls [ptr, ptr + bytes) from memory into L2 (sm_90+: one bulk prefetch; nothing before). Safe
+// before pdl_enter on any memory: L2 is where global memory is coherent, so a line brought in
+// early is never stale, whatever the previous kernel writes, and under programmatic launch the
+// fetch overlaps that kernel. ptr 16-byte aligned, bytes a multiple of 16.
 __device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(bytes) : "memory");

@@ -1,7 +1,8 @@
 // Decode linear (tokens <= 8): out[t, n] = sum_k x[t, k] * W[n, k], W bf16 [N, K] row-major.
 // Memory-bound on W: each warp owns R output rows and streams them with 16-byte loads, U column
 // groups per row in flight (R x U = 8 x 16 B outstanding per lane); x is staged in shared memory
-// as f32 in column chunks and reused by every row of the block; warp-shuffle reduction.
+// as f32 in column chunks and reused by every row of the block, with the lanes' first weight batch
+// already in flight (issued before the staging, kept packed until used); warp-shuffle reduction.
 // Two shapes: wide (R 4, U 2: 32 rows per block) when N gives enough blocks to fill the GPU,
 // narrow (R 1, U 8: 8 rows per block) for small N such as the k/v and o projections.
 // Requires K % 8 == 0 and 16-byte aligned W rows (checked by the op wrapper).
@@ -25,49 +26,70 @@ __host__ __device__ constexpr int gemv_chunk_cols() {
   return kGemvSmemFloats / T / 256 * 256;  // a multiple of 256 = 32 lanes x 8 columns
 }
 
+// One batch of a lane's weights: column groups g0 + u * 32 (u < U) of each of its R rows, 8 bf16
+// each, kept packed until used (zero bits, i.e. +0.0, past `groups` and for absent rows). Packed,
+// because a batch loaded ahead of a barrier is unpacked after it: unpacking at the load would make
+// the warp wait for the weights before the barrier.
+template <int R, int U>
+__device__ __forceinline__ void load_weight_batch(const uint16_t* (&rows)[R], int g0, int groups, uint4 (&w)[U][R]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int g = g0 + u * kWarpSize;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      w[u][r] = g < groups && rows[r] != nullptr ? __ldg(reinterpret_cast<const uint4*>(rows[r] + g * 8)) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// acc[t][r] += x[t, group g0 + u * 32] . w[u][r] over the batch's groups before `groups`.
+template <int T, int R, int U>
+__device__ __forceinline__ void accumulate_batch(const float* xs, int g0, int groups, const uint4 (&w)[U][R],
+                                                 float (&acc)[T][R]) {
+  constexpr int kCols = gemv_chunk_cols<T>();
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int g = g0 + u * kWarpSize;
+    if (g >= groups) break;
+    float wf[R][8];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint32_t words[4] = {w[u][r].x, w[u][r].y, w[u][r].z, w[u][r].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) unpack_bf16x2(words[i], wf[r][2 * i], wf[r][2 * i + 1]);
+    }
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      float xv[8];
+      load_f32<8>(xs + t * kCols + g * 8, xv);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[t][r] = fmaf(xv[e], wf[r][e], acc[t][r]);
+    }
+  }
+}
+
 // Accumulates x[t, chunk] . W[row, chunk] for this lane's 8-column groups g (lane, lane + 32, ...).
+// `first` holds the first batch (g0 = lane): the caller issues it before staging x, so the
+// weights' first round trip overlaps the staging's instead of following it. Each later batch is
+// loaded and used within its iteration (one batch of registers live, not two).
 template <int T, int R, int U>
 __device__ __forceinline__ void gemv_chunk(const float* xs, const uint16_t* (&rows)[R], int groups,
-                                           float (&acc)[T][R]) {
-  constexpr int kCols = gemv_chunk_cols<T>();
+                                           const uint4 (&first)[U][R], float (&acc)[T][R]) {
   const int lane = threadIdx.x % kWarpSize;
-  for (int g0 = lane; g0 < groups; g0 += U * kWarpSize) {
-    float w[U][R][8];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int g = g0 + u * kWarpSize;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (g < groups && rows[r] != nullptr) {
-          load_bf16<8>(rows[r] + g * 8, w[u][r]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) w[u][r][e] = 0.0f;
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int g = g0 + u * kWarpSize;
-      if (g >= groups) break;
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        float xv[8];
-        load_f32<8>(xs + t * kCols + g * 8, xv);
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[t][r] = fmaf(xv[e], w[u][r][e], acc[t][r]);
-      }
-    }
+  accumulate_batch<T, R, U>(xs, lane, groups, first, acc);
+  for (int g0 = lane + U * kWarpSize; g0 < groups; g0 += U * kWarpSize) {
+    uint4 w[U][R];
+    load_weight_batch<R, U>(rows, g0, groups, w);
+    accumulate_batch<T, R, U>(xs, g0, groups, w, acc);
   }
 }
 
 // Stages one row of `vecs` float4 into shared memory (float4 i to slot(i)), each thread's two
 // loads issued before either store. The strided loop of T > 1 (trip count unknown, not unrolled)
 // waits one memory round trip per float4 a thread stages: two at K = 2048, four at K = 4096,
-// before the first weight load. Two, not more: the decode GEMVs' registers decide how many
-// blocks an SM holds.
+// while only the first weight batch is in flight. Two, not more: the decode GEMVs' registers
+// decide how many blocks an SM holds.
 template <class Slot>
 __device__ __forceinline__ void stage_row_pairs(float* xs, const float* x, int vecs, Slot slot) {
   const int step = static_cast<int>(blockDim.x);
@@ -110,21 +132,37 @@ __device__ __forceinline__ void gemv_prefetch(const LinearParams& p) {
   }
 }
 
+// The weight rows of column chunk c0 (nullptr past n).
+template <int R>
+__device__ __forceinline__ void chunk_rows(const LinearParams& p, int row0, int c0, const uint16_t* (&rows)[R]) {
+  const uint16_t* weight = static_cast<const uint16_t*>(p.weight);
+#pragma unroll
+  for (int r = 0; r < R; ++r) rows[r] = row0 + r < p.n ? weight + static_cast<int64_t>(row0 + r) * p.k + c0 : nullptr;
+}
+
+// Enters through pdl_enter itself, after issuing its first weight batch: under programmatic
+// launch those loads overlap the previous kernel. Safe before the wait because no kernel writes
+// weights (they are uploaded before any launch), so no load can see a stale value; x, the
+// previous kernel's output, is read after it. The batch is the only __ldg in this file, so
+// tests/test_pdl_ptx.py can hold every load before the wait to ld.global.nc.
 template <int T, int R, int U>
 __device__ void gemv(const LinearParams& p) {
   constexpr int kCols = gemv_chunk_cols<T>();
   __shared__ __align__(16) float xs[T * kCols];  // [T, kCols]
   if (p.tokens != T) return;  // the wrapper picks the instance with T == tokens
-  const int warp = threadIdx.x / kWarpSize;
-  const int row0 = (blockIdx.x * kGemvWarps + warp) * R;
+  const int lane = threadIdx.x % kWarpSize;
+  const int row0 = (blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize) * R;
   const float* x = static_cast<const float*>(p.x);
-  const uint16_t* weight = static_cast<const uint16_t*>(p.weight);
-
   float acc[T][R];
   fill(acc, 0.0f);
 
   for (int c0 = 0; c0 < p.k; c0 += kCols) {
     const int cols = min(kCols, p.k - c0);  // a multiple of 8
+    const uint16_t* rows[R];
+    chunk_rows<R>(p, row0, c0, rows);
+    uint4 w[U][R];
+    load_weight_batch<R, U>(rows, lane, cols / 8, w);
+    if (c0 == 0) pdl_enter();
     if constexpr (T == 1) {
       stage_row_pairs(xs, x + c0, cols / 4, [](int i) { return i; });
     } else {
@@ -136,11 +174,7 @@ __device__ void gemv(const LinearParams& p) {
       }
     }
     __syncthreads();
-    const uint16_t* rows[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-      rows[r] = row0 + r < p.n ? weight + static_cast<int64_t>(row0 + r) * p.k + c0 : nullptr;
-    gemv_chunk<T, R, U>(xs, rows, cols / 8, acc);
+    gemv_chunk<T, R, U>(xs, rows, cols / 8, w, acc);
     __syncthreads();
   }
 

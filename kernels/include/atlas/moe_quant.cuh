@@ -135,12 +135,12 @@ __device__ void moe_quant_gemm(const MoeQuantGemmParams& p) {
   }
 }
 
-constexpr int kMoeGemvUnroll = 2;
-// Chunk columns in flight per lane in the down GEMV: kMoeGemvUnroll for up to 8 slots, one above
-// (9 slots x 2 columns of fp8 chunks spill on sm_90a). At the models' I = 512 a lane holds a
-// single chunk column per block of staged act anyway, so this costs no loads in flight there.
-template <int kTopK>
-__host__ __device__ constexpr int moe_down_unroll() { return kTopK <= 8 ? kMoeGemvUnroll : 1; }
+constexpr int kMoeGemvUnroll = 2;  // chunk columns in flight per lane in the gate_up GEMV
+// In the down GEMV, one: its k rows' first batch is held while the k act rows are staged, and two
+// columns of 8 rows raised down_k8 to 155-162 registers on sm_90a (one block per SM). At the
+// models' I = 512 a lane holds a single chunk column per block of staged act anyway, so this
+// costs no loads in flight there.
+constexpr int kMoeDownUnroll = 1;
 
 template <class Format>
 __device__ void moe_qgemv_gate_up(const MoeQuantGemvParams& p) {
@@ -159,10 +159,8 @@ __device__ void moe_qgemv_gate_up(const MoeQuantGemvParams& p) {
   float acc[1][2] = {{0.0f, 0.0f}};
   for (int col0 = 0; col0 < p.hidden; col0 += qgemv_cols<1>()) {
     const int cols = min(qgemv_cols<1>(), p.hidden - col0);
-    stage_x<1>(x, p.hidden, col0, cols, xs);
-    __syncthreads();
-    qgemv_block<Format, 1, 2, kMoeGemvUnroll>(m, rows, col0 / kChunk, xs, cols / kChunk, acc);
-    __syncthreads();
+    qgemv_block<Format, 1, 2, kMoeGemvUnroll>(m, rows, col0 / kChunk, cols / kChunk, xs,
+                                              [&] { stage_x<1>(x, p.hidden, col0, cols, xs); }, acc);
   }
   const float g = warp_sum(acc[0][0]);
   const float u = warp_sum(acc[0][1]);
@@ -198,10 +196,8 @@ __device__ void moe_qgemv_down(const MoeQuantGemvParams& p) {
     for (int b = 0; b < kTopK; ++b) acc[a][b] = 0.0f;
   for (int col0 = 0; col0 < p.inter; col0 += kCols) {
     const int cols = min(kCols, p.inter - col0);
-    stage_x<kTopK>(act, p.inter, col0, cols, xs);
-    __syncthreads();
-    qgemv_block<Format, kTopK, kTopK, moe_down_unroll<kTopK>(), true>(m, rows, col0 / kChunk, xs, cols / kChunk, acc);
-    __syncthreads();
+    qgemv_block<Format, kTopK, kTopK, kMoeDownUnroll, true>(
+        m, rows, col0 / kChunk, cols / kChunk, xs, [&] { stage_x<kTopK>(act, p.inter, col0, cols, xs); }, acc);
   }
   if (n >= p.hidden) return;
   float total = 0.0f;

@@ -38,7 +38,9 @@ __device__ __forceinline__ int logit_columns(const RouterParams& p) { return E +
 __device__ __forceinline__ int token_slots(const RouterParams& p) { return p.top_k + p.shared_expert; }
 
 // This block's logits of token t (rows blockIdx.y * kWarps + warp). Every thread of the block
-// must call it (one barrier); true in the lanes that stored a logit.
+// must call it (one barrier); true in the lanes that stored a logit. It enters through pdl_enter
+// after issuing the weight row's loads (ld.global.nc): under programmatic launch they overlap the
+// previous kernel, which cannot have written them (no kernel writes weights); x is read after.
 template <int H, int E>
 __device__ bool store_block_logits(const RouterParams& p, int t) {
   const int lane = threadIdx.x % kWarpSize;
@@ -47,6 +49,7 @@ __device__ bool store_block_logits(const RouterParams& p, int t) {
   RowChunks<H> row;  // weight loads issued before x is staged, to overlap the two
   if (e < columns) load_row<H>(static_cast<const uint16_t*>(p.weight) + static_cast<int64_t>(e) * H, lane, row);
   else zero_row<H>(row);
+  pdl_enter();
   __shared__ __align__(16) float x_s[H];
   const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(t) * H;
   for (int i = threadIdx.x; i < H; i += kLogitsThreads) x_s[i] = x[i];
