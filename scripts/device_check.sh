@@ -101,14 +101,17 @@ gpu_pytest() {
 # so they run even when `ops` is left out; then everything else marked gpu.
 KERNEL_TESTS="tests/test_gpu_ops.py tests/test_gpu_split_linear.py tests/test_gpu_moe_shared.py tests/test_gpu_chain.py \
   tests/test_gpu_quant.py tests/test_gpu_kv.py"
+# Newest defaults: the decode GEMVs and router with their weights issued first (2026-12-05).
 OPS_OPTIN="test_weight_prefetch_changes_no_bit test_a_row_of_nan_alone_picks_no_token test_sample_matches_reference \
-  test_sample_over_any_row_length test_sample_top_p_alone_matches_reference test_sample_extremes_match_reference"
+  test_sample_over_any_row_length test_sample_top_p_alone_matches_reference test_sample_extremes_match_reference \
+  test_linear test_router test_moe_experts"
 OPTIN_TESTS="tests/test_gpu_router_fused.py tests/test_gpu_delta_decode.py tests/test_gpu_attention_mma.py \
   tests/test_gpu_gemm_wgmma.py tests/test_gpu_delta_chunked.py tests/test_gpu_attention_prep.py \
   $(for t in $OPS_OPTIN; do printf 'tests/test_gpu_ops.py::%s ' "$t"; done) \
+  tests/test_gpu_quant.py::test_quant_linear tests/test_gpu_quant.py::test_quant_moe_experts \
   tests/test_gpu_chain.py::test_running_ahead_gives_the_tokens_in_turn"
 stage ops 210 "$(gpu_pytest "$OUT/junit-ops.xml" --maxfail=40 $KERNEL_TESTS)"
-stage optin 60 "$(gpu_pytest "$OUT/junit-optin.xml" --maxfail=40 $OPTIN_TESTS)"
+stage optin 90 "$(gpu_pytest "$OUT/junit-optin.xml" --maxfail=40 $OPTIN_TESTS)"
 
 stage model 125 "$(gpu_pytest "$OUT/junit-model.xml" --maxfail=10 --durations=5 tests \
   $(for f in $KERNEL_TESTS $OPTIN_TESTS tests/test_verify.py; do printf -- '--ignore=%s ' "$f"; done))"
