@@ -186,6 +186,27 @@ def test_quant_linear_zero_tail_rows(gpu: tuple[Any, str, dict[str, int]], rng: 
         check_bound(f"{fmt} ragged linear T={tokens}", out, x @ dense.T, bf16_round(x) @ bf16_round(dense).T)
 
 
+def test_quant_linear_reads_unaligned_x_rows(gpu: tuple[Any, str, dict[str, int]], rng: np.random.Generator) -> None:
+    """Above one token the GEMV stages x rows by cp.async when they are 16-byte aligned and element
+    by element when not (stage.cuh): rows 4 bytes past alignment give the bits of aligned rows."""
+    from atlas.backends.cuda import ops_quant
+    from atlas.backends.cuda.quant_weights import upload
+
+    backend, fmt, dims = gpu
+    k = dims["hidden_size"]
+    host, _ = quantize(fmt, normal(rng, 96, k, scale=1 / math.sqrt(k)))
+    device_w = upload(backend.uploader, host)
+    x = normal(rng, 3, k)
+    aligned = backend.upload(x, "f32")
+    padded = backend.upload(np.concatenate([normal(rng, 1), x.reshape(-1)])[None], "f32")  # [1, 1 + 3K]
+    shifted = padded.elements(1, 1 + 3 * k).reshape(3, k)
+    assert aligned.ptr % 16 == 0 and shifted.ptr % 16 == 4
+    want = run(backend, lambda rt: ops_quant.linear(rt, aligned, device_w))
+    got = run(backend, lambda rt: ops_quant.linear(rt, shifted, device_w))
+    assert np.isfinite(want).all()
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_fp8_every_code_decodes_as_float8_e4m3fn(model: str, rng: np.random.Generator) -> None:
     """Weight row r holds code r in column c (other columns random finite codes, times a zero

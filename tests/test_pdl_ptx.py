@@ -49,17 +49,47 @@ def entry_bodies(ptx: str) -> dict[str, str]:
     return {m[1]: ptx[m.end():ptx.index("\n}\n", m.end())] for m in re.finditer(r"\.entry (\w+)\(", ptx)}
 
 
+LABEL = re.compile(r"^(\$\w+):")
+BRANCH = re.compile(r"^\s*(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$\w+);")
+STOP = re.compile(r"^\s*(?:ret|exit|trap);")
+
+
+def before_wait(body: str) -> list[str]:
+    """The lines of an entry's PTX that some path from its start reaches before executing
+    griddepcontrol.wait: branches followed both ways when predicated (a block the layout puts
+    early may run late, so text order alone proves nothing)."""
+    lines = body.splitlines()
+    labels = {m[1]: i for i, line in enumerate(lines) if (m := LABEL.match(line.strip()))}
+    reached: set[int] = set()
+    starts = [0]
+    while starts:
+        i = starts.pop()
+        while i < len(lines) and i not in reached and "griddepcontrol.wait" not in lines[i]:
+            reached.add(i)
+            if STOP.match(lines[i]):
+                break
+            branch = BRANCH.match(lines[i])
+            if branch:
+                starts.append(labels[branch[2]])
+                if not branch[1]:
+                    break
+            i += 1
+    return [lines[i] for i in sorted(reached)]
+
+
 def check_waits_first(name: str, body: str) -> None:
     """Also holds the accesses of a WEIGHTS_FIRST entry before the wait to read-only loads."""
-    lines = body.splitlines()
-    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
-    assert wait is not None, f"{name}: no griddepcontrol.wait"
+    assert "griddepcontrol.wait" in body, f"{name}: no griddepcontrol.wait"
     weights_first = name.startswith(WEIGHTS_FIRST)
-    first_memory = next((i for i, line in enumerate(lines)
-                         if MEMORY.match(line) and not (weights_first and READ_ONLY.match(line))), len(lines))
-    assert wait < first_memory, f"{name}: {lines[first_memory].strip()} before griddepcontrol.wait"
-    trigger = next((i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line), None)
-    assert trigger is not None and trigger > wait, f"{name}: dependents launched before the wait"
+    early = before_wait(body)
+    touching = [line.strip() for line in early if MEMORY.match(line) and not (weights_first and READ_ONLY.match(line))]
+    assert not touching, f"{name}: {touching[0]} before griddepcontrol.wait"
+    assert "griddepcontrol.launch_dependents" in body, f"{name}: no griddepcontrol.launch_dependents"
+    assert not any("griddepcontrol.launch_dependents" in line for line in early), f"{name}: dependents launched before the wait"
+
+
+def early_weight_loads(body: str) -> int:
+    return sum(1 for line in before_wait(body) if READ_ONLY.match(line))
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +144,7 @@ def test_decode_gemvs_and_router_issue_weight_loads_before_the_wait(hopper_ptx: 
     hidden = model_dims(MODEL)["hidden_size"]
     early_loads |= {"atlas_router_logits": hidden // 256, "atlas_router_fused": hidden // 256}
     for name, count in early_loads.items():
-        lines = hopper_ptx[name].splitlines()
-        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-        early = [line for line in lines[:wait] if READ_ONLY.match(line)]
-        assert len(early) == count, (name, early)
+        assert early_weight_loads(hopper_ptx[name]) == count, name
 
 
 @pytest.mark.parametrize("quant", ["fp8", "nvfp4"])
@@ -136,9 +163,7 @@ def test_quantized_decode_gemvs_issue_weight_loads_before_the_wait(quant: str, t
             continue
         tokens = int(name.rsplit("_t", 1)[1])
         chunks = (4 if tokens <= 4 else 2) if "narrow" in name else 8  # R x U: narrow 1 x (4 | 2), wide 4 x 2
-        lines = body.splitlines()
-        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-        assert len([line for line in lines[:wait] if READ_ONLY.match(line)]) == 2 * chunks, name
+        assert early_weight_loads(body) == 2 * chunks, name
 
 
 def test_the_check_refuses_a_plain_gemv_load_before_the_wait(hopper_ptx: dict[str, str]) -> None:

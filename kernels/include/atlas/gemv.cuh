@@ -1,14 +1,16 @@
 // Decode linear (tokens <= 8): out[t, n] = sum_k x[t, k] * W[n, k], W bf16 [N, K] row-major.
 // Memory-bound on W: each warp owns R output rows and streams them with 16-byte loads, U column
 // groups per row in flight (R x U = 8 x 16 B outstanding per lane); x is staged in shared memory
-// as f32 in column chunks and reused by every row of the block, with the lanes' first weight batch
-// already in flight (issued before the staging, kept packed until used); warp-shuffle reduction.
+// as f32 in column chunks (by cp.async, stage.cuh) and reused by every row of the block, with the
+// lanes' first weight batch already in flight (issued before the staging, kept packed until
+// used); warp-shuffle reduction.
 // Two shapes: wide (R 4, U 2: 32 rows per block) when N gives enough blocks to fill the GPU,
 // narrow (R 1, U 8: 8 rows per block) for small N such as the k/v and o projections.
 // Requires K % 8 == 0 and 16-byte aligned W rows (checked by the op wrapper).
 #pragma once
 
 #include "atlas/common.cuh"
+#include "atlas/stage.cuh"
 
 namespace atlas {
 
@@ -85,24 +87,6 @@ __device__ __forceinline__ void gemv_chunk(const float* xs, const uint16_t* (&ro
   }
 }
 
-// Stages one row of `vecs` float4 into shared memory (float4 i to slot(i)), each thread's two
-// loads issued before either store. The strided loop of T > 1 (trip count unknown, not unrolled)
-// waits one memory round trip per float4 a thread stages: two at K = 2048, four at K = 4096,
-// while only the first weight batch is in flight. Two, not more: the decode GEMVs' registers
-// decide how many blocks an SM holds.
-template <class Slot>
-__device__ __forceinline__ void stage_row_pairs(float* xs, const float* x, int vecs, Slot slot) {
-  const int step = static_cast<int>(blockDim.x);
-  for (int i = threadIdx.x; i < vecs; i += 2 * step) {
-    const float4 first = reinterpret_cast<const float4*>(x)[i];
-    const bool second = i + step < vecs;
-    float4 next = first;
-    if (second) next = reinterpret_cast<const float4*>(x)[i + step];
-    reinterpret_cast<float4*>(xs)[slot(i)] = first;
-    if (second) reinterpret_cast<float4*>(xs)[slot(i + step)] = next;
-  }
-}
-
 // The epilogue of the GEMVs: out[t, row0 + r] = scale(row0 + r) * (acc[t][r] summed over the warp's
 // lanes), rows past n skipped.
 template <int T, int R, class RowScale>
@@ -162,22 +146,24 @@ __device__ void gemv(const LinearParams& p) {
     chunk_rows<R>(p, row0, c0, rows);
     uint4 w[U][R];
     load_weight_batch<R, U>(rows, lane, cols / 8, w);
-    if (c0 == 0) pdl_enter();
+    pdl_enter();  // the first chunk's waits; a later chunk's returns at once
     if constexpr (T == 1) {
-      stage_row_pairs(xs, x + c0, cols / 4, [](int i) { return i; });
-    } else {
+      stage_async(xs, x + c0, cols);
+      stage_wait();
+    } else {  // a plain loop: by cp.async, sm_90a's ptxas held narrow_t5 to 48 registers and spilled
       for (int i = threadIdx.x; i < T * cols / 4; i += blockDim.x) {
         const int t = i / (cols / 4);
         const int c4 = i - t * (cols / 4);
         reinterpret_cast<float4*>(xs + t * kCols)[c4] =
             reinterpret_cast<const float4*>(x + static_cast<int64_t>(t) * p.k + c0)[c4];
       }
+      __syncthreads();
     }
-    __syncthreads();
     gemv_chunk<T, R, U>(xs, rows, cols / 8, w, acc);
     __syncthreads();
   }
 
+  pdl_enter();  // returns at once after the loop's; waits here only when k == 0 skipped the loop
   gemv_store_rows(acc, static_cast<float*>(p.out), p.n, row0, [](int) { return 1.0f; });
 }
 

@@ -35,19 +35,30 @@ __device__ __forceinline__ int swizzled_slot(int f) {
   return (c << 2) | ((f & 3) ^ ((c >> 1) & 3));
 }
 
+// Stages one row of `vecs` float4 into shared memory (float4 i to slot(i)), each thread's two
+// loads issued before either store: one round trip at K = 2048 where a strided loop waits one per
+// float4. Not by cp.async (stage.cuh) here: with it sm_90a's ptxas held the nvfp4 MoE gate_up
+// GEMV to 64 registers and spilled.
+template <class Slot>
+__device__ __forceinline__ void stage_row_pairs(float* xs, const float* x, int vecs, Slot slot) {
+  const int step = static_cast<int>(blockDim.x);
+  for (int i = threadIdx.x; i < vecs; i += 2 * step) {
+    const float4 first = reinterpret_cast<const float4*>(x)[i];
+    const bool second = i + step < vecs;
+    float4 next = first;
+    if (second) next = reinterpret_cast<const float4*>(x)[i + step];
+    reinterpret_cast<float4*>(xs)[slot(i)] = first;
+    if (second) reinterpret_cast<float4*>(xs)[slot(i + step)] = next;
+  }
+}
+
+// Stages x's column block [col0, col0 + cols) of each of the T rows (row stride k) into xs,
+// swizzled: T = 1 at once, more rows issued by cp.async (stage.cuh). stage_wait() completes it.
 template <int T>
 __device__ __forceinline__ void stage_x(const float* x, int k, int col0, int cols, float* xs) {
   constexpr int kCols = qgemv_cols<T>();
-  if constexpr (T == 1) {
-    stage_row_pairs(xs, x + col0, cols / 4, [](int f) { return swizzled_slot(f); });
-  } else {
-    for (int i = threadIdx.x; i < T * (cols / 4); i += blockDim.x) {
-      const int t = i / (cols / 4);
-      const int f = i - t * (cols / 4);
-      reinterpret_cast<float4*>(xs + t * kCols)[swizzled_slot(f)] =
-          reinterpret_cast<const float4*>(x + static_cast<int64_t>(t) * k + col0)[f];
-    }
-  }
+  if constexpr (T == 1) stage_row_pairs(xs, x + col0, cols / 4, [](int f) { return swizzled_slot(f); });
+  else stage_async(xs, x + col0, cols, StageRows{T, kCols, k}, [](int f) { return swizzled_slot(f); });
 }
 
 // The 16 staged x values of chunk c for token row xs_row.
@@ -104,12 +115,12 @@ __device__ __forceinline__ void accumulate_chunk_batch(const typename Format::Ch
 }
 
 // acc[t][r] += x[t, block columns] . W[rows[r], block columns] over one block of `chunks` chunk
-// columns from chunk0, for this lane's chunks; stage() puts the block's x rows in xs. The lane's
-// first batch of chunks is issued before stage(), so the weights' first round trip overlaps the
-// staging's instead of following it; each later batch is loaded and used within its iteration.
-// (gemv.cuh peels the first batch off the loop instead; here that form took more registers, e.g.
-// 98 against 75 in the fp8 MoE gate_up GEMV on sm_90a.) Every thread of the block calls it (two
-// barriers). kDiagonal: see accumulate_chunk_batch.
+// columns from chunk0, for this lane's chunks; stage() issues the staging of the block's x rows
+// into xs (stage.cuh). The lane's first batch of chunks is issued before stage(), so the weights'
+// first round trip overlaps the staging's instead of following it; each later batch is loaded
+// and used within its iteration. (gemv.cuh peels the first batch off the loop instead; here that
+// form took more registers, e.g. 98 against 75 in the fp8 MoE gate_up GEMV on sm_90a.) Every
+// thread of the block calls it (two barriers). kDiagonal: see accumulate_chunk_batch.
 template <class Format, int T, int R, int U, bool kDiagonal = false, class Stage>
 __device__ __forceinline__ void qgemv_block(const QuantMatrix& m, const int64_t (&rows)[R], int chunk0, int chunks,
                                             const float* xs, Stage stage, float (&acc)[T][R]) {
@@ -118,7 +129,7 @@ __device__ __forceinline__ void qgemv_block(const QuantMatrix& m, const int64_t 
   typename Format::Chunk w[U][R];
   load_chunk_batch<Format, R, U>(m, rows, chunk0, lane, chunks, w);
   stage();
-  __syncthreads();
+  stage_wait();
   for (int c0 = lane; c0 < chunks; c0 += U * kWarpSize) {
     if (c0 != lane) load_chunk_batch<Format, R, U>(m, rows, chunk0, c0, chunks, w);
     accumulate_chunk_batch<Format, T, R, U, kDiagonal>(w, c0, chunks, xs, acc);
@@ -147,12 +158,13 @@ __device__ void gemv_quant(const QuantLinearParams& p) {
   for (int col0 = 0; col0 < p.k; col0 += kCols) {
     const int cols = min(kCols, p.k - col0);  // a multiple of 16
     const auto stage = [&] {
-      if (col0 == 0) pdl_enter();  // after the first weight batch: see gemv_quant's comment
+      pdl_enter();  // after the block's first weight batch; past the first block it returns at once
       stage_x<T>(static_cast<const float*>(p.x), p.k, col0, cols, xs);
     };
     qgemv_block<Format, T, R, U>(m, rows, col0 / kChunk, cols / kChunk, xs, stage, acc);
   }
 
+  pdl_enter();  // returns at once after the loop's; waits here only when k == 0 skipped the loop
   gemv_store_rows(acc, static_cast<float*>(p.out), p.n, row0,
                   [&](int row) { return row_scale_at(p.row_scale, row); });
 }

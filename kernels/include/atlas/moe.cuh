@@ -20,6 +20,7 @@
 #include "atlas/common.cuh"
 #include "atlas/ptx.cuh"
 #include "atlas/row_dot.cuh"
+#include "atlas/stage.cuh"
 
 namespace atlas::moe {
 
@@ -81,6 +82,8 @@ __device__ void moe_gate_up_gemv(const MoeGateUpGemvParams& p) {
   prefetch_down_share<H, I>(p, e);
   __shared__ __align__(16) float x_s[H];
   const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(slot / p.top_k) * H;
+  // A plain loop, not stage_async: its two round trips go to L2 (the RMSNorm just wrote x) while
+  // the rows come from DRAM, and cp.async took 86 registers on sm_90a (2 blocks per SM, not 3).
   for (int i = threadIdx.x; i < H; i += kGemvThreads) x_s[i] = x[i];
   __syncthreads();
   if (row >= I) return;
@@ -117,8 +120,8 @@ __device__ void moe_down_gemv(const MoeDownGemvParams& p) {
   }
   __shared__ __align__(16) float act_s[kTopK * I];
   const float* act = static_cast<const float*>(p.act) + static_cast<int64_t>(t) * kTopK * I;
-  for (int i = threadIdx.x; i < kTopK * I; i += kGemvThreads) act_s[i] = act[i];
-  __syncthreads();
+  stage_async(act_s, act, kTopK * I);
+  stage_wait();
   if (n >= H) return;
   float acc = 0.0f;
 #pragma unroll

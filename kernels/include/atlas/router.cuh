@@ -14,6 +14,7 @@
 
 #include "atlas/common.cuh"
 #include "atlas/row_dot.cuh"
+#include "atlas/stage.cuh"
 
 namespace atlas::router {
 
@@ -52,8 +53,8 @@ __device__ bool store_block_logits(const RouterParams& p, int t) {
   pdl_enter();
   __shared__ __align__(16) float x_s[H];
   const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(t) * H;
-  for (int i = threadIdx.x; i < H; i += kLogitsThreads) x_s[i] = x[i];
-  __syncthreads();
+  stage_async(x_s, x, H);
+  stage_wait();
   if (e >= columns) return false;
   const float logit = warp_sum(dot_row<H>(row, x_s, lane));
   if (lane != 0) return false;
