@@ -4,17 +4,19 @@
 //     (row = token * G + g, q head = kv_head * G + g, G = q_heads / kv_heads) and the cache keys
 //     [split * span, min((split + 1) * span, last position of its rows + 1)), where
 //     span = 32 * ceil(live / (32 * splits)) follows the live length read from device memory, so
-//     a graph sized for the cache capacity still spreads a short context over all splits. Each 32-key tile of
-//     K and V is staged in shared memory (16-byte loads) and shared by all rows. A warp owns R
-//     rows, a lane owns D/32 consecutive dims of q and of the output accumulator. Scores: per key
-//     each lane computes a partial dot product; a butterfly "transpose reduction" (31 shuffles for
-//     32 keys) leaves lane j holding the full score of key j. Online softmax in f32, masked by
-//     each row's own position (read from device memory: graph-capture safe).
+//     a graph sized for the cache capacity still spreads a short context over all splits. Each
+//     32-key tile of K and V is staged in shared memory (cp.async, 16-byte copies) and shared by
+//     all rows. A warp owns R rows, a lane owns D/32 consecutive dims of q and of the output
+//     accumulator. Scores: per key each lane computes a partial dot product; a butterfly
+//     "transpose reduction" (31 shuffles for 32 keys) leaves lane j holding the full score of key
+//     j. Online softmax in f32, masked by each row's own position (read from device memory:
+//     graph-capture safe).
 //   Decode (few tokens): many splits (flash-decoding) + attention_combine. Prefill: one split
 //     (span >= live) writes the normalised output directly (ml == nullptr).
 #pragma once
 
 #include "atlas/common.cuh"
+#include "atlas/ptx.cuh"
 
 namespace atlas {
 
@@ -79,6 +81,10 @@ struct AttnTile {
   __device__ __forceinline__ static void leave(Rows&) {}
 };
 
+// Keys key0 .. key0+31 of kv head hk into the tile (zero-filled from key_end on) by cp.async,
+// complete on return: every copy of a thread is issued at once. A loop of loads and stores (trip
+// count kChunks / blockDim, unknown to the compiler) waited one round trip per iteration: 8 in
+// the 128-thread decode kernel at head_dim 256.
 template <int D>
 __device__ __forceinline__ void attn_load_tile(const AttentionParams& p, int hk, int key0, int key_end,
                                                AttnTile<D>& tile) {
@@ -88,16 +94,13 @@ __device__ __forceinline__ void attn_load_tile(const AttentionParams& p, int hk,
   for (int c = threadIdx.x; c < kChunks; c += blockDim.x) {
     const int j = c / (D / 8);
     const int d = (c % (D / 8)) * 8;
-    const int key = key0 + j;
-    uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
-    if (key < key_end) {
-      const int64_t src = (static_cast<int64_t>(key) * p.kv_heads + hk) * D + d;
-      kv = *reinterpret_cast<const uint4*>(k_cache + src);
-      vv = *reinterpret_cast<const uint4*>(v_cache + src);
-    }
-    *reinterpret_cast<uint4*>(&tile.k[j][d]) = kv;
-    *reinterpret_cast<uint4*>(&tile.v[j][d]) = vv;
+    const bool valid = key0 + j < key_end;
+    const int64_t src = valid ? (static_cast<int64_t>(key0 + j) * p.kv_heads + hk) * D + d : 0;
+    cp_async_16(&tile.k[j][d], k_cache + src, valid);
+    cp_async_16(&tile.v[j][d], v_cache + src, valid);
   }
+  cp_async_commit();
+  cp_async_wait<0>();
 }
 
 template <int D>
