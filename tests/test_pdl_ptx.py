@@ -176,6 +176,19 @@ def test_the_check_refuses_a_plain_gemv_load_before_the_wait(hopper_ptx: dict[st
         check_waits_first("atlas_gemv_t1", "\n".join(moved))
 
 
+def test_the_check_follows_branches_not_text_order() -> None:
+    """A load laid out before the wait but reached only after it passes; a load laid out after the
+    wait but reachable by a branch around it does not."""
+    late_block_first = "\n".join(["\tbra.uni \t$L__BB0_1;", "$L__BB0_2:", "\tld.global.f32 \t%f1, [%rd1];", "\tret;",
+                                  "$L__BB0_1:", "\tgriddepcontrol.wait;", "\tgriddepcontrol.launch_dependents;",
+                                  "\tbra.uni \t$L__BB0_2;"])
+    check_waits_first("atlas_layout", late_block_first)
+    wait_skipped = "\n".join(["\t@%p1 bra \t$L__BB0_2;", "\tgriddepcontrol.wait;", "\tgriddepcontrol.launch_dependents;",
+                               "\tret;", "$L__BB0_2:", "\tst.global.f32 \t[%rd1], %f1;", "\tret;"])
+    with pytest.raises(AssertionError, match="before griddepcontrol.wait"):
+        check_waits_first("atlas_skip", wait_skipped)
+
+
 def test_sm80_ptx_has_no_griddepcontrol(tmp_path: Path) -> None:
     ptx = compile_ptx(PtxBuild("sm80", MODEL, "bf16", "compute_80", (f"kernels/sm80/{MODEL}/bf16/linear.cu",)), tmp_path)
     assert ".entry atlas_gemv_t1(" in ptx and "griddepcontrol" not in ptx and "prefetch.L2" not in ptx
