@@ -30,10 +30,17 @@ OFF_BY = np.float32(1.05)
 
 
 class HostArray(np.ndarray):
-    """A numpy array with the DeviceTensor method the tests call on uploaded tensors."""
+    """A numpy array with the DeviceTensor members the tests use on uploaded tensors."""
+
+    @property
+    def ptr(self) -> int:
+        return self.ctypes.data
 
     def rows(self, start: int, stop: int) -> HostArray:
         return self[start:stop]
+
+    def elements(self, start: int, stop: int) -> HostArray:
+        return self.reshape(-1)[start:stop]
 
 
 class StandInRuntime:
