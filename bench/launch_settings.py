@@ -1,7 +1,8 @@
 """Greedy decode tok/s under each setting of the decode step: the default or the fused forms of
 the decode ops (ATLAS_DELTANET_DECODE, ATLAS_ROUTER, ATLAS_ATTENTION_PREP all fused) x plain or
 programmatic dependent launch (ATLAS_LAUNCH) x with or without L2 weight prefetch
-(ATLAS_PREFETCH), each set on the backend and the decode graph captured again for it; and sampled
+(ATLAS_PREFETCH), and the norms taken into their readers (ATLAS_NORM=fused) alone, with pdl and
+with the fused forms and pdl, each set on the backend and the decode graph captured again for it; and sampled
 decode tok/s under each draw form (ATLAS_SAMPLE); and greedy decode tok/s with the decode loop a
 step ahead or in turn (ATLAS_RUN_AHEAD).
 
@@ -30,14 +31,23 @@ class Setting:
     fused: bool  # the fused DeltaNet decode kernel, router and attention prep
     programmatic: bool  # ATLAS_LAUNCH=pdl
     prefetch: bool  # ATLAS_PREFETCH=l2
+    norm: bool = False  # ATLAS_NORM=fused
 
     @property
     def name(self) -> str:
-        parts = [part for part, on in (("fused", self.fused), ("pdl", self.programmatic), ("l2", self.prefetch)) if on]
-        return "+".join(parts) or "plain"
+        flags = (("fused", self.fused), ("norm", self.norm), ("pdl", self.programmatic), ("l2", self.prefetch))
+        return "+".join(part for part, on in flags if on) or "plain"
+
+    @property
+    def forms(self) -> tuple[str, str, str, str]:
+        """use_decode_forms' router, delta_net, attention_prep, norm."""
+        fused = ("fused", "fused", "fused") if self.fused else ("split", "separate", "separate")
+        return (*fused, "fused" if self.norm else "separate")
 
 
 SETTINGS = [Setting(*flags) for flags in product((False, True), repeat=3)]  # "plain" first
+SETTINGS += [Setting(False, False, False, norm=True), Setting(False, True, False, norm=True),
+             Setting(True, True, False, norm=True)]
 
 TimeDecode = Callable[..., tuple[float, int]]  # decode.time_decode(engine, prompt, tokens[, sampling])
 GreedyTokens = Callable[[Any, list[int], int], list[int]]  # decode.greedy_tokens
@@ -56,15 +66,14 @@ def why_not(rt: Any, setting: Setting) -> str | None:
 
 def apply(engine: Any, programmatic: bool, prefetch: bool, *forms: str) -> None:
     """The backend decodes with these launch settings and decode forms (router, DeltaNet,
-    attention prep) from the next step on: the decode graph is captured again."""
+    attention prep, norm) from the next step on: the decode graph is captured again."""
     engine.backend.rt.programmatic, engine.backend.rt.prefetch = programmatic, prefetch
     engine.backend.use_decode_forms(*forms)
     engine.reset()
 
 
 def use(engine: Any, setting: Setting) -> None:
-    forms = ("fused", "fused", "fused") if setting.fused else ("split", "separate", "separate")
-    apply(engine, setting.programmatic, setting.prefetch, *forms)
+    apply(engine, setting.programmatic, setting.prefetch, *setting.forms)
 
 
 def interleaved_medians(names: list[str], use: Callable[[str], None], rate: Callable[[], float]) -> dict[str, float]:
@@ -82,7 +91,7 @@ def time_settings(engine: Any, prompt: list[int], time_decode: TimeDecode, greed
     tokens differ from the run's own. The backend's own setting is restored afterwards."""
     backend = engine.backend
     saved = (backend.rt.programmatic, backend.rt.prefetch, backend.router_form, backend.delta_net_form,
-             backend.attention_prep_form)
+             backend.attention_prep_form, backend.norm_form)
     skipped = {s.name: why for s in SETTINGS if (why := why_not(backend.rt, s)) is not None}
     by_name = {s.name: s for s in SETTINGS if s.name not in skipped}
     differ: list[str] = []

@@ -42,9 +42,13 @@ def macro_name(name: str) -> str:
 def _struct_context(struct: type[ctypes.Structure]) -> dict[str, object]:
     fields = []
     for name, ftype, *_ in struct._fields_:
+        if isinstance(ftype, type) and issubclass(ftype, ctypes.Structure):  # another params struct, rendered before
+            fields.append({"name": name, "ctype": ftype.__name__})
+            continue
         if ftype not in _CTYPES:
             allowed = ", ".join(t.__name__ for t in _CTYPES)
-            raise AtlasError(f"kernel_params: {struct.__name__}.{name} has type {ftype.__name__}; use one of {allowed}")
+            raise AtlasError(f"kernel_params: {struct.__name__}.{name} has type {ftype.__name__}; use one of "
+                             f"{allowed} or a params struct")
         fields.append({"name": name, "ctype": _CTYPES[ftype]})
     return {"name": struct.__name__, "fields": fields, "size": ctypes.sizeof(struct)}
 

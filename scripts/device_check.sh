@@ -81,12 +81,12 @@ stage info 20 "cd /tmp && $PY -m atlas.info --json && $PY -m atlas.info | head -
 stage demo 45 "cd /tmp && ATLAS_CUDA_CHECK=1 $PY -m atlas.run --device cuda --max-tokens 80"
 
 # The installed kernels op by op against numpy on the demo (bf16, in passes, each KV level, fp8,
-# nvfp4), with the other forms (the fused DeltaNet decode kernel, router and attention prep, wgmma,
+# nvfp4), with the other forms (the fused DeltaNet decode kernel, router, attention prep and norms, wgmma,
 # the SIMT prefill attention) in the whole model: a table a line per check, in this call's output. The
 # default forms get the same check in the model stage (tests/test_cross_check.py) and the ops
 # stage (the op-by-op tests of test_gpu_quant.py, test_gpu_kv.py).
 OPT_IN_FORMS="ATLAS_DELTANET_DECODE=fused ATLAS_ROUTER=fused ATLAS_ATTENTION_PREP=fused ATLAS_GEMM=wgmma ATLAS_PREFILL_ATTENTION=simt \
-  ATLAS_PREFETCH=l2"
+  ATLAS_PREFETCH=l2 ATLAS_NORM=fused"
 stage verify 40 "cd /tmp && ATLAS_CUDA_CHECK=1 $OPT_IN_FORMS $PY -m atlas.verify"
 
 # gpu_pytest JUNIT ARGS...: pytest over GPU tests; a sticky CUDA error (a kernel fault loses the
@@ -106,7 +106,7 @@ OPS_OPTIN="test_weight_prefetch_changes_no_bit test_a_row_of_nan_alone_picks_no_
   test_sample_over_any_row_length test_sample_top_p_alone_matches_reference test_sample_extremes_match_reference \
   test_linear test_router test_moe_experts"
 OPTIN_TESTS="tests/test_gpu_router_fused.py tests/test_gpu_delta_decode.py tests/test_gpu_attention_mma.py \
-  tests/test_gpu_gemm_wgmma.py tests/test_gpu_delta_chunked.py tests/test_gpu_attention_prep.py \
+  tests/test_gpu_gemm_wgmma.py tests/test_gpu_delta_chunked.py tests/test_gpu_attention_prep.py tests/test_gpu_norm_fused.py \
   $(for t in $OPS_OPTIN; do printf 'tests/test_gpu_ops.py::%s ' "$t"; done) \
   tests/test_gpu_quant.py::test_quant_linear tests/test_gpu_quant.py::test_quant_moe_experts \
   tests/test_gpu_chain.py::test_running_ahead_gives_the_tokens_in_turn"

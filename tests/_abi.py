@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import pytest
 
+from atlas.backends.cuda.runtime import CudaRuntime, DeferredLaunch
 from atlas.backends.cuda.tensor import DeviceTensor
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,9 +55,18 @@ class RecordingRuntime:
     def memset_zero(self, t: DeviceTensor) -> None:
         self.zeroed.append(t.ptr)
 
+    _deferred: DeferredLaunch | None = None
+
     def launch(self, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int],
                params: ctypes.Structure, smem: int = 0) -> None:
+        self.issue_deferred()
         self.launches.append(Launch(kernel, grid, block, params, smem))
+
+    # the runtime's deferred launch (norm_fusion.py), as CudaRuntime keeps it
+    defer = CudaRuntime.defer
+    deferred_writing = CudaRuntime.deferred_writing
+    take_deferred = CudaRuntime.take_deferred
+    issue_deferred = CudaRuntime.issue_deferred
 
 
 @dataclass(frozen=True)

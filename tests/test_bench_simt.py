@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.background("emulator-bench"),  # ~9 
 
 LAYERS = "4"  # 3 DeltaNet + 1 full-attention layer
 FORM_SWITCHES = ("ATLAS_GEMM", "ATLAS_PREFILL_ATTENTION", "ATLAS_ROUTER", "ATLAS_DELTA_RULE", "ATLAS_DELTANET_DECODE",
-                 "ATLAS_ATTENTION_PREP")
+                 "ATLAS_ATTENTION_PREP", "ATLAS_NORM")
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     monkeypatch.setattr(launch_settings, "CHECK_TOKENS", 3)
     monkeypatch.setattr(launch_settings, "TOKENS", 2)
     monkeypatch.setattr(launch_settings, "ROUNDS", 1)
-    everything = launch_settings.Setting(fused=True, programmatic=True, prefetch=True)
+    everything = launch_settings.Setting(fused=True, programmatic=True, prefetch=True, norm=True)
     monkeypatch.setattr(launch_settings, "SETTINGS", [launch_settings.SETTINGS[0], everything])  # plain and all on
     monkeypatch.setattr(bench_quant, "MOE_TOKENS", 4)
     monkeypatch.setattr(kv_prefill, "PROMPT_TOKENS", 8)

@@ -22,9 +22,9 @@ from test_cuda_select import make_runtime
 
 REPO = Path(__file__).resolve().parent.parent
 OPT_IN_FORMS = {"ATLAS_ROUTER": "fused", "ATLAS_DELTANET_DECODE": "fused", "ATLAS_PREFILL_ATTENTION": "simt",
-                "ATLAS_DELTA_RULE": "chunked", "ATLAS_ATTENTION_PREP": "fused"}
+                "ATLAS_DELTA_RULE": "chunked", "ATLAS_ATTENTION_PREP": "fused", "ATLAS_NORM": "fused"}
 OPT_IN_KERNELS = {"atlas_router_fused", "atlas_delta_net_decode", "atlas_attention_prefill", "atlas_attention_prep",
-                  "atlas_gated_delta_chunk_prep", "atlas_gated_delta_chunk_scan"}
+                  "atlas_gated_delta_chunk_prep", "atlas_gated_delta_chunk_scan", "atlas_router_fused_norm"}
 ENTRY = re.compile(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (atlas_\w+)\(')
 
 

@@ -126,7 +126,7 @@ def test_device_ordinal_is_read_or_refused_in_one_line(rng: np.random.Generator)
 GPU_SETTINGS = {"ATLAS_CUDA_DEVICE": ("1", "one"), "ATLAS_CUDA_BINDING": ("pycuda", "cupy"),
                 "ATLAS_ROUTER": ("fused", "fussed"), "ATLAS_GEMM": ("wgmma", "wmma"),
                 "ATLAS_PREFILL_ATTENTION": ("simt", "flash"), "ATLAS_DELTANET_DECODE": ("fused", "fuse"),
-                "ATLAS_ATTENTION_PREP": ("fused", "together"),
+                "ATLAS_ATTENTION_PREP": ("fused", "together"), "ATLAS_NORM": ("fused", "fuse"),
                 "ATLAS_DELTA_RULE": ("chunked", "wy"), "ATLAS_LAUNCH": ("pdl", "graph"),
                 "ATLAS_SAMPLE": ("split", "spilt"), "ATLAS_PREFETCH": ("l2", "on"),
                 "ATLAS_CUDA_CHECK": ("1", "yes"), "ATLAS_CUDA_GRAPHS": ("0", "off"),

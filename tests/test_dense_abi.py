@@ -20,6 +20,7 @@ import pytest
 from atlas.backends.base import AttentionInputs, AttentionOperands, KVCache, PenaltyOperands, SamplingParams
 from atlas.backends.cuda import ops_dense
 from atlas.backends.cuda.tensor import DeviceTensor
+from atlas.kernel_params.dense import LinearNormParams
 
 from _abi import MODELS, REPO, PtxBuild, PtxEntry, RecordingRuntime, compile_ptx_entries, header_constant, model_dims
 
@@ -58,6 +59,8 @@ def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Gen
         ops_dense.linear(rt, f(t, h), _tensor(rt, "bf16", n, h))
         ops_dense.linear(rt, f(t, h), _tensor(rt, "bf16", 64 * rt.sm_count + n, h))
     ops_dense.linear(rt, f(1, h), _tensor(rt, "bf16", v, h))
+    normed, _ = ops_dense.add_rms_norm(rt, f(1, h), f(1, h), f(h), 1e-6, defer=True)  # ATLAS_NORM=fused
+    ops_dense.linear(rt, normed, _tensor(rt, "bf16", 64 * rt.sm_count + n, h))  # takes it in: wide, few blocks
     ops_dense.head_norm_rope(rt, f(prefill, hq, d), f(d), _tensor(rt, "i32", prefill), f(dims["rotary_dim"] // 2), 1.0, 1e-6)
     for t in (tokens % 4 + 1, prefill):
         caches = [_tensor(rt, "bf16", capacity, hkv, d) for _ in range(2)]
@@ -102,6 +105,9 @@ def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
         shapes = _run_every_op(rt, dims, rng)
         for launch in rt.launches:
             p = launch.params
+            if isinstance(p, LinearNormParams):  # atlas_gemv_norm_t1: the norm's one row is the GEMV's x
+                assert (p.norm.rows, p.norm.dim) == (1, p.linear.k) and launch.block[0] == ops_dense.norm_threads(p.norm.dim)
+                p = p.linear
             if launch.kernel.startswith("atlas_gemv_"):
                 narrow = launch.kernel.startswith("atlas_gemv_narrow_t")
                 assert int(launch.kernel.rsplit("_t", 1)[1]) == p.tokens

@@ -26,9 +26,11 @@ class StandInBackend:
     router_form: str = "fused"  # the run's own setting: only the router fused (no setting of the bench)
     delta_net_form: str = "separate"
     attention_prep_form: str = "separate"
+    norm_form: str = "fused"
 
-    def use_decode_forms(self, router: str, delta_net: str, attention_prep: str) -> None:
+    def use_decode_forms(self, router: str, delta_net: str, attention_prep: str, norm: str) -> None:
         self.router_form, self.delta_net_form, self.attention_prep_form = router, delta_net, attention_prep
+        self.norm_form = norm
 
 
 @dataclass
@@ -46,7 +48,7 @@ class StandInEngine:
         forms = (b.router_form, b.delta_net_form, b.attention_prep_form)
         if forms not in FORMS.values():
             return None
-        return launch_settings.Setting(forms == FORMS[True], b.rt.programmatic, b.rt.prefetch).name
+        return launch_settings.Setting(forms == FORMS[True], b.rt.programmatic, b.rt.prefetch, b.norm_form == "fused").name
 
 
 def make_engine(cc: tuple[int, int], sm: int = 90) -> StandInEngine:
@@ -85,7 +87,8 @@ def test_settings_take_turns_and_the_own_setting_comes_back(rng: np.random.Gener
             assert result[name] == "not run: kernels built for sm_80"
     assert result["tokens_differ"] == ([differs] if differs in ran else [])
     b = engine.backend
-    assert (b.rt.programmatic, b.rt.prefetch, b.router_form, b.delta_net_form) == (False, sm >= 90, "fused", "separate")
+    assert (b.rt.programmatic, b.rt.prefetch, b.router_form, b.delta_net_form, b.norm_form) == \
+        (False, sm >= 90, "fused", "separate", "fused")
 
 
 def test_sample_forms_take_turns_and_the_own_form_comes_back(rng: np.random.Generator) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from atlas.backends.cuda import ops_linear_moe as ops
+from atlas.backends.cuda.ops_dense import add_rms_norm
 
 from _abi import MODELS, PtxBuild, PtxEntry, RecordingRuntime, compile_ptx_entries, header_constant, model_dims
 from _operands import delta_rule_operands
@@ -55,6 +56,9 @@ def _run_every_op(rt: RecordingRuntime, d: dict[str, int], rng: np.random.Genera
             ops.moe_experts(rt, f(tokens, h), ids, weights, rt.empty((stacked, 2 * inter, h), "bf16"),
                             rt.empty((stacked, h, inter), "bf16"))
         ops.add_sigmoid_scaled(rt, f(tokens, h), f(tokens, h), f(tokens, 1))
+    for arrivals in (None, rt.empty((ops.ROUTER_FUSED_MAX_TOKENS,), "i32")):  # ATLAS_NORM=fused: the router takes it in
+        normed, _ = add_rms_norm(rt, f(1, h), f(1, h), f(h), 1e-6, defer=True)
+        ops.router(rt, normed, rt.empty((e, h), "bf16"), k, True, arrivals=arrivals)
 
 
 def test_every_launch_matches_its_ptx_entry(ptx_entries: tuple[str, dict[str, PtxEntry]],
@@ -91,10 +95,14 @@ def test_grids_cover_the_outputs(rng: np.random.Generator) -> None:
                 assert (gx, gy * ops.DELTA_COLS_PER_BLOCK) == (p.num_v_heads, p.v_head_dim)
             elif launch.kernel == "atlas_gated_rms_norm":
                 assert gx * ops.GATED_NORM_WARPS >= p.rows and p.dim == d["linear_value_head_dim"]
-            elif launch.kernel in ("atlas_router_logits", "atlas_router_fused"):
+            elif launch.kernel in ("atlas_router_logits", "atlas_router_fused", "atlas_router_logits_norm",
+                                   "atlas_router_fused_norm"):
+                if launch.kernel.endswith("_norm"):
+                    assert (p.norm.rows, p.norm.dim, p.router.num_tokens) == (1, d["hidden_size"], 1)
+                    p = p.router
                 assert gx == p.num_tokens and gy == -(-(p.num_experts + p.shared_expert) // ops.ROUTER_WARPS)
                 assert p.num_experts == d["num_experts"] and p.shared_expert in (0, 1)
-                fused = launch.kernel == "atlas_router_fused"  # the kernel refuses any other grid height
+                fused = launch.kernel.startswith("atlas_router_fused")  # the kernel refuses any other grid height
                 assert bool(p.arrivals) == fused and (not fused or gx <= ops.ROUTER_FUSED_MAX_TOKENS)
             elif launch.kernel == "atlas_moe_gate_up_gemv":
                 assert gx * ops.GEMV_WARPS >= p.inter and gy == p.num_slots

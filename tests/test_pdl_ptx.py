@@ -21,10 +21,12 @@ from _abi import PtxBuild, compile_ptx, model_dims
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = re.compile(r'^extern "C" __global__ void[^\n]*\{\n(?P<first>[^\n]*)\n(?P<second>[^\n]*)', re.MULTILINE)
-PREFETCH_CALL = re.compile(r"atlas::\w+_prefetch(?:<[\w:]+>)?\(p\);")
-# Device functions that call pdl_enter themselves, after issuing weight loads: gemv.cuh's gemv,
-# gemv_quant.cuh's gemv_quant and router.cuh's store_block_logits (router_logits, router_fused).
-SELF_ENTERING = re.compile(r"atlas::(?:gemv|quant::gemv_quant|router::router_logits|router::router_fused)<[^;]+>\(p\);")
+PREFETCH_CALL = re.compile(r"atlas::\w+_prefetch(?:<[\w:]+>)?\(p(?:\.linear)?\);")
+# Device functions that call pdl_enter themselves, after issuing weight loads: gemv.cuh's gemv and
+# gemv_norm, gemv_quant.cuh's gemv_quant and router.cuh's store_block_logits (router_logits,
+# router_fused and their _norm forms).
+SELF_ENTERING = re.compile(r"atlas::(?:gemv|gemv_norm|quant::gemv_quant|router::router_logits(?:_norm)?"
+                           r"|router::router_fused(?:_norm)?)<[^;]+>\(p\);")
 WEIGHTS_FIRST = ("atlas_gemv_", "atlas_qgemv_", "atlas_router_logits", "atlas_router_fused")  # their PTX entries
 MEMORY = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld\.global|st\.global|atom\.global|red\.global|cp\.async(?!\.bulk\.prefetch\.L2)"
                     r"|ld\.volatile\.global)")
@@ -42,7 +44,8 @@ def test_every_kernel_instance_enters_through_pdl_enter() -> None:
             and not (PREFETCH_CALL.fullmatch(first) and (second == "atlas::pdl_enter();" or SELF_ENTERING.fullmatch(second)))]
     assert not late, late[:5]
     prefetching = {first for _, first, _ in entries if PREFETCH_CALL.fullmatch(first)}
-    assert prefetching == {"atlas::gemv_prefetch<atlas::kGemvWideRows>(p);", "atlas::gemv_prefetch<atlas::kGemvNarrowRows>(p);"}
+    assert prefetching == {"atlas::gemv_prefetch<atlas::kGemvWideRows>(p);", "atlas::gemv_prefetch<atlas::kGemvNarrowRows>(p);",
+                           "atlas::gemv_prefetch<atlas::kGemvWideRows>(p.linear);"}
 
 
 def entry_bodies(ptx: str) -> dict[str, str]:
@@ -118,7 +121,7 @@ def test_decode_gemvs_prefetch_their_weights_before_the_wait(hopper_ptx: dict[st
     a programmatic launch overlaps with the previous kernel); the MoE gate_up GEMV prefetches the
     down rows after it, once the router's expert ids are visible; no other entry prefetches."""
     gemvs = {name for name in hopper_ptx if name.startswith("atlas_gemv_")}
-    assert len(gemvs) == 16, sorted(gemvs)
+    assert len(gemvs) == 17, sorted(gemvs)  # t1..t8 wide and narrow, and norm_t1
     for name, body in hopper_ptx.items():
         lines = body.splitlines()
         prefetch = next((i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line), None)
@@ -131,7 +134,8 @@ def test_decode_gemvs_prefetch_their_weights_before_the_wait(hopper_ptx: dict[st
 
 def test_decode_gemvs_and_router_issue_weight_loads_before_the_wait(hopper_ptx: dict[str, str]) -> None:
     """Every bf16 GEMV issues its first weight batch (R x U loads per lane: 8, or 4 in the narrow
-    shape above 4 tokens) ahead of the wait, and the router its whole weight row (H / 256 loads),
+    shape above 4 tokens; the norm-taking GEMV too) ahead of the wait, and the router its whole
+    weight row (H / 256 loads; its norm-taking entries too),
     and only weights: gemv.cuh's one __ldg is load_weight_batch's, and router.cuh loads through
     __ldg only in load_row (row_dot.cuh), so an x load moved before the wait would be a plain
     ld.global that check_waits_first refuses."""
@@ -140,9 +144,10 @@ def test_decode_gemvs_and_router_issue_weight_loads_before_the_wait(hopper_ptx: 
     assert "__ldg(" not in (REPO / "kernels/include/atlas/router.cuh").read_text()
     early_loads = {name: 8 if "narrow" not in name or int(name.rsplit("_t", 1)[1]) <= 4 else 4
                    for name in hopper_ptx if name.startswith("atlas_gemv_")}
-    assert len(early_loads) == 16, sorted(early_loads)
+    assert len(early_loads) == 17, sorted(early_loads)
     hidden = model_dims(MODEL)["hidden_size"]
-    early_loads |= {"atlas_router_logits": hidden // 256, "atlas_router_fused": hidden // 256}
+    early_loads |= {name: hidden // 256 for name in ("atlas_router_logits", "atlas_router_fused",
+                                                     "atlas_router_logits_norm", "atlas_router_fused_norm")}
     for name, count in early_loads.items():
         assert early_weight_loads(hopper_ptx[name]) == count, name
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "atlas/common.cuh"
+#include "atlas/norm.cuh"
 #include "atlas/stage.cuh"
 
 namespace atlas {
@@ -124,19 +125,37 @@ __device__ __forceinline__ void chunk_rows(const LinearParams& p, int row0, int 
   for (int r = 0; r < R; ++r) rows[r] = row0 + r < p.n ? weight + static_cast<int64_t>(row0 + r) * p.k + c0 : nullptr;
 }
 
+// x[:, c0 : c0 + cols] of every token into xs [T, kCols], then a barrier.
+template <int T>
+__device__ __forceinline__ void stage_x_chunk(const LinearParams& p, float* xs, int c0, int cols) {
+  const float* x = static_cast<const float*>(p.x);
+  if constexpr (T == 1) {
+    stage_async(xs, x + c0, cols);
+    stage_wait();
+  } else {  // a plain loop: by cp.async, sm_90a's ptxas held narrow_t5 to 48 registers and spilled
+    constexpr int kCols = gemv_chunk_cols<T>();
+    for (int i = threadIdx.x; i < T * cols / 4; i += blockDim.x) {
+      const int t = i / (cols / 4);
+      const int c4 = i - t * (cols / 4);
+      reinterpret_cast<float4*>(xs + t * kCols)[c4] = reinterpret_cast<const float4*>(x + static_cast<int64_t>(t) * p.k + c0)[c4];
+    }
+    __syncthreads();
+  }
+}
+
 // Enters through pdl_enter itself, after issuing its first weight batch: under programmatic
 // launch those loads overlap the previous kernel. Safe before the wait because no kernel writes
 // weights (they are uploaded before any launch), so no load can see a stale value; x, the
-// previous kernel's output, is read after it. The batch is the only __ldg in this file, so
-// tests/test_pdl_ptx.py can hold every load before the wait to ld.global.nc.
-template <int T, int R, int U>
-__device__ void gemv(const LinearParams& p) {
+// previous kernel's output, is read after it, by stage(xs, c0, cols) (stage_x_chunk's contract).
+// The batch is the only __ldg in this file, so tests/test_pdl_ptx.py can hold every load before
+// the wait to ld.global.nc.
+template <int T, int R, int U, class StageChunk>
+__device__ void gemv_staged(const LinearParams& p, StageChunk stage) {
   constexpr int kCols = gemv_chunk_cols<T>();
   __shared__ __align__(16) float xs[T * kCols];  // [T, kCols]
   if (p.tokens != T) return;  // the wrapper picks the instance with T == tokens
   const int lane = threadIdx.x % kWarpSize;
   const int row0 = (blockIdx.x * kGemvWarps + threadIdx.x / kWarpSize) * R;
-  const float* x = static_cast<const float*>(p.x);
   float acc[T][R];
   fill(acc, 0.0f);
 
@@ -147,24 +166,31 @@ __device__ void gemv(const LinearParams& p) {
     uint4 w[U][R];
     load_weight_batch<R, U>(rows, lane, cols / 8, w);
     pdl_enter();  // the first chunk's waits; a later chunk's returns at once
-    if constexpr (T == 1) {
-      stage_async(xs, x + c0, cols);
-      stage_wait();
-    } else {  // a plain loop: by cp.async, sm_90a's ptxas held narrow_t5 to 48 registers and spilled
-      for (int i = threadIdx.x; i < T * cols / 4; i += blockDim.x) {
-        const int t = i / (cols / 4);
-        const int c4 = i - t * (cols / 4);
-        reinterpret_cast<float4*>(xs + t * kCols)[c4] =
-            reinterpret_cast<const float4*>(x + static_cast<int64_t>(t) * p.k + c0)[c4];
-      }
-      __syncthreads();
-    }
+    stage(xs, c0, cols);
     gemv_chunk<T, R, U>(xs, rows, cols / 8, w, acc);
     __syncthreads();
   }
 
   pdl_enter();  // returns at once after the loop's; waits here only when k == 0 skipped the loop
   gemv_store_rows(acc, static_cast<float*>(p.out), p.n, row0, [](int) { return 1.0f; });
+}
+
+template <int T, int R, int U>
+__device__ void gemv(const LinearParams& p) {
+  gemv_staged<T, R, U>(p, [&p](float* xs, int c0, int cols) { stage_x_chunk<T>(p, xs, c0, cols); });
+}
+
+// One token's GEMV of add_rms_norm's output, the norm taken in (ATLAS_NORM=fused): each block
+// stages norm(x + residual) * weight itself (stage_add_rms_norm; p.linear.x is unused) and block
+// 0 also writes the norm's two outputs, so this one launch leaves what atlas_add_rms_norm followed
+// by atlas_gemv_t1 would. K == H, the model's hidden size (the row fits one chunk).
+template <int R, int U, int H>
+__device__ void gemv_norm(const LinearNormParams& p) {
+  static_assert(H <= gemv_chunk_cols<1>(), "gemv_norm: the row must fit one staged chunk");
+  if (p.norm.dim != H || p.linear.k != H || blockDim.x != kGemvThreads) return;
+  gemv_staged<1, R, U>(p.linear, [&p](float* xs, int, int) {
+    stage_add_rms_norm<H, kGemvThreads>(p.norm, xs, blockIdx.x == 0);
+  });
 }
 
 }  // namespace atlas

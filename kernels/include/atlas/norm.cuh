@@ -36,14 +36,21 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) { return {a.x + b.x, 
 
 __device__ __forceinline__ float squares4(float4 a) { return a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w; }
 
-template <bool kAddResidual>
-__device__ void rms_norm_row_in_registers(const RmsNormParams& p, int64_t base, float* scratch) {
-  const int64_t vec0 = base / 4;
+__device__ __forceinline__ float4 normed4(float4 a, float4 g, float inv_rms) {
+  return {a.x * inv_rms * g.x, a.y * inv_rms * g.y, a.z * inv_rms * g.z, a.w * inv_rms * g.w};
+}
+
+// The row starting at float4 vec0 in registers, as thread threadIdx.x holds it: v[j] = x (+ residual)
+// and w[j] = weight at float4 threadIdx.x + j * blockDim.x (stored to sum_out when store_sum).
+// Returns the row's inv_rms. Every thread of the block calls it (block_sum's barriers). kVecs:
+// kNormVecs in the norm kernel; fewer where the row's length is known, the same bits (the float4
+// past the row are skipped either way).
+template <bool kAddResidual, int kVecs>
+__device__ __forceinline__ float load_norm_row(const RmsNormParams& p, int64_t vec0, float4 (&v)[kVecs],
+                                               float4 (&w)[kVecs], bool store_sum, float* scratch) {
   const int vecs = p.dim / 4;
-  float4 v[kNormVecs];
-  float4 w[kNormVecs];
 #pragma unroll
-  for (int j = 0; j < kNormVecs; ++j) {  // loads only: all in flight together
+  for (int j = 0; j < kVecs; ++j) {  // loads only: all in flight together
     const int i = threadIdx.x + j * blockDim.x;
     if (i >= vecs) continue;
     v[j] = load_vec(p.x, vec0 + i);
@@ -52,19 +59,25 @@ __device__ void rms_norm_row_in_registers(const RmsNormParams& p, int64_t base, 
   }
   float squares = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kNormVecs; ++j) {
+  for (int j = 0; j < kVecs; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
     if (i >= vecs) continue;
-    if constexpr (kAddResidual) store_vec(p.sum_out, vec0 + i, v[j]);
+    if (kAddResidual && store_sum) store_vec(p.sum_out, vec0 + i, v[j]);
     squares += squares4(v[j]);
   }
-  const float inv_rms = rsqrtf(block_sum(squares, scratch) / static_cast<float>(p.dim) + p.eps);
+  return rsqrtf(block_sum(squares, scratch) / static_cast<float>(p.dim) + p.eps);
+}
+
+template <bool kAddResidual>
+__device__ void rms_norm_row_in_registers(const RmsNormParams& p, int64_t base, float* scratch) {
+  const int64_t vec0 = base / 4;
+  float4 v[kNormVecs];
+  float4 w[kNormVecs];
+  const float inv_rms = load_norm_row<kAddResidual, kNormVecs>(p, vec0, v, w, true, scratch);
 #pragma unroll
   for (int j = 0; j < kNormVecs; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
-    if (i >= vecs) continue;
-    const float4 a = v[j], g = w[j];
-    store_vec(p.out, vec0 + i, {a.x * inv_rms * g.x, a.y * inv_rms * g.y, a.z * inv_rms * g.z, a.w * inv_rms * g.w});
+    if (i < p.dim / 4) store_vec(p.out, vec0 + i, normed4(v[j], w[j], inv_rms));
   }
 }
 
@@ -101,6 +114,32 @@ __device__ void rms_norm_rows(const RmsNormParams& p) {
   const int64_t base = static_cast<int64_t>(row) * p.dim;
   if (norm_fits_registers(p)) rms_norm_row_in_registers<kAddResidual>(p, base, scratch);
   else rms_norm_row_looped<kAddResidual>(p, base, scratch);
+}
+
+// A decode GEMV's staged x as atlas_add_rms_norm writes it, for a consumer that takes the norm
+// in (ATLAS_NORM=fused): xs[i] = rms_norm(x + residual)[i] * weight[i] over row 0 of p, computed
+// by every block with the norm kernel's own code and thread layout (the caller's blockDim.x is
+// norm_threads(dim), checked by the host), so the same bits; the block with `writes` also stores
+// what the norm kernel would have, out and sum_out, for the later readers of either. H: the row's
+// length (p.dim) and kThreads the block's (blockDim.x), both checked by the caller; they size the
+// registers. Ends with a barrier: xs is complete.
+template <int H, int kThreads>
+__device__ __forceinline__ void stage_add_rms_norm(const RmsNormParams& p, float* xs, bool writes) {
+  static_assert(H % 4 == 0, "stage_add_rms_norm: the row is read as float4");
+  constexpr int kVecs = (H / 4 + kThreads - 1) / kThreads;
+  __shared__ float scratch[kWarpSize];
+  float4 v[kVecs];
+  float4 w[kVecs];
+  const float inv_rms = load_norm_row<true, kVecs>(p, 0, v, w, writes, scratch);
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i >= H / 4) continue;
+    const float4 value = normed4(v[j], w[j], inv_rms);
+    reinterpret_cast<float4*>(xs)[i] = value;
+    if (writes) store_vec(p.out, i, value);
+  }
+  __syncthreads();
 }
 
 }  // namespace atlas

@@ -13,6 +13,7 @@
 #pragma once
 
 #include "atlas/common.cuh"
+#include "atlas/norm.cuh"
 #include "atlas/row_dot.cuh"
 #include "atlas/stage.cuh"
 
@@ -38,12 +39,33 @@ template <int E>
 __device__ __forceinline__ int logit_columns(const RouterParams& p) { return E + p.shared_expert; }
 __device__ __forceinline__ int token_slots(const RouterParams& p) { return p.top_k + p.shared_expert; }
 
-// This block's logits of token t (rows blockIdx.y * kWarps + warp). Every thread of the block
-// must call it (one barrier); true in the lanes that stored a logit. It enters through pdl_enter
-// after issuing the weight row's loads (ld.global.nc): under programmatic launch they overlap the
-// previous kernel, which cannot have written them (no kernel writes weights); x is read after.
-template <int H, int E>
-__device__ bool store_block_logits(const RouterParams& p, int t) {
+// Token t's x row into x_s [H] by cp.async, then a barrier.
+template <int H>
+struct StageTokenRow {
+  const RouterParams& p;
+  __device__ void operator()(float* x_s, int t) const {
+    stage_async(x_s, static_cast<const float*>(p.x) + static_cast<int64_t>(t) * H, H);
+    stage_wait();
+  }
+};
+
+// One token's x as add_rms_norm's output, the norm taken in (stage_add_rms_norm); block (0, 0)
+// writes the norm's outputs.
+template <int H>
+struct StageNormRow {
+  const RmsNormParams& norm;
+  __device__ void operator()(float* x_s, int) const {
+    stage_add_rms_norm<H, kLogitsThreads>(norm, x_s, blockIdx.x == 0 && blockIdx.y == 0);
+  }
+};
+
+// This block's logits of token t (rows blockIdx.y * kWarps + warp), x staged by stage(x_s, t).
+// Every thread of the block must call it (barriers); true in the lanes that stored a logit. It
+// enters through pdl_enter after issuing the weight row's loads (ld.global.nc): under
+// programmatic launch they overlap the previous kernel, which cannot have written them (no kernel
+// writes weights); x is read after.
+template <int H, int E, class Stage>
+__device__ bool store_block_logits(const RouterParams& p, int t, Stage stage) {
   const int lane = threadIdx.x % kWarpSize;
   const int e = blockIdx.y * kWarps + threadIdx.x / kWarpSize;
   const int columns = logit_columns<E>(p);
@@ -52,9 +74,7 @@ __device__ bool store_block_logits(const RouterParams& p, int t) {
   else zero_row<H>(row);
   pdl_enter();
   __shared__ __align__(16) float x_s[H];
-  const float* x = static_cast<const float*>(p.x) + static_cast<int64_t>(t) * H;
-  stage_async(x_s, x, H);
-  stage_wait();
+  stage(x_s, t);
   if (e >= columns) return false;
   const float logit = warp_sum(dot_row<H>(row, x_s, lane));
   if (lane != 0) return false;
@@ -62,13 +82,16 @@ __device__ bool store_block_logits(const RouterParams& p, int t) {
   return true;
 }
 
-template <int H, int E>
-__device__ void router_logits(const RouterParams& p) {
+template <int H, int E, class Stage>
+__device__ void router_logits(const RouterParams& p, Stage stage) {
   if (!shape_matches<H, E>(p) || blockDim.x != kLogitsThreads) return;
   const int t = blockIdx.x;
   if (t >= p.num_tokens) return;
-  store_block_logits<H, E>(p, t);
+  store_block_logits<H, E>(p, t, stage);
 }
+
+template <int H, int E>
+__device__ void router_logits(const RouterParams& p) { router_logits<H, E>(p, StageTokenRow<H>{p}); }
 
 // probs_s holds the softmax on entry; selected entries are overwritten. The weights are stored
 // once at the end, scaled, from picked_s: scaling them in place in global memory would read each
@@ -145,13 +168,13 @@ __device__ void router_top_k(const RouterParams& p) {
 // counts itself in, so the block that sees count gridDim.y - 1 observes every block's logits;
 // its own fence after the atomic orders its loads after that observation. The counter is back
 // at 0 before the launch ends (no other block of this token touches it after arriving).
-template <int H, int E>
-__device__ void router_fused(const RouterParams& p) {
+template <int H, int E, class Stage>
+__device__ void router_fused(const RouterParams& p, Stage stage) {
   const unsigned blocks = static_cast<unsigned>(ceil_div(logit_columns<E>(p), kWarps));
   if (!shape_matches<H, E>(p) || blockDim.x != kLogitsThreads || p.arrivals == nullptr || gridDim.y != blocks) return;
   const int t = blockIdx.x;
   if (t >= p.num_tokens) return;
-  if (store_block_logits<H, E>(p, t)) __threadfence();
+  if (store_block_logits<H, E>(p, t, stage)) __threadfence();
   __shared__ bool last_s;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -164,6 +187,26 @@ __device__ void router_fused(const RouterParams& p) {
   }
   __syncthreads();
   if (last_s && threadIdx.x < kWarpSize) route_token<E>(p, t, threadIdx.x);
+}
+
+template <int H, int E>
+__device__ void router_fused(const RouterParams& p) { router_fused<H, E>(p, StageTokenRow<H>{p}); }
+
+// One token's router (logits, or logits and top-k) of add_rms_norm's output, the norm taken in
+// (ATLAS_NORM=fused): the same launch and bits as atlas_add_rms_norm then the plain entry.
+template <int H>
+__device__ __forceinline__ bool norm_matches(const RouterNormParams& p) {
+  return p.router.num_tokens == 1 && p.norm.dim == H;
+}
+
+template <int H, int E>
+__device__ void router_logits_norm(const RouterNormParams& p) {
+  if (norm_matches<H>(p)) router_logits<H, E>(p.router, StageNormRow<H>{p.norm});
+}
+
+template <int H, int E>
+__device__ void router_fused_norm(const RouterNormParams& p) {
+  if (norm_matches<H>(p)) router_fused<H, E>(p.router, StageNormRow<H>{p.norm});
 }
 
 }  // namespace atlas::router

@@ -81,6 +81,15 @@ class LinearParams(ctypes.Structure):
     ]
 
 
+class LinearNormParams(ctypes.Structure):
+    """atlas_gemv_norm_t1 / atlas_gemv_norm_narrow_t1 (one token, ATLAS_NORM=fused): the linear
+    of add_rms_norm's output with the norm taken in. Each block computes norm's row 0 (dim == k)
+    itself and block 0 writes norm.out and norm.sum_out as atlas_add_rms_norm would; linear.x is
+    unused."""
+
+    _fields_ = [("linear", LinearParams), ("norm", RmsNormParams)]
+
+
 class HeadNormRopeParams(ctypes.Structure):
     """atlas_head_norm_rope: one warp per (token, head); dynamic smem = warps * head_dim * 4."""
 
@@ -284,6 +293,7 @@ ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (
     SigmoidMulParams,
     NonfiniteCountParams,
     LinearParams,
+    LinearNormParams,
     HeadNormRopeParams,
     AttentionPrepParams,
     KvCacheWriteParams,

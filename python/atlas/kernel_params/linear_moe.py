@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 from ctypes import c_float, c_int32, c_void_p
 
+from .dense import RmsNormParams
+
 
 class CausalConv1dParams(ctypes.Structure):
     """atlas_causal_conv1d: x [T, C] f32, weight [C, K] f32 or bf16, state [C, K-1] f32 (in place)."""
@@ -111,6 +113,14 @@ class RouterParams(ctypes.Structure):
         ("renormalize", c_int32),
         ("shared_expert", c_int32),
     ]
+
+
+class RouterNormParams(ctypes.Structure):
+    """atlas_router_logits_norm / atlas_router_fused_norm (one token, ATLAS_NORM=fused): the
+    router of add_rms_norm's output with the norm taken in, as LinearNormParams (router.x unused;
+    block (0, 0) writes norm.out and norm.sum_out)."""
+
+    _fields_ = [("router", RouterParams), ("norm", RmsNormParams)]
 
 
 class MoeGateUpGemvParams(ctypes.Structure):
@@ -220,6 +230,7 @@ ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (
     GatedDeltaChunkParams,
     GatedRmsNormParams,
     RouterParams,
+    RouterNormParams,
     MoeGateUpGemvParams,
     MoeDownGemvParams,
     MoeRouteParams,

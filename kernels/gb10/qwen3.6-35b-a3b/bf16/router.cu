@@ -16,3 +16,12 @@ extern "C" __global__ void __launch_bounds__(atlas::router::kTopKThreads) atlas_
 extern "C" __global__ void __launch_bounds__(atlas::router::kLogitsThreads) atlas_router_fused(const RouterParams p) {
   atlas::router::router_fused<atlas::model::hidden_size, atlas::model::num_experts>(p);
 }
+
+// One token of add_rms_norm's output, the norm taken in (ATLAS_NORM=fused; router.cuh's *_norm).
+extern "C" __global__ void __launch_bounds__(atlas::router::kLogitsThreads) atlas_router_logits_norm(const RouterNormParams p) {
+  atlas::router::router_logits_norm<atlas::model::hidden_size, atlas::model::num_experts>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(atlas::router::kLogitsThreads) atlas_router_fused_norm(const RouterNormParams p) {
+  atlas::router::router_fused_norm<atlas::model::hidden_size, atlas::model::num_experts>(p);
+}

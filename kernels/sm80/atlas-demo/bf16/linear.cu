@@ -76,6 +76,13 @@ extern "C" __global__ void __launch_bounds__(atlas::kGemvThreads) atlas_gemv_nar
   atlas::gemv_prefetch<atlas::kGemvNarrowRows>(p);
   atlas::gemv<8, atlas::kGemvNarrowRows, atlas::gemv_narrow_unroll(8)>(p);
 }
+// One token of add_rms_norm's output, the norm taken in (ATLAS_NORM=fused; gemv.cuh's gemv_norm): the
+// wide shape only (the narrow one's 4x blocks would each stage the three rows, norm_fusion.py).
+extern "C" __global__ void __launch_bounds__(atlas::kGemvThreads) atlas_gemv_norm_t1(const LinearNormParams p) {
+  atlas::gemv_prefetch<atlas::kGemvWideRows>(p.linear);
+  atlas::gemv_norm<atlas::kGemvWideRows, atlas::kGemvWideUnroll, atlas::model::hidden_size>(p);
+}
+
 extern "C" __global__ void __launch_bounds__(atlas::kGemmThreads) atlas_gemm_bf16(const LinearParams p) {
   atlas::pdl_enter();
   atlas::gemm_bf16(p);

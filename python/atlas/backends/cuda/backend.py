@@ -27,7 +27,7 @@ from ..base import (
     compose_full_attention,
     compose_gated_delta_net,
 )
-from . import ops_delta_decode, ops_dense, ops_kv, ops_linear_moe, ops_quant
+from . import norm_fusion, ops_delta_decode, ops_dense, ops_kv, ops_linear_moe, ops_quant
 from .graph import GraphedDecodeStep
 from .ops_kv import QuantizedKVCache
 from .quant_weights import QuantWeight, from_quantized_weight, stack_rows
@@ -52,16 +52,16 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, rt: CudaRuntime, use_graphs: bool | None = None, router: str | None = None,
-                 delta_net: str | None = None, attention_prep: str | None = None) -> None:
+                 delta_net: str | None = None, attention_prep: str | None = None, norm: str | None = None) -> None:
         """`router` "split" | "fused" (ops_linear_moe.router_form; None: ATLAS_ROUTER decides);
-        `delta_net` and `attention_prep` "separate" | "fused" the same way (ATLAS_DELTANET_DECODE,
-        ATLAS_ATTENTION_PREP)."""
+        `delta_net`, `attention_prep` and `norm` "separate" | "fused" the same way
+        (ATLAS_DELTANET_DECODE, ATLAS_ATTENTION_PREP, ATLAS_NORM)."""
         self.rt = rt
         self.prefill_attention = ops_dense.prefill_attention_form()  # ATLAS_PREFILL_ATTENTION: "mma" | "simt"
         self.gemm_form = ops_dense.gemm_form(rt)  # ATLAS_GEMM: "mma" | "wgmma" (h200 only)
         self._router_arrivals: DeviceTensor | None = None
         self._delta_arrivals: DeviceTensor | None = None
-        self.use_decode_forms(router, delta_net, attention_prep)
+        self.use_decode_forms(router, delta_net, attention_prep, norm)
         ops_linear_moe.DELTA_RULE_SWITCH.read()  # read per prompt; a bad value is one line now, not at the first
         self.sample_form = ops_dense.SAMPLE_SWITCH.read()  # ATLAS_SAMPLE: "block" | "split"
         self.uploader = Uploader(rt)
@@ -75,15 +75,16 @@ class CudaBackend:
         self.runs_ahead = RUN_AHEAD_SWITCH.read() == "1"  # ATLAS_RUN_AHEAD: the decode loop queues a step ahead
 
     def use_decode_forms(self, router: str | None = None, delta_net: str | None = None,
-                         attention_prep: str | None = None) -> None:
-        """The decode ops' forms: `router` "split" | "fused", `delta_net` and `attention_prep`
-        "separate" | "fused" (None: ATLAS_ROUTER, ATLAS_DELTANET_DECODE, ATLAS_ATTENTION_PREP
-        decide). A fused form's arrival counters are allocated on its first use and kept (a
-        captured graph holds their address). bench/launch_settings.py switches the forms between
-        decode graph captures."""
+                         attention_prep: str | None = None, norm: str | None = None) -> None:
+        """The decode ops' forms: `router` "split" | "fused", `delta_net`, `attention_prep` and
+        `norm` "separate" | "fused" (None: ATLAS_ROUTER, ATLAS_DELTANET_DECODE,
+        ATLAS_ATTENTION_PREP, ATLAS_NORM decide). A fused form's arrival counters are allocated on
+        its first use and kept (a captured graph holds their address). bench/launch_settings.py
+        switches the forms between decode graph captures."""
         self.router_form = ops_linear_moe.router_form(router)
         self.delta_net_form = ops_delta_decode.decode_form(delta_net)
         self.attention_prep_form = ops_dense.ATTENTION_PREP_SWITCH.read(attention_prep)
+        self.norm_form = norm_fusion.NORM_SWITCH.read(norm)
         if self.router_form == "fused" and self._router_arrivals is None:
             self._router_arrivals = ops_linear_moe.router_arrivals(self.rt)
         if self.delta_net_form == "fused" and self._delta_arrivals is None:
@@ -92,7 +93,8 @@ class CudaBackend:
     def describe(self) -> str:
         info = self.rt.info
         graphs = "CUDA graphs" if self.use_graphs else "no CUDA graphs"
-        fused = (("router", self.router_form == "fused"), ("attention prep", self.attention_prep_form == "fused"))
+        fused = (("router", self.router_form == "fused"), ("attention prep", self.attention_prep_form == "fused"),
+                 ("norms", self.norm_form == "fused"))
         forms = "".join(f", fused {name}" for name, on in fused if on)
         forms += ", split sampling" if self.sample_form == "split" else ""
         launch = ", programmatic launches" if self.rt.programmatic else ""
@@ -164,7 +166,7 @@ class CudaBackend:
 
     def add_rms_norm(self, x: DeviceTensor, residual: DeviceTensor, weight: DeviceTensor,
                      eps: float) -> tuple[DeviceTensor, DeviceTensor]:
-        return ops_dense.add_rms_norm(self.rt, x, residual, weight, eps)
+        return ops_dense.add_rms_norm(self.rt, x, residual, weight, eps, defer=self.norm_form == "fused")
 
     def add(self, x: DeviceTensor, y: DeviceTensor) -> DeviceTensor:
         return ops_dense.add(self.rt, x, y)

@@ -48,6 +48,7 @@ class GraphedDecodeStep:
             self._feed(graph.ids, ids)
             self._feed(graph.positions, positions)
         self.rt.arena.rewind(graph.arena_mark)
+        self.rt.issue_deferred()  # the driver's stream is reached directly below
         self.rt.driver.graph_launch(graph.exec_handle, self.rt.stream)
         return graph.output
 
@@ -70,6 +71,7 @@ class GraphedDecodeStep:
         rt.capturing = True
         try:
             output = self.step(ids_buf, positions_buf)
+            rt.issue_deferred()  # a launch still waiting belongs to the step
         except BaseException:
             rt.capturing = False
             _abandon_capture(rt)
@@ -105,6 +107,7 @@ class GraphedDecodeStep:
 
 def _abandon_capture(rt: CudaRuntime) -> None:
     """End a failed capture so the stream is usable again; its graph is discarded."""
+    rt.discard_deferred()
     try:
         rt.driver.graph_destroy(rt.driver.end_capture(rt.stream))
     except Exception:

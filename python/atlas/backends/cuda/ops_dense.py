@@ -16,6 +16,7 @@ from atlas.kernel_params import dense as kp
 from atlas.sampling import check_sampling
 
 from ..base import LogprobTensors, SamplingParams
+from . import norm_fusion
 from .ops_common import INT32_MAX, FormSwitch, ceil_div as _ceil_div, expect as _expect
 
 if TYPE_CHECKING:
@@ -146,8 +147,10 @@ def rms_norm(rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor, eps: float)
 
 
 def add_rms_norm(
-    rt: CudaRuntime, x: DeviceTensor, residual: DeviceTensor, weight: DeviceTensor, eps: float
+    rt: CudaRuntime, x: DeviceTensor, residual: DeviceTensor, weight: DeviceTensor, eps: float, *, defer: bool = False
 ) -> tuple[DeviceTensor, DeviceTensor]:
+    """defer (ATLAS_NORM=fused): one row held in registers waits for the kernel that reads it
+    (norm_fusion.py)."""
     dim = x.shape[-1]
     _expect(residual.shape == x.shape, f"add_rms_norm: residual {residual.shape} vs x {x.shape}")
     _expect(weight.numel == dim, f"add_rms_norm: weight {weight.shape} vs x {x.shape}")
@@ -157,8 +160,18 @@ def add_rms_norm(
     total = rt.empty(x.shape, "f32")
     params = kp.RmsNormParams(x=x.ptr, residual=residual.ptr, weight=weight.ptr, out=out.ptr, sum_out=total.ptr,
                               rows=x.numel // dim, dim=dim, eps=eps)
-    _rms_norm_launch(rt, "atlas_add_rms_norm", params)
+    tensors = (out, total, x, residual, weight)
+    if defer and params.rows == 1 and _norm_in_registers(dim, tensors):
+        norm_fusion.defer_add_rms_norm(rt, params, norm_threads(dim), tensors)
+    else:
+        _rms_norm_launch(rt, "atlas_add_rms_norm", params)
     return out, total
+
+
+def _norm_in_registers(dim: int, tensors: tuple[DeviceTensor, ...]) -> bool:
+    """norm.cuh norm_fits_registers: the path a consumer's stage_add_rms_norm takes."""
+    aligned = all(t.ptr % 16 == 0 for t in tensors)
+    return aligned and dim % 4 == 0 and dim <= 4 * NORM_VECS * norm_threads(dim)
 
 
 def add(rt: CudaRuntime, x: DeviceTensor, y: DeviceTensor) -> DeviceTensor:
@@ -247,11 +260,26 @@ def linear(rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor, *, gemm_with:
     if tokens == 0 or n == 0:
         return out
     params = kp.LinearParams(x=x.ptr, weight=weight.ptr, out=out.ptr, tokens=tokens, n=n, k=k)
-    if tokens <= GEMV_MAX_TOKENS:
-        gemv(rt, "atlas_gemv", params, weight_row_bytes=2 * k)
-    else:
+    if tokens > GEMV_MAX_TOKENS:
         gemm(rt, params, gemm_with)
+    elif not (tokens == 1 and _gemv_taking_norm(rt, x, params)):
+        gemv(rt, "atlas_gemv", params, weight_row_bytes=2 * k)
     return out
+
+
+def _gemv_taking_norm(rt: CudaRuntime, x: DeviceTensor, params: kp.LinearParams) -> bool:
+    """One token's x is a deferred add_rms_norm's output: the wide GEMV takes the norm in
+    (atlas_gemv_norm_t1; norm_fusion.py), when its blocks are few enough. False: nothing launched."""
+    blocks = _ceil_div(params.n, GEMV_WIDE_ROWS_PER_BLOCK)
+    if blocks < DENSE_GEMV.wide_min_waves * rt.sm_count or not norm_fusion.gemv_pays(rt, blocks):
+        return False  # the narrow shape (4x the blocks), or more blocks staging the three rows than pays
+    norm = norm_fusion.take_norm(rt, x, GEMV_THREADS)
+    if norm is None:
+        return False
+    fused = kp.LinearNormParams(linear=params, norm=norm)
+    fused.linear.prefetch_blocks = prefetch_blocks(rt, blocks, GEMV_WIDE_ROWS_PER_BLOCK * 2 * params.k)
+    rt.launch("atlas_gemv_norm_t1", (blocks, 1, 1), (GEMV_THREADS, 1, 1), fused)
+    return True
 
 
 @dataclass(frozen=True)
@@ -267,11 +295,13 @@ class GemvGeometry:
 DENSE_GEMV = GemvGeometry(GEMV_THREADS, GEMV_WIDE_ROWS_PER_BLOCK, GEMV_NARROW_ROWS_PER_BLOCK, GEMV_WIDE_MIN_WAVES)
 
 
-def gemv(rt: CudaRuntime, entry: str, params: ctypes.Structure, shape: GemvGeometry = DENSE_GEMV,
+def gemv(rt: CudaRuntime, entry: str, params: ctypes.Structure, shape: GemvGeometry | None = None,
          weight_row_bytes: int = 0) -> None:
     """The decode GEMV `entry`_t{T} (or `entry`_narrow_t{T}) of a LinearParams-shaped `params`:
     the wide form (more rows per block) when it still fills the SMs `wide_min_waves` times.
-    weight_row_bytes: set for the kernels that take prefetch_blocks (prefetch_blocks)."""
+    shape: DENSE_GEMV when None. weight_row_bytes: set for the kernels that take prefetch_blocks
+    (prefetch_blocks)."""
+    shape = shape or DENSE_GEMV
     tokens, n = params.tokens, params.n
     wide_blocks = _ceil_div(n, shape.wide_rows)
     wide = wide_blocks >= shape.wide_min_waves * rt.sm_count

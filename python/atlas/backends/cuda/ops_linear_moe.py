@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from atlas.kernel_params import linear_moe as kp
 
+from . import norm_fusion
 from .ops_common import FormSwitch, ceil_div as _ceil_div, expect as _expect
 
 if TYPE_CHECKING:
@@ -205,11 +206,15 @@ def router(
         top_k=top_k, renormalize=int(renormalize), shared_expert=shared,
     )
     grid = (tokens, _ceil_div(columns, ROUTER_WARPS), 1)
-    if fused:
-        rt.launch("atlas_router_fused", grid, (ROUTER_WARPS * 32, 1, 1), params)
-        return ids, weights
-    rt.launch("atlas_router_logits", grid, (ROUTER_WARPS * 32, 1, 1), params)
-    rt.launch("atlas_router_top_k", (tokens, 1, 1), (32, 1, 1), params)
+    entry = "atlas_router_fused" if fused else "atlas_router_logits"
+    # One token of a deferred add_rms_norm's output: the norm taken in (norm_fusion.py).
+    norm = norm_fusion.take_norm(rt, x, ROUTER_WARPS * 32) if tokens == 1 else None
+    if norm is None:
+        rt.launch(entry, grid, (ROUTER_WARPS * 32, 1, 1), params)
+    else:
+        rt.launch(f"{entry}_norm", grid, (ROUTER_WARPS * 32, 1, 1), kp.RouterNormParams(router=params, norm=norm))
+    if not fused:
+        rt.launch("atlas_router_top_k", (tokens, 1, 1), (32, 1, 1), params)
     return ids, weights
 
 

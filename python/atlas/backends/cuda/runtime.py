@@ -55,6 +55,21 @@ RUN_AHEAD_SWITCH = FormSwitch("ATLAS_RUN_AHEAD", "run-ahead setting", ("1", "0")
 
 
 @dataclass(frozen=True)
+class DeferredLaunch:
+    """A launch issued late (CudaRuntime.defer): before any other work the runtime enqueues, so the
+    stream's order is what it would have been, unless the next launch takes it over
+    (take_deferred) by doing the same writes itself. `outputs` are what it writes, outputs[0] the
+    tensor a consumer recognises it by; `inputs` are held so their memory outlives the launch."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    params: ctypes.Structure
+    outputs: tuple[DeviceTensor, ...]
+    inputs: tuple[DeviceTensor, ...]
+
+
+@dataclass(frozen=True)
 class RuntimeOptions:
     arena_bytes: int = 256 << 20
     check_launches: bool = False  # synchronise after each launch (outside capture) to name a faulting kernel
@@ -93,10 +108,12 @@ class CudaRuntime:
             check_prefetch(image)
         self._functions: dict[str, Handle] = {}
         self._smem_set: dict[str, int] = {}
+        self._deferred: DeferredLaunch | None = None
 
     def close(self) -> None:
         """Free every device allocation, graph, the stream and the module now (idempotent);
         nothing may run on this runtime after."""
+        self._deferred = None
         self._release()
         self._functions.clear()  # handles into the unloaded module
 
@@ -125,12 +142,14 @@ class CudaRuntime:
         return tensor
 
     def memset_zero(self, t: DeviceTensor) -> None:
+        self.issue_deferred()
         if t.nbytes:
             self.driver.memset_d8(t.ptr, 0, t.nbytes, self.stream)
 
     def poison_scratch(self) -> None:
         """Fill all arena memory with NaN bytes, so any step output a kernel fails to write
         reads back as NaN (f32, bf16) or -1 (i32). Tests call it before each op."""
+        self.issue_deferred()
         if not self.arena.spans():
             self.arena.alloc(1)
             self.arena.reset()
@@ -138,6 +157,7 @@ class CudaRuntime:
             self.driver.memset_d8(ptr, 0xFF, size, self.stream)
 
     def copy(self, dst: DeviceTensor, src: DeviceTensor) -> None:
+        self.issue_deferred()
         if dst.nbytes != src.nbytes:
             raise ValueError(f"copy of {src.shape} {src.dtype} into {dst.shape} {dst.dtype}")
         if dst.nbytes:
@@ -147,6 +167,7 @@ class CudaRuntime:
         """Copy host bytes (already in dst's storage format) into dst, in stream order. From
         pageable memory the driver stages the bytes before returning, so `host` may go at once."""
         self._refuse_in_capture("a host-to-device copy")
+        self.issue_deferred()
         data = np.ascontiguousarray(host)
         if data.nbytes != dst.nbytes:
             raise ValueError(f"write of {data.nbytes} bytes into {dst.shape} {dst.dtype}")
@@ -156,6 +177,7 @@ class CudaRuntime:
     def read(self, src: DeviceTensor) -> np.ndarray:
         """The raw storage of src as a host array (bf16 as uint16), after the stream drains."""
         self._refuse_in_capture("a device-to-host copy")
+        self.issue_deferred()
         out = np.empty(src.shape, dtype=HOST_DTYPES[src.dtype])
         if out.nbytes:
             self.driver.memcpy_dtoh(out.ctypes.data, src.ptr, out.nbytes, self.stream)
@@ -166,15 +188,18 @@ class CudaRuntime:
         """read()'s copy queued without waiting (small tensors: reads.SLOT_BYTES); its result()
         waits for that copy alone, so work queued after it keeps running."""
         self._refuse_in_capture("a device-to-host copy")
+        self.issue_deferred()
         return self.reads.start(src, self.stream)
 
     def reset_step(self) -> None:
         """Begin a step: recycle the arena (outside capture only; a no-op while capturing)."""
+        self.issue_deferred()
         if not self.capturing:
             self.arena.reset()
             self.pool.trim()
 
     def synchronize(self) -> None:
+        self.issue_deferred()
         self.driver.stream_synchronize(self.stream)
 
     # --- kernels ------------------------------------------------------------------------------
@@ -197,6 +222,7 @@ class CudaRuntime:
         smem: int = 0,
     ) -> None:
         _check_dims(kernel, grid, block)
+        self.issue_deferred()
         function = self.function(kernel)
         if smem > DEFAULT_SMEM_LIMIT and self._smem_set.get(kernel, 0) < smem:
             if smem > self.max_smem_optin:
@@ -211,6 +237,35 @@ class CudaRuntime:
                 self.driver.stream_synchronize(self.stream)
             except CudaError as err:
                 raise CudaError(f"{kernel} grid={grid} block={block} failed while running: {err}") from None
+
+    # --- deferred launches -----------------------------------------------------------------
+    # One launch may wait for the next: atlas_add_rms_norm of one decode token under ATLAS_NORM=fused,
+    # which the GEMV or router reading its output takes in (ops_dense.take_norm). Every method that
+    # puts work on the stream issues it first, and so must code that reaches the driver's stream
+    # itself (graph.py), so nothing ever runs ahead of it or reads its outputs before they exist.
+    def defer(self, launch: DeferredLaunch) -> None:
+        self.issue_deferred()
+        self._deferred = launch
+
+    def deferred_writing(self, t: DeviceTensor) -> DeferredLaunch | None:
+        """The waiting launch whose first output is t (same address, shape and dtype), if any."""
+        launch = self._deferred
+        return launch if launch is not None and launch.outputs[0] == t else None
+
+    def take_deferred(self, launch: DeferredLaunch) -> None:
+        """The next launch does `launch`'s writes itself: it is dropped, not issued."""
+        if launch is not self._deferred:
+            raise CudaError(f"{launch.kernel}: taken over, but it is not the launch waiting")
+        self._deferred = None
+
+    def issue_deferred(self) -> None:
+        launch, self._deferred = self._deferred, None
+        if launch is not None:
+            self.launch(launch.kernel, launch.grid, launch.block, launch.params)
+
+    def discard_deferred(self) -> None:
+        """Forget the waiting launch (a failed capture it belonged to is being thrown away)."""
+        self._deferred = None
 
     def _refuse_in_capture(self, what: str) -> None:
         if self.capturing:

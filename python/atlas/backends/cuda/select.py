@@ -107,14 +107,15 @@ def check_gpu_settings(environ: Mapping[str, str] = os.environ) -> None:
     from .driver import binding_name
     from .ops_dense import ATTENTION_PREP_SWITCH, GEMM_SWITCH, PREFILL_ATTENTION_SWITCH, SAMPLE_SWITCH
     from .ops_delta_decode import DECODE_SWITCH
+    from .norm_fusion import NORM_SWITCH
     from .ops_linear_moe import DELTA_RULE_SWITCH, ROUTER_SWITCH
     from .runtime import CHECK_SWITCH, GRAPHS_SWITCH, LAUNCH_SWITCH, PREFETCH_SWITCH, RUN_AHEAD_SWITCH
 
     device_ordinal(environ)
     binding_name(environ)
     for switch in (GEMM_SWITCH, PREFILL_ATTENTION_SWITCH, ATTENTION_PREP_SWITCH, DECODE_SWITCH, DELTA_RULE_SWITCH,
-                   ROUTER_SWITCH, SAMPLE_SWITCH, CHECK_SWITCH, GRAPHS_SWITCH, LAUNCH_SWITCH, PREFETCH_SWITCH,
-                   RUN_AHEAD_SWITCH):
+                   ROUTER_SWITCH, NORM_SWITCH, SAMPLE_SWITCH, CHECK_SWITCH, GRAPHS_SWITCH, LAUNCH_SWITCH,
+                   PREFETCH_SWITCH, RUN_AHEAD_SWITCH):
         switch.read(environ=environ)
 
 
