@@ -1,5 +1,5 @@
 """ATLAS_NORM=fused on the GPU (norm_fusion.py): a decode token's add_rms_norm taken into the GEMV
-or the router that reads it leaves the same bits as the two launches, in the consumer's output
+(bf16, fp8, nvfp4) or the router that reads it leaves the same bits as the two launches, in the consumer's output
 and in the norm's own two outputs (written by the consumer's first block), at the demo and
 Qwen3.6 dims; then a chain of two norms, a GEMV and the router replayed in a captured graph with
 fresh inputs. Outputs poisoned first. tests/test_norm_fusion.py checks which launches happen."""
@@ -20,16 +20,17 @@ pytestmark = pytest.mark.gpu
 
 EPS = 1e-6
 REPLAYS = 4
-TAKING = {"atlas_gemv_norm_t1", "atlas_router_logits_norm", "atlas_router_fused_norm"}  # the entries that take a norm in
+TAKING = {"atlas_gemv_norm_t1", "atlas_router_logits_norm", "atlas_router_fused_norm"}  # the bf16 entries that take a norm in
 
 
 @pytest.fixture
 def wide_always(monkeypatch: pytest.MonkeyPatch) -> None:
     """The wide GEMV at any N and any number of blocks (the form that takes the norm in, where it
     pays), so a few blocks do, on any SM count."""
-    from atlas.backends.cuda import norm_fusion, ops_dense
+    from atlas.backends.cuda import norm_fusion, ops_dense, ops_quant
 
     monkeypatch.setattr(ops_dense, "DENSE_GEMV", dataclasses.replace(ops_dense.DENSE_GEMV, wide_min_waves=0))
+    monkeypatch.setattr(ops_quant, "QUANT_GEMV", dataclasses.replace(ops_quant.QUANT_GEMV, wide_min_waves=0))
     monkeypatch.setattr(norm_fusion, "MAX_GEMV_BLOCKS_PER_SM", 1 << 20)
 
 
@@ -94,6 +95,30 @@ def test_gemv_takes_the_norm_in_bit_for_bit(env: Env, rng: np.random.Generator, 
     ref_normed, ref_total = env.ref.add_rms_norm(*(env.gpu.to_numpy(t) for t in (x, residual, w)), EPS)
     np.testing.assert_allclose(total, ref_total, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(normed, ref_normed, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_quantized_gemv_takes_the_norm_in_bit_for_bit(env: Env, rng: np.random.Generator, wide_always: None,
+                                                      fmt: str) -> None:
+    """The fp8 / nvfp4 GEMV (its x staged in swizzled slots) on the model's quantized tuple."""
+    from atlas.backends.cuda.backend import CudaBackend
+    from atlas.backends.cuda.quant_weights import upload
+    from test_gpu_quant import open_tuple, quantize
+
+    gpu, _, _ = open_tuple(env.model, fmt)
+    host, _ = quantize(fmt, weight(rng, 77, env.d("hidden_size")))  # 3 wide blocks, the last one short
+    quantized = upload(gpu.uploader, host)
+    h = env.d("hidden_size")
+    x, residual, w = (gpu.upload(t, "f32") for t in (normal(rng, 1, h, scale=2), normal(rng, 1, h), normal(rng, h) + 1))
+
+    def op(be: Any) -> tuple[Any, ...]:
+        normed, total = be.add_rms_norm(x, residual, w, EPS)
+        return be.linear(normed, quantized), normed, total
+
+    runs = {form: _run(CudaBackend(gpu.rt, use_graphs=False, norm=form), op) for form in ("separate", "fused")}
+    assert runs["separate"][1] == ["atlas_add_rms_norm", f"atlas_qgemv_{fmt}_t1"]
+    assert runs["fused"][1] == [f"atlas_qgemv_{fmt}_norm_t1"]
+    _same_bits(runs["fused"][0], runs["separate"][0])
 
 
 @pytest.mark.parametrize("router", ["split", "fused"])

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from atlas.backends.cuda import ops_quant
+from atlas.backends.cuda.ops_dense import add_rms_norm, norm_threads
 from atlas.backends.cuda.quant_weights import HostQuantWeight, QuantWeight, from_fp8_block, from_nvfp4, stack_rows
 from atlas.backends.cuda.tensor import DeviceTensor
+from atlas.kernel_params import quant as kp
 from atlas.quant.codes import E2M1_VALUES, decode_e4m3
 from atlas.quant.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from atlas.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
@@ -232,6 +234,9 @@ def _run_every_op(rt: RecordingRuntime, dims: dict[str, int], rng: np.random.Gen
         for t in (*range(1, 9), int(rng.integers(9, 700))):
             for rows in (n, 64 * rt.sm_count + n):
                 ops_quant.linear(rt, rt.empty((t, h), "f32"), _device_weight(rt, fmt, rows, h))
+        normed, _ = add_rms_norm(rt, rt.empty((1, h), "f32"), rt.empty((1, h), "f32"), rt.empty((h,), "f32"), 1e-6,
+                                 defer=True)  # ATLAS_NORM=fused: a wide GEMV of few blocks takes it in
+        ops_quant.linear(rt, normed, _device_weight(rt, fmt, 64 * rt.sm_count + n, h))
         for t in (1, int(rng.integers(2, 9)), int(rng.integers(9, 700))):
             for shared in (0, 1):  # the router's shared slot: k + 1 slots over E + 1 stacked experts
                 slots, stacked = top_k + shared, experts + shared
@@ -251,6 +256,9 @@ def test_every_launch_matches_its_ptx_entry(model_ptx: tuple[str, dict[str, PtxE
         assert math.prod(launch.block) == max_threads, f"{launch.kernel}: block {launch.block} vs bound {max_threads}"
         assert all(g > 0 for g in launch.grid) and max(launch.grid[1:]) <= 65535, f"{launch.kernel}: grid {launch.grid}"
         p = launch.params
+        if isinstance(p, kp.QuantLinearNormParams):  # atlas_qgemv_{fmt}_norm_t1
+            assert (p.norm.rows, p.norm.dim) == (1, p.linear.k) and launch.block[0] == norm_threads(p.norm.dim)
+            p = p.linear
         if launch.kernel.startswith("atlas_qgemv_"):
             assert int(launch.kernel.rsplit("_t", 1)[1]) == p.tokens <= 8
             rows = ops_quant.GEMV_NARROW_ROWS_PER_BLOCK if "_narrow_" in launch.kernel else ops_quant.GEMV_WIDE_ROWS_PER_BLOCK

@@ -139,9 +139,10 @@ __device__ __forceinline__ void qgemv_block(const QuantMatrix& m, const int64_t 
 
 // Enters through pdl_enter itself, once its first batch of chunks (weights and their scales,
 // ld.global.nc) is issued: under programmatic launch those loads overlap the previous kernel. Safe
-// before the wait because no kernel writes weights; x and the row scales are read after it.
-template <class Format, int T, int R, int U>
-__device__ void gemv_quant(const QuantLinearParams& p) {
+// before the wait because no kernel writes weights; x and the row scales are read after it, x by
+// stage_chunk(xs, col0, cols) (stage_x's contract: swizzled slots, completed by stage_wait()).
+template <class Format, int T, int R, int U, class StageChunk>
+__device__ void gemv_quant_staged(const QuantLinearParams& p, StageChunk stage_chunk) {
   constexpr int kCols = qgemv_cols<T>();
   __shared__ __align__(16) float xs[T * kCols];  // [T, kCols], swizzled float4 slots
   if (p.tokens != T || p.k % kChunk != 0) return;
@@ -159,7 +160,7 @@ __device__ void gemv_quant(const QuantLinearParams& p) {
     const int cols = min(kCols, p.k - col0);  // a multiple of 16
     const auto stage = [&] {
       pdl_enter();  // after the block's first weight batch; past the first block it returns at once
-      stage_x<T>(static_cast<const float*>(p.x), p.k, col0, cols, xs);
+      stage_chunk(xs, col0, cols);
     };
     qgemv_block<Format, T, R, U>(m, rows, col0 / kChunk, cols / kChunk, xs, stage, acc);
   }
@@ -167,6 +168,25 @@ __device__ void gemv_quant(const QuantLinearParams& p) {
   pdl_enter();  // returns at once after the loop's; waits here only when k == 0 skipped the loop
   gemv_store_rows(acc, static_cast<float*>(p.out), p.n, row0,
                   [&](int row) { return row_scale_at(p.row_scale, row); });
+}
+
+template <class Format, int T, int R, int U>
+__device__ void gemv_quant(const QuantLinearParams& p) {
+  gemv_quant_staged<Format, T, R, U>(p, [&p](float* xs, int col0, int cols) {
+    stage_x<T>(static_cast<const float*>(p.x), p.k, col0, cols, xs);
+  });
+}
+
+// One token's quantized GEMV of add_rms_norm's output, the norm taken in (ATLAS_NORM=fused), as
+// gemv.cuh's gemv_norm: every block stages the normed row (swizzled), block 0 writes the norm's
+// outputs; K == H, the model's hidden size (one column block).
+template <class Format, int R, int U, int H>
+__device__ void gemv_quant_norm(const QuantLinearNormParams& p) {
+  static_assert(H <= qgemv_cols<1>(), "gemv_quant_norm: the row must fit one staged column block");
+  if (p.norm.dim != H || p.linear.k != H || blockDim.x != kQGemvThreads) return;
+  gemv_quant_staged<Format, 1, R, U>(p.linear, [&p](float* xs, int, int) {
+    stage_add_rms_norm<H, kQGemvThreads>(p.norm, xs, blockIdx.x == 0, [](int f) { return swizzled_slot(f); });
+  });
 }
 
 }  // namespace atlas::quant

@@ -122,9 +122,14 @@ __device__ void rms_norm_rows(const RmsNormParams& p) {
 // norm_threads(dim), checked by the host), so the same bits; the block with `writes` also stores
 // what the norm kernel would have, out and sum_out, for the later readers of either. H: the row's
 // length (p.dim) and kThreads the block's (blockDim.x), both checked by the caller; they size the
-// registers. Ends with a barrier: xs is complete.
-template <int H, int kThreads>
-__device__ __forceinline__ void stage_add_rms_norm(const RmsNormParams& p, float* xs, bool writes) {
+// registers. slot(i): where float4 i goes in xs (the quantized GEMVs' swizzle). Ends with a
+// barrier: xs is complete.
+struct SameSlot {
+  __device__ int operator()(int i) const { return i; }
+};
+
+template <int H, int kThreads, class Slot = SameSlot>
+__device__ __forceinline__ void stage_add_rms_norm(const RmsNormParams& p, float* xs, bool writes, Slot slot = {}) {
   static_assert(H % 4 == 0, "stage_add_rms_norm: the row is read as float4");
   constexpr int kVecs = (H / 4 + kThreads - 1) / kThreads;
   __shared__ float scratch[kWarpSize];
@@ -136,7 +141,7 @@ __device__ __forceinline__ void stage_add_rms_norm(const RmsNormParams& p, float
     const int i = threadIdx.x + j * blockDim.x;
     if (i >= H / 4) continue;
     const float4 value = normed4(v[j], w[j], inv_rms);
-    reinterpret_cast<float4*>(xs)[i] = value;
+    reinterpret_cast<float4*>(xs)[slot(i)] = value;
     if (writes) store_vec(p.out, i, value);
   }
   __syncthreads();

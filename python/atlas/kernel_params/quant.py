@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 from ctypes import c_int32, c_void_p
 
+from .dense import RmsNormParams
+
 
 class QuantLinearParams(ctypes.Structure):
     """atlas_qgemv_{fp8,nvfp4}[_narrow]_t{1..8} (tokens <= 8) and atlas_qgemm_{fp8,nvfp4}
@@ -27,6 +29,14 @@ class QuantLinearParams(ctypes.Structure):
         ("k", c_int32),  # a multiple of 16
         ("pad", c_int32),
     ]
+
+
+class QuantLinearNormParams(ctypes.Structure):
+    """atlas_qgemv_{fp8,nvfp4}_norm_t1 (one token, ATLAS_NORM=fused): the quantized linear of
+    add_rms_norm's output with the norm taken in, as dense.LinearNormParams (linear.x unused;
+    block 0 writes norm.out and norm.sum_out)."""
+
+    _fields_ = [("linear", QuantLinearParams), ("norm", RmsNormParams)]
 
 
 class MoeQuantGemmParams(ctypes.Structure):
@@ -77,4 +87,5 @@ class MoeQuantGemvParams(ctypes.Structure):
     ]
 
 
-ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (QuantLinearParams, MoeQuantGemmParams, MoeQuantGemvParams)
+ALL_PARAMS: tuple[type[ctypes.Structure], ...] = (QuantLinearParams, QuantLinearNormParams, MoeQuantGemmParams,
+                                                  MoeQuantGemvParams)

@@ -60,6 +60,13 @@ extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads, 2) atlas_qgemv_nvfp4_narrow_t8(const QuantLinearParams p) {
   atlas::quant::gemv_quant<atlas::quant::Nvfp4Format, 8, atlas::quant::kQGemvNarrowRows, atlas::quant::qgemv_narrow_unroll(8)>(p);
 }
+// One token of add_rms_norm's output, the norm taken in (ATLAS_NORM=fused; gemv_quant.cuh's
+// gemv_quant_norm): the wide shape only, as for bf16. 3 blocks per SM asked for: without, sm_90a's
+// ptxas took 99 registers (2 blocks per SM) where the plain t1 takes 73.
+extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads, 3) atlas_qgemv_nvfp4_norm_t1(const QuantLinearNormParams p) {
+  atlas::quant::gemv_quant_norm<atlas::quant::Nvfp4Format, atlas::quant::kQGemvWideRows, atlas::quant::kQGemvWideUnroll, atlas::model::hidden_size>(p);
+}
+
 extern "C" __global__ void __launch_bounds__(atlas::kGemmThreads) atlas_qgemm_nvfp4(const QuantLinearParams p) {
   atlas::pdl_enter();
   atlas::quant::gemm_quant<atlas::quant::Nvfp4Format>(p);

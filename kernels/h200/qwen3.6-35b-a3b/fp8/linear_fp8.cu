@@ -60,6 +60,12 @@ extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_
 extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads, 2) atlas_qgemv_fp8_narrow_t8(const QuantLinearParams p) {
   atlas::quant::gemv_quant<atlas::quant::Fp8Format, 8, atlas::quant::kQGemvNarrowRows, atlas::quant::qgemv_narrow_unroll(8)>(p);
 }
+// One token of add_rms_norm's output, the norm taken in (ATLAS_NORM=fused; gemv_quant.cuh's
+// gemv_quant_norm): the wide shape only, as for bf16.
+extern "C" __global__ void __launch_bounds__(atlas::quant::kQGemvThreads) atlas_qgemv_fp8_norm_t1(const QuantLinearNormParams p) {
+  atlas::quant::gemv_quant_norm<atlas::quant::Fp8Format, atlas::quant::kQGemvWideRows, atlas::quant::kQGemvWideUnroll, atlas::model::hidden_size>(p);
+}
+
 extern "C" __global__ void __launch_bounds__(atlas::kGemmThreads) atlas_qgemm_fp8(const QuantLinearParams p) {
   atlas::pdl_enter();
   atlas::quant::gemm_quant<atlas::quant::Fp8Format>(p);

@@ -4,7 +4,7 @@ Each layer's two norms are launches of their own on the decode step's critical p
 kernel that writes the layer's update and the GEMV or router that reads the normed row: a launch
 boundary and a load / reduce / store chain each, 80 per Qwen3.6 step. Under the fused form
 add_rms_norm of one row is deferred (CudaRuntime.defer), and when the next launch is a consumer
-that can take it (a wide bf16 GEMV over the row, the router), that kernel gets the norm's
+that can take it (a wide bf16, fp8 or nvfp4 GEMV over the row, the router), that kernel gets the norm's
 params too: every block computes the normed row itself (norm.cuh stage_add_rms_norm: the norm
 kernel's code and thread layout, so the same bits) and its first block writes the norm's outputs,
 so the later readers (the rest of the layer, the next norm) find them as before. Any other next
@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 
 from atlas.kernel_params import dense as kp
 
-from .ops_common import FormSwitch
+from .ops_common import FormSwitch, ceil_div
 from .runtime import DeferredLaunch
 
 if TYPE_CHECKING:
+    from .ops_dense import GemvGeometry
     from .runtime import CudaRuntime
     from .tensor import DeviceTensor
 
@@ -42,8 +43,15 @@ def defer_add_rms_norm(rt: CudaRuntime, params: kp.RmsNormParams, threads: int, 
     rt.defer(DeferredLaunch(NORM_KERNEL, (1, 1, 1), (threads, 1, 1), params, (out, total), tuple(inputs)))
 
 
-def gemv_pays(rt: CudaRuntime, blocks: int) -> bool:
-    return blocks <= MAX_GEMV_BLOCKS_PER_SM * rt.sm_count
+def take_norm_into_gemv(rt: CudaRuntime, x: DeviceTensor, n: int, shape: GemvGeometry) -> tuple[kp.RmsNormParams, int] | None:
+    """For one token's GEMV of n rows over x: the deferred norm whose output is x, taken, and the
+    wide shape's block count, when that shape is the one the GEMV would run and its blocks are few
+    enough (MAX_GEMV_BLOCKS_PER_SM); None: the GEMV runs plain (the narrow shape has 4x the blocks)."""
+    blocks = ceil_div(n, shape.wide_rows)
+    if blocks < shape.wide_min_waves * rt.sm_count or blocks > MAX_GEMV_BLOCKS_PER_SM * rt.sm_count:
+        return None
+    norm = take_norm(rt, x, shape.threads)
+    return None if norm is None else (norm, blocks)
 
 
 def take_norm(rt: CudaRuntime, x: DeviceTensor, threads: int) -> kp.RmsNormParams | None:

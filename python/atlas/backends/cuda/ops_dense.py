@@ -270,12 +270,10 @@ def linear(rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor, *, gemm_with:
 def _gemv_taking_norm(rt: CudaRuntime, x: DeviceTensor, params: kp.LinearParams) -> bool:
     """One token's x is a deferred add_rms_norm's output: the wide GEMV takes the norm in
     (atlas_gemv_norm_t1; norm_fusion.py), when its blocks are few enough. False: nothing launched."""
-    blocks = _ceil_div(params.n, GEMV_WIDE_ROWS_PER_BLOCK)
-    if blocks < DENSE_GEMV.wide_min_waves * rt.sm_count or not norm_fusion.gemv_pays(rt, blocks):
-        return False  # the narrow shape (4x the blocks), or more blocks staging the three rows than pays
-    norm = norm_fusion.take_norm(rt, x, GEMV_THREADS)
-    if norm is None:
+    taken = norm_fusion.take_norm_into_gemv(rt, x, params.n, DENSE_GEMV)
+    if taken is None:
         return False
+    norm, blocks = taken
     fused = kp.LinearNormParams(linear=params, norm=norm)
     fused.linear.prefetch_blocks = prefetch_blocks(rt, blocks, GEMV_WIDE_ROWS_PER_BLOCK * 2 * params.k)
     rt.launch("atlas_gemv_norm_t1", (blocks, 1, 1), (GEMV_THREADS, 1, 1), fused)
