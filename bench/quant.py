@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode  # noqa: E402
+import launch_settings  # noqa: E402
 import synthetic  # noqa: E402
 from bench_cli import gpu_missing  # noqa: E402
 from provenance import git_commit  # noqa: E402
@@ -164,10 +166,37 @@ def run_decode(fmt: str, layers: int, rng: np.random.Generator, copy_bps: float 
               "prefill_tok_s_1024": decode.DECODE_CONTEXT / stats.prefill_seconds,
               "decode_tok_s": tok_s, "decode_tokens": steps, "decode_context": decode.DECODE_CONTEXT,
               "decode_bytes_per_token": per_token, "decode_gb_s": achieved / 1e9,
-              "roofline_pct": 100 * achieved / copy_bps, "roofline_tok_s": copy_bps / per_token["total"]}
+              "roofline_pct": 100 * achieved / copy_bps, "roofline_tok_s": copy_bps / per_token["total"],
+              "decode_tok_s_by_norm": decode.side_measure(f"{fmt} decode tok/s by norm form", partial(
+                  time_norm_forms, engine, prompt), json.dumps)}
     del engine
     release(backend)
     return result, copy_bps
+
+
+def time_norm_forms(engine: Any, prompt: list[int]) -> dict[str, Any]:
+    """Greedy decode tok/s with the norms launched apart and taken into their readers
+    (ATLAS_NORM=fused: the quantized in_proj / qkv GEMVs and the router), the median of
+    launch_settings.ROUNDS interleaved rounds, and whether their first tokens agree."""
+    from atlas.backends.cuda.norm_fusion import NORM_FORMS
+
+    backend = engine.backend
+    own = backend.norm_form
+
+    def use(form: str) -> None:
+        backend.use_decode_forms(norm=form)
+        engine.reset()  # the decode graph is captured again
+
+    try:
+        tokens = {}
+        for form in NORM_FORMS:
+            use(form)
+            tokens[form] = decode.greedy_tokens(engine, prompt, launch_settings.CHECK_TOKENS)
+        rates = launch_settings.interleaved_medians(list(NORM_FORMS), use,
+                                                    lambda: decode.time_decode(engine, prompt, launch_settings.TOKENS)[0])
+    finally:
+        use(own)
+    return {**rates, "tokens_equal": tokens["separate"] == tokens["fused"], "rounds": launch_settings.ROUNDS}
 
 
 def run_moe(spec: Any, rng: np.random.Generator) -> dict[str, Any]:

@@ -99,6 +99,8 @@ def qbench_lines(r: dict[str, Any]) -> list[str]:
             lines.append(f"qbench {fmt}: decode {d['decode_tok_s']:.1f} tok/s, {d['decode_gb_s']:.0f} GB/s, "
                          f"roofline {d['roofline_pct']:.1f}% (ceiling {d['roofline_tok_s']:.0f} tok/s), "
                          f"prefill {d['decode_context']} {d['prefill_tok_s_1024']:.0f} tok/s")
+            if by_norm := d.get("decode_tok_s_by_norm"):
+                lines.append(f"qbench {fmt}: decode tok/s by norm form {json.dumps(by_norm)}")
     moe = r.get("moe", {})
     lines += [moe_line(fmt, moe) for fmt in ("bf16", "fp8", "nvfp4") if fmt in moe]
     if "memory_ratio_vs_bf16" in moe:

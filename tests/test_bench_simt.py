@@ -170,6 +170,8 @@ def test_quant_bench(emulated: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert r["notes"] == []
     for fmt in ("fp8", "nvfp4"):
         check_decode_result({**r[fmt], "model": r["model"], "copy_gb_s": r["copy_gb_s"]})
+        by_norm = r[fmt]["decode_tok_s_by_norm"]
+        assert by_norm["tokens_equal"] and by_norm["separate"] > 0 and by_norm["fused"] > 0, by_norm
     moe = r["moe"]
     assert (moe["tokens"], moe["experts"]) == (4, 256)
     for fmt in ("bf16", "fp8", "nvfp4"):
@@ -181,5 +183,5 @@ def test_quant_bench(emulated: pytest.MonkeyPatch, tmp_path: Path) -> None:
     lines = "\n".join(device_summary.report(tmp_path))
     assert "unreadable" not in lines, lines
     for expected in ("qbench fp8: decode ", "qbench nvfp4: decode ", "qbench moe bf16 (4 tok x 256 experts): eager grouped",
-                     "qbench moe memory vs bf16: "):
+                     "qbench moe memory vs bf16: ", "qbench nvfp4: decode tok/s by norm form "):
         assert expected in lines, lines

@@ -1,8 +1,9 @@
 """ATLAS_NORM=fused on the GPU (norm_fusion.py): a decode token's add_rms_norm taken into the GEMV
-(bf16, fp8, nvfp4) or the router that reads it leaves the same bits as the two launches, in the consumer's output
-and in the norm's own two outputs (written by the consumer's first block), at the demo and
-Qwen3.6 dims; then a chain of two norms, a GEMV and the router replayed in a captured graph with
-fresh inputs. Outputs poisoned first. tests/test_norm_fusion.py checks which launches happen."""
+(bf16, fp8, nvfp4) or the router that reads it leaves the same bits as the two launches, in the
+consumer's output and in the norm's own two outputs (written by the consumer's first block), at
+the demo and Qwen3.6 dims; then a chain of two norms, a GEMV and the router replayed in a
+captured graph with fresh inputs, and the whole demo model. Outputs poisoned first.
+tests/test_norm_fusion.py checks which launches happen."""
 
 from __future__ import annotations
 

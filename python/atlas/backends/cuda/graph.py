@@ -47,8 +47,8 @@ class GraphedDecodeStep:
         else:
             self._feed(graph.ids, ids)
             self._feed(graph.positions, positions)
+        self.rt.issue_deferred()  # before the arena rewinds under it; the stream is reached directly below
         self.rt.arena.rewind(graph.arena_mark)
-        self.rt.issue_deferred()  # the driver's stream is reached directly below
         self.rt.driver.graph_launch(graph.exec_handle, self.rt.stream)
         return graph.output
 
