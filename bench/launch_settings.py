@@ -2,9 +2,9 @@
 the decode ops (ATLAS_DELTANET_DECODE, ATLAS_ROUTER, ATLAS_ATTENTION_PREP all fused) x plain or
 programmatic dependent launch (ATLAS_LAUNCH) x with or without L2 weight prefetch
 (ATLAS_PREFETCH), and the norms taken into their readers (ATLAS_NORM=fused) alone, with pdl and
-with the fused forms and pdl, each set on the backend and the decode graph captured again for it; and sampled
-decode tok/s under each draw form (ATLAS_SAMPLE); and greedy decode tok/s with the decode loop a
-step ahead or in turn (ATLAS_RUN_AHEAD).
+with the fused forms and pdl, each set on the backend and the decode graph captured again for
+it; and sampled decode tok/s under each draw form (ATLAS_SAMPLE); and greedy decode tok/s with
+the decode loop a step ahead or in turn (ATLAS_RUN_AHEAD).
 
 Settings take turns over ROUNDS rounds and each rate is the median of its rounds, so a drift of
 the device's clocks during the run falls on every setting alike (one run per setting, in separate

@@ -240,7 +240,7 @@ class CudaRuntime:
 
     # --- deferred launches -----------------------------------------------------------------
     # One launch may wait for the next: atlas_add_rms_norm of one decode token under ATLAS_NORM=fused,
-    # which the GEMV or router reading its output takes in (ops_dense.take_norm). Every method that
+    # which the GEMV or router reading its output takes in (norm_fusion.take_norm). Every method that
     # puts work on the stream issues it first, and so must code that reaches the driver's stream
     # itself (graph.py), so nothing ever runs ahead of it or reads its outputs before they exist.
     def defer(self, launch: DeferredLaunch) -> None:
