@@ -91,7 +91,7 @@ def check_launch_and_profile(r: dict[str, Any]) -> None:
     by_setting = r["decode_tok_s_by_setting"]
     assert by_setting["tokens_differ"] == [] and by_setting["tokens_compared"] == 3, by_setting
     assert by_setting["rounds"] == 1
-    rates = [by_setting[name] for name in ("plain", "fused+pdl+l2")]
+    rates = [by_setting[name] for name in ("plain", "fused+norm+pdl+l2")]
     assert all(math.isfinite(rate) and rate > 0 for rate in rates), by_setting
     profile = r["decode_profile"]
     kernels = profile["kernels"]

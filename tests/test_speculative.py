@@ -539,7 +539,8 @@ def test_gpu_greedy_unchanged(demo_mtp: Path, k: int, rng: np.random.Generator) 
     for prompt in (DEMO_PROMPT, well_conditioned_prompt(demo_mtp, rng, 48)):
         want = plain.generate(prompt, max_tokens=48).token_ids  # type: ignore[attr-defined]
         result = spec.generate(prompt, max_tokens=48)  # type: ignore[attr-defined]
-        assert result.token_ids == want and result.spec_drafted > 0
+        # a random prompt whose first token ends the text (the prefill's pick) leaves nothing to draft
+        assert result.token_ids == want and (result.spec_drafted > 0 or len(want) == 1)
 
 
 @pytest.mark.gpu
@@ -579,6 +580,8 @@ def test_gpu_speculation_resumes_from_the_prompt_cache(demo_mtp: Path, rng: np.r
 def test_gpu_verify_passes_replay_a_graph(demo_mtp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each verify pass replays the CUDA graph of its token count (captured at first use) instead
     of launching the main model's kernels one by one from the host; the output stays plain greedy's."""
+    from atlas.backends.cuda.memory import StepArena
+
     plain, spec = cuda_llm(demo_mtp, 0), cuda_llm(demo_mtp, 2)
     engine = spec.parts.engine  # type: ignore[attr-defined]
     if not engine.backend.use_graphs:
@@ -592,7 +595,12 @@ def test_gpu_verify_passes_replay_a_graph(demo_mtp: Path, monkeypatch: pytest.Mo
     assert stats.token_ids == greedy(plain.parts.engine, prompt, 32).token_ids  # type: ignore[attr-defined]
     assert len(launches) == stats.rounds > 0
     assert {type(step).__name__ for step in engine._verify_steps.values()} == {"GraphedDecodeStep"}
-    assert sum(step.captures for step in engine._verify_steps.values()) < stats.rounds
+    captures = sum(step.captures for step in engine._verify_steps.values())
+    # The device's bump arena moves (and a graph is captured again) only when a step outgrows it.
+    # The host emulator's guarded arena moves whenever a step's k-th allocation changes size, as
+    # the MTP head's eager steps between verify passes do, so there a pass may capture every round.
+    if isinstance(engine.backend.rt.arena, StepArena):
+        assert captures < stats.rounds
 
 
 @pytest.mark.gpu
