@@ -6,7 +6,8 @@
 // kNormVecs float4 per thread, each thread issues all its loads at once and keeps its slice in
 // registers for the second pass. A loop of load-then-store over the row would wait one memory
 // round trip per iteration: the compiler may not move a load above a store to a pointer it might
-// alias. Other rows take that loop.
+// alias. Other rows take that loop. stage_add_rms_norm: the same row code run inside a decode
+// GEMV or router block that takes the norm in (ATLAS_NORM=fused), its output staged for the block.
 #pragma once
 
 #include "atlas/common.cuh"

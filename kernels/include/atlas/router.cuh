@@ -10,6 +10,8 @@
 // Shared slot (p.shared_expert = 1): the weight has E + 1 rows, row E the shared expert's gate;
 // logits are [T, E + 1], softmax and top-k cover the first E only, and slot k of ids / weights
 // [T, k + 1] is (E, sigmoid(logit E)): the shared expert runs as one more routed slot.
+// router_logits_norm / router_fused_norm (decode, opt-in ATLAS_NORM=fused): the same with x
+// computed in each block as add_rms_norm's output (norm.cuh stage_add_rms_norm) instead of read.
 #pragma once
 
 #include "atlas/common.cuh"
