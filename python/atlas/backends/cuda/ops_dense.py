@@ -262,21 +262,26 @@ def linear(rt: CudaRuntime, x: DeviceTensor, weight: DeviceTensor, *, gemm_with:
     params = kp.LinearParams(x=x.ptr, weight=weight.ptr, out=out.ptr, tokens=tokens, n=n, k=k)
     if tokens > GEMV_MAX_TOKENS:
         gemm(rt, params, gemm_with)
-    elif not (tokens == 1 and _gemv_taking_norm(rt, x, params)):
+    elif not (tokens == 1 and gemv_taking_norm(rt, x, params, "atlas_gemv", kp.LinearNormParams,
+                                               weight_row_bytes=2 * k)):
         gemv(rt, "atlas_gemv", params, weight_row_bytes=2 * k)
     return out
 
 
-def _gemv_taking_norm(rt: CudaRuntime, x: DeviceTensor, params: kp.LinearParams) -> bool:
-    """One token's x is a deferred add_rms_norm's output: the wide GEMV takes the norm in
-    (atlas_gemv_norm_t1; norm_fusion.py), when its blocks are few enough. False: nothing launched."""
-    taken = norm_fusion.take_norm_into_gemv(rt, x, params.n, DENSE_GEMV)
+def gemv_taking_norm(rt: CudaRuntime, x: DeviceTensor, params: ctypes.Structure, entry: str, fused_type: type,
+                     shape: GemvGeometry | None = None, weight_row_bytes: int = 0) -> bool:
+    """One token's x is a deferred add_rms_norm's output: `entry`_norm_t1, the wide GEMV, takes the
+    norm in (norm_fusion.py) with `fused_type`(linear=params, norm=...), when its blocks are few
+    enough. False: nothing launched. shape and weight_row_bytes as gemv()'s."""
+    shape = shape or DENSE_GEMV
+    taken = norm_fusion.take_norm_into_gemv(rt, x, params.n, shape)
     if taken is None:
         return False
     norm, blocks = taken
-    fused = kp.LinearNormParams(linear=params, norm=norm)
-    fused.linear.prefetch_blocks = prefetch_blocks(rt, blocks, GEMV_WIDE_ROWS_PER_BLOCK * 2 * params.k)
-    rt.launch("atlas_gemv_norm_t1", (blocks, 1, 1), (GEMV_THREADS, 1, 1), fused)
+    fused = fused_type(linear=params, norm=norm)
+    if weight_row_bytes:
+        fused.linear.prefetch_blocks = prefetch_blocks(rt, blocks, shape.wide_rows * weight_row_bytes)
+    rt.launch(f"{entry}_norm_t1", (blocks, 1, 1), (shape.threads, 1, 1), fused)
     return True
 
 

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING
 
 from atlas.kernel_params import quant as kp
 
-from . import norm_fusion
 from .ops_common import INT32_MAX, ceil_div as _ceil_div, expect as _expect
-from .ops_dense import GemvGeometry, gemv
+from .ops_dense import GemvGeometry, gemv, gemv_taking_norm
 from .ops_linear_moe import moe_combine, moe_route
 from .quant_weights import CHUNK, QuantWeight
 
@@ -61,20 +60,10 @@ def linear(rt: CudaRuntime, x: DeviceTensor, w: QuantWeight) -> DeviceTensor:
     if tokens > GEMV_MAX_TOKENS:
         grid = (_ceil_div(n, GEMM_BN), _ceil_div(tokens, GEMM_BM), 1)
         rt.launch(f"atlas_qgemm_{w.format}", grid, (GEMM_THREADS, 1, 1), params)
-    elif not (tokens == 1 and _gemv_taking_norm(rt, x, params, w.format)):
+    elif not (tokens == 1 and gemv_taking_norm(rt, x, params, f"atlas_qgemv_{w.format}", kp.QuantLinearNormParams,
+                                               QUANT_GEMV)):
         gemv(rt, f"atlas_qgemv_{w.format}", params, QUANT_GEMV)
     return out
-
-
-def _gemv_taking_norm(rt: CudaRuntime, x: DeviceTensor, params: kp.QuantLinearParams, fmt: str) -> bool:
-    """ops_dense._gemv_taking_norm for the quantized GEMV: atlas_qgemv_{fmt}_norm_t1 (wide)."""
-    taken = norm_fusion.take_norm_into_gemv(rt, x, params.n, QUANT_GEMV)
-    if taken is None:
-        return False
-    norm, blocks = taken
-    fused = kp.QuantLinearNormParams(linear=params, norm=norm)
-    rt.launch(f"atlas_qgemv_{fmt}_norm_t1", (blocks, 1, 1), (QUANT_GEMV.threads, 1, 1), fused)
-    return True
 
 
 def _check_moe(x: DeviceTensor, ids: DeviceTensor, weights: DeviceTensor, gate_up: QuantWeight, down: QuantWeight) -> None:
