@@ -31,6 +31,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "oracle: compares against Hugging Face transformers")
     config.addinivalue_line("markers", "background(lane): runs in a child process beside the session "
                                        "(tests/_background.py)")
+    seed = os.environ.get("ATLAS_TEST_SEED", "")
+    if seed and not (seed.isdigit() and int(seed) < 2**32):
+        raise pytest.UsageError(f"ATLAS_TEST_SEED={seed!r} is not a seed; set it to the number a failing "
+                                "test printed as 'rng seed' or unset it")
     hw = os.environ.get("ATLAS_SIMT", "")
     if hw:
         from _simt import HOST_CC
@@ -44,10 +48,12 @@ def pytest_configure(config: pytest.Config) -> None:
 def rng(request: pytest.FixtureRequest) -> "np.random.Generator":
     """A fresh generator per test, seeded from the OS so every run draws new inputs.
 
-    The seed is printed on failure (pytest shows captured stdout) to reproduce a failing draw."""
+    The seed is printed on failure (pytest shows captured stdout); ATLAS_TEST_SEED=<seed> draws it
+    again to reproduce a failing draw."""
     import numpy as np
 
-    seed = int.from_bytes(os.urandom(4), "little")
+    given = os.environ.get("ATLAS_TEST_SEED", "")
+    seed = int(given) if given else int.from_bytes(os.urandom(4), "little")
     print(f"rng seed: {seed}")
     return np.random.default_rng(seed)
 

@@ -132,8 +132,8 @@ extern "C" __global__ void __launch_bounds__(1024) simt_template_shared(const Se
 
 // One warpgroup: in = A (64x16) then B (128x16), bf16 row-major (B^T of the product: K-major),
 // staged in dynamic shared memory in the 128-byte swizzle layout gemm_wgmma.cuh uses; out = D
-// (64x128 f32, row-major) of one wgmma m64n128k16. n = 1 overwrites A after the issue and before
-// the wait (a race on the GPU); n = 2 issues without a wgmma.fence.
+// (64x128 f32, row-major) of one wgmma m64n128k16. n = 1 flips the sign of A[0][0] after the issue and
+// before the wait (a race on the GPU); n = 2 issues without a wgmma.fence.
 __device__ __forceinline__ int swizzled_128(int row, int col) {
   return row * 128 + (((col / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
 }
@@ -157,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(128) simt_wgmma_tile(const SelfTest
   if (p.n != 2) atlas::wgmma_fence();
   atlas::wgmma_m64n128k16(d, swizzled_128_desc(atlas::smem_addr(a)), swizzled_128_desc(atlas::smem_addr(b)));
   atlas::wgmma_commit();
-  if (p.n == 1 && threadIdx.x == 0) *reinterpret_cast<uint16_t*>(a) = 0x3f80;  // 1.0
+  if (p.n == 1 && threadIdx.x == 0) *reinterpret_cast<uint16_t*>(a) ^= 0x8000;  // a new value whatever was drawn
   atlas::wgmma_wait_all();
   float* out = static_cast<float*>(p.out);
   const int lane = threadIdx.x % 32;
