@@ -4,6 +4,7 @@ weights on the same GPU.
 
     python bench/decode.py --out results.json [--budget-s 150] [--skip-transformers] [--prefill-only]
                            [--decode-only] [--marginal-only] [--spec-only] [--layers 40]
+    python bench/decode.py --transformers-only --against results.json --out hf.json
 
 Reports prefill tok/s (512 and 2048 prompt tokens), decode tok/s (256 tokens after a 1024-token
 prompt, greedy, the token id read back every step as a real generation does), bytes read per
@@ -24,12 +25,17 @@ GB/s alone (bench/weight_bandwidth.py), nothing else.
 --spec-only: the checkpoint with an MTP head too; plain decode tok/s and, per K drafts, MTP
 speculation's tok/s, verify-pass time and the tokens per pass it needs to beat plain decode
 (bench/spec_cost.py), nothing else.
+--transformers-only [--against RESULTS]: the transformers half alone, in its own process (the
+device check's hf stage: the comparison neither waits on the atlas timings' share of one stage's
+time nor shares the GPU's memory with atlas's weights, which an H100 cannot hold twice); with
+--against, an atlas results JSON of the same model from the same GPU, the speedups over it.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -359,47 +365,52 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
                     pick_us), copy_bps, device
 
 
-def run_transformers(config: dict[str, Any], rng: np.random.Generator, vocab: int) -> dict[str, Any]:
-    """transformers bf16 with the same synthetic weights, on the GPU."""
+def run_transformers(config: dict[str, Any], rng: np.random.Generator, vocab: int, device: str = "cuda") -> dict[str, Any]:
+    """transformers bf16 with the same synthetic weights, on `device` (the GPU; "cpu" for tests)."""
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     t0 = time.perf_counter()
     hf_config = Qwen3_5MoeTextConfig.from_dict(config)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = Qwen3_5MoeForCausalLM._from_config(hf_config, dtype=torch.bfloat16).eval()
     synthetic.fill_torch_model(model)
     # The synthetic config has no end-of-sequence token (eos_token_id []), which generate() reads
     # as a pad token and indexes: neither stops nor pads here.
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
-    torch.cuda.synchronize()
+    sync()
     load_s = time.perf_counter() - t0
     log(f"transformers model ready in {load_s:.1f}s")
-    prompt = torch.from_numpy(rng.integers(0, vocab, size=(1, max(PREFILL_LENGTHS)))).cuda()
+    prompt = torch.from_numpy(rng.integers(0, vocab, size=(1, max(PREFILL_LENGTHS)))).to(device)
     result: dict[str, Any] = {"load_s": load_s, "prefill_tok_s": {}}
     with torch.no_grad():
         model(prompt[:, :64])
         for length in PREFILL_LENGTHS:
-            torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
             model(prompt[:, :length])
-            torch.cuda.synchronize()
+            sync()
             result["prefill_tok_s"][str(length)] = length / (time.perf_counter() - t)
         t = time.perf_counter()
         out = model.generate(prompt[:, :DECODE_CONTEXT], max_new_tokens=1, do_sample=False)
-        torch.cuda.synchronize()
+        sync()
         first = time.perf_counter() - t
         t = time.perf_counter()
         out = model.generate(prompt[:, :DECODE_CONTEXT], max_new_tokens=HF_DECODE_TOKENS + 1,
                              min_new_tokens=HF_DECODE_TOKENS + 1, do_sample=False)
-        torch.cuda.synchronize()
+        sync()
         steps = out.shape[1] - DECODE_CONTEXT - 1
         result["decode_tok_s"] = steps / max(time.perf_counter() - t - first, 1e-9)
         result["decode_tokens"] = steps
     log(f"transformers decode {result['decode_tok_s']:.1f} tok/s over {result['decode_tokens']} steps")
     del model
     gc.collect()
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 
@@ -445,7 +456,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="each decode kernel's cost inside the replayed graph only (bench/step_marginal.py)")
     parser.add_argument("--spec-only", action="store_true",
                         help="MTP speculation's verify-pass cost against plain decode only (bench/spec_cost.py)")
+    parser.add_argument("--transformers-only", action="store_true",
+                        help="transformers bf16 on the same synthetic weights only, no atlas")
+    parser.add_argument("--against", type=Path,
+                        help="with --transformers-only: atlas's results JSON of the same model, for the speedups")
     args = parser.parse_args(argv)
+    modes = [flag for flag in ("decode_only", "prefill_only", "marginal_only", "spec_only", "transformers_only")
+             if getattr(args, flag)]
+    if len(modes) > 1:
+        raise AtlasError(f"--{modes[0].replace('_', '-')} and --{modes[1].replace('_', '-')}: give one mode at a time")
+    args.against_result = None if args.against is None else read_atlas_result(
+        args.against, args.transformers_only, synthetic.model_label(args.layers))
     if args.layers < 1:
         raise AtlasError(f"--layers {args.layers}: give at least 1 layer")
     if not args.budget_s > 0:
@@ -474,7 +495,36 @@ def atlas_result(spec: Any, rng: np.random.Generator, decode_only: bool) -> dict
     }
 
 
-def compare_transformers(result: dict[str, Any], config: dict[str, Any], rng: np.random.Generator, vocab: int) -> None:
+def read_atlas_result(path: Path, transformers_only: bool, model: str) -> dict[str, Any]:
+    """--against's JSON: atlas's decode and prefill rates for `model`, or AtlasError in one line."""
+    from atlas.errors import AtlasError
+
+    if not transformers_only:
+        raise AtlasError("--against: only with --transformers-only (a full run compares with its own numbers)")
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise AtlasError(f"--against {path}: not a readable JSON file ({err}); give bench/decode.py's --out of an "
+                         "atlas run") from None
+    if not isinstance(result, dict) or not isinstance(result.get("decode_tok_s"), (int, float)):
+        raise AtlasError(f"--against {path}: holds no decode_tok_s; give the --out of an atlas run that timed decode")
+    if result.get("model") != model:
+        raise AtlasError(f"--against {path}: its model is {result.get('model')!r}, this run's {model!r}; "
+                         "pass the same --layers")
+    return result
+
+
+def speedups(atlas: dict[str, Any], hf: dict[str, Any]) -> dict[str, float]:
+    """atlas's rate over transformers' for decode and each prefill length both timed."""
+    prefill = atlas.get("prefill_tok_s") or {}
+    return {"decode": atlas["decode_tok_s"] / hf["decode_tok_s"],
+            **{f"prefill_{k}": prefill[k] / v for k, v in hf["prefill_tok_s"].items() if k in prefill}}
+
+
+def compare_transformers(result: dict[str, Any], atlas: dict[str, Any] | None, config: dict[str, Any],
+                         rng: np.random.Generator, vocab: int) -> None:
+    """result["transformers"] and, given atlas's rates, result["speedup_vs_transformers"]; a failure
+    is a note instead."""
     try:
         hf = run_transformers(config, rng, vocab)
     except Exception as err:  # the comparison is optional; record why it is missing
@@ -482,10 +532,33 @@ def compare_transformers(result: dict[str, Any], config: dict[str, Any], rng: np
         traceback.print_exc()  # where, in the log: the note has room for the message only
         return
     result["transformers"] = hf
-    result["speedup_vs_transformers"] = {
-        "decode": result["decode_tok_s"] / hf["decode_tok_s"],
-        **{f"prefill_{k}": result["prefill_tok_s"][k] / v for k, v in hf["prefill_tok_s"].items()},
-    }
+    if atlas is not None:
+        result["speedup_vs_transformers"] = speedups(atlas, hf)
+
+
+def transformers_only(args: argparse.Namespace, result: dict[str, Any], config: dict[str, Any], vocab: int,
+                      rng: np.random.Generator) -> int:
+    """--transformers-only: result with transformers' rates (and the speedups over --against) to
+    --out; exit code 1 when transformers failed (the note says why)."""
+    from atlas.dump import write_json
+    from atlas.errors import AtlasError
+
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise AtlasError(f"--transformers-only needs {' and '.join(missing)}: pip install 'atlas[oracle]'")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise bench_cli.NoGpu("torch sees no CUDA device: transformers runs on the GPU here")
+    started = time.perf_counter()
+    against = args.against_result
+    if against is not None:
+        result["against"] = {"path": str(args.against), **{k: against.get(k) for k in ("commit", "device", "date")}}
+    compare_transformers(result, against, config, rng, vocab)
+    result["seconds"] = time.perf_counter() - started
+    write_json(args.out, result)
+    log(json.dumps({k: result[k] for k in ("transformers", "speedup_vs_transformers", "notes") if k in result}))
+    return 0 if "transformers" in result else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -517,6 +590,8 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
                               "machine": machine(), "model": synthetic.model_label(args.layers),
                               "batch": 1, "notes": [], "kernel_forms": kernel_forms()}
+    if args.transformers_only:
+        return transformers_only(args, result, config, spec.vocab_size, rng)
     try:
         if args.marginal_only:
             result.update(run_marginal(spec, rng))
@@ -541,7 +616,7 @@ def run(args: argparse.Namespace) -> int:
             # atlas's numbers are on disk first: a transformers run the stage's time limit kills
             # leaves them, with this note, instead of no JSON at all
             write_json(args.out, {**result, "notes": [*result["notes"], "transformers comparison did not finish"]})
-            compare_transformers(result, config, rng, spec.vocab_size)
+            compare_transformers(result, result, config, rng, spec.vocab_size)
         shown = ("prefill_tok_s", "decode_tok_s", "roofline_pct")
     result["seconds"] = time.perf_counter() - started
     write_json(args.out, result)  # atomic: a killed run leaves no half-written JSON

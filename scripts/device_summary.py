@@ -67,12 +67,26 @@ def decode_lines(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def transformers_line(r: dict[str, Any]) -> str:
+    """The hf stage's JSON (bench/decode.py --transformers-only) in one line."""
+    hf = r.get("transformers")
+    if hf is None:
+        return f"transformers bf16: no result ({'; '.join(r.get('notes', [])) or 'no note'})"
+    prefill = ", ".join(f"{length} {rate:.0f}" for length, rate in hf["prefill_tok_s"].items())
+    line = f"transformers bf16: decode {hf['decode_tok_s']:.1f} tok/s, prefill {prefill} tok/s"
+    if speedup := r.get("speedup_vs_transformers"):
+        line += "; atlas over it: " + ", ".join(f"{what} {ratio:.1f}x" for what, ratio in speedup.items())
+    return line
+
+
 def variant_lines(r: dict[str, Any]) -> list[str]:
     lines = []
     if "marginal" in r and "decode_marginal" in r["marginal"]:
         lines.append(step_marginal.summary_line(r["marginal"]["decode_marginal"]))
     if "marginal" in r and "weights_streamed_alone" in r["marginal"]:
         lines.append(weight_bandwidth.summary_line(r["marginal"]["weights_streamed_alone"]))
+    if "transformers" in r:
+        lines.append(transformers_line(r["transformers"]))
     if "spec" in r and "decode_spec" in r["spec"]:
         lines.append(spec_cost.summary_line(r["spec"]["decode_spec"]))
     if "mma_prefill" in r:

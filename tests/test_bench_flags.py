@@ -63,11 +63,43 @@ def test_decode_without_a_gpu(out_dir: Path) -> None:
     assert_one_line(run_bench("decode.py", "--out", str(out_dir / "d.json")), "no GPU: ", out_dir)
 
 
+@needs_no_gpu
+def test_decode_transformers_only_without_a_gpu(out_dir: Path) -> None:
+    pytest.importorskip("torch")
+    line = assert_one_line(run_bench("decode.py", "--transformers-only", "--out", str(out_dir / "hf.json")), "no GPU: ",
+                           out_dir)
+    assert "torch" in line
+
+
 @pytest.mark.parametrize("flags", [["--budget-s", "-1"], ["--budget-s", "nan"], ["--budget-s", "0"], ["--layers", "0"]])
 def test_decode_bad_numbers(flags: list[str], out_dir: Path) -> None:
     line = assert_one_line(run_bench("decode.py", "--out", str(out_dir / "d.json"), *flags), "bench/decode.py: error: ",
                            out_dir)
     assert flags[0] in line
+
+
+def against_file(out_dir: Path, what: str) -> Path:
+    path = out_dir.parent / "results.json"
+    label = "qwen3.6-35b-a3b dims, 40 layers, synthetic weights"
+    body = {"not json": "{bad", "no decode": json.dumps({"model": label}),
+            "other model": json.dumps({"model": label.replace("40", "4"), "decode_tok_s": 100.0})}[what]
+    path.write_text(body, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(("what", "flags", "named"), [
+    ("not json", ["--transformers-only"], "not a readable JSON"),
+    ("no decode", ["--transformers-only"], "no decode_tok_s"),
+    ("other model", ["--transformers-only"], "--layers"),
+    ("other model", [], "only with --transformers-only"),
+    ("other model", ["--transformers-only", "--decode-only"], "one mode at a time"),
+])  # fmt: skip
+def test_decode_transformers_against_checked(what: str, flags: list[str], named: str, out_dir: Path) -> None:
+    """--against names an atlas run of this model; checked before anything loads."""
+    against = against_file(out_dir, what)
+    done = run_bench("decode.py", "--out", str(out_dir / "hf.json"), "--against", str(against), *flags)
+    assert named in assert_one_line(done, "bench/decode.py: error: ", out_dir)
+    assert done.stdout == ""
 
 
 @pytest.mark.parametrize("where", ["directory", "missing directory"])

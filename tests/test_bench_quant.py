@@ -373,6 +373,59 @@ def test_decode_bench_writes_its_json_in_every_mode(mode: str, tmp_path: Path, r
         assert "transformers" not in result and any("skipped (flag)" in n for n in result["notes"])
 
 
+def test_transformers_only_compares_with_the_atlas_file(tmp_path: Path, rng: np.random.Generator,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--transformers-only --against: transformers' rates (a stand-in here) and atlas's over them,
+    from the file the bench stage wrote."""
+    import json
+
+    torch = pytest.importorskip("torch")
+    import decode
+
+    tok_s = float(rng.uniform(50, 500))
+    against = tmp_path / "results.json"
+    against.write_text(json.dumps({"model": synthetic.model_label(40), "decode_tok_s": tok_s, "commit": "abc1234",
+                                   "prefill_tok_s": {"512": 6 * tok_s, "2048": 8 * tok_s}}))
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(decode, "run_transformers", lambda config, rng, vocab: calls.append(config["num_hidden_layers"])
+                        or {"decode_tok_s": tok_s / 5, "prefill_tok_s": {"512": 2 * tok_s, "2048": 2 * tok_s}})
+    out = tmp_path / "hf.json"
+    assert decode.main(["--transformers-only", "--against", str(against), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert calls == [40] and "decode_tok_s" not in result
+    assert result["against"]["commit"] == "abc1234"
+    assert result["speedup_vs_transformers"] == {"decode": pytest.approx(5.0), "prefill_512": pytest.approx(3.0),
+                                                 "prefill_2048": pytest.approx(4.0)}
+
+    def broken(config: dict[str, Any], rng: Any, vocab: int) -> dict[str, Any]:
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(decode, "run_transformers", broken)
+    assert decode.main(["--transformers-only", "--out", str(out)]) == 1  # the stage shows FAIL, the note why
+    result = json.loads(out.read_text())
+    assert "transformers" not in result and any("CUDA out of memory" in n for n in result["notes"])
+
+
+@pytest.mark.oracle
+def test_run_transformers_times_a_small_model_on_the_cpu(rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transformers half itself (only ever run on the device otherwise): a 2-layer model of the
+    same family at small dims, filled with the synthetic weights, prefill and greedy decode timed."""
+    pytest.importorskip("transformers")
+    import decode
+
+    for name, value in (("PREFILL_LENGTHS", (8, 16)), ("DECODE_CONTEXT", 12), ("HF_DECODE_TOKENS", 3)):
+        monkeypatch.setattr(decode, name, value)
+    config = synthetic.qwen_config(2)
+    config.update(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  num_experts=8, num_experts_per_tok=2, vocab_size=300, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])
+    result = decode.run_transformers(config, rng, config["vocab_size"], device="cpu")
+    assert set(result["prefill_tok_s"]) == {"8", "16"} and result["decode_tokens"] == 3
+    assert all(v > 0 for v in [*result["prefill_tok_s"].values(), result["decode_tok_s"], result["load_s"]]), result
+
+
 def _decode_spec() -> Any:
     import synthetic
 

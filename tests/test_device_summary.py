@@ -102,6 +102,18 @@ def test_spec_variant_gets_its_line(rng: np.random.Generator) -> None:
                     f"{pass_us / 1e3:.2f} ms, break-even {k2['break_even_tokens_per_pass']:.2f} tokens/pass")
 
 
+def test_transformers_stage_gets_its_line(rng: np.random.Generator) -> None:
+    hf_decode, speedup = float(rng.uniform(5, 50)), float(rng.uniform(2, 40))
+    hf = {"transformers": {"decode_tok_s": hf_decode, "prefill_tok_s": {"512": 900.0, "2048": 1500.0}},
+          "speedup_vs_transformers": {"decode": speedup, "prefill_512": 7.25}, "notes": []}
+    [line] = device_summary.variant_lines({"transformers": hf})
+    assert line == (f"transformers bf16: decode {hf_decode:.1f} tok/s, prefill 512 900, 2048 1500 tok/s; "
+                    f"atlas over it: decode {speedup:.1f}x, prefill_512 7.2x")
+    failed = {"notes": ["transformers comparison failed: OutOfMemoryError: CUDA out of memory"]}
+    assert device_summary.variant_lines({"transformers": failed}) == [
+        "transformers bf16: no result (transformers comparison failed: OutOfMemoryError: CUDA out of memory)"]
+
+
 def test_decode_profile_line_gives_the_host_gap_when_measured(tmp_path: Path, rng: np.random.Generator) -> None:
     step, back_to_back = float(rng.uniform(3000, 4000)), float(rng.uniform(2000, 3000))
     profile = {"steps": 3, "launches_per_step": 473.0, "kernel_us_per_step": 6550.0, "graph_step_us": step,
