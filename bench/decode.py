@@ -37,6 +37,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import math
 import os
 import platform
 import subprocess
@@ -72,6 +73,7 @@ SAMPLED_TOKENS = 64
 RECOMMENDED_SAMPLING = {"temperature": 1.0, "top_k": 20, "top_p": 0.95, "presence_penalty": 1.5}  # Qwen3.6's card
 WARMUP_TOKENS = 64  # the warm-up generation's prompt: loads the modules, captures the graph
 COPY_BYTES = 2 << 30
+SIDE_MIN_S = 30.0  # of --budget-s left for a side measure to start (estimated from the settings' capture and decode count)
 PROG = "bench/decode.py"
 
 
@@ -318,9 +320,15 @@ def run_prefill_forms(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
     return result
 
 
-def side_measure(what: str, measure: Callable[[], dict[str, Any]], line: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+def side_measure(what: str, measure: Callable[[], dict[str, Any]], line: Callable[[dict[str, Any]], str],
+                 until: float = math.inf) -> dict[str, Any]:
     """measure()'s result, logged; its failure recorded as {"error": ...}: a comparison on the
-    side must not cost the run's main numbers."""
+    side must not cost the run's main numbers. Skipped (an "error" saying so) when fewer than
+    SIDE_MIN_S seconds are left before `until` (perf_counter time): a stage's time limit must not
+    kill the run before it writes its JSON."""
+    if (left := until - time.perf_counter()) < SIDE_MIN_S:
+        log(f"{what}: skipped, {max(left, 0.0):.0f} s of the budget left")
+        return {"error": f"skipped: {max(left, 0.0):.0f} s of --budget-s left, a side measure starts with {SIDE_MIN_S:.0f}"}
     try:
         result = measure()
     except Exception as err:
@@ -330,7 +338,10 @@ def side_measure(what: str, measure: Callable[[], dict[str, Any]], line: Callabl
     return result
 
 
-def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -> tuple[AtlasRun, float, str]:
+def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True,
+              until: float = math.inf) -> tuple[AtlasRun, float, str]:
+    """The main numbers (prefill, greedy and sampled decode), then the side measures while the
+    budget (`until`, perf_counter time) lasts."""
     from atlas.backends.base import SamplingParams
 
     backend, engine, load_s = load_engine(spec, max(PREFILL_LENGTHS) + DECODE_TOKENS + 8)
@@ -347,15 +358,16 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True) -
     pick_us = pick_ops.time_pick_ops(backend, spec.vocab_size, RECOMMENDED_SAMPLING, rng)
     log(pick_ops.summary_line(pick_us))
     by_setting = side_measure("settings", partial(launch_settings.time_settings, engine, prompt[:DECODE_CONTEXT],
-                                                  time_decode, greedy_tokens), launch_settings.summary_line)
+                                                  time_decode, greedy_tokens), launch_settings.summary_line, until)
     sample_forms = side_measure("sampled decode tok/s by form", partial(
         launch_settings.time_sample_forms, engine, prompt[:DECODE_CONTEXT], time_decode,
-        SamplingParams(**RECOMMENDED_SAMPLING)), json.dumps)
+        SamplingParams(**RECOMMENDED_SAMPLING)), json.dumps, until)
     run_ahead = side_measure("decode tok/s a step ahead or in turn", partial(
-        launch_settings.time_run_ahead, engine, prompt[:DECODE_CONTEXT], time_decode), launch_settings.run_ahead_line)
+        launch_settings.time_run_ahead, engine, prompt[:DECODE_CONTEXT], time_decode),
+        launch_settings.run_ahead_line, until)
     token = backend.upload(np.array([prompt[0]], dtype=np.int32), "i32")
-    profile = step_profile.profile_decode(engine, token, DECODE_CONTEXT + SAMPLED_TOKENS, 1e6 / decode)
-    log(step_profile.summary_line(profile))
+    profile = side_measure("profile", partial(step_profile.profile_decode, engine, token, DECODE_CONTEXT + SAMPLED_TOKENS,
+                                              1e6 / decode), step_profile.summary_line, until)
     del engine
     backend.rt.synchronize()
     gc.collect()
@@ -475,9 +487,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def atlas_result(spec: Any, rng: np.random.Generator, decode_only: bool) -> dict[str, Any]:
+def atlas_result(spec: Any, rng: np.random.Generator, decode_only: bool, until: float = math.inf) -> dict[str, Any]:
     """Prefill / decode tok/s, bytes per decode token and the roofline."""
-    atlas_run, copy_bps, device = run_atlas(spec, rng, timed_prefill=not decode_only)
+    atlas_run, copy_bps, device = run_atlas(spec, rng, timed_prefill=not decode_only, until=until)
     bytes_per_token = decode_bytes_per_token(spec, DECODE_CONTEXT + DECODE_TOKENS // 2)
     achieved = bytes_per_token["total"] * atlas_run.decode_tok_s
     return {
@@ -598,7 +610,8 @@ def run(args: argparse.Namespace) -> int:
         elif args.spec_only:
             result.update(run_spec(spec, rng))
         else:
-            result.update(run_prefill_forms(spec, rng) if args.prefill_only else atlas_result(spec, rng, args.decode_only))
+            result.update(run_prefill_forms(spec, rng) if args.prefill_only
+                          else atlas_result(spec, rng, args.decode_only, until=started + args.budget_s))
     except (AtlasError, ImportError, OSError):
         if (missing := bench_cli.gpu_missing()) is not None:  # atlas finds no driver, binding or GPU
             raise bench_cli.NoGpu(missing) from None

@@ -56,14 +56,18 @@ def junit_lines(path: Path) -> list[str]:
     return lines
 
 
+SIDE_LINES = (("decode_tok_s_by_setting", launch_settings.summary_line),
+              ("decode_tok_s_by_run_ahead", launch_settings.run_ahead_line),
+              ("decode_profile", step_profile.summary_line))
+
+
 def decode_lines(r: dict[str, Any]) -> list[str]:
+    """RESULT_KEYS as they are, then the side measures' lines; a side measure that failed or was
+    skipped (bench/decode.py's side_measure: {"error": ...}) is its key and why."""
     lines = [f"{key}: {json.dumps(r[key])}" for key in RESULT_KEYS if key in r]
-    if "decode_tok_s_by_setting" in r:
-        lines.append(launch_settings.summary_line(r["decode_tok_s_by_setting"]))
-    if isinstance(r.get("decode_tok_s_by_run_ahead"), dict) and "ahead" in r["decode_tok_s_by_run_ahead"]:
-        lines.append(launch_settings.run_ahead_line(r["decode_tok_s_by_run_ahead"]))
-    if "decode_profile" in r:
-        lines.append(step_profile.summary_line(r["decode_profile"]))
+    for key, render in SIDE_LINES:
+        if isinstance(side := r.get(key), dict):
+            lines.append(f"{key}: {side['error']}" if "error" in side else render(side))
     return lines
 
 

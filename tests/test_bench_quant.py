@@ -342,7 +342,7 @@ def test_decode_bench_writes_its_json_in_every_mode(mode: str, tmp_path: Path, r
                           decode_by_setting=by_setting, decode_sampled_by_form={"error": "stand-in"}, pick_ops_us=pick_us,
                           decode_by_run_ahead={"ahead": 1.05 * tok_s, "in_turn": tok_s, "rounds": 2})
     marginal = {"step_us": 1e6 / tok_s, "kernels": {"atlas_gemv_t1": {"launches": 41, "us": 900.0}}}
-    monkeypatch.setattr(decode, "run_atlas", lambda spec, rng, timed_prefill=True: (run, 4.0e12, "stand-in"))
+    monkeypatch.setattr(decode, "run_atlas", lambda spec, rng, timed_prefill=True, until=0.0: (run, 4.0e12, "stand-in"))
     monkeypatch.setattr(decode, "run_prefill_forms", lambda spec, rng: {"prefill_attention": "simt", "prefill_tok_s_by_form": {"simt": tok_s}})
     monkeypatch.setattr(decode, "run_marginal", lambda spec, rng: {"decode_context": 1024, "decode_marginal": marginal})
     monkeypatch.setattr(decode, "run_transformers",

@@ -102,6 +102,16 @@ def test_spec_variant_gets_its_line(rng: np.random.Generator) -> None:
                     f"{pass_us / 1e3:.2f} ms, break-even {k2['break_even_tokens_per_pass']:.2f} tokens/pass")
 
 
+def test_a_side_measure_that_failed_is_named_and_the_rest_still_shows(tmp_path: Path, rng: np.random.Generator) -> None:
+    decode_tok_s = float(rng.uniform(200, 400))
+    (tmp_path / "results.json").write_text(json.dumps({
+        "decode_tok_s": decode_tok_s, "decode_tok_s_by_setting": {"error": "skipped: 12 s of --budget-s left"},
+        "decode_tok_s_by_run_ahead": {"error": "RuntimeError: capture refused"}}))
+    lines = device_summary.report(tmp_path)
+    assert lines == [f"decode_tok_s: {json.dumps(decode_tok_s)}", "decode_tok_s_by_setting: skipped: 12 s of --budget-s left",
+                     "decode_tok_s_by_run_ahead: RuntimeError: capture refused"]
+
+
 def test_transformers_stage_gets_its_line(rng: np.random.Generator) -> None:
     hf_decode, speedup = float(rng.uniform(5, 50)), float(rng.uniform(2, 40))
     hf = {"transformers": {"decode_tok_s": hf_decode, "prefill_tok_s": {"512": 900.0, "2048": 1500.0}},

@@ -140,3 +140,19 @@ def test_a_failed_side_measure_is_recorded_not_raised(capsys: pytest.CaptureFixt
     assert decode.side_measure("settings", fails, str) == {"error": "RuntimeError: capture refused"}
     assert "capture refused" in capsys.readouterr().err
     assert decode.side_measure("settings", lambda: {"plain": 1.0}, str) == {"plain": 1.0}
+
+
+def test_a_side_measure_waits_for_budget_left() -> None:
+    """With fewer than SIDE_MIN_S seconds left the measure does not start, so the run still writes
+    its main numbers inside the stage's time limit."""
+    import time
+
+    import decode
+
+    ran: list[int] = []
+    now = time.perf_counter()
+    skipped = decode.side_measure("settings", lambda: ran.append(1) or {"plain": 1.0}, str,
+                                  until=now + decode.SIDE_MIN_S - 5)
+    assert ran == [] and skipped["error"].startswith("skipped: ")
+    assert decode.side_measure("settings", lambda: ran.append(1) or {"plain": 1.0}, str,
+                               until=now + decode.SIDE_MIN_S + 60) == {"plain": 1.0} and ran == [1]
