@@ -8,7 +8,8 @@ after that wait), while the sm80 PTX, whose arch has no griddepcontrol, holds no
 kinds of access may come before the wait: an L2 prefetch (cp.async.bulk.prefetch.L2: L2 is where
 global memory is coherent, so a line it brings in early is never stale, whatever the predecessor
 writes), and in those self-entering kernels their first weight loads (ld.global.nc): no kernel
-writes weights."""
+writes weights; the MoE down GEMV also its slots' expert ids and routing weights, which the
+kernel before gate_up wrote (moe.cuh: finished before this kernel launched)."""
 
 from __future__ import annotations
 
@@ -24,13 +25,17 @@ ENTRY = re.compile(r'^extern "C" __global__ void[^\n]*\{\n(?P<first>[^\n]*)\n(?P
 PREFETCH_CALL = re.compile(r"atlas::\w+_prefetch(?:<[\w:]+>)?\(p(?:\.linear)?\);")
 # Device functions that call pdl_enter themselves, after issuing weight loads: gemv.cuh's gemv and
 # gemv_norm, gemv_quant.cuh's gemv_quant and gemv_quant_norm and router.cuh's store_block_logits
-# (router_logits, router_fused and their _norm forms).
+# (router_logits, router_fused and their _norm forms), and moe.cuh's moe_down_gemv.
 SELF_ENTERING = re.compile(r"atlas::(?:gemv|gemv_norm|quant::gemv_quant(?:_norm)?|router::router_logits(?:_norm)?"
-                           r"|router::router_fused(?:_norm)?)<[^;]+>\(p\);")
-WEIGHTS_FIRST = ("atlas_gemv_", "atlas_qgemv_", "atlas_router_logits", "atlas_router_fused")  # their PTX entries
+                           r"|router::router_fused(?:_norm)?|moe::moe_down_gemv)<[^;]+>\(p\);")
+WEIGHTS_FIRST = ("atlas_gemv_", "atlas_qgemv_", "atlas_router_logits", "atlas_router_fused", "atlas_moe_down_gemv_k")  # PTX
+# The MoE down GEMV also reads its slots' expert ids and routing weights before the wait (plain
+# loads: a kernel wrote them, but one that finished before gate_up's wait, moe.cuh says why).
+ROUTING_FIRST = ("atlas_moe_down_gemv_k",)
 MEMORY = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld\.global|st\.global|atom\.global|red\.global|cp\.async(?!\.bulk\.prefetch\.L2)"
                     r"|ld\.volatile\.global)")
 READ_ONLY = re.compile(r"^\s*(?:@!?%p\d+\s+)?ld\.global\.nc\.")
+PLAIN_OR_READ_ONLY = re.compile(r"^\s*(?:@!?%p\d+\s+)?ld\.global\.(?:nc\.)?(?:v\d\.)?[usfb]\d+\s")
 MODEL = "qwen3.6-35b-a3b"
 
 
@@ -81,11 +86,13 @@ def before_wait(body: str) -> list[str]:
 
 
 def check_waits_first(name: str, body: str) -> None:
-    """Also holds the accesses of a WEIGHTS_FIRST entry before the wait to read-only loads."""
+    """Also holds the accesses of a WEIGHTS_FIRST entry before the wait to read-only loads, and of
+    a ROUTING_FIRST one to those and plain loads."""
     assert "griddepcontrol.wait" in body, f"{name}: no griddepcontrol.wait"
     weights_first = name.startswith(WEIGHTS_FIRST)
+    allowed = PLAIN_OR_READ_ONLY if name.startswith(ROUTING_FIRST) else READ_ONLY
     early = before_wait(body)
-    touching = [line.strip() for line in early if MEMORY.match(line) and not (weights_first and READ_ONLY.match(line))]
+    touching = [line.strip() for line in early if MEMORY.match(line) and not (weights_first and allowed.match(line))]
     assert not touching, f"{name}: {touching[0]} before griddepcontrol.wait"
     assert "griddepcontrol.launch_dependents" in body, f"{name}: no griddepcontrol.launch_dependents"
     assert not any("griddepcontrol.launch_dependents" in line for line in early), f"{name}: dependents launched before the wait"
@@ -150,6 +157,19 @@ def test_decode_gemvs_and_router_issue_weight_loads_before_the_wait(hopper_ptx: 
                                                      "atlas_router_logits_norm", "atlas_router_fused_norm")}
     for name, count in early_loads.items():
         assert early_weight_loads(hopper_ptx[name]) == count, name
+
+
+def test_moe_down_gemv_loads_its_routing_and_rows_before_the_wait(hopper_ptx: dict[str, str]) -> None:
+    """Each slot's expert id and routing weight (one plain load each) and its down row (I / 256
+    16-byte loads per lane), all k slots ahead of the wait; act, gate_up's output, after it (its
+    cp.async staging is refused before the wait by check_waits_first)."""
+    inter = model_dims(MODEL)["moe_intermediate_size"]
+    top_k = model_dims(MODEL)["num_experts_per_tok"]
+    for slots in (top_k, top_k + 1):
+        early = before_wait(hopper_ptx[f"atlas_moe_down_gemv_k{slots}"])
+        assert sum(1 for line in early if READ_ONLY.match(line)) == slots * inter // 256, slots
+        plain = [line for line in early if PLAIN_OR_READ_ONLY.match(line) and not READ_ONLY.match(line)]
+        assert len(plain) == 2 * slots, (slots, plain)
 
 
 @pytest.mark.parametrize("quant", ["fp8", "nvfp4"])

@@ -23,7 +23,8 @@ constexpr unsigned kFullMask = 0xffffffffu;
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // The first statement of every entry, except in the decode GEMVs and the router's logits, which
-// issue weight loads first (gemv.cuh, gemv_quant.cuh, router.cuh: no kernel writes weights). Under
+// issue weight loads first (gemv.cuh, gemv_quant.cuh, router.cuh: no kernel writes weights), and
+// the bf16 MoE down GEMV, which also reads its routing first (moe.cuh says why that is safe). Under
 // programmatic dependent launch (ATLAS_LAUNCH=pdl, sm_90+) a kernel may start while the previous
 // one in the stream still runs: wait until that one has finished and its writes are visible, then
 // let the next kernel launch early in turn. Without the launch attribute both instructions return

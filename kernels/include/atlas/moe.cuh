@@ -92,6 +92,11 @@ __device__ void moe_gate_up_gemv(const MoeGateUpGemvParams& p) {
   if (lane == 0) static_cast<float*>(p.act)[static_cast<int64_t>(slot) * I + row] = valid ? silu(g) * u : 0.0f;
 }
 
+// Enters through pdl_enter itself, after its ids, routing weights and weight rows are loaded:
+// under programmatic launch those loads overlap the gate_up kernel before it. The ids and routing
+// weights are safe to read before the wait although a kernel wrote them: that kernel ran before
+// gate_up (which reads the ids too), and gate_up's blocks let this one launch only after their
+// own wait, so it had finished before this launch. act, gate_up's output, is read after the wait.
 template <int H, int I, int kTopK>
 __device__ void moe_down_gemv(const MoeDownGemvParams& p) {
   if (blockDim.x != kGemvThreads || p.hidden != H || p.inter != I || p.top_k != kTopK) return;
@@ -118,6 +123,7 @@ __device__ void moe_down_gemv(const MoeDownGemvParams& p) {
     if (valid) load_row<I>(static_cast<const uint16_t*>(p.down) + (static_cast<int64_t>(e) * H + n) * I, lane, rows[j]);
     else zero_row<I>(rows[j]);
   }
+  pdl_enter();
   __shared__ __align__(16) float act_s[kTopK * I];
   const float* act = static_cast<const float*>(p.act) + static_cast<int64_t>(t) * kTopK * I;
   stage_async(act_s, act, kTopK * I);

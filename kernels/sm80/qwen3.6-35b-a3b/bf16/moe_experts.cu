@@ -9,15 +9,11 @@ extern "C" __global__ void __launch_bounds__(atlas::moe::kGemvThreads) atlas_moe
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kGemvThreads) atlas_moe_down_gemv_k8(const MoeDownGemvParams p) {
-  atlas::pdl_enter();
-  namespace m = atlas::model;
-  atlas::moe::moe_down_gemv<m::hidden_size, m::moe_intermediate_size, 8>(p);
+  atlas::moe::moe_down_gemv<atlas::model::hidden_size, atlas::model::moe_intermediate_size, 8>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kGemvThreads) atlas_moe_down_gemv_k9(const MoeDownGemvParams p) {
-  atlas::pdl_enter();
-  namespace m = atlas::model;
-  atlas::moe::moe_down_gemv<m::hidden_size, m::moe_intermediate_size, 9>(p);
+  atlas::moe::moe_down_gemv<atlas::model::hidden_size, atlas::model::moe_intermediate_size, 9>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(atlas::moe::kRouteThreads) atlas_moe_route(const MoeRouteParams p) {
