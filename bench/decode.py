@@ -398,7 +398,13 @@ def run_transformers(config: dict[str, Any], rng: np.random.Generator, vocab: in
     load_s = time.perf_counter() - t0
     log(f"transformers model ready in {load_s:.1f}s")
     prompt = torch.from_numpy(rng.integers(0, vocab, size=(1, max(PREFILL_LENGTHS)))).to(device)
-    result: dict[str, Any] = {"load_s": load_s, "prefill_tok_s": {}}
+    import transformers
+
+    # what the comparison ran: the versions and the attention / experts code transformers picked
+    result: dict[str, Any] = {"load_s": load_s, "prefill_tok_s": {}, "torch": torch.__version__,
+                              "transformers": transformers.__version__,
+                              "implementations": {kind: getattr(model.config, f"_{kind}_implementation", None)
+                                                  for kind in ("attn", "experts")}}
     with torch.no_grad():
         model(prompt[:, :64])
         for length in PREFILL_LENGTHS:
