@@ -401,8 +401,8 @@ def run_transformers(config: dict[str, Any], rng: np.random.Generator, vocab: in
     import transformers
 
     # what the comparison ran: the versions and the attention / experts code transformers picked
-    result: dict[str, Any] = {"load_s": load_s, "prefill_tok_s": {}, "torch": torch.__version__,
-                              "transformers": transformers.__version__,
+    result: dict[str, Any] = {"load_s": load_s, "prefill_tok_s": {},
+                              "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
                               "implementations": {kind: getattr(model.config, f"_{kind}_implementation", None)
                                                   for kind in ("attn", "experts")}}
     with torch.no_grad():

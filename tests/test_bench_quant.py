@@ -423,7 +423,7 @@ def test_run_transformers_times_a_small_model_on_the_cpu(rng: np.random.Generato
                   linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])
     result = decode.run_transformers(config, rng, config["vocab_size"], device="cpu")
     assert set(result["prefill_tok_s"]) == {"8", "16"} and result["decode_tokens"] == 3
-    assert int(result["transformers"].split(".")[0]) >= 5 and set(result["implementations"]) == {"attn", "experts"}
+    assert int(result["versions"]["transformers"].split(".")[0]) >= 5 and set(result["implementations"]) == {"attn", "experts"}
     assert all(v > 0 for v in [*result["prefill_tok_s"].values(), result["decode_tok_s"], result["load_s"]]), result
 
 
