@@ -377,29 +377,35 @@ def run_atlas(spec: Any, rng: np.random.Generator, timed_prefill: bool = True,
                     pick_us), copy_bps, device
 
 
+def transformers_model(config: dict[str, Any], device: str) -> Any:
+    """transformers' Qwen3.5-MoE in bf16 on `device`, holding the synthetic weights."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    with torch.device(device):
+        model = Qwen3_5MoeForCausalLM._from_config(Qwen3_5MoeTextConfig.from_dict(config), dtype=torch.bfloat16).eval()
+    synthetic.fill_torch_model(model)
+    # The synthetic config has no end-of-sequence token (eos_token_id []), which generate() reads
+    # as a pad token and indexes: neither stops nor pads here.
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    return model
+
+
 def run_transformers(config: dict[str, Any], rng: np.random.Generator, vocab: int, device: str = "cuda") -> dict[str, Any]:
     """transformers bf16 with the same synthetic weights, on `device` (the GPU; "cpu" for tests)."""
     import torch
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    import transformers
 
     def sync() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
     t0 = time.perf_counter()
-    hf_config = Qwen3_5MoeTextConfig.from_dict(config)
-    with torch.device(device):
-        model = Qwen3_5MoeForCausalLM._from_config(hf_config, dtype=torch.bfloat16).eval()
-    synthetic.fill_torch_model(model)
-    # The synthetic config has no end-of-sequence token (eos_token_id []), which generate() reads
-    # as a pad token and indexes: neither stops nor pads here.
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    model = transformers_model(config, device)
     sync()
     load_s = time.perf_counter() - t0
     log(f"transformers model ready in {load_s:.1f}s")
     prompt = torch.from_numpy(rng.integers(0, vocab, size=(1, max(PREFILL_LENGTHS)))).to(device)
-    import transformers
-
     # what the comparison ran: the versions and the attention / experts code transformers picked
     result: dict[str, Any] = {"load_s": load_s, "prefill_tok_s": {},
                               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
