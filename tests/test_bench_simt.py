@@ -1,8 +1,9 @@
 """The device check's benchmark stages end to end on the host SIMT emulator (tests/_simt.py), so the
 first GPU run does not spend its minutes on a bug in a script: bench/decode.py as the device check
-runs it (default, with its decode settings and sampling forms, transformers left to its own stage; --prefill-only with the tensor-core forms)
-and bench/quant.py (MoE grouped vs loop, fp8 and nvfp4 decode), each on a 4-layer model with the
-Qwen3.6 dimensions and tiny prompt lengths, then scripts/device_summary.py over what they wrote.
+runs it (default, with its decode settings and sampling forms, transformers left to its own stage;
+--prefill-only with the tensor-core forms) and bench/quant.py (MoE grouped vs loop, fp8 and nvfp4
+decode), each on a 4-layer model with the Qwen3.6 dimensions and tiny prompt lengths, then
+scripts/device_summary.py over what they wrote.
 The numbers are the emulator's, meaningless as speeds: only their presence and form are checked."""
 
 from __future__ import annotations
