@@ -137,6 +137,24 @@ def test_llama_embedding_normalises_as_asked(served: Served, rng: np.random.Gene
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+def test_a_large_p_norm_is_the_norm_not_an_overflow(rng: np.random.Generator) -> None:
+    """|v| ** p overflows float64 for p = 400 at |v| ~ 10 (llama.cpp's sum then divides the vector
+    to zeros); the norm itself, near max |v| for a large p, is finite."""
+    from atlas.embed import p_norm
+
+    vector = np.clip(rng.standard_normal(64) * 10.0, -29.0, 29.0)  # 30 below is the largest
+    vector[int(rng.integers(64))] = 30.0
+    with np.errstate(over="raise", invalid="raise", divide="raise"):  # underflow to 0 is harmless
+        got = p_norm(400)(vector)
+    logs = np.log(np.abs(vector))
+    exact = np.exp(logs.max() + np.log(np.exp(400 * (logs - logs.max())).sum()) / 400)  # in logs: no overflow
+    assert 30.0 <= exact < 30.0 * 64 ** (1 / 400)
+    np.testing.assert_allclose(got, vector / exact, rtol=1e-12)
+    np.testing.assert_array_equal(p_norm(400)(np.zeros(8)), np.zeros(8))
+    for p in (1, 2, 3):  # the small p as before
+        np.testing.assert_allclose(p_norm(p)(vector), vector / (np.abs(vector) ** p).sum() ** (1 / p), rtol=1e-13)
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/embeddings", {"input": "Hi", "dimensions": 3}, "dimensions"),
     ("/v1/embeddings", {"input": "Hi", "encoding_format": "int8"}, "encoding_format"),

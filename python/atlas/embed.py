@@ -108,7 +108,16 @@ def p_norm(p: int) -> Normalise:
         return lambda vector: vector
     if p == 0:
         return lambda vector: vector * (32760.0 / max(float(np.abs(vector).max()), 1e-12))
-    return lambda vector: vector / max(float((np.abs(vector) ** p).sum() ** (1.0 / p)), 1e-12)
+    return lambda vector: vector / max(norm_of(vector, p), 1e-12)
+
+
+def norm_of(vector: np.ndarray, p: int) -> float:
+    """The p-norm, summed over |v| / max |v| <= 1: |v| ** p itself overflows float64 for a large p
+    (llama.cpp's sum does, and divides the vector down to zeros) where the norm is finite."""
+    largest = float(np.abs(vector).max(initial=0.0))
+    if largest == 0.0:
+        return 0.0
+    return largest * float((np.abs(vector / largest) ** p).sum() ** (1.0 / p))
 
 
 # --- atlas embed ------------------------------------------------------------------------------
