@@ -489,8 +489,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              if getattr(args, flag)]
     if len(modes) > 1:
         raise AtlasError(f"--{modes[0].replace('_', '-')} and --{modes[1].replace('_', '-')}: give one mode at a time")
-    args.against_result = None if args.against is None else read_atlas_result(
-        args.against, args.transformers_only, synthetic.model_label(args.layers))
+    if args.against is not None and not args.transformers_only:
+        raise AtlasError("--against: only with --transformers-only (a full run compares with its own numbers)")
+    args.against_result = None if args.against is None else read_atlas_result(args.against,
+                                                                               synthetic.model_label(args.layers))
     if args.layers < 1:
         raise AtlasError(f"--layers {args.layers}: give at least 1 layer")
     if not args.budget_s > 0:
@@ -519,12 +521,10 @@ def atlas_result(spec: Any, rng: np.random.Generator, decode_only: bool, until: 
     }
 
 
-def read_atlas_result(path: Path, transformers_only: bool, model: str) -> dict[str, Any]:
+def read_atlas_result(path: Path, model: str) -> dict[str, Any]:
     """--against's JSON: atlas's decode and prefill rates for `model`, or AtlasError in one line."""
     from atlas.errors import AtlasError
 
-    if not transformers_only:
-        raise AtlasError("--against: only with --transformers-only (a full run compares with its own numbers)")
     try:
         result = json.loads(path.read_text())
     except (OSError, ValueError) as err:

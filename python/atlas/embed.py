@@ -114,10 +114,11 @@ def p_norm(p: int) -> Normalise:
 def norm_of(vector: np.ndarray, p: int) -> float:
     """The p-norm, summed over |v| / max |v| <= 1: |v| ** p itself overflows float64 for a large p
     (llama.cpp's sum does, and divides the vector down to zeros) where the norm is finite."""
-    largest = float(np.abs(vector).max(initial=0.0))
+    magnitude = np.abs(vector)
+    largest = float(magnitude.max(initial=0.0))
     if largest == 0.0:
         return 0.0
-    return largest * float((np.abs(vector / largest) ** p).sum() ** (1.0 / p))
+    return largest * float(((magnitude / largest) ** p).sum() ** (1.0 / p))
 
 
 # --- atlas embed ------------------------------------------------------------------------------
