@@ -21,7 +21,8 @@ level and form (bench/kv_prefill.py); no decode and no transformers.
 than the defaults quickly.
 --marginal-only: each decode kernel's cost inside the replayed graph (bench/step_marginal.py: the
 step with one kernel's launches doubled, against the plain one) and each weight-streaming kernel's
-GB/s alone (bench/weight_bandwidth.py), nothing else.
+GB/s alone (bench/weight_bandwidth.py), nothing else; the kernels past --budget-s are listed as
+not doubled and the JSON is written.
 --spec-only: the checkpoint with an MTP head too; plain decode tok/s and, per K drafts, MTP
 speculation's tok/s, verify-pass time and the tokens per pass it needs to beat plain decode
 (bench/spec_cost.py), nothing else.
@@ -74,6 +75,7 @@ RECOMMENDED_SAMPLING = {"temperature": 1.0, "top_k": 20, "top_p": 0.95, "presenc
 WARMUP_TOKENS = 64  # the warm-up generation's prompt: loads the modules, captures the graph
 COPY_BYTES = 2 << 30
 SIDE_MIN_S = 30.0  # of --budget-s left for a side measure to start (estimated from the settings' capture and decode count)
+ALONE_S = 15.0  # of --budget-s the marginal run keeps for weight_bandwidth (estimated: 4 GEMV shapes and the MoE step, 6 graphs)
 PROG = "bench/decode.py"
 
 
@@ -240,19 +242,20 @@ def load_engine(spec: Any, max_seq_len: int, mtp: bool = False) -> tuple[Any, An
     return backend, engine, time.perf_counter() - t0
 
 
-def run_marginal(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
+def run_marginal(spec: Any, rng: np.random.Generator, until: float = math.inf) -> dict[str, Any]:
     """Each decode kernel's cost inside the replayed graph (bench/step_marginal.py), at the
-    decode benchmark's context, and the weight-streaming kernels' GB/s alone."""
+    decode benchmark's context, and the weight-streaming kernels' GB/s alone, each inside the
+    budget (`until`, perf_counter time): the kernels doubled leave ALONE_S seconds for the second."""
     from atlas.backends.base import SamplingParams
 
     backend, engine, load_s = load_engine(spec, DECODE_CONTEXT + step_marginal.STEPS + 8)
     prompt = rng.integers(0, spec.vocab_size, size=DECODE_CONTEXT).tolist()
     engine.generate(prompt[:WARMUP_TOKENS], 4, SamplingParams(), None, set())  # warm-up: module, graph capture
     token = backend.upload(np.array([prompt[0]], dtype=np.int32), "i32")
-    marginal = step_marginal.marginal_costs(engine, prompt, token, time_decode)
+    marginal = step_marginal.marginal_costs(engine, prompt, token, time_decode, until=until - ALONE_S)
     log(step_marginal.summary_line(marginal))
-    alone = weight_bandwidth.measure(engine, token, DECODE_CONTEXT, rng)
-    log(weight_bandwidth.summary_line(alone))
+    alone = side_measure("weights streamed alone", lambda: weight_bandwidth.measure(engine, token, DECODE_CONTEXT, rng),
+                         weight_bandwidth.summary_line, until, min_s=ALONE_S)
     return {"device": backend.describe(), "load_s": load_s, "decode_context": DECODE_CONTEXT,
             "decode_marginal": marginal, "weights_streamed_alone": alone}
 
@@ -321,14 +324,14 @@ def run_prefill_forms(spec: Any, rng: np.random.Generator) -> dict[str, Any]:
 
 
 def side_measure(what: str, measure: Callable[[], dict[str, Any]], line: Callable[[dict[str, Any]], str],
-                 until: float = math.inf) -> dict[str, Any]:
+                 until: float = math.inf, min_s: float = SIDE_MIN_S) -> dict[str, Any]:
     """measure()'s result, logged; its failure recorded as {"error": ...}: a comparison on the
     side must not cost the run's main numbers. Skipped (an "error" saying so) when fewer than
-    SIDE_MIN_S seconds are left before `until` (perf_counter time): a stage's time limit must not
+    min_s seconds are left before `until` (perf_counter time): a stage's time limit must not
     kill the run before it writes its JSON."""
-    if (left := until - time.perf_counter()) < SIDE_MIN_S:
+    if (left := until - time.perf_counter()) < min_s:
         log(f"{what}: skipped, {max(left, 0.0):.0f} s of the budget left")
-        return {"error": f"skipped: {max(left, 0.0):.0f} s of --budget-s left, a side measure starts with {SIDE_MIN_S:.0f}"}
+        return {"error": f"skipped: {max(left, 0.0):.0f} s of --budget-s left, this measure starts with {min_s:.0f}"}
     try:
         result = measure()
     except Exception as err:
@@ -450,14 +453,15 @@ def machine() -> dict[str, Any]:
 
 
 def kernel_forms() -> dict[str, str]:
-    """The kernel form each ATLAS_* switch picks in this run (defaults included)."""
-    from atlas.backends.cuda import ops_delta_decode, ops_dense, ops_linear_moe
-
-    from atlas.backends.cuda.runtime import LAUNCH_SWITCH, PREFETCH_SWITCH
+    """The kernel form or setting each ATLAS_* switch that changes a measured rate picks in this
+    run (defaults included)."""
+    from atlas.backends.cuda import norm_fusion, ops_delta_decode, ops_dense, ops_linear_moe
+    from atlas.backends.cuda.runtime import GRAPHS_SWITCH, LAUNCH_SWITCH, PREFETCH_SWITCH, RUN_AHEAD_SWITCH
 
     switches = (ops_dense.GEMM_SWITCH, ops_dense.PREFILL_ATTENTION_SWITCH, ops_dense.ATTENTION_PREP_SWITCH,
                 ops_linear_moe.ROUTER_SWITCH, ops_linear_moe.DELTA_RULE_SWITCH, ops_delta_decode.DECODE_SWITCH,
-                ops_dense.SAMPLE_SWITCH, LAUNCH_SWITCH, PREFETCH_SWITCH)
+                norm_fusion.NORM_SWITCH, ops_dense.SAMPLE_SWITCH, LAUNCH_SWITCH, PREFETCH_SWITCH, GRAPHS_SWITCH,
+                RUN_AHEAD_SWITCH)
     return {switch.env: switch.read() for switch in switches}
 
 
@@ -618,7 +622,7 @@ def run(args: argparse.Namespace) -> int:
         return transformers_only(args, result, config, spec.vocab_size, rng)
     try:
         if args.marginal_only:
-            result.update(run_marginal(spec, rng))
+            result.update(run_marginal(spec, rng, until=started + args.budget_s))
         elif args.spec_only:
             result.update(run_spec(spec, rng))
         else:

@@ -87,8 +87,8 @@ def variant_lines(r: dict[str, Any]) -> list[str]:
     lines = []
     if "marginal" in r and "decode_marginal" in r["marginal"]:
         lines.append(step_marginal.summary_line(r["marginal"]["decode_marginal"]))
-    if "marginal" in r and "weights_streamed_alone" in r["marginal"]:
-        lines.append(weight_bandwidth.summary_line(r["marginal"]["weights_streamed_alone"]))
+    if "marginal" in r and isinstance(alone := r["marginal"].get("weights_streamed_alone"), dict):
+        lines.append(f"weights streamed alone: {alone['error']}" if "error" in alone else weight_bandwidth.summary_line(alone))
     if "transformers" in r:
         lines.append(transformers_line(r["transformers"]))
     if "spec" in r and "decode_spec" in r["spec"]:

@@ -344,15 +344,21 @@ def test_decode_bench_writes_its_json_in_every_mode(mode: str, tmp_path: Path, r
     marginal = {"step_us": 1e6 / tok_s, "kernels": {"atlas_gemv_t1": {"launches": 41, "us": 900.0}}}
     monkeypatch.setattr(decode, "run_atlas", lambda spec, rng, timed_prefill=True, until=0.0: (run, 4.0e12, "stand-in"))
     monkeypatch.setattr(decode, "run_prefill_forms", lambda spec, rng: {"prefill_attention": "simt", "prefill_tok_s_by_form": {"simt": tok_s}})
-    monkeypatch.setattr(decode, "run_marginal", lambda spec, rng: {"decode_context": 1024, "decode_marginal": marginal})
+    monkeypatch.setattr(decode, "run_marginal", lambda spec, rng, until: {"decode_context": 1024, "decode_marginal": marginal})
     monkeypatch.setattr(decode, "run_transformers",
                         lambda config, rng, vocab: {"decode_tok_s": tok_s / 4, "prefill_tok_s": {"512": tok_s, "2048": tok_s}})
     monkeypatch.setenv("ATLAS_ROUTER", "fused")
+    monkeypatch.setenv("ATLAS_NORM", "fused")
+    monkeypatch.setenv("ATLAS_RUN_AHEAD", "0")
+    for default in ("ATLAS_GEMM", "ATLAS_CUDA_GRAPHS"):
+        monkeypatch.delenv(default, raising=False)
     out = tmp_path / "r.json"
     monkeypatch.setattr(sys, "argv", ["decode.py", "--out", str(out), *([] if mode == "full" else [mode])])
     assert decode.main() == 0
     result = json.loads(out.read_text())
-    assert result["kernel_forms"]["ATLAS_ROUTER"] == "fused" and result["kernel_forms"]["ATLAS_GEMM"] == "mma"
+    forms = result["kernel_forms"]
+    assert (forms["ATLAS_ROUTER"], forms["ATLAS_NORM"], forms["ATLAS_RUN_AHEAD"]) == ("fused", "fused", "0")
+    assert (forms["ATLAS_GEMM"], forms["ATLAS_CUDA_GRAPHS"]) == ("mma", "1")  # defaults
     if mode == "--prefill-only":
         assert result["prefill_tok_s_by_form"] == {"simt": tok_s} and "decode_tok_s" not in result
         return

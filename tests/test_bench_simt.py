@@ -163,6 +163,28 @@ def test_spec_bench(emulated: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert spec_cost.summary_line(r).startswith(f"MTP speculation (random head): plain {r['plain_tok_s']:.1f} tok/s; K=2 ")
 
 
+def test_marginal_bench(emulated: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--marginal-only on one layer (~3 min here): every kernel of the step doubled inside a
+    captured graph, then each GEMV shape and the MoE expert step alone, and their summary lines."""
+    import step_marginal
+    import weight_bandwidth
+
+    emulated.setattr(step_marginal, "STEPS", 2)  # one timed step after the capture
+    for name, value in (("LAUNCHES", 1), ("REPEATS", 1), ("SPREAD_BYTES", 1 << 20), ("EXPERT_CHOICES", 2)):
+        emulated.setattr(weight_bandwidth, name, value)
+    out = tmp_path / "marginal.json"
+    assert bench_decode.main(["--out", str(out), "--layers", "1", "--marginal-only", "--budget-s", "1e6"]) == 0
+    r = json.loads(out.read_text())
+    marginal, alone = r["decode_marginal"], r["weights_streamed_alone"]
+    kernels = marginal["kernels"]
+    assert marginal["skipped"] == [] and {"atlas_gemv_t1", "atlas_moe_gate_up_gemv", "atlas_gated_delta_rule"} <= set(kernels)
+    assert marginal["launches_per_step"] == sum(row["launches"] for row in kernels.values())
+    assert kernels["atlas_gemv_t1"]["weight_mb"] > 1017  # the lm_head's 248320 x 2048 alone
+    assert {"2048x4096", "12352x2048", "248320x2048"} <= set(alone["gemv"]) and alone["moe_step"]["slots"] == 9
+    lines = device_summary.variant_lines({"marginal": r})
+    assert lines[0].startswith("in-graph cost: step ") and lines[1].startswith("weights streamed alone (GB/s): GEMV 2048x4096 ")
+
+
 def test_quant_bench(emulated: pytest.MonkeyPatch, tmp_path: Path) -> None:
     out = tmp_path / "qbench.json"
     assert bench_quant.main(["--out", str(out), "--layers", LAYERS, "--budget-s", "1e6"]) == 0

@@ -92,6 +92,17 @@ def test_marginal_and_delta_rule_variants_get_their_lines(rng: np.random.Generat
     assert lines[-1] == f"prefill tok/s by delta rule form: {json.dumps(rule)}"
 
 
+def test_a_marginal_run_cut_by_its_budget_says_what_it_left_out(rng: np.random.Generator) -> None:
+    kernels = {"atlas_gemv_t1": {"launches": 41, "us": float(rng.uniform(100, 900)), "us_per_launch": 10.0}}
+    step = float(rng.uniform(2000, 4000))
+    marginal = {"step_us": step, "step_us_again": step, "launches_per_step": 60, "kernel_us_sum": kernels["atlas_gemv_t1"]["us"],
+                "outside_kernels_us": None, "skipped": ["atlas_rms_norm", "atlas_argmax_final"], "kernels": kernels}
+    alone = {"error": "skipped: 4 s of --budget-s left, this measure starts with 15"}
+    lines = device_summary.variant_lines({"marginal": {"decode_marginal": marginal, "weights_streamed_alone": alone}})
+    assert "outside ? us" in lines[0] and lines[0].endswith("; not doubled (budget spent): atlas_rms_norm, atlas_argmax_final")
+    assert lines[1] == f"weights streamed alone: {alone['error']}"
+
+
 def test_spec_variant_gets_its_line(rng: np.random.Generator) -> None:
     plain = float(rng.uniform(200, 400))
     pass_us = float(rng.uniform(3000, 9000))
