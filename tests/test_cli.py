@@ -64,6 +64,18 @@ def test_sampling_flags_and_seed(tiny_dir: Path, rng: np.random.Generator) -> No
     assert first.stdout == second.stdout
 
 
+def test_top_k_minus_one_is_off_as_zero(capsys: pytest.CaptureFixture[str], rng: np.random.Generator) -> None:
+    """vLLM's top_k -1 (off) is accepted beside 0 and samples exactly as 0 does with the same seed."""
+    seed = str(int(rng.integers(0, 2**31)))
+    capsys.readouterr()  # the rng fixture's seed line
+    outputs = []
+    for top_k in ("-1", "0"):
+        assert main(["--prompt", "Flat is", "--max-tokens", "12", "--device", "cpu", "--temperature", "1.5",
+                     "--seed", seed, "--top-k", top_k]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].strip()
+
+
 def test_logit_bias_flag(capsys: pytest.CaptureFixture[str], rng: np.random.Generator) -> None:
     """--logit-bias ID=BIAS, repeated: the last value of an id wins; the output is LLM.generate's."""
     from atlas.llm import LLM

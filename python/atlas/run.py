@@ -237,7 +237,7 @@ def run_options(args: RunArgs, vocab: int) -> GenerateOptions:
                              grammar=read_grammar(args))
     if output is not None and args.ignore_eos:
         raise AtlasError("--ignore-eos leaves a structured output no end (it ends with the eos token); give one of them")
-    opts = GenerateOptions(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat,
+    opts = GenerateOptions(args.max_tokens, args.temperature, max(args.top_k, 0), args.top_p, args.seed, args.chat,
                            extras=args.extras, stop=stop_strings(list(args.stop)), output=output,
                            thinking_token_budget=None if args.reasoning_budget < 0 else args.reasoning_budget,
                            ignore_eos=args.ignore_eos)
@@ -289,7 +289,7 @@ MODEL_HELP = "Directory, HF repo id in the local cache, or registry name (defaul
 @click.option("--max-tokens", "-n", "--n-predict", "max_tokens", type=TokenCount(), default=256, show_default=True,
               help="-1: until an end token or the full context (llama.cpp's).")
 @click.option("--temperature", "--temp", "temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off.")
+@click.option("--top-k", type=click.IntRange(min=-1), default=0, show_default=True, help="0 or -1 (vLLM's): off.")
 @click.option(
     "--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True
 )
