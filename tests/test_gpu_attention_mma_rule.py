@@ -16,7 +16,6 @@ import pytest
 
 import test_gpu_attention_mma
 import test_gpu_kv
-from atlas.kvcache.hadamard import rotate, unrotate
 from atlas.targets import load_registry
 from test_gpu_ops import bf16_round
 
@@ -78,7 +77,7 @@ def quantized_mma_model(level: str, x: dict[str, np.ndarray], scale: float, off:
     """KvqMmaKv's arithmetic: mma_model over the decoded cache (kv_quant_mma.cuh decodes each tile
     and rounds it to bf16), in the rotated basis for the turbo levels."""
     decoded = test_gpu_kv.quantized_references(level, x, scale)[2]
-    basis, back = (rotate, unrotate) if level.startswith("turbo") else (np.asarray, np.asarray)
+    basis, back = test_gpu_kv.kernel_basis(level)
     positions = x["positions"]
     model_x = {"q": basis(x["q"]), "k": basis(decoded["k_cache"][positions]), "v": basis(decoded["v_cache"][positions]),
                "k_cache": basis(decoded["k_cache"]), "v_cache": basis(decoded["v_cache"]), "positions": positions}
