@@ -39,8 +39,10 @@ def weight_bytes(kernel: str, params: Any) -> int:
     states or caches alone): with the in-graph cost, the kernel's achieved bandwidth."""
     from atlas.kernel_params import dense, linear_moe
 
-    if isinstance(params, (dense.LinearNormParams, linear_moe.RouterNormParams)):  # ATLAS_NORM=fused
-        params = params.linear if isinstance(params, dense.LinearNormParams) else params.router
+    if isinstance(params, dense.LinearNormParams):  # ATLAS_NORM=fused: the linear inside
+        params = params.linear
+    elif isinstance(params, linear_moe.RouterNormParams):
+        params = params.router
     if isinstance(params, dense.LinearParams) and kernel.startswith("atlas_gemv"):
         return 2 * params.n * params.k
     if isinstance(params, linear_moe.RouterParams) and kernel.startswith(("atlas_router_logits", "atlas_router_fused")):

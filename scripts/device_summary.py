@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +62,16 @@ SIDE_LINES = (("decode_tok_s_by_setting", launch_settings.summary_line),
               ("decode_profile", step_profile.summary_line))
 
 
+def side_line(name: str, side: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> str:
+    """A side measure's line: render(side), or its name and why when it failed or was skipped
+    (bench/decode.py's side_measure: {"error": ...})."""
+    return f"{name}: {side['error']}" if "error" in side else render(side)
+
+
 def decode_lines(r: dict[str, Any]) -> list[str]:
-    """RESULT_KEYS as they are, then the side measures' lines; a side measure that failed or was
-    skipped (bench/decode.py's side_measure: {"error": ...}) is its key and why."""
+    """RESULT_KEYS as they are, then the side measures' lines."""
     lines = [f"{key}: {json.dumps(r[key])}" for key in RESULT_KEYS if key in r]
-    for key, render in SIDE_LINES:
-        if isinstance(side := r.get(key), dict):
-            lines.append(f"{key}: {side['error']}" if "error" in side else render(side))
+    lines += [side_line(key, side, render) for key, render in SIDE_LINES if isinstance(side := r.get(key), dict)]
     return lines
 
 
@@ -88,7 +92,7 @@ def variant_lines(r: dict[str, Any]) -> list[str]:
     if "marginal" in r and "decode_marginal" in r["marginal"]:
         lines.append(step_marginal.summary_line(r["marginal"]["decode_marginal"]))
     if "marginal" in r and isinstance(alone := r["marginal"].get("weights_streamed_alone"), dict):
-        lines.append(f"weights streamed alone: {alone['error']}" if "error" in alone else weight_bandwidth.summary_line(alone))
+        lines.append(side_line("weights streamed alone", alone, weight_bandwidth.summary_line))
     if "transformers" in r:
         lines.append(transformers_line(r["transformers"]))
     if "spec" in r and "decode_spec" in r["spec"]:
